@@ -1,0 +1,265 @@
+"""Single-GPU throughput and MFU sweep: one H200, under 8 minutes, safe to run unattended.
+
+    python benchmarks/gpu.py                                   # 1b, bf16, batch 4, 8, 16 at seq 2048
+    python benchmarks/gpu.py --presets 125m,1b --batch-sizes 8,16
+    python benchmarks/gpu.py --dry-run                         # print the train commands, run nothing
+    python benchmarks/gpu.py -- --checkpoint.every 0           # args after `--` go to every train run
+
+Each config is its own `python -m train` subprocess (fresh GPU memory, hard timeout, killed as a
+process group), so one hung or OOM config cannot eat the budget. A preset's batch sizes run
+small to large and stop growing at the first OOM or timeout. Figures are the median of the
+logged steps after the first (the first includes compilation) from <run-dir>/metrics.jsonl.
+
+Results: $OUT/gpu_results.json if OUT is set, else benchmarks/gpu_results.json, rewritten after
+every run so a hard kill keeps what finished. For BENCHMARKS.md paste the Markdown table printed
+at the end, with this command line, the date, and the device/versions from the JSON.
+"""
+from __future__ import annotations
+
+import os
+
+# XLA reads XLA_FLAGS once, when a backend starts, so they must be in the environment before
+# jax is imported. This process never imports jax (its backend would preallocate GPU memory
+# the train subprocesses need); the subprocesses inherit the environment.
+GPU_XLA_FLAGS = [
+    # Schedules collectives asynchronously so they overlap compute; the standard JAX-on-GPU
+    # recommendation (JAX "GPU performance tips", NVIDIA JAX-Toolbox default). One GPU has few
+    # collectives; it is set so single-GPU figures use the same compiler setup as multi-GPU runs.
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+]
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + GPU_XLA_FLAGS).strip()
+# JAX preallocates 75% of GPU memory by default; 90% lets larger batches fit and still leaves
+# room for cuBLAS/cuDNN workspaces.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+
+import argparse  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|\bOOM\b")
+FIELDS = ("tokens_per_sec", "tokens_per_sec_per_device", "mfu", "step_time_s", "data_wait_s")
+
+
+def say(*a) -> None:
+    print(*a, flush=True)  # flushed so a hard kill still leaves the progress in the log
+
+
+def parse_args():
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default="1b", help="comma-separated model presets")
+    p.add_argument("--batch-sizes", default="4,8,16", help="comma-separated global batch sizes")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="dense bf16 peak per device for MFU (H100/H200 SXM: 989)")
+    p.add_argument("--budget-s", type=float, default=430, help="wall-clock budget for the whole sweep")
+    p.add_argument("--run-timeout-s", type=float, default=300, help="limit for one config")
+    p.add_argument("--min-run-s", type=float, default=75,
+                   help="do not start a config with less budget left (start-up + compile alone take ~1 min)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    args = p.parse_args(argv)
+    args.extra = extra
+    args.presets = [s for s in args.presets.split(",") if s]
+    args.batch_sizes = sorted(int(s) for s in args.batch_sizes.split(",") if s)
+    return args
+
+
+def train_cmd(args, preset: str, batch: int, run_dir: str) -> list[str]:
+    # Synthetic data: the benchmark measures the step, not a dataset or disk.
+    return [sys.executable, "-m", "train", "--model", preset, "--model.dtype", "bfloat16",
+            "--steps", str(args.steps), "--batch-size", str(batch), "--seq-len", str(args.seq_len),
+            "--log-every", str(args.log_every), "--data", "synthetic",
+            "--peak-tflops", str(args.peak_tflops), "--run-dir", run_dir, *args.extra]
+
+
+def drop_unknown_xla_flags() -> None:
+    """An unknown flag in XLA_FLAGS aborts every jax process, and flags come and go between
+    jaxlib releases; probe on CPU (flags are parsed there too) and drop the ones rejected."""
+    for _ in range(len(GPU_XLA_FLAGS) + 1):
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
+                               env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                               capture_output=True, text=True, timeout=120)
+        bad = re.search(r"Unknown flags? in XLA_FLAGS: (--\S+?)(=\S*)?\s", probe.stderr + " ")
+        if probe.returncode == 0 or not bad:
+            return
+        say(f"dropping XLA flag unknown to this jaxlib: {bad.group(1)}")
+        os.environ["XLA_FLAGS"] = " ".join(
+            f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(bad.group(1) + "="))
+
+
+def environment() -> dict:
+    info = {"xla_flags": os.environ["XLA_FLAGS"],
+            "mem_fraction": os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"], "python": sys.version.split()[0]}
+    info["packages"] = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
+                        if (d.metadata["Name"] or "").lower().startswith(("jax", "flax", "optax"))}
+    try:
+        info["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["gpu"] = f"unknown ({e})"
+    return info
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if "tokens_per_sec" in row:  # skip eval or other records
+            rows.append(row)
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    steady = rows[1:] or rows  # the first logged interval includes compilation
+    out = {"logged_steps": [r.get("step") for r in rows], "includes_compile": len(rows) < 2}
+    for k in FIELDS:
+        vals = [r[k] for r in steady if isinstance(r.get(k), (int, float))]
+        out[k] = statistics.median(vals) if vals else None
+    return out
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_one(args, preset: str, batch: int, timeout: float, logs: Path | None) -> dict:
+    run_dir = tempfile.mkdtemp(prefix=f"brigade-gpu-{preset}-b{batch}-")
+    cmd = train_cmd(args, preset, batch, run_dir)
+    res = {"preset": preset, "batch_size": batch, "seq_len": args.seq_len, "steps": args.steps,
+           "cmd": shlex.join(cmd)}
+    say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
+    log_path = Path(run_dir) / "train.log"
+    metrics_path = Path(run_dir) / "metrics.jsonl"
+    t0, seen = time.time(), 0
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(2)
+                rows = read_metrics(metrics_path)
+                for r in rows[seen:]:  # stream progress as it is logged
+                    say(f"  step {r.get('step')}: loss {r.get('loss')} tok/s {r.get('tokens_per_sec')}"
+                        f" mfu {r.get('mfu')} step {r.get('step_time_s')}s")
+                seen = len(rows)
+                if time.time() - t0 > timeout:
+                    res["status"] = "timeout"
+                    kill_group(proc)
+        finally:
+            if proc.poll() is None:
+                kill_group(proc)
+    res["rc"], res["wall_s"] = proc.returncode, round(time.time() - t0, 1)
+    text = log_path.read_text(errors="replace")
+    rows = read_metrics(metrics_path)
+    if "status" not in res:
+        res["status"] = ("ok" if proc.returncode == 0 and rows else "oom" if OOM.search(text)
+                         else "no-metrics" if proc.returncode == 0 else "error")
+    res.update(summarise(rows))
+    res["metrics"] = rows
+    if res["status"] != "ok":
+        res["log_tail"] = text[-3000:]
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{preset}-b{batch}.log").write_text(text)
+    # A 1b checkpoint with optimizer state is ~16 GB; don't let runs fill the disk.
+    shutil.rmtree(run_dir, ignore_errors=True)
+    say(f"--> {res['status']} rc={res['rc']} wall={res['wall_s']}s tok/s={res['tokens_per_sec']}"
+        f" tok/s/dev={res['tokens_per_sec_per_device']} mfu={res['mfu']} step={res['step_time_s']}s")
+    return res
+
+
+def table(runs: list[dict]) -> str:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    lines = ["| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['preset']} | {r['batch_size']} | {r['seq_len']} | {f(r.get('tokens_per_sec'), ',.0f')}"
+                     f" | {f(r.get('tokens_per_sec_per_device'), ',.0f')} | {f(r.get('mfu'), '.1%')}"
+                     f" | {f(r.get('step_time_s'), '.3f')} | {r['status']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.dry_run:
+        say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
+        for preset in args.presets:
+            for b in args.batch_sizes:
+                say(shlex.join(train_cmd(args, preset, b, f"<tmp>/{preset}-b{b}")))
+        return 0
+
+    start = time.time()
+    deadline = start + args.budget_s
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    results_path = (out_dir or REPO / "benchmarks") / "gpu_results.json"
+    results = {"argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+
+    def save() -> None:
+        results["elapsed_s"] = round(time.time() - start, 1)
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        results_path.write_text(json.dumps(results, indent=1))
+
+    def on_term(signum, frame):  # an outer timeout: keep what finished
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+
+    try:
+        drop_unknown_xla_flags()
+        results["environment"] = environment()
+        say(json.dumps(results["environment"], indent=1))
+        save()
+        for preset in args.presets:
+            for b in args.batch_sizes:
+                left = deadline - time.time()
+                if left < args.min_run_s:
+                    say(f"\nbudget: {left:.0f}s left, skipping {preset} batch={b} and the rest")
+                    results["runs"].append({"preset": preset, "batch_size": b, "seq_len": args.seq_len,
+                                            "status": "skipped-budget"})
+                    continue
+                res = run_one(args, preset, b, min(args.run_timeout_s, left - 15),
+                              out_dir / "gpu_logs" if out_dir else None)
+                results["runs"].append(res)
+                save()
+                if res["status"] in ("oom", "timeout"):
+                    say(f"stopping {preset} at batch {b}: {res['status']}")
+                    break
+    except KeyboardInterrupt:
+        say("interrupted; saving partial results")
+        results["interrupted"] = True
+    finally:
+        save()
+        say(f"\nresults: {results_path}\n\n{table([r for r in results['runs'] if 'cmd' in r])}")
+    return 0 if any(r.get("status") == "ok" for r in results["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Build the device mesh (ICI inside a host/slice, DCN across them) and start multi-process JAX."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from mesh.config import AXES, MeshShape, resolve
+from mesh.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, *, heartbeat_timeout_s: int = 100) -> None:
+    """Join a multi-process JAX job. Explicit flags win; otherwise JAX auto-detects the cluster
+    (SLURM, Open MPI, Kubernetes/GKE, TPU pods) when one of their environments is present.
+    On CPU the cross-process collectives go through gloo."""
+    explicit = coordinator is not None or num_processes not in (None, 1)
+    if explicit:
+        if coordinator is None or num_processes is None or process_id is None:
+            raise UserError("multi-process start needs all of --coordinator HOST:PORT, --num-processes N, --process-id I")
+        if not 0 <= process_id < num_processes:
+            raise UserError(f"--process-id {process_id} must be in [0, {num_processes - 1}] for --num-processes {num_processes}")
+    elif not _cluster_detected():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = dict(heartbeat_timeout_seconds=heartbeat_timeout_s)
+    if explicit:
+        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        if coordinator.startswith(("127.", "localhost")):
+            kwargs["coordinator_bind_address"] = coordinator  # stay on loopback in local tests
+    jax.distributed.initialize(**kwargs)
+    log.info("process %d/%d: %d local of %d devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
+def _cluster_detected() -> bool:
+    import os
+    return any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS"))
+
+
+def make_mesh(spec: str | dict | None = None, dcn_spec: str | dict | None = None,
+              devices: list | None = None) -> Mesh:
+    """A Mesh over AXES (all five always present, unused ones size 1), Auto axis types.
+
+    With `dcn_spec` the mesh is hybrid: each axis = dcn part (across hosts/slices) x ici part,
+    built so that ici neighbours share a host/slice.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve(spec, len(devices), dcn_spec)
+    return mesh_from_shape(shape, devices)
+
+
+def mesh_from_shape(shape: MeshShape, devices: list) -> Mesh:
+    types = (AxisType.Auto,) * len(AXES)
+    if any(d > 1 for d in shape.dcn):
+        granules = _granule_count(devices)
+        dcn_total = int(np.prod(shape.dcn))
+        if dcn_total != granules:
+            raise UserError(
+                f"--mesh-dcn multiplies to {dcn_total} but the devices span {granules} host(s)/slice(s);"
+                f" the --mesh-dcn product must equal that number")
+        arr = mesh_utils.create_hybrid_device_mesh(
+            shape.ici, shape.dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
+    elif len(devices) == jax.device_count() and devices == list(jax.devices()):
+        arr = mesh_utils.create_device_mesh(shape.sizes, devices, allow_split_physical_axes=True)
+    else:
+        arr = np.asarray(devices).reshape(shape.sizes)
+    return Mesh(arr, AXES, axis_types=types)
+
+
+def _granule_count(devices) -> int:
+    if hasattr(devices[0], "slice_index"):
+        return len({d.slice_index for d in devices})
+    return len({d.process_index for d in devices})
+
+
+def describe(mesh: Mesh) -> str:
+    used = [f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1]
+    return ",".join(used) or "1 device"

@@ -1,0 +1,54 @@
+"""Grouped-query causal self-attention with rotary embeddings and an optional KV cache."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mesh.shard import constrain
+from models.config import ModelConfig
+from models.layers import param, rope
+
+
+class KVCache(NamedTuple):
+    """Per-layer cache. k/v: [B,S,K,H] with S = cache length; `index`: next write position."""
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq_DNH = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), param_dtype, fan_in=d)
+        self.wk_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
+        self.wv_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
+        self.wo_NHD = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype, fan_in=n * h)
+        self.theta = cfg.rope_theta
+        self.dtype = dtype
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None):
+        dt = self.dtype
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq_DNH[...].astype(dt))
+        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk_DKH[...].astype(dt))
+        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv_DKH[...].astype(dt))
+        q_BTNH = constrain(rope(q_BTNH, positions_BT, self.theta), ("batch", "seq", "act_heads", None))
+        k_BTKH = constrain(rope(k_BTKH, positions_BT, self.theta), ("batch", "seq", "act_kv_heads", None))
+        v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
+        if cache is None:
+            # On GPU this may dispatch to cuDNN flash attention; elsewhere the XLA implementation.
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        else:
+            cache = KVCache(
+                jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0)),
+                jax.lax.dynamic_update_slice(cache.v, v_BTKH.astype(cache.v.dtype), (0, cache.index, 0, 0)),
+                cache.index + x_BTD.shape[1])
+            s = cache.k.shape[1]
+            # A query at position p sees cached keys at positions <= p (slots past `index` are empty).
+            mask_B1TS = (jnp.arange(s)[None, None, None, :] <= positions_BT[:, None, :, None])
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS)
+        out_BTNH = constrain(out_BTNH, ("batch", "seq", "act_heads", None))
+        out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt))
+        return out_BTD, cache

@@ -1,0 +1,29 @@
+"""Parameter and FLOP counts (PaLM appendix B): 6N + 12*L*H*Q*T FLOPs per trained token."""
+from __future__ import annotations
+
+import math
+
+import jax
+
+from models import model as M
+from models.config import ModelConfig
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(M.abstract_params(cfg)))
+
+
+def matmul_param_count(cfg: ModelConfig) -> int:
+    """N of the formula: every weight that takes part in a matmul. The input embedding is a
+    lookup (no FLOPs) unless it is tied to the LM head, which is a matmul."""
+    n = param_count(cfg)
+    norms = cfg.d_model * (2 * cfg.n_layers + 1)
+    embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    return n - norms - embed
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token, without remat recomputation (the MFU convention).
+    Attention: 12 * layers * heads * head_dim * seq_len (PaLM; causal masking not subtracted)."""
+    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    return 6 * matmul_param_count(cfg) + attn

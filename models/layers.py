@@ -1,0 +1,62 @@
+"""Building blocks: parameters with logical axes, RMSNorm, rotary embeddings, SwiGLU MLP.
+
+Shape letters: B batch, T sequence, D d_model, F d_ff, N heads, K kv heads, H head dim, V vocab.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mesh.shard import constrain
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, std: float | None = None,
+          fan_in: int | None = None, ones: bool = False) -> nnx.Param:
+    """A Param carrying its logical axis names (read by the sharding rules)."""
+    if ones:
+        value = jnp.ones(shape, dtype)
+    else:
+        scale = std if std is not None else fan_in ** -0.5
+        value = scale * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
+    return nnx.Param(value, out_sharding=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+        self.scale = param(rngs, (d,), ("norm",), param_dtype, ones=True)
+        self.eps = eps
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        # Statistics in float32 whatever the compute dtype; bf16 variance loses too much.
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, split-halves layout (Llama/HF): pairs are (i, i + H/2)."""
+    h = x_BTNH.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)                # [H/2]
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq               # [B,T,H/2]
+    sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, d: int, f: int, dtype, param_dtype, *, rngs: nnx.Rngs):
+        self.w_gate_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
+        self.w_up_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
+        self.w_down_FD = param(rngs, (f, d), ("mlp", "embed"), param_dtype, fan_in=f)
+        self.dtype = dtype
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.w_gate_DF[...].astype(dt))
+        up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.w_up_DF[...].astype(dt))
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", h_BTF, self.w_down_FD[...].astype(dt))

@@ -1,0 +1,71 @@
+"""The functional face of the model: params are a plain nested dict of arrays.
+
+The trainer, checkpoints and converters only see `init`, `apply`, `param_axes` and
+`abstract_params`; the NNX module graph is rebuilt from the dict inside each trace (trace-time
+cost only), which keeps jitted steps on plain pytrees (JAX_FACTS: the cheapest per-step path).
+"""
+from __future__ import annotations
+
+import functools
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import KVCache
+from models.config import ModelConfig
+from models.transformer import Decoder
+
+# Shardings come from the logical-axis table through jit out_shardings, not from Flax's eager
+# per-variable constraints (which need a mesh while constructing and differ per trace level).
+flax.config.update("flax_always_shard_variable", False)
+
+
+@functools.lru_cache(maxsize=32)
+def _graph(cfg: ModelConfig, dtype: str):
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def compute_dtype(cfg: ModelConfig) -> str:
+    return cfg.compute_dtype(jax.default_backend())
+
+
+def _module(cfg: ModelConfig, params: dict) -> Decoder:
+    gdef, abstract_state = _graph(cfg, compute_dtype(cfg))
+    state = jax.tree.map(lambda x: x, abstract_state)  # fresh Variables; replace_by_pure_dict mutates
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(gdef, state)
+
+
+def init(cfg: ModelConfig, key: jax.Array) -> dict:
+    """Fresh parameters (call under jit with out_shardings to create them already sharded)."""
+    module = Decoder(cfg, compute_dtype(cfg), rngs=nnx.Rngs(params=key))
+    return nnx.state(module, nnx.Param).to_pure_dict()
+
+
+def abstract_params(cfg: ModelConfig) -> dict:
+    """ShapeDtypeStructs of the params, without allocating anything."""
+    state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state.to_pure_dict())
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """The logical axis names of every parameter, same tree as the params."""
+    state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
+    return jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable)).to_pure_dict()
+
+
+def apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+          cache: KVCache | None = None):
+    """tokens [B,T] -> (logits [B,T,V] float32, cache)."""
+    return _module(cfg, params)(tokens_BT, positions_BT, cache)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+    """An empty stacked KV cache [L,B,S,K,H] for `length` positions."""
+    dtype = jnp.dtype(dtype or compute_dtype(cfg))
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((cfg.n_layers,), jnp.int32))

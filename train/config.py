@@ -1,0 +1,227 @@
+"""Run configuration: typed dataclasses, YAML files and `--section.field VALUE` overrides.
+
+Precedence: dataclass defaults < model preset < YAML (--config) < command line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from typing import Any
+
+import yaml
+
+from mesh.errors import UserError
+from models.config import ModelConfig, preset
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16          # global, in sequences
+    seq_len: int = 256
+    micro_batches: int = 1        # gradient accumulation inside the jitted step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1     # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False  # norms never decay; embeddings only if this is set
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0        # global-norm clipping; 0 disables
+    seed: int = 0
+    eval_every: int = 100         # 0 disables
+    eval_batches: int = 4
+    sample_tokens: int = 160      # tokens generated at the end of training; 0 disables
+    prompt: str = "def "
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismConfig:
+    mesh: str = ""                # e.g. data=2,fsdp=2,model=2; empty = all devices on data
+    mesh_dcn: str = ""            # part of each axis that spans hosts/slices, e.g. data=4
+    rules: str = ""               # logical-axis overrides, e.g. embed=fsdp+model,vocab=none
+    coordinator: str = ""         # HOST:PORT of process 0 (multi-process); empty = auto-detect
+    num_processes: int = 1
+    process_id: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "default"       # default (stdlib corpus) | synthetic | PATH (file or directory of text)
+    eval_fraction: float = 0.02   # share of documents held out for eval
+    prefetch: int = 2             # batches prepared ahead on a background thread
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str = "runs/latest"
+    log_every: int = 10
+    tensorboard: bool = True
+    progress: bool = True
+    peak_tflops: float = 0.0      # per-device peak for MFU; 0 = from the device table (measured on CPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=lambda: preset("default"))
+    model_preset: str = "default"
+    train: TrainConfig = TrainConfig()
+    parallelism: ParallelismConfig = ParallelismConfig()
+    data: DataConfig = DataConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["model"] = {"preset": d.pop("model_preset"), **d["model"]}
+        return d
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig,
+            "data": DataConfig, "logging": LoggingConfig}
+
+# The stable short flags (README) and the field each one sets.
+ALIASES = {
+    "--model": "model.preset", "--mesh": "parallelism.mesh", "--mesh-dcn": "parallelism.mesh_dcn",
+    "--steps": "train.steps", "--batch-size": "train.batch_size", "--seq-len": "train.seq_len",
+    "--micro-batches": "train.micro_batches", "--lr": "train.lr", "--seed": "train.seed",
+    "--eval-every": "train.eval_every", "--data": "data.source", "--run-dir": "logging.run_dir",
+    "--log-every": "logging.log_every", "--peak-tflops": "logging.peak_tflops",
+    "--coordinator": "parallelism.coordinator", "--num-processes": "parallelism.num_processes",
+    "--process-id": "parallelism.process_id",
+}
+
+
+def _parse_bool(s: str) -> bool:
+    v = str(s).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{s}'")
+
+
+def _converter(tp):
+    return {bool: _parse_bool, int: int, float: float, str: str}[tp]
+
+
+def _fields(cls) -> list[tuple[str, type, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name], f.default) for f in dataclasses.fields(cls)]
+
+
+def _coerce(key: str, tp: type, value: Any) -> Any:
+    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    try:
+        if tp is float and isinstance(value, int):
+            return float(value)
+        return _converter(tp)(value) if isinstance(value, str) else tp(value) if tp is not bool else _parse_bool(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise UserError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but errors are one line and exit 2 (no usage dump)."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Every field as --section.field, plus the stable short aliases; defaults shown in --help."""
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="YAML file with config sections")
+    short = {v: k for k, v in ALIASES.items()}
+    parser.add_argument("--model", "--model.preset", dest="model.preset", default=argparse.SUPPRESS, metavar="PRESET",
+                        help="model preset: tiny, default, 125m, 1b, 7b, 70b (default: default)")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for name, tp, default in _fields(cls):
+            key = f"{section}.{name}"
+            flags = [f"--{key}"] + ([short[key]] if key in short else [])
+            shown = "from the preset" if section == "model" else default
+            group.add_argument(*flags, dest=key, type=_converter(tp), default=argparse.SUPPRESS,
+                               metavar=tp.__name__.upper(), help=f"(default: {shown})")
+
+
+def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Config:
+    """Resolve a Config from an optional YAML file and `{section.field: value}` overrides."""
+    raw: dict[str, dict] = {s: {} for s in SECTIONS}
+    if yaml_path:
+        raw = _merge(raw, _load_yaml(yaml_path))
+    for key, value in (cli or {}).items():
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})[name] = value
+    model_raw = dict(raw.pop("model"))
+    preset_name = model_raw.pop("preset", "default")
+    sections = {}
+    for section, cls in SECTIONS.items():
+        base = preset(preset_name) if section == "model" else cls()
+        values = model_raw if section == "model" else raw.get(section, {})
+        types = {n: t for n, t, _ in _fields(cls)}
+        for name in values:
+            if name not in types:
+                raise UserError(f"unknown option '{section}.{name}'; valid {section} options: {', '.join(types)}")
+        sections[section] = dataclasses.replace(
+            base, **{n: _coerce(f"{section}.{n}", types[n], v) for n, v in values.items()})
+    cfg = Config(model_preset=preset_name, **sections)
+    cfg.model.validate()
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    t = cfg.train
+    for name in ("steps", "batch_size", "seq_len", "micro_batches"):
+        if getattr(t, name) <= 0:
+            raise UserError(f"train.{name} must be positive, got {getattr(t, name)}")
+    if t.batch_size % t.micro_batches:
+        raise UserError(f"--batch-size {t.batch_size} is not divisible by --micro-batches {t.micro_batches};"
+                        f" valid micro-batch counts: {[m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0]}")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise UserError(f"--seq-len {t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if cfg.logging.log_every <= 0:
+        raise UserError(f"--log-every must be positive, got {cfg.logging.log_every}")
+
+
+def _load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise UserError(f"--config: cannot read '{path}': {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"--config: '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config: '{path}' must be a mapping of sections")
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise UserError(f"--config {path}: unknown section '{section}'; valid: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise UserError(f"--config {path}: section '{section}' must be a mapping")
+    return data
+
+
+def _merge(a: dict, b: dict) -> dict:
+    return {s: {**a.get(s, {}), **b.get(s, {})} for s in set(a) | set(b)}
+
+
+def from_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> tuple[Config, argparse.Namespace]:
+    parser = parser or make_parser()
+    ns = parser.parse_args(argv)
+    cli = {k: v for k, v in vars(ns).items() if "." in k}
+    return build(cli, getattr(ns, "config", None)), ns
+
+
+def make_parser(prog: str = "python -m train", description: str = "Train a Transformer on a device mesh.") -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_args(parser)
+    return parser
+
+
+def dump(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), indent=2)

@@ -1,0 +1,106 @@
+"""Throughput, MFU and the metric sinks (progress bar, metrics.jsonl, TensorBoard)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.
+PEAK_TFLOPS = {
+    "h200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "h100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},   # SXM; PCIe is 756
+    "a100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "l4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "mi300x": {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4},
+    "tpu v4": {"bfloat16": 275.0, "float32": 275.0},
+    "tpu v5 lite": {"bfloat16": 197.0, "float32": 197.0},   # v5e
+    "tpu v5p": {"bfloat16": 459.0, "float32": 459.0},
+    "tpu v5": {"bfloat16": 459.0, "float32": 459.0},
+    "tpu v6": {"bfloat16": 918.0, "float32": 918.0},         # Trillium
+}
+
+
+@functools.lru_cache(maxsize=4)
+def measured_host_flops(dtype: str, n: int = 1024, seconds: float = 0.3) -> float:
+    """Achievable matmul FLOP/s of this host's CPU cores (all of them, through XLA:CPU)."""
+    dev = jax.local_devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), dev)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        f(a).block_until_ready()
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def peak_flops(dtype: str, override_tflops: float = 0.0) -> tuple[float, str]:
+    """-> (peak FLOP/s of all devices in use, where the figure came from).
+
+    CPU fake devices share the host's cores, so their peak is the host's measured matmul rate
+    (per process), not a multiple of the device count."""
+    devices = jax.devices()
+    if override_tflops > 0:
+        return override_tflops * 1e12 * len(devices), f"--peak-tflops {override_tflops} x {len(devices)}"
+    kind = devices[0].device_kind.lower()
+    if devices[0].platform == "cpu":
+        per_host = measured_host_flops(dtype)
+        return per_host * jax.process_count(), f"measured CPU matmul {per_host / 1e9:.0f} GFLOP/s per host"
+    for name, table in PEAK_TFLOPS.items():
+        if name in kind:
+            tf = table.get(dtype, table["bfloat16"])
+            return tf * 1e12 * len(devices), f"{devices[0].device_kind}: {tf:g} TFLOP/s x {len(devices)}"
+    return 0.0, f"unknown device '{devices[0].device_kind}': pass --peak-tflops for MFU"
+
+
+class MetricsLogger:
+    """Writes each logged step to metrics.jsonl, TensorBoard and the progress bar (process 0 only)."""
+
+    def __init__(self, run_dir: str, total_steps: int, first_step: int = 0, *, tensorboard: bool = True,
+                 progress: bool = True):
+        self.main = jax.process_index() == 0
+        self._jsonl = self._tb = self._bar = None
+        if not self.main:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # lazy: heavy import, optional sink
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), flush_secs=10)
+        if progress:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict) -> None:
+        if not self.main:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, record["step"])
+        if self._bar is not None and "loss" in record:
+            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
+                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+
+    def advance(self, steps: int) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def print(self, msg: str) -> None:
+        if not self.main:
+            return
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        for sink in (self._bar, self._tb, self._jsonl):
+            if sink is not None:
+                sink.close()

@@ -1,0 +1,33 @@
+"""AdamW with warm-up + cosine decay, global-norm clipping and a weight-decay mask."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from train.config import TrainConfig
+
+
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def decay_mask(params: dict, decay_embeddings: bool) -> dict:
+    """Decay matrices only: never norm scales; embeddings only when asked (GPT-3/Llama practice)."""
+    def keep(path, _):
+        names = [getattr(k, "key", "") for k in path]
+        if any("norm" in str(n) for n in names):
+            return False
+        if any(str(n).startswith("embed_") for n in names):
+            return decay_embeddings
+        return True
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make(cfg: TrainConfig) -> optax.GradientTransformation:
+    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    parts.append(optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             mask=lambda p: decay_mask(p, cfg.decay_embeddings)))
+    return optax.chain(*parts)

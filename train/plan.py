@@ -1,0 +1,211 @@
+"""`python -m train plan`: compile the train step ahead of time, without data or training, and
+report per-device memory, FLOPs and the collectives the compiler chose, next to theory.
+
+Everything is computed from abstract arrays (ShapeDtypeStructs with shardings), so a 70B plan
+on 8 fake CPU devices allocates nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+
+import jax
+from jax.sharding import NamedSharding
+
+from mesh.build import describe
+from mesh.hlo import KINDS, parse_collectives, summarize
+from mesh.rules import logical_to_spec
+from mesh.shard import axes_size, path_names
+from models.flops import flops_per_token, param_count
+from train import state as S
+from train.config import make_parser, build
+from train.loop import Trainer
+
+
+def _spec_axes(spec) -> set[str]:
+    out: set[str] = set()
+    for e in spec:
+        if e is not None:
+            out.update((e,) if isinstance(e, str) else e)
+    return out
+
+
+def _shards(mesh, spec) -> int:
+    return math.prod(axes_size(mesh, e) for e in spec)
+
+
+def _local_bytes(sds) -> float:
+    sh = sds.sharding
+    return math.prod(sds.shape) * sds.dtype.itemsize / _shards(sh.mesh, sh.spec)
+
+
+def sharding_table(abstract_params) -> list[dict]:
+    rows = []
+    for name, sds in path_names(abstract_params, is_leaf=lambda x: hasattr(x, "shape")):
+        spec = sds.sharding.spec
+        local = sds.sharding.shard_shape(sds.shape)
+        rows.append({"name": name, "shape": list(sds.shape), "spec": str(spec), "local_shape": list(local),
+                     "local_bytes": int(_local_bytes(sds))})
+    return rows
+
+
+def theory(tr: Trainer, abstract_state) -> dict:
+    """Ideal per-device collective bytes per step from MISSION.md's ring formulas.
+
+    For each parameter: the batch mesh axes it is *not* sharded on carry plain data parallelism
+    (all-reduce of its gradient shard: 2(n-1)/n x M); the batch axes it *is* sharded on carry
+    ZeRO-3/FSDP (all-gather of the weights in forward and again in backward, per micro-batch, and
+    a reduce-scatter of the gradient: (n-1)/n x M each).
+    """
+    mesh, rules, t = tr.mesh, tr.rules, tr.cfg.train
+    batch_axes = [a for a in _spec_axes(logical_to_spec(("batch",), rules)) if mesh.shape[a] > 1]
+    entries: dict[tuple[str, str], dict] = defaultdict(lambda: {"operand_bytes": 0.0, "wire_bytes": 0.0})
+
+    def add(kind, axes, operand, n, wire_factor):
+        if n <= 1 or operand == 0:
+            return
+        e = entries[(kind, ",".join(a for a in mesh.axis_names if a in axes))]
+        e["operand_bytes"] += operand
+        e["wire_bytes"] += wire_factor * operand
+
+    m = tr.model_cfg
+    for path, sds in path_names(abstract_state.params, is_leaf=lambda x: hasattr(x, "shape")):
+        spec_axes = _spec_axes(sds.sharding.spec)
+        fsdp_axes = [a for a in batch_axes if a in spec_axes]
+        dp_axes = [a for a in batch_axes if a not in spec_axes]
+        n_f = math.prod(mesh.shape[a] for a in fsdp_axes)
+        n_d = math.prod(mesh.shape[a] for a in dp_axes)
+        full = _local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
+        add("reduce-scatter", fsdp_axes, full, n_f, (n_f - 1) / n_f)
+        add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)
+        # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
+        # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
+        gathers = 2 if path.startswith("blocks/") and m.remat != "none" else 1
+        for _ in range(gathers * t.micro_batches):
+            add("all-gather", fsdp_axes, full / n_f, n_f, n_f - 1)  # operand = own shard, receive n-1 shards
+    out = {f"{k}@{a}": v for (k, a), v in entries.items()}
+
+    n_tp = mesh.shape["model"]
+    if n_tp > 1:  # Megatron tensor parallelism: 2 activation all-reduces per layer forward, 2 backward
+        b_local = t.batch_size // t.micro_batches // axes_size(mesh, logical_to_spec(("batch",), rules)[0])
+        act = b_local * t.seq_len * m.d_model * jax.numpy.dtype(tr.compute_dtype).itemsize
+        per_step = act * (m.n_layers * (4 + (2 if m.remat == "full" else 0)) + 2) * t.micro_batches
+        out["all-reduce@model"] = {"operand_bytes": per_step, "wire_bytes": 2 * (n_tp - 1) / n_tp * per_step,
+                                   "note": "Megatron TP: 2 all-reduces/layer fwd + 2 bwd (+2 with full remat),"
+                                           " + vocab-parallel embedding fwd and LM-head bwd"}
+    return out
+
+
+def on_backend(th: dict, platform: str, mesh) -> dict:
+    """Theory as this backend lowers it: XLA:CPU turns each reduce-scatter into an all-reduce of
+    the full operand plus a dynamic-slice (JAX_FACTS.md)."""
+    if platform != "cpu":
+        return th
+    out = {k: dict(v) for k, v in th.items() if not k.startswith("reduce-scatter@")}
+    for k, v in th.items():
+        if k.startswith("reduce-scatter@"):
+            axes = k.partition("@")[2]
+            n = math.prod(mesh.shape[a] for a in axes.split(","))
+            e = out.setdefault(f"all-reduce@{axes}", {"operand_bytes": 0.0, "wire_bytes": 0.0})
+            e["operand_bytes"] += v["operand_bytes"]
+            e["wire_bytes"] += 2 * (n - 1) / n * v["operand_bytes"]
+    return out
+
+
+def backend_notes(platform: str, th: dict, measured: dict) -> list[str]:
+    notes = []
+    rs = sum(v["operand_bytes"] for k, v in th.items() if k.startswith("reduce-scatter"))
+    if rs and measured["reduce-scatter"]["operand_bytes"] == 0:
+        notes.append(f"the {platform} backend chose all-reduce + dynamic-slice instead of reduce-scatter"
+                     f" ({rs / 2**20:.1f} MiB ideal); GPU/TPU emit reduce-scatter, halving that traffic")
+    return notes
+
+
+def analyze(tr: Trainer) -> dict:
+    """Compile the step for `tr`'s config and return the full report as a dict."""
+    cfg, t = tr.cfg, tr.cfg.train
+    abstract_state = S.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
+    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jax.numpy.int32, sharding=tr.batch_sharding)
+             for k in ("inputs", "targets")}
+    compiled = tr.compile_step(abstract_state, batch)
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    measured = summarize(parse_collectives(hlo, tr.mesh))
+    th = theory(tr, abstract_state)
+    params_b = sum(_local_bytes(x) for x in jax.tree.leaves(abstract_state.params))
+    opt_b = sum(_local_bytes(x) for x in jax.tree.leaves(abstract_state.opt_state))
+    model_flops = flops_per_token(tr.model_cfg, t.seq_len) * t.batch_size * t.seq_len
+    return {
+        "mesh": describe(tr.mesh), "devices": tr.mesh.size, "backend": jax.default_backend(),
+        "params": param_count(tr.model_cfg),
+        "memory": {
+            "params_bytes": params_b, "optimizer_bytes": opt_b, "gradient_bytes": params_b,
+            "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+            "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+            "peak_bytes": getattr(mem, "peak_memory_in_bytes", 0),
+        },
+        "flops_per_step": model_flops,
+        "flops_per_step_per_device_compiled": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "collectives": {k: {kk: measured[k][kk] for kk in ("count", "operand_bytes", "wire_bytes")}
+                        | {"by_axes": measured[k]["by_axes"], "async": measured[k]["async"]} for k in KINDS},
+        "theory": th,
+        "theory_on_backend": on_backend(th, jax.default_backend(), tr.mesh),
+        "notes": backend_notes(jax.default_backend(), th, measured),
+        "sharding": sharding_table(abstract_state.params),
+    }
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:10.2f} MiB"
+
+
+def render(r: dict, show_sharding: bool) -> str:
+    m = r["memory"]
+    lines = [f"plan: {r['params'] / 1e6:.2f}M params on {r['devices']} {r['backend']} devices, mesh {r['mesh']}",
+             "memory per device:"]
+    for k in ("params_bytes", "optimizer_bytes", "gradient_bytes", "argument_bytes", "output_bytes", "temp_bytes",
+              "peak_bytes"):
+        lines.append(f"  {k[:-6]:<12}{_mib(m[k])}")
+    lines.append(f"model FLOPs per step: {r['flops_per_step']:.3e} (compiler, per device:"
+                 f" {r['flops_per_step_per_device_compiled']:.3e})")
+    lines.append("collectives per step, per device (measured from the compiled HLO | theory as this backend lowers it):")
+    for kind in KINDS:
+        c = r["collectives"][kind]
+        if not c["count"]:
+            continue
+        for axes, v in sorted(c["by_axes"].items()):
+            th = r["theory_on_backend"].get(f"{kind}@{axes}")
+            ref = f"| theory {_mib(th['operand_bytes'])}" if th else ""
+            lines.append(f"  {kind:<19}{axes or '-':<18} x{v['count']:<5}{_mib(v['operand_bytes'])} operand,"
+                         f" {_mib(v['wire_bytes'])} on the wire {ref}")
+    for key, th in sorted(r["theory_on_backend"].items()):
+        kind, _, axes = key.partition("@")
+        if axes not in r["collectives"][kind]["by_axes"]:
+            lines.append(f"  {kind:<19}{axes:<18} (not emitted)      | theory {_mib(th['operand_bytes'])}")
+    lines += [f"note: {n}" for n in r["notes"]]
+    if show_sharding:
+        lines.append(f"{'parameter':<34}{'shape':<22}{'spec':<40}{'per device':<20}{'bytes':>12}")
+        for row in r["sharding"]:
+            lines.append(f"{row['name']:<34}{str(tuple(row['shape'])):<22}{row['spec']:<40}"
+                         f"{str(tuple(row['local_shape'])):<20}{row['local_bytes']:>12,}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = make_parser("python -m train plan", "Compile the train step ahead of time and report memory,"
+                         " FLOPs and collectives per device, without training.")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--show-sharding", action="store_true", help="per-parameter sharding table")
+    ns = parser.parse_args(argv)
+    cfg = build({k: v for k, v in vars(ns).items() if "." in k}, getattr(ns, "config", None))
+    report = analyze(Trainer(cfg))
+    if ns.json:
+        if not ns.show_sharding:
+            report.pop("sharding")
+        print(json.dumps(report))
+    else:
+        print(render(report, ns.show_sharding))
+    return 0

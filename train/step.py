@@ -1,0 +1,68 @@
+"""The pure train and eval steps: (state, batch) -> (state, metrics). No I/O here."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mesh.shard import constrain
+from models import model as M
+from models.config import ModelConfig
+from train.state import TrainState
+
+BATCH_BT = ("batch", "seq")
+
+
+def loss_sums(cfg: ModelConfig, params, batch) -> tuple[jax.Array, jax.Array]:
+    """-> (sum of token cross-entropies, number of tokens), in float32. Summing (not averaging)
+    per micro-batch makes gradient accumulation exactly equal to one big batch."""
+    logits_BTV, _ = M.apply(cfg, params, batch["inputs"])
+    xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
+    return jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
+
+
+def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
+    """[B,...] -> [M, B/M, ...] taking rows m, m+M, m+2M... into micro-batch m, so every micro-batch
+    spans all batch shards (a plain reshape would put whole micro-batches on single shards)."""
+    b = x_BT.shape[0]
+    x = x_BT.reshape(b // m, m, *x_BT.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+
+def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int):
+    """Mean loss over all tokens and its gradient, accumulated over micro-batches in float32."""
+    def sums_and_grads(p, mb):
+        (total, n), g = jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(cfg, p, mb)
+        return total, n, g
+
+    if micro_batches == 1:
+        total, n, g = sums_and_grads(params, batch)
+    else:
+        micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)
+
+        def body(carry, mb):
+            total, n, g = carry
+            mb = jax.tree.map(lambda x: constrain(x, BATCH_BT), mb)
+            t_i, n_i, g_i = sums_and_grads(params, mb)
+            return (total + t_i, n + n_i, jax.tree.map(jnp.add, g, g_i)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (total, n, g), _ = jax.lax.scan(body, (0.0, 0.0, zeros), micro)
+    n = jnp.maximum(n, 1.0)
+    return total / n, jax.tree.map(lambda x: x / n, g)
+
+
+
+def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
+               state: TrainState, batch) -> tuple[TrainState, dict]:
+    loss, grads = grads_and_loss(cfg, state.params, batch, micro_batches)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_schedule(state.step)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(cfg: ModelConfig, params, batch) -> tuple[jax.Array, jax.Array]:
+    """-> (sum of cross-entropies, token count) for one held-out batch."""
+    return loss_sums(cfg, params, batch)
