@@ -65,8 +65,8 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--peak-tflops", type=float, default=989.0,
-                   help="dense bf16 peak per device for MFU (H100/H200 SXM: 989)")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="dense bf16 peak per device for MFU; 0 = the CLI's own table (H100/H200 SXM: 989)")
     p.add_argument("--budget-s", type=float, default=430, help="wall-clock budget for the whole sweep")
     p.add_argument("--run-timeout-s", type=float, default=300, help="limit for one config")
     p.add_argument("--min-run-s", type=float, default=75,
@@ -80,11 +80,16 @@ def parse_args():
 
 
 def train_cmd(args, preset: str, batch: int, run_dir: str) -> list[str]:
-    # Synthetic data: the benchmark measures the step, not a dataset or disk.
-    return [sys.executable, "-m", "train", "--model", preset, "--model.dtype", "bfloat16",
-            "--steps", str(args.steps), "--batch-size", str(batch), "--seq-len", str(args.seq_len),
-            "--log-every", str(args.log_every), "--data", "synthetic",
-            "--peak-tflops", str(args.peak_tflops), "--run-dir", run_dir, *args.extra]
+    # Synthetic data: the benchmark measures the step, not a dataset or disk. No eval and no
+    # sample at the end (each costs an extra compile), no progress bar or TensorBoard files.
+    cmd = [sys.executable, "-m", "train", "--model", preset, "--model.dtype", "bfloat16",
+           "--steps", str(args.steps), "--batch-size", str(batch), "--seq-len", str(args.seq_len),
+           "--log-every", str(args.log_every), "--data", "synthetic", "--eval-every", "0",
+           "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false",
+           "--run-dir", run_dir]
+    if args.peak_tflops:
+        cmd += ["--peak-tflops", str(args.peak_tflops)]
+    return cmd + args.extra
 
 
 def drop_unknown_xla_flags() -> None:
@@ -151,49 +156,54 @@ def kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_one(args, preset: str, batch: int, timeout: float, logs: Path | None) -> dict:
-    run_dir = tempfile.mkdtemp(prefix=f"brigade-gpu-{preset}-b{batch}-")
-    cmd = train_cmd(args, preset, batch, run_dir)
-    res = {"preset": preset, "batch_size": batch, "seq_len": args.seq_len, "steps": args.steps,
-           "cmd": shlex.join(cmd)}
+def run_one(args, res: dict, timeout: float, logs: Path | None) -> None:
+    """Run one config and fill `res` (already in the results list, so an interrupt keeps it)."""
+    preset, batch = res["preset"], res["batch_size"]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"brigade-gpu-{preset}-b{batch}-"))
+    cmd = train_cmd(args, preset, batch, str(run_dir))
+    res.update(steps=args.steps, cmd=shlex.join(cmd), status="running")
     say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
-    log_path = Path(run_dir) / "train.log"
-    metrics_path = Path(run_dir) / "metrics.jsonl"
-    t0, seen = time.time(), 0
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
+    log_path, metrics_path = run_dir / "train.log", run_dir / "metrics.jsonl"
+    t0, seen, proc = time.time(), 0, None
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             while proc.poll() is None:
                 time.sleep(2)
                 rows = read_metrics(metrics_path)
                 for r in rows[seen:]:  # stream progress as it is logged
-                    say(f"  step {r.get('step')}: loss {r.get('loss')} tok/s {r.get('tokens_per_sec')}"
-                        f" mfu {r.get('mfu')} step {r.get('step_time_s')}s")
+                    say(f"  step {r.get('step')}: loss {r.get('loss'):.4f} tok/s {r.get('tokens_per_sec'):,.0f}"
+                        f" mfu {r.get('mfu'):.1%} step {r.get('step_time_s'):.3f}s")
                 seen = len(rows)
                 if time.time() - t0 > timeout:
                     res["status"] = "timeout"
-                    kill_group(proc)
-        finally:
-            if proc.poll() is None:
-                kill_group(proc)
-    res["rc"], res["wall_s"] = proc.returncode, round(time.time() - t0, 1)
-    text = log_path.read_text(errors="replace")
-    rows = read_metrics(metrics_path)
-    if "status" not in res:
-        res["status"] = ("ok" if proc.returncode == 0 and rows else "oom" if OOM.search(text)
-                         else "no-metrics" if proc.returncode == 0 else "error")
-    res.update(summarise(rows))
-    res["metrics"] = rows
-    if res["status"] != "ok":
-        res["log_tail"] = text[-3000:]
-    if logs:
-        logs.mkdir(parents=True, exist_ok=True)
-        (logs / f"{preset}-b{batch}.log").write_text(text)
-    # A 1b checkpoint with optimizer state is ~16 GB; don't let runs fill the disk.
-    shutil.rmtree(run_dir, ignore_errors=True)
+                    break
+    except KeyboardInterrupt:
+        res["status"] = "interrupted"
+        raise
+    finally:
+        if proc is not None and proc.poll() is None:
+            kill_group(proc)
+        res["rc"], res["wall_s"] = proc and proc.returncode, round(time.time() - t0, 1)
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        rows = read_metrics(metrics_path)
+        if res["status"] == "running":
+            res["status"] = ("ok" if proc is not None and proc.returncode == 0 and rows else "oom" if OOM.search(text)
+                             else "no-metrics" if proc is not None and proc.returncode == 0 else "error")
+        res.update(summarise(rows))
+        res["metrics"] = rows
+        summary = run_dir / "summary.json"  # the CLI's end-of-run figures (compile time, goodput)
+        if summary.exists():
+            res["summary"] = {k: v for k, v in json.loads(summary.read_text()).items() if k != "sample"}
+        if res["status"] != "ok":
+            res["log_tail"] = text[-3000:]
+        if logs:
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"{preset}-b{batch}.log").write_text(text)
+        # A 1b checkpoint with optimizer state is ~16 GB; never let runs accumulate on disk.
+        shutil.rmtree(run_dir, ignore_errors=True)
     say(f"--> {res['status']} rc={res['rc']} wall={res['wall_s']}s tok/s={res['tokens_per_sec']}"
         f" tok/s/dev={res['tokens_per_sec_per_device']} mfu={res['mfu']} step={res['step_time_s']}s")
-    return res
 
 
 def table(runs: list[dict]) -> str:
@@ -241,13 +251,13 @@ def main() -> int:
             for b in args.batch_sizes:
                 left = deadline - time.time()
                 if left < args.min_run_s:
-                    say(f"\nbudget: {left:.0f}s left, skipping {preset} batch={b} and the rest")
+                    say(f"\nbudget: {left:.0f}s left, skipping {preset} batch={b}")
                     results["runs"].append({"preset": preset, "batch_size": b, "seq_len": args.seq_len,
                                             "status": "skipped-budget"})
                     continue
-                res = run_one(args, preset, b, min(args.run_timeout_s, left - 15),
-                              out_dir / "gpu_logs" if out_dir else None)
+                res = {"preset": preset, "batch_size": b, "seq_len": args.seq_len}
                 results["runs"].append(res)
+                run_one(args, res, min(args.run_timeout_s, left - 15), out_dir / "gpu_logs" if out_dir else None)
                 save()
                 if res["status"] in ("oom", "timeout"):
                     say(f"stopping {preset} at batch {b}: {res['status']}")

@@ -1,0 +1,33 @@
+"""Compile time of the train step vs depth with scan_layers on and off (2 vs 16 layers).
+
+    python benchmarks/compile_depth.py
+"""
+import time
+
+import common  # noqa: F401
+import jax
+
+from train import state as S
+from train.config import build
+from train.loop import Trainer
+
+
+def compile_seconds(layers: int, scan: bool) -> float:
+    tr = Trainer(build({**common.PEER, "model.n_layers": layers, "model.scan_layers": scan}))
+    t = tr.cfg.train
+    abstract = S.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
+    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jax.numpy.int32, sharding=tr.batch_sharding)
+             for k in ("inputs", "targets")}
+    t0 = time.perf_counter()
+    tr.compile_step(abstract, batch)
+    return time.perf_counter() - t0
+
+
+def main():
+    for scan in (True, False):
+        a, b = compile_seconds(2, scan), compile_seconds(16, scan)
+        print(f"scan_layers={scan}: 2 layers {a:.1f}s, 16 layers {b:.1f}s, ratio {b / a:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Framework overhead: steady-state step time of `Trainer.fit()` vs a minimal hand-written
+`jax.jit` step of the same model, batch and mesh, interleaved in one run.
+
+    python benchmarks/overhead.py [--steps 30] [--reps 2] [--set section.field=value ...]
+"""
+import argparse
+import statistics
+import tempfile
+import time
+
+import common  # noqa: F401  (sets XLA_FLAGS first)
+import jax
+import jax.numpy as jnp
+import optax
+
+from mesh.rules import axis_rules
+from models import model as M
+from train.config import build
+from train.loop import Trainer
+
+
+def framework(overrides: dict, steps: int) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        tr = Trainer(build({**overrides, "train.steps": steps, "logging.log_every": 5, "logging.run_dir": d}))
+        tr.fit()
+    return statistics.median(r["step_time_s"] for r in tr.history[1:])
+
+
+def hand_written(overrides: dict, steps: int) -> float:
+    """What a user would write by hand: same model function, adamw, jit with shardings, donation."""
+    tr = Trainer(build({**overrides, "train.steps": steps}))
+    cfg, t = tr.model_cfg, tr.cfg.train
+    tx = optax.adamw(t.lr)
+    params_sh = tr.state_shardings.params
+    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+        params = jax.jit(lambda k: M.init(cfg, k), out_shardings=params_sh)(jax.random.key(0))
+        opt = jax.jit(tx.init)(params)
+        tokens = jax.device_put(jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, 256),
+                                tr.batch_sharding)
+
+        def step(params, opt, tokens):
+            def loss(p):
+                logits, _ = M.apply(cfg, p, tokens[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+            l, g = jax.value_and_grad(loss)(params)
+            u, opt = tx.update(g, opt, params)
+            return optax.apply_updates(params, u), opt, l
+
+        f = jax.jit(step, donate_argnums=(0, 1))
+        params, opt, l = f(params, opt, tokens)
+        l.block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            params, opt, l = f(params, opt, tokens)
+        l.block_until_ready()
+    return (time.perf_counter() - t0) / steps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--set", nargs="*", default=[], help="section.field=value overrides of the peer config")
+    a = ap.parse_args()
+    overrides = dict(common.PEER)
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        overrides[k] = v
+    fw, hw = [], []
+    for _ in range(a.reps):  # interleaved so both see the same machine noise
+        fw.append(framework(overrides, a.steps))
+        hw.append(hand_written(overrides, a.steps))
+    f, h = min(fw), min(hw)
+    print(f"framework loop   {f:.3f} s/step  (runs: {', '.join(f'{x:.3f}' for x in fw)})")
+    print(f"hand-written jit {h:.3f} s/step  (runs: {', '.join(f'{x:.3f}' for x in hw)})")
+    print(f"overhead: {100 * (f / h - 1):+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
