@@ -58,14 +58,14 @@ def make_mesh(spec: str | dict | None = None, dcn_spec: str | dict | None = None
 def mesh_from_shape(shape: MeshShape, devices: list) -> Mesh:
     types = (AxisType.Auto,) * len(AXES)
     if any(d > 1 for d in shape.dcn):
-        granules = _granule_count(devices)
+        granules, by_process = _granules(devices)
         dcn_total = int(np.prod(shape.dcn))
         if dcn_total != granules:
             raise UserError(
                 f"--mesh-dcn multiplies to {dcn_total} but the devices span {granules} host(s)/slice(s);"
                 f" the --mesh-dcn product must equal that number")
         arr = mesh_utils.create_hybrid_device_mesh(
-            shape.ici, shape.dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
+            shape.ici, shape.dcn, devices, process_is_granule=by_process)
     elif len(devices) == jax.device_count() and devices == list(jax.devices()):
         arr = mesh_utils.create_device_mesh(shape.sizes, devices, allow_split_physical_axes=True)
     else:
@@ -73,10 +73,17 @@ def mesh_from_shape(shape: MeshShape, devices: list) -> Mesh:
     return Mesh(arr, AXES, axis_types=types)
 
 
-def _granule_count(devices) -> int:
-    if hasattr(devices[0], "slice_index"):
-        return len({d.slice_index for d in devices})
-    return len({d.process_index for d in devices})
+def _granules(devices) -> tuple[int, bool]:
+    """-> (number of DCN granules, whether they are processes rather than slices).
+
+    Multi-slice devices are grouped by slice_index. Multi-process CPU (gloo) devices do carry a
+    slice_index, but it is 0 on every process (one "slice"), so when slice_index does not tell
+    the devices apart the processes are the granules (hosts); without this, `--mesh-dcn data=2`
+    over 2 CPU processes was rejected as spanning 1 host."""
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    if None not in slices and len(slices) > 1:
+        return len(slices), False
+    return len({d.process_index for d in devices}), True
 
 
 def describe(mesh: Mesh) -> str:

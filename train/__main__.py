@@ -1,6 +1,7 @@
 """`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only."""
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -18,7 +19,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        _exit_now_if_distributed(2)
         return 2
+
+
+def _exit_now_if_distributed(code: int) -> None:
+    """In a multi-process job a normal interpreter exit blocks in jax.distributed's shutdown
+    barrier until every peer arrives (or the heartbeat times out); a configuration error must
+    not hang for that long, so leave at once."""
+    import jax
+    if jax.distributed.is_initialized():
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
