@@ -42,20 +42,20 @@ def _module(cfg: ModelConfig, params: dict) -> Decoder:
 def init(cfg: ModelConfig, key: jax.Array) -> dict:
     """Fresh parameters (call under jit with out_shardings to create them already sharded)."""
     module = Decoder(cfg, compute_dtype(cfg), rngs=nnx.Rngs(params=key))
-    return nnx.state(module, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
 def abstract_params(cfg: ModelConfig) -> dict:
     """ShapeDtypeStructs of the params, without allocating anything."""
     state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state.to_pure_dict())
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
 
 
 def param_axes(cfg: ModelConfig) -> dict:
     """The logical axis names of every parameter, same tree as the params."""
     state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
-    return jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable)).to_pure_dict()
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable)))
 
 
 def apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,

@@ -133,9 +133,6 @@ def test_bad_input_one_line(bad_results, name, args, needles):
     assert out == ""
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an unknown --section.field on the command line is reported by argparse"
-                   " ('unrecognized arguments') without the valid options, unlike the same mistake in YAML"
-                   " (train/config.py OneLineParser.error)")
 def test_unknown_cli_option_lists_choices(bad_results):
     _, _, err = bad_results["unknown-option"]
     assert "steps" in err and "batch_size" in err
@@ -169,8 +166,6 @@ def test_build_rejects_bad_values():
         build({"logging.log_every": 0})
 
 
-@pytest.mark.xfail(strict=True, reason="bug: train/config.py _coerce converts with int(value), so a YAML/dict"
-                   " value 2.5 (or true) for an int field silently becomes 2 (or 1) instead of a UserError")
 @pytest.mark.parametrize("value", [2.5, True])
 def test_build_rejects_non_integer_for_int_field(tmp_path, value):
     y = tmp_path / "c.yaml"
@@ -179,8 +174,6 @@ def test_build_rejects_non_integer_for_int_field(tmp_path, value):
         build(None, str(y))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: train/config.py build() silently ignores keys whose section is"
-                   " unknown ('trian.steps'), although the YAML path rejects unknown sections")
 def test_build_rejects_unknown_section_key():
     with pytest.raises(UserError, match="trian"):
         build({"trian.steps": 5})

@@ -84,9 +84,6 @@ def test_fsdp_micro_batches_scale_all_gather(reports):
     assert 1.8 < got / measured(one, "all-gather", "fsdp") < 2.2
 
 
-@pytest.mark.xfail(strict=True, reason="bug: train/step.py grads_and_loss all-reduces the data-parallel gradient"
-                   " inside the micro-batch scan (once per micro-batch) instead of once per step;"
-                   " measured all-reduce@data = micro_batches x theory")
 def test_dp_micro_batches_all_reduce_once(reports):
     r = reports("data=8", 2, 32)
     th = r["theory_on_backend"]["all-reduce@data"]["operand_bytes"]

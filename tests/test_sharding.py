@@ -180,16 +180,20 @@ def test_fresh_state_layout(micro_setup):
     assert all(float(abs(x).max()) == 0.0 for x in jax.tree.leaves((adam.mu, adam.nu)))
 
 
-def _grads(tr, state, batch, m):
-    fn = jax.jit(functools.partial(grads_and_loss, tr.model_cfg, micro_batches=m))
+def _grads(tr, state, batch, m, dp_axes=()):
+    fn = jax.jit(functools.partial(grads_and_loss, tr.model_cfg, micro_batches=m, dp_axes=dp_axes))
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
         return fn(state.params, batch)
 
 
-def test_micro_batches_same_loss_and_grads(micro_setup):
+@pytest.mark.parametrize("per_replica_sums", [False, True])
+def test_micro_batches_same_loss_and_grads(micro_setup, per_replica_sums):
+    """Also with data-parallel replicas keeping their own partial sums (one all-reduce per step)."""
     tr, state, batch = micro_setup
+    dp_axes = tr.dp_axes() if per_replica_sums else ()
+    assert dp_axes == (("data",) if per_replica_sums else ())
     loss1, g1 = _grads(tr, state, batch, 1)
-    loss4, g4 = _grads(tr, state, batch, 4)
+    loss4, g4 = _grads(tr, state, batch, 4, dp_axes)
     np.testing.assert_allclose(float(loss4), float(loss1), rtol=1e-5)
     assert abs(float(loss1) - np.log(264)) < 0.5
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g4)[0], jax.tree.leaves(g1)):

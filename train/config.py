@@ -114,20 +114,34 @@ def _fields(cls) -> list[tuple[str, type, Any]]:
 
 
 def _coerce(key: str, tp: type, value: Any) -> Any:
-    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-        return value
-    try:
-        if tp is float and isinstance(value, int):
-            return float(value)
-        return _converter(tp)(value) if isinstance(value, str) else tp(value) if tp is not bool else _parse_bool(value)
-    except (ValueError, TypeError, argparse.ArgumentTypeError):
-        raise UserError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+    """A YAML/dict/CLI value -> the field's type; never truncates (2.5 or true for an int is an error)."""
+    if isinstance(value, str):
+        try:
+            return _converter(tp)(value)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise UserError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+    ok = (isinstance(value, bool) if tp is bool else
+          isinstance(value, int) and not isinstance(value, bool) if tp is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else False)
+    if not ok:
+        raise UserError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return tp(value)
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are one line and exit 2 (no usage dump)."""
+    """argparse, but errors are one line and exit 2 (no usage dump); an unknown option lists the
+    valid ones of its section."""
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            flag = message.split(":", 1)[1].split()[0]
+            section = flag.lstrip("-").partition(".")[0]
+            if section in SECTIONS and "." in flag:
+                names = ", ".join(n for n, _, _ in _fields(SECTIONS[section]))
+                message = f"unknown option '{flag}'; valid {section} options: {names}"
+            else:
+                message = (f"unknown option '{flag}'; valid: --section.field with sections"
+                           f" {', '.join(SECTIONS)}, or {', '.join(['--config', *ALIASES])}")
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         sys.exit(2)
 
@@ -155,7 +169,9 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Co
         raw = _merge(raw, _load_yaml(yaml_path))
     for key, value in (cli or {}).items():
         section, _, name = key.partition(".")
-        raw.setdefault(section, {})[name] = value
+        if section not in SECTIONS:
+            raise UserError(f"unknown option '{key}'; valid sections: {', '.join(SECTIONS)}")
+        raw[section][name] = value
     model_raw = dict(raw.pop("model"))
     preset_name = model_raw.pop("preset", "default")
     sections = {}

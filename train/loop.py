@@ -69,9 +69,23 @@ class Trainer:
         return S.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed)
 
     def jit_step(self):
-        step = functools.partial(train_step, self.model_cfg, self.tx, self.lr, self.cfg.train.micro_batches)
+        step = functools.partial(train_step, self.model_cfg, self.tx, self.lr, self.cfg.train.micro_batches,
+                                 self.dp_axes())
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+
+    def dp_axes(self) -> tuple[str, ...]:
+        """Leading batch mesh axes (size > 1) that shard no parameter: plain data parallelism."""
+        used = {a for sh in jax.tree.leaves(self.state_shardings.params) for e in sh.spec if e is not None
+                for a in ((e,) if isinstance(e, str) else e)}
+        out = []
+        for a in self.rules["batch"]:
+            if self.mesh.shape[a] == 1:
+                continue
+            if a in used:
+                break
+            out.append(a)
+        return tuple(out)
 
     def compile_step(self, state, batch):
         with jax.set_mesh(self.mesh), axis_rules(self.rules):

@@ -55,8 +55,8 @@ def theory(tr: Trainer, abstract_state) -> dict:
 
     For each parameter: the batch mesh axes it is *not* sharded on carry plain data parallelism
     (all-reduce of its gradient shard: 2(n-1)/n x M); the batch axes it *is* sharded on carry
-    ZeRO-3/FSDP (all-gather of the weights in forward and again in backward, per micro-batch, and
-    a reduce-scatter of the gradient: (n-1)/n x M each).
+    ZeRO-3/FSDP (all-gather of the weights in forward and again in backward, and a reduce-scatter
+    of the gradient, per micro-batch: (n-1)/n x M each).
     """
     mesh, rules, t = tr.mesh, tr.rules, tr.cfg.train
     batch_axes = [a for a in _spec_axes(logical_to_spec(("batch",), rules)) if mesh.shape[a] > 1]
@@ -77,8 +77,9 @@ def theory(tr: Trainer, abstract_state) -> dict:
         n_f = math.prod(mesh.shape[a] for a in fsdp_axes)
         n_d = math.prod(mesh.shape[a] for a in dp_axes)
         full = _local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
-        add("reduce-scatter", fsdp_axes, full, n_f, (n_f - 1) / n_f)
-        add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)
+        for _ in range(t.micro_batches):  # ZeRO-3 reduce-scatters every micro-batch's gradient
+            add("reduce-scatter", fsdp_axes, full, n_f, (n_f - 1) / n_f)
+        add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
         # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
         gathers = 2 if path.startswith("blocks/") and m.remat != "none" else 1

@@ -1,10 +1,13 @@
 """The pure train and eval steps: (state, batch) -> (state, metrics). No I/O here."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 
+from mesh.rules import axis_rules, current_rules
 from mesh.shard import constrain
 from models import model as M
 from models.config import ModelConfig
@@ -30,36 +33,55 @@ def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
     return jnp.swapaxes(x, 0, 1)
 
 
-def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int):
-    """Mean loss over all tokens and its gradient, accumulated over micro-batches in float32."""
+def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = ()):
+    """Mean loss over all tokens and its gradient, accumulated over micro-batches in float32.
+
+    `dp_axes`: the leading batch mesh axes that shard no parameter (plain data parallelism). With
+    micro-batches, each such replica group keeps its own partial gradient sum ([n_dp, ...], sharded
+    over dp_axes) and they are reduced once at the end, so the data-parallel all-reduce runs once
+    per step rather than once per micro-batch (DDP's no_sync). Axes that do shard parameters
+    (fsdp) reduce-scatter every micro-batch, as ZeRO-3 does, to keep gradients sharded.
+    """
     def sums_and_grads(p, mb):
         (total, n), g = jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(cfg, p, mb)
         return total, n, g
 
     if micro_batches == 1:
         total, n, g = sums_and_grads(params, batch)
+        n = jnp.maximum(n, 1.0)
+        return total / n, jax.tree.map(lambda x: x / n, g)
+
+    micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)   # [M, B/M, ...]
+    n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes) if dp_axes else 1
+    rules = current_rules()
+    inner_rules = {**rules, "batch": tuple(a for a in rules["batch"] if a not in dp_axes)}
+    if n_dp > 1:  # [M, B/M, ...] -> [M, n_dp, B/(M n_dp), ...]: dim 1 is the replica group
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0], n_dp, x.shape[1] // n_dp, *x.shape[2:]), micro)
+        grad_fn = jax.vmap(sums_and_grads, in_axes=(None, 0), spmd_axis_name=dp_axes)
     else:
-        micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)
+        grad_fn = sums_and_grads
 
-        def body(carry, mb):
-            total, n, g = carry
-            mb = jax.tree.map(lambda x: constrain(x, BATCH_BT), mb)
-            t_i, n_i, g_i = sums_and_grads(params, mb)
-            return (total + t_i, n + n_i, jax.tree.map(jnp.add, g, g_i)), None
+    def body(carry, mb):
+        total, n, g = carry
+        with axis_rules(inner_rules):
+            t_i, n_i, g_i = grad_fn(params, mb)
+        return (total + t_i, n + n_i, jax.tree.map(jnp.add, g, g_i)), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (total, n, g), _ = jax.lax.scan(body, (0.0, 0.0, zeros), micro)
+    lead = (n_dp,) if n_dp > 1 else ()
+    zeros = (jnp.zeros(lead), jnp.zeros(lead), jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params))
+    (total, n, g), _ = jax.lax.scan(body, zeros, micro)
+    if n_dp > 1:  # the one data-parallel reduction of the step
+        total, n, g = total.sum(0), n.sum(0), jax.tree.map(lambda x: x.sum(0), g)
     n = jnp.maximum(n, 1.0)
     return total / n, jax.tree.map(lambda x: x / n, g)
 
 
-
 def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
-               state: TrainState, batch) -> tuple[TrainState, dict]:
-    loss, grads = grads_and_loss(cfg, state.params, batch, micro_batches)
+               dp_axes: tuple[str, ...], state: TrainState, batch) -> tuple[TrainState, dict]:
+    loss, grads = grads_and_loss(cfg, state.params, batch, micro_batches, dp_axes)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_schedule(state.step)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -31,7 +31,7 @@ class WindowSampler:
 
     def starts(self, stream: int, index: int) -> np.ndarray:
         rng = np.random.default_rng((self.seed, stream, index))
-        return rng.integers(0, len(self.tokens) - self.seq_len - 1, self.batch_size)
+        return rng.integers(0, len(self.tokens) - self.seq_len, self.batch_size)  # last start: len - T - 1
 
     def rows(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """-> inputs, targets: int32 [len(starts), T]."""
