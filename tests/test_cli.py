@@ -54,7 +54,7 @@ def test_help_lists_section_flags_with_defaults(help_text):
         return " ".join(lines[i:i + 2])
     assert "(default: from the preset)" in help_of("--model.d_model")
     assert "(default: from the preset)" in help_of("--model.n_heads")
-    assert "(default: 300)" in help_of("--train.steps")
+    assert "(default: 120)" in help_of("--train.steps")
     assert "--steps INT" in help_of("--train.steps")
     assert "(default: 16)" in help_of("--train.batch_size")
     assert "(default: 0.003)" in help_of("--train.lr")
@@ -208,7 +208,7 @@ def test_e2e_run(e2e):
     rc, stdout, stderr, run_dir = e2e["data=2,fsdp=2,model=2"]
     assert rc == 0, stderr[-3000:]
     recs = _curve(run_dir)
-    assert [r["step"] for r in recs] == [2, 4, 6]
+    assert [r["step"] for r in recs] == [1, 2, 4, 6]  # step 1 logs the starting loss
     assert all(np.isfinite(r["loss"]) for r in recs)
     assert "mesh data=2,fsdp=2,model=2 (8 devices)" in stdout and "done: 6 steps" in stdout
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -222,6 +222,6 @@ def test_e2e_same_curve_on_data8(e2e):
     a, b = e2e["data=2,fsdp=2,model=2"], e2e["data=8"]
     assert a[0] == 0 and b[0] == 0, (a[2][-2000:], b[2][-2000:])
     ca, cb = _curve(a[3]), _curve(b[3])
-    assert [r["step"] for r in ca] == [r["step"] for r in cb] == [2, 4, 6]
+    assert [r["step"] for r in ca] == [r["step"] for r in cb] == [1, 2, 4, 6]
     np.testing.assert_allclose([r["loss"] for r in ca], [r["loss"] for r in cb], rtol=1e-5)
     np.testing.assert_allclose([r["lr"] for r in ca], [r["lr"] for r in cb], rtol=1e-6)

@@ -36,7 +36,7 @@ def reports():
 
 
 def measured(r, kind, axes):
-    return r["collectives"][kind]["by_axes"][axes]["operand_bytes"]
+    return r["collectives_detail"][kind]["by_axes"][axes]["operand_bytes"]
 
 
 def test_report_shape(reports):
@@ -50,21 +50,21 @@ def test_report_shape(reports):
 
 def test_pure_dp_all_reduce_matches_theory(reports):
     r = reports("data=8")
-    th = r["theory_on_backend"]
+    th = r["theory_on_backend_detail"]
     assert set(th) == {"all-reduce@data"}
     assert th["all-reduce@data"]["operand_bytes"] == 132416 * 4  # every gradient, once
     got = measured(r, "all-reduce", "data")
     assert got == pytest.approx(th["all-reduce@data"]["operand_bytes"], rel=0.10)
     # pure DP: no gathers, and nothing over other axes
-    assert r["collectives"]["all-gather"]["count"] == 0
-    assert set(r["collectives"]["all-reduce"]["by_axes"]) == {"data"}
+    assert r["collectives_detail"]["all-gather"]["count"] == 0
+    assert set(r["collectives_detail"]["all-reduce"]["by_axes"]) == {"data"}
 
 
 def test_fsdp_collectives_match_theory(reports):
     r = reports("fsdp=8")
-    th = r["theory_on_backend"]
+    th = r["theory_on_backend_detail"]
     assert set(th) == {"all-gather@fsdp", "all-reduce@fsdp"}
-    assert "reduce-scatter@fsdp" in r["theory"]  # CPU lowers it as all-reduce + dynamic-slice
+    assert "reduce-scatter@fsdp" in r["theory_detail"]  # CPU lowers it as all-reduce + dynamic-slice
     ag, ar = measured(r, "all-gather", "fsdp"), measured(r, "all-reduce", "fsdp")
     assert ag == pytest.approx(th["all-gather@fsdp"]["operand_bytes"], rel=0.10)
     assert ar == pytest.approx(th["all-reduce@fsdp"]["operand_bytes"], rel=0.10)
@@ -77,8 +77,8 @@ def test_fsdp_collectives_match_theory(reports):
 def test_fsdp_micro_batches_scale_all_gather(reports):
     one = reports("fsdp=8", 1, 16)
     two = reports("fsdp=8", 2, 32)  # same 16 rows per micro-batch
-    th = two["theory_on_backend"]["all-gather@fsdp"]["operand_bytes"]
-    assert th == 2 * one["theory_on_backend"]["all-gather@fsdp"]["operand_bytes"]
+    th = two["theory_on_backend_detail"]["all-gather@fsdp"]["operand_bytes"]
+    assert th == 2 * one["theory_on_backend_detail"]["all-gather@fsdp"]["operand_bytes"]
     got = measured(two, "all-gather", "fsdp")
     assert got == pytest.approx(th, rel=0.10)
     assert 1.8 < got / measured(one, "all-gather", "fsdp") < 2.2
@@ -86,7 +86,7 @@ def test_fsdp_micro_batches_scale_all_gather(reports):
 
 def test_dp_micro_batches_all_reduce_once(reports):
     r = reports("data=8", 2, 32)
-    th = r["theory_on_backend"]["all-reduce@data"]["operand_bytes"]
+    th = r["theory_on_backend_detail"]["all-reduce@data"]["operand_bytes"]
     assert measured(r, "all-reduce", "data") == pytest.approx(th, rel=0.10)
 
 
@@ -101,14 +101,20 @@ def test_memory_scales_with_fsdp(reports):
 
 @pytest.mark.slow
 def test_plan_cli_json():
-    # default train config: batch 16, seq 256 (same shapes as the in-process fsdp report)
+    # batch 16, seq 256: the same shapes as the in-process fsdp report
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-m", "train", "plan", "--model", "tiny", "--mesh", "fsdp=8", "--json"],
+    p = subprocess.run([sys.executable, "-m", "train", "plan", "--model", "tiny", "--mesh", "fsdp=8", "--json",
+                        "--batch-size", "16", "--seq-len", "256"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout)
     assert {"memory", "flops_per_step", "collectives", "theory"} <= set(r)
     assert "sharding" not in r  # only with --show-sharding
     assert r["mesh"] == "fsdp=8" and r["memory"]["params_bytes"] == pytest.approx(132416 * 4 / 8, rel=0.05)
-    assert r["collectives"]["all-gather"]["by_axes"]["fsdp"]["operand_bytes"] > 0
-    assert "all-gather@fsdp" in r["theory"]
+    assert r["collectives_detail"]["all-gather"]["by_axes"]["fsdp"]["operand_bytes"] > 0
+    assert "all-gather@fsdp" in r["theory_detail"]
+    # the headline keys map each collective kind to bytes per device per step
+    assert set(r["collectives"]) == set(r["theory"]) == {"all-reduce", "all-gather", "reduce-scatter",
+                                                         "all-to-all", "collective-permute"}
+    assert r["collectives"]["all-gather"] == r["collectives_detail"]["all-gather"]["operand_bytes"]
+    assert r["theory"]["reduce-scatter"] > 0 and r["collectives"]["reduce-scatter"] == 0  # CPU chose all-reduce

@@ -19,13 +19,13 @@ from models.config import ModelConfig, preset
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = 120
     batch_size: int = 16          # global, in sequences
-    seq_len: int = 256
+    seq_len: int = 128
     micro_batches: int = 1        # gradient accumulation inside the jitted step
     lr: float = 3e-3
     min_lr_ratio: float = 0.1     # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 30
+    warmup_steps: int = 12
     weight_decay: float = 0.1
     decay_embeddings: bool = False  # norms never decay; embeddings only if this is set
     b1: float = 0.9
@@ -33,7 +33,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0        # global-norm clipping; 0 disables
     seed: int = 0
-    eval_every: int = 100         # 0 disables
+    eval_every: int = 60          # 0 disables
     eval_batches: int = 4
     sample_tokens: int = 160      # tokens generated at the end of training; 0 disables
     prompt: str = "def "

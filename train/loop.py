@@ -157,7 +157,7 @@ class Trainer:
                 if step < t.steps:
                     batch, waited = prefetch.next()
                     wait_s += waited
-                if step % cfg.logging.log_every == 0 or step == t.steps:
+                if step % cfg.logging.log_every == 0 or step == t.steps or step == 1:  # step 1: the starting loss
                     m = jax.device_get(metrics)  # the only host sync in steady state
                     now = time.perf_counter()
                     n = step - last_logged

@@ -136,6 +136,7 @@ def analyze(tr: Trainer) -> dict:
     hlo = compiled.as_text()
     measured = summarize(parse_collectives(hlo, tr.mesh))
     th = theory(tr, abstract_state)
+    th_backend = on_backend(th, jax.default_backend(), tr.mesh)
     params_b = sum(_local_bytes(x) for x in jax.tree.leaves(abstract_state.params))
     opt_b = sum(_local_bytes(x) for x in jax.tree.leaves(abstract_state.opt_state))
     model_flops = flops_per_token(tr.model_cfg, t.seq_len) * t.batch_size * t.seq_len
@@ -150,13 +151,24 @@ def analyze(tr: Trainer) -> dict:
         },
         "flops_per_step": model_flops,
         "flops_per_step_per_device_compiled": float(cost.get("flops", 0.0)) if cost else 0.0,
-        "collectives": {k: {kk: measured[k][kk] for kk in ("count", "operand_bytes", "wire_bytes")}
-                        | {"by_axes": measured[k]["by_axes"], "async": measured[k]["async"]} for k in KINDS},
-        "theory": th,
-        "theory_on_backend": on_backend(th, jax.default_backend(), tr.mesh),
+        # kind -> operand bytes per device per step (all mesh axes together), then the details
+        "collectives": {k: measured[k]["operand_bytes"] for k in KINDS},
+        "collectives_detail": {k: {kk: measured[k][kk] for kk in ("count", "operand_bytes", "wire_bytes", "async")}
+                               | {"by_axes": measured[k]["by_axes"]} for k in KINDS},
+        "theory": _by_kind(th),
+        "theory_on_backend": _by_kind(th_backend),
+        "theory_detail": th,
+        "theory_on_backend_detail": th_backend,
         "notes": backend_notes(jax.default_backend(), th, measured),
         "sharding": sharding_table(abstract_state.params),
     }
+
+
+def _by_kind(detail: dict) -> dict:
+    out = {k: 0.0 for k in KINDS}
+    for key, v in detail.items():
+        out[key.partition("@")[0]] += v["operand_bytes"]
+    return out
 
 
 def _mib(b: float) -> str:
@@ -174,17 +186,17 @@ def render(r: dict, show_sharding: bool) -> str:
                  f" {r['flops_per_step_per_device_compiled']:.3e})")
     lines.append("collectives per step, per device (measured from the compiled HLO | theory as this backend lowers it):")
     for kind in KINDS:
-        c = r["collectives"][kind]
+        c = r["collectives_detail"][kind]
         if not c["count"]:
             continue
         for axes, v in sorted(c["by_axes"].items()):
-            th = r["theory_on_backend"].get(f"{kind}@{axes}")
+            th = r["theory_on_backend_detail"].get(f"{kind}@{axes}")
             ref = f"| theory {_mib(th['operand_bytes'])}" if th else ""
             lines.append(f"  {kind:<19}{axes or '-':<18} x{v['count']:<5}{_mib(v['operand_bytes'])} operand,"
                          f" {_mib(v['wire_bytes'])} on the wire {ref}")
-    for key, th in sorted(r["theory_on_backend"].items()):
+    for key, th in sorted(r["theory_on_backend_detail"].items()):
         kind, _, axes = key.partition("@")
-        if axes not in r["collectives"][kind]["by_axes"]:
+        if axes not in r["collectives_detail"][kind]["by_axes"]:
             lines.append(f"  {kind:<19}{axes:<18} (not emitted)      | theory {_mib(th['operand_bytes'])}")
     lines += [f"note: {n}" for n in r["notes"]]
     if show_sharding:
