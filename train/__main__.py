@@ -15,8 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         from train.config import from_args
         cfg, _ = from_args(argv)
         from train.loop import Trainer
-        Trainer(cfg).fit()
-        return 0
+        return Trainer(cfg).fit()["exit_code"]  # 143 / 130 after SIGTERM / SIGINT (checkpoint committed)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         _exit_now_if_distributed(2)

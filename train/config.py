@@ -66,6 +66,16 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""                 # empty = <run_dir>/checkpoints
+    every: int = 50               # steps between saves; 0 = only the final save
+    keep: int = 3                 # the latest K checkpoints are kept; 0 = keep all
+    keep_every: int = 0           # steps divisible by this are kept forever (recovery points); 0 = none
+    async_save: bool = True       # flag and YAML name: `async` (a Python keyword cannot be a field)
+    resume: str = "latest"        # latest | none | PATH (a run dir, a checkpoint dir or one step's dir)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=lambda: preset("default"))
     model_preset: str = "default"
@@ -73,15 +83,23 @@ class Config:
     parallelism: ParallelismConfig = ParallelismConfig()
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     def to_dict(self) -> dict:
+        """Sections of public option names (what YAML and --section.field accept)."""
         d = dataclasses.asdict(self)
         d["model"] = {"preset": d.pop("model_preset"), **d["model"]}
-        return d
+        return {section: {PUBLIC_NAMES.get(f"{section}.{k}", k): v for k, v in values.items()}
+                for section, values in d.items()}
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig,
-            "data": DataConfig, "logging": LoggingConfig}
+            "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig}
+
+# Option names that differ from their dataclass field: "section.field" -> public name.
+PUBLIC_NAMES = {"checkpoint.async_save": "async"}
+# Defaults that --help describes rather than prints.
+SHOWN_DEFAULTS = {"checkpoint.dir": "<run_dir>/checkpoints"}
 
 # The stable short flags (README) and the field each one sets.
 ALIASES = {
@@ -91,7 +109,7 @@ ALIASES = {
     "--eval-every": "train.eval_every", "--data": "data.source", "--run-dir": "logging.run_dir",
     "--log-every": "logging.log_every", "--peak-tflops": "logging.peak_tflops",
     "--coordinator": "parallelism.coordinator", "--num-processes": "parallelism.num_processes",
-    "--process-id": "parallelism.process_id",
+    "--process-id": "parallelism.process_id", "--resume": "checkpoint.resume",
 }
 
 
@@ -111,6 +129,12 @@ def _converter(tp):
 def _fields(cls) -> list[tuple[str, type, Any]]:
     hints = typing.get_type_hints(cls)
     return [(f.name, hints[f.name], f.default) for f in dataclasses.fields(cls)]
+
+
+def _options(section: str) -> dict[str, tuple[str, type, Any]]:
+    """public option name -> (dataclass field, type, default) for one section."""
+    return {PUBLIC_NAMES.get(f"{section}.{name}", name): (name, tp, default)
+            for name, tp, default in _fields(SECTIONS[section])}
 
 
 def _coerce(key: str, tp: type, value: Any) -> Any:
@@ -137,7 +161,7 @@ class OneLineParser(argparse.ArgumentParser):
             flag = message.split(":", 1)[1].split()[0]
             section = flag.lstrip("-").partition(".")[0]
             if section in SECTIONS and "." in flag:
-                names = ", ".join(n for n, _, _ in _fields(SECTIONS[section]))
+                names = ", ".join(_options(section))
                 message = f"unknown option '{flag}'; valid {section} options: {names}"
             else:
                 message = (f"unknown option '{flag}'; valid: --section.field with sections"
@@ -152,12 +176,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     short = {v: k for k, v in ALIASES.items()}
     parser.add_argument("--model", "--model.preset", dest="model.preset", default=argparse.SUPPRESS, metavar="PRESET",
                         help="model preset: tiny, default, 125m, 1b, 7b, 70b (default: default)")
-    for section, cls in SECTIONS.items():
+    for section in SECTIONS:
         group = parser.add_argument_group(section)
-        for name, tp, default in _fields(cls):
+        for name, (_, tp, default) in _options(section).items():
             key = f"{section}.{name}"
             flags = [f"--{key}"] + ([short[key]] if key in short else [])
-            shown = "from the preset" if section == "model" else default
+            shown = "from the preset" if section == "model" else SHOWN_DEFAULTS.get(key, default)
             group.add_argument(*flags, dest=key, type=_converter(tp), default=argparse.SUPPRESS,
                                metavar=tp.__name__.upper(), help=f"(default: {shown})")
 
@@ -178,12 +202,12 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Co
     for section, cls in SECTIONS.items():
         base = preset(preset_name) if section == "model" else cls()
         values = model_raw if section == "model" else raw.get(section, {})
-        types = {n: t for n, t, _ in _fields(cls)}
+        options = _options(section)
         for name in values:
-            if name not in types:
-                raise UserError(f"unknown option '{section}.{name}'; valid {section} options: {', '.join(types)}")
+            if name not in options:
+                raise UserError(f"unknown option '{section}.{name}'; valid {section} options: {', '.join(options)}")
         sections[section] = dataclasses.replace(
-            base, **{n: _coerce(f"{section}.{n}", types[n], v) for n, v in values.items()})
+            base, **{options[n][0]: _coerce(f"{section}.{n}", options[n][1], v) for n, v in values.items()})
     cfg = Config(model_preset=preset_name, **sections)
     cfg.model.validate()
     _validate(cfg)
@@ -202,6 +226,12 @@ def _validate(cfg: Config) -> None:
         raise UserError(f"--seq-len {t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.logging.log_every <= 0:
         raise UserError(f"--log-every must be positive, got {cfg.logging.log_every}")
+    c = cfg.checkpoint
+    for name in ("every", "keep", "keep_every"):
+        if getattr(c, name) < 0:
+            raise UserError(f"checkpoint.{name} must be >= 0, got {getattr(c, name)}")
+    if not c.resume:
+        raise UserError("--resume: expected latest, none or a checkpoint PATH, got ''")
 
 
 def _load_yaml(path: str) -> dict:
@@ -234,7 +264,9 @@ def from_args(argv: list[str], parser: argparse.ArgumentParser | None = None) ->
 
 
 def make_parser(prog: str = "python -m train", description: str = "Train a Transformer on a device mesh.") -> argparse.ArgumentParser:
-    parser = OneLineParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # allow_abbrev=False: a typo like --checkpoint.asyn must be an error, not a silent prefix match
+    parser = OneLineParser(prog=prog, description=description, allow_abbrev=False,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(parser)
     return parser
 

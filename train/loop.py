@@ -6,12 +6,15 @@ import functools
 import json
 import math
 import os
+import signal
 import time
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from checkpoint.items import make_meta, mesh_text
+from checkpoint.manager import RUN_SUBDIR, Checkpointer, open_checkpoint, shared_directory
 from mesh.build import describe, init_distributed, make_mesh
 from mesh.errors import UserError
 from mesh.rules import axis_rules, logical_to_spec, make_rules
@@ -23,7 +26,8 @@ from train import optim, state as S
 from train.config import Config, dump
 from train.data import corpus as C
 from train.data.loader import Prefetcher, WindowSampler, eval_batches
-from train.metrics import MetricsLogger, peak_flops
+from train.metrics import MetricsLogger, drop_records_after, peak_flops
+from train.resilience import StopSignals, exit_code
 from train.step import eval_step, train_step
 
 # Which config field sets each logical dim, for divisibility errors that name the culprit.
@@ -105,29 +109,92 @@ class Trainer:
             out = generate(self.model_cfg, params, prompt_tokens, jax.random.key(seed), max_new=n_tokens)
         return C.decode(np.asarray(jax.device_get(out))[0])
 
+    # -- checkpoints ------------------------------------------------------------------------
+    def open_checkpoints(self) -> Checkpointer:
+        """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints."""
+        c = self.cfg.checkpoint
+        directory = shared_directory(c.dir or os.path.join(self.cfg.logging.run_dir, RUN_SUBDIR))
+        return Checkpointer(directory, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save)
+
+    def resume_point(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
+        """Where --resume says to continue from: (checkpoint directory, step), or None for a fresh start."""
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            if saver.all_steps():
+                raise UserError(f"--resume none, but {saver.directory} already holds checkpoints (steps"
+                                f" {_steps(saver.all_steps())}) that new saves would collide with; use another"
+                                f" --run-dir or --checkpoint.dir, or delete them")
+            return None
+        if resume == "latest":
+            step = saver.latest_step()
+            return None if step is None else (saver, step)
+        src, step = open_checkpoint(resume)
+        if src.directory == saver.directory:
+            src = saver
+        newer = [s for s in saver.all_steps() if s > step]
+        if newer:
+            raise UserError(f"--resume {resume}: step {step} is older than checkpoints already in"
+                            f" {saver.directory} (steps {_steps(newer)}), which this run would collide with;"
+                            f" use another --checkpoint.dir")
+        return src, step
+
+    def restore(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
+        """The saved state, read straight into this trainer's mesh and shardings."""
+        return src.restore(step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules))
+
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Train to --steps, saving checkpoints; resume first if --resume finds one. The summary's
+        `exit_code` is 0, or 128 + the signal number when SIGTERM/SIGINT stopped the run."""
+        saver = self.open_checkpoints()
+        try:
+            with StopSignals() as signals:  # from here on a signal stops the run cleanly, even mid-compile
+                return self._fit(saver, signals)
+        finally:
+            saver.close()  # every save in flight is committed before fit() returns
+
+    def _fit(self, saver: Checkpointer, signals: StopSignals) -> dict:
         cfg, t = self.cfg, self.cfg.train
         t_start = time.perf_counter()
+        run_dir = cfg.logging.run_dir
+        is_main = jax.process_index() == 0
+        point = self.resume_point(saver)
+        if point and point[1] >= t.steps:
+            src, step = point
+            src.check_compatible(step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules))
+            if is_main:
+                print(f"{src.step_dir(step)}: step {step} already reached --steps {t.steps}; nothing to train"
+                      f" (raise --steps to continue)", flush=True)
+            self.history, self.eval_history = [], []
+            return {"steps": step, "resumed_from": step, "trained_steps": 0, "exit_code": 0}
+
+        t0 = time.perf_counter()
+        if point:
+            state, meta = self.restore(*point)
+            resumed = (f"resumed from {point[0].step_dir(point[1])} (step {point[1]}, saved on mesh"
+                       f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - t0:.1f}s")
+        else:
+            state, resumed = self.create_state(), ""
+
         corpus = C.load(cfg.data.source, cfg.data.eval_fraction, t.seed)
         if corpus.vocab_size > self.model_cfg.vocab_size:
             raise UserError(f"data '{corpus.name}' needs vocab_size >= {corpus.vocab_size} but"
                             f" model.vocab_size={self.model_cfg.vocab_size}")
         sampler = WindowSampler(corpus.train, t.batch_size, t.seq_len, t.seed)
-        run_dir = cfg.logging.run_dir
-        is_main = jax.process_index() == 0
         if is_main:
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "config.json"), "w") as f:
                 f.write(dump(cfg))
-            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            if point:
+                drop_records_after(run_dir, point[1])  # logged after that save by the run that died
+            elif os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
                 os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a fresh run starts a fresh log
-        log = MetricsLogger(run_dir, t.steps, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
-
-        state = self.create_state()
+        step = int(state.step)
+        log = MetricsLogger(run_dir, t.steps, step, tensorboard=cfg.logging.tensorboard,
+                            progress=cfg.logging.progress)
         for msg in warn_undersharded(self.mesh, state.params):
             log.print(f"warning: {msg}")
-        prefetch = Prefetcher(sampler, self.batch_sharding, int(state.step), cfg.data.prefetch)
+        prefetch = Prefetcher(sampler, self.batch_sharding, step, cfg.data.prefetch)
         batch, _ = prefetch.next()
         t0 = time.perf_counter()
         step_fn = self.compile_step(state, batch)
@@ -141,23 +208,32 @@ class Trainer:
         log.print(f"brigade: {n_params / 1e6:.2f}M params, mesh {describe(self.mesh)} ({n_dev} devices),"
                   f" {self.compute_dtype} compute, data {corpus.name} ({len(corpus.train) / 1e6:.1f}M train tokens),"
                   f" step compiled in {compile_s:.1f}s; peak: {peak_src}")
+        if resumed:
+            log.print(resumed)
+            changed = _changed_settings(meta.get("config", {}), cfg.to_dict())
+            if changed:
+                log.print(f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
+                          + (" (the learning-rate schedule spans train.steps)" if any(
+                              c.startswith("train.steps ") for c in changed) else ""))
 
         eval_sampler = WindowSampler(corpus.eval, t.batch_size, t.seq_len, t.seed, "eval") \
             if t.eval_every and len(corpus.eval) > t.seq_len + 2 else None
         evals = eval_batches(eval_sampler, self.batch_sharding, t.eval_batches) if eval_sampler else []
 
+        every, config = cfg.checkpoint.every, cfg.to_dict()
         history, eval_history = [], []
-        wait_s, last_logged, t_last = 0.0, int(state.step), time.perf_counter()
-        productive_s = 0.0
-        step = int(state.step)
+        wait_s, last_logged, t_last = 0.0, step, time.perf_counter()
+        productive_s, saved = 0.0, None
+        stopped_by = signals.received  # a signal before the first step: nothing new to save
         try:
-            while step < t.steps:
+            while step < t.steps and not stopped_by:
                 state, metrics = step_fn(state, batch)
                 step += 1
-                if step < t.steps:
+                stopped_by = signals.requested(step)
+                if step < t.steps and not stopped_by:
                     batch, waited = prefetch.next()
                     wait_s += waited
-                if step % cfg.logging.log_every == 0 or step == t.steps or step == 1:  # step 1: the starting loss
+                if step % cfg.logging.log_every == 0 or step in (1, t.steps) or stopped_by:  # 1: the starting loss
                     m = jax.device_get(metrics)  # the only host sync in steady state
                     now = time.perf_counter()
                     n = step - last_logged
@@ -173,16 +249,29 @@ class Trainer:
                     log.advance(n)
                     history.append(rec)
                     wait_s, last_logged, t_last = 0.0, step, time.perf_counter()
+                if stopped_by or step == t.steps or (every and step % every == 0):
+                    # blocks only for the device->host copy (counted in step time); the state
+                    # may be donated by the next step right after
+                    saver.save(step, state, make_meta(step, config, self.mesh, t.seed))
+                    saved = step
+                if stopped_by:
+                    break
                 if evals and step % t.eval_every == 0 or (evals and step == t.steps):
                     ev = self.eval_loss(state.params, evals)
                     rec = {"step": step, "eval_loss": ev, "eval_ppl": math.exp(min(ev, 50.0))}
                     log.log(rec)
                     eval_history.append(rec)
                     t_last = time.perf_counter()  # eval time is not step time
+            if saved is not None:
+                t0 = time.perf_counter()
+                saver.wait()
+                log.print(f"checkpoint: step {saved} committed to {saver.step_dir(saved)}"
+                          f" (waited {time.perf_counter() - t0:.1f}s for the last save)")
         finally:
             prefetch.close()
 
-        text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed) if t.sample_tokens else ""
+        text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed) \
+            if t.sample_tokens and not stopped_by else ""
         wall = time.perf_counter() - t_start
         steady = history[1:] or history
         summary = {
@@ -193,6 +282,10 @@ class Trainer:
             "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
             "compile_s": compile_s, "wall_s": wall, "goodput": productive_s / wall if wall else 0.0,
             "params": n_params, "mesh": describe(self.mesh), "sample": text,
+            "resumed_from": point[1] if point else None,
+            "checkpoint": saver.step_dir(saved) if saved is not None else None,
+            "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
+            "exit_code": exit_code(stopped_by),
         }
         log.print(_summary_text(summary))
         log.close()
@@ -204,7 +297,29 @@ class Trainer:
         return summary
 
 
+# Settings that change what a resumed run computes (the rest, e.g. eval or logging, do not).
+_RESUME_SENSITIVE = {"train": ("steps", "batch_size", "seq_len", "micro_batches", "lr", "min_lr_ratio", "warmup_steps",
+                               "weight_decay", "decay_embeddings", "b1", "b2", "eps", "grad_clip", "seed"),
+                     "data": ("source", "eval_fraction")}
+
+
+def _changed_settings(saved: dict, now: dict) -> list[str]:
+    return [f"{sec}.{k} {saved[sec][k]} -> {now[sec][k]}" for sec, keys in _RESUME_SENSITIVE.items() for k in keys
+            if k in saved.get(sec, {}) and saved[sec][k] != now[sec][k]]
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+
+
 def _summary_text(s: dict) -> str:
+    if s["stopped_by"]:
+        head = (f"stopped by {s['stopped_by']} after step {s['steps']}"
+                + (f", checkpoint {s['checkpoint']} committed" if s["checkpoint"] else "")
+                + f"; exit status {s['exit_code']}")
+        if s["first_loss"] is None:
+            return head
+        return head + f"\nloss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in {s['wall_s']:.1f}s"
     lines = [f"done: {s['steps']} steps in {s['wall_s']:.1f}s (compile {s['compile_s']:.1f}s),"
              f" loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}"
              + (f", eval loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "")

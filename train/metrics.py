@@ -104,3 +104,24 @@ class MetricsLogger:
         for sink in (self._bar, self._tb, self._jsonl):
             if sink is not None:
                 sink.close()
+
+
+def drop_records_after(run_dir: str, step: int) -> None:
+    """Keep only metrics.jsonl records up to `step`: a resumed run appends from there, so steps
+    that a failed run logged after its last checkpoint (and that are now redone) appear once."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip()]
+    keep = []
+    for ln in lines:
+        try:
+            if json.loads(ln).get("step", 0) <= step:
+                keep.append(ln)
+        except json.JSONDecodeError:
+            pass  # a line cut short by a kill
+    if len(keep) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
