@@ -14,10 +14,8 @@ from train.loop import Trainer
 
 def compile_seconds(layers: int, scan: bool) -> float:
     tr = Trainer(build({**common.PEER, "model.n_layers": layers, "model.scan_layers": scan}))
-    t = tr.cfg.train
     abstract = S.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
-    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jax.numpy.int32, sharding=tr.batch_sharding)
-             for k in ("inputs", "targets")}
+    batch = tr.abstract_batch()
     t0 = time.perf_counter()
     tr.compile_step(abstract, batch)
     return time.perf_counter() - t0

@@ -154,7 +154,7 @@ def test_inspect_and_export_cli(straight, tmp_path):
     assert info["step"] == 4 and info["meta"]["config"] == make_cfg(ref_dir, **{"checkpoint.every": 4}).to_dict()
     assert info["meta"]["model"]["d_model"] == 64 and info["meta"]["mesh"]["model"] == 2
     assert arrays["step"] == {"name": "step", "shape": [], "dtype": "int32", "bytes": 4}
-    assert arrays["opt_state/1/0/mu/lm_head_DV"]["shape"] == [64, 264]
+    assert arrays["opt_state/inner_state/1/0/mu/lm_head_DV"]["shape"] == [64, 264]
     n_params = sum(1 for n in arrays if n.startswith("params/"))
 
     out_dir = tmp_path / "export"

@@ -6,6 +6,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +27,9 @@ from train.data import corpus as C
 from train.data.loader import Prefetcher, WindowSampler, eval_batches, to_device
 from train.loop import Trainer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_device",
-             "mfu", "data_wait_s"}
+             "mfu", "data_wait_s", "skipped_steps"}  # the keys + the NaN guard's count
 STEPS = 40
 
 
@@ -298,3 +301,47 @@ def test_lr_schedule_warmup_then_cosine():
     assert v[130] == pytest.approx(1e-3, rel=1e-5)
     short = optim.schedule(TrainConfig(lr=1e-2, warmup_steps=30, steps=5))  # warm-up clipped to the run
     assert float(short(4)) == pytest.approx(1e-2, rel=1e-5)
+
+
+# ------------------------------------------------------------------ NaN guard
+
+def _nan_run(tmp_path, monkeypatch, nan_steps: str, **extra):
+    monkeypatch.setenv("BRIGADE_INJECT_NAN_STEPS", nan_steps)
+    cfg = build({"model.preset": "tiny", "model.dtype": "float32", "train.steps": 10, "train.batch_size": 8,
+                 "train.seq_len": 32, "train.eval_every": 0, "train.sample_tokens": 0, "logging.log_every": 1,
+                 "logging.progress": False, "logging.tensorboard": False, "logging.run_dir": str(tmp_path),
+                 "checkpoint.every": 3, "train.max_bad_steps": 3, **extra})
+    tr = Trainer(cfg)
+    tr.fit()
+    return tr
+
+
+def test_nan_steps_are_skipped_not_applied(tmp_path, monkeypatch):
+    tr = _nan_run(tmp_path, monkeypatch, "4,5")
+    skipped = {r["step"]: r["skipped_steps"] for r in tr.history}
+    assert skipped[3] == 0 and skipped[4] == 1 and skipped[5] == 2 and skipped[10] == 2
+    assert not math.isfinite(tr.history[3]["loss"]) and math.isfinite(tr.history[5]["loss"])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tr.state.params))
+    assert tr.history[-1]["loss"] < tr.history[0]["loss"]  # training went on past the skipped steps
+
+
+def test_too_many_nan_steps_reload_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    tr = _nan_run(tmp_path, monkeypatch, "5,6,7")
+    out = capsys.readouterr()
+    assert "recovery: 3 non-finite steps in a row at step 7" in out.out + out.err
+    assert "weights of step 6" in out.out + out.err   # checkpoints every 3 steps: 3, 6
+    steps = [r["step"] for r in tr.history]
+    assert steps == list(range(1, 11))                 # the step count goes on (data window 7 skipped)
+    assert all(math.isfinite(r["loss"]) for r in tr.history[7:])
+    assert int(tr.state.step) == 10
+
+
+def test_nan_steps_without_checkpoint_exit_3(tmp_path):
+    env = dict(os.environ, BRIGADE_INJECT_NAN_STEPS="1,2,3")
+    p = subprocess.run([sys.executable, "-m", "train", "--model", "tiny", "--steps", "6", "--batch-size", "8",
+                        "--seq-len", "32", "--log-every", "1", "--eval-every", "0", "--train.sample_tokens", "0",
+                        "--logging.progress", "false", "--logging.tensorboard", "false", "--checkpoint.every", "0",
+                        "--train.max_bad_steps", "3", "--run-dir", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "no checkpoint to restore" in p.stderr.strip().splitlines()[-1]

@@ -20,6 +20,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         _exit_now_if_distributed(2)
         return 2
+    except Exception as e:
+        from train.resilience import DIVERGED_EXIT, Diverged
+        if not isinstance(e, Diverged):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        _exit_now_if_distributed(DIVERGED_EXIT)
+        return DIVERGED_EXIT
 
 
 def _exit_now_if_distributed(code: int) -> None:

@@ -33,6 +33,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0        # global-norm clipping; 0 disables
     seed: int = 0
+    max_bad_steps: int = 5        # non-finite steps in a row (each skipped) before reloading the last checkpoint; 0 = never
     eval_every: int = 60          # 0 disables
     eval_batches: int = 4
     sample_tokens: int = 160      # tokens generated at the end of training; 0 disables

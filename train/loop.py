@@ -27,7 +27,7 @@ from train.config import Config, dump
 from train.data import corpus as C
 from train.data.loader import Prefetcher, WindowSampler, eval_batches
 from train.metrics import MetricsLogger, drop_records_after, peak_flops
-from train.resilience import StopSignals, exit_code
+from train.resilience import Diverged, StopSignals, exit_code
 from train.step import eval_step, train_step
 
 # Which config field sets each logical dim, for divisibility errors that name the culprit.
@@ -91,6 +91,14 @@ class Trainer:
             out.append(a)
         return tuple(out)
 
+    def abstract_batch(self) -> dict:
+        """ShapeDtypeStructs of one global batch, as the loader builds it."""
+        t = self.cfg.train
+        shape = (t.batch_size, t.seq_len)
+        return {"inputs": jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding),
+                "targets": jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding),
+                "weights": jax.ShapeDtypeStruct(shape, np.float32, sharding=self.batch_sharding)}
+
     def compile_step(self, state, batch):
         with jax.set_mesh(self.mesh), axis_rules(self.rules):
             return self.jit_step().lower(state, batch).compile()
@@ -126,8 +134,7 @@ class Trainer:
                                 f" --run-dir or --checkpoint.dir, or delete them")
             return None
         if resume == "latest":
-            step = saver.latest_step()
-            return None if step is None else (saver, step)
+            return self._latest_intact(saver)
         src, step = open_checkpoint(resume)
         if src.directory == saver.directory:
             src = saver
@@ -139,8 +146,66 @@ class Trainer:
         return src, step
 
     def restore(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
-        """The saved state, read straight into this trainer's mesh and shardings."""
+        """The saved state, read straight into this trainer's mesh and shardings. A step that is
+        unreadable (missing, truncated or corrupt files) raises UnreadableCheckpoint, a UserError
+        naming the step directory and the file."""
+        done = getattr(self, "_verified", None)  # read already by resume_point's check
+        if done is not None and done[0] is src and done[1] == step:
+            self._verified = None
+            return done[2], done[3]
         return src.restore(step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules))
+
+    def _latest_intact(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
+        """--resume latest: the newest committed step that reads back completely. Unreadable newer
+        steps are reported (one line each) and, once an intact one is found, renamed to
+        `<step>.unreadable` so that this run can save those steps again; nothing is deleted. None
+        when the directory holds no committed step; UserError when it holds only unreadable ones
+        (starting from scratch would silently throw away the run's progress)."""
+        from checkpoint.manager import UnreadableCheckpoint
+        is_main = jax.process_index() == 0
+        bad: list[tuple[int, UnreadableCheckpoint]] = []
+        for step in sorted(saver.all_steps(), reverse=True):
+            try:
+                if step >= self.cfg.train.steps:  # nothing to train: the metadata suffices
+                    saver.check_files(step)
+                    saver.arrays(step)
+                    saver.meta(step)
+                else:  # read it all (the only way to find truncated array data); restore() reuses it
+                    self._verified = (saver, step, *saver.restore(
+                        step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules)))
+            except UnreadableCheckpoint as e:
+                if is_main:
+                    print(f"warning: {e}; trying the previous checkpoint", flush=True)
+                bad.append((step, e))
+                continue
+            for s, _ in bad:
+                moved = saver.set_aside(s)
+                if is_main:
+                    print(f"warning: unreadable step {s} set aside as {moved} (nothing deleted);"
+                          f" resuming from step {step}", flush=True)
+            return saver, step
+        if bad:
+            raise UserError(f"no intact checkpoint in {saver.directory}: " + "; ".join(
+                f"step {s}: {e.file or 'see above'}: {e.reason}" for s, e in bad)
+                + " (nothing was deleted; to start fresh, move them aside or use another --checkpoint.dir;"
+                " to read one anyway, --resume PATH shows its error)")
+        return None
+
+    def _recover(self, saver: Checkpointer, state, step: int, log) -> S.TrainState:
+        """--train.max_bad_steps non-finite steps in a row: reload the last committed checkpoint.
+
+        The state keeps the current step number, so training skips the data window that led here
+        (batches are a function of the step; replaying them would likely diverge again) and the
+        schedule continues where it was."""
+        saver.wait()
+        last = saver.latest_step()
+        if last is None:
+            raise Diverged(f"{self.cfg.train.max_bad_steps} non-finite steps in a row at step {step} and no"
+                               f" checkpoint to restore in {saver.directory}")
+        restored, _ = self.restore(saver, last)
+        log.print(f"recovery: {self.cfg.train.max_bad_steps} non-finite steps in a row at step {step}; restored"
+                  f" the weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}")
+        return restored.replace(step=state.step)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -242,13 +307,18 @@ class Trainer:
                     rec = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                            "lr": float(m["lr"]), "step_time_s": dt, "tokens_per_sec": tokens_per_step / dt,
                            "tokens_per_sec_per_device": tokens_per_step / dt / n_dev,
-                           "mfu": flops_per_step / dt / peak if peak else 0.0, "data_wait_s": wait_s / n}
-                    if not math.isfinite(rec["loss"]):
-                        log.print(f"warning: non-finite loss at step {step}")
+                           "mfu": flops_per_step / dt / peak if peak else 0.0, "data_wait_s": wait_s / n,
+                           "skipped_steps": int(m["skipped_steps"])}
                     log.log(rec)
                     log.advance(n)
                     history.append(rec)
                     wait_s, last_logged, t_last = 0.0, step, time.perf_counter()
+                    bad = int(m["bad_in_a_row"])
+                    if bad:
+                        log.print(f"warning: step {step}: non-finite gradients, update skipped ({bad} in a row,"
+                                  f" {rec['skipped_steps']} in total)")
+                    if t.max_bad_steps and bad >= t.max_bad_steps:
+                        state = self._recover(saver, state, step, log)
                 if stopped_by or step == t.steps or (every and step % every == 0):
                     # blocks only for the device->host copy (counted in step time); the state
                     # may be donated by the next step right after

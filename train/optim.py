@@ -30,4 +30,7 @@ def make(cfg: TrainConfig) -> optax.GradientTransformation:
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     parts.append(optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                              mask=lambda p: decay_mask(p, cfg.decay_embeddings)))
-    return optax.chain(*parts)
+    # Non-finite gradients (an overflow, a bad batch) skip the update instead of poisoning the
+    # weights; the counts live in the optimizer state (so in checkpoints) and reach the metrics.
+    # The loop, not optax, decides when too many in a row mean "restore the last checkpoint".
+    return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=2**30)

@@ -127,8 +127,7 @@ def analyze(tr: Trainer) -> dict:
     """Compile the step for `tr`'s config and return the full report as a dict."""
     cfg, t = tr.cfg, tr.cfg.train
     abstract_state = S.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
-    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jax.numpy.int32, sharding=tr.batch_sharding)
-             for k in ("inputs", "targets")}
+    batch = tr.abstract_batch()
     compiled = tr.compile_step(abstract_state, batch)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()

@@ -54,3 +54,10 @@ class StopSignals:
 
 def exit_code(signum: int | None) -> int:
     return 0 if signum is None else 128 + int(signum)
+
+
+class Diverged(RuntimeError):
+    """Too many non-finite steps in a row and no checkpoint to go back to (exit status 3)."""
+
+
+DIVERGED_EXIT = 3

@@ -81,7 +81,9 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
     loss, grads = grads_and_loss(cfg, state.params, batch, micro_batches, dp_axes)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step),
+               # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
+               "bad_in_a_row": opt_state.notfinite_count, "skipped_steps": opt_state.total_notfinite}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

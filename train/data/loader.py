@@ -7,6 +7,7 @@ rows its own devices hold.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -43,8 +44,10 @@ class WindowSampler:
         return {"inputs": inputs, "targets": targets}
 
 
-def to_device(sampler: WindowSampler, starts: np.ndarray, sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Build the global [B,T] arrays; each process only gathers the rows its devices hold."""
+def to_device(sampler: WindowSampler, starts: np.ndarray, sharding: NamedSharding,
+              weight: float = 1.0) -> dict[str, jax.Array]:
+    """Build the global [B,T] arrays; each process only gathers the rows its devices hold.
+    `weights` [B,T] float32 scales each target's loss (1 everywhere here; NaN for fault injection)."""
     shape = (sampler.batch_size, sampler.seq_len)
     cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -57,7 +60,16 @@ def to_device(sampler: WindowSampler, starts: np.ndarray, sharding: NamedShardin
     return {
         "inputs": jax.make_array_from_callback(shape, sharding, lambda idx: rows_for(idx)[0][:, idx[1]]),
         "targets": jax.make_array_from_callback(shape, sharding, lambda idx: rows_for(idx)[1][:, idx[1]]),
+        "weights": jax.make_array_from_callback(
+            shape, sharding, lambda idx: np.full(np.empty(shape)[idx].shape, weight, np.float32)),
     }
+
+
+def injected_nan_steps() -> set[int]:
+    """Fault injection for tests and drills: BRIGADE_INJECT_NAN_STEPS=5,6,7 makes those steps'
+    loss weights NaN, so their gradients are non-finite (the NaN guard must skip them)."""
+    raw = os.environ.get("BRIGADE_INJECT_NAN_STEPS", "")
+    return {int(x) for x in raw.split(",") if x.strip()}
 
 
 class Prefetcher:
@@ -71,11 +83,14 @@ class Prefetcher:
         self._stop = threading.Event()
         self._error: BaseException | None = None
 
+        nan_steps = injected_nan_steps()
+
         def work():
             step = first_step
             try:
                 while not self._stop.is_set():
-                    batch = to_device(sampler, sampler.starts(0, step), sharding)
+                    batch = to_device(sampler, sampler.starts(0, step), sharding,
+                                      float("nan") if step + 1 in nan_steps else 1.0)
                     while not self._stop.is_set():
                         try:
                             self._q.put(batch, timeout=0.1)
