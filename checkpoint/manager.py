@@ -8,8 +8,11 @@ mid-save leaves the previous step as the latest and the half-written one is neve
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from typing import Any
+import re
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -19,6 +22,23 @@ from mesh.errors import UserError
 from mesh.shard import path_names
 
 RUN_SUBDIR = "checkpoints"  # a run directory's checkpoints, unless --checkpoint.dir says otherwise
+
+# Files every committed step has, relative to its directory; the JSON ones must also parse. (A
+# step also has `state/d/*` data files, which only a full read of the arrays checks.)
+_REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
+_JSON = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "meta/metadata")
+_TS_FILE = re.compile(r'local file "([^"]*[^/"])"')  # tensorstore names the file it failed on
+
+
+class UnreadableCheckpoint(UserError):
+    """A committed step whose files are missing, truncated or corrupt. `file` is the culprit
+    (relative to the step directory) when it could be told, else ''."""
+
+    def __init__(self, step_dir: str, file: str, reason: str):
+        self.step_dir, self.file, self.reason = step_dir, file, reason
+        where = f"file {file}: " if file else ""
+        super().__init__(f"checkpoint {step_dir} is unreadable ({where}{reason})")
+
 
 _is_array = lambda x: hasattr(x, "shape")  # noqa: E731  (ShapeDtypeStruct, jax.Array, ArrayMetadata)
 
@@ -88,12 +108,77 @@ class Checkpointer:
         return os.path.join(self.directory, str(step))
 
     def meta(self, step: int) -> dict:
-        return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        with self._reading(step):
+            return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    # -- integrity ------------------------------------------------------------------------------
+    def check_files(self, step: int) -> None:
+        """UnreadableCheckpoint if one of the step's metadata files is missing or is not valid JSON
+        (cheap: nothing but those small files is read; truncated array data shows only on restore)."""
+        step_dir = self.step_dir(step)
+        for rel in _REQUIRED:
+            if not os.path.isfile(os.path.join(step_dir, rel)):
+                raise UnreadableCheckpoint(step_dir, rel, "missing")
+        for rel in _JSON:
+            path = os.path.join(step_dir, rel)
+            if not os.path.exists(path):
+                continue
+            try:
+                with open(path, "rb") as f:
+                    json.loads(f.read())  # JSON only: nothing in a checkpoint is ever unpickled
+            except (OSError, ValueError) as e:
+                raise UnreadableCheckpoint(step_dir, rel, f"not valid JSON: {e}") from None
+        data = os.path.join(step_dir, "state", "d")
+        if os.path.isdir(data):
+            for name in sorted(os.listdir(data)):
+                if os.path.getsize(os.path.join(data, name)) == 0:
+                    raise UnreadableCheckpoint(step_dir, f"state/d/{name}", "empty")
+
+    def check_data(self, step: int) -> None:
+        """UnreadableCheckpoint if any stored array chunk cannot be read back (a truncated or
+        deleted `state/d/*` file, a damaged OCDBT manifest): reads every value of the step's OCDBT
+        store, a few at a time, synchronously. Orbax's own restore would find the same damage, but
+        it fails with reads still in flight that then print 'Event loop is closed' tracebacks."""
+        import tensorstore as ts
+        state_dir = os.path.join(self.step_dir(step), "state")
+        with self._reading(step):
+            kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state_dir}/"}).result()
+            keys = kv.list().result()
+            for i in range(0, len(keys), 16):
+                for f in [kv.read(k) for k in keys[i:i + 16]]:
+                    f.result()
+
+    @contextlib.contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        """Turn any failure to read step `step` (Orbax, tensorstore, JSON, OS errors) into an
+        UnreadableCheckpoint naming the step directory and, where the error tells, the file."""
+        step_dir = self.step_dir(step)
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001  (whatever a damaged file makes Orbax raise)
+            text = str(e)
+            files = [f for f in _TS_FILE.findall(text) if f.startswith(step_dir + os.sep)]
+            if not files and getattr(e, "filename", None):
+                files = [str(e.filename)]
+            if files:
+                rel = os.path.relpath(files[-1], step_dir)
+            else:  # no file in the message: the first metadata file that is damaged, if any
+                try:
+                    self.check_files(step)
+                    rel = ""
+                except UnreadableCheckpoint as u:
+                    rel = u.file
+            first = text.split("[tensorstore_spec=")[0].strip().splitlines()
+            reason = f"{type(e).__name__}: {first[0] if first else ''}"
+            raise UnreadableCheckpoint(step_dir, rel, reason[:400]) from None
 
     def arrays(self, step: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
         """(name, global shape, dtype) of every saved array, from Orbax's metadata files: step,
         then params, then the optimizer state."""
-        saved = self._mngr.item_metadata(step)["state"]
+        with self._reading(step):
+            saved = self._mngr.item_metadata(step)["state"]
         out = [(n, tuple(m.shape), np.dtype(m.dtype)) for n, m in path_names(saved, is_leaf=_is_array)]
         return sorted(out, key=lambda a: ({"step": 0, "params": 1}.get(a[0].split("/")[0], 2), a[0]))
 
@@ -107,16 +192,36 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restore into `abstract_state` (ShapeDtypeStructs with shardings, on any mesh): each
         device reads only the slices of the saved arrays that its new shards cover."""
+        self.check_files(step)
+        self.check_data(step)
         meta = self.meta(step)
         self.check_compatible(step, abstract_state, meta)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-        out = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args)))
+        with self._reading(step):
+            out = self._mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args)))
         return out["state"], meta
+
+    def set_aside(self, step: int) -> str:
+        """Rename an unreadable step to `<step>.unreadable` (Orbax then no longer lists it, and this
+        run may save that step again); nothing is deleted. -> the new path."""
+        src = self.step_dir(step)
+        dst, n = f"{src}.unreadable", 1
+        if jax.process_index() == 0:
+            while os.path.exists(dst):
+                n += 1
+                dst = f"{src}.unreadable{n}"
+            os.rename(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"brigade_set_aside_{step}")
+        self._mngr.reload()
+        return dst
 
     def restore_params_to_host(self, step: int) -> dict:
         """Only the `params` subtree, as numpy arrays in host memory (the optimizer state is not read)."""
-        saved = self._mngr.item_metadata(step)["state"]
+        with self._reading(step):
+            saved = self._mngr.item_metadata(step)["state"]
         try:
             params_md = saved["params"]
         except (KeyError, TypeError):
@@ -124,8 +229,9 @@ class Checkpointer:
         item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), params_md,
                                        is_leaf=_is_array)}
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-        out = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
+        with self._reading(step):
+            out = self._mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
         return out["state"]["params"]
 
     def check_compatible(self, step: int, abstract_state: Any, meta: dict | None = None) -> None:
