@@ -282,8 +282,10 @@ def test_grad_clip():
     g = {"w_DF": jnp.full((4, 4), 100.0)}
     clipped = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
     assert float(optax.tree.norm(clipped)) == pytest.approx(1.0, rel=1e-5)
-    assert tx.init(p)[0] == optax.EmptyState()  # clipping is the first link of the chain
-    assert len(optim.make(TrainConfig(grad_clip=0.0)).init(p)) == 1  # 0 disables it
+    state = tx.init(p)
+    assert isinstance(state, optax.ApplyIfFiniteState)  # the NaN guard wraps the whole chain
+    assert state.inner_state[0] == optax.EmptyState()   # clipping is the first link of the chain
+    assert len(optim.make(TrainConfig(grad_clip=0.0)).init(p).inner_state) == 1  # 0 disables it
 
 
 def test_lr_schedule_warmup_then_cosine():
