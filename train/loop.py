@@ -1,7 +1,6 @@
 """The training loop: the only place with I/O. Data in; metrics, eval and a sample out."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -397,8 +396,3 @@ def _summary_text(s: dict) -> str:
     if s["sample"]:
         lines += ["--- sample ---", s["sample"], "--------------"]
     return "\n".join(lines)
-
-
-def with_overrides(cfg: Config, **sections) -> Config:
-    """cfg with some fields replaced: with_overrides(cfg, train={'steps': 5})."""
-    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
