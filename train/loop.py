@@ -102,10 +102,14 @@ class Trainer:
         with jax.set_mesh(self.mesh), axis_rules(self.rules):
             return self.jit_step().lower(state, batch).compile()
 
+    @functools.cached_property
+    def _eval_fn(self):
+        # one jitted function per Trainer: a fresh jax.jit per eval would retrace and recompile every time
+        return jax.jit(functools.partial(eval_step, self.model_cfg))
+
     def eval_loss(self, params, batches) -> float:
-        fn = jax.jit(functools.partial(eval_step, self.model_cfg))
         with jax.set_mesh(self.mesh), axis_rules(self.rules):
-            sums = [fn(params, b) for b in batches]
+            sums = [self._eval_fn(params, b) for b in batches]
         total, count = np.sum([jax.device_get(s) for s in sums], axis=0)
         return float(total / max(count, 1.0))
 
