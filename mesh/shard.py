@@ -42,6 +42,15 @@ def axes_size(mesh: Mesh, entry) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def spec_axes(spec) -> set[str]:
+    """The mesh axes a PartitionSpec uses: P('fsdp', ('data','model'), None) -> {fsdp, data, model}."""
+    out: set[str] = set()
+    for entry in spec:
+        if entry is not None:
+            out.update((entry,) if isinstance(entry, str) else entry)
+    return out
+
+
 def check_divisible(mesh: Mesh, shapes: Any, axes_tree: Any, rules: Mapping[str, MeshAxes] | None = None,
                     hints: Mapping[str, str] | None = None) -> None:
     """Raise UserError for the first array dim that its mesh axes do not divide.
@@ -74,10 +83,7 @@ def warn_undersharded(mesh: Mesh, arrays: Any, min_bytes: int = 1 << 20,
     for path, x in _flatten_with_names(arrays, is_leaf=lambda s: hasattr(s, "shape")):
         nbytes = math.prod(x.shape) * x.dtype.itemsize
         spec = getattr(x.sharding, "spec", P())
-        used = set()
-        for entry in spec:
-            if entry is not None:
-                used.update((entry,) if isinstance(entry, str) else entry)
+        used = spec_axes(spec)
         missing = [a for a in axes if mesh.shape[a] > 1 and a not in used]
         if nbytes >= min_bytes and missing:
             msg = (f"{path} ({nbytes / 2**20:.1f} MiB, shape {tuple(x.shape)}, spec {spec}) is replicated over"

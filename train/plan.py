@@ -16,19 +16,11 @@ from jax.sharding import NamedSharding
 from mesh.build import describe
 from mesh.hlo import KINDS, parse_collectives, summarize
 from mesh.rules import logical_to_spec
-from mesh.shard import axes_size, path_names
+from mesh.shard import axes_size, path_names, spec_axes
 from models.flops import flops_per_token, param_count
 from train import state as S
 from train.config import make_parser, build
 from train.loop import Trainer
-
-
-def _spec_axes(spec) -> set[str]:
-    out: set[str] = set()
-    for e in spec:
-        if e is not None:
-            out.update((e,) if isinstance(e, str) else e)
-    return out
 
 
 def _shards(mesh, spec) -> int:
@@ -59,7 +51,7 @@ def theory(tr: Trainer, abstract_state) -> dict:
     of the gradient, per micro-batch: (n-1)/n x M each).
     """
     mesh, rules, t = tr.mesh, tr.rules, tr.cfg.train
-    batch_axes = [a for a in _spec_axes(logical_to_spec(("batch",), rules)) if mesh.shape[a] > 1]
+    batch_axes = [a for a in spec_axes(logical_to_spec(("batch",), rules)) if mesh.shape[a] > 1]
     entries: dict[tuple[str, str], dict] = defaultdict(lambda: {"operand_bytes": 0.0, "wire_bytes": 0.0})
 
     def add(kind, axes, operand, n, wire_factor):
@@ -71,9 +63,9 @@ def theory(tr: Trainer, abstract_state) -> dict:
 
     m = tr.model_cfg
     for path, sds in path_names(abstract_state.params, is_leaf=lambda x: hasattr(x, "shape")):
-        spec_axes = _spec_axes(sds.sharding.spec)
-        fsdp_axes = [a for a in batch_axes if a in spec_axes]
-        dp_axes = [a for a in batch_axes if a not in spec_axes]
+        used = spec_axes(sds.sharding.spec)
+        fsdp_axes = [a for a in batch_axes if a in used]
+        dp_axes = [a for a in batch_axes if a not in used]
         n_f = math.prod(mesh.shape[a] for a in fsdp_axes)
         n_d = math.prod(mesh.shape[a] for a in dp_axes)
         full = _local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
