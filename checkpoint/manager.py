@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
+import sys
 from typing import Any, Iterator
 
 import jax
@@ -20,6 +22,34 @@ import orbax.checkpoint as ocp
 
 from mesh.errors import UserError
 from mesh.shard import path_names
+
+class _QuietBackgroundSaveErrors(logging.Filter):
+    """Orbax logs a failed background write (e.g. a full disk) with long tracebacks from its
+    threads before the error reaches the caller, which reports it in one line
+    (train.loop.SaveFailed); keep Orbax's record, as one line, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "orbax" in record.pathname:
+            record.msg, record.args = record.getMessage().splitlines()[0][:300], ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger("absl").addFilter(_QuietBackgroundSaveErrors())
+
+
+def _drop_closed_loop_callbacks(previous):
+    """After a failed save or restore, tensorstore completes the reads/writes still in flight into
+    Orbax's already-closed asyncio loop, and each prints 'RuntimeError: Event loop is closed'
+    (through sys.excepthook). Those are echoes of the error already reported; drop only them."""
+    def hook(tp, value, tb):
+        if tp is RuntimeError and str(value) == "Event loop is closed":
+            return
+        previous(tp, value, tb)
+    return hook
+
+
+sys.excepthook = _drop_closed_loop_callbacks(sys.excepthook)
 
 RUN_SUBDIR = "checkpoints"  # a run directory's checkpoints, unless --checkpoint.dir says otherwise
 

@@ -15,10 +15,15 @@ log = logging.getLogger(__name__)
 
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, *, heartbeat_timeout_s: int = 100) -> None:
+                     process_id: int | None = None, *, peer_timeout_s: float = 45.0) -> None:
     """Join a multi-process JAX job. Explicit flags win; otherwise JAX auto-detects the cluster
     (SLURM, Open MPI, Kubernetes/GKE, TPU pods) when one of their environments is present.
-    On CPU the cross-process collectives go through gloo."""
+    On CPU the cross-process collectives go through gloo.
+
+    `peer_timeout_s` bounds how long a process waits for a peer that is gone: gloo collectives
+    time out after it (a Python error the trainer turns into a message naming the lost peer), and
+    the coordination service's heartbeat timeout (twice as long) is the backstop that aborts a
+    process stuck anywhere else (NCCL on GPUs has its own timeouts)."""
     explicit = coordinator is not None or num_processes not in (None, 1)
     if explicit:
         if coordinator is None or num_processes is None or process_id is None:
@@ -28,7 +33,8 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     elif not _cluster_detected():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = dict(heartbeat_timeout_seconds=heartbeat_timeout_s)
+    _set_cpu_collective_timeout(peer_timeout_s)
+    kwargs = dict(heartbeat_timeout_seconds=max(10, int(2 * peer_timeout_s)))
     if explicit:
         kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
         if coordinator.startswith(("127.", "localhost")):
@@ -36,6 +42,19 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     jax.distributed.initialize(**kwargs)
     log.info("process %d/%d: %d local of %d devices", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
+
+
+def _set_cpu_collective_timeout(seconds: float) -> None:
+    """XLA:CPU's collective timeout, unless the user set one or the backend is already up (the
+    flag is read when the CPU client is created) or will not be CPU."""
+    import os
+    from jax._src import xla_bridge
+    flags = os.environ.get("XLA_FLAGS", "")
+    platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
+    if "xla_cpu_collective_timeout_seconds" in flags or xla_bridge.backends_are_initialized() \
+            or (platforms and not platforms.startswith("cpu")):
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={max(1, int(seconds))}".strip()
 
 
 def _cluster_detected() -> bool:

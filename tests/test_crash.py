@@ -75,7 +75,7 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
     # startup: during import/restore/compile; save: right after a save began (the step that
     # triggers it is logged just before save() is called); step: anywhere in the steady loop
     plan = ["startup", "save", "step", "save", "save", "step"]
-    kills = []
+    kills, resumes = [], 0
     for i, mode in enumerate(plan + ["finish"]):
         before = committed(ck_dir)
         log_path = tmp_path / f"run{i}.log"
@@ -111,6 +111,7 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
             assert rc == -signal.SIGKILL
         assert "unreadable" not in text, text[-3000:]
         got = resumed_step(text)
+        resumes += got is not None
         if before:  # it must have resumed from the newest committed step, never a tmp one
             if mode == "finish":
                 assert got is not None, text[-3000:]
@@ -125,6 +126,10 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1)), kills
     assert [r["loss"] for r in recs] == ref  # bit-identical on CPU
     assert committed(ck_dir)[-1] == STEPS
+    # goodput carried across the attempts: every resume counted, the work after each checkpoint lost
+    last = recs[-1]
+    assert last["restarts"] == resumes and last["recomputed_steps"] >= 0 and last["time_lost_s"] > 0, last
+    assert last["time_total_s"] > sum(r["time_total_s"] for r in records(ref_dir)[-1:]), last
 
 
 # ------------------------------------------------------------------ damaged checkpoints

@@ -28,8 +28,12 @@ from train.data.loader import Prefetcher, WindowSampler, eval_batches, to_device
 from train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train.goodput import CATEGORIES as GOODPUT_CATEGORIES  # noqa: E402
+
 STEP_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_device",
-             "mfu", "data_wait_s", "skipped_steps"}  # the keys + the NaN guard's count
+             "mfu", "data_wait_s", "skipped_steps",  # the keys + the NaN guard's count
+             "steps_since_log", "goodput", "time", "restarts", "recomputed_steps",  # + goodput (train/goodput.py)
+             *(f"time_{c}_s" for c in GOODPUT_CATEGORIES), "time_other_s", "time_total_s"}
 STEPS = 40
 
 
@@ -83,6 +87,15 @@ def test_metrics_jsonl(run):
         assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"] / 8, rel=1e-6)
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
     assert steps == tr.history
+    for r in steps:  # goodput: the categories add up to the total wall time
+        parts = sum(r[f"time_{c}_s"] for c in (*GOODPUT_CATEGORIES, "other"))
+        assert parts == pytest.approx(r["time_total_s"], rel=1e-3), r
+        assert r["goodput"] == pytest.approx(r["time_productive_s"] / r["time_total_s"], rel=1e-3)
+    last, summary = steps[-1], run[1]  # the final save and eval come after the last step's record
+    assert last["time_compile_s"] > 0 and last["time_eval_s"] > 0 and summary["time_checkpoint_s"] > 0
+    assert 0.0 < summary["goodput"] < 1.0 and summary["time_other_s"] < 0.2 * summary["time_total_s"] and summary["restarts"] == 0 and summary["recomputed_steps"] == 0
+    assert summary["time_total_s"] >= last["time_total_s"]
+    assert [r["time_total_s"] for r in steps] == sorted(r["time_total_s"] for r in steps)
     for r in evals:
         assert set(r) == {"step", "eval_loss", "eval_ppl"}
         assert r["eval_ppl"] == pytest.approx(math.exp(r["eval_loss"]), rel=1e-6)

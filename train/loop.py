@@ -5,7 +5,9 @@ import functools
 import json
 import math
 import os
+import re
 import signal
+import threading
 import time
 
 import jax
@@ -25,8 +27,10 @@ from train import optim, state as S
 from train.config import Config, dump
 from train.data import corpus as C
 from train.data.loader import Prefetcher, WindowSampler, eval_batches
+from train.goodput import Goodput, breakdown_text, read_records
 from train.metrics import MetricsLogger, drop_records_after, peak_flops
-from train.resilience import Diverged, StopSignals, exit_code
+from train.resilience import Diverged, StopSignals, exit_code, injected_steps
+from train.watchdog import PeerHeartbeat, Watchdog
 from train.step import eval_step, train_step
 
 # Which config field sets each logical dim, for divisibility errors that name the culprit.
@@ -38,12 +42,13 @@ class Trainer:
     """Build everything from a Config, then `fit()`. Usable from notebooks as well as the CLI."""
 
     def __init__(self, cfg: Config, *, devices: list | None = None):
+        self._started_at = time.time()  # goodput counts this attempt's wall time from here
         self.cfg = cfg
         p = cfg.parallelism
         if p.coordinator or p.num_processes > 1:
-            init_distributed(p.coordinator or None, p.num_processes, p.process_id)
+            init_distributed(p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout)
         else:
-            init_distributed()
+            init_distributed(peer_timeout_s=p.peer_timeout)
         self.mesh = make_mesh(p.mesh, p.mesh_dcn, devices)
         self.rules = make_rules(p.rules)
         self.model_cfg = cfg.model
@@ -214,18 +219,26 @@ class Trainer:
         """Train to --steps, saving checkpoints; resume first if --resume finds one. The summary's
         `exit_code` is 0, or 128 + the signal number when SIGTERM/SIGINT stopped the run."""
         saver = self.open_checkpoints()
+        failed = True
         try:
             with StopSignals() as signals:  # from here on a signal stops the run cleanly, even mid-compile
-                return self._fit(saver, signals)
+                summary = self._fit(saver, signals)
+            failed = False
+            return summary
         finally:
-            saver.close()  # every save in flight is committed before fit() returns
+            try:
+                saver.close()  # every save in flight is committed before fit() returns
+            except Exception as e:  # noqa: BLE001
+                if not failed:  # else the error already on its way out says more
+                    raise SaveFailed(saver, saver.latest_step() or 0, e) from None
 
     def _fit(self, saver: Checkpointer, signals: StopSignals) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        t_start = time.perf_counter()
+        gp = self.goodput = Goodput(self._started_at)
         run_dir = cfg.logging.run_dir
         is_main = jax.process_index() == 0
-        point = self.resume_point(saver)
+        t0 = time.perf_counter()
+        point = self.resume_point(saver)  # reads (and so verifies) the checkpoint it picks
         if point and point[1] >= t.steps:
             src, step = point
             src.check_compatible(step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules))
@@ -234,14 +247,14 @@ class Trainer:
                       f" (raise --steps to continue)", flush=True)
             self.history, self.eval_history = [], []
             return {"steps": step, "resumed_from": step, "trained_steps": 0, "exit_code": 0}
-
-        t0 = time.perf_counter()
         if point:
             state, meta = self.restore(*point)
             resumed = (f"resumed from {point[0].step_dir(point[1])} (step {point[1]}, saved on mesh"
                        f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - t0:.1f}s")
+            gp.add("restore", time.perf_counter() - t0)
         else:
             state, resumed = self.create_state(), ""
+            gp.add("compile", time.perf_counter() - t0)  # mostly compiling the sharded init
 
         corpus = C.load(cfg.data.source, cfg.data.eval_fraction, t.seed)
         if corpus.vocab_size > self.model_cfg.vocab_size:
@@ -249,13 +262,7 @@ class Trainer:
                             f" model.vocab_size={self.model_cfg.vocab_size}")
         sampler = WindowSampler(corpus.train, t.batch_size, t.seq_len, t.seed)
         if is_main:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                f.write(dump(cfg))
-            if point:
-                drop_records_after(run_dir, point[1])  # logged after that save by the run that died
-            elif os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-                os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a fresh run starts a fresh log
+            self._prepare_run_dir(point[1] if point else None)
         step = int(state.step)
         log = MetricsLogger(run_dir, t.steps, step, tensorboard=cfg.logging.tensorboard,
                             progress=cfg.logging.progress)
@@ -266,17 +273,14 @@ class Trainer:
         t0 = time.perf_counter()
         step_fn = self.compile_step(state, batch)
         compile_s = time.perf_counter() - t0
+        gp.add("compile", compile_s)
 
-        n_params = param_count(self.model_cfg)
-        tokens_per_step = t.batch_size * t.seq_len
-        flops_per_step = flops_per_token(self.model_cfg, t.seq_len) * tokens_per_step
         peak, peak_src = peak_flops(self.compute_dtype, cfg.logging.peak_tflops)
-        n_dev = self.mesh.size
-        log.print(f"brigade: {n_params / 1e6:.2f}M params, mesh {describe(self.mesh)} ({n_dev} devices),"
-                  f" {self.compute_dtype} compute, data {corpus.name} ({len(corpus.train) / 1e6:.1f}M train tokens),"
-                  f" step compiled in {compile_s:.1f}s; peak: {peak_src}")
+        log.print(f"brigade: {param_count(self.model_cfg) / 1e6:.2f}M params, mesh {describe(self.mesh)}"
+                  f" ({self.mesh.size} devices), {self.compute_dtype} compute, data {corpus.name}"
+                  f" ({len(corpus.train) / 1e6:.1f}M train tokens), step compiled in {compile_s:.1f}s; peak: {peak_src}")
         if resumed:
-            log.print(resumed)
+            log.print(resumed + (f"; {gp.recomputed_steps} step(s) to recompute" if gp.recomputed_steps else ""))
             changed = _changed_settings(meta.get("config", {}), cfg.to_dict())
             if changed:
                 log.print(f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
@@ -287,78 +291,69 @@ class Trainer:
             if t.eval_every and len(corpus.eval) > t.seq_len + 2 else None
         evals = eval_batches(eval_sampler, self.batch_sharding, t.eval_batches) if eval_sampler else []
 
-        every, config = cfg.checkpoint.every, cfg.to_dict()
+        stats = _StepStats(t.batch_size * t.seq_len, flops_per_token(self.model_cfg, t.seq_len), peak,
+                           self.mesh.size, step)
         history, eval_history = [], []
-        wait_s, last_logged, t_last = 0.0, step, time.perf_counter()
-        productive_s, saved = 0.0, None
-        stopped_by = signals.received  # a signal before the first step: nothing new to save
+        saved, stopped_by = None, signals.received  # a signal before the first step: nothing new to save
+        hang_at = injected_steps("HANG")
+        heartbeat = PeerHeartbeat()
+        watchdog = Watchdog(t.step_timeout, os.path.join(run_dir, f"watchdog-stacks.{jax.process_index()}.txt"),
+                            heartbeat.lost)
         try:
-            while step < t.steps and not stopped_by:
-                state, metrics = step_fn(state, batch)
-                step += 1
-                stopped_by = signals.requested(step)
-                if step < t.steps and not stopped_by:
-                    batch, waited = prefetch.next()
-                    wait_s += waited
-                if step % cfg.logging.log_every == 0 or step in (1, t.steps) or stopped_by:  # 1: the starting loss
-                    m = jax.device_get(metrics)  # the only host sync in steady state
-                    now = time.perf_counter()
-                    n = step - last_logged
-                    dt = (now - t_last) / n
-                    productive_s += now - t_last
-                    rec = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                           "lr": float(m["lr"]), "step_time_s": dt, "tokens_per_sec": tokens_per_step / dt,
-                           "tokens_per_sec_per_device": tokens_per_step / dt / n_dev,
-                           "mfu": flops_per_step / dt / peak if peak else 0.0, "data_wait_s": wait_s / n,
-                           "skipped_steps": int(m["skipped_steps"])}
-                    log.log(rec)
-                    log.advance(n)
-                    history.append(rec)
-                    wait_s, last_logged, t_last = 0.0, step, time.perf_counter()
-                    bad = int(m["bad_in_a_row"])
-                    if bad:
-                        log.print(f"warning: step {step}: non-finite gradients, update skipped ({bad} in a row,"
-                                  f" {rec['skipped_steps']} in total)")
-                    if t.max_bad_steps and bad >= t.max_bad_steps:
-                        state = self._recover(saver, state, step, log)
-                if stopped_by or step == t.steps or (every and step % every == 0):
-                    # blocks only for the device->host copy (counted in step time); the state
-                    # may be donated by the next step right after
-                    saver.save(step, state, make_meta(step, config, self.mesh, t.seed))
-                    saved = step
-                if stopped_by:
-                    break
-                if evals and step % t.eval_every == 0 or (evals and step == t.steps):
-                    ev = self.eval_loss(state.params, evals)
-                    rec = {"step": step, "eval_loss": ev, "eval_ppl": math.exp(min(ev, 50.0))}
-                    log.log(rec)
-                    eval_history.append(rec)
-                    t_last = time.perf_counter()  # eval time is not step time
-            if saved is not None:
-                t0 = time.perf_counter()
-                saver.wait()
-                log.print(f"checkpoint: step {saved} committed to {saver.step_dir(saved)}"
-                          f" (waited {time.perf_counter() - t0:.1f}s for the last save)")
+            with heartbeat, watchdog:
+                while step < t.steps and not stopped_by:
+                    state, metrics = step_fn(state, batch)
+                    step += 1
+                    watchdog.beat(f"step {step}")
+                    if step in hang_at:
+                        threading.Event().wait()  # fault injection: a hang the watchdog must catch
+                    stopped_by = signals.requested(step)
+                    if step < t.steps and not stopped_by:
+                        batch, waited = prefetch.next()
+                        stats.wait_s += waited
+                    if step % cfg.logging.log_every == 0 or step in (1, t.steps) or stopped_by:  # 1: the starting loss
+                        rec, bad = stats.record(step, jax.device_get(metrics), gp)  # the only host sync in steady state
+                        log.log(rec)
+                        log.advance(rec["steps_since_log"])
+                        history.append(rec)
+                        if bad:
+                            log.print(f"warning: step {step}: non-finite gradients, update skipped ({bad} in a row,"
+                                      f" {rec['skipped_steps']} in total)")
+                        if t.max_bad_steps and bad >= t.max_bad_steps:
+                            t0 = time.perf_counter()
+                            state = self._recover(saver, state, step, log)
+                            gp.add("restore", stats.pause(t0))
+                    if stopped_by or step == t.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                        # blocks only for the device->host copy; the state may be donated by the next step right after
+                        t0 = time.perf_counter()
+                        self._save(saver, step, state)
+                        gp.add("checkpoint", stats.pause(t0))
+                        saved = step
+                        watchdog.beat(f"saving step {step}")
+                    if stopped_by:
+                        break
+                    if evals and (step % t.eval_every == 0 or step == t.steps):
+                        t0 = time.perf_counter()
+                        ev = self.eval_loss(state.params, evals)
+                        gp.add("eval", stats.pause(t0))
+                        rec = {"step": step, "eval_loss": ev, "eval_ppl": math.exp(min(ev, 50.0))}
+                        log.log(rec)
+                        eval_history.append(rec)
+                        watchdog.beat(f"eval at step {step}")
+                if saved is not None:
+                    t0 = time.perf_counter()
+                    self._wait(saver, saved)
+                    gp.add("checkpoint", time.perf_counter() - t0)
+                    log.print(f"checkpoint: step {saved} committed to {saver.step_dir(saved)}"
+                              f" (waited {time.perf_counter() - t0:.1f}s for the last save)")
         finally:
             prefetch.close()
 
+        t0 = time.perf_counter()
         text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed) \
             if t.sample_tokens and not stopped_by else ""
-        wall = time.perf_counter() - t_start
-        steady = history[1:] or history
-        summary = {
-            "steps": step, "final_loss": history[-1]["loss"] if history else None,
-            "first_loss": history[0]["loss"] if history else None,
-            "eval_loss": eval_history[-1]["eval_loss"] if eval_history else None,
-            "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])) if steady else 0.0,
-            "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
-            "compile_s": compile_s, "wall_s": wall, "goodput": productive_s / wall if wall else 0.0,
-            "params": n_params, "mesh": describe(self.mesh), "sample": text,
-            "resumed_from": point[1] if point else None,
-            "checkpoint": saver.step_dir(saved) if saved is not None else None,
-            "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
-            "exit_code": exit_code(stopped_by),
-        }
+        gp.add("eval", time.perf_counter() - t0)
+        summary = self._summary(history, eval_history, compile_s, text, point, saver, saved, stopped_by)
         log.print(_summary_text(summary))
         log.close()
         if is_main:
@@ -367,6 +362,121 @@ class Trainer:
         self.state = state
         self.history, self.eval_history = history, eval_history
         return summary
+
+    def _prepare_run_dir(self, resumed_step: int | None) -> None:
+        """config.json, and metrics.jsonl trimmed to what the resumed checkpoint covers (the goodput
+        of the attempt that died carries over from it)."""
+        run_dir = self.cfg.logging.run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            f.write(dump(self.cfg))
+        if resumed_step is not None:
+            self.goodput.resume(read_records(run_dir), resumed_step)
+            drop_records_after(run_dir, resumed_step)  # logged after that save by the run that died
+        elif os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a fresh run starts a fresh log
+
+    def _save(self, saver: Checkpointer, step: int, state) -> None:
+        """Start saving `step`. An asynchronous save that failed in the background (full disk,
+        permissions, storage gone) surfaces here or in `_wait`, as one SaveFailed line."""
+        try:
+            saver.save(step, state, make_meta(step, self.cfg.to_dict(), self.mesh, self.cfg.train.seed))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001  (whatever Orbax/tensorstore raise for a failed write)
+            raise SaveFailed(saver, step, e) from None
+
+    def _wait(self, saver: Checkpointer, step: int) -> None:
+        try:
+            saver.wait()
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise SaveFailed(saver, step, e) from None
+
+    def _summary(self, history, eval_history, compile_s, text, point, saver, saved, stopped_by) -> dict:
+        steady = history[1:] or history
+        times = self.goodput.totals()
+        return {
+            "steps": history[-1]["step"] if history else (point[1] if point else 0),
+            "final_loss": history[-1]["loss"] if history else None,
+            "first_loss": history[0]["loss"] if history else None,
+            "eval_loss": eval_history[-1]["eval_loss"] if eval_history else None,
+            "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])) if steady else 0.0,
+            "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
+            "compile_s": compile_s, "wall_s": time.time() - self.goodput.started_at,
+            "params": param_count(self.model_cfg), "mesh": describe(self.mesh), "sample": text,
+            "resumed_from": point[1] if point else None,
+            "checkpoint": saver.step_dir(saved) if saved is not None else None,
+            "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
+            "exit_code": exit_code(stopped_by),
+            **times,
+        }
+
+
+class _StepStats:
+    """Step time, throughput and MFU between logged steps. Time the loop spends on saves, evals
+    and recovery (`pause`) is not step time."""
+
+    _KNOWN = ("loss", "grad_norm", "lr", "skipped_steps", "bad_in_a_row")
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float, n_devices: int, step: int):
+        self.tokens, self.flops = tokens_per_step, flops_per_token * tokens_per_step
+        self.peak, self.n_devices = peak, n_devices
+        self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
+
+    def pause(self, since: float) -> float:
+        """Count the time since `since` as not-stepping; -> its length."""
+        dt = time.perf_counter() - since
+        self.paused_s += dt
+        return dt
+
+    def record(self, step: int, m: dict, gp: Goodput) -> tuple[dict, int]:
+        """The metrics.jsonl record for `step` from the fetched step metrics `m`, and the number
+        of non-finite steps in a row."""
+        now = time.perf_counter()
+        n = step - self.last_step
+        busy = max(now - self.t_last - self.paused_s, 1e-9)
+        gp.add("productive", busy - self.wait_s)
+        gp.add("data_wait", self.wait_s)
+        dt = busy / n
+        rec = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+               "step_time_s": dt, "tokens_per_sec": self.tokens / dt,
+               "tokens_per_sec_per_device": self.tokens / dt / self.n_devices,
+               "mfu": self.flops / dt / self.peak if self.peak else 0.0, "data_wait_s": self.wait_s / n,
+               "skipped_steps": int(m["skipped_steps"]), "steps_since_log": n}
+        # whatever else the step reports (e.g. MoE load balance): scalars, logged as they are
+        rec.update({k: float(v) for k, v in m.items() if k not in self._KNOWN and np.ndim(v) == 0})
+        rec.update(gp.totals())
+        self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
+        return rec, int(m["bad_in_a_row"])
+
+
+class SaveFailed(UserError):
+    """Writing a checkpoint failed (disk full, permissions, storage gone). Orbax writes a step under
+    `<step>.orbax-checkpoint-tmp` and renames it only when complete, so committed steps are untouched."""
+
+    exit_now = True  # the CLI exits at once: the failed save's writes still in flight would print noise
+
+    def __init__(self, saver: Checkpointer, step: int, err: Exception):
+        kept = saver.all_steps()
+        tmp = re.search(r"/(\d+)\.orbax-checkpoint-tmp", str(err))
+        step = int(tmp.group(1)) if tmp else step  # a background save fails a step later than it started
+        super().__init__(f"checkpoint: saving step {step} to {saver.directory} failed ({_write_error(err)});"
+                         f" committed checkpoints are intact (steps {_steps(kept) if kept else 'none'});"
+                         f" free space or fix the directory, then run the same command again to resume")
+
+
+def _write_error(err: Exception) -> str:
+    """The OS reason and file of a failed write: OSError, or tensorstore's ValueError text."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror + (f": {err.filename}" if err.filename else "")
+    text = str(err)
+    m = re.search(r'Failed to write \d+ bytes to file \d+: ([^\[]+?) \[os_error_code', text) \
+        or re.search(r': ([A-Z][a-z][^:\[]+?) \[os_error_code', text)
+    reason = m.group(1).strip() if m else (text.strip().splitlines() or [type(err).__name__])[0][:200]
+    f = re.search(r'Failed writing: "([^"]+)"', text)
+    return reason + (f": {f.group(1)}" if f else "")
 
 
 # Settings that change what a resumed run computes (the rest, e.g. eval or logging, do not).
@@ -395,7 +505,7 @@ def _summary_text(s: dict) -> str:
     lines = [f"done: {s['steps']} steps in {s['wall_s']:.1f}s (compile {s['compile_s']:.1f}s),"
              f" loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}"
              + (f", eval loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "")
-             + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%, goodput {100 * s['goodput']:.0f}%"]
+             + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%", breakdown_text(s)]
     if s["sample"]:
         lines += ["--- sample ---", s["sample"], "--------------"]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ one process alone would make it save while its peers wait in the next step's col
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -61,3 +62,9 @@ class Diverged(RuntimeError):
 
 
 DIVERGED_EXIT = 3
+
+
+def injected_steps(fault: str) -> set[int]:
+    """Fault injection for tests and drills: BRIGADE_INJECT_<FAULT>_STEPS=5,6,7 -> {5, 6, 7}."""
+    raw = os.environ.get(f"BRIGADE_INJECT_{fault}_STEPS", "")
+    return {int(x) for x in raw.split(",") if x.strip()}

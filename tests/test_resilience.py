@@ -1,0 +1,123 @@
+"""Failures beyond a clean kill: a hung step (watchdog), a crash under `--max-restarts`
+(supervisor), a checkpoint write that fails (full disk) and a checkpoint dir that cannot be made."""
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train.goodput import CATEGORIES, Goodput
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+           PYTHONUNBUFFERED="1")
+CMD = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
+       "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false"]
+
+
+def train(args, run_dir, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "train", *CMD, "--run-dir", str(run_dir), *args], cwd=ROOT,
+                          env={**ENV, **(env or {})}, text=True, capture_output=True, timeout=300, **kw)
+
+
+def steps_logged(run_dir):
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(ln)["step"] for ln in f if ln.endswith("\n") and '"loss"' in ln]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+def test_watchdog_dumps_stacks_and_exits_4_on_a_hang(tmp_path):
+    t0 = time.monotonic()
+    p = train(["--steps", "10", "--train.step_timeout", "3"], tmp_path, env={"BRIGADE_INJECT_HANG_STEPS": "4"})
+    assert p.returncode == 4, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: watchdog")]
+    assert len(lines) == 1 and "after step 4" in lines[0] and "step_timeout 3" in lines[0], p.stderr[-3000:]
+    stacks = (tmp_path / "watchdog-stacks.0.txt").read_text()
+    assert "_fit" in stacks and "train/loop.py" in stacks  # where the main thread hung
+    assert steps_logged(tmp_path) == [1, 2, 3]  # step 4 hung before it was logged
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+def test_supervisor_restarts_a_killed_run_and_reports_lost_steps(tmp_path):
+    out = open(tmp_path / "supervisor.log", "w")
+    ck_dir = tmp_path / "checkpoints"
+    sup = subprocess.Popen([sys.executable, "-m", "train", *CMD, "--run-dir", str(tmp_path), "--steps", "30",
+                            "--seq-len", "128", "--batch-size", "16", "--checkpoint.every", "4",
+                            "--max-restarts", "2"], cwd=ROOT, env=ENV, text=True, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and sup.poll() is None:  # 3 steps past a committed checkpoint
+            saved = [int(d) for d in os.listdir(ck_dir) if d.isdigit()] if ck_dir.is_dir() else []
+            if saved and max(steps_logged(tmp_path), default=0) >= max(saved) + 3:
+                break
+            time.sleep(0.02)
+        pid = int(re.search(r"training started \(pid (\d+)", (tmp_path / "supervisor.log").read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer, or a node fault
+        assert sup.wait(timeout=240) == 0, (tmp_path / "supervisor.log").read_text()[-3000:]
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    log = (tmp_path / "supervisor.log").read_text()
+    (restart,) = [json.loads(ln) for ln in open(tmp_path / "restarts.jsonl")]
+    assert restart["exit_code"] == -signal.SIGKILL and restart["checkpoint_step"] >= max(saved), restart
+    assert restart["lost_steps"] == restart["last_logged_step"] - restart["checkpoint_step"] >= 0
+    assert "killed by SIGKILL" in log and f"restart 1/2 from step {restart['checkpoint_step']}" in log, log[-3000:]
+    assert "1 restart(s)" in log
+    assert steps_logged(tmp_path) == list(range(1, 31))  # every step logged once, the redone ones too
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["restarts"] == 1 and summary["recomputed_steps"] == restart["lost_steps"]
+    assert summary["time_lost_s"] > 0
+
+
+def test_supervisor_does_not_restart_a_configuration_error(tmp_path):
+    p = train(["--max-restarts", "3", "--resume", str(tmp_path / "missing")], tmp_path)
+    assert p.returncode == 2 and "restart" not in p.stderr and "no such checkpoint directory" in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_save_keeps_committed_checkpoints(tmp_path):
+    first = train(["--steps", "8", "--checkpoint.every", "4"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    def small_files():  # writes past 50 kB fail with EFBIG, as a full disk fails with ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
+
+    p = train(["--steps", "16", "--checkpoint.every", "4"], tmp_path, preexec_fn=small_files)
+    assert p.returncode == 2, p.stderr[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "saving step 12" in errors[0] and "File too large" in errors[0] and "intact (steps 4, 8)" in errors[0]
+    again = train(["--steps", "16", "--checkpoint.every", "4"], tmp_path)  # space is back: resume and finish
+    assert again.returncode == 0 and "resumed from" in again.stdout and "(step 8," in again.stdout, again.stdout
+
+
+def test_checkpoint_dir_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    p = train(["--steps", "2", "--checkpoint.dir", str(tmp_path / "file" / "ckpt")], tmp_path)
+    assert p.returncode == 2 and p.stderr.startswith("error: --checkpoint.dir: cannot create"), p.stderr
+    assert p.stderr.count("\n") == 1
+
+
+def test_goodput_carries_over_a_restart():
+    gp = Goodput(started_at=1000.0)
+    totals = {f"time_{c}_s": 1.0 for c in CATEGORIES} | {"time_total_s": 10.0, "time_other_s": 3.0}
+    recs = [{"step": 4, "time": 900.0, **totals, "recomputed_steps": 0, "restarts": 0},
+            {"step": 7, "time": 950.0, **totals, "time_total_s": 30.0}]
+    gp.resume(recs, step=4)  # resumed at the checkpoint of step 4; the run died after logging step 7
+    gp.add("productive", 5.0)
+    out = gp.totals(now=1010.0)
+    # lost: 20 s of work after step 4 (30 - 10) + 50 s down (950 -> 1000); total: 10 + 70 + 10 s now
+    assert out["time_lost_s"] == pytest.approx(1.0 + 70.0) and out["time_total_s"] == pytest.approx(90.0)
+    assert out["time_productive_s"] == pytest.approx(6.0) and out["goodput"] == pytest.approx(6.0 / 90.0)
+    assert out["restarts"] == 1 and out["recomputed_steps"] == 3
+    assert sum(out[f"time_{c}_s"] for c in (*CATEGORIES, "other")) == pytest.approx(out["time_total_s"])

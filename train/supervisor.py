@@ -1,0 +1,102 @@
+"""`--max-restarts N`: run training as a child process and restart it after a crash.
+
+The supervisor never imports JAX (it must not take devices from its child). A child that exits
+0 (done), 2 (a configuration or environment error: restarting cannot help), 3 (diverged with
+nothing to reload) or 130/143 (stopped by SIGINT/SIGTERM with a committed checkpoint) ends the
+supervision with that status. Any other exit (killed by a signal, a Python error, the watchdog's
+4, a lost peer's 5) is a crash: the same command runs again and resumes from the last committed
+checkpoint, after a short back-off, up to N times. Each restart appends one line to
+<run_dir>/restarts.jsonl (exit status, last logged step, checkpoint step, steps lost, downtime).
+
+In a multi-process job every process runs its own supervisor; when one child dies its peers exit
+with status 5, every supervisor restarts its child, and they meet again at the coordinator.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+FINAL = {0: "finished", 2: "configuration or environment error", 3: "diverged",
+         130: "stopped by SIGINT", 143: "stopped by SIGTERM"}
+REASONS = {4: "watchdog: no progress", 5: "lost a peer process", 1: "Python error"}
+CHILD_ENV = "BRIGADE_SUPERVISED"  # set in the child: it must not supervise itself
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return REASONS.get(code, FINAL.get(code, f"exit status {code}"))
+
+
+def _last_logged_step(run_dir: str) -> int | None:
+    step = None
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for ln in f:
+                try:
+                    step = json.loads(ln).get("step", step)
+                except json.JSONDecodeError:
+                    pass
+    except OSError:
+        pass
+    return step
+
+
+def _checkpoint_step(ckpt_dir: str) -> int | None:
+    """The newest committed step (Orbax renames a step dir into place only once it is complete)."""
+    try:
+        steps = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()]
+    except OSError:
+        return None
+    return max(steps, default=None)
+
+
+def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, backoff_s: float = 2.0) -> int:
+    """Run `python -m train argv` until it ends for good; -> its final exit status."""
+    env = dict(os.environ, **{CHILD_ENV: "1"})
+    stop = {"signal": None}
+    child: subprocess.Popen | None = None
+
+    def forward(signum, frame):  # preemption reaches the child, which saves and exits 143/130
+        stop["signal"] = signum
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    restarts, lost_total = 0, 0
+    try:
+        while True:
+            started = time.time()
+            child = subprocess.Popen([sys.executable, "-m", "train", *argv], env=env)
+            print(f"supervisor: training started (pid {child.pid}, restart {restarts}/{max_restarts})", flush=True)
+            code = child.wait()
+            ended = time.time()
+            if code in FINAL or stop["signal"] is not None or restarts >= max_restarts:
+                if code not in FINAL and stop["signal"] is None:
+                    print(f"supervisor: training {describe(code)}; giving up after {restarts} restart(s)"
+                          f" (--max-restarts {max_restarts})", file=sys.stderr, flush=True)
+                break
+            restarts += 1
+            logged, saved = _last_logged_step(run_dir), _checkpoint_step(ckpt_dir)
+            lost = max(0, (logged or 0) - (saved or 0))
+            lost_total += lost
+            print(f"supervisor: training {describe(code)} after {ended - started:.0f}s; restart {restarts}/"
+                  f"{max_restarts} from {'step ' + str(saved) if saved is not None else 'scratch'}"
+                  f" ({lost} logged step(s) to redo)", file=sys.stderr, flush=True)
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "restarts.jsonl"), "a") as f:
+                f.write(json.dumps({"restart": restarts, "exit_code": code, "reason": describe(code),
+                                    "exited_at": ended, "last_logged_step": logged, "checkpoint_step": saved,
+                                    "lost_steps": lost, "backoff_s": backoff_s}) + "\n")
+            time.sleep(backoff_s)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if restarts:
+        print(f"supervisor: {restarts} restart(s), {lost_total} logged step(s) recomputed; exit status {code}",
+              flush=True)
+    return code
