@@ -34,6 +34,8 @@ class TrainConfig:
     grad_clip: float = 1.0        # global-norm clipping; 0 disables
     seed: int = 0
     max_bad_steps: int = 5        # non-finite steps in a row (each skipped) before reloading the last checkpoint; 0 = never
+    step_timeout: float = 900.0   # watchdog: seconds without progress (after the first compile) before exiting 4; 0 = off
+    max_restarts: int = 0         # supervisor: restart a crashed run up to N times from its last checkpoint
     eval_every: int = 60          # 0 disables
     eval_batches: int = 4
     sample_tokens: int = 160      # tokens generated at the end of training; 0 disables
@@ -48,6 +50,7 @@ class ParallelismConfig:
     coordinator: str = ""         # HOST:PORT of process 0 (multi-process); empty = auto-detect
     num_processes: int = 1
     process_id: int = 0
+    peer_timeout: float = 45.0    # seconds before a lost peer process is declared (heartbeats; CPU collectives)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,7 @@ ALIASES = {
     "--log-every": "logging.log_every", "--peak-tflops": "logging.peak_tflops",
     "--coordinator": "parallelism.coordinator", "--num-processes": "parallelism.num_processes",
     "--process-id": "parallelism.process_id", "--resume": "checkpoint.resume",
+    "--max-restarts": "train.max_restarts",
 }
 
 
@@ -227,6 +231,11 @@ def _validate(cfg: Config) -> None:
         raise UserError(f"--seq-len {t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.logging.log_every <= 0:
         raise UserError(f"--log-every must be positive, got {cfg.logging.log_every}")
+    for name in ("step_timeout", "max_restarts", "max_bad_steps"):
+        if getattr(t, name) < 0:
+            raise UserError(f"train.{name} must be >= 0, got {getattr(t, name)}")
+    if cfg.parallelism.peer_timeout <= 0:
+        raise UserError(f"parallelism.peer_timeout must be positive, got {cfg.parallelism.peer_timeout}")
     c = cfg.checkpoint
     for name in ("every", "keep", "keep_every"):
         if getattr(c, name) < 0:
