@@ -264,6 +264,24 @@ class Checkpointer:
                 state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
         return out["state"]["params"]
 
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only the `params` subtree, read straight into `abstract_params`' shardings (on any mesh;
+        cast to their dtypes), from a full or a parameters-only checkpoint. UserError listing the
+        arrays whose shapes differ."""
+        self.check_files(step)
+        saved = {n: shape for n, shape, _ in self.arrays(step) if n.startswith("params/")}
+        want = {f"params/{n}": tuple(s.shape) for n, s in path_names(abstract_params, is_leaf=_is_array)}
+        bad = [f"{n}: checkpoint {saved.get(n, 'has none')} vs model {shape}" for n, shape in want.items()
+               if saved.get(n) != shape] + [f"{n}: model has none" for n in saved if n not in want]
+        if bad:
+            raise UserError(f"checkpoint {self.step_dir(step)}: its parameters do not match this model config"
+                            f" ({len(bad)} arrays differ): " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+        item = {"params": abstract_params}
+        with self._reading(step):
+            out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+        return out["state"]["params"]
+
     def check_compatible(self, step: int, abstract_state: Any, meta: dict | None = None) -> None:
         """UserError listing every array whose saved shape differs from `abstract_state`'s (metadata only)."""
         if (meta or self.meta(step)).get("contents") == "params":

@@ -250,3 +250,36 @@ def test_checkpoint_flags(tmp_path):
         build({"checkpoint.keep": -1})
     with pytest.raises(UserError, match="valid checkpoint options: dir, every, keep, keep_every, async, resume"):
         build({"checkpoint.async_save": False})
+
+
+def test_init_from_params_on_another_mesh(straight, tmp_path):
+    """--init-from: a fresh run (step 0, fresh optimizer) with a checkpoint's parameters, read
+    into another mesh's shardings; another model config's checkpoint is refused, naming arrays."""
+    from checkpoint.__main__ import export_params
+    run_dir, _ = straight
+    exported = export_params(str(run_dir / "checkpoints" / "4"), str(tmp_path / "params"))
+    saved = Checkpointer(str(tmp_path / "params"), create=False).restore_params_to_host(4)
+    tr = Trainer(make_cfg(tmp_path / "run", **{"parallelism.mesh": "fsdp=4,model=2",
+                                                "checkpoint.init_from": exported}))
+    fresh = tr.create_state()
+    state, note = tr._init_from(fresh, exported)
+    assert int(state.step) == 0 and "fresh optimizer" in note
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.params, saved)
+    wq = state.params["blocks"]["attn"]["wq_DNH"]
+    assert wq.sharding.spec == tr.state_shardings.params["blocks"]["attn"]["wq_DNH"].spec
+    other = Trainer(make_cfg(tmp_path / "other", **{"model.d_ff": 128}))
+    with pytest.raises(UserError, match=r"do not match this model config .*w_up_DF: checkpoint \(2, 64, 192\) vs"):
+        other._init_from(other.create_state(), exported)
+
+
+def test_profile_steps_writes_a_trace(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "train", "--model", "tiny", "--steps", "3", "--batch-size", "8",
+                        "--seq-len", "32", "--eval-every", "0", "--train.sample_tokens", "0", "--logging.progress",
+                        "false", "--logging.tensorboard", "false", "--run-dir", str(tmp_path), "--profile.steps", "2:4"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "profile: steps 2:4 traced into" in p.stdout, p.stderr[-2000:]
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    data = jax.profiler.ProfileData.from_file(str(traces[0]))
+    names = {e.name for plane in data.planes for line in plane.lines for e in line.events}
+    assert "train" in names  # the StepTraceAnnotation of the traced steps

@@ -77,6 +77,12 @@ class CheckpointConfig:
     keep_every: int = 0           # steps divisible by this are kept forever (recovery points); 0 = none
     async_save: bool = True       # flag and YAML name: `async` (a Python keyword cannot be a field)
     resume: str = "latest"        # latest | none | PATH (a run dir, a checkpoint dir or one step's dir)
+    init_from: str = ""           # PATH: start a fresh run from these parameters (e.g. an HF import); fresh optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    steps: str = ""               # A:B = trace steps A..B-1 with jax.profiler into <run_dir>/profile; empty = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,7 @@ class Config:
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    profile: ProfileConfig = ProfileConfig()
 
     def to_dict(self) -> dict:
         """Sections of public option names (what YAML and --section.field accept)."""
@@ -98,7 +105,8 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig,
-            "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig}
+            "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig,
+            "profile": ProfileConfig}
 
 # Option names that differ from their dataclass field: "section.field" -> public name.
 PUBLIC_NAMES = {"checkpoint.async_save": "async"}
@@ -114,7 +122,7 @@ ALIASES = {
     "--log-every": "logging.log_every", "--peak-tflops": "logging.peak_tflops",
     "--coordinator": "parallelism.coordinator", "--num-processes": "parallelism.num_processes",
     "--process-id": "parallelism.process_id", "--resume": "checkpoint.resume",
-    "--max-restarts": "train.max_restarts",
+    "--max-restarts": "train.max_restarts", "--init-from": "checkpoint.init_from",
 }
 
 
@@ -240,8 +248,22 @@ def _validate(cfg: Config) -> None:
     for name in ("every", "keep", "keep_every"):
         if getattr(c, name) < 0:
             raise UserError(f"checkpoint.{name} must be >= 0, got {getattr(c, name)}")
+    profile_window(cfg.profile.steps, t.steps)
     if not c.resume:
         raise UserError("--resume: expected latest, none or a checkpoint PATH, got ''")
+
+
+def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
+    """--profile.steps 'A:B' -> (A, B): trace steps A..B-1; '' -> None."""
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise UserError(f"--profile.steps '{spec}': expected START:STOP, e.g. 10:15 (steps 10 to 14)") from None
+    if not 1 <= a < b <= steps + 1:
+        raise UserError(f"--profile.steps '{spec}': need 1 <= START < STOP <= --steps + 1 = {steps + 1}")
+    return a, b
 
 
 def _load_yaml(path: str) -> dict:

@@ -24,11 +24,11 @@ from models import model as M
 from models.flops import flops_per_token, param_count
 from models.sample import generate
 from train import optim, state as S
-from train.config import Config, dump
+from train.config import Config, dump, profile_window
 from train.data import corpus as C
 from train.data.loader import Prefetcher, WindowSampler, eval_batches
 from train.goodput import Goodput, breakdown_text, read_records
-from train.metrics import MetricsLogger, drop_records_after, peak_flops
+from train.metrics import MetricsLogger, StepProfiler, drop_records_after, peak_flops
 from train.resilience import Diverged, StopSignals, exit_code, injected_steps
 from train.watchdog import PeerHeartbeat, Watchdog
 from train.step import eval_step, train_step
@@ -255,6 +255,11 @@ class Trainer:
         else:
             state, resumed = self.create_state(), ""
             gp.add("compile", time.perf_counter() - t0)  # mostly compiling the sharded init
+        initialised = ""
+        if cfg.checkpoint.init_from and not point:
+            t0 = time.perf_counter()
+            state, initialised = self._init_from(state, cfg.checkpoint.init_from)
+            gp.add("restore", time.perf_counter() - t0)
 
         corpus = C.load(cfg.data.source, cfg.data.eval_fraction, t.seed)
         if corpus.vocab_size > self.model_cfg.vocab_size:
@@ -277,8 +282,10 @@ class Trainer:
 
         peak, peak_src = peak_flops(self.compute_dtype, cfg.logging.peak_tflops)
         log.print(f"brigade: {param_count(self.model_cfg) / 1e6:.2f}M params, mesh {describe(self.mesh)}"
-                  f" ({self.mesh.size} devices), {self.compute_dtype} compute, data {corpus.name}"
+                  f" ({self.mesh.size} device{'s' * (self.mesh.size > 1)}), {self.compute_dtype} compute, data {corpus.name}"
                   f" ({len(corpus.train) / 1e6:.1f}M train tokens), step compiled in {compile_s:.1f}s; peak: {peak_src}")
+        if initialised:
+            log.print(initialised)
         if resumed:
             log.print(resumed + (f"; {gp.recomputed_steps} step(s) to recompute" if gp.recomputed_steps else ""))
             changed = _changed_settings(meta.get("config", {}), cfg.to_dict())
@@ -296,15 +303,20 @@ class Trainer:
         history, eval_history = [], []
         saved, stopped_by = None, signals.received  # a signal before the first step: nothing new to save
         hang_at = injected_steps("HANG")
+        profiler = StepProfiler(profile_window(cfg.profile.steps, t.steps), run_dir)
         heartbeat = PeerHeartbeat()
         watchdog = Watchdog(t.step_timeout, os.path.join(run_dir, f"watchdog-stacks.{jax.process_index()}.txt"),
                             heartbeat.lost)
         try:
             with heartbeat, watchdog:
                 while step < t.steps and not stopped_by:
-                    state, metrics = step_fn(state, batch)
+                    with profiler.step(step + 1):
+                        state, metrics = step_fn(state, batch)
                     step += 1
                     watchdog.beat(f"step {step}")
+                    if profiler.after(step, metrics):
+                        log.print(f"profile: steps {cfg.profile.steps} traced into {profiler.dir}"
+                                  f" (tensorboard --logdir {profiler.dir}, or open the .trace.json.gz in ui.perfetto.dev)")
                     if step in hang_at:
                         threading.Event().wait()  # fault injection: a hang the watchdog must catch
                     stopped_by = signals.requested(step)
@@ -348,6 +360,7 @@ class Trainer:
                               f" (waited {time.perf_counter() - t0:.1f}s for the last save)")
         finally:
             prefetch.close()
+            profiler.close()
 
         t0 = time.perf_counter()
         text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed) \
@@ -362,6 +375,14 @@ class Trainer:
         self.state = state
         self.history, self.eval_history = history, eval_history
         return summary
+
+    def _init_from(self, state: S.TrainState, path: str) -> tuple[S.TrainState, str]:
+        """--init-from PATH: this run's fresh state with the parameters of a checkpoint (full or
+        parameters-only, e.g. `python -m models.hf import`), read straight into this mesh's shardings."""
+        src, step = open_checkpoint(path)
+        abstract = S.abstract(self.model_cfg, self.tx, self.mesh, self.rules).params
+        params = src.restore_params(step, abstract)
+        return state.replace(params=params), f"initialised the parameters from {src.step_dir(step)} (fresh optimizer)"
 
     def _prepare_run_dir(self, resumed_step: int | None) -> None:
         """config.json, and metrics.jsonl trimmed to what the resumed checkpoint covers (the goodput

@@ -125,3 +125,35 @@ def drop_records_after(run_dir: str, step: int) -> None:
         with open(path + ".tmp", "w") as f:
             f.writelines(keep)
         os.replace(path + ".tmp", path)
+
+
+class StepProfiler:
+    """--profile.steps A:B: a jax.profiler trace of steps A..B-1 in <run_dir>/profile (open it
+    with TensorBoard's profile plugin or ui.perfetto.dev). Each step is a StepTraceAnnotation."""
+
+    def __init__(self, window: tuple[int, int] | None, run_dir: str):
+        self.window, self.dir, self.active = window, os.path.join(run_dir, "profile"), False
+
+    def step(self, step: int):
+        """Context for running step `step` (1-based): starts the trace at A, annotates inside."""
+        import contextlib
+        if self.window is None or not self.window[0] <= step < self.window[1]:
+            return contextlib.nullcontext()
+        if not self.active:
+            jax.profiler.start_trace(self.dir)
+            self.active = True
+        return jax.profiler.StepTraceAnnotation("train", step_num=step)
+
+    def after(self, step: int, outputs) -> str | None:
+        """Stop once step B-1 has run (waiting for its outputs); -> the trace dir when stopped."""
+        if self.active and step >= self.window[1] - 1:
+            jax.block_until_ready(outputs)
+            jax.profiler.stop_trace()
+            self.active = False
+            return self.dir
+        return None
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
