@@ -16,7 +16,7 @@ from mesh.rules import axis_rules, logical_to_spec
 from mesh.shard import axes_size
 from models import model as M
 from train.config import build
-from train.data.loader import WindowSampler, to_device
+from train.data import make_pipeline
 from train.loop import Trainer
 from train.step import grads_and_loss
 
@@ -166,9 +166,9 @@ def micro_setup(tmp_path_factory):
     cfg = make_cfg("data=2,fsdp=2,model=2", tmp_path_factory.mktemp("micro"), **{"train.batch_size": 16})
     tr = Trainer(cfg)
     state = tr.create_state()
-    tokens = (np.arange(5000) * 7919 % 251).astype(np.uint16)
-    sampler = WindowSampler(tokens, 16, 32, seed=0)
-    batch = to_device(sampler, sampler.starts(0, 0), tr.batch_sharding)
+    pipe = make_pipeline(tr.cfg.data, batch_size=16, seq_len=32, seed=0, batch_sharding=tr.batch_sharding,
+                         vocab_size=264)
+    batch = pipe.device_batch(0)
     return tr, state, batch
 
 

@@ -24,7 +24,7 @@ from models.config import PRESETS
 from train import optim
 from train.config import TrainConfig, build
 from train.data import corpus as C
-from train.data.loader import Prefetcher, WindowSampler, eval_batches, to_device
+from train.data import make_pipeline
 from train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,67 +140,41 @@ def test_summary_and_sample(run):
     assert 0 < summary["mfu"] < 1 and summary["tokens_per_sec"] > 0
 
 
-# ------------------------------------------------------------------ data: sampler and placement
+# ------------------------------------------------------------------ data: placement on the mesh
 
-TOKENS = (np.arange(10_000) * 7919 % 257).astype(np.uint16)
-
-
-def test_window_sampler_deterministic():
-    a, b = WindowSampler(TOKENS, 8, 16, seed=3), WindowSampler(TOKENS, 8, 16, seed=3)
-    for step in (0, 5, 1000):
-        x, y = a.global_batch(step), b.global_batch(step)
-        np.testing.assert_array_equal(x["inputs"], y["inputs"])
-        np.testing.assert_array_equal(x["targets"], y["targets"])
-    assert not np.array_equal(a.global_batch(5)["inputs"], a.global_batch(6)["inputs"])
-    other = WindowSampler(TOKENS, 8, 16, seed=4)
-    assert not np.array_equal(a.global_batch(5)["inputs"], other.global_batch(5)["inputs"])
-    # order of requests does not matter: batch `step` depends only on (seed, step)
-    later_first = [a.global_batch(s)["inputs"] for s in (7, 2)]
-    np.testing.assert_array_equal(later_first[1], b.global_batch(2)["inputs"])
-
-
-def test_window_sampler_windows():
-    s = WindowSampler(TOKENS, 8, 16, seed=0)
-    batch = s.global_batch(3)
-    assert batch["inputs"].shape == batch["targets"].shape == (8, 16)
-    assert batch["inputs"].dtype == np.int32
-    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
-    for row, start in zip(batch["inputs"], s.starts(0, 3)):
-        np.testing.assert_array_equal(row, TOKENS[start:start + 16])
-    assert s.starts(0, 3).max() + 17 <= len(TOKENS)
-    with pytest.raises(UserError, match="--seq-len 64"):
-        WindowSampler(TOKENS[:40], 8, 64, seed=0)
+def _pipeline(seed, first_step=0, sharding=None):
+    from train.config import DataConfig
+    return make_pipeline(DataConfig(source="synthetic", prefetch=2), batch_size=8, seq_len=16, seed=seed,
+                         batch_sharding=sharding, start_step=first_step, vocab_size=264)
 
 
 @pytest.mark.parametrize("spec", [P(("data", "fsdp", "expert"), None), P("data", "model"), P()])
-def test_to_device_equals_global_batch(spec):
+def test_device_batch_equals_global_batch(spec):
     mesh = make_mesh("data=2,fsdp=2,model=2")
     sh = NamedSharding(mesh, spec)
-    s = WindowSampler(TOKENS, 8, 16, seed=1)
-    out = to_device(s, s.starts(0, 4), sh)
-    ref = s.global_batch(4)
-    for k in ("inputs", "targets"):
+    pipe = _pipeline(1, sharding=sh)
+    out, ref = pipe.device_batch(4), pipe.global_batch(4)
+    for k in ("inputs", "targets", "weights"):
         assert out[k].shape == (8, 16) and out[k].sharding == sh
         np.testing.assert_array_equal(np.asarray(out[k]), ref[k])
         for shard in out[k].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), ref[k][shard.index])
+    np.testing.assert_array_equal(ref["inputs"][:, 1:], ref["targets"][:, :-1])
 
 
-def test_prefetcher_and_eval_batches():
-    mesh = make_mesh("data=8")
-    sh = NamedSharding(mesh, P(("data", "fsdp", "expert"), None))
-    s = WindowSampler(TOKENS, 8, 16, seed=2)
-    pf = Prefetcher(s, sh, first_step=5, depth=2)
+def test_prefetch_and_eval_batches():
+    sh = NamedSharding(make_mesh("data=8"), P(("data", "fsdp", "expert"), None))
+    pipe = _pipeline(2, first_step=5, sharding=sh)
     try:
-        for step in (5, 6, 7):
-            batch, waited = pf.next()
+        for step in (5, 6, 7):  # batch s is a function of (seed, s) only: the prefetched ones too
+            batch, waited = pipe.next()
             assert waited >= 0
-            np.testing.assert_array_equal(np.asarray(batch["inputs"]), s.global_batch(step)["inputs"])
+            np.testing.assert_array_equal(np.asarray(batch["inputs"]), pipe.global_batch(step)["inputs"])
     finally:
-        pf.close()
-    e1, e2 = eval_batches(s, sh, 2), eval_batches(s, sh, 2)
+        pipe.close()
+    e1, e2 = pipe.eval_batches(2), pipe.eval_batches(2)
     np.testing.assert_array_equal(np.asarray(e1[1]["inputs"]), np.asarray(e2[1]["inputs"]))
-    assert not np.array_equal(np.asarray(e1[0]["inputs"]), s.global_batch(0)["inputs"])
+    assert not np.array_equal(np.asarray(e1[0]["inputs"]), pipe.global_batch(0)["inputs"])
     assert not np.array_equal(np.asarray(e1[0]["inputs"]), np.asarray(e1[1]["inputs"]))
 
 

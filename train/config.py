@@ -55,9 +55,14 @@ class ParallelismConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "default"       # default (stdlib corpus) | synthetic | PATH (file or directory of text)
+    # default (stdlib corpus) | synthetic | DIR (prepared: DIR/index.json) | PATH (text file/dir, byte tokens)
+    # | a mixture SRC:WEIGHT,SRC:WEIGHT (e.g. dirA:0.7,dirB:0.3) | FILE.yaml (a list of {source, weight})
+    source: str = "default"
     eval_fraction: float = 0.02   # share of documents held out for eval
     prefetch: int = 2             # batches prepared ahead on a background thread
+    packing: bool = True          # documents end to end in seq_len windows; false: one document chunk per row, padded
+    packing_mask: bool = False    # also segment_ids/positions so attention stays inside a document
+    verify: bool = True           # check every shard's sha256 against the prepared dataset's index at start
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,8 @@ from models.flops import flops_per_token, param_count
 from models.sample import generate
 from train import optim, state as S
 from train.config import Config, dump, profile_window
-from train.data import corpus as C
-from train.data.loader import Prefetcher, WindowSampler, eval_batches
+from train.data import abstract_batch as data_abstract_batch, make_pipeline
+from train.data.tokenizers import ByteTokenizer
 from train.goodput import Goodput, breakdown_text, read_records
 from train.metrics import MetricsLogger, StepProfiler, drop_records_after, peak_flops
 from train.resilience import Diverged, StopSignals, exit_code, injected_steps
@@ -97,10 +97,7 @@ class Trainer:
     def abstract_batch(self) -> dict:
         """ShapeDtypeStructs of one global batch, as the loader builds it."""
         t = self.cfg.train
-        shape = (t.batch_size, t.seq_len)
-        return {"inputs": jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding),
-                "targets": jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding),
-                "weights": jax.ShapeDtypeStruct(shape, np.float32, sharding=self.batch_sharding)}
+        return data_abstract_batch(self.cfg.data, t.batch_size, t.seq_len, self.batch_sharding)
 
     def compile_step(self, state, batch):
         with jax.set_mesh(self.mesh), axis_rules(self.rules):
@@ -117,12 +114,13 @@ class Trainer:
         total, count = np.sum([jax.device_get(s) for s in sums], axis=0)
         return float(total / max(count, 1.0))
 
-    def sample(self, params, prompt: str, n_tokens: int, seed: int = 0) -> str:
-        prompt_tokens = C.encode(prompt or "\n")[None, :].astype(np.int32)
+    def sample(self, params, prompt: str, n_tokens: int, seed: int = 0, tokenizer=None) -> str:
+        tokenizer = tokenizer or ByteTokenizer()
+        prompt_tokens = tokenizer.encode([prompt or "\n"])[0][None, :].astype(np.int32)
         replicate_acts = {k: () for k in self.rules}  # a batch of one cannot be split over devices
         with jax.set_mesh(self.mesh), axis_rules(replicate_acts):
             out = generate(self.model_cfg, params, prompt_tokens, jax.random.key(seed), max_new=n_tokens)
-        return C.decode(np.asarray(jax.device_get(out))[0])
+        return tokenizer.decode(np.asarray(jax.device_get(out))[0])
 
     # -- checkpoints ------------------------------------------------------------------------
     def open_checkpoints(self) -> Checkpointer:
@@ -261,11 +259,10 @@ class Trainer:
             state, initialised = self._init_from(state, cfg.checkpoint.init_from)
             gp.add("restore", time.perf_counter() - t0)
 
-        corpus = C.load(cfg.data.source, cfg.data.eval_fraction, t.seed)
-        if corpus.vocab_size > self.model_cfg.vocab_size:
-            raise UserError(f"data '{corpus.name}' needs vocab_size >= {corpus.vocab_size} but"
-                            f" model.vocab_size={self.model_cfg.vocab_size}")
-        sampler = WindowSampler(corpus.train, t.batch_size, t.seq_len, t.seed)
+        data = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                             batch_sharding=self.batch_sharding, start_step=int(state.step),
+                             vocab_size=self.model_cfg.vocab_size)
+        self._data = data  # its state(step) goes into every checkpoint's meta
         if is_main:
             self._prepare_run_dir(point[1] if point else None)
         step = int(state.step)
@@ -273,8 +270,7 @@ class Trainer:
                             progress=cfg.logging.progress)
         for msg in warn_undersharded(self.mesh, state.params):
             log.print(f"warning: {msg}")
-        prefetch = Prefetcher(sampler, self.batch_sharding, step, cfg.data.prefetch)
-        batch, _ = prefetch.next()
+        batch, _ = data.next()
         t0 = time.perf_counter()
         step_fn = self.compile_step(state, batch)
         compile_s = time.perf_counter() - t0
@@ -282,21 +278,21 @@ class Trainer:
 
         peak, peak_src = peak_flops(self.compute_dtype, cfg.logging.peak_tflops)
         log.print(f"brigade: {param_count(self.model_cfg) / 1e6:.2f}M params, mesh {describe(self.mesh)}"
-                  f" ({self.mesh.size} device{'s' * (self.mesh.size > 1)}), {self.compute_dtype} compute, data {corpus.name}"
-                  f" ({len(corpus.train) / 1e6:.1f}M train tokens), step compiled in {compile_s:.1f}s; peak: {peak_src}")
+                  f" ({self.mesh.size} device{'s' * (self.mesh.size > 1)}), {self.compute_dtype} compute, {data.describe()},"
+                  f" step compiled in {compile_s:.1f}s; peak: {peak_src}")
         if initialised:
             log.print(initialised)
         if resumed:
             log.print(resumed + (f"; {gp.recomputed_steps} step(s) to recompute" if gp.recomputed_steps else ""))
             changed = _changed_settings(meta.get("config", {}), cfg.to_dict())
+            if "loader" in meta.get("data", {}):  # the data itself (sources, windows) as well as the settings
+                changed = list(dict.fromkeys(changed + data.check_state(meta["data"]["loader"])))
             if changed:
                 log.print(f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
                           + (" (the learning-rate schedule spans train.steps)" if any(
                               c.startswith("train.steps ") for c in changed) else ""))
 
-        eval_sampler = WindowSampler(corpus.eval, t.batch_size, t.seq_len, t.seed, "eval") \
-            if t.eval_every and len(corpus.eval) > t.seq_len + 2 else None
-        evals = eval_batches(eval_sampler, self.batch_sharding, t.eval_batches) if eval_sampler else []
+        evals = data.eval_batches(t.eval_batches) if t.eval_every else []
 
         stats = _StepStats(t.batch_size * t.seq_len, flops_per_token(self.model_cfg, t.seq_len), peak,
                            self.mesh.size, step)
@@ -321,7 +317,7 @@ class Trainer:
                         threading.Event().wait()  # fault injection: a hang the watchdog must catch
                     stopped_by = signals.requested(step)
                     if step < t.steps and not stopped_by:
-                        batch, waited = prefetch.next()
+                        batch, waited = data.next()
                         stats.wait_s += waited
                     if step % cfg.logging.log_every == 0 or step in (1, t.steps) or stopped_by:  # 1: the starting loss
                         rec, bad = stats.record(step, jax.device_get(metrics), gp)  # the only host sync in steady state
@@ -359,12 +355,13 @@ class Trainer:
                     log.print(f"checkpoint: step {saved} committed to {saver.step_dir(saved)}"
                               f" (waited {time.perf_counter() - t0:.1f}s for the last save)")
         finally:
-            prefetch.close()
+            data.close()
             profiler.close()
 
         t0 = time.perf_counter()
-        text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed) \
-            if t.sample_tokens and not stopped_by else ""
+        tokenizer = data.tokenizer()  # None when a prepared dataset's tokenizer file no longer loads
+        text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed, tokenizer) \
+            if t.sample_tokens and tokenizer and not stopped_by else ""
         gp.add("eval", time.perf_counter() - t0)
         summary = self._summary(history, eval_history, compile_s, text, point, saver, saved, stopped_by)
         log.print(_summary_text(summary))
@@ -401,7 +398,9 @@ class Trainer:
         """Start saving `step`. An asynchronous save that failed in the background (full disk,
         permissions, storage gone) surfaces here or in `_wait`, as one SaveFailed line."""
         try:
-            saver.save(step, state, make_meta(step, self.cfg.to_dict(), self.mesh, self.cfg.train.seed))
+            meta = make_meta(step, self.cfg.to_dict(), self.mesh, self.cfg.train.seed)
+            meta["data"]["loader"] = self._data.state(step)  # checked by Pipeline.check_state on resume
+            saver.save(step, state, meta)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001  (whatever Orbax/tensorstore raise for a failed write)
@@ -503,7 +502,7 @@ def _write_error(err: Exception) -> str:
 # Settings that change what a resumed run computes (the rest, e.g. eval or logging, do not).
 _RESUME_SENSITIVE = {"train": ("steps", "batch_size", "seq_len", "micro_batches", "lr", "min_lr_ratio", "warmup_steps",
                                "weight_decay", "decay_embeddings", "b1", "b2", "eps", "grad_clip", "seed"),
-                     "data": ("source", "eval_fraction")}
+                     "data": ("source", "eval_fraction", "packing", "packing_mask")}
 
 
 def _changed_settings(saved: dict, now: dict) -> list[str]:

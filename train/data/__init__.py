@@ -1,0 +1,15 @@
+"""Data: sources and tokenizers, `python -m train.data prepare`, and the step-indexed pipeline.
+
+`make_pipeline` and `abstract_batch` live in train/data/pipeline.py (imported on first use, so that
+`prepare` and its worker processes never import JAX).
+"""
+
+
+def make_pipeline(*args, **kwargs):
+    from train.data.pipeline import make_pipeline as make
+    return make(*args, **kwargs)
+
+
+def abstract_batch(*args, **kwargs):
+    from train.data.pipeline import abstract_batch as abstract
+    return abstract(*args, **kwargs)

@@ -1,0 +1,321 @@
+"""`python -m train.data prepare INPUTS... --tokenizer TOK --out DIR`: text files, globs, directories
+and JSONL -> memory-mapped token shards with document boundaries and a JSON index.
+
+Layout of DIR:
+  index.json                  tokenizer (kind, path, sha256, id), vocab_size, eos_id, dtype, token and
+                              document counts, and per shard its file names, counts and sha256
+  shard-00000.bin             tokens, raw little-endian uint16 (vocabulary <= 65536) or uint32
+  shard-00000.offsets.npy     int64 [n_documents + 1]: document d is tokens[offsets[d]:offsets[d+1]]
+Each document ends with the tokenizer's EOS id. Documents keep input order (files sorted inside a
+directory or glob; JSONL lines in file order), whatever the number of workers. Everything is written
+into `DIR.tmp-<pid>` and renamed to DIR only on success, so a failed run leaves nothing behind.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import glob
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+
+import numpy as np
+
+from mesh.errors import UserError
+from train.data import tokenizers as TK
+
+FORMAT = "brigade-tokens/1"
+INDEX = "index.json"
+TASK_BYTES = 4 << 20          # input bytes per worker task at most: amortises the IPC, keeps the bar moving
+MIN_TASK_BYTES = 16 << 10     # ... and at least (small inputs are still spread over the workers)
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m train.data prepare", allow_abbrev=False,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                description="Tokenise text files, globs, directories and JSONL into memory-mapped token shards.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text file, JSONL file (.jsonl), directory or glob")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte | hf:FILE.json | sentencepiece:FILE.model | tiktoken:FILE.tiktoken (kind from the suffix"
+                        " if omitted)")
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the document text")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes; 1 = in-process")
+    p.add_argument("--on-bad-utf8", choices=("fail", "skip"), default="fail",
+                   help="a document that is not UTF-8: stop with its name, or skip it and report the count")
+    p.add_argument("--eos-token", default=None, help="end-of-document token (default: found in the vocabulary)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 28, help="start a new shard after this many tokens")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+# ------------------------------------------------------------------ inputs -> tasks
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Files in a stable order: each input in command-line order; a directory's or glob's files sorted."""
+    files: list[str] = []
+    for spec in inputs:
+        if os.path.isdir(spec):
+            for dirpath, dirnames, names in os.walk(spec):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                files += [os.path.join(dirpath, n) for n in sorted(names) if not n.startswith(".")]
+        elif os.path.exists(spec):
+            files.append(spec)
+        elif glob.has_magic(spec):
+            matched = sorted(f for f in glob.glob(spec, recursive=True) if os.path.isfile(f))
+            if not matched:
+                raise UserError(f"prepare: input glob '{spec}' matches no file")
+            files += matched
+        else:
+            raise UserError(f"prepare: input '{spec}' is not a file, directory or glob")
+    if not files:
+        raise UserError(f"prepare: no input files in {' '.join(inputs)}")
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise UserError(f"prepare: cannot read input file '{f}' (permission denied)")
+    return files
+
+
+def make_tasks(files: list[str], workers: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Work units of (path, start, end) byte ranges, about 8 per worker within [MIN_TASK_BYTES,
+    TASK_BYTES]; JSONL files are split at arbitrary offsets (a line belongs to the range it starts
+    in), text files stay whole."""
+    sizes = [os.path.getsize(f) for f in files]
+    task_bytes = min(TASK_BYTES, max(MIN_TASK_BYTES, sum(sizes) // (8 * workers)))
+    tasks, current, size = [], [], 0
+    for path, n in zip(files, sizes):
+        step = task_bytes if path.endswith(JSONL_SUFFIXES) else max(n, 1)
+        for start in range(0, max(n, 1), step):
+            current.append((path, start, min(start + step, n)))
+            size += min(step, n - start)
+            if size >= task_bytes:
+                tasks.append(current)
+                current, size = [], 0
+    return tasks + ([current] if current else [])
+
+
+# ------------------------------------------------------------------ workers
+
+_TOKENIZER: TK.Tokenizer | None = None
+
+
+def _init_worker(spec: str, eos_token: str | None, pool: bool) -> None:
+    global _TOKENIZER
+    if pool:  # HF tokenizers' own thread pool in every worker would oversubscribe the cores
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _TOKENIZER = TK.load(spec, eos_token)
+
+
+def _read_docs(path: str, start: int, end: int, text_field: str):
+    """-> [(where, raw bytes)] for the documents that start in [start, end)."""
+    try:
+        with open(path, "rb") as f:
+            if not path.endswith(JSONL_SUFFIXES):
+                return [(path, f.read())]
+            if start:
+                f.seek(start - 1)
+                f.readline()  # the line that straddles `start` belongs to the previous range
+            docs = []
+            while f.tell() < end:
+                pos, line = f.tell(), f.readline()
+                if not line:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise UserError(f"prepare: {path} (byte {pos}): not a JSON line; JSONL inputs need one"
+                                    f" object per line") from None
+                text = record.get(text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise UserError(f"prepare: {path} (byte {pos}): no string field '{text_field}'; set --text-field"
+                                    f" (fields here: {', '.join(record) if isinstance(record, dict) else 'none'})")
+                docs.append((f"{path} (byte {pos})", text))
+            return docs
+    except OSError as e:
+        raise UserError(f"prepare: cannot read input file '{path}': {e.strerror}") from None
+
+
+def _work(task, text_field: str, on_bad_utf8: str, dtype: str):
+    """-> (tokens [N] of dtype, doc lengths int64 [D], input bytes, skipped names). Documents end with EOS."""
+    texts, skipped, n_bytes = [], [], 0
+    for path, start, end in task:
+        n_bytes += end - start
+        for where, raw in _read_docs(path, start, end, text_field):
+            if isinstance(raw, bytes):
+                try:
+                    raw = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    if on_bad_utf8 == "fail":
+                        raise UserError(f"prepare: {where} is not UTF-8 text (byte {e.start}); pass --on-bad-utf8"
+                                        f" skip to skip such documents") from None
+                    skipped.append(where)
+                    continue
+            if raw:
+                texts.append(raw)
+    ids = _TOKENIZER.encode(texts) if texts else []
+    eos = np.array([_TOKENIZER.eos_id], np.int64)
+    tokens = np.concatenate([x for t in ids for x in (t, eos)]) if ids else np.zeros(0, np.int64)
+    if len(tokens) and int(tokens.max()) >= _TOKENIZER.vocab_size:
+        raise UserError(f"prepare: the tokenizer produced id {int(tokens.max())} >= its vocab_size"
+                        f" {_TOKENIZER.vocab_size}")
+    return tokens.astype(dtype), np.array([len(t) + 1 for t in ids], np.int64), n_bytes, skipped
+
+
+# ------------------------------------------------------------------ writer
+
+class _ShardWriter:
+    def __init__(self, directory: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.dtype, self.shard_tokens = directory, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self._f = None
+
+    def _open(self) -> None:
+        name = f"shard-{len(self.shards):05d}"
+        self._name, self._hash, self._lengths, self._n = name, hashlib.sha256(), [], 0
+        self._f = open(os.path.join(self.directory, f"{name}.bin"), "wb")
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Appends whole documents; a shard is closed once it holds shard_tokens or more."""
+        ends = np.cumsum(lengths)
+        lo = 0
+        while lo < len(lengths):
+            if self._f is None:
+                self._open()
+            room = self.shard_tokens - self._n
+            base = ends[lo - 1] if lo else 0
+            hi = max(lo + 1, int(np.searchsorted(ends, base + room, side="right")))  # at least one document
+            data = tokens[base:ends[hi - 1]].astype(self.dtype).tobytes()
+            self._f.write(data)
+            self._hash.update(data)
+            self._lengths.append(lengths[lo:hi])
+            self._n += int(ends[hi - 1] - base)
+            lo = hi
+            if self._n >= self.shard_tokens:
+                self.close()
+
+    def close(self) -> None:
+        if self._f is None:
+            return
+        self._f.close()
+        offsets = np.concatenate([[0], np.cumsum(np.concatenate(self._lengths))]).astype(np.int64)
+        off_name = f"{self._name}.offsets.npy"
+        np.save(os.path.join(self.directory, off_name), offsets)
+        self.shards.append({"tokens": f"{self._name}.bin", "offsets": off_name, "n_tokens": int(offsets[-1]),
+                            "n_documents": len(offsets) - 1,
+                            "sha256": {"tokens": self._hash.hexdigest(),
+                                       "offsets": TK.file_sha256(os.path.join(self.directory, off_name))}})
+        self._f = None
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field: str = "text", workers: int = 1,
+            on_bad_utf8: str = "fail", eos_token: str | None = None, shard_tokens: int = 1 << 28,
+            overwrite: bool = False, progress: bool = True) -> dict:
+    """Tokenise `inputs` into `out`; returns the index. Raises UserError (nothing left on disk) on bad input."""
+    if workers < 1 or shard_tokens < 1:
+        raise UserError(f"prepare: --workers and --shard-tokens must be >= 1, got {workers} and {shard_tokens}")
+    if os.path.exists(out) and not overwrite:
+        raise UserError(f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite")
+    files = expand_inputs(inputs)
+    tok = TK.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
+    info = tok.describe()
+    dtype = token_dtype(tok.vocab_size)
+    tasks = make_tasks(files, workers)
+    out = os.path.abspath(out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    os.makedirs(tmp)
+    from tqdm import tqdm
+    bar = tqdm(total=sum(e - s for t in tasks for _, s, e in t), unit="B", unit_scale=True, desc="prepare",
+               disable=not progress, file=sys.stderr)
+    try:
+        writer = _ShardWriter(tmp, dtype, shard_tokens)
+        skipped: list[str] = []
+        n_bytes = 0
+        with _results(tasks, tokenizer, eos_token, text_field, on_bad_utf8, dtype.name, workers) as results:
+            for tokens, lengths, nb, skip in results:
+                writer.add(tokens, lengths)
+                skipped += skip
+                n_bytes += nb
+                bar.update(nb)
+        writer.close()
+        bar.close()
+        n_docs = sum(s["n_documents"] for s in writer.shards)
+        if not n_docs:
+            raise UserError(f"prepare: no non-empty documents in {' '.join(inputs)}"
+                            + (f" ({len(skipped)} skipped as not UTF-8)" if skipped else ""))
+        index = {"format": FORMAT, "tokenizer": info, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                 "dtype": dtype.name, "n_tokens": sum(s["n_tokens"] for s in writer.shards), "n_documents": n_docs,
+                 "input_bytes": n_bytes, "skipped_not_utf8": len(skipped), "inputs": list(inputs),
+                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "shards": writer.shards}
+        with open(os.path.join(tmp, INDEX), "w") as f:
+            json.dump(index, f, indent=1)
+        if os.path.exists(out):  # --overwrite: the old directory goes only once the new one is complete
+            old = f"{out}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        bar.leave = False  # the error line stands alone
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if skipped:
+        print(f"prepare: skipped {len(skipped)} documents that are not UTF-8 (first: {skipped[0]})", file=sys.stderr)
+    return index
+
+
+class _results:
+    """Task results in task order: in-process for one worker, else a pool of spawned processes
+    (fork is unsafe once JAX's or a tokenizer's threads exist; spawning costs ~1 s once)."""
+
+    def __init__(self, tasks, spec, eos_token, text_field, on_bad_utf8, dtype, workers):
+        self.tasks, self.spec, self.eos_token = tasks, spec, eos_token
+        self.work = functools.partial(_work, text_field=text_field, on_bad_utf8=on_bad_utf8, dtype=dtype)
+        self.workers, self.pool = min(workers, len(tasks)), None
+
+    def __enter__(self):
+        if self.workers <= 1:
+            _init_worker(self.spec, self.eos_token, pool=False)
+            return map(self.work, self.tasks)
+        self.pool = mp.get_context("spawn").Pool(self.workers, initializer=_init_worker,
+                                                initargs=(self.spec, self.eos_token, True))
+        return self.pool.imap(self.work, self.tasks)
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        index = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, workers=args.workers,
+                        on_bad_utf8=args.on_bad_utf8, eos_token=args.eos_token, shard_tokens=args.shard_tokens,
+                        overwrite=args.overwrite, progress=not args.no_progress)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: {index['n_documents']} documents, {index['n_tokens']} tokens ({index['dtype']}) in"
+          f" {len(index['shards'])} shards, tokenizer {index['tokenizer']['id']} (vocab {index['vocab_size']})")
+    return 0

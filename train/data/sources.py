@@ -1,0 +1,248 @@
+"""Data sources for the pipeline: what `--data.source` names, loaded as token streams.
+
+A source is one of
+  default                the stdlib corpus (byte tokens, train/eval split by file name; corpus.py)
+  synthetic              random bytes (throughput runs)
+  DIR                    a prepared dataset (DIR/index.json; `python -m train.data prepare`)
+  PATH                   any other text file or directory, byte-tokenised on the fly (corpus.py)
+and `--data.source` is one source or a mixture: `A:0.7,B:0.3` (each entry `SOURCE:WEIGHT`) or
+FILE.yaml holding a list of `{source: ..., weight: ...}`. Weights are relative.
+
+Each source becomes a `Stream` per split: its documents laid end to end (each ends with EOS) as one
+virtual token sequence over memory-mapped shards. A prepared dataset's eval split is a fixed
+hash of the document index (like the default corpus's hash of file names): independent of the
+seed, the same on every process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from mesh.errors import UserError
+from train.data import corpus as C
+from train.data.prepare import FORMAT, INDEX
+from train.data.tokenizers import file_sha256
+
+SOURCE_CHOICES = "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
+
+
+@dataclasses.dataclass
+class Stream:
+    """A virtual token sequence: segment i is shards[seg_shard[i]][seg_start[i]:][:len], placed at
+    virtual positions seg_vstart[i]:seg_vstart[i+1]; document d spans doc_vstart[d]:doc_vstart[d+1]."""
+    shards: list[np.ndarray]
+    seg_shard: np.ndarray     # int64 [S]
+    seg_start: np.ndarray     # int64 [S]
+    seg_vstart: np.ndarray    # int64 [S+1]
+    doc_vstart: np.ndarray    # int64 [D+1]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.seg_vstart[-1])
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.doc_vstart) - 1
+
+    @property
+    def longest_doc(self) -> int:
+        return int(np.diff(self.doc_vstart).max()) if self.n_docs else 0
+
+    @classmethod
+    def from_array(cls, tokens: np.ndarray, doc_starts: np.ndarray) -> "Stream":
+        n = len(tokens)
+        return cls([tokens], np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([0, n], np.int64),
+                   np.append(doc_starts, n).astype(np.int64))
+
+    def gather(self, v: np.ndarray) -> np.ndarray:
+        """Tokens at virtual positions v (any shape, 0 <= v < n_tokens) -> int32, same shape."""
+        if len(self.seg_shard) == 1:
+            return self.shards[self.seg_shard[0]][v + self.seg_start[0]].astype(np.int32)
+        seg = np.searchsorted(self.seg_vstart, v, side="right") - 1
+        phys = self.seg_start[seg] + (v - self.seg_vstart[seg])
+        shard = self.seg_shard[seg]
+        out = np.empty(v.shape, np.int32)
+        for s in np.unique(shard):
+            mask = shard == s
+            out[mask] = self.shards[s][phys[mask]]
+        return out
+
+    def doc_of(self, v: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.doc_vstart, v, side="right") - 1
+
+
+@dataclasses.dataclass
+class Source:
+    name: str
+    train: Stream
+    eval: Stream
+    vocab_size: int
+    tokenizer: dict          # the index's tokenizer record; `id` decides what may be mixed
+    fingerprint: str         # changes when the tokens do: a resumed run checks it
+
+
+def hash_u64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a fixed, well-mixed hash of uint64 values (vectorised)."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def is_eval_doc(doc_index: np.ndarray, eval_fraction: float) -> np.ndarray:
+    return hash_u64(doc_index) % np.uint64(10_000) < np.uint64(int(eval_fraction * 10_000))
+
+
+# ------------------------------------------------------------------ in-memory corpora (corpus.py)
+
+def _doc_starts(tokens: np.ndarray) -> np.ndarray:
+    """Documents of a corpus.py array end with EOS; the start of each."""
+    ends = np.flatnonzero(tokens == C.EOS) + 1
+    return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
+
+
+def from_corpus(c: C.Corpus, whole_docs: bool = True) -> Source:
+    streams = [Stream.from_array(t, _doc_starts(t) if whole_docs else np.zeros(1, np.int64)) for t in (c.train, c.eval)]
+    fingerprint = hashlib.sha256(c.train.tobytes()).hexdigest()[:16]
+    return Source(c.name, streams[0], streams[1], c.vocab_size, {"kind": "byte", "id": "byte",
+                                                                 "vocab_size": C.BYTE_VOCAB, "eos_id": C.EOS},
+                  fingerprint)
+
+
+# ------------------------------------------------------------------ prepared datasets
+
+def read_index(directory: str) -> dict:
+    path = os.path.join(directory, INDEX)
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except OSError as e:
+        raise UserError(f"--data {directory}: cannot read {INDEX}: {e.strerror}") from None
+    except ValueError:
+        raise UserError(f"--data {directory}: {INDEX} is not valid JSON; re-run `python -m train.data prepare`") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise UserError(f"--data {directory}: {INDEX} is not a {FORMAT} index; re-run `python -m train.data prepare`")
+    return index
+
+
+def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
+    """Memory-maps every shard after checking sizes (always) and sha256 checksums (when `verify`)."""
+    index = read_index(directory)
+    dtype = np.dtype(index["dtype"])
+    shards, offsets = [], []
+    for sh in index["shards"]:
+        files = {"tokens": os.path.join(directory, sh["tokens"]), "offsets": os.path.join(directory, sh["offsets"])}
+        for what, path in files.items():
+            if not os.path.isfile(path):
+                raise UserError(f"--data {directory}: shard file {sh[what]} listed in {INDEX} is missing")
+        if os.path.getsize(files["tokens"]) != sh["n_tokens"] * dtype.itemsize:
+            raise UserError(f"--data {directory}: {sh['tokens']} holds {os.path.getsize(files['tokens'])} bytes, its"
+                            f" index says {sh['n_tokens']} {dtype.name} tokens (truncated or modified); re-run prepare")
+        if verify:
+            for what, path in files.items():
+                if file_sha256(path) != sh["sha256"][what]:
+                    raise UserError(f"--data {directory}: {sh[what]} does not match the sha256 in {INDEX} (corrupt or"
+                                    f" modified); re-run prepare, or --data.verify false to skip this check")
+        off = np.load(files["offsets"])
+        if len(off) != sh["n_documents"] + 1 or off[-1] != sh["n_tokens"]:
+            raise UserError(f"--data {directory}: {sh['offsets']} does not match {sh['tokens']}; re-run prepare")
+        shards.append(np.memmap(files["tokens"], dtype, mode="r", shape=(sh["n_tokens"],)))
+        offsets.append(off.astype(np.int64))
+    doc_counts = [len(o) - 1 for o in offsets]
+    held = is_eval_doc(np.arange(sum(doc_counts)), eval_fraction)
+    starts = np.cumsum([0] + doc_counts)
+    split = [_select(shards, offsets, [m[starts[i]:starts[i + 1]] for i in range(len(shards))])
+             for m in (~held, held)]
+    fingerprint = hashlib.sha256(json.dumps([s["sha256"] for s in index["shards"]]).encode()).hexdigest()[:16]
+    return Source(f"{os.path.basename(os.path.normpath(directory))} ({index['tokenizer']['id']})", split[0], split[1],
+                  int(index["vocab_size"]), index["tokenizer"], fingerprint)
+
+
+def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.ndarray]) -> Stream:
+    """The kept documents of every shard, end to end; runs of consecutive kept documents become
+    one segment, so a mostly-kept shard is a handful of segments."""
+    seg_shard, seg_start, seg_len, doc_len = [], [], [], []
+    for s, (off, k) in enumerate(zip(offsets, keep)):
+        if not k.any():
+            continue
+        edge = np.diff(np.concatenate([[0], k.astype(np.int8), [0]]))
+        first, last = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)  # run = docs first..last-1
+        seg_shard.append(np.full(len(first), s))
+        seg_start.append(off[first])
+        seg_len.append(off[last] - off[first])
+        doc_len.append(np.diff(off)[k])
+    if not seg_shard:
+        return Stream(shards, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+    cat = lambda xs: np.concatenate(xs).astype(np.int64)  # noqa: E731
+    return Stream(shards, cat(seg_shard), cat(seg_start), np.concatenate([[0], np.cumsum(cat(seg_len))]),
+                  np.concatenate([[0], np.cumsum(cat(doc_len))]))
+
+
+# ------------------------------------------------------------------ --data.source
+
+def parse_mixture(source: str) -> list[tuple[str, float]]:
+    """`A:0.7,B:0.3` or FILE.yaml (a list of {source, weight}) -> [(source, weight)]; a single
+    source has weight 1."""
+    if source.endswith((".yaml", ".yml")) and os.path.isfile(source):
+        return _mixture_yaml(source)
+    entries = []
+    for part in source.split(","):
+        name, sep, w = part.rpartition(":")
+        try:
+            weight = float(w) if sep else None
+        except ValueError:
+            name, weight = part, None
+        entries.append((name if weight is not None else part, weight))
+    if len(entries) == 1:
+        return [(entries[0][0], entries[0][1] or 1.0)]
+    for name, weight in entries:
+        if weight is None or not weight > 0 or not np.isfinite(weight):
+            raise UserError(f"--data {source!r}: mixture entry '{name}' needs a positive weight, as in"
+                            f" dirA:0.7,dirB:0.3")
+    return entries
+
+
+def _mixture_yaml(path: str) -> list[tuple[str, float]]:
+    import yaml
+    try:
+        with open(path) as f:
+            items = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"--data {path}: cannot read the mixture file ({str(e).splitlines()[0]})") from None
+    ok = isinstance(items, list) and items and all(
+        isinstance(i, dict) and isinstance(i.get("source"), str) and isinstance(i.get("weight"), (int, float))
+        and i["weight"] > 0 for i in items)
+    if not ok:
+        raise UserError(f"--data {path}: a mixture file is a list of {{source: DIR, weight: POSITIVE}} entries")
+    base = os.path.dirname(os.path.abspath(path))  # relative sources are relative to the file
+    return [(i["source"] if i["source"] in ("default", "synthetic") or os.path.isabs(i["source"])
+             else os.path.join(base, i["source"]), float(i["weight"])) for i in items]
+
+
+def load_source(spec: str, eval_fraction: float, seed: int, verify: bool = True) -> Source:
+    if spec == "default":
+        return from_corpus(C.stdlib_corpus(eval_fraction))
+    if spec == "synthetic":
+        return from_corpus(C.synthetic_corpus(seed), whole_docs=False)  # random bytes: one long document
+    if os.path.isfile(os.path.join(spec, INDEX)):
+        return load_prepared(spec, eval_fraction, verify)
+    if not os.path.exists(spec):
+        raise UserError(f"--data: '{spec}' is not a file or directory; valid: {SOURCE_CHOICES}")
+    return from_corpus(C.text_corpus(spec, eval_fraction))
+
+
+def load_sources(source: str, eval_fraction: float, seed: int, verify: bool = True) -> list[tuple[Source, float]]:
+    """Every source of `--data.source` with its normalised weight; all must share one tokenizer."""
+    mix = parse_mixture(source)
+    loaded = [(load_source(s, eval_fraction, seed, verify), w) for s, w in mix]
+    ids = {src.tokenizer["id"] for src, _ in loaded}
+    if len(ids) > 1:
+        raise UserError(f"--data {source!r}: the sources use different tokenizers ("
+                        + ", ".join(f"{src.name}: {src.tokenizer['id']}" for src, _ in loaded)
+                        + "); prepare them with the same --tokenizer")
+    total = sum(w for _, w in mix)
+    return [(src, w / total) for src, w in loaded]

@@ -1,0 +1,162 @@
+"""Tokenizers from local files: the built-in byte tokenizer, a HuggingFace `tokenizers` JSON,
+a SentencePiece `.model` and a tiktoken BPE rank file. Nothing is ever downloaded.
+
+A spec is `byte`, `KIND:PATH` (KIND one of hf, sentencepiece, tiktoken) or a PATH whose suffix
+says the kind (.json, .model, .tiktoken). Every tokenizer has an end-of-document id (`eos_id`):
+`prepare` appends it to each document, so packed windows keep document boundaries.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+
+import numpy as np
+
+from mesh.errors import UserError
+from train.data import corpus as C
+
+KINDS = ("byte", "hf", "sentencepiece", "tiktoken")
+_SUFFIX = {".json": "hf", ".model": "sentencepiece", ".tiktoken": "tiktoken"}
+# End-of-document tokens looked up in a HuggingFace vocabulary, in this order, unless --eos-token says.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+# tiktoken rank files carry no split regex: use cl100k_base's (a pre-tokenizer only; any works for round trips)
+TIKTOKEN_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+                    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+_PACKAGE = {"hf": "tokenizers", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
+
+
+class Tokenizer:
+    """encode(list[str]) -> list[np.ndarray]; decode(ids) -> str; ids < vocab_size."""
+    kind: str
+    path: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What the dataset index records; `id` decides whether two datasets can be mixed."""
+        digest = file_sha256(self.path) if self.path else ""
+        return {"kind": self.kind, "path": os.path.abspath(self.path) if self.path else "",
+                "sha256": digest, "id": f"{self.kind}:{digest[:16]}" if digest else self.kind,
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+
+class ByteTokenizer(Tokenizer):
+    kind, path, vocab_size, eos_id = "byte", "", C.BYTE_VOCAB, C.EOS
+
+    def encode(self, texts):
+        return [C.encode(t) for t in texts]
+
+    def decode(self, ids):
+        return C.decode(ids)
+
+
+class HFTokenizer(Tokenizer):
+    kind = "hf"
+
+    def __init__(self, path: str, eos_token: str | None):
+        from tokenizers import Tokenizer as HF
+        self.path, self._tok = path, HF.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        names = (eos_token,) if eos_token else EOS_CANDIDATES
+        ids = [i for i in (self._tok.token_to_id(n) for n in names) if i is not None]
+        if not ids:
+            raise UserError(f"--tokenizer {path}: no end-of-document token {' / '.join(names)} in its vocabulary;"
+                            f" name one with --eos-token")
+        self.eos_id = ids[0]
+
+    def encode(self, texts):
+        return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    kind = "sentencepiece"
+
+    def __init__(self, path: str, eos_token: str | None):
+        import sentencepiece as spm
+        self.path, self._sp = path, spm.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._sp.piece_to_id(eos_token) if eos_token else self._sp.eos_id()
+        if self.eos_id < 0 or (eos_token and self._sp.id_to_piece(self.eos_id) != eos_token):
+            raise UserError(f"--tokenizer {path}: no end-of-document token"
+                            f" {eos_token or '(eos_id is -1)'}; name one with --eos-token")
+
+    def encode(self, texts):
+        return [np.asarray(ids, np.int64) for ids in self._sp.encode(texts)]
+
+    def decode(self, ids):
+        return self._sp.decode([int(i) for i in ids])
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A local `.tiktoken` rank file (base64 token, rank per line); EOS `<|endoftext|>` = the next id."""
+    kind = "tiktoken"
+
+    def __init__(self, path: str, eos_token: str | None):
+        import tiktoken
+        ranks = {}
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token, validate=True)] = int(rank)
+        self.path, self.eos_id = path, max(ranks.values()) + 1
+        self.vocab_size = self.eos_id + 1
+        self._enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens={eos_token or "<|endoftext|>": self.eos_id})
+
+    def encode(self, texts):
+        return [np.asarray(ids, np.int64) for ids in self._enc.encode_ordinary_batch(texts, num_threads=1)]
+
+    def decode(self, ids):
+        return self._enc.decode([int(i) for i in ids])
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """'byte' | 'KIND:PATH' | PATH with a known suffix -> (kind, path)."""
+    if spec == "byte":
+        return "byte", ""
+    kind, sep, path = spec.partition(":")
+    if sep and kind in KINDS[1:]:
+        return kind, path
+    suffix = os.path.splitext(spec)[1]
+    if suffix in _SUFFIX:
+        return _SUFFIX[suffix], spec
+    raise UserError(f"--tokenizer {spec!r}: unknown kind; valid: byte, hf:PATH, sentencepiece:PATH, tiktoken:PATH,"
+                    f" or a PATH ending in {', '.join(_SUFFIX)}")
+
+
+def load(spec: str, eos_token: str | None = None) -> Tokenizer:
+    """A Tokenizer from its spec; any failure to load is one UserError naming the file."""
+    kind, path = parse_spec(spec)
+    if kind == "byte":
+        return ByteTokenizer()
+    if not os.path.isfile(path):
+        raise UserError(f"--tokenizer {spec}: no such file")
+    cls = {"hf": HFTokenizer, "sentencepiece": SentencePieceTokenizer, "tiktoken": TiktokenTokenizer}[kind]
+    try:
+        return cls(path, eos_token)
+    except UserError:
+        raise
+    except ImportError:
+        raise UserError(f"--tokenizer {spec}: the {kind} tokenizer needs `pip install {_PACKAGE[kind]}`") from None
+    except Exception as e:  # each library has its own exception types for a bad file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"--tokenizer {spec}: not a loadable {kind} tokenizer file ({first})") from None
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
