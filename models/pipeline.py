@@ -1,0 +1,414 @@
+"""Pipeline parallelism over the `pipeline` mesh axis: GPipe and circular (interleaved) schedules.
+
+The L stacked layers are cut into P stages (logical axis 'stages' -> mesh axis 'pipeline'); the
+batch is cut into M micro-batches that flow through the stages, one stage per tick. Sharding-driven,
+no shard_map: a state buffer [P, b, T, D] (b = B/M) is sharded over the stage dim, every tick runs
+the stage function vmapped over that dim (each pipeline device computes its own stage), then
+`jnp.roll`s the buffer one stage forward, which XLA lowers to one collective-permute over
+`pipeline`. The ticks are one `lax.scan`, so compile time does not grow with M; the backward pass
+is plain autodiff of that scan (a reverse scan whose permutes carry the activation gradients back).
+Each data-parallel replica also gets its own broadcast view of the weights (dim A), so that weight
+gradients accumulate locally across ticks and are reduced over 'data' once per step.
+
+Circular (`repeats` R > 1): virtual stage v = r*P + s holds layers [v*J, (v+1)*J), J = L/(R*P), so
+device s holds the non-adjacent chunks s, s+P, s+2P, ...; a micro-batch leaving the last stage
+re-enters stage 0 for its next repeat through the same roll. Micro-batches go round in groups of P
+(Megatron's interleaved order), which is why circular needs M to be a multiple of P: micro-batch m
+of repeat r then comes back to stage 0 exactly one tick after leaving stage P-1, so no extra buffer
+is needed. Ticks per pass: R*M + P - 1, of which P - 1 are the bubble on each device.
+
+Letters: L layers, P stages, R repeats, J layers per stage chunk, M micro-batches, b micro-batch
+size, A data replicas, B batch, T sequence, D model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from mesh.errors import UserError
+from mesh.rules import axis_rules, current_rules, logical_to_spec
+
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
+    pipeline axis (`--mesh pipeline=P`)."""
+    microbatches: int = 0         # 0 = as many as stages; more shrinks the bubble (P-1)/(R*M+P-1)
+    repeats: int = 1              # circular: layer chunks per device (virtual stages per device)
+    schedule: str = "gpipe"       # gpipe | circular
+    remat_stage: bool = False     # also recompute each stage in the backward pass (less memory)
+    gather_once: bool = False     # fsdp: all-gather each stage's weights once per step, not every tick
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        return ("data", "fsdp") if self.gather_once else ("data",)
+
+    def microbatches_for(self, stages: int) -> int:
+        return self.microbatches or stages
+
+
+FULL_REMAT = jax.checkpoint_policies.nothing_saveable
+_FREE = PartitionSpec.UNCONSTRAINED
+
+
+# ------------------------------------------------------------------------------ validation
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(*, n_layers: int, batch: int, stages: int, microbatches: int, repeats: int = 1,
+             schedule: str = "gpipe", batch_shards: int = 1) -> None:
+    """Raise a one-line UserError for a pipeline config that cannot run; call it before compiling.
+    `batch` is the batch of one forward pass, `batch_shards` the mesh size its dim is split over."""
+    P, M, R = stages, microbatches, repeats
+    if schedule not in SCHEDULES:
+        raise UserError(f"--pipeline.schedule '{schedule}' is not one of {', '.join(SCHEDULES)}")
+    if R < 1:
+        raise UserError(f"--pipeline.repeats={R} must be >= 1")
+    if schedule == "gpipe" and R != 1:
+        raise UserError(f"--pipeline.repeats={R} needs --pipeline.schedule circular"
+                        f" (gpipe runs each stage's layers once)")
+    if P < 1:
+        raise UserError(f"--mesh pipeline={P} must be >= 1")
+    if M < P:
+        raise UserError(f"--pipeline.microbatches={M} is less than the {P} stages of --mesh pipeline={P};"
+                        f" use microbatches >= {P} (more shrinks the bubble)")
+    if schedule == "circular" and M % P:
+        raise UserError(f"--pipeline.microbatches={M} must be a multiple of --mesh pipeline={P} for the circular"
+                        f" schedule; valid: {', '.join(str(P * i) for i in range(1, 5))}, ...")
+    if n_layers % (P * R):
+        pipes = [p for p in _divisors(n_layers) if (n_layers // p) % R == 0]
+        reps = [r for r in _divisors(n_layers) if (n_layers // r) % P == 0]
+        raise UserError(f"model.n_layers={n_layers} is not divisible by --mesh pipeline={P} x --pipeline.repeats={R}"
+                        f" = {P * R}; with repeats={R} valid pipeline sizes are {pipes}, with pipeline={P} valid"
+                        f" repeats are {reps or 'none'}")
+    if batch % M:
+        ok = [m for m in _divisors(batch) if m >= P and (schedule == "gpipe" or m % P == 0)]
+        raise UserError(f"batch size {batch} (train.batch_size per forward pass) is not divisible by"
+                        f" --pipeline.microbatches={M}; valid microbatches: {ok}")
+    if (batch // M) % batch_shards:
+        ok = [m for m in _divisors(batch) if m >= P and (batch // m) % batch_shards == 0
+              and (schedule == "gpipe" or m % P == 0)]
+        raise UserError(f"micro-batch size {batch}/{M} = {batch // M} (train.batch_size / --pipeline.microbatches)"
+                        f" is not divisible by the {batch_shards} batch shards (mesh data x fsdp x expert);"
+                        f" valid microbatches: {ok}")
+
+
+# ------------------------------------------------------------------------------ the schedule
+
+def iteration(i, stages: int, microbatches: int, repeats: int):
+    """The i-th (micro-batch, repeat) pair a stage runs (stage s runs pair i at tick i + s).
+    Micro-batches go in groups of P through all R repeats before the next group starts; with R = 1
+    this is simply (i, 0). Works on ints and on jnp arrays."""
+    group, rest = i // (stages * repeats), i % (stages * repeats)
+    r, j = rest // stages, rest % stages
+    return group * stages + j, r
+
+
+def n_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
+    return repeats * microbatches + stages - 1
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Idle share of each device's ticks: (P-1) / (R*M + P-1) (GPipe: R = 1)."""
+    return (stages - 1) / n_ticks(stages, microbatches, repeats)
+
+
+def stage_layers(stage: int, n_layers: int, stages: int, repeats: int = 1) -> list[range]:
+    """The layer ranges a pipeline device holds: chunks stage, stage + P, ... of J = L/(R*P) layers."""
+    k = n_layers // (stages * repeats)
+    return [range((r * stages + stage) * k, (r * stages + stage + 1) * k) for r in range(repeats)]
+
+
+def to_stage_order(params: Any, stages: int, repeats: int) -> Any:
+    """Reorder a [L, ...] layer stack so that each pipeline device's circular chunks are contiguous
+    (device s: chunks s, s+P, ...), i.e. the order a 'layers' -> 'pipeline' sharding splits into
+    local blocks; pass the result with `stage_ordered=True`. For gpipe (R = 1) it is the identity."""
+    def f(a):
+        k = a.shape[0] // (stages * repeats)
+        return a.reshape(repeats, stages, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return jax.tree.map(f, params)
+
+
+def to_model_order(params: Any, stages: int, repeats: int) -> Any:
+    """The inverse of `to_stage_order`."""
+    def f(a):
+        k = a.shape[0] // (stages * repeats)
+        return a.reshape(stages, repeats, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return jax.tree.map(f, params)
+
+
+def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[int, int] | None]]:
+    """[stage][tick] -> (micro-batch, repeat) run in the forward pass, or None (bubble)."""
+    P, M, R = stages, microbatches, repeats
+    return [[iteration(t - s, P, M, R) if 0 <= t - s < R * M else None for t in range(n_ticks(P, M, R))]
+            for s in range(P)]
+
+
+def schedule_chart(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe",
+                   n_layers: int | None = None) -> str:
+    """Text chart: one row per stage, one column per tick, forward (F<m>) then backward (B<m>),
+    `.` = idle; with repeats `F<m>.<r>`. The backward pass is the reverse scan of the forward ticks."""
+    validate(n_layers=n_layers or stages * repeats, batch=microbatches, stages=stages,
+             microbatches=microbatches, repeats=repeats, schedule=schedule)
+    table = schedule_table(stages, microbatches, repeats)
+    cell = lambda kind, c: "." if c is None else f"{kind}{c[0]}" + (f".{c[1]}" if repeats > 1 else "")
+    rows = [[cell("F", c) for c in row] + ["|"] + [cell("B", c) for c in reversed(row)] for row in table]
+    width = max(len(c) for row in rows for c in row)
+    def label(s):
+        if not n_layers:
+            return f"stage {s}"
+        return f"stage {s} (layers " + ", ".join(f"{r.start}-{r.stop - 1}" for r in
+                                                 stage_layers(s, n_layers, stages, repeats)) + ")"
+    lw = max(len(label(s)) for s in range(stages))
+    ticks = n_ticks(stages, microbatches, repeats)
+    title = (f"{schedule} schedule: {stages} stages x {microbatches} micro-batches x {repeats} repeats;"
+             f" {ticks} ticks forward + {ticks} backward; bubble (P-1)/(R*M+P-1) ="
+             f" {bubble_fraction(stages, microbatches, repeats):.1%}")
+    lines = [title]
+    lines += [label(s).ljust(lw) + "  " + " ".join(c.rjust(width) for c in row) for s, row in enumerate(rows)]
+    return "\n".join(lines)
+
+
+def plot_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe", *, path: str) -> str:
+    """Write the schedule chart as a PNG (needs matplotlib); returns the path."""
+    validate(n_layers=stages * repeats, batch=microbatches, stages=stages, microbatches=microbatches,
+             repeats=repeats, schedule=schedule)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    table = schedule_table(stages, microbatches, repeats)
+    ticks = n_ticks(stages, microbatches, repeats)
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * 2 * ticks), 0.6 * stages + 1.2))
+    for s, row in enumerate(table):
+        for t, c in enumerate(row):
+            if c is None:
+                continue
+            for x, alpha, kind in ((t, 1.0, "F"), (2 * ticks - 1 - t, 0.55, "B")):
+                ax.add_patch(plt.Rectangle((x, s), 1, 1, color=cmap(c[0] % 20), alpha=alpha, ec="white"))
+                ax.text(x + 0.5, s + 0.5, f"{kind}{c[0]}" + (f".{c[1]}" if repeats > 1 else ""),
+                        ha="center", va="center", fontsize=7)
+    ax.axvline(ticks, color="black", lw=1)
+    ax.set_xlim(0, 2 * ticks)
+    ax.set_ylim(stages, 0)
+    ax.set_yticks([s + 0.5 for s in range(stages)], [f"stage {s}" for s in range(stages)])
+    ax.set_xlabel("tick (forward | backward)")
+    ax.set_title(f"{schedule}: P={stages}, M={microbatches}, R={repeats}, bubble "
+                 f"{bubble_fraction(stages, microbatches, repeats):.1%}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def permute_bytes_theory(*, batch: int, seq: int, d_model: int, itemsize: int, stages: int, microbatches: int,
+                         repeats: int = 1, batch_shards: int = 1) -> dict[str, int]:
+    """Collective-permute bytes per device per train step (forward + backward).
+
+    `useful`: activation bytes of the batch x R repeats x 2 directions (forward activations,
+    backward gradients), the issue's figure; `sent`: what the program really moves, one micro-batch
+    per tick including the P-1 bubble ticks (the roll is unconditional), which is what the
+    compiled HLO shows."""
+    if stages == 1:
+        return {"useful": 0, "sent": 0}
+    mb_bytes = (batch // microbatches // batch_shards) * seq * d_model * itemsize
+    return {"useful": 2 * mb_bytes * microbatches * repeats,
+            "sent": 2 * mb_bytes * n_ticks(stages, microbatches, repeats)}
+
+
+# ------------------------------------------------------------------------------ the pipeline
+
+def _spec(names: tuple[str | None, ...], free_from: int) -> PartitionSpec:
+    """The spec of `names`, with dims from `free_from` on left to the partitioner."""
+    spec = list(logical_to_spec(names))
+    return PartitionSpec(*spec[:free_from], *[_FREE] * (len(spec) - free_from))
+
+
+def _pin(x: jax.Array, names: tuple[str | None, ...], free_from: int | None = None) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return x
+    names = names + (None,) * (x.ndim - len(names))
+    return jax.lax.with_sharding_constraint(x, _spec(names, x.ndim if free_from is None else free_from))
+
+
+def _act_names(ndim: int) -> tuple[str | None, ...]:
+    """Logical names of one micro-batch [b, T, D, ...] (the Decoder's activation layout)."""
+    return ("batch", "seq", "act_embed")[:ndim] + (None,) * max(0, ndim - 3)
+
+
+@jax.custom_vjp
+def _shift(y_P: jax.Array) -> jax.Array:
+    """Stage s's output becomes stage s+1's input (and the last stage's stage 0's): one
+    collective-permute. jnp.roll's own transpose lowers to two half permutes (pad + slice)."""
+    return jnp.roll(y_P, 1, axis=0)
+
+
+_shift.defvjp(lambda y: (_shift(y), None), lambda _, ct: (jnp.roll(ct, -1, axis=0),))
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _mesh_size(axes) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else math.prod(mesh.shape[a] for a in axes)
+
+
+def _inner_rules(replica_axes: tuple[str, ...]) -> dict:
+    """The rules inside the pipeline. The stage dim owns the 'stages' mesh axes and the replica
+    dim (see pipeline_apply) owns `replica_axes`, so every other logical axis drops them: e.g. a
+    rule batch -> data+fsdp+expert+pipeline (which splits the embedding and head's batch over
+    'pipeline' too) shards a micro-batch's rows over fsdp+expert inside, data being the replica dim."""
+    rules = current_rules()
+    taken = set(rules.get("stages", ())) | set(replica_axes)
+    inner = {name: tuple(a for a in axes if a not in taken) for name, axes in rules.items()}
+    return inner | {"stages": tuple(rules.get("stages", ())), _REPLICAS: replica_axes}
+
+
+_REPLICAS = "pipeline_replicas"  # logical name of the replica dim, only inside the pipeline
+
+
+def pipeline_apply(layer_fn: Callable[..., jax.Array], params: Any, x_BTD: jax.Array, *batch_args: jax.Array,
+                   stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe",
+                   remat_policy=FULL_REMAT, remat_stage: bool = False, has_aux: bool = False,
+                   scan_layers: bool = True, replica_axes: tuple[str, ...] = ("data",),
+                   stage_ordered: bool = False):
+    """Apply the L stacked layers of `params` (every leaf [L, ...]) to x_BTD through a P-stage
+    pipeline; equals `lax.scan(lambda x, p: (layer_fn(x, p, *args), None), x, params)`.
+
+    layer_fn(x_bTD, layer_params, *args_b) -> x_bTD runs one layer on a piece of the batch; it must
+    treat examples independently. `batch_args` are arrays with a leading batch dim (positions,
+    segment ids) split alongside x. With `has_aux` layer_fn returns (x_bTD, aux) (e.g. MoE router
+    stats) and pipeline_apply returns (y_BTD, aux stacked [L, ...]): the mean over the pieces of
+    the batch the layer saw (micro-batches x replicas).
+    `remat_policy` is applied to every layer (None: no remat); `remat_stage` also recomputes each
+    stage's forward in the backward pass, so that only stage inputs are kept per tick.
+    `scan_layers=False` unrolls the layers inside a stage (the ticks are always one scan).
+
+    Sharding: params are reshaped to [R, P, J, ...] with P on 'stages'. Their L dim should be stored
+    sharded over 'pipeline' (rule layers -> pipeline) so that each device keeps only its own layers;
+    for gpipe that reshape is then free, for circular it regroups the layers (a per-step all-to-all
+    of the weights) unless the stack is stored in stage order (`to_stage_order`, `stage_ordered`).
+    `replica_axes`: batch mesh axes over which the weights are replicated (pure data parallelism).
+    Each replica runs the stages with its own view of the weights (a [A, ...] broadcast, A = their
+    size), so the weight gradients accumulate locally over the ticks and are summed over those axes
+    once per step instead of once per tick and layer. Listing an axis that shards the weights
+    (fsdp) all-gathers them over it once per step (MaxText's pipeline_fsdp_ag_once: fewer
+    collectives, the memory of the gathered stage weights and their gradients); otherwise fsdp
+    gathers and reduces them every tick and layer. Never list 'expert' (expert parallelism).
+    """
+    L, B = jax.tree.leaves(params)[0].shape[0], x_BTD.shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_axes = _axes_of(logical_to_spec(("stages", "batch"))[1]) if not mesh.empty else ()
+    replicas = tuple(a for a in batch_axes if a in replica_axes and mesh.shape[a] > 1)
+    with axis_rules(_inner_rules(replicas)):
+        validate(n_layers=L, batch=B, stages=stages, microbatches=microbatches, repeats=repeats,
+                 schedule=schedule, batch_shards=_mesh_size(batch_axes))
+        out_PMAbTD, aux = _pipeline(layer_fn, params, x_BTD, batch_args, stages, microbatches, repeats,
+                                    _mesh_size(replicas), remat_policy, remat_stage, has_aux, scan_layers,
+                                    stage_ordered)
+    # rows other than the last stage's are zeros: the sum is one reduction over 'pipeline' per step
+    y = out_PMAbTD.sum(axis=0)                                              # [M, A, b/A, ...]
+    y_BTD = _pin(jnp.moveaxis(y, 0, 2).reshape(x_BTD.shape), _act_names(x_BTD.ndim))
+    return (y_BTD, aux) if has_aux else y_BTD
+
+
+def _pipeline(layer_fn, params, x_BTD, batch_args, P, M, R, A, remat_policy, remat_stage, has_aux, scan_layers,
+              stage_ordered):
+    """-> (outputs [P, M, A, b/A, ...], zero except the last stage's row; aux [L, ...] or ())."""
+    L, B = jax.tree.leaves(params)[0].shape[0], x_BTD.shape[0]
+    J, b = L // (R * P), B // M
+    stage_axis = logical_to_spec(("stages",))[0] if not jax.sharding.get_abstract_mesh().empty else None
+    replica_axis = logical_to_spec((_REPLICAS,))[0] if A > 1 else None
+    piece = (_REPLICAS,) + _act_names(x_BTD.ndim)          # [A, b/A, T, D]: one micro-batch
+    state_names = ("stages",) + piece
+    stage_P = jnp.arange(P)
+    bcast = lambda mask_P, extra=0: mask_P.reshape(P, *[1] * (x_BTD.ndim + 1 + extra))
+
+    # [L, ...] -> [A, R, P, J, ...]: layer (r*P + s)*J + k sits at [:, r, s, k]; the A copies are
+    # views of the same weights, one per replica, so that each replica's gradient stays local
+    to_RPJ = ((lambda a: a.reshape(P, R, J, *a.shape[1:]).swapaxes(0, 1)) if stage_ordered else
+              (lambda a: a.reshape(R, P, J, *a.shape[1:])))
+    params_ARPJ = jax.tree.map(
+        lambda a: _pin(jnp.broadcast_to(to_RPJ(a), (A, R, P, J, *a.shape[1:])), (_REPLICAS, None, "stages"), 3),
+        params)
+
+    def split(a):  # [B, ...] -> [M, A, b/A, ...]; micro-batch m = rows m, m+M, ... keeps batch shards local
+        return _pin(a.reshape(A, b // A, M, *a.shape[1:]).transpose(2, 0, 1, *range(3, a.ndim + 2)),
+                    (None, _REPLICAS) + _act_names(a.ndim))
+    # Fresh micro-batches enter from a stage-sharded copy whose other rows are zero: every tick's
+    # read stays on its device, and the backward pass sums the input gradients over 'pipeline' once
+    # at the end instead of once per tick.
+    in_names = ("stages", None) + piece
+    in_PMAbTD = _pin(jnp.where(bcast(stage_P == 0, 1), split(x_BTD)[None], 0), in_names)
+    args_M = [split(a) for a in batch_args]
+
+    def layer_at(x_bTD, p_RJ, r, k, *args_b):
+        # Picking the layer's weights inside the remat region keeps per-tick copies of them out of
+        # the residuals saved for the backward pass (only the loop-invariant stack is kept).
+        out = layer_fn(x_bTD, jax.tree.map(lambda a: a[r, k], p_RJ), *args_b)
+        return out if has_aux else (out, ())
+    layer = layer_at if remat_policy is None else jax.checkpoint(layer_at, policy=remat_policy)
+
+    def stage(x_bTD, p_RJ, r, *args_b):  # -> (x_bTD, aux stacked [J, ...])
+        return jax.lax.scan(lambda x, k: layer(x, p_RJ, r, k, *args_b), x_bTD, jnp.arange(J),
+                            unroll=1 if scan_layers else J)
+    if remat_stage:
+        stage = jax.checkpoint(stage, policy=FULL_REMAT)
+    n_args = len(args_M)
+    per_replica = jax.vmap(stage, in_axes=(0, 0, None) + (0,) * n_args, spmd_axis_name=replica_axis)
+    run_stages = jax.vmap(per_replica, in_axes=(0, 2, 0) + (0,) * n_args, spmd_axis_name=stage_axis)
+
+    def tick(carry, t):
+        state_PAbTD, out_PMAbTD, aux_RPAJ = carry
+        i_P = t - stage_P                                   # the pair index each stage runs now
+        m_P, r_P = iteration(jnp.clip(i_P, 0, R * M - 1), P, M, R)
+        # stage 0 takes a fresh micro-batch on its first repeat, else what the last stage just rolled in
+        m0, _ = iteration(jnp.clip(t, 0, R * M - 1), P, M, R)
+        fresh = (stage_P == 0) & (r_P == 0)
+        new_P = jax.lax.dynamic_index_in_dim(in_PMAbTD, m0, axis=1, keepdims=False)
+        in_P = _pin(jnp.where(bcast(fresh), new_P, state_PAbTD), state_names)
+        args_P = [_pin(a[m_P], ("stages", _REPLICAS) + _act_names(a.ndim - 2)) for a in args_M]
+        y_P, aux_PAJ = run_stages(in_P, params_ARPJ, r_P, *args_P)
+        y_P = _pin(y_P, state_names)
+        # each stage adds its layers' aux of this micro-batch into its (repeat, stage) slot, bubbles excluded
+        valid_P = (i_P >= 0) & (i_P < R * M)
+        aux_RPAJ = jax.tree.map(lambda acc, a: acc + jax.vmap(
+            lambda a_AJ, r, ok: jnp.zeros((R,) + a_AJ.shape, acc.dtype).at[r].set(jnp.where(ok, a_AJ / (M * A), 0)),
+            out_axes=1, spmd_axis_name=stage_axis)(a, r_P, valid_P), aux_RPAJ, aux_PAJ)
+        # only the last stage on its last repeat finishes a micro-batch; it writes it to its own row
+        i_last = t - (P - 1)
+        m_last, r_last = iteration(jnp.clip(i_last, 0, R * M - 1), P, M, R)
+        done = (stage_P == P - 1) & (r_last == R - 1) & (i_last >= 0)
+        cur = jax.lax.dynamic_index_in_dim(out_PMAbTD, m_last, axis=1, keepdims=False)
+        out_PMAbTD = jax.lax.dynamic_update_index_in_dim(out_PMAbTD, jnp.where(bcast(done), y_P, cur), m_last, axis=1)
+        return (_pin(_shift(y_P), state_names), out_PMAbTD, aux_RPAJ), None
+
+    state0 = _pin(jnp.zeros((P, A, b // A, *x_BTD.shape[1:]), x_BTD.dtype), state_names)
+    out0 = _pin(jnp.zeros((P, M, A, b // A, *x_BTD.shape[1:]), x_BTD.dtype), in_names)
+    aux0 = ()
+    if has_aux:  # the aux tree's shapes, from tracing one layer on one piece
+        aux_shapes = jax.eval_shape(lambda: layer_fn(state0[0, 0], jax.tree.map(lambda a: a[0], params),
+                                                     *[a[0, 0] for a in args_M])[1])
+        acc_dtype = lambda dt: dt if jnp.issubdtype(dt, jnp.floating) else jnp.float32  # means of counts
+        aux0 = jax.tree.map(lambda sd: _pin(jnp.zeros((R, P, A, J) + sd.shape, acc_dtype(sd.dtype)),
+                                            (None, "stages", _REPLICAS)), aux_shapes)
+    (_, out_PMAbTD, aux_RPAJ), _ = jax.lax.scan(tick, (state0, out0, aux0), jnp.arange(n_ticks(P, M, R)))
+    # [R, P, J] is layer order; the replicas' means are averaged once, here
+    aux = jax.tree.map(lambda a: a.sum(axis=2).reshape(L, *a.shape[4:]), aux_RPAJ)
+    return out_PMAbTD, aux

@@ -1,0 +1,305 @@
+"""Pipeline parallelism (models/pipeline.py): the pipelined stack equals the sequential layer scan,
+forward and gradients, on pipeline meshes combined with data/fsdp/model; activations move between
+stages by collective-permute over 'pipeline'; each device keeps only its stages' parameters; the
+schedule arithmetic, chart and every bad input."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mesh.build import make_mesh
+from mesh.errors import UserError
+from mesh.hlo import parse_collectives
+from mesh.rules import axis_rules, logical_to_spec, make_rules
+from models import pipeline as PL
+from models.config import PRESETS
+from models.transformer import Block
+
+B, T = 16, 8
+RULES = make_rules("layers=pipeline")  # each device stores only its own layers
+# ... and the batch outside the pipeline (embedding, head, loss) split over 'pipeline' too
+RULES_BATCH_PP = make_rules("layers=pipeline,batch=data+fsdp+expert+pipeline")
+
+
+# ------------------------------------------------------------------ layers under test
+
+def mlp_layers(n_layers=8, d=8, f=16):
+    """A residual tanh-MLP stack [L, ...] and a layer that also reads a per-example batch arg."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w_DF": jax.random.normal(k1, (n_layers, d, f)) * 0.3,
+              "w_FD": jax.random.normal(k2, (n_layers, f, d)) * 0.3}
+    axes = {"w_DF": ("layers", "embed", "mlp"), "w_FD": ("layers", "mlp", "embed")}
+
+    def layer(x_bTD, p, pos_bT):
+        return x_bTD + jnp.tanh(x_bTD @ p["w_DF"]) @ p["w_FD"] + 0.01 * pos_bT[..., None]
+    return layer, params, axes, d
+
+
+def block_layers(n_layers=4):
+    """The real decoder Block, stacked as the Decoder stacks it, run through nnx.merge."""
+    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=n_layers, dtype="float32")
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(cfg, jnp.float32, jnp.float32, rngs=rngs)
+    with nnx.use_eager_sharding(False):
+        gdef, state = nnx.split(make(nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    axes = nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
+                                         is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+    def layer(x_bTD, p, pos_bT):
+        st = jax.tree.map(lambda v: v, state)  # fresh Variables to fill
+        nnx.replace_by_pure_dict(st, jax.tree.map(lambda a: a, p))
+        return nnx.merge(gdef, st)(x_bTD, pos_bT.astype(jnp.int32))[0]
+    return layer, params, axes, cfg.d_model
+
+
+def sequential(layer, params, x_BTD, pos_BT):
+    return jax.lax.scan(lambda x, p: (layer(x, p, pos_BT), None), x_BTD, params)[0]
+
+
+def inputs(d):
+    kx = jax.random.key(1)
+    x_BTD = jax.random.normal(kx, (B, T, d))
+    pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T)).astype(jnp.float32) + jnp.arange(B)[:, None] % 3
+    return x_BTD, pos_BT
+
+
+def loss_of(f):
+    # a non-trivial cotangent: weights differ per position, so misplaced micro-batches would show
+    return lambda params, x, pos: jnp.sum(jnp.sin(f(params, x, pos)) * (1 + jnp.arange(B)[:, None, None]))
+
+
+def rel_err(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+
+
+def assert_close_trees(got, want, rtol=1e-5):
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert rel_err(g, w) <= rtol, (jax.tree_util.keystr(path), rel_err(g, w))
+
+
+def sharded_params(mesh, params, axes):
+    shard = jax.tree.map(lambda names: jax.NamedSharding(mesh, logical_to_spec(names, RULES)), axes,
+                         is_leaf=lambda t: isinstance(t, tuple))
+    return jax.device_put(params, shard)
+
+
+# ------------------------------------------------------------------ equivalence on meshes
+
+CASES = [  # (mesh, layers, stages, microbatches, repeats, schedule)
+    ("pipeline=2,data=2,fsdp=2", "mlp", 2, 4, 1, "gpipe"),
+    ("pipeline=2,data=2,fsdp=2", "mlp-batch-pp", 2, 4, 1, "gpipe"),
+    ("pipeline=2,data=2,fsdp=2", "mlp-gather-once", 2, 4, 1, "gpipe"),
+    ("pipeline=4,data=2", "mlp", 4, 4, 2, "circular"),
+    ("pipeline=2,data=2,fsdp=2", "mlp-stage-ordered", 2, 2, 2, "circular"),
+    ("pipeline=4,data=2", "block", 4, 8, 1, "gpipe"),
+    ("pipeline=2,fsdp=2,model=2", "block", 2, 2, 2, "circular"),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled_cases():
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            mesh_spec, kind, P, M, R, schedule = case
+            layer, params, axes, d = (mlp_layers() if kind.startswith("mlp") else block_layers())
+            rules = RULES_BATCH_PP if kind.endswith("batch-pp") else RULES
+            x, pos = inputs(d)
+            want = jax.jit(jax.value_and_grad(loss_of(lambda p, x, pos: sequential(layer, p, x, pos)),
+                                              argnums=(0, 1)))(params, x, pos)
+            cfg = PL.PipelineConfig(microbatches=M, repeats=R, schedule=schedule,
+                                    gather_once=kind.endswith("gather-once"))
+            ordered = kind.endswith("stage-ordered")
+            f = lambda p, x, pos: PL.pipeline_apply(layer, p, x, pos, stages=P, microbatches=cfg.microbatches_for(P),
+                                                    repeats=R, schedule=schedule, replica_axes=cfg.replica_axes,
+                                                    stage_ordered=ordered)
+            if ordered:  # stored in stage order; the gradients come back in that order too
+                params = PL.to_stage_order(params, P, R)
+                want = (want[0], (PL.to_stage_order(want[1][0], P, R), want[1][1]))
+            mesh = make_mesh(mesh_spec)
+            with jax.set_mesh(mesh), axis_rules(rules):
+                p_sh = sharded_params(mesh, params, axes)
+                # gradients laid out like the parameters, as the train step asks
+                out_sh = (None, (jax.tree.map(lambda a: a.sharding, p_sh), None))
+                compiled = jax.jit(jax.value_and_grad(loss_of(f), argnums=(0, 1)),
+                                   out_shardings=out_sh).lower(p_sh, x, pos).compile()
+                got = compiled(p_sh, x, pos)
+            cache[case] = (mesh, compiled, got, want, d, p_sh)
+        return cache[case]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-M{c[3]}-{c[5]}")
+def test_pipeline_matches_sequential_scan(compiled_cases, case):
+    mesh, compiled, (loss, grads), (want_loss, want_grads), d, _ = compiled_cases(case)
+    assert rel_err(loss, want_loss) <= 1e-5
+    assert_close_trees(grads, want_grads)
+    colls = parse_collectives(compiled.as_text(), mesh)
+    gathers = [c for c in colls if "pipeline" in c.axes and c.kind in ("all-gather", "all-to-all")]
+    if case[1].endswith("batch-pp"):   # x, split over pipeline outside, is gathered onto stage 0 once
+        x_local = B * T * d * 4 // (mesh.shape["data"] * mesh.shape["fsdp"])
+        assert [(c.kind, c.count, c.result_bytes) for c in gathers] == [("all-gather", 1, x_local)]
+    elif case[-1] == "gpipe" or case[1].endswith("stage-ordered"):  # weights and grads stay on their slice
+        assert not gathers, gathers
+    # data parallelism: the weight gradients are summed over 'data' once per step, not once per tick
+    assert all(c.count == 1 for c in colls if c.axes == ("data",)), colls
+    if case[1].endswith("gather-once"):  # ... and over fsdp too: weights gathered once, grads reduced once
+        assert all(c.count == 1 for c in colls if "fsdp" in c.axes), colls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["gpipe", "circular"])
+def test_activations_move_by_collective_permute(compiled_cases, case):
+    """Every tick sends one micro-batch to the next stage forward and one gradient back: the
+    compiled loop's permutes over 'pipeline' match permute_bytes_theory exactly."""
+    mesh, compiled, *_, d, _ = compiled_cases(case)
+    _, _, P, M, R, _ = case
+    colls = parse_collectives(compiled.as_text(), mesh)
+    ticks = PL.n_ticks(P, M, R)
+    in_loop = [c for c in colls if c.kind == "collective-permute" and c.axes == ("pipeline",) and c.count == ticks]
+    assert len(in_loop) == 2, in_loop   # forward activations, backward gradients
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    theory = PL.permute_bytes_theory(batch=B, seq=T, d_model=d, itemsize=4, stages=P, microbatches=M,
+                                     repeats=R, batch_shards=shards)
+    assert sum(c.operand_bytes * c.count for c in in_loop) == theory["sent"]
+    assert theory["useful"] == theory["sent"] * R * M // ticks
+
+
+@pytest.mark.slow
+def test_stage_params_are_a_quarter_per_device_on_pipeline4(compiled_cases):
+    """Per-device argument bytes of the compiled step: parameters sharded 4 ways over 'pipeline'."""
+    _, compiled, *_, d, p_sh = compiled_cases(CASES[3])
+    x, pos = inputs(d)
+    args = (p_sh, x, pos)
+    shard_bytes = [int(np.prod(sh.shard_shape(a.shape))) * a.dtype.itemsize
+                   for a, sh in zip(jax.tree.leaves(args), jax.tree.leaves(compiled.input_shardings[0]))]
+    n_params = len(jax.tree.leaves(p_sh))
+    total = sum(a.nbytes for a in jax.tree.leaves(p_sh))
+    assert sum(shard_bytes[:n_params]) * 4 == total
+    assert compiled.memory_analysis().argument_size_in_bytes == sum(shard_bytes)
+
+
+def test_aux_outputs_are_per_layer_means_over_microbatches():
+    """has_aux (MoE router stats): every layer's aux, averaged over the batch pieces (micro-batches x
+    data replicas), with the layers inside a stage unrolled."""
+    layer, params, _, d = mlp_layers()
+    x, pos = inputs(d)
+
+    def layer_aux(x_bTD, p, pos_bT):
+        y = layer(x_bTD, p, pos_bT)
+        return y, {"mean": jnp.mean(y), "positive": jnp.sum(y > 0)}
+    ys, want = jax.lax.scan(lambda h, p: layer_aux(h, p, pos), x, params)
+    f = jax.jit(lambda p, x, pos: PL.pipeline_apply(layer_aux, p, x, pos, stages=2, microbatches=4, repeats=2,
+                                                    schedule="circular", has_aux=True, scan_layers=False))
+    y, aux = f(params, x, pos)
+    assert rel_err(y, ys) <= 1e-6
+    assert aux["mean"].shape == (8,) and rel_err(aux["mean"], want["mean"]) <= 1e-5
+    np.testing.assert_allclose(aux["positive"] * 4, want["positive"])
+    with jax.set_mesh(make_mesh("pipeline=2,data=2,fsdp=2")), axis_rules(RULES):  # 2 data replicas
+        y, aux = f(params, x, pos)
+    assert rel_err(y, ys) <= 1e-6 and rel_err(aux["mean"], want["mean"]) <= 1e-5
+    np.testing.assert_allclose(aux["positive"] * 4 * 2, want["positive"])
+
+
+def test_no_mesh_and_stage_remat_match():
+    """Without any mesh (one device) the same schedule arithmetic runs; full-stage remat and no
+    remat give the same gradients."""
+    layer, params, _, d = mlp_layers()
+    x, pos = inputs(d)
+    want = jax.grad(loss_of(lambda p, x, pos: sequential(layer, p, x, pos)), argnums=(0, 1))(params, x, pos)
+    for kw in ({"remat_stage": True}, {"remat_policy": None}):
+        f = lambda p, x, pos, kw=kw: PL.pipeline_apply(layer, p, x, pos, stages=2, microbatches=4, repeats=2,
+                                                       schedule="circular", **kw)
+        assert_close_trees(jax.jit(jax.grad(loss_of(f), argnums=(0, 1)))(params, x, pos), want)
+
+
+# ------------------------------------------------------------------ schedule arithmetic and chart
+
+def test_stage_order_round_trip():
+    a = jnp.arange(12)
+    assert PL.to_stage_order(a, 2, 3).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert PL.to_model_order(PL.to_stage_order(a, 2, 3), 2, 3).tolist() == a.tolist()
+    assert PL.to_stage_order(a, 4, 1).tolist() == a.tolist()
+
+
+def test_bubble_fraction():
+    assert PL.bubble_fraction(1, 4) == 0
+    assert PL.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert PL.bubble_fraction(4, 16) == pytest.approx(3 / 19)
+    assert PL.bubble_fraction(4, 4, repeats=2) == pytest.approx(3 / 11)
+    assert PL.n_ticks(4, 8, 2) == 19
+
+
+def test_schedule_visits_every_layer_chunk_in_order():
+    """Each micro-batch runs virtual stages 0..R*P-1 in order, one per tick, never two at once on a device."""
+    for P, M, R in [(2, 2, 1), (4, 6, 1), (2, 4, 3), (4, 8, 2)]:
+        table = PL.schedule_table(P, M, R)
+        seen = {}
+        for s, row in enumerate(table):
+            assert sum(c is not None for c in row) == R * M        # busy R*M ticks, idle P-1
+            for t, c in enumerate(row):
+                if c is not None:
+                    m, r = c
+                    seen[(m, r * P + s)] = t
+        for m in range(M):
+            ticks = [seen[(m, v)] for v in range(R * P)]
+            assert ticks == sorted(set(ticks)), (P, M, R, m, ticks)
+
+
+def test_schedule_chart_gpipe():
+    chart = PL.schedule_chart(2, 3, n_layers=4)
+    lines = chart.splitlines()
+    assert "bubble (P-1)/(R*M+P-1) = 25.0%" in lines[0]
+    assert lines[1].split() == ["stage", "0", "(layers", "0-1)", "F0", "F1", "F2", ".", "|", ".", "B2", "B1", "B0"]
+    assert lines[2].split() == ["stage", "1", "(layers", "2-3)", ".", "F0", "F1", "F2", "|", "B2", "B1", "B0", "."]
+
+
+def test_schedule_chart_circular_labels_repeats():
+    chart = PL.schedule_chart(2, 2, repeats=2, schedule="circular", n_layers=8)
+    row0 = chart.splitlines()[1]
+    assert "(layers 0-1, 4-5)" in row0
+    assert row0.split()[5:10] == ["F0.0", "F1.0", "F0.1", "F1.1", "."]
+
+
+def test_plot_schedule_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = PL.plot_schedule(4, 8, 2, "circular", path=str(tmp_path / "s.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("kw, culprit", [
+    ({"microbatches": 2, "stages": 4}, "--pipeline.microbatches=2 is less than the 4 stages"),
+    ({"n_layers": 6, "stages": 4}, "model.n_layers=6 is not divisible by --mesh pipeline=4"),
+    ({"n_layers": 8, "stages": 2, "repeats": 3, "schedule": "circular"}, "valid repeats are [1, 2, 4]"),
+    ({"batch": 12, "microbatches": 8}, "not divisible by --pipeline.microbatches=8; valid microbatches: [4, 6, 12]"),
+    ({"batch": 16, "microbatches": 8, "batch_shards": 4}, "micro-batch size 16/8 = 2"),
+    ({"repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular"),
+    ({"microbatches": 6, "schedule": "circular"}, "must be a multiple of --mesh pipeline=4"),
+    ({"schedule": "1f1b"}, "--pipeline.schedule '1f1b' is not one of gpipe, circular"),
+])
+def test_bad_config_is_one_line(kw, culprit):
+    args = {"n_layers": 8, "batch": 16, "stages": 4, "microbatches": 4, "repeats": 1, "schedule": "gpipe", **kw}
+    with pytest.raises(UserError) as e:
+        PL.validate(**args)
+    assert culprit in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pipeline_apply_validates_before_tracing_layers():
+    layer, params, _, d = mlp_layers(n_layers=6)
+    x, pos = inputs(d)
+    with pytest.raises(UserError, match="model.n_layers=6"):
+        PL.pipeline_apply(layer, params, x, pos, stages=4, microbatches=4)
+    with pytest.raises(UserError, match="batch size 16"):
+        PL.pipeline_apply(layer, params, x, pos, stages=2, microbatches=5)
