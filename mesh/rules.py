@@ -35,7 +35,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "vocab": ("model",),
     "norm": (),
     "layers": (),
-    "experts": ("expert",),
+    "experts": ("expert",),       # expert parallelism: each device holds n_experts / expert of them
+    "expert_mlp": ("model",),     # tensor parallelism inside each expert
+    "router_experts": (),         # the router's expert dim: every device routes its own tokens to all experts
     "stages": ("pipeline",),
 }
 

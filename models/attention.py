@@ -29,7 +29,9 @@ class Attention(nnx.Module):
         self.theta = cfg.rope_theta
         self.dtype = dtype
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None):
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
+                 segment_ids_BT: jax.Array | None = None):
+        """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own segment."""
         dt = self.dtype
         q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq_DNH[...].astype(dt))
         k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk_DKH[...].astype(dt))
@@ -37,9 +39,14 @@ class Attention(nnx.Module):
         q_BTNH = constrain(rope(q_BTNH, positions_BT, self.theta), ("batch", "seq", "act_heads", None))
         k_BTKH = constrain(rope(k_BTKH, positions_BT, self.theta), ("batch", "seq", "act_kv_heads", None))
         v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
-        if cache is None:
+        if cache is None and segment_ids_BT is None:
             # On GPU this may dispatch to cuDNN flash attention; elsewhere the XLA implementation.
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        elif cache is None:
+            t = x_BTD.shape[1]
+            causal_TT = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+            same_B1TT = segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & causal_TT)
         else:
             cache = KVCache(
                 jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0)),

@@ -7,6 +7,9 @@ from mesh.errors import UserError
 
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROUTERS = ("softmax", "sigmoid")
+DISPATCHES = ("dropless", "capacity")
+KERNELS = ("auto", "ragged", "blocks")  # dropless grouped matmul; auto = blocks on CPU, ragged elsewhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +29,31 @@ class ModelConfig:
     remat: str = "full"            # none | full | dots (save matmul outputs, recompute the rest)
     scan_layers: bool = True       # lax.scan over the layer stack: compile time independent of depth
     init_std: float = 0.02
+    # Mixture-of-Experts (n_experts = 0: dense). Every moe_every-th layer is MoE, the rest dense.
+    n_experts: int = 0
+    experts_per_token: int = 2     # top-k
+    d_ff_expert: int = 0           # width of each expert (and of each shared expert); 0 = d_ff
+    moe_every: int = 1
+    n_shared_experts: int = 0      # always-on experts (DeepSeek), one dense MLP of n_shared * d_ff_expert
+    router: str = "softmax"        # softmax: Mixtral (top-k of softmax, renormalised); sigmoid: DeepSeek-V3
+    dispatch: str = "dropless"     # dropless | capacity (GShard/Switch slots; overflow skips the layer)
+    capacity_factor: float = 1.25  # capacity = factor * tokens * k / n_experts slots per expert per device
+    dropless_kernel: str = "auto"  # auto | ragged (lax.ragged_dot) | blocks (padded blocks, empty ones skipped)
+    aux_loss_coef: float = 0.01    # Switch load-balancing loss (mean over MoE layers)
+    z_loss_coef: float = 0.001     # router z-loss (ST-MoE)
+    router_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per update; 0 = off
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def expert_width(self) -> int:
+        return self.d_ff_expert or self.d_ff
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers // self.moe_every if self.n_experts else 0
 
     def validate(self) -> "ModelConfig":
         def need(ok: bool, msg: str):
@@ -45,7 +69,28 @@ class ModelConfig:
         need(self.remat in REMAT_POLICIES, f"remat '{self.remat}' is not one of {', '.join(REMAT_POLICIES)}")
         need(self.dtype in DTYPES, f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
         need(self.param_dtype in DTYPES[1:], f"param_dtype '{self.param_dtype}' is not one of {', '.join(DTYPES[1:])}")
+        if self.n_experts:
+            self._validate_moe(need)
+        else:
+            need(self.n_experts == 0, f"n_experts must be >= 0 (0 = dense), got {self.n_experts}")
         return self
+
+    def _validate_moe(self, need) -> None:
+        e, k = self.n_experts, self.experts_per_token
+        need(e > 0, f"n_experts must be >= 0 (0 = dense), got {e}")
+        need(1 <= k <= e, f"experts_per_token={k} must be in [1, n_experts={e}]")
+        need(self.d_ff_expert >= 0, f"d_ff_expert must be >= 0 (0 = d_ff), got {self.d_ff_expert}")
+        need(self.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        need(self.moe_every >= 1 and self.n_layers % self.moe_every == 0,
+             f"moe_every={self.moe_every} must divide n_layers={self.n_layers}; valid:"
+             f" {[m for m in range(1, self.n_layers + 1) if self.n_layers % m == 0]}")
+        need(self.router in ROUTERS, f"router '{self.router}' is not one of {', '.join(ROUTERS)}")
+        need(self.dispatch in DISPATCHES, f"dispatch '{self.dispatch}' is not one of {', '.join(DISPATCHES)}")
+        need(self.dropless_kernel in KERNELS,
+             f"dropless_kernel '{self.dropless_kernel}' is not one of {', '.join(KERNELS)}")
+        need(self.capacity_factor > 0, f"capacity_factor must be positive, got {self.capacity_factor}")
+        for f in ("aux_loss_coef", "z_loss_coef", "router_bias_rate"):
+            need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
 
     def compute_dtype(self, platform: str) -> str:
         if self.dtype != "auto":
@@ -69,6 +114,27 @@ PRESETS: dict[str, ModelConfig] = {
     "7b": _llama(32000, 4096, 32, 32, 32, 11008, 4096, theta=10000.0),
     "70b": _llama(128256, 8192, 80, 64, 8, 28672, 4096),
 }
+
+
+def _moe(base: ModelConfig, **moe) -> ModelConfig:
+    return dataclasses.replace(base, **moe)
+
+
+PRESETS.update({
+    # tests: 8 experts of width 64, top-2, on the tiny shape
+    "moe-tiny": _moe(PRESETS["tiny"], n_experts=8, experts_per_token=2, d_ff_expert=64),
+    # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the dense default)
+    "moe-default": _moe(PRESETS["default"], n_experts=8, experts_per_token=2, d_ff_expert=384),
+    # Mixtral 8x7B (https://arxiv.org/abs/2401.04088): 8 experts, top-2, every layer
+    "mixtral-8x7b": _moe(_llama(32000, 4096, 32, 32, 8, 14336, 32768, theta=1e6), n_experts=8,
+                         experts_per_token=2, d_ff_expert=14336),
+    # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1 shared,
+    # sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every layer MoE (V3's
+    # first 3 are dense), no multi-token prediction.
+    "deepseek-v3": _moe(_llama(129280, 7168, 61, 128, 128, 18432, 4096, theta=10000.0), n_experts=256,
+                        experts_per_token=8, d_ff_expert=2048, n_shared_experts=1, router="sigmoid",
+                        router_bias_rate=0.001, aux_loss_coef=0.0001),
+})
 
 
 def preset(name: str) -> ModelConfig:

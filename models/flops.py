@@ -1,4 +1,5 @@
-"""Parameter and FLOP counts (PaLM appendix B): 6N + 12*L*H*Q*T FLOPs per trained token."""
+"""Parameter and FLOP counts (PaLM appendix B): 6N + 12*L*H*Q*T FLOPs per trained token, N counting
+only the active parameters of a Mixture-of-Experts (the experts_per_token chosen experts)."""
 from __future__ import annotations
 
 import math
@@ -13,13 +14,22 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(M.abstract_params(cfg)))
 
 
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: in each MoE layer the router picks experts_per_token of the
+    n_experts (shared experts and the router always run)."""
+    idle = cfg.n_experts - cfg.experts_per_token if cfg.n_experts else 0
+    return param_count(cfg) - cfg.n_moe_layers * idle * 3 * cfg.d_model * cfg.expert_width
+
+
 def matmul_param_count(cfg: ModelConfig) -> int:
-    """N of the formula: every weight that takes part in a matmul. The input embedding is a
-    lookup (no FLOPs) unless it is tied to the LM head, which is a matmul."""
-    n = param_count(cfg)
+    """N of the formula: every active weight that takes part in a matmul. The input embedding is a
+    lookup (no FLOPs) unless it is tied to the LM head, which is a matmul; the MoE router bias
+    only shifts the expert choice."""
+    n = active_param_count(cfg)
     norms = cfg.d_model * (2 * cfg.n_layers + 1)
     embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-    return n - norms - embed
+    bias = cfg.n_moe_layers * cfg.n_experts if cfg.router_bias_rate > 0 else 0
+    return n - norms - embed - bias
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

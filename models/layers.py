@@ -12,10 +12,10 @@ from mesh.shard import constrain
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, std: float | None = None,
-          fan_in: int | None = None, ones: bool = False) -> nnx.Param:
+          fan_in: int | None = None, ones: bool = False, zeros: bool = False) -> nnx.Param:
     """A Param carrying its logical axis names (read by the sharding rules)."""
-    if ones:
-        value = jnp.ones(shape, dtype)
+    if ones or zeros:
+        value = (jnp.ones if ones else jnp.zeros)(shape, dtype)
     else:
         scale = std if std is not None else fan_in ** -0.5
         value = scale * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)

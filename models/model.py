@@ -59,9 +59,19 @@ def param_axes(cfg: ModelConfig) -> dict:
 
 
 def apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-          cache: KVCache | None = None):
-    """tokens [B,T] -> (logits [B,T,V] float32, cache)."""
-    return _module(cfg, params)(tokens_BT, positions_BT, cache)
+          cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None):
+    """tokens [B,T] -> (logits [B,T,V] float32, cache). With `segment_ids_BT` (packed sequences)
+    a token attends only to earlier tokens of its own segment; positions then come from the batch
+    (or restart at each segment when not given)."""
+    logits_BTV, cache, _ = _module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
+    return logits_BTV, cache
+
+
+def forward(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+            segment_ids_BT: jax.Array | None = None):
+    """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if dense)."""
+    logits_BTV, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT)
+    return logits_BTV, stats
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:

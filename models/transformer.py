@@ -1,4 +1,5 @@
-"""Decoder-only Transformer (Llama architecture) with a stacked, scannable layer stack.
+"""Decoder-only Transformer (Llama architecture, optionally Mixture-of-Experts) with stacked,
+scannable layer stacks.
 
 Parameters are always stored stacked over layers ([L, ...], logical axis 'layers'); `scan_layers`
 only chooses between a `lax.scan` over that stack and an unrolled Python loop over its slices,
@@ -14,6 +15,7 @@ from mesh.shard import constrain
 from models.attention import Attention, KVCache
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, param
+from models.moe import MoE
 
 ACT_BTD = ("batch", "seq", "act_embed")
 
@@ -32,57 +34,113 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, dtype, param_dtype, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, cache: KVCache | None = None):
-        h_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache)
+    def __call__(self, x_BTD, positions_BT, cache: KVCache | None = None, segment_ids_BT=None):
+        h_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache, segment_ids_BT)
         x_BTD = constrain(x_BTD + h_BTD, ACT_BTD)
         x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), ACT_BTD)
         return x_BTD, cache
 
 
+class MoEBlock(nnx.Module):
+    """A decoder layer whose feed-forward is a Mixture-of-Experts; also returns the router stats."""
+
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
+        self.moe = MoE(cfg, dtype, param_dtype, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, cache: KVCache | None = None, segment_ids_BT=None):
+        h_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache, segment_ids_BT)
+        x_BTD = constrain(x_BTD + h_BTD, ACT_BTD)
+        y_BTD, stats = self.moe(self.mlp_norm(x_BTD))
+        return constrain(x_BTD + y_BTD, ACT_BTD), cache, stats
+
+
+def _stack(cfg: ModelConfig, n: int, cls, dtype, pdt, rngs):
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return cls(cfg, dtype, pdt, rngs=rngs)
+    return make(rngs)
+
+
+def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
+    """Positions restarting at 0 where the segment id changes (packed sequences)."""
+    t = segment_ids_BT.shape[1]
+    idx_BT = jnp.broadcast_to(jnp.arange(t), segment_ids_BT.shape)
+    starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
+
+
 class Decoder(nnx.Module):
+    """Dense layers live in `blocks` ([L_dense, ...]), MoE layers in `moe_blocks` ([L_moe, ...]).
+    The forward pass runs groups of `moe_every` layers (moe_every - 1 dense, then one MoE; a dense
+    model: groups of one dense layer), scanning over the groups as MaxText does."""
+
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
         self.embed_VD = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt, std=cfg.init_std)
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, self.dtype, pdt, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        n_dense = cfg.n_layers - cfg.n_moe_layers
+        if n_dense:
+            self.blocks = _stack(cfg, n_dense, Block, self.dtype, pdt, rngs)
+        if cfg.n_moe_layers:
+            self.moe_blocks = _stack(cfg, cfg.n_moe_layers, MoEBlock, self.dtype, pdt, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head_DV = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt, std=cfg.init_std)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 cache: KVCache | None = None):
-        """tokens [B,T] int32 -> (logits [B,T,V] float32, cache). `cache` holds [L,...] stacked KVCaches."""
+                 cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None):
+        """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
+        `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment."""
         cfg = self.cfg
         if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+            positions_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+                            if segment_ids_BT is None else segment_positions(segment_ids_BT))
         x_BTD = constrain(jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.dtype), ACT_BTD)
 
-        gdef, stack = nnx.split(self.blocks)
+        per_group = cfg.moe_every if cfg.n_experts else 1
+        n_groups = cfg.n_layers // per_group
+        n_dense = per_group - 1 if cfg.n_experts else 1  # dense layers per group
+        grouped = lambda tree, size: jax.tree.map(lambda a: a.reshape(n_groups, size, *a.shape[1:]), tree)
+        dense_gdef, dense = nnx.split(self.blocks) if n_dense else (None, None)
+        moe_gdef, moe = nnx.split(self.moe_blocks) if cfg.n_experts else (None, None)
+        dense = grouped(dense, n_dense) if n_dense else None
+        caches = grouped(cache, per_group) if cache is not None else None
 
-        def layer(x_BTD, layer_state_and_cache):
-            layer_state, layer_cache = layer_state_and_cache
-            return nnx.merge(gdef, layer_state)(x_BTD, positions_BT, layer_cache)
+        def group(x_BTD, xs):
+            dense_state, moe_state, group_cache = xs
+            new_caches, stats = [], {}
+            for j in range(per_group):
+                c = None if group_cache is None else jax.tree.map(lambda a: a[j], group_cache)
+                if j < n_dense:
+                    layer = nnx.merge(dense_gdef, jax.tree.map(lambda a: a[j], dense_state))
+                    x_BTD, c = layer(x_BTD, positions_BT, c, segment_ids_BT)
+                else:
+                    x_BTD, c, stats = nnx.merge(moe_gdef, moe_state)(x_BTD, positions_BT, c, segment_ids_BT)
+                new_caches.append(c)
+            new_cache = None if group_cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
+            return x_BTD, (new_cache, stats)
 
         policy = REMAT[cfg.remat]
         if policy is not None and cache is None:  # no remat when decoding: there is no backward pass
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
+            group = jax.checkpoint(group, policy=policy, prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
-            x_BTD, cache = jax.lax.scan(layer, x_BTD, (stack, cache))
+            x_BTD, (caches, stats) = jax.lax.scan(group, x_BTD, (dense, moe, caches))
         else:
-            new = []
-            for i in range(cfg.n_layers):
-                x_BTD, c = layer(x_BTD, jax.tree.map(lambda a: a[i], (stack, cache)))
-                new.append(c)
-            cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+            outs = []
+            for g in range(n_groups):
+                x_BTD, out = group(x_BTD, jax.tree.map(lambda a: a[g], (dense, moe, caches)))
+                outs.append(out)
+            caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        if cache is not None:
+            cache = jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), caches)
 
         x_BTD = self.final_norm(x_BTD)
         head_DV = self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("batch", "seq", "act_vocab")), cache
+        return constrain(logits_BTV, ("batch", "seq", "act_vocab")), cache, stats

@@ -281,3 +281,30 @@ def test_flops_per_token_by_hand():
         assert flops_per_token(CFG, t) == 6 * 115200 + 12 * 2 * 4 * 16 * t
     tied = dataclasses.replace(CFG, tie_embeddings=True)
     assert matmul_param_count(tied) == 115200  # the tied head is a matmul, the lookup is not
+
+
+# ------------------------------------------------------------------ packed sequences
+
+def test_packed_row_equals_separate_rows(params):
+    a = jax.random.randint(jax.random.key(5), (1, 10), 0, 256, dtype=jnp.int32)
+    b = jax.random.randint(jax.random.key(6), (1, 6), 0, 256, dtype=jnp.int32)
+    packed = jnp.concatenate([a, b], axis=1)
+    seg = jnp.array([[1] * 10 + [2] * 6], jnp.int32)
+    pos = jnp.array([list(range(10)) + list(range(6))], jnp.int32)
+
+    @jax.jit
+    def packed_run(p, t, pos, s):
+        out = M.apply(CFG, p, t, pos, segment_ids_BT=s)[0]
+        default_pos = M.apply(CFG, p, t, segment_ids_BT=s)[0]  # positions restart at each segment
+        # the training loss reads positions and segment ids from the batch
+        xent, n = loss_sums(CFG, p, {"inputs": t, "targets": t, "positions": pos, "segment_ids": s})
+        return out, default_pos, xent, n
+    out, default_pos, xent, n = packed_run(params, packed, pos, seg)
+    sep = [fwd(CFG)(params, t) for t in (a, b)]
+    np.testing.assert_allclose(out[:, :10], sep[0], atol=1e-5)
+    np.testing.assert_allclose(out[:, 10:], sep[1], atol=1e-5)
+    np.testing.assert_allclose(default_pos, out, atol=1e-6)
+    ref = sum(float(jnp.sum(jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, t[..., None], -1)[..., 0]))
+              for lg, t in zip(sep, (a, b)))
+    np.testing.assert_allclose(float(xent), ref, rtol=1e-5)
+    assert float(n) == 16

@@ -118,3 +118,18 @@ def test_plan_cli_json():
                                                          "all-to-all", "collective-permute"}
     assert r["collectives"]["all-gather"] == r["collectives_detail"]["all-gather"]["operand_bytes"]
     assert r["theory"]["reduce-scatter"] > 0 and r["collectives"]["reduce-scatter"] == 0  # CPU chose all-reduce
+
+
+def test_moe_all_to_all_matches_theory():
+    r = analyze(Trainer(cfg("expert=8", **{"model.preset": "moe-tiny", "train.seq_len": 64})))
+    th = r["theory_detail"]["all-to-all@expert"]
+    assert measured(r, "all-to-all", "expert") == pytest.approx(th["operand_bytes"], rel=0.02)
+    # by hand: 16/8 x 64 = 128 tokens per device, each sending min(k=2, 1 expert per device) row to
+    # each of 8 devices: 1024 rows of 64 floats; there and back in the forward, the backward and the
+    # remat recompute, plus the int32 expert ids (forward and recompute); 2 MoE layers
+    rows = 8 * 128
+    assert th["operand_bytes"] == 2 * (2 * 3 * rows * 64 * 4 + 2 * rows * 4)
+    assert th["ideal_bytes"] == 2 * 2 * 3 * 128 * 2 * 64 * 4
+    assert r["active_params"] < r["params"]
+    # expert weights are neither gathered nor reduced over the expert axis
+    assert "all-gather@expert" not in r["theory_detail"]

@@ -35,7 +35,8 @@ from train.step import eval_step, train_step
 
 # Which config field sets each logical dim, for divisibility errors that name the culprit.
 HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
-         "vocab": "model.vocab_size", "layers": "model.n_layers"}
+         "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
+         "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
 
 
 class Trainer:

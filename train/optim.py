@@ -15,10 +15,11 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(params: dict, decay_embeddings: bool) -> dict:
-    """Decay matrices only: never norm scales; embeddings only when asked (GPT-3/Llama practice)."""
+    """Decay matrices only: never norm scales or the MoE router bias (set by the train step, not by
+    gradients); embeddings only when asked (GPT-3/Llama practice)."""
     def keep(path, _):
         names = [getattr(k, "key", "") for k in path]
-        if any("norm" in str(n) for n in names):
+        if any("norm" in str(n) or str(n).startswith("router_bias") for n in names):
             return False
         if any(str(n).startswith("embed_") for n in names):
             return decay_embeddings

@@ -17,7 +17,8 @@ from mesh.build import describe
 from mesh.hlo import KINDS, parse_collectives, summarize
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, path_names, spec_axes
-from models.flops import flops_per_token, param_count
+from models import model as M
+from models.flops import active_param_count, flops_per_token, param_count
 from train import state as S
 from train.config import make_parser, build
 from train.loop import Trainer
@@ -62,10 +63,15 @@ def theory(tr: Trainer, abstract_state) -> dict:
         e["wire_bytes"] += wire_factor * operand
 
     m = tr.model_cfg
+    names = dict(path_names(M.param_axes(m), is_leaf=lambda x: isinstance(x, tuple)))
+    expert_axes = spec_axes(logical_to_spec(("experts",), rules))
     for path, sds in path_names(abstract_state.params, is_leaf=lambda x: hasattr(x, "shape")):
         used = spec_axes(sds.sharding.spec)
-        fsdp_axes = [a for a in batch_axes if a in used]
-        dp_axes = [a for a in batch_axes if a not in used]
+        # an expert's weights live on the devices its tokens travel to: no collective over the
+        # expert axes (the tokens move by all-to-all instead, below)
+        own = [a for a in batch_axes if not ("experts" in names[path] and a in expert_axes)]
+        fsdp_axes = [a for a in own if a in used]
+        dp_axes = [a for a in own if a not in used]
         n_f = math.prod(mesh.shape[a] for a in fsdp_axes)
         n_d = math.prod(mesh.shape[a] for a in dp_axes)
         full = _local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
@@ -74,7 +80,7 @@ def theory(tr: Trainer, abstract_state) -> dict:
         add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
         # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
-        gathers = 2 if path.startswith("blocks/") and m.remat != "none" else 1
+        gathers = 2 if path.startswith(("blocks/", "moe_blocks/")) and m.remat != "none" else 1
         for _ in range(gathers * t.micro_batches):
             add("all-gather", fsdp_axes, full / n_f, n_f, n_f - 1)  # operand = own shard, receive n-1 shards
     out = {f"{k}@{a}": v for (k, a), v in entries.items()}
@@ -87,7 +93,39 @@ def theory(tr: Trainer, abstract_state) -> dict:
         out["all-reduce@model"] = {"operand_bytes": per_step, "wire_bytes": 2 * (n_tp - 1) / n_tp * per_step,
                                    "note": "Megatron TP: 2 all-reduces/layer fwd + 2 bwd (+2 with full remat),"
                                            " + vocab-parallel embedding fwd and LM-head bwd"}
+    out.update(all_to_all_theory(tr))
     return out
+
+
+def all_to_all_theory(tr: Trainer) -> dict:
+    """MoE token exchange per device per step, as models/moe.py sizes its fixed buffers: every
+    MoE layer sends its dispatch buffer and gets it back (forward), the backward pass does both
+    again, and remat recomputes the forward. Dropless buffers hold tokens x min(k, experts per
+    device) rows per destination (the worst case: nothing can overflow), plus the int32 expert id
+    of each row; capacity buffers hold `capacity` rows per expert. `ideal_bytes` is what a ragged
+    all-to-all (GPU/TPU) would move at a perfectly even load: the k rows of each token."""
+    m, mesh, rules, t = tr.model_cfg, tr.mesh, tr.rules, tr.cfg.train
+    ep = axes_size(mesh, logical_to_spec(("experts",), rules)[0])
+    if not m.n_experts or ep <= 1:
+        return {}
+    k, x_count = m.experts_per_token, m.n_experts // ep
+    n = t.batch_size // t.micro_batches // axes_size(mesh, logical_to_spec(("batch",), rules)[0]) * t.seq_len
+    item = jax.numpy.dtype(tr.compute_dtype).itemsize
+    if m.dispatch == "capacity":
+        rows, id_bytes = m.n_experts * max(1, math.ceil(m.capacity_factor * n * k / m.n_experts)), 0
+    else:
+        rows = ep * n * min(k, x_count)
+        id_bytes = rows * 4
+    passes = 3 if m.remat != "none" else 2   # forward, backward (+ the remat recompute)
+    id_passes = 2 if m.remat != "none" else 1  # ids have no backward
+    per_layer = 2 * passes * rows * m.d_model * item + id_passes * id_bytes
+    total = per_layer * m.n_moe_layers * t.micro_batches
+    ideal = 2 * passes * n * k * m.d_model * item * m.n_moe_layers * t.micro_batches
+    axes = ",".join(a for a in mesh.axis_names if a in spec_axes(logical_to_spec(("experts",), rules)))
+    return {f"all-to-all@{axes}": {"operand_bytes": float(total), "wire_bytes": (ep - 1) / ep * total,
+                                   "ideal_bytes": float(ideal),
+                                   "note": f"{m.dispatch} MoE: {rows} rows of d_model per layer and direction"
+                                           f" (fixed buffers); a ragged all-to-all at even load moves {n * k}"}}
 
 
 def on_backend(th: dict, platform: str, mesh) -> dict:
@@ -134,6 +172,7 @@ def analyze(tr: Trainer) -> dict:
     return {
         "mesh": describe(tr.mesh), "devices": tr.mesh.size, "backend": jax.default_backend(),
         "params": param_count(tr.model_cfg),
+        "active_params": active_param_count(tr.model_cfg),
         "memory": {
             "params_bytes": params_b, "optimizer_bytes": opt_b, "gradient_bytes": params_b,
             "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
@@ -168,7 +207,9 @@ def _mib(b: float) -> str:
 
 def render(r: dict, show_sharding: bool) -> str:
     m = r["memory"]
-    lines = [f"plan: {r['params'] / 1e6:.2f}M params on {r['devices']} {r['backend']} devices, mesh {r['mesh']}",
+    active = f" ({r['active_params'] / 1e6:.2f}M active per token)" if r["active_params"] != r["params"] else ""
+    lines = [f"plan: {r['params'] / 1e6:.2f}M params{active} on {r['devices']} {r['backend']} devices,"
+             f" mesh {r['mesh']}",
              "memory per device:"]
     for k in ("params_bytes", "optimizer_bytes", "gradient_bytes", "argument_bytes", "output_bytes", "temp_bytes",
               "peak_bytes"):

@@ -11,18 +11,35 @@ from mesh.rules import axis_rules, current_rules
 from mesh.shard import constrain
 from models import model as M
 from models.config import ModelConfig
+from models.moe import bias_update
 from train.state import TrainState
 
 BATCH_BT = ("batch", "seq")
 
 
+def loss_terms(cfg: ModelConfig, params, batch):
+    """-> (objective sum, (cross-entropy sum, token count, MoE sums)), in float32.
+
+    The objective adds the MoE balance losses (means over MoE layers) weighted by the token count,
+    so that dividing by the total count gives mean cross-entropy + coefficient x loss, also across
+    micro-batches. MoE sums are additive over micro-batches: {} for a dense model."""
+    logits_BTV, stats = M.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
+    xent, n = jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
+    if not stats:
+        return xent, (xent, n, {})
+    aux, z = jnp.mean(stats["aux"]), jnp.mean(stats["z"])
+    sums = {"aux": aux * n, "z": z * n, "counts": stats["counts"], "dropped": stats["dropped"],
+            "assigned": stats["assigned"]}
+    return xent + n * (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z), (xent, n, sums)
+
+
 def loss_sums(cfg: ModelConfig, params, batch) -> tuple[jax.Array, jax.Array]:
     """-> (sum of token cross-entropies, number of tokens), in float32. Summing (not averaging)
     per micro-batch makes gradient accumulation exactly equal to one big batch."""
-    logits_BTV, _ = M.apply(cfg, params, batch["inputs"])
-    xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-    weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
-    return jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
+    _, (xent, n, _) = loss_terms(cfg, params, batch)
+    return xent, n
 
 
 def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
@@ -34,7 +51,14 @@ def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
 
 
 def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = ()):
-    """Mean loss over all tokens and its gradient, accumulated over micro-batches in float32.
+    """Mean loss over all tokens and its gradient (see `grads_loss_stats`)."""
+    loss, grads, _ = grads_loss_stats(cfg, params, batch, micro_batches, dp_axes)
+    return loss, grads
+
+
+def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = ()):
+    """Mean cross-entropy over all tokens, the gradient of the objective (cross-entropy + MoE
+    balance losses) and the MoE sums, accumulated over micro-batches in float32.
 
     `dp_axes`: the leading batch mesh axes that shard no parameter (plain data parallelism). With
     micro-batches, each such replica group keeps its own partial gradient sum ([n_dp, ...], sharded
@@ -43,14 +67,18 @@ def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes:
     (fsdp) reduce-scatter every micro-batch, as ZeRO-3 does, to keep gradients sharded.
     """
     def sums_and_grads(p, mb):
-        (total, n), g = jax.value_and_grad(loss_sums, argnums=1, has_aux=True)(cfg, p, mb)
-        return total, n, g
+        (_, (xent, n, sums)), g = jax.value_and_grad(loss_terms, argnums=1, has_aux=True)(cfg, p, mb)
+        return xent, n, sums, g
 
     if micro_batches == 1:
-        total, n, g = sums_and_grads(params, batch)
+        total, n, sums, g = sums_and_grads(params, batch)
         n = jnp.maximum(n, 1.0)
-        return total / n, jax.tree.map(lambda x: x / n, g)
+        return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
 
+    if cfg.n_experts:
+        # the experts' shard_map under a vmap with spmd_axis_name fails in jax 0.10 (vma checks):
+        # MoE models reduce data-parallel gradients every micro-batch instead
+        dp_axes = ()
     micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)   # [M, B/M, ...]
     n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes) if dp_axes else 1
     rules = current_rules()
@@ -62,28 +90,51 @@ def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes:
         grad_fn = sums_and_grads
 
     def body(carry, mb):
-        total, n, g = carry
         with axis_rules(inner_rules):
-            t_i, n_i, g_i = grad_fn(params, mb)
-        return (total + t_i, n + n_i, jax.tree.map(jnp.add, g, g_i)), None
+            out = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, carry, out), None
 
-    lead = (n_dp,) if n_dp > 1 else ()
-    zeros = (jnp.zeros(lead), jnp.zeros(lead), jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params))
-    (total, n, g), _ = jax.lax.scan(body, zeros, micro)
+    with axis_rules(inner_rules):
+        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+    (total, n, sums, g), _ = jax.lax.scan(body, zeros, micro)
     if n_dp > 1:  # the one data-parallel reduction of the step
-        total, n, g = total.sum(0), n.sum(0), jax.tree.map(lambda x: x.sum(0), g)
+        total, n, sums, g = jax.tree.map(lambda x: x.sum(0), (total, n, sums, g))
     n = jnp.maximum(n, 1.0)
-    return total / n, jax.tree.map(lambda x: x / n, g)
+    return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
+
+
+def _normalise(sums: dict, n) -> dict:
+    return {**sums, "aux": sums["aux"] / n, "z": sums["z"] / n} if sums else {}
+
+
+def moe_metrics(stats: dict) -> dict:
+    """Float32 scalars for the log: the worst layer's busiest and idlest expert against the mean
+    load, the share of assignments dropped (capacity dispatch), the balance losses (unweighted)."""
+    ratio_LE = stats["counts"] / jnp.maximum(jnp.mean(stats["counts"], -1, keepdims=True), 1e-9)
+    return {"moe/load_max_over_mean": jnp.max(ratio_LE), "moe/load_min_over_mean": jnp.min(ratio_LE),
+            "moe/dropped_fraction": jnp.sum(stats["dropped"]) / jnp.maximum(jnp.sum(stats["assigned"]), 1.0),
+            "moe/aux_loss": stats["aux"], "moe/z_loss": stats["z"]}
 
 
 def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
                dp_axes: tuple[str, ...], state: TrainState, batch) -> tuple[TrainState, dict]:
-    loss, grads = grads_and_loss(cfg, state.params, batch, micro_batches, dp_axes)
+    loss, grads, stats = grads_loss_stats(cfg, state.params, batch, micro_batches, dp_axes)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if cfg.n_experts and cfg.router_bias_rate > 0:
+        # aux-loss-free balancing: the router bias follows the loads, not the gradient (it has
+        # none); it lives in params so that checkpoints and generation carry it
+        moe = params["moe_blocks"]["moe"]
+        new_bias = bias_update(moe["router_bias_E"], stats["counts"], cfg.router_bias_rate)
+        ok = opt_state.notfinite_count == 0  # a skipped step leaves everything as it was
+        params = {**params, "moe_blocks": {**params["moe_blocks"], "moe": {
+            **moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])}}}
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step),
                # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
                "bad_in_a_row": opt_state.notfinite_count, "skipped_steps": opt_state.total_notfinite}
+    if stats:
+        metrics.update(moe_metrics(stats))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -1,0 +1,120 @@
+"""MoE benchmarks on CPU (8 fake devices):
+
+    python benchmarks/moe.py kernels [--reps 5]     # the MoE layer alone, forward + backward, 1 device
+    python benchmarks/moe.py steps [--steps 6]      # train steps of moe-default: dispatch x mesh, + plan bytes
+
+`kernels` times the dropless grouped-matmul kernels (lax.ragged_dot vs padded blocks) and capacity
+dispatch at moe-default's layer shape (16 x 128 tokens, d_model 256, 8 experts of 384, top-2),
+next to a dense SwiGLU with the same active FLOPs (the floor);
+`steps` times whole train steps of moe-default for dropless/capacity on data=8 (experts replicated,
+the expert axis unused) and expert=8 (expert parallel), and prints plan's all-to-all bytes next to
+the theory.
+"""
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+
+import common  # noqa: F401  (8 fake devices, repo on sys.path)
+import jax
+import numpy as np
+
+from mesh.rules import axis_rules
+from models import moe as MOE
+from models.config import PRESETS
+from train.config import build
+from train.loop import Trainer
+from train.plan import analyze
+
+
+def _time(fn, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kernels(reps: int) -> None:
+    cfg = dataclasses.replace(PRESETS["moe-default"], dtype="float32")
+    d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_width
+    ks = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(ks[0], (16, 128, d))
+    w = (0.02 * jax.random.normal(ks[1], (d, e)), jax.random.normal(ks[2], (e, d, f)) / d ** 0.5,
+         jax.random.normal(ks[3], (e, d, f)) / d ** 0.5, jax.random.normal(ks[4], (e, f, d)) / f ** 0.5)
+
+    def layer(c, kernel):
+        def loss(x, router, wg, wu, wd):
+            idx, gate, _ = MOE.route(c, x, router)
+            return MOE.experts(c, x, idx, gate, wg, wu, wd, kernel)[0].sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+    k = cfg.experts_per_token
+    wide = tuple(jax.random.normal(kk, (d, k * f)) / d ** 0.5 for kk in ks[2:4]) + (
+        jax.random.normal(ks[4], (k * f, d)) / (k * f) ** 0.5,)
+
+    def dense_active(x, wg, wu, wd):  # the floor: one dense SwiGLU with the MoE's active width k*F
+        return ((jax.nn.silu(x @ wg) * (x @ wu)) @ wd).sum()
+    variants = {"dropless, blocks": layer(cfg, "blocks"), "dropless, ragged_dot": layer(cfg, "ragged"),
+                "capacity 1.25": layer(dataclasses.replace(cfg, dispatch="capacity"), None)}
+    print(f"MoE layer fwd+bwd, 2048 tokens, D={d}, {e} experts of F={f}, top-{cfg.experts_per_token}, 1 device:")
+    for name, fn in variants.items():
+        print(f"  {name:<38}{1e3 * _time(fn, x, *w, reps=reps):8.1f} ms")
+    fn = jax.jit(jax.grad(dense_active, argnums=(0, 1, 2, 3)))
+    print(f"  {f'dense SwiGLU of width k*F={k * f} (floor)':<38}{1e3 * _time(fn, x, *wide, reps=reps):8.1f} ms")
+
+
+def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "capacity")) -> None:
+    base = {"model.preset": "moe-default", "train.batch_size": 16, "train.seq_len": 128, "train.steps": n_steps,
+            "train.eval_every": 0, "train.sample_tokens": 0, "logging.progress": False,
+            "logging.tensorboard": False}
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 256, (16, 129)).astype(np.int32)
+    print(f"moe-default train step (16 x 128 tokens), median of {n_steps - 1} steps after the first:")
+    for mesh in meshes:
+        for dispatch in dispatches:
+            with tempfile.TemporaryDirectory() as d:
+                tr = Trainer(build({**base, "parallelism.mesh": mesh, "model.dispatch": dispatch,
+                                    "logging.run_dir": d}))
+                state = tr.create_state()
+                batch = jax.device_put({"inputs": tok[:, :-1], "targets": tok[:, 1:],
+                                        "weights": np.ones((16, 128), np.float32)}, tr.batch_sharding)
+                t0 = time.perf_counter()
+                fn = tr.compile_step(state, batch)
+                compile_s = time.perf_counter() - t0
+                times = []
+                with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+                    for _ in range(n_steps):
+                        t0 = time.perf_counter()
+                        state, m = fn(state, batch)
+                        jax.block_until_ready(m["loss"])
+                        times.append(time.perf_counter() - t0)
+                r = analyze(tr) if mesh == "expert=8" else None
+            line = (f"  {mesh:<10}{dispatch:<10}{statistics.median(times[1:]):7.3f} s/step  compile {compile_s:5.1f} s"
+                    f"  dropped {float(m['moe/dropped_fraction']):.3f}")
+            if r:
+                th = r["theory_detail"]["all-to-all@expert"]
+                line += (f"  all-to-all {r['collectives']['all-to-all'] / 2**20:.2f} MiB measured,"
+                         f" {th['operand_bytes'] / 2**20:.2f} MiB theory, {th['ideal_bytes'] / 2**20:.2f} MiB ragged ideal")
+            print(line, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("kernels", "steps"))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--mesh", default="data=8;expert=8", help="meshes for `steps`, ';'-separated")
+    ap.add_argument("--dispatch", default="dropless,capacity", help="dispatch modes for `steps`")
+    a = ap.parse_args()
+    if a.what == "kernels":
+        kernels(a.reps)
+    else:
+        steps(a.steps, a.mesh.split(";"), a.dispatch.split(","))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Mixture-of-Experts feed-forward layer: router, dropless and capacity dispatch, expert parallelism.
+
+Shape letters besides the model's: E experts, X experts held by one device (E / expert-axis size),
+J experts chosen per token (top-k), U tokens of one device (B*T flattened), A = U*J (token, choice)
+assignments, C capacity (slots per expert per device), R rows of a fixed-size dispatch buffer,
+F expert width, G blocks of the padded grouped matmul.
+
+The router runs on the global batch under GSPMD, so its statistics (and the balance losses) do
+not depend on the mesh. The experts run inside `shard_map`: every device sorts its own tokens'
+assignments by destination, exchanges fixed-size buffers with all-to-all over the expert axis
+(XLA:CPU has no ragged all-to-all), computes only its X experts, and sends the rows back.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from mesh.errors import UserError
+from mesh.rules import logical_to_spec
+from mesh.shard import spec_axes
+from models.config import ModelConfig
+from models.layers import MLP, param
+
+W_EDF = ("experts", "embed", "expert_mlp")
+W_EFD = ("experts", "expert_mlp", "embed")
+TOKENS_BT = ("batch", "seq", None)
+
+
+def kernel_for(cfg: ModelConfig) -> str:
+    """The dropless grouped matmul: ragged_dot where it is fast (GPU/TPU); on CPU ragged_dot costs
+    about as much as every expert on every row (JAX_FACTS §5), so padded blocks, empty ones skipped."""
+    if cfg.dropless_kernel != "auto":
+        return cfg.dropless_kernel
+    return "blocks" if jax.default_backend() == "cpu" else "ragged"
+
+
+# ------------------------------------------------------------------ router
+
+def route(cfg: ModelConfig, x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array | None = None):
+    """float32 router -> (expert ids [B,T,J] int32, combine weights [B,T,J] float32, stats).
+
+    softmax (Mixtral): top-k of the softmax, the k weights renormalised; sigmoid (DeepSeek-V3):
+    top-k of the sigmoid scores, renormalised. `bias_E` (aux-loss-free balancing) shifts only the
+    choice of experts, never the weights. With k = 1 nothing is renormalised (Switch), else the
+    router would get no gradient. Stats are over all tokens: Switch load-balancing loss
+    E * sum_e f_e P_e (f_e: share of assignments, P_e: mean router probability), z-loss
+    mean(logsumexp(logits)^2), and assignments per expert."""
+    e, k = cfg.n_experts, cfg.experts_per_token
+    logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
+                            precision=lax.Precision.HIGHEST)
+    probs_BTE = jax.nn.softmax(logits_BTE, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
+    select_BTE = probs_BTE if bias_E is None else probs_BTE + lax.stop_gradient(bias_E.astype(jnp.float32))
+    _, idx_BTJ = lax.top_k(select_BTE, k)
+    gate_BTJ = jnp.take_along_axis(probs_BTE, idx_BTJ, axis=-1)
+    if k > 1:
+        gate_BTJ = gate_BTJ / jnp.sum(gate_BTJ, -1, keepdims=True)
+    counts_E = jnp.sum(jax.nn.one_hot(idx_BTJ, e, dtype=jnp.float32), axis=(0, 1, 2))
+    share_BTE = probs_BTE if cfg.router == "softmax" else probs_BTE / jnp.sum(probs_BTE, -1, keepdims=True)
+    n_assigned = idx_BTJ.size
+    aux = e * jnp.sum(counts_E / n_assigned * jnp.mean(share_BTE, axis=(0, 1)))
+    z = jnp.mean(jax.nn.logsumexp(logits_BTE, -1) ** 2)
+    stats = {"aux": aux, "z": z, "counts": counts_E, "assigned": jnp.float32(n_assigned)}
+    return idx_BTJ.astype(jnp.int32), gate_BTJ, stats
+
+
+def bias_update(bias_LE: jax.Array, counts_LE: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3 aux-loss-free balancing: raise the bias of under-loaded experts, lower the
+    over-loaded ones, by a fixed step (the sign of the load error)."""
+    err_LE = jnp.mean(counts_LE, -1, keepdims=True) - counts_LE
+    return bias_LE + rate * jnp.sign(err_LE).astype(bias_LE.dtype)
+
+
+# ------------------------------------------------------------------ per-device expert compute
+
+def _ffn(x_RD, wg_DF, wu_DF, wd_FD):
+    return (jax.nn.silu(x_RD @ wg_DF) * (x_RD @ wu_DF)) @ wd_FD
+
+
+def _rank_in_group(g_A: jax.Array, n_groups: int):
+    """Rank of each element among those with the same group id, in order (stable) -> (rank_A, sizes_G).
+    Ids >= n_groups (padding) are not counted."""
+    # (no jnp.searchsorted: it fails on shard_map-varying arrays in jax 0.10)
+    order = jnp.argsort(g_A, stable=True)
+    sorted_g = g_A[order]
+    sizes_G = jnp.zeros((n_groups,), jnp.int32).at[g_A].add(1, mode="drop")
+    start_G = jnp.cumsum(sizes_G) - sizes_G
+    rank_sorted = jnp.arange(g_A.shape[0]) - start_G.at[jnp.minimum(sorted_g, n_groups - 1)].get()
+    rank_A = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    return rank_A, sizes_G
+
+
+def _gmm_ragged(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD):
+    """Rows grouped by expert id g (== X: padding, comes out 0) through lax.ragged_dot."""
+    x_count = wg_XDF.shape[0]
+    order = jnp.argsort(g_R, stable=True)
+    sizes_X = jnp.sum(jax.nn.one_hot(g_R, x_count, dtype=jnp.int32), axis=0)
+    xs_RD = x_RD[order]
+    h_RF = jax.nn.silu(lax.ragged_dot(xs_RD, wg_XDF, sizes_X)) * lax.ragged_dot(xs_RD, wu_XDF, sizes_X)
+    ys_RD = lax.ragged_dot(h_RF, wd_XFD, sizes_X)
+    return ys_RD[jnp.argsort(order)]
+
+
+def _gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int):
+    """Rows grouped by expert id (== X: padding), each expert's rows padded to whole blocks
+    (MegaBlocks); a scan over blocks runs one [block,D] x [D,F] matmul per block and skips the
+    empty ones, so the cost follows the real rows, not the buffer size."""
+    x_count, (r, d) = wg_XDF.shape[0], x_RD.shape
+    rank_R, sizes_X = _rank_in_group(g_R, x_count)
+    padded_X = -(-sizes_X // block) * block
+    end_X = jnp.cumsum(padded_X)
+    start_X = end_X - padded_X
+    n_blocks = -(-(r + x_count * (block - 1)) // block)
+    valid_R = g_R < x_count
+    dest_R = jnp.where(valid_R, start_X.at[jnp.minimum(g_R, x_count - 1)].get() + rank_R, n_blocks * block)
+    xb_GbD = jnp.zeros((n_blocks * block, d), x_RD.dtype).at[dest_R].set(x_RD, mode="drop")
+    xb_GbD = xb_GbD.reshape(n_blocks, block, d)
+    group_G = jnp.sum(jnp.arange(n_blocks)[:, None] * block >= end_X[None, :], axis=1)  # X: unused block
+    # Each block's expert weights go in as scan inputs, not indexed inside the body: the gradient of
+    # an in-body dynamic index is a full [X,D,F] update per block, which made the backward pass
+    # 4x slower; this way the gradient leaves per block and is summed by one scatter-add. With one
+    # expert per device (the usual expert-parallel case) every block uses the same weights.
+    fixed = [w[0] for w in (wg_XDF, wu_XDF, wd_XFD)] if x_count == 1 else None
+    w_G = [] if fixed else [w[jnp.minimum(group_G, x_count - 1)] for w in (wg_XDF, wu_XDF, wd_XFD)]
+    # under shard_map both cond branches must vary over the same mesh axes
+    vma = tuple(set().union(*(jax.typeof(a).manual_axis_type.varying for a in (x_RD, *(fixed or w_G)))))
+
+    def body(_, xs):
+        xb_bD, g, *ws = xs
+        ws = fixed or ws
+        skip = lambda: lax.pcast(jnp.zeros((block, d), x_RD.dtype), vma, to="varying") if vma else \
+            jnp.zeros((block, d), x_RD.dtype)
+        return None, lax.cond(g < x_count, lambda: _ffn(xb_bD, *ws), skip)
+
+    _, yb_GbD = lax.scan(body, None, (xb_GbD, group_G, *w_G))
+    return yb_GbD.reshape(-1, d).at[dest_R].get(mode="fill", fill_value=0)
+
+
+def _block_size(rows_expected: int, x_count: int) -> int:
+    """About 4 blocks per expert at a balanced load (padding wastes under a quarter of the rows),
+    but at least 64 rows: on CPU, 16-row blocks ran 3x slower than 64-128 (benchmarks/moe.py)."""
+    per_expert = max(rows_expected // max(x_count, 1), 1)
+    return int(min(256, max(64, 2 ** math.floor(math.log2(max(per_expert // 4, 1))))))
+
+
+def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_experts: int, mode: str,
+                   capacity_factor: float, kernel: str, ep_axes=(), ep: int = 1, embed_axes=(), tp_axes=(),
+                   token_axes=()):
+    """One device's share of the MoE layer: its tokens in, their expert outputs out (-> y [B,T,D],
+    dropped assignments). With ep > 1 this runs inside shard_map and the rows travel by all-to-all
+    over `ep_axes`; weights arrive sharded over `embed_axes` (FSDP: gathered here) and `tp_axes`
+    (tensor parallel inside each expert: the partial outputs are summed at the end)."""
+    b, t, d = x_BTD.shape
+    k = idx_BTJ.shape[-1]
+    n = b * t
+    if embed_axes:
+        wg_XDF, wu_XDF = (lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (wg_XDF, wu_XDF))
+        wd_XFD = lax.all_gather(wd_XFD, embed_axes, axis=2, tiled=True)
+    x_count = wg_XDF.shape[0]
+    x_UD = x_BTD.reshape(n, d)
+    # assignments in priority order: every token's first choice before any second choice (Switch)
+    e_A = idx_BTJ.reshape(n, k).T.reshape(-1)
+    tok_A = jnp.tile(jnp.arange(n), k)
+    gate_A = gate_BTJ.reshape(n, k).T.reshape(-1)
+    dest_A = e_A // x_count
+    if mode == "capacity":
+        cap = max(1, math.ceil(capacity_factor * n * k / n_experts))
+        rank_A, _ = _rank_in_group(e_A, n_experts)
+        keep_A = rank_A < cap
+        slot_A = jnp.where(keep_A, e_A * cap + rank_A, n_experts * cap)  # rows per device: X * cap
+        per_dest = x_count * cap
+        dropped = jnp.sum(~keep_A).astype(jnp.float32)
+    else:
+        # a token sends at most min(J, X) rows to one device: buffers that size never overflow
+        per_dest = n * min(k, x_count) if ep > 1 else n * k
+        rank_A, _ = _rank_in_group(dest_A, ep)
+        slot_A = dest_A * per_dest + rank_A
+        dropped = jnp.float32(0.0)
+    rows = ep * per_dest
+    send_RD = jnp.zeros((rows, d), x_UD.dtype).at[slot_A].set(x_UD[tok_A], mode="drop")
+    if mode == "capacity":
+        if ep > 1:
+            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)       # -> [source, X, cap]
+        x_XRD = send_RD.reshape(ep, x_count, cap, d).transpose(1, 0, 2, 3).reshape(x_count, ep * cap, d)
+        y_XRD = jnp.einsum("xrf,xfd->xrd", jax.nn.silu(jnp.einsum("xrd,xdf->xrf", x_XRD, wg_XDF))
+                           * jnp.einsum("xrd,xdf->xrf", x_XRD, wu_XDF), wd_XFD)
+        y_RD = y_XRD.reshape(x_count, ep, cap, d).transpose(1, 0, 2, 3).reshape(rows, d)
+    else:
+        group_R = jnp.full((rows,), x_count, jnp.int32).at[slot_A].set(e_A % x_count, mode="drop")
+        if ep > 1:
+            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)
+            group_R = lax.all_to_all(group_R, ep_axes, 0, 0, tiled=True)
+        if kernel == "ragged":
+            y_RD = _gmm_ragged(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD)
+        else:
+            y_RD = _gmm_blocks(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD, _block_size(n * k, x_count))
+    if ep > 1:
+        y_RD = lax.all_to_all(y_RD, ep_axes, 0, 0, tiled=True)
+    y_JUD = y_RD.at[slot_A].get(mode="fill", fill_value=0).reshape(k, n, d)  # dropped rows: 0
+    y_UD = jnp.einsum("jud,ju->ud", y_JUD, gate_A.reshape(k, n).astype(y_JUD.dtype))
+    if tp_axes:
+        y_UD = lax.psum(y_UD, tp_axes)
+    if token_axes:
+        dropped = lax.psum(dropped, token_axes)
+    return y_UD.reshape(b, t, d), dropped
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, kernel: str | None = None):
+    """The routed experts on whatever mesh is in context -> (y [B,T,D], dropped assignments)."""
+    local = functools.partial(dispatch_local, n_experts=cfg.n_experts, mode=cfg.dispatch,
+                              capacity_factor=cfg.capacity_factor, kernel=kernel or kernel_for(cfg))
+    mesh = jax.sharding.get_abstract_mesh()
+    x_spec, w_spec, wd_spec = (logical_to_spec(n) for n in (TOKENS_BT, W_EDF, W_EFD))
+    if mesh.empty:
+        return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+    # size-1 axes stay automatic: collectives over them would still be emitted as copies
+    real = lambda entry: tuple(a for a in _axes(entry) if mesh.shape[a] > 1)
+    x_spec, w_spec, wd_spec = (P(*(real(e) or None for e in s)) for s in (x_spec, w_spec, wd_spec))
+    manual = spec_axes(x_spec) | spec_axes(w_spec) | spec_axes(wd_spec)
+    if not manual:
+        return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+    ep_axes, token_axes = _axes(w_spec[0]), _axes(x_spec[0])
+    ep = math.prod(mesh.shape[a] for a in ep_axes)
+    if not set(ep_axes) <= set(token_axes):
+        raise UserError(f"--parallelism.rules: the experts dim is sharded over {ep_axes}, which must also shard"
+                        f" the batch (now {token_axes}) so that every expert device holds its own tokens")
+    body = functools.partial(local, ep_axes=ep_axes, ep=ep, embed_axes=_axes(w_spec[1]),
+                             tp_axes=_axes(w_spec[2]), token_axes=token_axes)
+    return jax.shard_map(body, in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, wd_spec),
+                         out_specs=(x_spec, P()), axis_names=frozenset(manual),
+                         check_vma=True)(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+
+
+# ------------------------------------------------------------------ the layer
+
+class MoE(nnx.Module):
+    """Routed experts (+ optional always-on shared experts). Returns (y [B,T,D], stats)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+        d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_width
+        self.router_DE = param(rngs, (d, e), ("embed", "router_experts"), param_dtype, std=cfg.init_std)
+        if cfg.router_bias_rate > 0:  # updated by the train step from the loads, never by gradients
+            self.router_bias_E = param(rngs, (e,), ("router_experts",), jnp.float32, zeros=True)
+        self.w_gate_EDF = param(rngs, (e, d, f), W_EDF, param_dtype, fan_in=d)
+        self.w_up_EDF = param(rngs, (e, d, f), W_EDF, param_dtype, fan_in=d)
+        self.w_down_EFD = param(rngs, (e, f, d), W_EFD, param_dtype, fan_in=f)
+        if cfg.n_shared_experts:
+            self.shared = MLP(d, cfg.n_shared_experts * f, dtype, param_dtype, rngs=rngs)
+        self.cfg, self.dtype = cfg, dtype
+
+    def __call__(self, x_BTD: jax.Array):
+        bias = self.router_bias_E[...] if self.cfg.router_bias_rate > 0 else None
+        idx_BTJ, gate_BTJ, stats = route(self.cfg, x_BTD, self.router_DE[...], bias)
+        dt = self.dtype
+        y_BTD, dropped = experts(self.cfg, x_BTD, idx_BTJ, gate_BTJ.astype(dt),
+                                 *(w[...].astype(dt) for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD)))
+        if self.cfg.n_shared_experts:
+            y_BTD = y_BTD + self.shared(x_BTD)
+        return y_BTD, {**stats, "dropped": dropped}
