@@ -1,4 +1,5 @@
-"""`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only."""
+"""`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only;
+`python -m train report RUN_DIR` renders a run's plots and summary."""
 from __future__ import annotations
 
 import os
@@ -9,9 +10,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from mesh.errors import UserError
     try:
+        from mesh.xla import apply_argv
+        apply_argv(argv, os.environ)  # XLA reads its flags when jax starts a backend: before any import of jax
         if argv and argv[0] == "plan":
             from train.plan import main as plan_main
             return plan_main(argv[1:])
+        if argv and argv[0] == "report":
+            from train.report import main as report_main
+            return report_main(argv[1:])
         from train.config import from_args
         cfg, _ = from_args(argv)
         if cfg.train.max_restarts and not os.environ.get("BRIGADE_SUPERVISED"):

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 
 from mesh.errors import UserError
-from models.config import ModelConfig, preset
+from mesh.xla import PRESETS as XLA_PRESETS
+from models.config import PRESETS, ModelConfig, preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +192,13 @@ class OneLineParser(argparse.ArgumentParser):
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Every field as --section.field, plus the stable short aliases; defaults shown in --help."""
     parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="YAML file with config sections")
+    # Acted on by train/__main__.py before jax is imported (mesh/xla.py); declared here for --help.
+    parser.add_argument("--xla-preset", choices=list(XLA_PRESETS), default=argparse.SUPPRESS,
+                        help="recommended XLA flags for the backend, merged into XLA_FLAGS / LIBTPU_INIT_ARGS"
+                             " (flags already set win)")
     short = {v: k for k, v in ALIASES.items()}
     parser.add_argument("--model", "--model.preset", dest="model.preset", default=argparse.SUPPRESS, metavar="PRESET",
-                        help="model preset: tiny, default, 125m, 1b, 7b, 70b (default: default)")
+                        help=f"model preset: {', '.join(PRESETS)} (default: default)")
     for section in SECTIONS:
         group = parser.add_argument_group(section)
         for name, (_, tp, default) in _options(section).items():

@@ -19,7 +19,7 @@ from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, path_names, spec_axes
 from models import model as M
 from models.flops import active_param_count, flops_per_token, param_count
-from train import state as S
+from train import search, state as S
 from train.config import make_parser, build
 from train.loop import Trainer
 
@@ -244,13 +244,20 @@ def main(argv: list[str]) -> int:
                          " FLOPs and collectives per device, without training.")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show-sharding", action="store_true", help="per-parameter sharding table")
+    search.add_args(parser)
     ns = parser.parse_args(argv)
     cfg = build({k: v for k, v in vars(ns).items() if "." in k}, getattr(ns, "config", None))
-    report = analyze(Trainer(cfg))
+    if ns.search or ns.devices:  # formulas only: the target device count need not exist here
+        report, text = search.analytic(ns, cfg)
+        print(json.dumps(report) if ns.json else text)
+        return 0
+    trainer = Trainer(cfg)
+    report = analyze(trainer)
+    cost_text = search.with_cost(report, ns, cfg, trainer.mesh) if ns.hardware else ""
     if ns.json:
         if not ns.show_sharding:
             report.pop("sharding")
         print(json.dumps(report))
     else:
-        print(render(report, ns.show_sharding))
+        print("\n".join(x for x in (render(report, ns.show_sharding), cost_text) if x))
     return 0

@@ -1,0 +1,124 @@
+"""`--xla-preset gpu|tpu|cpu|none`: recommended XLA flags, set before JAX starts its backend.
+
+XLA reads XLA_FLAGS (and libtpu reads LIBTPU_INIT_ARGS) once, when the first backend is created,
+so a preset must be in the environment before that: `python -m train` reads `--xla-preset` from
+argv before importing jax; in a notebook call `os.environ.update(apply("gpu", os.environ))` first.
+This module must not import jax.
+
+Flags a user already set (same name, any value) are kept as the user wrote them: a preset only
+adds what is missing. Every GPU and CPU flag name is checked by tests/test_xla.py against the
+installed jaxlib (XLA aborts on an unknown flag); the TPU flags are libtpu's and cannot be checked
+without a TPU.
+"""
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+
+from mesh.errors import UserError
+
+MiB = 2**20
+
+# preset -> environment variable -> {flag: (value, why)}
+PRESETS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
+    "gpu": {"XLA_FLAGS": {
+        # Sources: NVIDIA JAX-Toolbox "GPU performance" guide and MaxText's GPU run scripts.
+        "--xla_gpu_enable_latency_hiding_scheduler": (
+            "true", "schedule collectives as async start/done pairs around independent compute (overlap)"),
+        "--xla_gpu_enable_highest_priority_async_stream": (
+            "true", "give the collective stream priority so communication is not starved by compute kernels"),
+        "--xla_gpu_enable_pipelined_all_gather": (
+            "true", "FSDP: gather the next layer's weights during the current layer of the scanned stack"),
+        "--xla_gpu_enable_pipelined_reduce_scatter": (
+            "true", "FSDP: reduce-scatter a layer's gradients while the next layer's backward runs"),
+        "--xla_gpu_enable_pipelined_all_reduce": (
+            "true", "data parallel: the same for per-layer gradient all-reduces inside the scan"),
+        "--xla_gpu_enable_while_loop_double_buffering": (
+            "true", "unroll the layer scan by two so the pipelined collectives have compute to hide behind"),
+        "--xla_gpu_all_reduce_combine_threshold_bytes": (
+            str(128 * MiB), "bucket small gradient all-reduces into 128 MiB messages (bandwidth-bound, fewer launches)"),
+        "--xla_gpu_all_gather_combine_threshold_bytes": (
+            str(128 * MiB), "bucket FSDP weight all-gathers likewise"),
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes": (
+            str(64 * MiB), "bucket FSDP gradient reduce-scatters (half: their outputs are 1/n of the input)"),
+        "--xla_gpu_enable_triton_gemm": (
+            "false", "cuBLAS(Lt) GEMMs are faster than Triton's for transformer matmul shapes"),
+        "--xla_gpu_enable_command_buffer": (
+            "", "no CUDA graphs: they serialise the async collective streams the scheduler just overlapped"),
+    }},
+    "tpu": {"LIBTPU_INIT_ARGS": {
+        # Source: MaxText's TPU run scripts (LIBTPU_INIT_ARGS for v4/v5p/v6e training).
+        "--xla_tpu_enable_data_parallel_all_reduce_opt": (
+            "true", "overlap the data-parallel gradient all-reduce with the backward pass"),
+        "--xla_tpu_data_parallel_opt_different_sized_ops": (
+            "true", "let that optimisation pipeline all-reduces of different sizes"),
+        "--xla_tpu_enable_async_collective_fusion": (
+            "true", "run fused collectives asynchronously"),
+        "--xla_tpu_enable_async_collective_fusion_fuse_all_gather": (
+            "true", "include all-gathers (FSDP weights) in the async collective fusions"),
+        "--xla_tpu_enable_async_collective_fusion_multiple_steps": (
+            "true", "let an async collective span several compute steps"),
+        "--xla_tpu_overlap_compute_collective_tc": (
+            "true", "overlap collectives with compute on the TensorCore"),
+        "--xla_enable_async_all_gather": (
+            "true", "asynchronous all-gather, so FSDP gathers hide behind compute"),
+    }},
+    # Measured (BENCHMARKS.md): turning Eigen's intra-op threads off on 8 fake devices was no faster
+    # (and would halve a 1-device run on 2 cores); nothing else measured helps, so no flags yet.
+    "cpu": {"XLA_FLAGS": {}},
+    "none": {},
+}
+
+
+def _parse(flags: str) -> list[tuple[str, str | None]]:
+    """'--a=1 --b' -> [('--a', '1'), ('--b', None)] (quoted values kept whole)."""
+    out = []
+    for tok in shlex.split(flags or ""):
+        name, eq, value = tok.partition("=")
+        out.append((name, value if eq else None))
+    return out
+
+
+def merge(existing: str, preset_flags: Mapping[str, tuple[str, str]]) -> str:
+    """Append the preset's flags that `existing` does not set; the user's own flags win."""
+    have = {name for name, _ in _parse(existing)}
+    added = [f"{name}={value}" for name, (value, _) in preset_flags.items() if name not in have]
+    return " ".join(x for x in [existing.strip(), *added] if x)
+
+
+def apply(preset: str, env: Mapping[str, str]) -> dict[str, str]:
+    """-> the environment variables to set for `preset` (merged with what `env` already holds)."""
+    if preset not in PRESETS:
+        raise UserError(f"--xla-preset: unknown preset '{preset}'; valid: {', '.join(PRESETS)}")
+    return {var: merge(env.get(var, ""), flags) for var, flags in PRESETS[preset].items()}
+
+
+def preset_from_argv(argv: list[str]) -> str | None:
+    """The value of `--xla-preset X` / `--xla-preset=X` in argv (the last one wins), without argparse:
+    this runs before jax (and the config module, which imports it) is imported."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--xla-preset":
+            if i + 1 >= len(argv):
+                raise UserError(f"--xla-preset: expected one of {', '.join(PRESETS)}")
+            found = argv[i + 1]
+        elif arg.startswith("--xla-preset="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def describe(preset: str) -> str:
+    """The preset as documentation: one line per flag with its reason."""
+    lines = []
+    for var, flags in PRESETS[preset].items():
+        lines += [f"{var} {name}={value}  # {why}" for name, (value, why) in flags.items()]
+    return "\n".join(lines) or "(no flags)"
+
+
+def apply_argv(argv: list[str], environ) -> str | None:
+    """If argv names a preset, merge it into `environ` (os.environ) and return its name.
+    Call before anything imports jax: `python -m train` does it first thing."""
+    preset = preset_from_argv(argv)
+    if preset is not None:
+        environ.update(apply(preset, environ))
+    return preset

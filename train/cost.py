@@ -1,0 +1,245 @@
+"""The cost model: step time, MFU and goodput from FLOPs, collective bytes per mesh axis and a
+hardware profile (train/hardware.py).
+
+    T_compute = hardware FLOPs per device / (peak x compute efficiency), stretched by the pipeline
+                bubble (p-1)/(m+p-1)
+    T_comm    = per collective group: bytes each device sends / (one-way link bandwidth x link
+                efficiency) + ring steps x latency; the link is NVLink/ICI when every mesh axis of
+                the group lies inside a node, else InfiniBand/DCN (decided by the mesh layout)
+    T_step    = T_compute + sum T_comm                      (no overlap)
+              = max(T_compute, overlappable comm) + exposed comm   (with overlap)
+    MFU       = model FLOPs per step / (devices x peak x T_step)
+
+Overlappable: gradient and weight traffic (data-parallel all-reduce, FSDP all-gather and
+reduce-scatter), which XLA's latency-hiding scheduler runs next to other layers' compute.
+Exposed: tensor-parallel activation all-reduces (on the critical path of every layer), pipeline
+sends and expert all-to-alls (the next computation waits for their result).
+
+Goodput (MISSION.md): T_total = T_train + N_ckpt x T_save + N_fail x T_recover, with failures
+arriving at rate (failures per device-day x devices) over the wall time.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mesh.config import AXES
+from models.flops import flops_per_token, matmul_param_count
+from train.hardware import Hardware
+
+DAY_S = 86400.0
+# Sequential steps of a ring algorithm on n devices (each pays one link latency).
+RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1, "reduce-scatter": lambda n: n - 1,
+              "all-to-all": lambda n: n - 1, "collective-permute": lambda n: 1}
+
+
+def placement(sizes: dict[str, int], hw: Hardware, dcn: dict[str, int] | None = None) -> dict[str, str]:
+    """Mesh axis -> 'intra' (inside a node) or 'inter' (across nodes), for axes of size > 1.
+
+    The mesh is laid out outermost first (mesh.config.AXES), so an axis's groups are contiguous
+    with everything inside it: the axis stays inside a node when its size times the sizes of all
+    axes inside it fits in one node. With --mesh-dcn the layout is explicit: the axes with a DCN
+    part span nodes, the others stay inside one."""
+    if dcn and any(d > 1 for d in dcn.values()):
+        return {a: "inter" if dcn.get(a, 1) > 1 else "intra" for a in AXES if sizes.get(a, 1) > 1}
+    out, inner = {}, 1
+    for a in reversed(AXES):
+        inner *= sizes.get(a, 1)
+        if sizes.get(a, 1) > 1:
+            out[a] = "intra" if inner <= hw.devices_per_node else "inter"
+    return out
+
+
+def split_key(key: str) -> tuple[str, tuple[str, ...]]:
+    """'all-gather@data,fsdp' -> ('all-gather', ('data', 'fsdp'))."""
+    kind, _, axes = key.partition("@")
+    return kind, tuple(a for a in axes.split(",") if a and a != "-")
+
+
+def overlappable(kind: str, axes: tuple[str, ...]) -> bool:
+    return kind in ("all-reduce", "all-gather", "reduce-scatter") and "model" not in axes
+
+
+def comm_time(kind: str, axes: tuple[str, ...], wire_bytes: float, count: float, sizes: dict[str, int],
+              where: dict[str, str], hw: Hardware) -> tuple[float, str]:
+    """-> (seconds, 'intra'|'inter'). Axes unknown (()) are charged as the slowest link in use."""
+    inter = any(where.get(a) == "inter" for a in axes) if axes else "inter" in where.values()
+    bw = (hw.inter_bw if inter else hw.intra_bw) * hw.link_efficiency
+    lat = hw.inter_latency_s if inter else hw.intra_latency_s
+    n = math.prod(sizes.get(a, 1) for a in axes) if axes else 2
+    return wire_bytes / bw + count * RING_STEPS[kind](n) * lat, "inter" if inter else "intra"
+
+
+def model_flops_per_step(cfg, batch_size: int, seq_len: int) -> float:
+    """The MFU numerator, as the train loop and `plan` count it (PaLM appendix B)."""
+    return flops_per_token(cfg, seq_len) * batch_size * seq_len
+
+
+def hardware_flops_per_step(cfg, batch_size: int, seq_len: int) -> float:
+    """Model FLOPs (6N + attention, PaLM) plus what remat recomputes: the forward pass of every
+    layer for `full`, the attention-score einsums for `dots` (they have batch dims, so the policy
+    does not save them). The LM head sits outside the remat'd layers and is never recomputed."""
+    tokens = batch_size * seq_len
+    attn_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    blocks_fwd = 2 * (matmul_param_count(cfg) - cfg.vocab_size * cfg.d_model)
+    recompute = {"none": 0.0, "dots": attn_fwd, "full": blocks_fwd + attn_fwd}[cfg.remat]
+    return model_flops_per_step(cfg, batch_size, seq_len) + recompute * tokens
+
+
+def pipeline_comm(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, micro_batches: int,
+                  act_bytes: int) -> dict:
+    """Activations forward and their gradients backward between neighbouring stages: per device,
+    one [b, T, D] send each way per micro-batch (b = the micro-batch rows of one replica)."""
+    p = sizes.get("pipeline", 1)
+    if p <= 1:
+        return {}
+    replicas = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
+    msg = batch_size // micro_batches // replicas * seq_len * cfg.d_model * act_bytes
+    n = 2 * micro_batches
+    return {"collective-permute@pipeline": {"operand_bytes": n * msg, "wire_bytes": n * msg, "count": n}}
+
+
+def ragged_all_to_all(comm: dict, platform: str) -> dict:
+    """GPU/TPU exchange MoE tokens with a ragged all-to-all, which moves plan's `ideal_bytes` (the
+    k rows of each token), not the fixed worst-case buffers XLA:CPU needs."""
+    if platform == "cpu":
+        return comm
+    out = {}
+    for key, e in comm.items():
+        if e.get("ideal_bytes") and e.get("operand_bytes"):
+            e = {**e, "wire_bytes": e["wire_bytes"] * e["ideal_bytes"] / e["operand_bytes"],
+                 "operand_bytes": e["ideal_bytes"]}
+        out[key] = e
+    return out
+
+
+def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[str, int], hw: Hardware,
+            dtype: str, micro_batches: int = 1, dcn: dict[str, int] | None = None,
+            tokens_per_step: int = 0) -> dict:
+    """Step time and MFU for one mesh.
+
+    model_flops: per step, all devices (the MFU numerator). device_flops: per device per step,
+    including recomputation. comm: {"kind@axes": {"wire_bytes": B, "count": C (optional)}} per device
+    per step, as in `plan`'s theory_detail or measured collectives."""
+    n_dev = math.prod(sizes.get(a, 1) for a in AXES)
+    peak = hw.peak_flops(dtype)
+    t_compute = device_flops / (peak * hw.compute_efficiency)
+    p = sizes.get("pipeline", 1)
+    bubble = (p - 1) / (micro_batches + p - 1) if p > 1 else 0.0
+    t_busy = t_compute / (1 - bubble)
+    where = placement(sizes, hw, dcn)
+    rows, t_overlappable, t_exposed = {}, 0.0, 0.0
+    for key, e in comm.items():
+        kind, axes = split_key(key)
+        t, link = comm_time(kind, axes, e["wire_bytes"], e.get("count", 0), sizes, where, hw)
+        ov = overlappable(kind, axes)
+        rows[key] = {"wire_bytes": e["wire_bytes"], "time_s": t, "link": link, "overlappable": ov}
+        if ov:
+            t_overlappable += t
+        else:
+            t_exposed += t
+    t_serial = t_busy + t_overlappable + t_exposed
+    t_overlap = max(t_busy, t_overlappable) + t_exposed
+    t_step = t_overlap if hw.overlap else t_serial
+    mfu = lambda t: model_flops / (n_dev * peak * t) if t > 0 else 0.0
+    return {
+        "hardware": hw.name, "devices": n_dev, "dtype": dtype, "placement": where, "overlap": hw.overlap,
+        "t_compute_s": t_compute, "bubble": bubble, "t_compute_with_bubble_s": t_busy,
+        "comm": rows, "t_comm_s": t_overlappable + t_exposed, "t_comm_exposed_s": t_exposed,
+        "t_step_serial_s": t_serial, "t_step_overlap_s": t_overlap, "t_step_s": t_step,
+        "mfu": mfu(t_step), "mfu_serial": mfu(t_serial),
+        "tokens_per_s_per_device": tokens_per_step / t_step / n_dev if tokens_per_step and t_step else 0.0,
+    }
+
+
+def goodput(t_step: float, state_bytes: float, n_devices: int, hw: Hardware, *, ckpt_every: int,
+            async_save: bool = True, fail_rate: float = 0.001, restart_s: float = 300.0,
+            write_bw: float | None = None, steps: int = 0) -> dict:
+    """Effective-time fraction T_train / T_total for a cluster of `n_devices`.
+
+    state_bytes: checkpointed bytes per device (params + optimizer state; each device writes its
+    own shards, all in parallel). fail_rate: failures per device-day (MISSION.md: 0.1%/day/GPU, so
+    10 a day on 10,000 GPUs). A save blocks for the device-to-host copy when async (plus any part of
+    the write that the next interval cannot hide), for the whole write otherwise. A failure costs
+    the restart, reading the checkpoint back, and on average half an interval of lost steps.
+
+    With tau = training seconds between saves and MTBF = mean time between failures:
+        T_total = T_train (1 + T_save/tau) / (1 - T_recover/MTBF)
+    Young/Daly's optimal interval: tau* = sqrt(2 T_save MTBF).
+    """
+    write = write_bw or hw.ckpt_write_bw
+    t_write = state_bytes / write
+    mtbf = DAY_S / (fail_rate * n_devices) if fail_rate > 0 else math.inf
+
+    def at(tau: float) -> dict:
+        t_save = state_bytes / hw.host_bw + max(0.0, t_write - tau) if async_save else t_write
+        t_recover = restart_s + t_write + tau / 2
+        lost = t_recover / mtbf if math.isfinite(mtbf) else 0.0
+        frac = max(0.0, 1 - lost) / (1 + t_save / tau) if tau > 0 else 0.0
+        return {"interval_s": tau, "interval_steps": tau / t_step if t_step else 0.0, "t_save_s": t_save,
+                "t_recover_s": t_recover, "goodput": frac}
+
+    given = at(ckpt_every * t_step) if ckpt_every > 0 else at(0.0)
+    t_save0 = state_bytes / hw.host_bw if async_save else t_write
+    best = at(math.sqrt(2 * t_save0 * mtbf)) if math.isfinite(mtbf) else at(math.inf)
+    out = {"devices": n_devices, "failures_per_day": fail_rate * n_devices, "mtbf_s": mtbf,
+           "state_bytes_per_device": state_bytes, "checkpoint": given, "young_daly": best}
+    if steps and given["goodput"] > 0:
+        t_train = steps * t_step
+        t_total = t_train / given["goodput"]
+        out["run"] = {"steps": steps, "t_train_s": t_train, "t_total_s": t_total,
+                      "n_ckpt": t_train / given["interval_s"], "n_fail": t_total / mtbf}
+    return out
+
+
+def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, micro_batches: int,
+              sizes: dict[str, int], dcn: dict[str, int] | None = None) -> dict:
+    """The prediction for a compiled `plan` report (train.plan.analyze). On the backend it was
+    compiled for (the CPU profile on a CPU compile) the collectives are the ones measured in the HLO;
+    for another target they are the theory as GPU/TPU lower it (reduce-scatter, not XLA:CPU's
+    all-reduce + slice), since the CPU's choices say nothing about NCCL's."""
+    same = hw.platform == report["backend"]
+    dtype = cfg.compute_dtype(hw.platform)
+    if same:
+        comm = {f"{kind}@{axes}": {"wire_bytes": v["wire_bytes"], "count": v["count"]}
+                for kind, c in report["collectives_detail"].items() for axes, v in c["by_axes"].items()}
+    else:
+        comm = ragged_all_to_all(report["theory_detail"], hw.platform)
+        if not any(k.startswith("collective-permute@") for k in comm):
+            comm.update(pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, np.dtype(dtype).itemsize))
+    n = math.prod(sizes.get(a, 1) for a in AXES)
+    out = predict(model_flops=report["flops_per_step"],
+                  device_flops=hardware_flops_per_step(cfg, batch_size, seq_len) / n, comm=comm, sizes=sizes, hw=hw, dtype=dtype, micro_batches=micro_batches, dcn=dcn,
+                  tokens_per_step=batch_size * seq_len)
+    out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
+    return out
+
+
+def render(pred: dict, good: dict | None = None) -> str:
+    """The prediction as text lines (plan's output)."""
+    place = ", ".join(f"{a}:{w}" for a, w in pred["placement"].items()) or "one device"
+    lines = [f"cost model on {pred['devices']} x {pred['hardware']} ({pred['dtype']}; axes {place}):",
+             f"  compute      {pred['t_compute_s']:10.4f} s" +
+             (f"  (+ pipeline bubble {100 * pred['bubble']:.1f}% -> {pred['t_compute_with_bubble_s']:.4f} s)"
+              if pred["bubble"] else "")]
+    for key, c in sorted(pred["comm"].items()):
+        lines.append(f"  {key:<30}{c['wire_bytes'] / 2**30:10.3f} GiB sent  {c['link']:<5} {c['time_s']:10.4f} s"
+                     f"  {'overlappable' if c['overlappable'] else 'exposed'}")
+    if pred["overlap"]:
+        lines.append(f"  step time    {pred['t_step_serial_s']:10.4f} s without overlap, {pred['t_step_overlap_s']:.4f} s"
+                     f" with overlap; MFU {100 * pred['mfu_serial']:.1f}% / {100 * pred['mfu']:.1f}%")
+    else:
+        lines.append(f"  step time    {pred['t_step_s']:10.4f} s (collectives run synchronously here);"
+                     f" MFU {100 * pred['mfu']:.1f}%")
+    if good:
+        g, y = good["checkpoint"], good["young_daly"]
+        lines.append(f"  goodput on {good['devices']} devices ({good['failures_per_day']:.2f} failures/day, MTBF"
+                     f" {good['mtbf_s'] / 3600:.1f} h): {100 * g['goodput']:.1f}% with a save every"
+                     f" {g['interval_steps']:.0f} steps (T_save {g['t_save_s']:.2f} s, T_recover {g['t_recover_s']:.0f} s);"
+                     f" Young/Daly: every {y['interval_steps']:.0f} steps -> {100 * y['goodput']:.1f}%")
+        if "run" in good:
+            r = good["run"]
+            lines.append(f"  this run: {r['steps']} steps = {r['t_train_s'] / 3600:.2f} h of training,"
+                         f" {r['t_total_s'] / 3600:.2f} h wall ({r['n_ckpt']:.0f} saves, {r['n_fail']:.1f} failures expected)")
+    return "\n".join(lines)
