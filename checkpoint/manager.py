@@ -274,7 +274,7 @@ class Checkpointer:
         bad = [f"{n}: checkpoint {saved.get(n, 'has none')} vs model {shape}" for n, shape in want.items()
                if saved.get(n) != shape] + [f"{n}: model has none" for n in saved if n not in want]
         if bad:
-            raise UserError(f"checkpoint {self.step_dir(step)}: its parameters do not match this model config"
+            raise UserError(f"checkpoint {self.step_dir(step)} (parameters) does not match this model config"
                             f" ({len(bad)} arrays differ): " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
         item = {"params": abstract_params}
         with self._reading(step):

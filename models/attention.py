@@ -26,7 +26,7 @@ class Attention(nnx.Module):
         self.wk_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
         self.wv_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
         self.wo_NHD = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype, fan_in=n * h)
-        self.theta = cfg.rope_theta
+        self.rope_args = (cfg.rope_theta, cfg.rope_scaling)
         self.dtype = dtype
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
@@ -36,8 +36,8 @@ class Attention(nnx.Module):
         q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq_DNH[...].astype(dt))
         k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk_DKH[...].astype(dt))
         v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv_DKH[...].astype(dt))
-        q_BTNH = constrain(rope(q_BTNH, positions_BT, self.theta), ("batch", "seq", "act_heads", None))
-        k_BTKH = constrain(rope(k_BTKH, positions_BT, self.theta), ("batch", "seq", "act_kv_heads", None))
+        q_BTNH = constrain(rope(q_BTNH, positions_BT, *self.rope_args), ("batch", "seq", "act_heads", None))
+        k_BTKH = constrain(rope(k_BTKH, positions_BT, *self.rope_args), ("batch", "seq", "act_kv_heads", None))
         v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
         if cache is None and segment_ids_BT is None:
             # On GPU this may dispatch to cuDNN flash attention; elsewhere the XLA implementation.

@@ -22,6 +22,12 @@ class ModelConfig:
     d_ff: int = 768
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
+    # Llama 3.1 RoPE scaling ("llama3"): long wavelengths stretched by the factor, short ones kept,
+    # a smooth ramp between; factor 1 = none
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "auto"            # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU (measured faster there)
@@ -48,6 +54,13 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        if self.rope_scaling_factor == 1.0:
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_len)
+
+    @property
     def expert_width(self) -> int:
         return self.d_ff_expert or self.d_ff
 
@@ -62,6 +75,10 @@ class ModelConfig:
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
         need(self.d_model % self.n_heads == 0, f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        need(self.rope_scaling_factor >= 1.0, f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+        need(self.rope_high_freq_factor > self.rope_low_freq_factor,
+             f"rope_high_freq_factor={self.rope_high_freq_factor}"
+             f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}")
         need(self.head_dim % 2 == 0, f"head_dim=d_model/n_heads={self.head_dim} must be even for rotary embeddings")
         need(self.n_heads % self.n_kv_heads == 0,
              f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (grouped-query attention);"

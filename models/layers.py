@@ -34,10 +34,22 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(h: int, theta: float, scaling: tuple | None = None) -> jax.Array:
+    """[H/2] inverse wavelengths. `scaling` = (factor, low_freq_factor, high_freq_factor,
+    original_max_len): Llama 3.1's long-context scaling (wavelengths longer than original/low
+    divided by factor, shorter than original/high kept, a linear ramp in between), as HF's "llama3"."""
+    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+    if scaling:
+        factor, low, high, original = scaling
+        ramp = jnp.clip((original * inv_freq / (2 * jnp.pi) - low) / (high - low), 0.0, 1.0)
+        inv_freq = (1 - ramp) * inv_freq / factor + ramp * inv_freq
+    return inv_freq
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float, scaling: tuple | None = None) -> jax.Array:
     """Rotary embedding, split-halves layout (Llama/HF): pairs are (i, i + H/2)."""
     h = x_BTNH.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)                # [H/2]
+    inv_freq = rope_frequencies(h, theta, scaling)                                  # [H/2]
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq               # [B,T,H/2]
     sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)

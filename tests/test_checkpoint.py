@@ -261,15 +261,14 @@ def test_init_from_params_on_another_mesh(straight, tmp_path):
     saved = Checkpointer(str(tmp_path / "params"), create=False).restore_params_to_host(4)
     tr = Trainer(make_cfg(tmp_path / "run", **{"parallelism.mesh": "fsdp=4,model=2",
                                                 "checkpoint.init_from": exported}))
-    fresh = tr.create_state()
-    state, note = tr._init_from(fresh, exported)
+    state, note = tr.init_from(exported)
     assert int(state.step) == 0 and "fresh optimizer" in note
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.params, saved)
     wq = state.params["blocks"]["attn"]["wq_DNH"]
     assert wq.sharding.spec == tr.state_shardings.params["blocks"]["attn"]["wq_DNH"].spec
     other = Trainer(make_cfg(tmp_path / "other", **{"model.d_ff": 128}))
-    with pytest.raises(UserError, match=r"do not match this model config .*w_up_DF: checkpoint \(2, 64, 192\) vs"):
-        other._init_from(other.create_state(), exported)
+    with pytest.raises(UserError, match=r"does not match this model config .*w_up_DF: checkpoint \(2, 64, 192\) vs"):
+        other.init_from(exported)
 
 
 def test_profile_steps_writes_a_trace(tmp_path):

@@ -1,0 +1,190 @@
+"""`python -m train report RUN_DIR [--out DIR]`: PNG plots of a run's metrics and a markdown summary.
+
+Reads what the loop writes into a run directory: `metrics.jsonl` (required), `config.json` and
+`summary.json` (used when present). Writes `<out>/report.md` beside one PNG per metric group
+(default out: `<RUN_DIR>/report`). A metric missing from every record (goodput in older runs,
+eval loss with eval off) gets no plot rather than an empty one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mesh.errors import UserError
+
+# (file, title, y label, metric keys drawn on it, stacked); a key ending in '*' matches every key
+# with that prefix
+PLOTS = (
+    ("loss.png", "Loss", "loss", ("loss", "eval_loss"), False),
+    ("tokens_per_sec.png", "Throughput", "tokens/s", ("tokens_per_sec",), False),
+    ("mfu.png", "Model FLOPs utilisation", "MFU (%)", ("mfu",), False),
+    ("data_wait.png", "Data wait per step", "seconds", ("data_wait_s",), False),
+    ("goodput.png", "Goodput (productive step time / wall time)", "goodput (%)", ("goodput*",), False),
+    # the goodput breakdown: cumulative seconds per category, which add up to the wall time
+    ("time.png", "Where the wall time went", "seconds (cumulative)", ("time_*",), True),
+)
+TOTALS = ("time_total_s",)  # drawn by the stack itself
+PERCENT = ("mfu", "goodput")  # stored as fractions, shown as percentages
+
+
+def read_run(run_dir: str) -> tuple[list[dict], dict, dict]:
+    """-> (metrics records in step order, config, summary); UserError naming the missing file."""
+    if not os.path.isdir(run_dir):
+        raise UserError(f"report: '{run_dir}' is not a directory (expected a run directory such as runs/latest)")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise UserError(f"report: '{run_dir}' has no metrics.jsonl (is it a run directory? `python -m train"
+                        f" --run-dir DIR` writes one)")
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
+                records.append(rec)
+    if not records:
+        raise UserError(f"report: {path} holds no metrics records yet")
+
+    def optional(name):
+        try:
+            with open(os.path.join(run_dir, name)) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return {}
+    return sorted(records, key=lambda r: r["step"]), optional("config.json"), optional("summary.json")
+
+
+def _keys(records: list[dict], patterns: tuple[str, ...]) -> list[str]:
+    present = {k for r in records for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out = []
+    for p in patterns:
+        out += sorted(k for k in present if k.startswith(p[:-1])) if p.endswith("*") else [p] * (p in present)
+    return out
+
+
+def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
+    scale = 100.0 if key.startswith(PERCENT) else 1.0
+    return [s for s, _ in pts], [v * scale for _, v in pts]
+
+
+def plot(records: list[dict], out_dir: str) -> list[tuple[str, str]]:
+    """One PNG per metric group that has data -> [(title, file name)]."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("report: plotting needs matplotlib: pip install 'brigade[report]'") from None
+    matplotlib.use("Agg")  # files only: no display needed (servers, CI)
+    import matplotlib.pyplot as plt
+    made = []
+    for name, title, ylabel, patterns, stacked in PLOTS:
+        keys = [k for k in _keys(records, patterns) if not (stacked and k in TOTALS)]
+        if stacked:  # categories that never took any time only clutter the legend
+            keys = [k for k in keys if any(series(records, k)[1])]
+        if not keys:
+            continue
+        fig, ax = plt.subplots(figsize=(7.2 if stacked else 6.4, 3.6), dpi=100)
+        if stacked:
+            rows = [r for r in records if all(isinstance(r.get(k), (int, float)) for k in keys)]
+            ax.stackplot([r["step"] for r in rows], *[[r[k] for r in rows] for k in keys],
+                         labels=[k.removeprefix("time_").removesuffix("_s") for k in keys], alpha=0.85)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+        else:
+            for k in keys:
+                x, y = series(records, k)
+                ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=k)
+            if len(keys) > 1:
+                ax.legend()
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name))
+        plt.close(fig)
+        made.append((title, name))
+    return made
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def markdown(run_dir: str, records: list[dict], config: dict, summary: dict, plots: list[tuple[str, str]]) -> str:
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    last = train[-1] if train else {}
+    mesh = summary.get("mesh") or config.get("parallelism", {}).get("mesh") or "?"
+    figures = [
+        ("steps", summary.get("steps", last.get("step"))),
+        ("loss (first -> last)", f"{_fmt(train[0]['loss'])} -> {_fmt(last['loss'])}" if train else None),
+        ("eval loss", evals[-1]["eval_loss"] if evals else None),
+        ("tokens/s (median)", summary.get("tokens_per_sec")),
+        ("MFU (median)", f"{100 * summary['mfu']:.2f}%" if "mfu" in summary else None),
+        ("goodput", f"{100 * summary['goodput']:.1f}%" if isinstance(summary.get("goodput"), (int, float)) else None),
+        ("compile (s)", summary.get("compile_s")),
+        ("wall time (s)", summary.get("wall_s")),
+        ("parameters", f"{summary['params'] / 1e6:.2f}M" if summary.get("params") else None),
+        ("mesh", mesh),
+        ("resumed from step", summary.get("resumed_from")),
+        ("stopped by", summary.get("stopped_by")),
+    ]
+    lines = [f"# Run report: `{os.path.abspath(run_dir)}`", "",
+             f"{len(train)} logged steps and {len(evals)} evals from `metrics.jsonl`"
+             + ("" if summary else " (no summary.json: the run has not finished)") + ".", "",
+             "## Final figures", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in figures if v not in (None, "")]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{title}]({name})" for title, name in plots]
+    if config:
+        lines += ["", "## Config", "", "| section | settings |", "|---|---|"]
+        for section, values in config.items():
+            text = ", ".join(f"{k}={v}" for k, v in values.items()) if isinstance(values, dict) else values
+            lines.append(f"| {section} | {text} |")
+    if summary.get("sample"):
+        lines += ["", "## Sample", "", "```", summary["sample"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def report(run_dir: str, out_dir: str | None = None) -> str:
+    """Write the plots and report.md; -> the report's path."""
+    records, config, summary = read_run(run_dir)
+    out_dir = out_dir or os.path.join(run_dir, "report")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"report --out: cannot create '{out_dir}': {e.strerror}") from None
+    plots = plot(records, out_dir)
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write(markdown(run_dir, records, config, summary, plots))
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="python -m train report", description="Plot a run's metrics and summarise it in markdown.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
+    p.add_argument("--out", metavar="DIR", default=None, help="where to write report.md and the PNGs"
+                   " (default: RUN_DIR/report)")
+    ns = p.parse_args(argv)
+    path = report(ns.run_dir, ns.out)
+    print(f"report: {path} ({', '.join(sorted(f for f in os.listdir(os.path.dirname(path)) if f.endswith('.png')))})")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
