@@ -12,16 +12,12 @@ import json
 import os
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
+from mesh.errors import ArgParser
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m checkpoint", description="Inspect or export Brigade checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = ArgParser(prog="python -m checkpoint", description="Inspect or export Brigade checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgParser)
     i = sub.add_parser("inspect", help="step, config, mesh and every array (name, shape, dtype, size)")
     i.add_argument("path", metavar="PATH", help="a step directory, a checkpoint directory or a run directory")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of text")

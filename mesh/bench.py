@@ -26,7 +26,7 @@ import sys
 import time
 
 from mesh.config import AXES
-from mesh.errors import UserError
+from mesh.errors import ArgParser, UserError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
@@ -203,14 +203,8 @@ def format_row(r: dict) -> str:
             f"{r['time_us']:>12.1f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):   # one line and exit 2, like `python -m train`
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
 def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m mesh.bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = ArgParser(prog="python -m mesh.bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--mesh", default="", help="mesh spec, e.g. data=4,model=2 (default: all devices on data)")
     p.add_argument("--mesh-dcn", default="", help="the part of each axis that spans hosts, e.g. data=2")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")

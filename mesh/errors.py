@@ -3,7 +3,18 @@
 Anything raised as `UserError` is shown by the CLIs as a single line (no traceback) and exits
 with status 2. Every message names the culprit and the valid choices.
 """
+import argparse
+import sys
 
 
 class UserError(ValueError):
     """Bad configuration or input, reported to the user as one line."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (`PROG: error: ... (see --help)`) and exit status 2,
+    like every other bad input: no usage dump. The CLIs' parsers (and their subparsers) use it."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from mesh.errors import UserError
+from mesh.errors import ArgParser, UserError
 from models.config import ModelConfig
 
 SAFETENSORS = "model.safetensors"
@@ -441,15 +441,9 @@ def load_checkpoint(path: str) -> Model:
 
 
 # -- CLI ----------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m models.hf", description="Convert between HuggingFace and Brigade checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = ArgParser(prog="python -m models.hf", description="Convert between HuggingFace and Brigade checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgParser)
     i = sub.add_parser("import", help="HF directory (config.json + safetensors) -> params-only Brigade checkpoint")
     i.add_argument("hf_dir", metavar="HF_DIR")
     i.add_argument("--out", required=True, metavar="CKPT", help="new directory for the Brigade checkpoint")

@@ -7,12 +7,11 @@ eval loss with eval off) gets no plot rather than an empty one.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-from mesh.errors import UserError
+from mesh.errors import ArgParser, UserError
 
 # (file, title, y label, metric keys drawn on it, stacked); a key ending in '*' matches every key
 # with that prefix
@@ -165,14 +164,8 @@ def report(run_dir: str, out_dir: str | None = None) -> str:
     return path
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="python -m train report", description="Plot a run's metrics and summarise it in markdown.")
+    p = ArgParser(prog="python -m train report", description="Plot a run's metrics and summarise it in markdown.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
     p.add_argument("--out", metavar="DIR", default=None, help="where to write report.md and the PNGs"
                    " (default: RUN_DIR/report)")

@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from mesh.errors import UserError
+from mesh.errors import ArgParser, UserError
 from train.data import tokenizers as TK
 
 FORMAT = "brigade-tokens/1"
@@ -35,14 +35,8 @@ MIN_TASK_BYTES = 16 << 10     # ... and at least (small inputs are still spread 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
 def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train.data prepare", allow_abbrev=False,
+    p = ArgParser(prog="python -m train.data prepare", allow_abbrev=False,
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                 description="Tokenise text files, globs, directories and JSONL into memory-mapped token shards.")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="text file, JSONL file (.jsonl), directory or glob")
