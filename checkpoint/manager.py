@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import sys
 from typing import Any, Iterator
 
 import jax
@@ -37,19 +36,6 @@ class _QuietBackgroundSaveErrors(logging.Filter):
 
 logging.getLogger("absl").addFilter(_QuietBackgroundSaveErrors())
 
-
-def _drop_closed_loop_callbacks(previous):
-    """After a failed save or restore, tensorstore completes the reads/writes still in flight into
-    Orbax's already-closed asyncio loop, and each prints 'RuntimeError: Event loop is closed'
-    (through sys.excepthook). Those are echoes of the error already reported; drop only them."""
-    def hook(tp, value, tb):
-        if tp is RuntimeError and str(value) == "Event loop is closed":
-            return
-        previous(tp, value, tb)
-    return hook
-
-
-sys.excepthook = _drop_closed_loop_callbacks(sys.excepthook)
 
 RUN_SUBDIR = "checkpoints"  # a run directory's checkpoints, unless --checkpoint.dir says otherwise
 

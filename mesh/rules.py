@@ -34,7 +34,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "head_dim": (),
     "vocab": ("model",),
     "norm": (),
-    "layers": (),
+    "layers": ("pipeline",),      # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
     "experts": ("expert",),       # expert parallelism: each device holds n_experts / expert of them
     "expert_mlp": ("model",),     # tensor parallelism inside each expert
     "router_experts": (),         # the router's expert dim: every device routes its own tokens to all experts

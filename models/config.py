@@ -115,6 +115,27 @@ class ModelConfig:
         return "float32" if platform == "cpu" else "bfloat16"
 
 
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
+    pipeline axis (`--mesh pipeline=P`)."""
+    microbatches: int = 0         # 0 = as many as stages; more shrinks the bubble (P-1)/(R*M+P-1)
+    repeats: int = 1              # circular: layer chunks per device (virtual stages per device)
+    schedule: str = "gpipe"       # gpipe | circular
+    remat_stage: bool = False     # also recompute each stage in the backward pass (less memory)
+    gather_once: bool = False     # fsdp: all-gather each stage's weights once per step, not every tick
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        return ("data", "fsdp") if self.gather_once else ("data",)
+
+    def microbatches_for(self, stages: int) -> int:
+        return self.microbatches or stages
+
+
 def _llama(vocab, d, layers, heads, kv, ff, seq, theta=500000.0) -> ModelConfig:
     return ModelConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, d_ff=ff,
                        max_seq_len=seq, rope_theta=theta, dtype="auto")

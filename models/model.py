@@ -15,6 +15,7 @@ from flax import nnx
 
 from models.attention import KVCache
 from models.config import ModelConfig
+from models.pipeline import PipelineConfig
 from models.transformer import Decoder
 
 # Shardings come from the logical-axis table through jit out_shardings, not from Flax's eager
@@ -68,9 +69,10 @@ def apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: ja
 
 
 def forward(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-            segment_ids_BT: jax.Array | None = None):
-    """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if dense)."""
-    logits_BTV, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT)
+            segment_ids_BT: jax.Array | None = None, pipeline: PipelineConfig | None = None):
+    """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if dense).
+    `pipeline`: the schedule used when the mesh has a pipeline axis > 1."""
+    logits_BTV, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline)
     return logits_BTV, stats
 
 

@@ -22,7 +22,6 @@ size, A data replicas, B batch, T sequence, D model.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,27 +31,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mesh.errors import UserError
+from models.config import SCHEDULES, PipelineConfig  # noqa: F401  (re-exported: the config lives with the model's)
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 
-SCHEDULES = ("gpipe", "circular")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
-    pipeline axis (`--mesh pipeline=P`)."""
-    microbatches: int = 0         # 0 = as many as stages; more shrinks the bubble (P-1)/(R*M+P-1)
-    repeats: int = 1              # circular: layer chunks per device (virtual stages per device)
-    schedule: str = "gpipe"       # gpipe | circular
-    remat_stage: bool = False     # also recompute each stage in the backward pass (less memory)
-    gather_once: bool = False     # fsdp: all-gather each stage's weights once per step, not every tick
-
-    @property
-    def replica_axes(self) -> tuple[str, ...]:
-        return ("data", "fsdp") if self.gather_once else ("data",)
-
-    def microbatches_for(self, stages: int) -> int:
-        return self.microbatches or stages
 
 
 FULL_REMAT = jax.checkpoint_policies.nothing_saveable

@@ -7,11 +7,15 @@ so checkpoints do not depend on it.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mesh.rules import current_rules
 from mesh.shard import constrain
+from models import pipeline as PL
 from models.attention import Attention, KVCache
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, param
@@ -93,9 +97,12 @@ class Decoder(nnx.Module):
             self.lm_head_DV = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt, std=cfg.init_std)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None):
+                 cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None, *,
+                 pipeline: PL.PipelineConfig | None = None):
         """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
-        `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment."""
+        `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
+        On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
+        models/pipeline.py with `pipeline`'s schedule (default: PipelineConfig())."""
         cfg = self.cfg
         if positions_BT is None:
             positions_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
@@ -111,8 +118,11 @@ class Decoder(nnx.Module):
         dense = grouped(dense, n_dense) if n_dense else None
         caches = grouped(cache, per_group) if cache is not None else None
 
-        def group(x_BTD, xs):
+        def group(x_BTD, xs, positions_BT, *seg):
+            # positions and segment ids are arguments, not closed over: the pipeline splits them
+            # into micro-batches alongside x
             dense_state, moe_state, group_cache = xs
+            segment_ids_BT = seg[0] if seg else None
             new_caches, stats = [], {}
             for j in range(per_group):
                 c = None if group_cache is None else jax.tree.map(lambda a: a[j], group_cache)
@@ -125,17 +135,33 @@ class Decoder(nnx.Module):
             new_cache = None if group_cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
             return x_BTD, (new_cache, stats)
 
+        seg = () if segment_ids_BT is None else (segment_ids_BT,)
         policy = REMAT[cfg.remat]
-        if policy is not None and cache is None:  # no remat when decoding: there is no backward pass
-            group = jax.checkpoint(group, policy=policy, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            x_BTD, (caches, stats) = jax.lax.scan(group, x_BTD, (dense, moe, caches))
+        stages = _pipeline_stages()
+        if stages > 1 and cache is None:
+            pc = pipeline or PL.PipelineConfig()
+            def one_group(x_BTD, xs, *args):
+                x_BTD, (_, stats) = group(x_BTD, (*xs, None), *args)
+                return x_BTD, stats
+            M = pc.microbatches_for(stages)
+            x_BTD, stats = PL.pipeline_apply(
+                one_group, (dense, moe), x_BTD, positions_BT, *seg, stages=stages, microbatches=M,
+                repeats=pc.repeats, schedule=pc.schedule, remat_policy=policy, remat_stage=pc.remat_stage,
+                has_aux=True, scan_layers=cfg.scan_layers, replica_axes=pc.replica_axes)
+            stats = _sum_counts(stats, M * _replicas(pc.replica_axes))
+            caches = None
         else:
-            outs = []
-            for g in range(n_groups):
-                x_BTD, out = group(x_BTD, jax.tree.map(lambda a: a[g], (dense, moe, caches)))
-                outs.append(out)
-            caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            step = lambda x_BTD, xs: group(x_BTD, xs, positions_BT, *seg)
+            if policy is not None and cache is None:  # no remat when decoding: there is no backward pass
+                step = jax.checkpoint(step, policy=policy, prevent_cse=not cfg.scan_layers)
+            if cfg.scan_layers:
+                x_BTD, (caches, stats) = jax.lax.scan(step, x_BTD, (dense, moe, caches))
+            else:
+                outs = []
+                for g in range(n_groups):
+                    x_BTD, out = step(x_BTD, jax.tree.map(lambda a: a[g], (dense, moe, caches)))
+                    outs.append(out)
+                caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         if cache is not None:
             cache = jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), caches)
 
@@ -144,3 +170,23 @@ class Decoder(nnx.Module):
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("batch", "seq", "act_vocab")), cache, stats
+
+
+def _pipeline_stages() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or "pipeline" not in mesh.shape else mesh.shape["pipeline"]
+
+
+def _replicas(replica_axes: tuple[str, ...]) -> int:
+    """How many data replicas pipeline_apply splits each micro-batch into (its dim A)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_axes = [a for a in current_rules()["batch"] if a not in current_rules()["stages"]]
+    return math.prod(mesh.shape[a] for a in batch_axes if a in replica_axes)
+
+
+# MoE stats that are sums over tokens; the pipeline returns every stat's mean over batch pieces
+_COUNT_STATS = ("counts", "assigned", "dropped")
+
+
+def _sum_counts(stats: dict, pieces: int) -> dict:
+    return {k: v * pieces if k in _COUNT_STATS else v for k, v in stats.items()}

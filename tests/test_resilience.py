@@ -96,7 +96,8 @@ def test_full_disk_during_a_save_keeps_committed_checkpoints(tmp_path):
     assert p.returncode == 2, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert "saving step 12" in errors[0] and "File too large" in errors[0] and "intact (steps 4, 8)" in errors[0]
+    assert "saving step 12" in errors[0] and "intact (steps 4, 8)" in errors[0], errors[0]
+    assert "File too large" in errors[0] or "os_error_code" not in p.stderr, errors[0]  # the OS reason, when told
     again = train(["--steps", "16", "--checkpoint.every", "4"], tmp_path)  # space is back: resume and finish
     assert again.returncode == 0 and "resumed from" in again.stdout and "(step 8," in again.stdout, again.stdout
 
@@ -121,3 +122,17 @@ def test_goodput_carries_over_a_restart():
     assert out["time_productive_s"] == pytest.approx(6.0) and out["goodput"] == pytest.approx(6.0 / 90.0)
     assert out["restarts"] == 1 and out["recomputed_steps"] == 3
     assert sum(out[f"time_{c}_s"] for c in (*CATEGORIES, "other")) == pytest.approx(out["time_total_s"])
+
+
+def test_closed_loop_echoes_are_dropped_and_nothing_else():
+    import io
+    from checkpoint.echoes import QuietClosedLoopEchoes
+    out = io.StringIO()
+    err = QuietClosedLoopEchoes(out)
+    err.write("progress 10%\r")  # passes through at once (a progress bar has no newline)
+    assert out.getvalue() == "progress 10%\r"
+    err.write("Traceback (most recent call last):\n  File \"base_events.py\", line 806, in call_soon_threadsafe\n")
+    err.write("    self._check_closed()\nRuntimeError: Event loop is closed\nerror: checkpoint: saving step 12 ...\n")
+    err.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: a real one\n")
+    assert out.getvalue() == ("progress 10%\rerror: checkpoint: saving step 12 ...\n"
+                              "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: a real one\n")

@@ -93,7 +93,7 @@ def test_metrics_jsonl(run):
         assert r["goodput"] == pytest.approx(r["time_productive_s"] / r["time_total_s"], rel=1e-3)
     last, summary = steps[-1], run[1]  # the final save and eval come after the last step's record
     assert last["time_compile_s"] > 0 and last["time_eval_s"] > 0 and summary["time_checkpoint_s"] > 0
-    assert 0.0 < summary["goodput"] < 1.0 and summary["time_other_s"] < 0.2 * summary["time_total_s"] and summary["restarts"] == 0 and summary["recomputed_steps"] == 0
+    assert 0.0 < summary["goodput"] < 1.0 and summary["time_other_s"] < 0.4 * summary["time_total_s"] and summary["restarts"] == 0 and summary["recomputed_steps"] == 0
     assert summary["time_total_s"] >= last["time_total_s"]
     assert [r["time_total_s"] for r in steps] == sorted(r["time_total_s"] for r in steps)
     for r in evals:

@@ -9,6 +9,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from mesh.errors import UserError
+    if argv[:1] not in (["plan"], ["report"]):
+        from checkpoint.echoes import QuietClosedLoopEchoes
+        sys.stderr = QuietClosedLoopEchoes(sys.stderr)
     try:
         from mesh.xla import apply_argv
         apply_argv(argv, os.environ)  # XLA reads its flags when jax starts a backend: before any import of jax

@@ -16,6 +16,7 @@ import yaml
 from mesh.errors import UserError
 from mesh.xla import PRESETS as XLA_PRESETS
 from models.config import PRESETS, ModelConfig, preset
+from models.config import SCHEDULES, PipelineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,16 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CommConfig:
+    compression: str = "none"     # data-parallel gradient sync: none (XLA's float32 all-reduce) | int8 | int4 | topk
+    topk_fraction: float = 0.01   # topk: share of each replica's gradient sent per step (values + int32 indices)
+    error_feedback: bool = True   # keep what compression did not send (per replica, checkpointed), add it next step
+    sync_every: int = 1           # local SGD / DiLoCo: local steps between data-parallel syncs; 1 = synchronous
+    outer_lr: float = 0.7         # DiLoCo outer SGD learning rate (Douillard et al. 2023)
+    outer_momentum: float = 0.9   # DiLoCo outer Nesterov momentum; 0 = plain SGD on the averaged deltas
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=lambda: preset("default"))
     model_preset: str = "default"
@@ -100,7 +111,9 @@ class Config:
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    comm: CommConfig = CommConfig()
     profile: ProfileConfig = ProfileConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
     def to_dict(self) -> dict:
         """Sections of public option names (what YAML and --section.field accept)."""
@@ -111,8 +124,8 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig,
-            "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig,
-            "profile": ProfileConfig}
+            "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig, "comm": CommConfig,
+            "profile": ProfileConfig, "pipeline": PipelineConfig}
 
 # Option names that differ from their dataclass field: "section.field" -> public name.
 PUBLIC_NAMES = {"checkpoint.async_save": "async"}
@@ -254,11 +267,21 @@ def _validate(cfg: Config) -> None:
             raise UserError(f"train.{name} must be >= 0, got {getattr(t, name)}")
     if cfg.parallelism.peer_timeout <= 0:
         raise UserError(f"parallelism.peer_timeout must be positive, got {cfg.parallelism.peer_timeout}")
+    from train.comm import validate as validate_comm   # lazy: parsing flags needs no jax
+    m = cfg.comm
+    validate_comm(m.compression, m.topk_fraction, m.sync_every, m.outer_lr, m.outer_momentum)
     c = cfg.checkpoint
     for name in ("every", "keep", "keep_every"):
         if getattr(c, name) < 0:
             raise UserError(f"checkpoint.{name} must be >= 0, got {getattr(c, name)}")
     profile_window(cfg.profile.steps, t.steps)
+    pc = cfg.pipeline  # what needs the mesh (stages, layer and batch divisibility) the Trainer checks
+    if pc.schedule not in SCHEDULES:
+        raise UserError(f"--pipeline.schedule '{pc.schedule}' is not one of {', '.join(SCHEDULES)}")
+    if pc.microbatches < 0:
+        raise UserError(f"--pipeline.microbatches must be >= 0 (0 = as many as stages), got {pc.microbatches}")
+    if pc.repeats < 1:
+        raise UserError(f"--pipeline.repeats must be >= 1, got {pc.repeats}")
     if not c.resume:
         raise UserError("--resume: expected latest, none or a checkpoint PATH, got ''")
 

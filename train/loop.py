@@ -20,7 +20,7 @@ from mesh.build import describe, init_distributed, make_mesh
 from mesh.errors import UserError
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from mesh.shard import axes_size, check_divisible, spec_axes, warn_undersharded
-from models import model as M
+from models import model as M, pipeline as PL
 from models.flops import flops_per_token, param_count
 from models.sample import generate
 from train import optim, state as S
@@ -31,7 +31,8 @@ from train.goodput import Goodput, breakdown_text, read_records
 from train.metrics import MetricsLogger, StepProfiler, drop_records_after, peak_flops
 from train.resilience import Diverged, StopSignals, exit_code, injected_steps
 from train.watchdog import PeerHeartbeat, Watchdog
-from train.step import eval_step, train_step
+from train import comm
+from train.step import eval_step, local_sgd_step, train_step
 
 # Which config field sets each logical dim, for divisibility errors that name the culprit.
 HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
@@ -42,9 +43,12 @@ HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model
 class Trainer:
     """Build everything from a Config, then `fit()`. Usable from notebooks as well as the CLI."""
 
-    def __init__(self, cfg: Config, *, devices: list | None = None):
+    def __init__(self, cfg: Config, *, devices: list | None = None, on_log=None):
+        """`on_log(record)`: called with every metrics record as it is logged (step records and
+        eval records, the dicts written to metrics.jsonl), e.g. for a live plot in a notebook."""
         self._started_at = time.time()  # goodput counts this attempt's wall time from here
         self.cfg = cfg
+        self.on_log = on_log
         p = cfg.parallelism
         if p.coordinator or p.num_processes > 1:
             init_distributed(p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout)
@@ -58,6 +62,9 @@ class Trainer:
         self.lr = optim.schedule(cfg.train)
         self.batch_sharding = NamedSharding(self.mesh, logical_to_spec(("batch", "seq"), self.rules))
         self.state_shardings = S.shardings(self.model_cfg, self.tx, self.mesh, self.rules)
+        self.sync = self._sync()
+        if self.sync != S.Sync():  # the data-parallel sync keeps per-replica state
+            self.state_shardings = S.shardings(self.model_cfg, self.tx, self.mesh, self.rules, self.sync)
         self.compute_dtype = M.compute_dtype(self.model_cfg)
 
     # -- validation -------------------------------------------------------------------------
@@ -72,14 +79,42 @@ class Trainer:
             layout = "x".join(f"{a}={self.mesh.shape[a]}" for a in axes)
             raise UserError(f"--batch-size {t.batch_size} (/ --micro-batches {t.micro_batches} = {per_micro}) is not"
                             f" divisible by the batch mesh axes {layout} = {n}; use a multiple of {n * t.micro_batches}")
+        stages = self.mesh.shape["pipeline"]
+        if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
+            pc, per_group = self.cfg.pipeline, m.moe_every if m.n_experts else 1
+            PL.validate(n_layers=m.n_layers // per_group, batch=per_micro, stages=stages,
+                        microbatches=pc.microbatches_for(stages), repeats=pc.repeats, schedule=pc.schedule,
+                        batch_shards=n)
 
     # -- building blocks --------------------------------------------------------------------
     def create_state(self) -> S.TrainState:
-        return S.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed)
+        return S.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed, self.sync)
+
+    def _sync(self) -> S.Sync:
+        """What --comm asks the state to carry: error-feedback residuals, or DiLoCo's drift and
+        outer optimizer; nothing without data-parallel axes (there is nothing to sync)."""
+        m, dp = self.cfg.comm, self.dp_axes()
+        if not dp:
+            return S.Sync()
+        if m.sync_every > 1:
+            return S.Sync(dp, outer_tx=comm.outer_optimizer(m.outer_lr, m.outer_momentum))
+        return S.Sync(dp, error_feedback=m.compression != "none" and m.error_feedback)
+
+    def abstract_state(self) -> S.TrainState:
+        """ShapeDtypeStructs with shardings of this run's state (plan, restore)."""
+        return S.abstract(self.model_cfg, self.tx, self.mesh, self.rules, self.sync)
 
     def jit_step(self):
-        step = functools.partial(train_step, self.model_cfg, self.tx, self.lr, self.cfg.train.micro_batches,
-                                 self.dp_axes())
+        t = self.cfg.train
+        if self.sync.outer_tx is not None:
+            step = functools.partial(local_sgd_step, self.model_cfg, self.tx, self.sync.outer_tx, self.lr,
+                                     t.micro_batches, self.sync.dp_axes, self.cfg.comm.sync_every,
+                                     pipeline=self.cfg.pipeline)
+        else:
+            specs = jax.tree.map(lambda sh: sh.spec, self.state_shardings.params)
+            step = functools.partial(train_step, self.model_cfg, self.tx, self.lr, t.micro_batches,
+                                     self.dp_axes(), comm_cfg=self.cfg.comm, param_specs=specs,
+                                     pipeline=self.cfg.pipeline)
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 
@@ -107,7 +142,7 @@ class Trainer:
     @functools.cached_property
     def _eval_fn(self):
         # one jitted function per Trainer: a fresh jax.jit per eval would retrace and recompile every time
-        return jax.jit(functools.partial(eval_step, self.model_cfg))
+        return jax.jit(functools.partial(eval_step, self.model_cfg, pipeline=self.cfg.pipeline))
 
     def eval_loss(self, params, batches) -> float:
         with jax.set_mesh(self.mesh), axis_rules(self.rules):
@@ -159,7 +194,7 @@ class Trainer:
         if done is not None and done[0] is src and done[1] == step:
             self._verified = None
             return done[2], done[3]
-        return src.restore(step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules))
+        return src.restore(step, self.abstract_state())
 
     def _latest_intact(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
         """--resume latest: the newest committed step that reads back completely. Unreadable newer
@@ -178,7 +213,7 @@ class Trainer:
                     saver.meta(step)
                 else:  # read it all (the only way to find truncated array data); restore() reuses it
                     self._verified = (saver, step, *saver.restore(
-                        step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules)))
+                        step, self.abstract_state()))
             except UnreadableCheckpoint as e:
                 if is_main:
                     print(f"warning: {e}; trying the previous checkpoint", flush=True)
@@ -240,25 +275,24 @@ class Trainer:
         point = self.resume_point(saver)  # reads (and so verifies) the checkpoint it picks
         if point and point[1] >= t.steps:
             src, step = point
-            src.check_compatible(step, S.abstract(self.model_cfg, self.tx, self.mesh, self.rules))
+            src.check_compatible(step, self.abstract_state())
             if is_main:
                 print(f"{src.step_dir(step)}: step {step} already reached --steps {t.steps}; nothing to train"
                       f" (raise --steps to continue)", flush=True)
             self.history, self.eval_history = [], []
             return {"steps": step, "resumed_from": step, "trained_steps": 0, "exit_code": 0}
+        resumed = initialised = ""
         if point:
             state, meta = self.restore(*point)
             resumed = (f"resumed from {point[0].step_dir(point[1])} (step {point[1]}, saved on mesh"
                        f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - t0:.1f}s")
             gp.add("restore", time.perf_counter() - t0)
-        else:
-            state, resumed = self.create_state(), ""
-            gp.add("compile", time.perf_counter() - t0)  # mostly compiling the sharded init
-        initialised = ""
-        if cfg.checkpoint.init_from and not point:
-            t0 = time.perf_counter()
-            state, initialised = self._init_from(state, cfg.checkpoint.init_from)
+        elif cfg.checkpoint.init_from:  # only a fresh run: a restarted fine-tune resumes from its own saves
+            state, initialised = self.init_from(cfg.checkpoint.init_from)
             gp.add("restore", time.perf_counter() - t0)
+        else:
+            state = self.create_state()
+            gp.add("compile", time.perf_counter() - t0)  # mostly compiling the sharded init
 
         data = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
                              batch_sharding=self.batch_sharding, start_step=int(state.step),
@@ -323,6 +357,8 @@ class Trainer:
                     if step % cfg.logging.log_every == 0 or step in (1, t.steps) or stopped_by:  # 1: the starting loss
                         rec, bad = stats.record(step, jax.device_get(metrics), gp)  # the only host sync in steady state
                         log.log(rec)
+                        if self.on_log:
+                            self.on_log(rec)
                         log.advance(rec["steps_since_log"])
                         history.append(rec)
                         if bad:
@@ -347,6 +383,8 @@ class Trainer:
                         gp.add("eval", stats.pause(t0))
                         rec = {"step": step, "eval_loss": ev, "eval_ppl": math.exp(min(ev, 50.0))}
                         log.log(rec)
+                        if self.on_log:
+                            self.on_log(rec)
                         eval_history.append(rec)
                         watchdog.beat(f"eval at step {step}")
                 if saved is not None:
@@ -374,13 +412,19 @@ class Trainer:
         self.history, self.eval_history = history, eval_history
         return summary
 
-    def _init_from(self, state: S.TrainState, path: str) -> tuple[S.TrainState, str]:
-        """--init-from PATH: this run's fresh state with the parameters of a checkpoint (full or
-        parameters-only, e.g. `python -m models.hf import`), read straight into this mesh's shardings."""
+    def init_from(self, path: str) -> tuple[S.TrainState, str]:
+        """--init-from PATH: step 0 with a fresh optimizer around the parameters of a checkpoint (full
+        or parameters-only, e.g. `python -m models.hf import`), read straight into this mesh's shardings."""
         src, step = open_checkpoint(path)
-        abstract = S.abstract(self.model_cfg, self.tx, self.mesh, self.rules).params
-        params = src.restore_params(step, abstract)
-        return state.replace(params=params), f"initialised the parameters from {src.step_dir(step)} (fresh optimizer)"
+        hint = os.path.join(path, "model.yaml")
+        try:
+            params = src.restore_params(step, self.abstract_state().params)
+        except UserError as e:
+            if os.path.exists(hint) and "does not match" in str(e):
+                raise UserError(f"{e} (the model config it was made with: --config {hint})") from None
+            raise
+        state = S.from_params(self.model_cfg, self.tx, self.mesh, self.rules, params, self.sync)
+        return state, f"initialised the parameters from {src.step_dir(step)} (fresh optimizer)"
 
     def _prepare_run_dir(self, resumed_step: int | None) -> None:
         """config.json, and metrics.jsonl trimmed to what the resumed checkpoint covers (the goodput
@@ -503,7 +547,8 @@ def _write_error(err: Exception) -> str:
 # Settings that change what a resumed run computes (the rest, e.g. eval or logging, do not).
 _RESUME_SENSITIVE = {"train": ("steps", "batch_size", "seq_len", "micro_batches", "lr", "min_lr_ratio", "warmup_steps",
                                "weight_decay", "decay_embeddings", "b1", "b2", "eps", "grad_clip", "seed"),
-                     "data": ("source", "eval_fraction", "packing", "packing_mask")}
+                     "data": ("source", "eval_fraction", "packing", "packing_mask"),
+                     "comm": ("compression", "topk_fraction", "error_feedback", "sync_every", "outer_lr", "outer_momentum")}
 
 
 def _changed_settings(saved: dict, now: dict) -> list[str]:

@@ -14,12 +14,13 @@ import jax
 from jax.sharding import NamedSharding
 
 from mesh.build import describe
+from mesh.errors import UserError
 from mesh.hlo import KINDS, parse_collectives, summarize
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, path_names, spec_axes
-from models import model as M
+from models import model as M, pipeline as PL
 from models.flops import active_param_count, flops_per_token, param_count
-from train import search, state as S
+from train import search
 from train.config import make_parser, build
 from train.loop import Trainer
 
@@ -156,7 +157,7 @@ def backend_notes(platform: str, th: dict, measured: dict) -> list[str]:
 def analyze(tr: Trainer) -> dict:
     """Compile the step for `tr`'s config and return the full report as a dict."""
     cfg, t = tr.cfg, tr.cfg.train
-    abstract_state = S.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
+    abstract_state = tr.abstract_state()
     batch = tr.abstract_batch()
     compiled = tr.compile_step(abstract_state, batch)
     mem = compiled.memory_analysis()
@@ -191,7 +192,25 @@ def analyze(tr: Trainer) -> dict:
         "theory_on_backend_detail": th_backend,
         "notes": backend_notes(jax.default_backend(), th, measured),
         "sharding": sharding_table(abstract_state.params),
-    }
+    } | ({"pipeline": pipeline_report(tr, measured)} if tr.mesh.shape["pipeline"] > 1 else {})
+
+
+def pipeline_report(tr: Trainer, measured: dict) -> dict:
+    """The schedule, its bubble and the stage-to-stage traffic: collective-permutes over 'pipeline'
+    in the compiled HLO next to models.pipeline's count (one micro-batch per tick and direction)."""
+    m, t, pc, P = tr.model_cfg, tr.cfg.train, tr.cfg.pipeline, tr.mesh.shape["pipeline"]
+    M_, R = pc.microbatches_for(P), pc.repeats
+    n_groups = m.n_layers // (m.moe_every if m.n_experts else 1)
+    shards = axes_size(tr.mesh, logical_to_spec(("batch",), tr.rules)[0])
+    th = PL.permute_bytes_theory(batch=t.batch_size // t.micro_batches, seq=t.seq_len, d_model=m.d_model,
+                                 itemsize=jax.numpy.dtype(tr.compute_dtype).itemsize, stages=P, microbatches=M_,
+                                 repeats=R, batch_shards=shards)
+    hlo = measured["collective-permute"]["by_axes"].get("pipeline", {"operand_bytes": 0})["operand_bytes"]
+    return {"stages": P, "microbatches": M_, "repeats": R, "schedule": pc.schedule,
+            "bubble": PL.bubble_fraction(P, M_, R), "permute_bytes_hlo": hlo,
+            "permute_bytes_theory": th["sent"] * t.micro_batches,
+            "permute_bytes_useful": th["useful"] * t.micro_batches,
+            "chart": PL.schedule_chart(P, M_, R, pc.schedule, n_layers=n_groups)}
 
 
 def _by_kind(detail: dict) -> dict:
@@ -231,6 +250,12 @@ def render(r: dict, show_sharding: bool) -> str:
         if axes not in r["collectives_detail"][kind]["by_axes"]:
             lines.append(f"  {kind:<19}{axes:<18} (not emitted)      | theory {_mib(th['operand_bytes'])}")
     lines += [f"note: {n}" for n in r["notes"]]
+    if "pipeline" in r:
+        pp = r["pipeline"]
+        lines += [pp["chart"],
+                  f"pipeline: stage-to-stage collective-permute per device per step: HLO"
+                  f" {_mib(pp['permute_bytes_hlo']).strip()} vs theory {_mib(pp['permute_bytes_theory']).strip()}"
+                  f" (of which useful, without bubble ticks: {_mib(pp['permute_bytes_useful']).strip()})"]
     if show_sharding:
         lines.append(f"{'parameter':<34}{'shape':<22}{'spec':<40}{'per device':<20}{'bytes':>12}")
         for row in r["sharding"]:
@@ -244,6 +269,8 @@ def main(argv: list[str]) -> int:
                          " FLOPs and collectives per device, without training.")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show-sharding", action="store_true", help="per-parameter sharding table")
+    parser.add_argument("--plot", metavar="PATH", default="",
+                        help="with --mesh pipeline=P > 1: draw the pipeline schedule to PATH (PNG, needs matplotlib)")
     search.add_args(parser)
     ns = parser.parse_args(argv)
     cfg = build({k: v for k, v in vars(ns).items() if "." in k}, getattr(ns, "config", None))
@@ -252,6 +279,12 @@ def main(argv: list[str]) -> int:
         print(json.dumps(report) if ns.json else text)
         return 0
     trainer = Trainer(cfg)
+    if ns.plot:
+        P = trainer.mesh.shape["pipeline"]
+        if P == 1:
+            raise UserError("--plot draws the pipeline schedule: it needs --mesh pipeline=P with P > 1")
+        pc = cfg.pipeline
+        PL.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
     report = analyze(trainer)
     cost_text = search.with_cost(report, ns, cfg, trainer.mesh) if ns.hardware else ""
     if ns.json:

@@ -133,7 +133,7 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
     mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
     params_abs, axes = _model_arrays(stage)
     params = jax.tree.map(lambda s, names: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
-        mesh, logical_to_spec(names, rules))), params_abs, axes, is_leaf=_is_names)
+        mesh, logical_to_spec(names, {**rules, "layers": ()}))), params_abs, axes, is_leaf=_is_names)
     param_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
     from train.plan import (

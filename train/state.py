@@ -1,6 +1,8 @@
 """The train state (step, params, optimizer state), created already sharded on the mesh."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import flax.struct
@@ -13,41 +15,91 @@ from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
 from models import model as M
 from models.config import ModelConfig
+from train import comm
 
 
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array      # int32 scalar: optimizer updates applied so far
-    params: Any          # nested dict of arrays, sharded by the logical-axis rules
-    opt_state: Any       # optax state; moments sharded exactly like params
+    params: Any          # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params)
+    opt_state: Any       # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...])
+    # The data-parallel sync's own state (train/comm.py), [R, ...] per param and sharded over the
+    # dp axes so each device holds its own replica's; None when not in use:
+    residual: Any = None   # error feedback: what the compressed gradient sync has not sent yet (float32)
+    drift: Any = None      # DiLoCo: each replica's params minus the global params since the last sync
+    outer_opt: Any = None  # DiLoCo: the outer optimizer's state (Nesterov momentum), like params
 
 
-def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules) -> TrainState:
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """What the data-parallel sync keeps in the state (see train/comm.py and Trainer.sync)."""
+    dp_axes: tuple[str, ...] = ()
+    error_feedback: bool = False                           # residual [R, ...]
+    outer_tx: optax.GradientTransformation | None = None   # DiLoCo: drift, per-replica opt_state, outer_opt
+
+    def replicas(self, mesh: Mesh) -> int:
+        return math.prod(mesh.shape[a] for a in self.dp_axes)
+
+
+def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: Sync = Sync()) -> TrainState:
     """A TrainState of NamedShardings: params from the rules, optimizer moments like their params,
-    scalars (counts, step) replicated."""
+    scalars (counts, step) replicated; per-replica state over the dp axes."""
     param_sh = tree_shardings(mesh, M.param_axes(cfg), rules)
-    abstract_opt = jax.eval_shape(tx.init, M.abstract_params(cfg))
     replicated = NamedSharding(mesh, P())
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
-                                   transform_non_params=lambda _: replicated,
-                                   is_leaf=lambda x: isinstance(x, NamedSharding))
-    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+
+    def like_params(t):
+        return optax.tree_map_params(t, lambda _, s: s, jax.eval_shape(t.init, M.abstract_params(cfg)), param_sh,
+                                     transform_non_params=lambda _: replicated,
+                                     is_leaf=lambda x: isinstance(x, NamedSharding))
+
+    def per_replica(tree):
+        return jax.tree.map(lambda sh: NamedSharding(mesh, comm.replica_spec(sh.spec, sync.dp_axes)), tree)
+
+    opt_sh = like_params(tx)
+    out = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+    if sync.error_feedback:
+        out = out.replace(residual=per_replica(param_sh))
+    if sync.outer_tx is not None:
+        out = out.replace(opt_state=per_replica(opt_sh), drift=per_replica(param_sh),
+                          outer_opt=like_params(sync.outer_tx))
+    return out
 
 
-def abstract(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules) -> TrainState:
+def abstract(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: Sync = Sync()) -> TrainState:
     """ShapeDtypeStructs with shardings: what `plan` compiles against, without allocating."""
-    sh = shardings(cfg, tx, mesh, rules)
-    shapes = jax.eval_shape(lambda: _fresh(cfg, tx, jax.random.key(0)))
+    sh = shardings(cfg, tx, mesh, rules, sync)
+    shapes = jax.eval_shape(lambda: _fresh(cfg, tx, jax.random.key(0), sync, sync.replicas(mesh)))
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
 
 
-def _fresh(cfg: ModelConfig, tx, key) -> TrainState:
-    params = M.init(cfg, key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+def _fresh(cfg: ModelConfig, tx, key, sync: Sync = Sync(), n_dp: int = 1) -> TrainState:
+    return _around(M.init(cfg, key), tx, sync, n_dp)
 
 
-def create(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, seed: int) -> TrainState:
+def _around(params, tx, sync: Sync, n_dp: int) -> TrainState:
+    """Step 0 and fresh optimizer (and data-parallel sync) state around `params`."""
+    out = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    if sync.error_feedback:
+        out = out.replace(residual=comm.init_residual(params, n_dp))
+    if sync.outer_tx is not None:
+        out = out.replace(opt_state=comm.replicate(out.opt_state, n_dp), drift=comm.init_drift(params, n_dp),
+                          outer_opt=sync.outer_tx.init(params))
+    return out
+
+
+def create(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, seed: int,
+           sync: Sync = Sync()) -> TrainState:
     """Initialise under jit with output shardings: every device only ever holds its own shards."""
-    sh = shardings(cfg, tx, mesh, rules)
+    sh = shardings(cfg, tx, mesh, rules, sync)
     with jax.set_mesh(mesh), axis_rules(rules):
-        return jax.jit(lambda k: _fresh(cfg, tx, k), out_shardings=sh)(jax.random.key(seed))
+        return jax.jit(lambda k: _fresh(cfg, tx, k, sync, sync.replicas(mesh)), out_shardings=sh)(jax.random.key(seed))
+
+
+def from_params(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, params,
+                sync: Sync = Sync()) -> TrainState:
+    """A fresh state around `params` (already sharded; donated): where fine-tuning starts. No
+    random init is materialised, so the peak is one copy of the parameters plus the optimizer."""
+    sh = shardings(cfg, tx, mesh, rules, sync)
+    with jax.set_mesh(mesh), axis_rules(rules):
+        return jax.jit(lambda p: _around(p, tx, sync, sync.replicas(mesh)), out_shardings=sh,
+                       donate_argnums=(0,))(params)

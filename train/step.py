@@ -12,18 +12,21 @@ from mesh.shard import constrain
 from models import model as M
 from models.config import ModelConfig
 from models.moe import bias_update
+from train import comm
 from train.state import TrainState
 
 BATCH_BT = ("batch", "seq")
 
 
-def loss_terms(cfg: ModelConfig, params, batch):
+def loss_terms(cfg: ModelConfig, params, batch, pipeline=None):
     """-> (objective sum, (cross-entropy sum, token count, MoE sums)), in float32.
 
     The objective adds the MoE balance losses (means over MoE layers) weighted by the token count,
     so that dividing by the total count gives mean cross-entropy + coefficient x loss, also across
-    micro-batches. MoE sums are additive over micro-batches: {} for a dense model."""
-    logits_BTV, stats = M.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
+    (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
+    logits_BTV, stats = M.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                                  pipeline)
     xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
     weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
     xent, n = jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
@@ -35,10 +38,10 @@ def loss_terms(cfg: ModelConfig, params, batch):
     return xent + n * (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z), (xent, n, sums)
 
 
-def loss_sums(cfg: ModelConfig, params, batch) -> tuple[jax.Array, jax.Array]:
+def loss_sums(cfg: ModelConfig, params, batch, pipeline=None) -> tuple[jax.Array, jax.Array]:
     """-> (sum of token cross-entropies, number of tokens), in float32. Summing (not averaging)
     per micro-batch makes gradient accumulation exactly equal to one big batch."""
-    _, (xent, n, _) = loss_terms(cfg, params, batch)
+    _, (xent, n, _) = loss_terms(cfg, params, batch, pipeline)
     return xent, n
 
 
@@ -50,13 +53,15 @@ def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
     return jnp.swapaxes(x, 0, 1)
 
 
-def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = ()):
+def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = (),
+                   pipeline=None):
     """Mean loss over all tokens and its gradient (see `grads_loss_stats`)."""
-    loss, grads, _ = grads_loss_stats(cfg, params, batch, micro_batches, dp_axes)
+    loss, grads, _ = grads_loss_stats(cfg, params, batch, micro_batches, dp_axes, pipeline=pipeline)
     return loss, grads
 
 
-def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = ()):
+def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = (),
+                     per_replica: bool = False, pipeline=None):
     """Mean cross-entropy over all tokens, the gradient of the objective (cross-entropy + MoE
     balance losses) and the MoE sums, accumulated over micro-batches in float32.
 
@@ -65,12 +70,14 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
     over dp_axes) and they are reduced once at the end, so the data-parallel all-reduce runs once
     per step rather than once per micro-batch (DDP's no_sync). Axes that do shard parameters
     (fsdp) reduce-scatter every micro-batch, as ZeRO-3 does, to keep gradients sharded.
+    `per_replica`: leave that reduction to the caller (train.comm.sync_grads): the gradient
+    keeps its [n_dp, ...] dim, each replica's share of the mean (their sum is the mean gradient).
     """
     def sums_and_grads(p, mb):
-        (_, (xent, n, sums)), g = jax.value_and_grad(loss_terms, argnums=1, has_aux=True)(cfg, p, mb)
+        (_, (xent, n, sums)), g = jax.value_and_grad(loss_terms, argnums=1, has_aux=True)(cfg, p, mb, pipeline)
         return xent, n, sums, g
 
-    if micro_batches == 1:
+    if micro_batches == 1 and not (per_replica and dp_axes):
         total, n, sums, g = sums_and_grads(params, batch)
         n = jnp.maximum(n, 1.0)
         return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
@@ -98,8 +105,9 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
     (total, n, sums, g), _ = jax.lax.scan(body, zeros, micro)
-    if n_dp > 1:  # the one data-parallel reduction of the step
-        total, n, sums, g = jax.tree.map(lambda x: x.sum(0), (total, n, sums, g))
+    if n_dp > 1:  # the one data-parallel reduction of the step (of the gradient: unless per_replica)
+        total, n, sums = jax.tree.map(lambda x: x.sum(0), (total, n, sums))
+        g = g if per_replica else jax.tree.map(lambda x: x.sum(0), g)
     n = jnp.maximum(n, 1.0)
     return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
 
@@ -118,8 +126,18 @@ def moe_metrics(stats: dict) -> dict:
 
 
 def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
-               dp_axes: tuple[str, ...], state: TrainState, batch) -> tuple[TrainState, dict]:
-    loss, grads, stats = grads_loss_stats(cfg, state.params, batch, micro_batches, dp_axes)
+               dp_axes: tuple[str, ...], state: TrainState, batch, comm_cfg=None,
+               param_specs=None, pipeline=None) -> tuple[TrainState, dict]:
+    """`comm_cfg` (train.config.CommConfig) with a compression other than none, and dp axes:
+    the data-parallel gradient sync is train.comm.sync_grads (`param_specs`: the params'
+    PartitionSpecs) instead of XLA's all-reduce. `pipeline`: the run's PipelineConfig."""
+    compress = bool(dp_axes) and comm_cfg is not None and comm_cfg.compression != "none"
+    loss, grads, stats = grads_loss_stats(cfg, state.params, batch, micro_batches, dp_axes, per_replica=compress,
+                                          pipeline=pipeline)
+    residual = state.residual
+    if compress:
+        grads, residual = comm.sync_grads(grads, state.residual, compression=comm_cfg.compression, dp_axes=dp_axes,
+                                          param_specs=param_specs, topk_fraction=comm_cfg.topk_fraction)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if cfg.n_experts and cfg.router_bias_rate > 0:
@@ -135,9 +153,40 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
                "bad_in_a_row": opt_state.notfinite_count, "skipped_steps": opt_state.total_notfinite}
     if stats:
         metrics.update(moe_metrics(stats))
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    if residual is not None:  # a skipped (non-finite) step must not leave NaN in the residuals either
+        ok = opt_state.notfinite_count == 0
+        residual = jax.tree.map(lambda new, old: jnp.where(ok, new, old), residual, state.residual)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, residual=residual), metrics
 
 
-def eval_step(cfg: ModelConfig, params, batch) -> tuple[jax.Array, jax.Array]:
+def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation,
+                   lr_schedule, micro_batches: int, dp_axes: tuple[str, ...], sync_every: int,
+                   state: TrainState, batch, pipeline=None) -> tuple[TrainState, dict]:
+    """--comm.sync_every H > 1 (local SGD / DiLoCo): every data-parallel replica takes an inner
+    optimizer step on its own rows of the batch with no data-parallel traffic; every H-th step the
+    outer optimizer applies the replicas' mean drift to the global params (one all-reduce)."""
+    n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes)
+    # rows are sharded over the batch axes, dp axes outermost: block r of B/R rows is replica r's
+    batch_R = jax.tree.map(lambda x: x.reshape(n_dp, x.shape[0] // n_dp, *x.shape[1:]), batch)
+    rules = current_rules()
+    inner_rules = {**rules, "batch": tuple(a for a in rules["batch"] if a not in dp_axes)}
+
+    def grad_fn(params, b):
+        with axis_rules(inner_rules):
+            loss, grads, _ = grads_loss_stats(cfg, params, b, micro_batches, pipeline=pipeline)
+        return (loss, optax.tree.norm(grads)), grads
+
+    (loss_R, gnorm_R), drift, opt_state = comm.local_step(grad_fn, tx, state.params, state.drift,
+                                                          state.opt_state, batch_R, dp_axes)
+    outer = comm.OuterState(params=state.params, opt_state=state.outer_opt)
+    outer, drift = jax.lax.cond((state.step + 1) % sync_every == 0, lambda o, d: comm.outer_step(o, d, outer_tx),
+                                lambda o, d: (o, d), outer, drift)
+    metrics = {"loss": loss_R.mean(), "grad_norm": gnorm_R.mean(), "lr": lr_schedule(state.step),
+               "bad_in_a_row": opt_state.notfinite_count.max(), "skipped_steps": opt_state.total_notfinite.max()}
+    return state.replace(step=state.step + 1, params=outer.params, opt_state=opt_state, drift=drift,
+                         outer_opt=outer.opt_state), metrics
+
+
+def eval_step(cfg: ModelConfig, params, batch, pipeline=None) -> tuple[jax.Array, jax.Array]:
     """-> (sum of cross-entropies, token count) for one held-out batch."""
-    return loss_sums(cfg, params, batch)
+    return loss_sums(cfg, params, batch, pipeline)
