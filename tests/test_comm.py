@@ -269,3 +269,9 @@ def test_train_step_with_compression_and_diloco(tmp_path):
     assert max(float(np.abs(np.asarray(r)).max()) for r in residual) > 0     # something was held back
     _, diloco = _fit(tmp_path, "diloco", sync_every=2)
     assert diloco[0] == base[0] and diloco[-1] < diloco[0]
+
+
+def test_config_knows_every_compression():
+    from mesh.collectives import METHODS
+    from train.config import COMPRESSIONS
+    assert COMPRESSIONS == ("none", *METHODS)  # config keeps its own copy so that parsing flags imports no JAX

@@ -136,3 +136,11 @@ def test_closed_loop_echoes_are_dropped_and_nothing_else():
     err.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: a real one\n")
     assert out.getvalue() == ("progress 10%\rerror: checkpoint: saving step 12 ...\n"
                               "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: a real one\n")
+
+
+def test_parsing_flags_and_the_supervisor_import_no_jax():
+    """The supervisor parent must not import JAX (it would hold no devices, but a GPU build may init them)."""
+    code = ("import sys; from train.config import from_args; import train.supervisor, checkpoint.echoes, mesh.xla;"
+            " from_args(['--max-restarts', '2', '--comm.compression', 'int8']); print('jax' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr[-2000:]

@@ -17,29 +17,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from mesh.collectives import METHODS, compressed_psum
+from mesh.collectives import compressed_psum
 from mesh.errors import UserError
+from train.config import COMPRESSIONS, validate_comm as validate  # noqa: F401  (jax-free: flag parsing uses it)
 from mesh.shard import spec_axes
 
-COMPRESSIONS = ("none",) + METHODS
-
-
-def validate(compression: str, topk_fraction: float, sync_every: int, outer_lr: float,
-             outer_momentum: float) -> None:
-    """UserError naming the `comm.*` option that is out of range."""
-    if compression not in COMPRESSIONS:
-        raise UserError(f"--comm.compression: '{compression}' is not one of {', '.join(COMPRESSIONS)}")
-    if not 0 < topk_fraction <= 1:
-        raise UserError(f"--comm.topk_fraction must be in (0, 1], got {topk_fraction}")
-    if sync_every < 1:
-        raise UserError(f"--comm.sync_every must be >= 1 (1 = synchronous training), got {sync_every}")
-    if outer_lr <= 0:
-        raise UserError(f"--comm.outer_lr must be positive, got {outer_lr}")
-    if not 0 <= outer_momentum < 1:
-        raise UserError(f"--comm.outer_momentum must be in [0, 1), got {outer_momentum}")
-    if sync_every > 1 and compression != "none":
-        raise UserError(f"--comm.compression {compression} compresses the every-step gradient sync; with"
-                        f" --comm.sync_every {sync_every} (DiLoCo) use --comm.compression none")
 
 
 def replica_spec(spec: P, dp_axes: tuple[str, ...]) -> P:

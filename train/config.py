@@ -250,6 +250,28 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Co
     return cfg
 
 
+# mesh/collectives.py METHODS plus the plain all-reduce; kept here so parsing flags needs no JAX
+COMPRESSIONS = ("none", "int8", "int4", "topk")
+
+
+def validate_comm(compression: str, topk_fraction: float, sync_every: int, outer_lr: float,
+             outer_momentum: float) -> None:
+    """UserError naming the `comm.*` option that is out of range."""
+    if compression not in COMPRESSIONS:
+        raise UserError(f"--comm.compression: '{compression}' is not one of {', '.join(COMPRESSIONS)}")
+    if not 0 < topk_fraction <= 1:
+        raise UserError(f"--comm.topk_fraction must be in (0, 1], got {topk_fraction}")
+    if sync_every < 1:
+        raise UserError(f"--comm.sync_every must be >= 1 (1 = synchronous training), got {sync_every}")
+    if outer_lr <= 0:
+        raise UserError(f"--comm.outer_lr must be positive, got {outer_lr}")
+    if not 0 <= outer_momentum < 1:
+        raise UserError(f"--comm.outer_momentum must be in [0, 1), got {outer_momentum}")
+    if sync_every > 1 and compression != "none":
+        raise UserError(f"--comm.compression {compression} compresses the every-step gradient sync; with"
+                        f" --comm.sync_every {sync_every} (DiLoCo) use --comm.compression none")
+
+
 def _validate(cfg: Config) -> None:
     t = cfg.train
     for name in ("steps", "batch_size", "seq_len", "micro_batches"):
@@ -267,7 +289,6 @@ def _validate(cfg: Config) -> None:
             raise UserError(f"train.{name} must be >= 0, got {getattr(t, name)}")
     if cfg.parallelism.peer_timeout <= 0:
         raise UserError(f"parallelism.peer_timeout must be positive, got {cfg.parallelism.peer_timeout}")
-    from train.comm import validate as validate_comm   # lazy: parsing flags needs no jax
     m = cfg.comm
     validate_comm(m.compression, m.topk_fraction, m.sync_every, m.outer_lr, m.outer_momentum)
     c = cfg.checkpoint
