@@ -255,13 +255,7 @@ class Checkpointer:
         cast to their dtypes), from a full or a parameters-only checkpoint. UserError listing the
         arrays whose shapes differ."""
         self.check_files(step)
-        saved = {n: shape for n, shape, _ in self.arrays(step) if n.startswith("params/")}
-        want = {f"params/{n}": tuple(s.shape) for n, s in path_names(abstract_params, is_leaf=_is_array)}
-        bad = [f"{n}: checkpoint {saved.get(n, 'has none')} vs model {shape}" for n, shape in want.items()
-               if saved.get(n) != shape] + [f"{n}: model has none" for n in saved if n not in want]
-        if bad:
-            raise UserError(f"checkpoint {self.step_dir(step)} (parameters) does not match this model config"
-                            f" ({len(bad)} arrays differ): " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+        self._check_shapes(step, abstract_params, prefix="params/", what=" (parameters)")
         item = {"params": abstract_params}
         with self._reading(step):
             out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
@@ -273,13 +267,18 @@ class Checkpointer:
         if (meta or self.meta(step)).get("contents") == "params":
             raise UserError(f"checkpoint {self.step_dir(step)} holds parameters only (an export);"
                             f" it cannot resume training")
-        saved = {n: shape for n, shape, _ in self.arrays(step)}
-        want = {n: tuple(s.shape) for n, s in path_names(abstract_state, is_leaf=_is_array)}
+        self._check_shapes(step, abstract_state)
+
+    def _check_shapes(self, step: int, abstract: Any, prefix: str = "", what: str = "") -> None:
+        """UserError listing every saved array under `prefix` whose shape differs from `abstract`'s
+        (a tree below `prefix`), and those only one side has; reads metadata only."""
+        saved = {n: shape for n, shape, _ in self.arrays(step) if n.startswith(prefix)}
+        want = {prefix + n: tuple(s.shape) for n, s in path_names(abstract, is_leaf=_is_array)}
         bad = [f"{n}: checkpoint {saved[n] if n in saved else 'has none'} vs model {shape}"
                for n, shape in want.items() if saved.get(n) != shape]
         bad += [f"{n}: checkpoint {shape} vs model has none" for n, shape in saved.items() if n not in want]
         if bad:
-            raise UserError(f"checkpoint {self.step_dir(step)} does not match this model config"
+            raise UserError(f"checkpoint {self.step_dir(step)}{what} does not match this model config"
                             f" ({len(bad)} arrays differ): " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
 
     def wait(self) -> None:
