@@ -101,8 +101,11 @@ class Trainer:
         return S.Sync(dp, error_feedback=m.compression != "none" and m.error_feedback)
 
     def abstract_state(self) -> S.TrainState:
-        """ShapeDtypeStructs with shardings of this run's state (plan, restore)."""
-        return S.abstract(self.model_cfg, self.tx, self.mesh, self.rules, self.sync)
+        """ShapeDtypeStructs with shardings of this run's state (plan, restore). Traced once per
+        Trainer: the resume check, the restore, NaN recovery and --init-from all ask for it."""
+        if getattr(self, "_abstract_state", None) is None:
+            self._abstract_state = S.abstract(self.model_cfg, self.tx, self.mesh, self.rules, self.sync)
+        return self._abstract_state
 
     def jit_step(self):
         t = self.cfg.train
