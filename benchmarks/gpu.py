@@ -4,6 +4,14 @@
     python benchmarks/gpu.py --presets 125m,1b --batch-sizes 8,16
     python benchmarks/gpu.py --dry-run                         # print the train commands, run nothing
     python benchmarks/gpu.py -- --checkpoint.every 0           # args after `--` go to every train run
+    python benchmarks/gpu.py --presets '' --moe-variants dropless,dropless-blocks,capacity   # MoE only
+
+The MoE case (after the dense presets) trains a Mixtral-shaped model small enough for one GPU
+(`--moe-preset mixtral-small`: 8 layers, d_model 1024, 8 experts of width 3584, top-2; 0.8B
+parameters, 0.27B active) once per dispatch variant; its MFU counts active parameters. On one GPU
+there is no expert axis, so the variants compare the dropless grouped matmul (ragged_dot, or the
+padded blocks) with capacity dispatch, not the exchanges. Any registered preset works as
+`--moe-preset` (moe-tiny: a quick end-to-end run on CPU).
 
 Each config is its own `python -m train` subprocess (fresh GPU memory, hard timeout, killed as a
 process group), so one hung or OOM config cannot eat the budget. A preset's batch sizes run
@@ -48,7 +56,17 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|\bOOM\b")
-FIELDS = ("tokens_per_sec", "tokens_per_sec_per_device", "mfu", "step_time_s", "data_wait_s")
+FIELDS = ("tokens_per_sec", "tokens_per_sec_per_device", "mfu", "step_time_s", "data_wait_s", "moe/dropped_fraction")
+# Mixtral 8x7B's layout (GQA 2:1, 8 experts, top-2, expert width 3.5 x d_model) at 1/4 the width and
+# 1/4 the depth: 0.8B parameters (Adam state ~13 GB), so batch 8-16 at seq 2048 fits one H200.
+MOE_SHAPES = {"mixtral-small": ("mixtral-8x7b", ["--model.n_layers", "8", "--model.d_model", "1024",
+                                                 "--model.n_heads", "16", "--model.n_kv_heads", "8",
+                                                 "--model.d_ff", "3584", "--model.d_ff_expert", "3584"])}
+MOE_VARIANTS = {
+    "dropless": ["--model.dispatch", "dropless"],                    # kernel auto: ragged_dot on GPU
+    "dropless-blocks": ["--model.dispatch", "dropless", "--model.dropless_kernel", "blocks"],
+    "capacity": ["--model.dispatch", "capacity", "--model.capacity_factor", "1.25"],
+}
 
 
 def say(*a) -> None:
@@ -60,8 +78,13 @@ def parse_args():
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default="1b", help="comma-separated model presets")
+    p.add_argument("--presets", default="1b", help="comma-separated dense model presets ('' = none)")
     p.add_argument("--batch-sizes", default="4,8,16", help="comma-separated global batch sizes")
+    p.add_argument("--moe-variants", default="dropless,capacity",
+                   help=f"MoE dispatch variants to run, from {', '.join(MOE_VARIANTS)}; '' = no MoE case")
+    p.add_argument("--moe-preset", default="mixtral-small",
+                   help=f"MoE shape: {', '.join(MOE_SHAPES)} or any registered MoE preset (e.g. moe-tiny)")
+    p.add_argument("--moe-batch-sizes", default="8", help="comma-separated global batch sizes for the MoE case")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-every", type=int, default=10)
@@ -76,13 +99,28 @@ def parse_args():
     args.extra = extra
     args.presets = [s for s in args.presets.split(",") if s]
     args.batch_sizes = sorted(int(s) for s in args.batch_sizes.split(",") if s)
+    args.moe_variants = [s for s in args.moe_variants.split(",") if s]
+    args.moe_batch_sizes = sorted(int(s) for s in args.moe_batch_sizes.split(",") if s)
+    bad = [v for v in args.moe_variants if v not in MOE_VARIANTS]
+    if bad:
+        p.error(f"--moe-variants: unknown {', '.join(bad)}; valid: {', '.join(MOE_VARIANTS)}")
     return args
 
 
-def train_cmd(args, preset: str, batch: int, run_dir: str) -> list[str]:
+def cases(args) -> list[dict]:
+    """What to run, in order: each dense preset, then the MoE shape once per dispatch variant.
+    name: the label in the results; preset + flags: the train command's model."""
+    out = [{"name": p, "preset": p, "flags": [], "batch_sizes": args.batch_sizes} for p in args.presets]
+    preset, flags = MOE_SHAPES.get(args.moe_preset, (args.moe_preset, []))
+    out += [{"name": f"{args.moe_preset}/{v}", "preset": preset, "flags": flags + MOE_VARIANTS[v],
+             "batch_sizes": args.moe_batch_sizes} for v in args.moe_variants]
+    return out
+
+
+def train_cmd(args, case: dict, batch: int, run_dir: str) -> list[str]:
     # Synthetic data: the benchmark measures the step, not a dataset or disk. No eval and no
     # sample at the end (each costs an extra compile), no progress bar or TensorBoard files.
-    cmd = [sys.executable, "-m", "train", "--model", preset, "--model.dtype", "bfloat16",
+    cmd = [sys.executable, "-m", "train", "--model", case["preset"], *case["flags"], "--model.dtype", "bfloat16",
            "--steps", str(args.steps), "--batch-size", str(batch), "--seq-len", str(args.seq_len),
            "--log-every", str(args.log_every), "--data", "synthetic", "--eval-every", "0",
            "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false",
@@ -156,11 +194,12 @@ def kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_one(args, res: dict, timeout: float, logs: Path | None) -> None:
+def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> None:
     """Run one config and fill `res` (already in the results list, so an interrupt keeps it)."""
     preset, batch = res["preset"], res["batch_size"]
-    run_dir = Path(tempfile.mkdtemp(prefix=f"brigade-gpu-{preset}-b{batch}-"))
-    cmd = train_cmd(args, preset, batch, str(run_dir))
+    tag = preset.replace("/", "-")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"brigade-gpu-{tag}-b{batch}-"))
+    cmd = train_cmd(args, case, batch, str(run_dir))
     res.update(steps=args.steps, cmd=shlex.join(cmd), status="running")
     say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
     log_path, metrics_path = run_dir / "train.log", run_dir / "metrics.jsonl"
@@ -199,7 +238,7 @@ def run_one(args, res: dict, timeout: float, logs: Path | None) -> None:
             res["log_tail"] = text[-3000:]
         if logs:
             logs.mkdir(parents=True, exist_ok=True)
-            (logs / f"{preset}-b{batch}.log").write_text(text)
+            (logs / f"{tag}-b{batch}.log").write_text(text)
         # A 1b checkpoint with optimizer state is ~16 GB; never let runs accumulate on disk.
         shutil.rmtree(run_dir, ignore_errors=True)
     say(f"--> {res['status']} rc={res['rc']} wall={res['wall_s']}s tok/s={res['tokens_per_sec']}"
@@ -209,12 +248,13 @@ def run_one(args, res: dict, timeout: float, logs: Path | None) -> None:
 def table(runs: list[dict]) -> str:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
-    lines = ["| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | status |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | dropped | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['preset']} | {r['batch_size']} | {r['seq_len']} | {f(r.get('tokens_per_sec'), ',.0f')}"
                      f" | {f(r.get('tokens_per_sec_per_device'), ',.0f')} | {f(r.get('mfu'), '.1%')}"
-                     f" | {f(r.get('step_time_s'), '.3f')} | {r['status']} |")
+                     f" | {f(r.get('step_time_s'), '.3f')} | {f(r.get('moe/dropped_fraction'), '.2%')}"
+                     f" | {r['status']} |")
     return "\n".join(lines)
 
 
@@ -222,9 +262,9 @@ def main() -> int:
     args = parse_args()
     if args.dry_run:
         say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
-        for preset in args.presets:
-            for b in args.batch_sizes:
-                say(shlex.join(train_cmd(args, preset, b, f"<tmp>/{preset}-b{b}")))
+        for case in cases(args):
+            for b in case["batch_sizes"]:
+                say(shlex.join(train_cmd(args, case, b, f"<tmp>/{case['name'].replace('/', '-')}-b{b}")))
         return 0
 
     start = time.time()
@@ -247,20 +287,22 @@ def main() -> int:
         results["environment"] = environment()
         say(json.dumps(results["environment"], indent=1))
         save()
-        for preset in args.presets:
-            for b in args.batch_sizes:
+        for case in cases(args):
+            name = case["name"]
+            for b in case["batch_sizes"]:
                 left = deadline - time.time()
                 if left < args.min_run_s:
-                    say(f"\nbudget: {left:.0f}s left, skipping {preset} batch={b}")
-                    results["runs"].append({"preset": preset, "batch_size": b, "seq_len": args.seq_len,
+                    say(f"\nbudget: {left:.0f}s left, skipping {name} batch={b}")
+                    results["runs"].append({"preset": name, "batch_size": b, "seq_len": args.seq_len,
                                             "status": "skipped-budget"})
                     continue
-                res = {"preset": preset, "batch_size": b, "seq_len": args.seq_len}
+                res = {"preset": name, "batch_size": b, "seq_len": args.seq_len}
                 results["runs"].append(res)
-                run_one(args, res, min(args.run_timeout_s, left - 15), out_dir / "gpu_logs" if out_dir else None)
+                run_one(args, case, res, min(args.run_timeout_s, left - 15),
+                        out_dir / "gpu_logs" if out_dir else None)
                 save()
                 if res["status"] in ("oom", "timeout"):
-                    say(f"stopping {preset} at batch {b}: {res['status']}")
+                    say(f"stopping {name} at batch {b}: {res['status']}")
                     break
     except KeyboardInterrupt:
         say("interrupted; saving partial results")

@@ -2,13 +2,19 @@
 
     python benchmarks/moe.py kernels [--reps 5]     # the MoE layer alone, forward + backward, 1 device
     python benchmarks/moe.py steps [--steps 6]      # train steps of moe-default: dispatch x mesh, + plan bytes
+    python benchmarks/moe.py exchange [--reps 5]    # dropless expert=8: fixed vs ragged exchange, rows and time
 
 `kernels` times the dropless grouped-matmul kernels (lax.ragged_dot vs padded blocks) and capacity
 dispatch at moe-default's layer shape (16 x 128 tokens, d_model 256, 8 experts of 384, top-2),
 next to a dense SwiGLU with the same active FLOPs (the floor);
 `steps` times whole train steps of moe-default for dropless/capacity on data=8 (experts replicated,
 the expert axis unused) and expert=8 (expert parallel), and prints plan's all-to-all bytes next to
-the theory.
+the theory;
+`exchange` routes moe-default's layer input (16 x 128 tokens, router at init) on expert=8 and
+counts the rows each device sends per direction with the fixed buffers and with the ragged
+exchange (the real rows), then times the layer forward + backward with both. On CPU the ragged
+exchange is the emulation (a fixed all_to_all of every slice at full length), so its time here
+says nothing about GPU/TPU; the row counts do.
 """
 import argparse
 import dataclasses
@@ -20,7 +26,8 @@ import common  # noqa: F401  (8 fake devices, repo on sys.path)
 import jax
 import numpy as np
 
-from mesh.rules import axis_rules
+from mesh.build import make_mesh
+from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import moe as MOE
 from models.config import PRESETS
 from train.config import build
@@ -102,9 +109,37 @@ def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "
             print(line, flush=True)
 
 
+def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
+    cfg = dataclasses.replace(PRESETS["moe-default"], dtype="float32")
+    d, e, f, k = cfg.d_model, cfg.n_experts, cfg.expert_width, cfg.experts_per_token
+    ks = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(ks[0], (16, 128, d))
+    w = (cfg.init_std * jax.random.normal(ks[1], (d, e)), jax.random.normal(ks[2], (e, d, f)) / d ** 0.5,
+         jax.random.normal(ks[3], (e, d, f)) / d ** 0.5, jax.random.normal(ks[4], (e, f, d)) / f ** 0.5)
+    mesh = make_mesh(mesh_spec)
+    ep = dict(zip(mesh.axis_names, mesh.devices.shape))["expert"]
+    n, x_count = x.shape[0] * x.shape[1] // mesh.devices.size, e // ep
+    idx = np.asarray(MOE.route(cfg, x, w[0])[0]).reshape(mesh.devices.size, n * k)  # each device's rows
+    own = np.mean([np.sum(idx[i] // x_count == i % ep) for i in range(mesh.devices.size)])
+    fixed = ep * n * min(k, x_count)
+    print(f"dropless {mesh_spec}, {n} tokens x top-{k} per device, rows of d_model sent per direction and device:")
+    print(f"  fixed buffers {fixed} ({fixed - fixed // ep} leave the device); ragged {n * k}"
+          f" ({n * k - own:.0f} leave on average): {fixed / (n * k):.1f}x fewer rows, receive buffer kept at {fixed}")
+
+    def layer(exchange):
+        def loss(x, router, wg, wu, wd):
+            idx, gate, _ = MOE.route(cfg, x, router)
+            return MOE.experts(cfg, x, idx, gate, wg, wu, wd, None, exchange)[0].sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    with jax.set_mesh(mesh), axis_rules(make_rules()):
+        xs = jax.device_put(x, logical_to_spec(MOE.TOKENS_BT))
+        for name in ("fixed", "emulated"):
+            print(f"  layer fwd+bwd, {name:<9}{1e3 * _time(layer(name), xs, *w, reps=reps):8.1f} ms (CPU)")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("kernels", "steps"))
+    ap.add_argument("what", choices=("kernels", "steps", "exchange"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--mesh", default="data=8;expert=8", help="meshes for `steps`, ';'-separated")
@@ -112,6 +147,8 @@ def main():
     a = ap.parse_args()
     if a.what == "kernels":
         kernels(a.reps)
+    elif a.what == "exchange":
+        exchange(a.reps)
     else:
         steps(a.steps, a.mesh.split(";"), a.dispatch.split(","))
 

@@ -30,7 +30,7 @@ from collections import defaultdict
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 # Bits per element. Sub-byte types (s4, f4e2m1fn, ...) are packed, so bytes = ceil(n * bits / 8).
 _BITS = {
@@ -73,6 +73,9 @@ class Collective:
             "all-gather": frac * self.result_bytes,              # receive everyone else's shard
             "reduce-scatter": frac * self.operand_bytes,
             "all-to-all": frac * self.operand_bytes,             # keep 1/n, send the rest
+            # MoE's dropless exchange on GPU/TPU: what really moves depends on the routing; the
+            # HLO only bounds it (the whole send buffer)
+            "ragged-all-to-all": frac * self.operand_bytes,
             "collective-permute": float(self.operand_bytes),     # one send of the whole buffer
         }[self.kind]
         return per_run * self.count

@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity")
 KERNELS = ("auto", "ragged", "blocks")  # dropless grouped matmul; auto = blocks on CPU, ragged elsewhere
+EXCHANGES = ("auto", "fixed", "ragged")  # dropless expert-parallel exchange; auto = fixed on CPU, ragged elsewhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ModelConfig:
     dispatch: str = "dropless"     # dropless | capacity (GShard/Switch slots; overflow skips the layer)
     capacity_factor: float = 1.25  # capacity = factor * tokens * k / n_experts slots per expert per device
     dropless_kernel: str = "auto"  # auto | ragged (lax.ragged_dot) | blocks (padded blocks, empty ones skipped)
+    # dropless tokens over the expert axis: fixed (worst-case all_to_all buffers) | ragged (ragged_all_to_all,
+    # only the real rows; on CPU an emulation, a test path) | auto (ragged on GPU/TPU, fixed on CPU)
+    ep_exchange: str = "auto"
     aux_loss_coef: float = 0.01    # Switch load-balancing loss (mean over MoE layers)
     z_loss_coef: float = 0.001     # router z-loss (ST-MoE)
     router_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per update; 0 = off
@@ -105,6 +109,9 @@ class ModelConfig:
         need(self.dispatch in DISPATCHES, f"dispatch '{self.dispatch}' is not one of {', '.join(DISPATCHES)}")
         need(self.dropless_kernel in KERNELS,
              f"dropless_kernel '{self.dropless_kernel}' is not one of {', '.join(KERNELS)}")
+        need(self.ep_exchange in EXCHANGES, f"ep_exchange '{self.ep_exchange}' is not one of {', '.join(EXCHANGES)}")
+        need(self.ep_exchange != "ragged" or self.dispatch == "dropless",
+             f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'")
         need(self.capacity_factor > 0, f"capacity_factor must be positive, got {self.capacity_factor}")
         for f in ("aux_loss_coef", "z_loss_coef", "router_bias_rate"):
             need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")

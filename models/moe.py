@@ -7,8 +7,10 @@ F expert width, G blocks of the padded grouped matmul.
 
 The router runs on the global batch under GSPMD, so its statistics (and the balance losses) do
 not depend on the mesh. The experts run inside `shard_map`: every device sorts its own tokens'
-assignments by destination, exchanges fixed-size buffers with all-to-all over the expert axis
-(XLA:CPU has no ragged all-to-all), computes only its X experts, and sends the rows back.
+assignments by destination, exchanges them over the expert axis, computes only its X experts,
+and sends the rows back. Dropless exchange (`ep_exchange`, see `exchange_for`): fixed-size
+worst-case buffers with all_to_all (XLA:CPU has no ragged all-to-all), or lax.ragged_all_to_all
+moving only the real rows (GPU/TPU; an exact emulation on CPU for tests).
 """
 from __future__ import annotations
 
@@ -95,15 +97,19 @@ def _rank_in_group(g_A: jax.Array, n_groups: int):
     return rank_A, sizes_G
 
 
+def _gmm_sorted(xs_RD, sizes_X, wg_XDF, wu_XDF, wd_XFD):
+    """Rows already sorted by expert, sizes_X rows each, through lax.ragged_dot; rows past
+    sum(sizes_X) (padding) come out 0."""
+    h_RF = jax.nn.silu(lax.ragged_dot(xs_RD, wg_XDF, sizes_X)) * lax.ragged_dot(xs_RD, wu_XDF, sizes_X)
+    return lax.ragged_dot(h_RF, wd_XFD, sizes_X)
+
+
 def _gmm_ragged(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD):
     """Rows grouped by expert id g (== X: padding, comes out 0) through lax.ragged_dot."""
     x_count = wg_XDF.shape[0]
     order = jnp.argsort(g_R, stable=True)
     sizes_X = jnp.sum(jax.nn.one_hot(g_R, x_count, dtype=jnp.int32), axis=0)
-    xs_RD = x_RD[order]
-    h_RF = jax.nn.silu(lax.ragged_dot(xs_RD, wg_XDF, sizes_X)) * lax.ragged_dot(xs_RD, wu_XDF, sizes_X)
-    ys_RD = lax.ragged_dot(h_RF, wd_XFD, sizes_X)
-    return ys_RD[jnp.argsort(order)]
+    return _gmm_sorted(x_RD[order], sizes_X, wg_XDF, wu_XDF, wd_XFD)[jnp.argsort(order)]
 
 
 def _gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int):
@@ -148,13 +154,76 @@ def _block_size(rows_expected: int, x_count: int) -> int:
     return int(min(256, max(64, 2 ** math.floor(math.log2(max(per_expert // 4, 1))))))
 
 
+def exchange_for(cfg: ModelConfig) -> str:
+    """How dropless dispatch moves rows over the expert axis: "fixed" (worst-case buffers, plain
+    all_to_all), "ragged" (lax.ragged_all_to_all: only the real rows) or "emulated" (the ragged
+    algorithm with `ragged_all_to_all_emulated`: XLA:CPU cannot compile ragged-all-to-all, so
+    ep_exchange=ragged on CPU is a test path, not a faster one)."""
+    cpu = jax.default_backend() == "cpu"
+    if cfg.ep_exchange == "auto":
+        return "fixed" if cpu else "ragged"
+    return "emulated" if cfg.ep_exchange == "ragged" and cpu else cfg.ep_exchange
+
+
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """`lax.ragged_all_to_all` (same arguments, same result) from a fixed-size all_to_all: each of
+    the K slices travels in a buffer as long as `operand`, K x the bytes of the real thing."""
+    if axis_index_groups is not None:
+        raise NotImplementedError("ragged_all_to_all_emulated: axis_index_groups")
+    m = operand.shape[0]
+    j_M = jnp.arange(m)
+    src_KM = jnp.where(j_M < send_sizes[:, None], input_offsets[:, None] + j_M, m)
+    buf_KM = operand.at[src_KM].get(mode="fill", fill_value=0)
+    # slice i of the K goes to device i // (K / n); a device receives its slices source by source
+    buf_KM = lax.all_to_all(buf_KM, axis_name, 0, 0, tiled=True)
+    at_K = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    dst_KM = jnp.where(j_M < recv_sizes[:, None], at_K[:, None] + j_M, output.shape[0])
+    return output.at[dst_KM].set(buf_KM, mode="drop")
+
+
+def _excl_cumsum(c, axis):
+    return jnp.cumsum(c, axis) - c
+
+
+def _ragged_dispatch(x_UD, e_A, tok_A, ffn, *, rows: int, x_count: int, ep: int, ep_axes, exchange: str):
+    """Dropless expert parallelism that moves only the real rows: assignments sorted by global
+    expert id, one ragged slice per (destination, local expert), so each receiver's buffer comes
+    out sorted by its local expert with no further sort. Every device learns every device's counts
+    (an all-gather of E ints) and so can compute all offsets of both exchanges itself.
+    `ffn(x_RD, sizes_X)`: the grouped matmul on rows sorted by local expert -> y [A,D], sorted
+    back to assignment order. `rows`: the static receive buffer (worst case: never overflows)."""
+    a2a = lax.ragged_all_to_all if exchange == "ragged" else ragged_all_to_all_emulated
+    a, d = e_A.shape[0], x_UD.shape[1]
+    order_A = jnp.argsort(e_A, stable=True)
+    counts_E = jnp.zeros((ep * x_count,), jnp.int32).at[e_A].add(1)
+    counts_SE = lax.all_gather(counts_E, ep_axes)                    # [source, E]
+    counts_SDX = counts_SE.reshape(ep, ep, x_count)                  # [source, destination, local expert]
+    me = lax.axis_index(ep_axes)
+    start_DX = _excl_cumsum(counts_SDX.sum(0), 1)                    # each receiver's expert groups
+    at_SDX = start_DX[None] + _excl_cumsum(counts_SDX, 0)            # where source s's rows land
+    from_SE = _excl_cumsum(counts_SE, 1)                             # where each source's rows start
+    vary = lambda z: lax.pcast(z, tuple(ep_axes), to="varying")      # buffers differ per device
+    flat = lambda c: c.reshape(-1).astype(jnp.int32)
+    recv_SX = counts_SDX[:, me]
+    x_RD = a2a(x_UD[tok_A[order_A]], vary(jnp.zeros((rows, d), x_UD.dtype)), flat(from_SE[me]), flat(counts_E),
+               flat(at_SDX[me]), flat(recv_SX), axis_name=ep_axes)
+    y_RD = ffn(x_RD, recv_SX.sum(0))
+    # back along the same slices, reversed
+    ys_AD = a2a(y_RD, vary(jnp.zeros((a, d), y_RD.dtype)), flat(at_SDX[:, me]), flat(recv_SX),
+                flat(lax.dynamic_slice_in_dim(from_SE, me * x_count, x_count, axis=1)), flat(counts_E),
+                axis_name=ep_axes)
+    return jnp.zeros_like(ys_AD).at[order_A].set(ys_AD)
+
+
 def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_experts: int, mode: str,
-                   capacity_factor: float, kernel: str, ep_axes=(), ep: int = 1, embed_axes=(), tp_axes=(),
-                   token_axes=()):
+                   capacity_factor: float, kernel: str, exchange: str = "fixed", ep_axes=(), ep: int = 1,
+                   embed_axes=(), tp_axes=(), token_axes=()):
     """One device's share of the MoE layer: its tokens in, their expert outputs out (-> y [B,T,D],
     dropped assignments). With ep > 1 this runs inside shard_map and the rows travel by all-to-all
-    over `ep_axes`; weights arrive sharded over `embed_axes` (FSDP: gathered here) and `tp_axes`
-    (tensor parallel inside each expert: the partial outputs are summed at the end)."""
+    over `ep_axes` (dropless: `exchange`, see `exchange_for`); weights arrive sharded over
+    `embed_axes` (FSDP: gathered here) and `tp_axes` (tensor parallel inside each expert: the
+    partial outputs are summed at the end)."""
     b, t, d = x_BTD.shape
     k = idx_BTJ.shape[-1]
     n = b * t
@@ -168,6 +237,18 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
     tok_A = jnp.tile(jnp.arange(n), k)
     gate_A = gate_BTJ.reshape(n, k).T.reshape(-1)
     dest_A = e_A // x_count
+    if mode == "dropless" and ep > 1 and exchange != "fixed":
+        rows = ep * n * min(k, x_count)  # what a device receives if every token picks its experts
+        ws = (wg_XDF, wu_XDF, wd_XFD)
+
+        def ffn(x_RD, sizes_X):
+            if kernel == "ragged":
+                return _gmm_sorted(x_RD, sizes_X, *ws)
+            group_R = jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1)  # X: padding
+            return _gmm_blocks(x_RD, group_R, *ws, _block_size(n * k, x_count))
+        y_AD = _ragged_dispatch(x_UD, e_A, tok_A, ffn, rows=rows, x_count=x_count, ep=ep, ep_axes=ep_axes,
+                                exchange=exchange)
+        return _combine(y_AD.reshape(k, n, d), gate_A, tp_axes).reshape(b, t, d), jnp.float32(0.0)
     if mode == "capacity":
         cap = max(1, math.ceil(capacity_factor * n * k / n_experts))
         rank_A, _ = _rank_in_group(e_A, n_experts)
@@ -202,22 +283,30 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
     if ep > 1:
         y_RD = lax.all_to_all(y_RD, ep_axes, 0, 0, tiled=True)
     y_JUD = y_RD.at[slot_A].get(mode="fill", fill_value=0).reshape(k, n, d)  # dropped rows: 0
-    y_UD = jnp.einsum("jud,ju->ud", y_JUD, gate_A.reshape(k, n).astype(y_JUD.dtype))
-    if tp_axes:
-        y_UD = lax.psum(y_UD, tp_axes)
     if token_axes:
         dropped = lax.psum(dropped, token_axes)
-    return y_UD.reshape(b, t, d), dropped
+    return _combine(y_JUD, gate_A, tp_axes).reshape(b, t, d), dropped
+
+
+def _combine(y_JUD, gate_A, tp_axes):
+    """Each token's expert outputs weighted by its gates -> [U,D], summed over tensor-parallel shards."""
+    k, n, _ = y_JUD.shape
+    y_UD = jnp.einsum("jud,ju->ud", y_JUD, gate_A.reshape(k, n).astype(y_JUD.dtype))
+    return lax.psum(y_UD, tp_axes) if tp_axes else y_UD
 
 
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, kernel: str | None = None):
-    """The routed experts on whatever mesh is in context -> (y [B,T,D], dropped assignments)."""
+def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, kernel: str | None = None,
+            exchange: str | None = None):
+    """The routed experts on whatever mesh is in context -> (y [B,T,D], dropped assignments).
+    `kernel`, `exchange`: override `kernel_for` / `exchange_for` (tests: exchange="ragged" lowers
+    the real ragged_all_to_all on any backend)."""
     local = functools.partial(dispatch_local, n_experts=cfg.n_experts, mode=cfg.dispatch,
-                              capacity_factor=cfg.capacity_factor, kernel=kernel or kernel_for(cfg))
+                              capacity_factor=cfg.capacity_factor, kernel=kernel or kernel_for(cfg),
+                              exchange=exchange or exchange_for(cfg))
     mesh = jax.sharding.get_abstract_mesh()
     x_spec, w_spec, wd_spec = (logical_to_spec(n) for n in (TOKENS_BT, W_EDF, W_EFD))
     if mesh.empty:
@@ -225,9 +314,21 @@ def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, 
     # size-1 axes stay automatic: collectives over them would still be emitted as copies
     real = lambda entry: tuple(a for a in _axes(entry) if mesh.shape[a] > 1)
     x_spec, w_spec, wd_spec = (P(*(real(e) or None for e in s)) for s in (x_spec, w_spec, wd_spec))
-    manual = spec_axes(x_spec) | spec_axes(w_spec) | spec_axes(wd_spec)
-    if not manual:
+    named = spec_axes(x_spec) | spec_axes(w_spec) | spec_axes(wd_spec)
+    if not named:
         return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+    # Real axes that no spec names are those a vmap with spmd_axis_name may add (data-parallel
+    # micro-batches in train/step.py, which drop them from the batch rule). jax 0.10 adds them to
+    # the specs but not to the manual set, so they are made manual here; and it batches scan/cond
+    # bodies without their vma (batching._batch_jaxpr_axes), which the vma check rejects, so the
+    # check is off then (the collectives here are all over named, varying axes: their transposes
+    # stay exact, tests/test_moe.py checks the gradients).
+    manual = {a for a, size in mesh.shape.items() if size > 1}
+    check_vma = manual <= named
+    if not check_vma and local.keywords["kernel"] == "ragged":
+        # ragged_dot's batching rule (jax 0.10) needs every operand batched at dim 0, and the
+        # expert weights are not batched by that vmap: padded blocks instead
+        local = functools.partial(local, kernel="blocks")
     ep_axes, token_axes = _axes(w_spec[0]), _axes(x_spec[0])
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     if not set(ep_axes) <= set(token_axes):
@@ -237,7 +338,7 @@ def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, 
                              tp_axes=_axes(w_spec[2]), token_axes=token_axes)
     return jax.shard_map(body, in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, wd_spec),
                          out_specs=(x_spec, P()), axis_names=frozenset(manual),
-                         check_vma=True)(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+                         check_vma=check_vma)(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
 
 
 # ------------------------------------------------------------------ the layer

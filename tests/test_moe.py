@@ -3,21 +3,25 @@ expert parallelism invariance on 8 fake devices, load balancing (aux loss and th
 bias), bad input. float32 throughout."""
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from mesh.build import make_mesh
 from mesh.errors import UserError
-from mesh.rules import axis_rules
+from mesh.hlo import parse_collectives
+from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model as M
 from models import moe as MOE
 from models.config import PRESETS
 from models.flops import active_param_count, matmul_param_count, param_count
 from train.config import build
 from train.loop import Trainer
-from train.step import loss_terms
+from train.step import grads_and_loss
 
 CFG = dataclasses.replace(PRESETS["moe-tiny"], dtype="float32")
 N_B, N_T = 4, 8
@@ -266,6 +270,8 @@ def test_active_params_and_flops():
     (dict(router="relu"), ["router", "'relu'", "softmax, sigmoid"]),
     (dict(dispatch="random"), ["dispatch", "dropless, capacity"]),
     (dict(capacity_factor=0.0), ["capacity_factor"]),
+    (dict(ep_exchange="nccl"), ["ep_exchange", "'nccl'", "auto, fixed, ragged"]),
+    (dict(ep_exchange="ragged", dispatch="capacity"), ["ep_exchange", "dropless", "'capacity'"]),
 ])
 def test_bad_moe_config(change, needles):
     with pytest.raises(UserError) as ei:
@@ -277,3 +283,106 @@ def test_experts_not_divisible_by_expert_axis(tmp_path):
     with pytest.raises(UserError, match="n_experts|experts=6") as ei:
         make_trainer("expert=4,data=2", tmp_path, **{"model.n_experts": 6})
     assert "expert=4" in str(ei.value) and "\n" not in str(ei.value)
+
+
+# ------------------------------------------------------------------ ragged exchange
+
+def test_ragged_all_to_all_emulation_follows_the_documented_example():
+    """The example of lax.ragged_all_to_all's docstring (jax 0.10), on a 2-device axis."""
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    args = [np.array(a, np.float32 if i < 2 else np.int32) for i, a in enumerate([
+        [[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]]])]
+    body = lambda *a: MOE.ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="x")[None]
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))(*args)
+    np.testing.assert_array_equal(out, [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_exchange_choice_per_backend():
+    assert jax.default_backend() == "cpu"
+    for asked, got in (("auto", "fixed"), ("fixed", "fixed"), ("ragged", "emulated")):
+        assert MOE.exchange_for(dataclasses.replace(CFG, ep_exchange=asked)) == got
+
+
+def _exchange_loss(x, w, cfg, exchange, kernel, probe):
+    idx, gate, _ = MOE.route(cfg, x, w["router"])
+    y, _ = MOE.experts(cfg, x, idx, gate, w["wg"], w["wu"], w["wd"], kernel, exchange)
+    return jnp.sum(y * probe), y
+
+
+def _layer_on_mesh(spec):
+    x, w = _layer_inputs(CFG, seed=3)
+    x = jnp.concatenate([x, _skewed(CFG, seed=4)[0]])   # [8,8,D]: the skewed half sends most rows to device 0
+    w["router"] = w["router"].at[:, :2].add(2.0 * jax.random.normal(jax.random.key(7), (CFG.d_model, 1))
+                                           / CFG.d_model ** 0.5)
+    probe = jax.random.normal(jax.random.key(9), x.shape)
+    mesh = make_mesh(spec)
+    return mesh, x, w, probe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_spec", ["expert=8", "data=2,expert=4"])
+def test_ragged_exchange_equals_fixed(mesh_spec):
+    """Dropless with the ragged exchange (CPU: the emulation) against the fixed buffers, forward and
+    gradients, with both grouped-matmul kernels; the routing is skewed so that one device receives
+    most rows (the static receive buffer must hold them)."""
+    mesh, x, w, probe = _layer_on_mesh(mesh_spec)
+    with jax.set_mesh(mesh), axis_rules(make_rules()):
+        x = jax.device_put(x, logical_to_spec(MOE.TOKENS_BT))
+        out = {}
+        for exchange, kernel in (("fixed", "blocks"), ("emulated", "blocks"), ("emulated", "ragged")):
+            loss = functools.partial(_exchange_loss, cfg=CFG, exchange=exchange, kernel=kernel, probe=probe)
+            out[exchange, kernel] = jax.device_get(
+                jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w))
+    idx = np.asarray(MOE.route(CFG, x, w["router"])[0])
+    n_dev = dict(zip(mesh.axis_names, mesh.devices.shape))["expert"]
+    share0 = np.mean(idx // (CFG.n_experts // n_dev) == 0)
+    assert share0 > 2.0 / n_dev, share0          # device 0 gets more than twice its fair share
+    ref = out["fixed", "blocks"]
+    for key, got in out.items():
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref)):
+            assert np.abs(b).max() > 0, path
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=f"{key} {path}")
+
+
+def test_ragged_exchange_lowers_the_real_primitive():
+    """exchange="ragged" emits ragged_all_to_all (XLA:CPU lowers it to StableHLO but cannot compile
+    it): two in the forward pass, their transposes (jax's own rule) in the backward pass."""
+    mesh, x, w, probe = _layer_on_mesh("data=2,expert=4")
+    loss = functools.partial(_exchange_loss, cfg=CFG, exchange="ragged", kernel="ragged", probe=probe)
+    with jax.set_mesh(mesh), axis_rules(make_rules()):
+        x = jax.device_put(x, logical_to_spec(MOE.TOKENS_BT))
+        fwd = jax.jit(loss).lower(x, w).as_text()
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True)).lower(x, w).as_text()
+    call = re.compile(r"custom_call @ragged_all_to_all")
+    assert len(call.findall(fwd)) == 2 and len(call.findall(bwd)) == 4
+    assert "stablehlo.all_to_all" not in fwd   # no fixed-size buffers left
+
+
+# ------------------------------------------------------------------ micro-batches
+
+@pytest.mark.slow
+@pytest.mark.parametrize("over", [{}, {"model.dropless_kernel": "ragged", "model.ep_exchange": "ragged"}],
+                         ids=["cpu-defaults", "gpu-defaults"])
+def test_moe_micro_batches_reduce_data_parallel_grads_once(tmp_path, over):
+    """MoE under the data-parallel micro-batch vmap: the same loss and gradients as one batch, and the
+    data-axis gradient all-reduce runs once per step, outside the micro-batch loop. (aux loss off:
+    f_e P_e of a micro-batch is not additive, so it differs by construction.) gpu-defaults: the
+    ragged exchange (emulated here) and the ragged_dot kernel (padded blocks under that vmap)."""
+    tr = make_trainer("data=2,expert=4", tmp_path, **{"train.batch_size": 16, "model.aux_loss_coef": 0.0, **over})
+    assert tr.dp_axes() == ("data",)
+    state = tr.create_state()
+    tok = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
+    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+        batch = jax.device_put({"inputs": tok[:, :-1], "targets": tok[:, 1:],
+                                "weights": np.ones((16, 32), np.float32)}, tr.batch_sharding)
+        fns = {m: jax.jit(functools.partial(grads_and_loss, tr.model_cfg, micro_batches=m, dp_axes=tr.dp_axes()))
+               .lower(state.params, batch).compile() for m in (1, 2)}
+        (loss1, g1), (loss2, g2) = (jax.device_get(fns[m](state.params, batch)) for m in (1, 2))
+        hlo = fns[2].as_text()
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g2)[0], jax.tree.leaves(g1)):
+        assert np.abs(b).max() > 0, path
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=str(path))
+    on_data = [c for c in parse_collectives(hlo, tr.mesh) if c.kind == "all-reduce" and "data" in c.axes]
+    local_grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
+    assert [c.count for c in on_data] == [1] and on_data[0].operand_bytes >= local_grad_bytes, on_data
