@@ -232,6 +232,8 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
         wd_XFD = lax.all_gather(wd_XFD, embed_axes, axis=2, tiled=True)
     x_count = wg_XDF.shape[0]
     x_UD = x_BTD.reshape(n, d)
+    if tp_axes:  # varying once here: the backward sums one [U,D] gradient over tp_axes, not one per
+        x_UD = lax.pcast(x_UD, tuple(tp_axes), to="varying")   # matmul over the whole padded buffer
     # assignments in priority order: every token's first choice before any second choice (Switch)
     e_A = idx_BTJ.reshape(n, k).T.reshape(-1)
     tok_A = jnp.tile(jnp.arange(n), k)

@@ -136,3 +136,17 @@ def test_hardware_profiles_and_errors():
     assert cpu.peak_flops("float32") > 0 and cpu.devices_per_node == 8 and not cpu.overlap
     with pytest.raises(UserError, match=r"--hardware: unknown hardware 'b200'; valid: h100, h200, a100, tpu-v5p, cpu"):
         hardware.get("b200")
+
+
+def test_roofline_memory_term():
+    """T_compute = max(T_flops, T_memory) where memory traffic hides under math, the sum where not."""
+    kw = dict(model_flops=1.0, device_flops=1e14, comm={}, sizes=sizes(data=2), dtype="bfloat16")
+    p = cost.predict(hw=TOY, device_bytes=4e12, **kw)
+    assert p["t_flops_s"] == pytest.approx(2.0)  # 1e14 / (100 TFLOP/s x 0.5)
+    assert p["t_memory_s"] == pytest.approx(5.0)  # 4 TB / (1 TB/s x 0.8)
+    assert p["t_compute_s"] == pytest.approx(5.0) and p["t_step_s"] == pytest.approx(5.0)
+    serial = cost.predict(hw=dataclasses.replace(TOY, memory_overlap=False), device_bytes=4e12, **kw)
+    assert serial["t_compute_s"] == pytest.approx(7.0)
+    assert cost.predict(hw=TOY, **kw)["t_compute_s"] == pytest.approx(2.0)  # no bytes known: FLOPs only
+    cpu = hardware.get("cpu", 8)
+    assert cpu.hbm_bw > 0 and not cpu.memory_overlap and cpu.memory_efficiency == 1.0

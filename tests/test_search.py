@@ -130,3 +130,22 @@ def test_plan_cli_flags(capsys):
         S.analytic(parser.parse_args(["--search", "8"]), cfg)
     with pytest.raises(UserError, match="--hardware: unknown hardware 'tpu'"):
         S.analytic(parser.parse_args(["--search", "8", "--hardware", "tpu"]), cfg)
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=2,expert=2,model=2", "data=2,fsdp=2,model=2"])
+def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
+    """The search's bytes for MoE tensor parallelism and DiLoCo come from plan's own theory."""
+    from train.plan import theory
+    over = {"model.preset": "moe-tiny", "model.dtype": "float32", "parallelism.mesh": mesh,
+            "train.batch_size": 16, "train.seq_len": 64}
+    if mesh.startswith("data"):
+        over["comm.sync_every"] = 4
+    tr = Trainer(build(over))
+    sizes = {a: tr.mesh.shape[a] for a in tr.mesh.axis_names}
+    row = S.evaluate(tr.model_cfg, sizes, hardware.get("cpu", 8), 16, 64, train_cfg=tr.cfg.train,
+                     comm_cfg=tr.cfg.comm)
+    assert row["theory"] == theory(tr, tr.abstract_state())
+    assert "all-reduce@model" in row["theory"] and row["comm"]["all-reduce@model"]["wire_bytes"] > 0
+    if "sync_every" in over:
+        assert row["theory"]["all-reduce@data"]["sync_every"] == 4
+        assert row["comm"]["all-reduce@data"]["sync_every"] == 4

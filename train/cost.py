@@ -1,8 +1,14 @@
 """The cost model: step time, MFU and goodput from FLOPs, collective bytes per mesh axis and a
 hardware profile (train/hardware.py).
 
-    T_compute = hardware FLOPs per device / (peak x compute efficiency), stretched by the pipeline
-                bubble (p-1)/(m+p-1)
+    T_flops   = hardware FLOPs per device / (peak x compute efficiency)
+    T_memory  = bytes accessed per device (XLA's cost analysis of the compiled step) /
+                (memory bandwidth x memory efficiency)
+    T_compute = max(T_flops, T_memory) where the device overlaps memory traffic with math (GPU/TPU:
+                fused kernels stream operands while the matrix units work), T_flops + T_memory
+                where it does not (XLA:CPU: the many small memory-bound ops run one after another,
+                between matmuls already timed at their measured rate); stretched by the pipeline
+                bubble (p-1)/(m+p-1). Without bytes (the analytic search) T_compute = T_flops.
     T_comm    = per collective group: bytes each device sends / (one-way link bandwidth x link
                 efficiency) + ring steps x latency; the link is NVLink/ICI when every mesh axis of
                 the group lies inside a node, else InfiniBand/DCN (decided by the mesh layout)
@@ -116,15 +122,18 @@ def ragged_all_to_all(comm: dict, platform: str) -> dict:
 
 def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[str, int], hw: Hardware,
             dtype: str, micro_batches: int = 1, dcn: dict[str, int] | None = None,
-            tokens_per_step: int = 0) -> dict:
+            tokens_per_step: int = 0, device_bytes: float = 0.0) -> dict:
     """Step time and MFU for one mesh.
 
     model_flops: per step, all devices (the MFU numerator). device_flops: per device per step,
-    including recomputation. comm: {"kind@axes": {"wire_bytes": B, "count": C (optional)}} per device
-    per step, as in `plan`'s theory_detail or measured collectives."""
+    including recomputation. device_bytes: memory traffic per device per step (0: unknown, compute
+    only). comm: {"kind@axes": {"wire_bytes": B, "count": C (optional)}} per device per step, as in
+    `plan`'s theory_detail or measured collectives."""
     n_dev = math.prod(sizes.get(a, 1) for a in AXES)
     peak = hw.peak_flops(dtype)
-    t_compute = device_flops / (peak * hw.compute_efficiency)
+    t_flops = device_flops / (peak * hw.compute_efficiency)
+    t_memory = device_bytes / (hw.hbm_bw * hw.memory_efficiency)
+    t_compute = max(t_flops, t_memory) if hw.memory_overlap else t_flops + t_memory
     p = sizes.get("pipeline", 1)
     bubble = (p - 1) / (micro_batches + p - 1) if p > 1 else 0.0
     t_busy = t_compute / (1 - bubble)
@@ -134,7 +143,8 @@ def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[
         kind, axes = split_key(key)
         t, link = comm_time(kind, axes, e["wire_bytes"], e.get("count", 0), sizes, where, hw)
         ov = overlappable(kind, axes)
-        rows[key] = {"wire_bytes": e["wire_bytes"], "time_s": t, "link": link, "overlappable": ov}
+        rows[key] = {"wire_bytes": e["wire_bytes"], "time_s": t, "link": link, "overlappable": ov,
+                     **{k: e[k] for k in ("sync_every", "per_sync_wire_bytes") if k in e}}
         if ov:
             t_overlappable += t
         else:
@@ -145,6 +155,8 @@ def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[
     mfu = lambda t: model_flops / (n_dev * peak * t) if t > 0 else 0.0
     return {
         "hardware": hw.name, "devices": n_dev, "dtype": dtype, "placement": where, "overlap": hw.overlap,
+        "memory_overlap": hw.memory_overlap,
+        "t_flops_s": t_flops, "t_memory_s": t_memory, "device_bytes": device_bytes,
         "t_compute_s": t_compute, "bubble": bubble, "t_compute_with_bubble_s": t_busy,
         "comm": rows, "t_comm_s": t_overlappable + t_exposed, "t_comm_exposed_s": t_exposed,
         "t_step_serial_s": t_serial, "t_step_overlap_s": t_overlap, "t_step_s": t_step,
@@ -204,28 +216,45 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
     if same:
         comm = {f"{kind}@{axes}": {"wire_bytes": v["wire_bytes"], "count": v["count"]}
                 for kind, c in report["collectives_detail"].items() for axes, v in c["by_axes"].items()}
+        for key, th in report["theory_detail"].items():  # DiLoCo: the HLO holds one sync, run every H steps
+            if "sync_every" in th and key in comm:
+                h = th["sync_every"]
+                comm[key] = {"wire_bytes": comm[key]["wire_bytes"] / h, "count": comm[key]["count"] / h,
+                             "per_sync_wire_bytes": comm[key]["wire_bytes"], "sync_every": h}
     else:
         comm = ragged_all_to_all(report["theory_detail"], hw.platform)
         if not any(k.startswith("collective-permute@") for k in comm):
             comm.update(pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, np.dtype(dtype).itemsize))
     n = math.prod(sizes.get(a, 1) for a in AXES)
+    traffic = report.get("memory_traffic", {})
+    # bytes of the compile's dtype; a target computing in another dtype moves its activations in that
+    scale = np.dtype(dtype).itemsize / np.dtype(cfg.compute_dtype(report["backend"])).itemsize
     out = predict(model_flops=report["flops_per_step"],
-                  device_flops=hardware_flops_per_step(cfg, batch_size, seq_len) / n, comm=comm, sizes=sizes, hw=hw, dtype=dtype, micro_batches=micro_batches, dcn=dcn,
-                  tokens_per_step=batch_size * seq_len)
+                  device_flops=hardware_flops_per_step(cfg, batch_size, seq_len) / n, comm=comm, sizes=sizes,
+                  hw=hw, dtype=dtype, micro_batches=micro_batches, dcn=dcn, tokens_per_step=batch_size * seq_len,
+                  device_bytes=traffic.get("bytes_accessed", 0.0) * (1.0 if same else scale))
     out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
+    out["bytes_source"] = traffic.get("source", "")
     return out
 
 
 def render(pred: dict, good: dict | None = None) -> str:
     """The prediction as text lines (plan's output)."""
     place = ", ".join(f"{a}:{w}" for a, w in pred["placement"].items()) or "one device"
+    roof = ""
+    if pred.get("device_bytes"):
+        how = "max" if pred.get("memory_overlap", True) else "sum"
+        roof = (f"  ({how} of {pred['t_flops_s']:.4f} s matmul FLOPs and {pred['t_memory_s']:.4f} s for"
+                f" {pred['device_bytes'] / 2**20:.0f} MiB of memory traffic)")
     lines = [f"cost model on {pred['devices']} x {pred['hardware']} ({pred['dtype']}; axes {place}):",
-             f"  compute      {pred['t_compute_s']:10.4f} s" +
+             f"  compute      {pred['t_compute_s']:10.4f} s" + roof +
              (f"  (+ pipeline bubble {100 * pred['bubble']:.1f}% -> {pred['t_compute_with_bubble_s']:.4f} s)"
               if pred["bubble"] else "")]
     for key, c in sorted(pred["comm"].items()):
         lines.append(f"  {key:<30}{c['wire_bytes'] / 2**30:10.3f} GiB sent  {c['link']:<5} {c['time_s']:10.4f} s"
-                     f"  {'overlappable' if c['overlappable'] else 'exposed'}")
+                     f"  {'overlappable' if c['overlappable'] else 'exposed'}" +
+                     (f"  (amortised: {c['per_sync_wire_bytes'] / 2**20:.2f} MiB per sync, every {c['sync_every']} steps)"
+                      if "sync_every" in c else ""))
     if pred["overlap"]:
         lines.append(f"  step time    {pred['t_step_serial_s']:10.4f} s without overlap, {pred['t_step_overlap_s']:.4f} s"
                      f" with overlap; MFU {100 * pred['mfu_serial']:.1f}% / {100 * pred['mfu']:.1f}%")

@@ -31,7 +31,7 @@ class Hardware:
     name: str
     peak_tflops: dict            # dense TFLOP/s per device, by compute dtype
     hbm_bytes: float             # device memory
-    hbm_bw: float                # bytes/s, device memory bandwidth (not used for time yet: compute-bound model)
+    hbm_bw: float                # bytes/s, device memory bandwidth (the roofline's memory term)
     intra_bw: float              # bytes/s one direction per device, inside a node (NVLink / ICI)
     inter_bw: float              # bytes/s one direction per device, across nodes (InfiniBand / DCN)
     devices_per_node: int
@@ -39,6 +39,8 @@ class Hardware:
     inter_latency_s: float = 1e-5    # per ring step across IB (switch hops + NIC)
     compute_efficiency: float = 0.7  # achievable share of dense peak for large matmuls
     link_efficiency: float = 0.8     # achievable share of link peak for large collectives
+    memory_efficiency: float = 0.8   # achievable share of HBM peak for streaming kernels (STREAM-like copies)
+    memory_overlap: bool = True      # memory traffic hides under math (roofline max) rather than adds to it
     usable_memory: float = 0.9       # XLA_PYTHON_CLIENT_MEM_FRACTION-style headroom (CUDA context, NCCL buffers)
     host_bw: float = 25 * GB     # device->host copy (PCIe), bytes/s: what an async checkpoint save blocks on
     ckpt_write_bw: float = 1 * GB  # bytes/s per device to shared storage (assumption: ~8 GB/s per 8-GPU node)
@@ -82,6 +84,28 @@ PROFILES = ("h100", "h200", "a100", "tpu-v5p", "cpu")
 
 
 @functools.lru_cache(maxsize=2)
+def measured_memory_bw(n_bytes: int = 64 * 2**20, seconds: float = 0.3) -> float:
+    """Bytes accessed per second (reads + writes, XLA cost analysis's unit) of this host's memory,
+    the roofline's memory ceiling, measured the way train.metrics measures the matmul ceiling: an
+    XLA elementwise op streaming a large array split over every local device at once (fake CPU
+    devices run side by side and share the bus, as they do in the train step)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    devices = jax.local_devices()
+    n = n_bytes // 4 // len(devices) * len(devices)
+    a = jax.device_put(jnp.ones((n,), jnp.float32), NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d")))
+    f = jax.jit(lambda x: x * 1.5 + 1.0)
+    f(a).block_until_ready()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        f(a).block_until_ready()
+        reps += 1
+    return 2 * 4 * n * reps / (time.perf_counter() - t0)
+
+
+@functools.lru_cache(maxsize=2)
 def measured_copy_bw(n_bytes: int = 64 * 2**20) -> float:
     """Bytes/s of a large host memory copy: what XLA:CPU's in-process collectives are made of."""
     import numpy as np
@@ -98,25 +122,28 @@ def measured_copy_bw(n_bytes: int = 64 * 2**20) -> float:
 
 def cpu_profile(n_devices: int, dtype: str = "float32") -> Hardware:
     """This host, split into `n_devices` fake devices (XLA_FLAGS=--xla_force_host_platform_device_count):
-    they share the cores and the memory bus, so each gets 1/n of the measured matmul rate and of the
-    measured copy bandwidth. XLA:CPU runs collectives synchronously: no overlap."""
+    they share the cores and the memory bus, so each gets 1/n of the measured matmul rate, memory
+    bandwidth and copy bandwidth. XLA:CPU runs collectives synchronously and its ops one after
+    another: no overlap of communication or of memory traffic with compute."""
     import os
 
     from train.metrics import measured_host_flops
     flops = measured_host_flops(dtype)
     bw = measured_copy_bw()
+    mem_bw = measured_memory_bw()
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 16 * GIB
     per = 1e-12 / n_devices
     return Hardware("CPU (this host)", {"float32": flops * per, "bfloat16": measured_host_flops("bfloat16") * per},
-                    mem / n_devices, bw, bw / n_devices, bw / n_devices, n_devices,
+                    mem / n_devices, mem_bw / n_devices, bw / n_devices, bw / n_devices, n_devices,
                     intra_latency_s=2e-5, inter_latency_s=2e-5,
                     compute_efficiency=1.0,  # the peak is already a measured matmul rate, not a datasheet figure
-                    link_efficiency=1.0, usable_memory=0.8, host_bw=bw, ckpt_write_bw=bw / n_devices,
+                    link_efficiency=1.0, memory_efficiency=1.0, memory_overlap=False, usable_memory=0.8, host_bw=bw, ckpt_write_bw=bw / n_devices,
                     overlap=False, fused_attention=False, platform="cpu",
-                    note=f"measured: {flops / 1e9:.0f} GFLOP/s {dtype} matmul, {bw / 1e9:.1f} GB/s copy,"
+                    note=f"measured: {flops / 1e9:.0f} GFLOP/s {dtype} matmul, {mem_bw / 1e9:.1f} GB/s streamed"
+                         f" (read + write), {bw / 1e9:.1f} GB/s copy,"
                          f" shared by {n_devices} fake devices")
 
 

@@ -6,12 +6,12 @@ on 8 fake CPU devices allocates nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
 
 import jax
-from jax.sharding import NamedSharding
 
 from mesh.build import describe
 from mesh.errors import UserError
@@ -20,6 +20,7 @@ from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, path_names, spec_axes
 from models import model as M, pipeline as PL
 from models.flops import active_param_count, flops_per_token, param_count
+from models.moe import exchange_for
 from train import search
 from train.config import make_parser, build
 from train.loop import Trainer
@@ -66,11 +67,13 @@ def theory(tr: Trainer, abstract_state) -> dict:
     m = tr.model_cfg
     names = dict(path_names(M.param_axes(m), is_leaf=lambda x: isinstance(x, tuple)))
     expert_axes = spec_axes(logical_to_spec(("experts",), rules))
+    explicit_rs: dict[str, float] = defaultdict(float)
     for path, sds in path_names(abstract_state.params, is_leaf=lambda x: hasattr(x, "shape")):
         used = spec_axes(sds.sharding.spec)
         # an expert's weights live on the devices its tokens travel to: no collective over the
         # expert axes (the tokens move by all-to-all instead, below)
-        own = [a for a in batch_axes if not ("experts" in names[path] and a in expert_axes)]
+        is_expert = "experts" in names[path]
+        own = [a for a in batch_axes if not (is_expert and a in expert_axes)]
         fsdp_axes = [a for a in own if a in used]
         dp_axes = [a for a in own if a not in used]
         n_f = math.prod(mesh.shape[a] for a in fsdp_axes)
@@ -78,24 +81,105 @@ def theory(tr: Trainer, abstract_state) -> dict:
         full = _local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
         for _ in range(t.micro_batches):  # ZeRO-3 reduce-scatters every micro-batch's gradient
             add("reduce-scatter", fsdp_axes, full, n_f, (n_f - 1) / n_f)
+            if is_expert and n_f > 1:  # models/moe.py gathers them inside shard_map: an explicit
+                explicit_rs[",".join(a for a in mesh.axis_names if a in fsdp_axes)] += full  # psum_scatter
         add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
         # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
         gathers = 2 if path.startswith(("blocks/", "moe_blocks/")) and m.remat != "none" else 1
         for _ in range(gathers * t.micro_batches):
             add("all-gather", fsdp_axes, full / n_f, n_f, n_f - 1)  # operand = own shard, receive n-1 shards
+    for axes, b in explicit_rs.items():
+        entries[("reduce-scatter", axes)]["explicit_bytes"] = b
     out = {f"{k}@{a}": v for (k, a), v in entries.items()}
-
-    n_tp = mesh.shape["model"]
-    if n_tp > 1:  # Megatron tensor parallelism: 2 activation all-reduces per layer forward, 2 backward
-        b_local = t.batch_size // t.micro_batches // axes_size(mesh, logical_to_spec(("batch",), rules)[0])
-        act = b_local * t.seq_len * m.d_model * jax.numpy.dtype(tr.compute_dtype).itemsize
-        per_step = act * (m.n_layers * (4 + (2 if m.remat == "full" else 0)) + 2) * t.micro_batches
-        out["all-reduce@model"] = {"operand_bytes": per_step, "wire_bytes": 2 * (n_tp - 1) / n_tp * per_step,
-                                   "note": "Megatron TP: 2 all-reduces/layer fwd + 2 bwd (+2 with full remat),"
-                                           " + vocab-parallel embedding fwd and LM-head bwd"}
+    out.update(local_sgd(tr, abstract_state, out))
+    if mesh.shape["model"] > 1:
+        out["all-reduce@model"] = tensor_parallel_theory(tr)
     out.update(all_to_all_theory(tr))
     return out
+
+
+def data_parallel_axes(mesh, rules, params) -> tuple[str, ...]:
+    """Leading batch mesh axes (size > 1) that shard no parameter: plain data parallelism, the
+    axes local SGD drops from the inner steps (as train.loop.Trainer.dp_axes)."""
+    used = set().union(*(spec_axes(x.sharding.spec) for x in jax.tree.leaves(params)))
+    out = []
+    for a in rules["batch"]:
+        if mesh.shape[a] == 1:
+            continue
+        if a in used:
+            break
+        out.append(a)
+    return tuple(out)
+
+
+def local_sgd(tr, abstract_state, th: dict) -> dict:
+    """--comm.sync_every H > 1 (DiLoCo): the data-parallel all-reduce is the outer sync of the
+    parameter drift, in a lax.cond branch taken every H-th step (the compiled HLO holds it once,
+    so the HLO shows the bytes of one sync). -> those entries with per-sync bytes kept and
+    operand/wire bytes amortised per step (/ H)."""
+    h = getattr(getattr(tr.cfg, "comm", None), "sync_every", 1)
+    dp = set(data_parallel_axes(tr.mesh, tr.rules, abstract_state.params))
+    if h <= 1 or not dp:
+        return {}
+    out = {}
+    for key, e in th.items():
+        kind, _, axes = key.partition("@")
+        if kind == "all-reduce" and set(axes.split(",")) <= dp:
+            out[key] = {**e, "operand_bytes": e["operand_bytes"] / h, "wire_bytes": e["wire_bytes"] / h,
+                        "per_sync_operand_bytes": e["operand_bytes"], "per_sync_wire_bytes": e["wire_bytes"],
+                        "sync_every": h, "note": f"DiLoCo outer sync of the parameter drift, every {h} steps"}
+    return out
+
+
+def _tokens_per_device(tr) -> int:
+    """Tokens of one micro-batch on one device (the batch split over the batch mesh axes)."""
+    t = tr.cfg.train
+    return t.batch_size // t.micro_batches // axes_size(tr.mesh, logical_to_spec(("batch",), tr.rules)[0]) * t.seq_len
+
+
+def tensor_parallel_theory(tr) -> dict:
+    """Activation all-reduces over 'model' per device per step, as the compiled step makes them.
+    A = [b, T, D] of one micro-batch on one device.
+
+      every layer: the attention output (forward) and the input gradients of q, k and v (backward;
+        the partitioner reduces each projection's partial sum on its own and adds them after);
+        `full` remat recomputes the attention output (the layer's last all-reduce feeds only the
+        next layer, so its recompute is dead code)
+      dense FFN: its output (forward), the gate and up input gradients (backward)
+      MoE layer (models/moe.py, experts split over 'model' inside each expert): the psum of the
+        partial expert outputs [U, D] (forward); backward: the tokens' gradient [U, D] (marked
+        varying over 'model' before dispatch, so summed once, not per matmul over the buffer) and
+        the routing weights' [J, U]; shared experts as a dense FFN
+      once: the vocab-parallel embedding lookup (forward), the LM head's input gradient and the
+        loss's max, sum-exp and target-logit reductions over the vocab ([b, T] float32 each)
+    """
+    m, mesh, rules, t = tr.model_cfg, tr.mesh, tr.rules, tr.cfg.train
+    n_tp = mesh.shape["model"]
+    item = jax.numpy.dtype(tr.compute_dtype).itemsize
+    n = _tokens_per_device(tr)
+    act = n * m.d_model * item
+    full = m.remat == "full"
+    n_moe = m.n_moe_layers
+    attn, attn_ops = (4 + full) * act, 2 + full
+    ffn, ffn_ops = 3 * act, 2
+    b = (m.n_layers - n_moe) * (attn + ffn)
+    ops = (m.n_layers - n_moe) * (attn_ops + ffn_ops)
+    if n_moe:
+        moe, moe_ops = attn, attn_ops
+        if m.n_shared_experts:
+            moe, moe_ops = moe + ffn, moe_ops + ffn_ops
+        if "model" in spec_axes(logical_to_spec(("expert_mlp",), rules)):
+            moe += 2 * act + m.experts_per_token * n * item
+            moe_ops += 3
+        b, ops = b + n_moe * moe, ops + n_moe * moe_ops
+    b += 2 * act + 3 * n * 4
+    ops += 5
+    return {"operand_bytes": float(b * t.micro_batches), "wire_bytes": 2 * (n_tp - 1) / n_tp * b * t.micro_batches,
+            "count": ops * t.micro_batches,
+            "note": "Megatron TP: per layer the attention output (fwd) and q/k/v input gradients (bwd),"
+                    " the FFN output (fwd) and gate/up input gradients (bwd) or the MoE expert psums,"
+                    " the attention output again under full remat; + vocab-parallel embedding, LM head and loss"}
 
 
 def all_to_all_theory(tr: Trainer) -> dict:
@@ -104,7 +188,8 @@ def all_to_all_theory(tr: Trainer) -> dict:
     again, and remat recomputes the forward. Dropless buffers hold tokens x min(k, experts per
     device) rows per destination (the worst case: nothing can overflow), plus the int32 expert id
     of each row; capacity buffers hold `capacity` rows per expert. `ideal_bytes` is what a ragged
-    all-to-all (GPU/TPU) would move at a perfectly even load: the k rows of each token."""
+    all-to-all (GPU/TPU) would move at a perfectly even load: the k rows of each token, which is
+    what the ragged exchange (models.moe.exchange_for) moves."""
     m, mesh, rules, t = tr.model_cfg, tr.mesh, tr.rules, tr.cfg.train
     ep = axes_size(mesh, logical_to_spec(("experts",), rules)[0])
     if not m.n_experts or ep <= 1:
@@ -112,8 +197,17 @@ def all_to_all_theory(tr: Trainer) -> dict:
     k, x_count = m.experts_per_token, m.n_experts // ep
     n = t.batch_size // t.micro_batches // axes_size(mesh, logical_to_spec(("batch",), rules)[0]) * t.seq_len
     item = jax.numpy.dtype(tr.compute_dtype).itemsize
+    exchange = exchange_for(m) if m.dispatch == "dropless" else "fixed"
     if m.dispatch == "capacity":
         rows, id_bytes = m.n_experts * max(1, math.ceil(m.capacity_factor * n * k / m.n_experts)), 0
+    elif exchange == "ragged":
+        # ragged_all_to_all moves only the real rows (n k per direction at any load) and no ids;
+        # the HLO operands only bound that (the receive buffer keeps its worst-case size)
+        rows, id_bytes = n * k, 0
+    elif exchange == "emulated":
+        # the CPU test path: every (destination, expert) slice travels at full length, E n k rows
+        # out and E ep n min(k, X) back (averaged over the two directions), plus E int32 offsets
+        rows, id_bytes = m.n_experts * (n * k + ep * n * min(k, x_count)) // 2, m.n_experts * 4
     else:
         rows = ep * n * min(k, x_count)
         id_bytes = rows * 4
@@ -123,15 +217,17 @@ def all_to_all_theory(tr: Trainer) -> dict:
     total = per_layer * m.n_moe_layers * t.micro_batches
     ideal = 2 * passes * n * k * m.d_model * item * m.n_moe_layers * t.micro_batches
     axes = ",".join(a for a in mesh.axis_names if a in spec_axes(logical_to_spec(("experts",), rules)))
-    return {f"all-to-all@{axes}": {"operand_bytes": float(total), "wire_bytes": (ep - 1) / ep * total,
-                                   "ideal_bytes": float(ideal),
-                                   "note": f"{m.dispatch} MoE: {rows} rows of d_model per layer and direction"
-                                           f" (fixed buffers); a ragged all-to-all at even load moves {n * k}"}}
+    kind = "ragged-all-to-all" if exchange == "ragged" else "all-to-all"
+    return {f"{kind}@{axes}": {"operand_bytes": float(total), "wire_bytes": (ep - 1) / ep * total,
+                               "ideal_bytes": float(ideal),
+                               "note": f"{m.dispatch} MoE, {exchange} exchange: {rows} rows of d_model per layer"
+                                       f" and direction; a ragged all-to-all moves {n * k}"}}
 
 
 def on_backend(th: dict, platform: str, mesh) -> dict:
-    """Theory as this backend lowers it: XLA:CPU turns each reduce-scatter into an all-reduce of
-    the full operand plus a dynamic-slice (JAX_FACTS.md)."""
+    """Theory as this backend lowers it: XLA:CPU turns each reduce-scatter the partitioner makes
+    into an all-reduce of the full operand plus a dynamic-slice (JAX_FACTS.md); explicit
+    `lax.psum_scatter`s (the MoE expert weights' FSDP gradients) stay reduce-scatters."""
     if platform != "cpu":
         return th
     out = {k: dict(v) for k, v in th.items() if not k.startswith("reduce-scatter@")}
@@ -139,19 +235,45 @@ def on_backend(th: dict, platform: str, mesh) -> dict:
         if k.startswith("reduce-scatter@"):
             axes = k.partition("@")[2]
             n = math.prod(mesh.shape[a] for a in axes.split(","))
+            explicit = v.get("explicit_bytes", 0.0)
+            if explicit:
+                out[k] = {"operand_bytes": explicit, "wire_bytes": (n - 1) / n * explicit,
+                          "note": "lax.psum_scatter inside shard_map (MoE expert weights): a real reduce-scatter"}
+            if v["operand_bytes"] - explicit <= 0:
+                continue
             e = out.setdefault(f"all-reduce@{axes}", {"operand_bytes": 0.0, "wire_bytes": 0.0})
-            e["operand_bytes"] += v["operand_bytes"]
-            e["wire_bytes"] += 2 * (n - 1) / n * v["operand_bytes"]
+            e["operand_bytes"] += v["operand_bytes"] - explicit
+            e["wire_bytes"] += 2 * (n - 1) / n * (v["operand_bytes"] - explicit)
     return out
 
 
 def backend_notes(platform: str, th: dict, measured: dict) -> list[str]:
     notes = []
-    rs = sum(v["operand_bytes"] for k, v in th.items() if k.startswith("reduce-scatter"))
-    if rs and measured["reduce-scatter"]["operand_bytes"] == 0:
+    rs = sum(v["operand_bytes"] - v.get("explicit_bytes", 0.0) for k, v in th.items() if k.startswith("reduce-scatter"))
+    if rs and platform == "cpu":
         notes.append(f"the {platform} backend chose all-reduce + dynamic-slice instead of reduce-scatter"
                      f" ({rs / 2**20:.1f} MiB ideal); GPU/TPU emit reduce-scatter, halving that traffic")
     return notes
+
+
+def memory_traffic(tr: Trainer, report: dict) -> dict:
+    """Bytes each device reads and writes per step, from XLA's cost analysis ("bytes accessed":
+    operands and results of every top-level op after fusion), for the roofline's memory term.
+
+    The cost analysis counts a while loop's body once, so a lax.scan over layers shows one layer;
+    with scan_layers the step is compiled once more, unrolled, for its count (other loops, such
+    as the MoE block scan, stay counted once)."""
+    cost = {"bytes accessed": report["bytes_accessed_per_device_compiled"],
+            "flops": report["flops_per_step_per_device_compiled"]}
+    source = "the compiled step"
+    if tr.model_cfg.scan_layers and tr.model_cfg.n_layers > 1:
+        cfg = dataclasses.replace(tr.cfg, model=dataclasses.replace(tr.cfg.model, scan_layers=False))
+        unrolled = Trainer(cfg)
+        cost = unrolled.compile_step(unrolled.abstract_state(), unrolled.abstract_batch()).cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        source = "the step compiled once more with the layer scan unrolled"
+    return {"bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
+            "flops": float((cost or {}).get("flops", 0.0)), "source": source}
 
 
 def analyze(tr: Trainer) -> dict:
@@ -182,6 +304,8 @@ def analyze(tr: Trainer) -> dict:
         },
         "flops_per_step": model_flops,
         "flops_per_step_per_device_compiled": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "bytes_accessed_per_device_compiled": float(cost.get("bytes accessed", 0.0)) if cost else 0.0,
+        "sync_every": getattr(cfg.comm, "sync_every", 1),
         # kind -> operand bytes per device per step (all mesh axes together), then the details
         "collectives": {k: measured[k]["operand_bytes"] for k in KINDS},
         "collectives_detail": {k: {kk: measured[k][kk] for kk in ("count", "operand_bytes", "wire_bytes", "async")}
@@ -243,6 +367,9 @@ def render(r: dict, show_sharding: bool) -> str:
         for axes, v in sorted(c["by_axes"].items()):
             th = r["theory_on_backend_detail"].get(f"{kind}@{axes}")
             ref = f"| theory {_mib(th['operand_bytes'])}" if th else ""
+            if th and "sync_every" in th:  # the HLO holds the lax.cond branch once: one sync's bytes
+                ref = (f"| theory {_mib(th['per_sync_operand_bytes'])} per sync; every {th['sync_every']} steps:"
+                       f" {_mib(th['operand_bytes']).strip()} per step")
             lines.append(f"  {kind:<19}{axes or '-':<18} x{v['count']:<5}{_mib(v['operand_bytes'])} operand,"
                          f" {_mib(v['wire_bytes'])} on the wire {ref}")
     for key, th in sorted(r["theory_on_backend_detail"].items()):
@@ -286,6 +413,8 @@ def main(argv: list[str]) -> int:
         pc = cfg.pipeline
         PL.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
     report = analyze(trainer)
+    if ns.hardware:
+        report["memory_traffic"] = memory_traffic(trainer, report)
     cost_text = search.with_cost(report, ns, cfg, trainer.mesh) if ns.hardware else ""
     if ns.json:
         if not ns.show_sharding:

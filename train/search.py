@@ -116,8 +116,9 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
 
 def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len: int, micro_batches: int = 1, *,
              rules=None, train_cfg: TrainConfig | None = None, dcn: dict[str, int] | None = None,
-             platform: str | None = None) -> dict:
-    """Predicted memory, communication and step time of one mesh (sizes over all of AXES)."""
+             platform: str | None = None, comm_cfg=None) -> dict:
+    """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
+    comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync)."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
     rules = rules or make_rules()
     platform = platform or hw.platform
@@ -139,12 +140,9 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
     from train.plan import (
         theory,  # the ring formulas plan checks against the compiled HLO
     )
-    view = types.SimpleNamespace(mesh=mesh, rules=rules, cfg=types.SimpleNamespace(train=t), model_cfg=stage,
-                                 compute_dtype=dtype)
+    view = types.SimpleNamespace(mesh=mesh, rules=rules, cfg=types.SimpleNamespace(train=t, comm=comm_cfg),
+                                 model_cfg=stage, compute_dtype=dtype, platform=platform)
     comm = theory(view, types.SimpleNamespace(params=params))
-    if "all-reduce@model" in comm:  # latency: Megatron's per-layer activation all-reduces, as theory counts them
-        per_layer = 4 + (2 if cfg.remat == "full" else 0)
-        comm["all-reduce@model"]["count"] = (stage.n_layers * per_layer + 2) * micro_batches
     comm.update(cost.pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes))
 
     memory = {"params": param_bytes, "grads": param_bytes, "optimizer": param_bytes * _optimizer_ratio(cfg, t),
@@ -161,7 +159,7 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
 
 
 def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, micro_batches: int = 1, *,
-           rules=None, train_cfg: TrainConfig | None = None) -> list[dict]:
+           rules=None, train_cfg: TrainConfig | None = None, comm_cfg=None) -> list[dict]:
     """Every valid mesh of n_devices, best first: those that fit in memory by predicted step time,
     then those that do not, by memory. Pipeline meshes try every micro-batch count >= stages (and
     >= micro_batches) that the batch allows, keeping the fastest."""
@@ -180,7 +178,8 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
         for m in counts:
             if check(cfg, sizes, batch_size, m, rules):
                 continue
-            row = evaluate(cfg, sizes, hw, batch_size, seq_len, m, rules=rules, train_cfg=train_cfg)
+            row = evaluate(cfg, sizes, hw, batch_size, seq_len, m, rules=rules, train_cfg=train_cfg,
+                           comm_cfg=comm_cfg)
             if best is None or (row["fits"], -row["t_step_s"]) > (best["fits"], -best["t_step_s"]):
                 best = row
         if best is not None:
@@ -255,7 +254,8 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     hw = _hardware(ns, n, cfg)
     rules = make_rules(p.rules)
     if ns.search:
-        rows = search(cfg.model, n, hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules, train_cfg=t)
+        rows = search(cfg.model, n, hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules, train_cfg=t,
+                      comm_cfg=cfg.comm)
         fit = [r for r in rows if r["fits"]]
         text = render(rows, ns.top, hw, n)
         report = {"devices": n, "hardware": hw.name, "valid": len(rows), "fit": len(fit), "top": fit[:ns.top]}
@@ -267,7 +267,7 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     shape = resolve(p.mesh, n, p.mesh_dcn)
     dcn = dict(zip(AXES, shape.dcn))
     row = evaluate(cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules,
-                   train_cfg=t, dcn=dcn)
+                   train_cfg=t, dcn=dcn, comm_cfg=cfg.comm)
     row["goodput"] = _goodput(ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw)
     m = row["memory"]
     text = (f"plan (formulas, not compiled): mesh {row['mesh']} on {n} x {hw.name}, {row['micro_batches']} micro-batches\n"
