@@ -238,6 +238,16 @@ def test_validate():
 
 # ---------------------------------------------------------------------------------------------- train step
 
+def test_clip_replicas_clips_each_replica_alone():
+    g = grads_R(3)
+    norms = np.asarray(comm.replica_norms(g))
+    limit = float(np.median(norms))
+    clipped = np.asarray(comm.replica_norms(comm.clip_replicas(g, limit)))
+    np.testing.assert_allclose(clipped, np.minimum(norms, limit), rtol=1e-5)
+    big = comm.clip_replicas(g, 2 * norms.max())   # under the limit: untouched
+    np.testing.assert_array_equal(big["w"], g["w"])
+
+
 def _fit(tmp_path, name, **comm_opts):
     from train.config import build
     from train.loop import Trainer

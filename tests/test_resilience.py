@@ -124,6 +124,20 @@ def test_goodput_carries_over_a_restart():
     assert sum(out[f"time_{c}_s"] for c in (*CATEGORIES, "other")) == pytest.approx(out["time_total_s"])
 
 
+def test_goodput_counts_an_earlier_resume_that_died_after_the_checkpoint():
+    """Attempt 2 resumed at step 4, logged steps 5-6 and died; attempt 3 resumes at step 4 again:
+    both restarts and both rounds of recomputed steps count (the record at step 4 knows neither)."""
+    totals = {f"time_{c}_s": 1.0 for c in CATEGORIES} | {"time_total_s": 10.0, "time_other_s": 3.0}
+    recs = [{"step": 4, "time": 900.0, **totals, "recomputed_steps": 0, "restarts": 0},
+            {"step": 6, "time": 990.0, **totals, "time_total_s": 40.0, "recomputed_steps": 3, "restarts": 1}]
+    gp = Goodput(started_at=1000.0)
+    gp.resume(recs, step=4)
+    assert gp.restarts == 2 and gp.recomputed_steps == 3 + 2
+    gp = Goodput(started_at=1000.0)
+    gp.resume(recs, step=4, restarts=3)   # the run dir's count: one attempt died before logging
+    assert gp.restarts == 3
+
+
 def test_closed_loop_echoes_are_dropped_and_nothing_else():
     import io
     from checkpoint.echoes import QuietClosedLoopEchoes

@@ -90,6 +90,20 @@ def sync_grads(grads_R: Any, residual_R: Any | None, *, compression: str, dp_axe
     return treedef.unflatten(out), treedef.unflatten(res)
 
 
+def replica_norms(grads_R: Any) -> jax.Array:
+    """[R] global norms of each replica's own mean gradient (R x its share), computed locally."""
+    n_dp = jax.tree.leaves(grads_R)[0].shape[0]
+    return n_dp * jax.vmap(optax.tree.norm)(grads_R)
+
+
+def clip_replicas(grads_R: Any, max_norm: float) -> Any:
+    """Clip each replica's gradient to global norm `max_norm` before a compressed sync (local
+    clipping, Lin et al. 2018): clipping the synced sum instead would cut the bursts that error
+    feedback releases, which carry many steps' worth of a coordinate's gradient."""
+    scale_R = jnp.minimum(1.0, max_norm / jnp.maximum(replica_norms(grads_R), 1e-30))
+    return jax.tree.map(lambda g: g * scale_R.reshape(-1, *[1] * (g.ndim - 1)).astype(g.dtype), grads_R)
+
+
 # ---------------------------------------------------------------------------------------------
 # Local SGD / DiLoCo
 

@@ -255,7 +255,7 @@ COMPRESSIONS = ("none", "int8", "int4", "topk")
 
 
 def validate_comm(compression: str, topk_fraction: float, sync_every: int, outer_lr: float,
-             outer_momentum: float) -> None:
+                  outer_momentum: float) -> None:
     """UserError naming the `comm.*` option that is out of range."""
     if compression not in COMPRESSIONS:
         raise UserError(f"--comm.compression: '{compression}' is not one of {', '.join(COMPRESSIONS)}")

@@ -32,25 +32,29 @@ class Goodput:
     def add(self, category: str, seconds: float) -> None:
         self.spent[category] += seconds
 
-    def resume(self, records: list[dict], step: int) -> None:
+    def resume(self, records: list[dict], step: int, restarts: int | None = None) -> None:
         """Continue the totals of the run whose metrics.jsonl `records` (all of them, in order)
-        this attempt resumes at checkpoint `step`."""
+        this attempt resumes at checkpoint `step`. `restarts`: how many attempts have resumed so
+        far, this one included, when the caller keeps that count (an attempt killed before it
+        logged anything leaves no record); else one more than the last record says."""
         timed = [r for r in records if f"{_PREFIX}total_s" in r and "time" in r]
+        self.restarts = restarts if restarts is not None else 1
         if not timed:
             return
         at = [r for r in timed if r["step"] <= step]
         base, last = (at[-1] if at else None), timed[-1]
         if base is not None:
             self.carried = {c: base.get(f"{_PREFIX}{c}_s", 0.0) for c in self.carried}
-            self.recomputed_steps = base.get("recomputed_steps", 0)
-            self.restarts = base.get("restarts", 0)
         done_before = base[f"{_PREFIX}total_s"] if base else 0.0
         # work after the checkpoint (now redone) + the gap between the last sign of life and this start
         lost = (last[f"{_PREFIX}total_s"] - done_before) + max(0.0, self.started_at - last["time"])
         self.carried["lost"] += lost
         self.carried["total"] += lost
-        self.recomputed_steps += max(0, last["step"] - step)
-        self.restarts += 1
+        # counts from the newest record: an attempt that resumed earlier and died after the
+        # checkpoint step logged its own restart and recomputed steps there, not at `step`
+        self.recomputed_steps = last.get("recomputed_steps", 0) + max(0, last["step"] - step)
+        if restarts is None:
+            self.restarts = last.get("restarts", 0) + 1
 
     def totals(self, now: float | None = None) -> dict:
         """Cumulative seconds per category, `other`, `total` and `goodput`, as metrics fields."""

@@ -63,6 +63,11 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, logical_to_spec(("batch", "seq"), self.rules))
         self.state_shardings = S.shardings(self.model_cfg, self.tx, self.mesh, self.rules)
         self.sync = self._sync()
+        m = cfg.comm   # a compressed gradient sync clips each replica's gradient itself (train_step)
+        self.local_clip = cfg.train.grad_clip if (self.sync.dp_axes and m.compression != "none"
+                                                  and m.sync_every == 1) else 0.0
+        if self.local_clip:
+            self.tx = optim.make(cfg.train, clip=False)
         if self.sync != S.Sync():  # the data-parallel sync keeps per-replica state
             self.state_shardings = S.shardings(self.model_cfg, self.tx, self.mesh, self.rules, self.sync)
         self.compute_dtype = M.compute_dtype(self.model_cfg)
@@ -117,7 +122,7 @@ class Trainer:
             specs = jax.tree.map(lambda sh: sh.spec, self.state_shardings.params)
             step = functools.partial(train_step, self.model_cfg, self.tx, self.lr, t.micro_batches,
                                      self.dp_axes(), comm_cfg=self.cfg.comm, param_specs=specs,
-                                     pipeline=self.cfg.pipeline)
+                                     pipeline=self.cfg.pipeline, local_clip=self.local_clip)
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 
@@ -436,11 +441,18 @@ class Trainer:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             f.write(dump(self.cfg))
+        resumes = os.path.join(run_dir, "resumes.jsonl")   # one line per attempt that resumed
         if resumed_step is not None:
-            self.goodput.resume(read_records(run_dir), resumed_step)
+            with open(resumes, "a") as f:
+                f.write(json.dumps({"step": resumed_step, "time": self.goodput.started_at}) + "\n")
+            with open(resumes) as f:
+                n_resumes = sum(1 for ln in f if ln.strip())
+            self.goodput.resume(read_records(run_dir), resumed_step, restarts=n_resumes)
             drop_records_after(run_dir, resumed_step)  # logged after that save by the run that died
-        elif os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a fresh run starts a fresh log
+        else:  # a fresh run starts a fresh log
+            for path in (os.path.join(run_dir, "metrics.jsonl"), resumes):
+                if os.path.exists(path):
+                    os.remove(path)
 
     def _save(self, saver: Checkpointer, step: int, state) -> None:
         """Start saving `step`. An asynchronous save that failed in the background (full disk,

@@ -27,8 +27,10 @@ def decay_mask(params: dict, decay_embeddings: bool) -> dict:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make(cfg: TrainConfig) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+def make(cfg: TrainConfig, clip: bool = True) -> optax.GradientTransformation:
+    """`clip` False: no clipping here; the train step clips each replica's gradient before a
+    compressed sync instead (clipping the synced sum would cut error feedback's bursts)."""
+    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 and clip else []
     parts.append(optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                              mask=lambda p: decay_mask(p, cfg.decay_embeddings)))
     # Non-finite gradients (an overflow, a bad batch) skip the update instead of poisoning the

@@ -82,10 +82,6 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
         n = jnp.maximum(n, 1.0)
         return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
 
-    if cfg.n_experts:
-        # the experts' shard_map under a vmap with spmd_axis_name fails in jax 0.10 (vma checks):
-        # MoE models reduce data-parallel gradients every micro-batch instead
-        dp_axes = ()
     micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)   # [M, B/M, ...]
     n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes) if dp_axes else 1
     rules = current_rules()
@@ -127,34 +123,41 @@ def moe_metrics(stats: dict) -> dict:
 
 def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
                dp_axes: tuple[str, ...], state: TrainState, batch, comm_cfg=None,
-               param_specs=None, pipeline=None) -> tuple[TrainState, dict]:
+               param_specs=None, pipeline=None, local_clip: float = 0.0) -> tuple[TrainState, dict]:
     """`comm_cfg` (train.config.CommConfig) with a compression other than none, and dp axes:
     the data-parallel gradient sync is train.comm.sync_grads (`param_specs`: the params'
-    PartitionSpecs) instead of XLA's all-reduce. `pipeline`: the run's PipelineConfig."""
+    PartitionSpecs) instead of XLA's all-reduce; `local_clip` > 0 then clips each replica's
+    gradient to that global norm before the sync (`tx` has no clipping of its own: it would clip
+    the error-feedback bursts). `pipeline`: the run's PipelineConfig."""
     compress = bool(dp_axes) and comm_cfg is not None and comm_cfg.compression != "none"
     loss, grads, stats = grads_loss_stats(cfg, state.params, batch, micro_batches, dp_axes, per_replica=compress,
                                           pipeline=pipeline)
     residual = state.residual
     if compress:
-        grads, residual = comm.sync_grads(grads, state.residual, compression=comm_cfg.compression, dp_axes=dp_axes,
-                                          param_specs=param_specs, topk_fraction=comm_cfg.topk_fraction)
+        grad_norm = jnp.mean(comm.replica_norms(grads))   # each replica's own, before compression
+        if local_clip > 0:
+            grads = comm.clip_replicas(grads, local_clip)
+        grads, residual = comm.sync_grads(grads, state.residual, compression=comm_cfg.compression,
+                                          dp_axes=dp_axes, param_specs=param_specs,
+                                          topk_fraction=comm_cfg.topk_fraction)
+    else:
+        grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    ok = opt_state.notfinite_count == 0   # optax.apply_if_finite skipped nothing
     params = optax.apply_updates(state.params, updates)
     if cfg.n_experts and cfg.router_bias_rate > 0:
         # aux-loss-free balancing: the router bias follows the loads, not the gradient (it has
         # none); it lives in params so that checkpoints and generation carry it
         moe = params["moe_blocks"]["moe"]
         new_bias = bias_update(moe["router_bias_E"], stats["counts"], cfg.router_bias_rate)
-        ok = opt_state.notfinite_count == 0  # a skipped step leaves everything as it was
         params = {**params, "moe_blocks": {**params["moe_blocks"], "moe": {
-            **moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])}}}
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(state.step),
+            **moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])}}}  # a skipped step changes nothing
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
                # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
                "bad_in_a_row": opt_state.notfinite_count, "skipped_steps": opt_state.total_notfinite}
     if stats:
         metrics.update(moe_metrics(stats))
     if residual is not None:  # a skipped (non-finite) step must not leave NaN in the residuals either
-        ok = opt_state.notfinite_count == 0
         residual = jax.tree.map(lambda new, old: jnp.where(ok, new, old), residual, state.residual)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, residual=residual), metrics
 
