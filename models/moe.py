@@ -104,6 +104,17 @@ def _gmm_sorted(xs_RD, sizes_X, wg_XDF, wu_XDF, wd_XFD):
     return lax.ragged_dot(h_RF, wd_XFD, sizes_X)
 
 
+def _batched_like(x_RD, *ws):
+    """Under a vmap (data-parallel micro-batches, train/step.py) jax 0.10 batches ragged_dot only
+    when every operand is batched; adding a zero computed from the rows makes the weights follow
+    the rows' batching (the group sizes come from the routing, already batched). That dim is sharded over the data axes, so each device
+    still holds one copy. Only used under that vmap: elsewhere the adds would cost a pass over
+    the weights."""
+    v = x_RD.reshape(-1)[0]
+    zero = jnp.where(jnp.isfinite(v), v, 0) * 0   # 0 even for an inf/NaN row
+    return tuple(w + zero.astype(w.dtype) for w in ws)
+
+
 def _gmm_ragged(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD):
     """Rows grouped by expert id g (== X: padding, comes out 0) through lax.ragged_dot."""
     x_count = wg_XDF.shape[0]
@@ -217,7 +228,8 @@ def _ragged_dispatch(x_UD, e_A, tok_A, ffn, *, rows: int, x_count: int, ep: int,
 
 
 def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_experts: int, mode: str,
-                   capacity_factor: float, kernel: str, exchange: str = "fixed", ep_axes=(), ep: int = 1,
+                   capacity_factor: float, kernel: str, exchange: str = "fixed", vmapped: bool = False,
+                   ep_axes=(), ep: int = 1,
                    embed_axes=(), tp_axes=(), token_axes=()):
     """One device's share of the MoE layer: its tokens in, their expert outputs out (-> y [B,T,D],
     dropped assignments). With ep > 1 this runs inside shard_map and the rows travel by all-to-all
@@ -245,7 +257,7 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
 
         def ffn(x_RD, sizes_X):
             if kernel == "ragged":
-                return _gmm_sorted(x_RD, sizes_X, *ws)
+                return _gmm_sorted(x_RD, sizes_X, *(_batched_like(x_RD, *ws) if vmapped else ws))
             group_R = jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1)  # X: padding
             return _gmm_blocks(x_RD, group_R, *ws, _block_size(n * k, x_count))
         y_AD = _ragged_dispatch(x_UD, e_A, tok_A, ffn, rows=rows, x_count=x_count, ep=ep, ep_axes=ep_axes,
@@ -279,7 +291,8 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
             send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)
             group_R = lax.all_to_all(group_R, ep_axes, 0, 0, tiled=True)
         if kernel == "ragged":
-            y_RD = _gmm_ragged(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD)
+            ws = (wg_XDF, wu_XDF, wd_XFD)
+            y_RD = _gmm_ragged(send_RD, group_R, *(_batched_like(send_RD, *ws) if vmapped else ws))
         else:
             y_RD = _gmm_blocks(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD, _block_size(n * k, x_count))
     if ep > 1:
@@ -327,10 +340,7 @@ def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, 
     # stay exact, tests/test_moe.py checks the gradients).
     manual = {a for a, size in mesh.shape.items() if size > 1}
     check_vma = manual <= named
-    if not check_vma and local.keywords["kernel"] == "ragged":
-        # ragged_dot's batching rule (jax 0.10) needs every operand batched at dim 0, and the
-        # expert weights are not batched by that vmap: padded blocks instead
-        local = functools.partial(local, kernel="blocks")
+    local = functools.partial(local, vmapped=not check_vma)
     ep_axes, token_axes = _axes(w_spec[0]), _axes(x_spec[0])
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     if not set(ep_axes) <= set(token_axes):

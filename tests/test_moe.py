@@ -361,13 +361,15 @@ def test_ragged_exchange_lowers_the_real_primitive():
 # ------------------------------------------------------------------ micro-batches
 
 @pytest.mark.slow
-@pytest.mark.parametrize("over", [{}, {"model.dropless_kernel": "ragged", "model.ep_exchange": "ragged"}],
-                         ids=["cpu-defaults", "gpu-defaults"])
+@pytest.mark.parametrize("over", [{}, {"model.dropless_kernel": "ragged", "model.ep_exchange": "ragged"},
+                                  {"model.dropless_kernel": "ragged"}],
+                         ids=["cpu-defaults", "gpu-defaults", "ragged-kernel-fixed-exchange"])
 def test_moe_micro_batches_reduce_data_parallel_grads_once(tmp_path, over):
     """MoE under the data-parallel micro-batch vmap: the same loss and gradients as one batch, and the
     data-axis gradient all-reduce runs once per step, outside the micro-batch loop. (aux loss off:
     f_e P_e of a micro-batch is not additive, so it differs by construction.) gpu-defaults: the
-    ragged exchange (emulated here) and the ragged_dot kernel (padded blocks under that vmap)."""
+    ragged exchange (emulated here) and the ragged_dot kernel, whose weights are made to follow the
+    vmap's batching (models.moe._batched_like)."""
     tr = make_trainer("data=2,expert=4", tmp_path, **{"train.batch_size": 16, "model.aux_loss_coef": 0.0, **over})
     assert tr.dp_axes() == ("data",)
     state = tr.create_state()
