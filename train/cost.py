@@ -8,7 +8,8 @@ hardware profile (train/hardware.py).
                 fused kernels stream operands while the matrix units work), T_flops + T_memory
                 where it does not (XLA:CPU: the many small memory-bound ops run one after another,
                 between matmuls already timed at their measured rate); stretched by the pipeline
-                bubble (p-1)/(m+p-1). Without bytes (the analytic search) T_compute = T_flops.
+                bubble (p-1)/(m+p-1). Without bytes of the target's own backend (the analytic
+                search; a GPU/TPU profile priced from a CPU compile) T_compute = T_flops.
     T_comm    = per collective group: bytes each device sends / (one-way link bandwidth x link
                 efficiency) + ring steps x latency; the link is NVLink/ICI when every mesh axis of
                 the group lies inside a node, else InfiniBand/DCN (decided by the mesh layout)
@@ -226,13 +227,15 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
         if not any(k.startswith("collective-permute@") for k in comm):
             comm.update(pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, np.dtype(dtype).itemsize))
     n = math.prod(sizes.get(a, 1) for a in AXES)
-    traffic = report.get("memory_traffic", {})
-    # bytes of the compile's dtype; a target computing in another dtype moves its activations in that
-    scale = np.dtype(dtype).itemsize / np.dtype(cfg.compute_dtype(report["backend"])).itemsize
+    # Memory traffic only from a compile for the target's own backend: XLA:CPU fuses less and has
+    # no flash attention, so its bytes (224 GiB per device per step for the 1b preset on fsdp=8)
+    # would make a GPU look memory-bound; another target is priced on FLOPs alone (checked on CPU
+    # only, BENCHMARKS.md)
+    traffic = report.get("memory_traffic", {}) if same else {}
     out = predict(model_flops=report["flops_per_step"],
                   device_flops=hardware_flops_per_step(cfg, batch_size, seq_len) / n, comm=comm, sizes=sizes,
                   hw=hw, dtype=dtype, micro_batches=micro_batches, dcn=dcn, tokens_per_step=batch_size * seq_len,
-                  device_bytes=traffic.get("bytes_accessed", 0.0) * (1.0 if same else scale))
+                  device_bytes=traffic.get("bytes_accessed", 0.0))
     out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
     out["bytes_source"] = traffic.get("source", "")
     return out

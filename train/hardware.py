@@ -147,6 +147,13 @@ def cpu_profile(n_devices: int, dtype: str = "float32") -> Hardware:
                          f" shared by {n_devices} fake devices")
 
 
+def platform_of(name: str) -> str:
+    """The backend a profile stands for ('cpu', 'gpu', 'tpu'), without measuring anything."""
+    key = (name or "").lower().removesuffix("-sxm")
+    key = {"v5p": "tpu-v5p", "tpuv5p": "tpu-v5p"}.get(key, key)
+    return "cpu" if key == "cpu" else get(key).platform
+
+
 def get(name: str, n_devices: int = 1, dtype: str = "float32") -> Hardware:
     """A profile by name (case-insensitive; 'H100-SXM' and 'h100' both work)."""
     key = (name or "").lower().removesuffix("-sxm")

@@ -21,7 +21,7 @@ from mesh.shard import axes_size, path_names, spec_axes
 from models import model as M, pipeline as PL
 from models.flops import active_param_count, flops_per_token, param_count
 from models.moe import exchange_for
-from train import search
+from train import hardware, search
 from train.config import make_parser, build
 from train.loop import Trainer
 
@@ -413,7 +413,8 @@ def main(argv: list[str]) -> int:
         pc = cfg.pipeline
         PL.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
     report = analyze(trainer)
-    if ns.hardware:
+    if ns.hardware and hardware.platform_of(ns.hardware) == report["backend"]:
+        # the compile's bytes price only its own backend (train/cost.py from_plan): no second compile else
         report["memory_traffic"] = memory_traffic(trainer, report)
     cost_text = search.with_cost(report, ns, cfg, trainer.mesh) if ns.hardware else ""
     if ns.json:
