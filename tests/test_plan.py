@@ -148,9 +148,9 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
     assert measured(r, "all-to-all", "expert") == pytest.approx(th["all-to-all@expert"]["operand_bytes"], rel=0.02)
     n = 16 // 4 * 64  # tokens per device: the batch is split 4 ways in both meshes
     act = n * 64 * 4
-    # per layer: attention out + its remat + q/k/v grads, expert psum, the tokens' [U,D] gradient
-    # (one psum: models/moe.py marks them varying over 'model' before dispatch), gate grads
-    layer = 5 * act + act + act + 2 * n * 4
+    # per layer: attention out + its remat + the fused q/k/v input grad, expert psum, the tokens'
+    # [U,D] gradient (one psum: models/moe.py marks them varying over 'model' before dispatch), gate grads
+    layer = 3 * act + act + act + 2 * n * 4
     assert th["all-reduce@model"]["operand_bytes"] == 2 * layer + 2 * act + 3 * n * 4
     if "fsdp" in mesh:  # expert weights: gathered inside shard_map, so their gradients leave by a real
         # reduce-scatter even on CPU (3 per layer), while the rest become all-reduce + slice

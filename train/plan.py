@@ -142,11 +142,11 @@ def tensor_parallel_theory(tr) -> dict:
     """Activation all-reduces over 'model' per device per step, as the compiled step makes them.
     A = [b, T, D] of one micro-batch on one device.
 
-      every layer: the attention output (forward) and the input gradients of q, k and v (backward;
-        the partitioner reduces each projection's partial sum on its own and adds them after);
-        `full` remat recomputes the attention output (the layer's last all-reduce feeds only the
-        next layer, so its recompute is dead code)
-      dense FFN: its output (forward), the gate and up input gradients (backward)
+      every layer: the attention output (forward) and the input gradient of the q/k/v projection
+        (backward: one einsum when the shards keep each KV group's query heads together, else
+        q alone and k/v together, two; models/attention.py); `full` remat recomputes the attention
+        output (the layer's last all-reduce feeds only the next layer, so its recompute is dead code)
+      dense FFN: its output (forward), the input gradient of the stacked gate/up einsum (backward)
       MoE layer (models/moe.py, experts split over 'model' inside each expert): the psum of the
         partial expert outputs [U, D] (forward); backward: the tokens' gradient [U, D] (marked
         varying over 'model' before dispatch, so summed once, not per matmul over the buffer) and
@@ -161,8 +161,11 @@ def tensor_parallel_theory(tr) -> dict:
     act = n * m.d_model * item
     full = m.remat == "full"
     n_moe = m.n_moe_layers
-    attn, attn_ops = (4 + full) * act, 2 + full
-    ffn, ffn_ops = 3 * act, 2
+    (heads,), (kv,) = logical_to_spec(("heads",), rules), logical_to_spec(("kv_heads",), rules)
+    shards = axes_size(mesh, kv) if heads == kv else 0
+    qkv = 1 if shards and m.n_kv_heads % shards == 0 else 2
+    attn, attn_ops = (1 + qkv + full) * act, 2 + full
+    ffn, ffn_ops = 2 * act, 2
     b = (m.n_layers - n_moe) * (attn + ffn)
     ops = (m.n_layers - n_moe) * (attn_ops + ffn_ops)
     if n_moe:
@@ -177,8 +180,8 @@ def tensor_parallel_theory(tr) -> dict:
     ops += 5
     return {"operand_bytes": float(b * t.micro_batches), "wire_bytes": 2 * (n_tp - 1) / n_tp * b * t.micro_batches,
             "count": ops * t.micro_batches,
-            "note": "Megatron TP: per layer the attention output (fwd) and q/k/v input gradients (bwd),"
-                    " the FFN output (fwd) and gate/up input gradients (bwd) or the MoE expert psums,"
+            "note": "Megatron TP: per layer the attention output (fwd) and the fused q/k/v input gradient (bwd),"
+                    " the FFN output (fwd) and the fused gate/up input gradient (bwd) or the MoE expert psums,"
                     " the attention output again under full remat; + vocab-parallel embedding, LM head and loss"}
 
 
