@@ -52,12 +52,13 @@ class Attention(nnx.Module):
         k = wk.shape[1]
         shards = _head_shards()
         if shards and k % shards == 0:
-            w_DKGH = jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], axis=2)
-            qkv_BTKGH = jnp.einsum("btd,dkgh->btkgh", x_BTD, w_DKGH)
+            # Q = N / K query heads per KV group, then that group's k and v: Q + 2 along one dim
+            w_DKQH = jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], axis=2)
+            qkv_BTKQH = jnp.einsum("btd,dkqh->btkqh", x_BTD, w_DKQH)
             b, t = x_BTD.shape[:2]
-            return qkv_BTKGH[..., :-2, :].reshape(b, t, n, h), qkv_BTKGH[..., -2, :], qkv_BTKGH[..., -1, :]
+            return qkv_BTKQH[..., :-2, :].reshape(b, t, n, h), qkv_BTKQH[..., -2, :], qkv_BTKQH[..., -1, :]
         q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, wq)
-        k_BTKH, v_BTKH = jnp.einsum("btd,sdkh->sbtkh", x_BTD, jnp.stack([wk, wv]))
+        k_BTKH, v_BTKH = jnp.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]))
         return q_BTNH, k_BTKH, v_BTKH
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,

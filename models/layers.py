@@ -70,7 +70,7 @@ class MLP(nnx.Module):
         dt = self.dtype
         # one einsum for both projections: the backward's input gradient is then one dot, so
         # tensor parallelism all-reduces it once instead of once per projection
-        w_SDF = jnp.stack([self.w_gate_DF[...], self.w_up_DF[...]]).astype(dt)
-        gate_BTF, up_BTF = jnp.einsum("btd,sdf->sbtf", x_BTD, w_SDF)
+        w_ZDF = jnp.stack([self.w_gate_DF[...], self.w_up_DF[...]]).astype(dt)
+        gate_BTF, up_BTF = jnp.einsum("btd,zdf->zbtf", x_BTD, w_ZDF)
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
         return jnp.einsum("btf,fd->btd", h_BTF, self.w_down_FD[...].astype(dt))

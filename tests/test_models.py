@@ -308,3 +308,22 @@ def test_packed_row_equals_separate_rows(params):
               for lg, t in zip(sep, (a, b)))
     np.testing.assert_allclose(float(xent), ref, rtol=1e-5)
     assert float(n) == 16
+
+
+@pytest.mark.parametrize("kv_rule", ["model", ""], ids=["one-einsum", "q-apart"])
+def test_fused_qkv_equals_separate_projections(kv_rule):
+    """q, k, v from one einsum (KV heads cut like the query heads) or q apart and k/v stacked
+    (KV heads replicated while query heads are cut): the same arrays as three plain einsums."""
+    from flax import nnx
+    from mesh.build import make_mesh
+    from mesh.rules import axis_rules, make_rules
+    from models.attention import Attention, _head_shards
+    cfg = dataclasses.replace(preset("tiny"), dtype="float32", n_heads=4, n_kv_heads=2)
+    attn = Attention(cfg, jnp.float32, jnp.float32, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, cfg.d_model)), jnp.float32)
+    want = [jnp.einsum("btd,dnh->btnh", x, w[...]) for w in (attn.wq_DNH, attn.wk_DKH, attn.wv_DKH)]
+    with jax.set_mesh(make_mesh("data=4,model=2")), axis_rules(make_rules(f"kv_heads={kv_rule}")):
+        assert _head_shards() == (2 if kv_rule else 0)   # which of the two paths runs
+        got = jax.jit(attn._qkv)(x)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
