@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from mesh.errors import ArgParser
+from mesh.errors import ArgParser, UserError, one_line_errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,23 +91,19 @@ def export_params(path: str, out: str) -> str:
     return dst.step_dir(step)
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from mesh.errors import UserError
-    try:
-        import absl.logging
-        absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info/warnings are noise for a CLI
-        if args.command == "inspect":
-            info = describe(args.path)
-            print(json.dumps(info, indent=2) if args.json else inspect_text(info))
-        else:
-            if not args.params_only:
-                raise UserError("export: pass --params-only (parameters-only export is the only mode so far)")
-            print(f"exported the parameters of {args.path} to {export_params(args.path, args.out)}")
-        return 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    import absl.logging
+    absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info/warnings are noise for a CLI
+    if args.command == "inspect":
+        info = describe(args.path)
+        print(json.dumps(info, indent=2) if args.json else inspect_text(info))
+    else:
+        if not args.params_only:
+            raise UserError("export: pass --params-only (parameters-only export is the only mode so far)")
+        print(f"exported the parameters of {args.path} to {export_params(args.path, args.out)}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import sys
 import time
 
 from mesh.config import AXES
-from mesh.errors import ArgParser, UserError
+from mesh.errors import ArgParser, UserError, one_line_errors
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
@@ -221,13 +221,9 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return _main(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return _main(make_parser().parse_args(sys.argv[1:] if argv is None else argv))
 
 
 def _main(args) -> int:

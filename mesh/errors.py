@@ -4,11 +4,25 @@ Anything raised as `UserError` is shown by the CLIs as a single line (no traceba
 with status 2. Every message names the culprit and the valid choices.
 """
 import argparse
+import functools
 import sys
 
 
 class UserError(ValueError):
     """Bad configuration or input, reported to the user as one line."""
+
+
+def one_line_errors(main):
+    """Decorate a CLI's `main(argv) -> exit status`: a UserError becomes `error: ...` on stderr
+    and status 2, with no traceback."""
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return run
 
 
 class ArgParser(argparse.ArgumentParser):

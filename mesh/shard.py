@@ -51,6 +51,20 @@ def spec_axes(spec) -> set[str]:
     return out
 
 
+def data_parallel_axes(mesh: Mesh, batch_axes, param_specs) -> tuple[str, ...]:
+    """The leading batch mesh axes (size > 1) that shard no parameter: plain data parallelism,
+    where each replica holds whole parameters (and the data-parallel sync runs)."""
+    used = set().union(*(spec_axes(s) for s in param_specs))
+    out = []
+    for a in batch_axes:
+        if mesh.shape[a] == 1:
+            continue
+        if a in used:
+            break
+        out.append(a)
+    return tuple(out)
+
+
 def check_divisible(mesh: Mesh, shapes: Any, axes_tree: Any, rules: Mapping[str, MeshAxes] | None = None,
                     hints: Mapping[str, str] | None = None) -> None:
     """Raise UserError for the first array dim that its mesh axes do not divide.

@@ -20,14 +20,14 @@ class KVCache(NamedTuple):
     index: jax.Array
 
 
-def _head_shards() -> int:
-    """How many shards the rules cut the KV heads into on the mesh in context (1 without one);
-    0 (never divides) when query and KV heads are not cut alike."""
-    mesh = jax.sharding.get_abstract_mesh()
+def fused_qkv(n_kv_heads: int, mesh, rules=None) -> bool:
+    """Whether q, k and v come from one einsum (Attention._qkv) on `mesh` (empty: no mesh) under
+    `rules` (default: the ones in context): the rules cut query and KV heads alike, and into a
+    number of shards that divides the KV heads, so each KV group's query heads share a shard."""
     if mesh.empty:
-        return 1
-    (heads,), (kv,) = logical_to_spec(("heads",)), logical_to_spec(("kv_heads",))
-    return axes_size(mesh, kv) if heads == kv else 0
+        return True
+    (heads,), (kv,) = logical_to_spec(("heads",), rules), logical_to_spec(("kv_heads",), rules)
+    return heads == kv and n_kv_heads % axes_size(mesh, kv) == 0
 
 
 class Attention(nnx.Module):
@@ -50,8 +50,7 @@ class Attention(nnx.Module):
         wq, wk, wv = (w[...].astype(dt) for w in (self.wq_DNH, self.wk_DKH, self.wv_DKH))
         d, n, h = wq.shape
         k = wk.shape[1]
-        shards = _head_shards()
-        if shards and k % shards == 0:
+        if fused_qkv(k, jax.sharding.get_abstract_mesh()):
             # Q = N / K query heads per KV group, then that group's k and v: Q + 2 along one dim
             w_DKQH = jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], axis=2)
             qkv_BTKQH = jnp.einsum("btd,dkqh->btkqh", x_BTD, w_DKQH)

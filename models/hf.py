@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from mesh.errors import ArgParser, UserError
+from mesh.errors import ArgParser, UserError, one_line_errors
 from models.config import ModelConfig
 
 SAFETENSORS = "model.safetensors"
@@ -455,27 +455,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        import absl.logging
-        absl.logging.set_verbosity(absl.logging.ERROR)
-        if args.command == "import":
-            step_dir = import_checkpoint(args.hf_dir, args.out, args.dtype)
-            print(f"imported {args.hf_dir} to {step_dir} (parameters only); train from it with:"
-                  f" python -m train --config {os.path.join(args.out, 'model.yaml')} --init-from {args.out}")
-        else:
-            if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-                raise UserError(f"--out: '{args.out}' already exists and is not empty; choose a new directory")
-            import jax
-            model = load_checkpoint(args.ckpt)
-            save_pretrained(model, args.out, dtype=args.dtype)
-            n = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
-            print(f"exported {args.ckpt} ({n / 1e6:.2f}M parameters) to {args.out} ({ARCHITECTURES[model.model_type]})")
-        return 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    import absl.logging
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    if args.command == "import":
+        step_dir = import_checkpoint(args.hf_dir, args.out, args.dtype)
+        print(f"imported {args.hf_dir} to {step_dir} (parameters only); train from it with:"
+              f" python -m train --config {os.path.join(args.out, 'model.yaml')} --init-from {args.out}")
+    else:
+        if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+            raise UserError(f"--out: '{args.out}' already exists and is not empty; choose a new directory")
+        import jax
+        model = load_checkpoint(args.ckpt)
+        save_pretrained(model, args.out, dtype=args.dtype)
+        n = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
+        print(f"exported {args.ckpt} ({n / 1e6:.2f}M parameters) to {args.out} ({ARCHITECTURES[model.model_type]})")
+    return 0
 
 
 if __name__ == "__main__":

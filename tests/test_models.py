@@ -317,13 +317,13 @@ def test_fused_qkv_equals_separate_projections(kv_rule):
     from flax import nnx
     from mesh.build import make_mesh
     from mesh.rules import axis_rules, make_rules
-    from models.attention import Attention, _head_shards
+    from models.attention import Attention, fused_qkv
     cfg = dataclasses.replace(preset("tiny"), dtype="float32", n_heads=4, n_kv_heads=2)
     attn = Attention(cfg, jnp.float32, jnp.float32, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, cfg.d_model)), jnp.float32)
     want = [jnp.einsum("btd,dnh->btnh", x, w[...]) for w in (attn.wq_DNH, attn.wk_DKH, attn.wv_DKH)]
     with jax.set_mesh(make_mesh("data=4,model=2")), axis_rules(make_rules(f"kv_heads={kv_rule}")):
-        assert _head_shards() == (2 if kv_rule else 0)   # which of the two paths runs
+        assert fused_qkv(cfg.n_kv_heads, jax.sharding.get_abstract_mesh()) == bool(kv_rule)   # which path runs
         got = jax.jit(attn._qkv)(x)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

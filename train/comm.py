@@ -96,11 +96,13 @@ def replica_norms(grads_R: Any) -> jax.Array:
     return n_dp * jax.vmap(optax.tree.norm)(grads_R)
 
 
-def clip_replicas(grads_R: Any, max_norm: float) -> Any:
+def clip_replicas(grads_R: Any, max_norm: float, norms_R: jax.Array | None = None) -> Any:
     """Clip each replica's gradient to global norm `max_norm` before a compressed sync (local
     clipping, Lin et al. 2018): clipping the synced sum instead would cut the bursts that error
-    feedback releases, which carry many steps' worth of a coordinate's gradient."""
-    scale_R = jnp.minimum(1.0, max_norm / jnp.maximum(replica_norms(grads_R), 1e-30))
+    feedback releases, which carry many steps' worth of a coordinate's gradient. `norms_R`:
+    `replica_norms(grads_R)` when the caller has it already."""
+    norms_R = replica_norms(grads_R) if norms_R is None else norms_R
+    scale_R = jnp.minimum(1.0, max_norm / jnp.maximum(norms_R, 1e-30))
     return jax.tree.map(lambda g: g * scale_R.reshape(-1, *[1] * (g.ndim - 1)).astype(g.dtype), grads_R)
 
 

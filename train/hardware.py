@@ -147,17 +147,19 @@ def cpu_profile(n_devices: int, dtype: str = "float32") -> Hardware:
                          f" shared by {n_devices} fake devices")
 
 
+def _key(name: str) -> str:
+    key = (name or "").lower().removesuffix("-sxm")
+    return {"v5p": "tpu-v5p", "tpuv5p": "tpu-v5p"}.get(key, key)
+
+
 def platform_of(name: str) -> str:
     """The backend a profile stands for ('cpu', 'gpu', 'tpu'), without measuring anything."""
-    key = (name or "").lower().removesuffix("-sxm")
-    key = {"v5p": "tpu-v5p", "tpuv5p": "tpu-v5p"}.get(key, key)
-    return "cpu" if key == "cpu" else get(key).platform
+    return "cpu" if _key(name) == "cpu" else get(name).platform
 
 
 def get(name: str, n_devices: int = 1, dtype: str = "float32") -> Hardware:
     """A profile by name (case-insensitive; 'H100-SXM' and 'h100' both work)."""
-    key = (name or "").lower().removesuffix("-sxm")
-    key = {"v5p": "tpu-v5p", "tpuv5p": "tpu-v5p"}.get(key, key)
+    key = _key(name)
     if key == "cpu":
         return cpu_profile(n_devices, dtype)
     table = _table()

@@ -19,7 +19,7 @@ from checkpoint.manager import RUN_SUBDIR, Checkpointer, open_checkpoint, shared
 from mesh.build import describe, init_distributed, make_mesh
 from mesh.errors import UserError
 from mesh.rules import axis_rules, logical_to_spec, make_rules
-from mesh.shard import axes_size, check_divisible, spec_axes, warn_undersharded
+from mesh.shard import axes_size, check_divisible, data_parallel_axes, warn_undersharded
 from models import model as M, pipeline as PL
 from models.flops import flops_per_token, param_count
 from models.sample import generate
@@ -128,15 +128,8 @@ class Trainer:
 
     def dp_axes(self) -> tuple[str, ...]:
         """Leading batch mesh axes (size > 1) that shard no parameter: plain data parallelism."""
-        used = set().union(*(spec_axes(sh.spec) for sh in jax.tree.leaves(self.state_shardings.params)))
-        out = []
-        for a in self.rules["batch"]:
-            if self.mesh.shape[a] == 1:
-                continue
-            if a in used:
-                break
-            out.append(a)
-        return tuple(out)
+        return data_parallel_axes(self.mesh, self.rules["batch"],
+                                  [sh.spec for sh in jax.tree.leaves(self.state_shardings.params)])
 
     def abstract_batch(self) -> dict:
         """ShapeDtypeStructs of one global batch, as the loader builds it."""

@@ -17,9 +17,10 @@ from mesh.build import describe
 from mesh.errors import UserError
 from mesh.hlo import KINDS, parse_collectives, summarize
 from mesh.rules import logical_to_spec
-from mesh.shard import axes_size, path_names, spec_axes
+from mesh.shard import axes_size, data_parallel_axes, path_names, spec_axes
 from models import model as M, pipeline as PL
 from models.flops import active_param_count, flops_per_token, param_count
+from models.attention import fused_qkv
 from models.moe import exchange_for
 from train import hardware, search
 from train.config import make_parser, build
@@ -99,27 +100,14 @@ def theory(tr: Trainer, abstract_state) -> dict:
     return out
 
 
-def data_parallel_axes(mesh, rules, params) -> tuple[str, ...]:
-    """Leading batch mesh axes (size > 1) that shard no parameter: plain data parallelism, the
-    axes local SGD drops from the inner steps (as train.loop.Trainer.dp_axes)."""
-    used = set().union(*(spec_axes(x.sharding.spec) for x in jax.tree.leaves(params)))
-    out = []
-    for a in rules["batch"]:
-        if mesh.shape[a] == 1:
-            continue
-        if a in used:
-            break
-        out.append(a)
-    return tuple(out)
-
-
 def local_sgd(tr, abstract_state, th: dict) -> dict:
     """--comm.sync_every H > 1 (DiLoCo): the data-parallel all-reduce is the outer sync of the
     parameter drift, in a lax.cond branch taken every H-th step (the compiled HLO holds it once,
     so the HLO shows the bytes of one sync). -> those entries with per-sync bytes kept and
     operand/wire bytes amortised per step (/ H)."""
     h = getattr(getattr(tr.cfg, "comm", None), "sync_every", 1)
-    dp = set(data_parallel_axes(tr.mesh, tr.rules, abstract_state.params))
+    dp = set(data_parallel_axes(tr.mesh, tr.rules["batch"],
+                                [x.sharding.spec for x in jax.tree.leaves(abstract_state.params)]))
     if h <= 1 or not dp:
         return {}
     out = {}
@@ -161,9 +149,7 @@ def tensor_parallel_theory(tr) -> dict:
     act = n * m.d_model * item
     full = m.remat == "full"
     n_moe = m.n_moe_layers
-    (heads,), (kv,) = logical_to_spec(("heads",), rules), logical_to_spec(("kv_heads",), rules)
-    shards = axes_size(mesh, kv) if heads == kv else 0
-    qkv = 1 if shards and m.n_kv_heads % shards == 0 else 2
+    qkv = 1 if fused_qkv(m.n_kv_heads, mesh, rules) else 2
     attn, attn_ops = (1 + qkv + full) * act, 2 + full
     ffn, ffn_ops = 2 * act, 2
     b = (m.n_layers - n_moe) * (attn + ffn)
@@ -198,7 +184,7 @@ def all_to_all_theory(tr: Trainer) -> dict:
     if not m.n_experts or ep <= 1:
         return {}
     k, x_count = m.experts_per_token, m.n_experts // ep
-    n = t.batch_size // t.micro_batches // axes_size(mesh, logical_to_spec(("batch",), rules)[0]) * t.seq_len
+    n = _tokens_per_device(tr)
     item = jax.numpy.dtype(tr.compute_dtype).itemsize
     exchange = exchange_for(m) if m.dispatch == "dropless" else "fixed"
     if m.dispatch == "capacity":

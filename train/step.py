@@ -134,9 +134,10 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
                                           pipeline=pipeline)
     residual = state.residual
     if compress:
-        grad_norm = jnp.mean(comm.replica_norms(grads))   # each replica's own, before compression
+        norms_R = comm.replica_norms(grads)
+        grad_norm = jnp.mean(norms_R)   # each replica's own, before compression
         if local_clip > 0:
-            grads = comm.clip_replicas(grads, local_clip)
+            grads = comm.clip_replicas(grads, local_clip, norms_R)
         grads, residual = comm.sync_grads(grads, state.residual, compression=comm_cfg.compression,
                                           dp_axes=dp_axes, param_specs=param_specs,
                                           topk_fraction=comm_cfg.topk_fraction)

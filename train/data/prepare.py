@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from mesh.errors import ArgParser, UserError
+from mesh.errors import ArgParser, UserError, one_line_errors
 from train.data import tokenizers as TK
 
 FORMAT = "brigade-tokens/1"
@@ -301,15 +301,12 @@ class _results:
             self.pool.join()
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    try:
-        index = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, workers=args.workers,
-                        on_bad_utf8=args.on_bad_utf8, eos_token=args.eos_token, shard_tokens=args.shard_tokens,
-                        overwrite=args.overwrite, progress=not args.no_progress)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    index = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, workers=args.workers,
+                    on_bad_utf8=args.on_bad_utf8, eos_token=args.eos_token, shard_tokens=args.shard_tokens,
+                    overwrite=args.overwrite, progress=not args.no_progress)
     print(f"{args.out}: {index['n_documents']} documents, {index['n_tokens']} tokens ({index['dtype']}) in"
           f" {len(index['shards'])} shards, tokenizer {index['tokenizer']['id']} (vocab {index['vocab_size']})")
     return 0
