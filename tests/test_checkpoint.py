@@ -282,3 +282,16 @@ def test_profile_steps_writes_a_trace(tmp_path):
     data = jax.profiler.ProfileData.from_file(str(traces[0]))
     names = {e.name for plane in data.planes for line in plane.lines for e in line.events}
     assert "train" in names  # the StepTraceAnnotation of the traced steps
+
+
+def test_resume_with_another_sync_layout_names_the_options(straight, tmp_path):
+    """The straight run's checkpoint (compression none) and a run with int8 (error feedback auto =
+    on: residuals, clipping before the sync): one line naming the --comm options, not a list of
+    arrays; int8 with error feedback off but still clipping before the sync differs as well."""
+    ref_dir, _ = straight
+    for over in ({"comm.compression": "int8"}, {"comm.compression": "int8", "comm.error_feedback": "false"}):
+        tr = Trainer(make_cfg(tmp_path, **{"checkpoint.resume": str(ref_dir / "checkpoints" / "4"), **over}))
+        with pytest.raises(UserError, match=r"checkpoints/4 was written with --comm.compression none --comm.error_feedback"
+                                            r" auto --comm.sync_every 1, whose train state differs from this run's"
+                                            r" \(--comm.compression int8"):
+            tr.resume_point(Checkpointer(str(tmp_path / "checkpoints")))

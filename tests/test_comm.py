@@ -230,10 +230,22 @@ def test_validate():
                           (("none", 0.01, 0, 0.7, 0.9), "--comm.sync_every"),
                           (("none", 0.01, 1, 0.0, 0.9), "--comm.outer_lr"),
                           (("none", 0.01, 1, 0.7, 1.0), "--comm.outer_momentum"),
-                          (("int8", 0.01, 4, 0.7, 0.9), "--comm.compression int8 compresses the every-step")):
+                          (("int8", 0.01, 4, 0.7, 0.9), "--comm.compression int8 compresses the every-step"),
+                          (("int8", 0.01, 1, 0.7, 0.9, "maybe"),
+                           "--comm.error_feedback: 'maybe' is not one of auto, true, false")):
         with pytest.raises(UserError, match=culprit.replace("(", r"\(")) as e:
             comm.validate(*args)
         assert "\n" not in str(e.value)
+
+
+def test_error_feedback_auto_is_on_for_quantisers_off_for_topk():
+    from train.config import build, error_feedback_on, from_args
+    assert [error_feedback_on(c, "auto") for c in ("none", "int8", "int4", "topk")] == [False, True, True, False]
+    assert error_feedback_on("topk", "true") and not error_feedback_on("int8", "off")
+    assert not error_feedback_on("none", "true")   # nothing is compressed, so nothing is kept
+    assert from_args(["--comm.error_feedback", "on"])[0].comm.error_feedback == "on"
+    assert from_args([])[0].comm.error_feedback == "auto"
+    assert build({"comm.error_feedback": False}).comm.error_feedback == "false"   # a YAML boolean
 
 
 # ---------------------------------------------------------------------------------------------- train step

@@ -24,7 +24,7 @@ from models import model as M, pipeline as PL
 from models.flops import flops_per_token, param_count
 from models.sample import generate
 from train import optim, state as S
-from train.config import Config, dump, profile_window
+from train.config import Config, dump, error_feedback_on, profile_window
 from train.data import abstract_batch as data_abstract_batch, make_pipeline
 from train.data.tokenizers import ByteTokenizer
 from train.goodput import Goodput, breakdown_text, read_records
@@ -103,7 +103,7 @@ class Trainer:
             return S.Sync()
         if m.sync_every > 1:
             return S.Sync(dp, outer_tx=comm.outer_optimizer(m.outer_lr, m.outer_momentum))
-        return S.Sync(dp, error_feedback=m.compression != "none" and m.error_feedback)
+        return S.Sync(dp, error_feedback=error_feedback_on(m.compression, m.error_feedback))
 
     def abstract_state(self) -> S.TrainState:
         """ShapeDtypeStructs with shardings of this run's state (plan, restore). Traced once per
@@ -180,12 +180,30 @@ class Trainer:
         src, step = open_checkpoint(resume)
         if src.directory == saver.directory:
             src = saver
+        self._check_sync_state(src, step)
         newer = [s for s in saver.all_steps() if s > step]
         if newer:
             raise UserError(f"--resume {resume}: step {step} is older than checkpoints already in"
                             f" {saver.directory} (steps {_steps(newer)}), which this run would collide with;"
                             f" use another --checkpoint.dir")
         return src, step
+
+    def _check_sync_state(self, src: Checkpointer, step: int) -> None:
+        """UserError when the checkpoint's --comm settings give the train state another layout
+        (error-feedback residuals or not, clipping before or after the sync, DiLoCo or not): one
+        line naming the options, where the shape check would list arrays."""
+        def layout(m: dict) -> tuple:
+            c = m.get("compression", "none")
+            return c != "none", error_feedback_on(c, m.get("error_feedback", "auto")), m.get("sync_every", 1) > 1
+
+        saved = src.meta(step).get("config", {}).get("comm")
+        now = self.cfg.to_dict()["comm"]
+        if saved is not None and self.dp_axes() and layout(saved) != layout(now):
+            opts = ("compression", "error_feedback", "sync_every")
+            text = lambda m: " ".join(f"--comm.{k} {m.get(k)}" for k in opts)  # noqa: E731
+            raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved)}, whose train"
+                            f" state differs from this run's ({text(now)}): resume with its settings,"
+                            f" or start a new --run-dir")
 
     def restore(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
         """The saved state, read straight into this trainer's mesh and shardings. A step that is
@@ -208,6 +226,7 @@ class Trainer:
         bad: list[tuple[int, UnreadableCheckpoint]] = []
         for step in sorted(saver.all_steps(), reverse=True):
             try:
+                self._check_sync_state(saver, step)
                 if step >= self.cfg.train.steps:  # nothing to train: the metadata suffices
                     saver.check_files(step)
                     saver.arrays(step)
