@@ -301,19 +301,7 @@ class Trainer:
                       f" (raise --steps to continue)", flush=True)
             self.history, self.eval_history = [], []
             return {"steps": step, "resumed_from": step, "trained_steps": 0, "exit_code": 0}
-        resumed = initialised = ""
-        if point:
-            state, meta = self.restore(*point)
-            resumed = (f"resumed from {point[0].step_dir(point[1])} (step {point[1]}, saved on mesh"
-                       f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - t0:.1f}s")
-            gp.add("restore", time.perf_counter() - t0)
-        elif cfg.checkpoint.init_from:  # only a fresh run: a restarted fine-tune resumes from its own saves
-            state, initialised = self.init_from(cfg.checkpoint.init_from)
-            gp.add("restore", time.perf_counter() - t0)
-        else:
-            state = self.create_state()
-            gp.add("compile", time.perf_counter() - t0)  # mostly compiling the sharded init
-
+        state, meta, note = self._initial_state(point, t0)
         data = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
                              batch_sharding=self.batch_sharding, start_step=int(state.step),
                              vocab_size=self.model_cfg.vocab_size)
@@ -335,17 +323,10 @@ class Trainer:
         log.print(f"brigade: {param_count(self.model_cfg) / 1e6:.2f}M params, mesh {describe(self.mesh)}"
                   f" ({self.mesh.size} device{'s' * (self.mesh.size > 1)}), {self.compute_dtype} compute, {data.describe()},"
                   f" step compiled in {compile_s:.1f}s; peak: {peak_src}")
-        if initialised:
-            log.print(initialised)
-        if resumed:
-            log.print(resumed + (f"; {gp.recomputed_steps} step(s) to recompute" if gp.recomputed_steps else ""))
-            changed = _changed_settings(meta.get("config", {}), cfg.to_dict())
-            if "loader" in meta.get("data", {}):  # the data itself (sources, windows) as well as the settings
-                changed = list(dict.fromkeys(changed + data.check_state(meta["data"]["loader"])))
-            if changed:
-                log.print(f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
-                          + (" (the learning-rate schedule spans train.steps)" if any(
-                              c.startswith("train.steps ") for c in changed) else ""))
+        if note:
+            log.print(note + (f"; {gp.recomputed_steps} step(s) to recompute" if point and gp.recomputed_steps else ""))
+        if point:
+            self._warn_changed_settings(meta, data, log)
 
         evals = data.eval_batches(t.eval_batches) if t.eval_every else []
 
@@ -431,6 +412,34 @@ class Trainer:
         self.state = state
         self.history, self.eval_history = history, eval_history
         return summary
+
+    def _initial_state(self, point: tuple[Checkpointer, int] | None, t0: float) -> tuple[S.TrainState, dict, str]:
+        """The state this run starts from -> (state, the checkpoint's meta or {}, a line to log or
+        ""): the resume point's, --init-from's parameters with a fresh optimizer, or a fresh init.
+        `t0`: when the search for the resume point began (it reads the checkpoint it picks)."""
+        gp = self.goodput
+        if point:
+            state, meta = self.restore(*point)
+            gp.add("restore", time.perf_counter() - t0)
+            return state, meta, (f"resumed from {point[0].step_dir(point[1])} (step {point[1]}, saved on mesh"
+                                 f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - t0:.1f}s")
+        if self.cfg.checkpoint.init_from:  # only a fresh run: a restarted fine-tune resumes from its own saves
+            state, note = self.init_from(self.cfg.checkpoint.init_from)
+            gp.add("restore", time.perf_counter() - t0)
+            return state, {}, note
+        state = self.create_state()
+        gp.add("compile", time.perf_counter() - t0)  # mostly compiling the sharded init
+        return state, {}, ""
+
+    def _warn_changed_settings(self, meta: dict, data, log: MetricsLogger) -> None:
+        """One warning line listing the settings (and data sources) that differ from the checkpoint's."""
+        changed = _changed_settings(meta.get("config", {}), self.cfg.to_dict())
+        if "loader" in meta.get("data", {}):  # the data itself (sources, windows) as well as the settings
+            changed = list(dict.fromkeys(changed + data.check_state(meta["data"]["loader"])))
+        if changed:
+            log.print(f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
+                      + (" (the learning-rate schedule spans train.steps)" if any(
+                          c.startswith("train.steps ") for c in changed) else ""))
 
     def init_from(self, path: str) -> tuple[S.TrainState, str]:
         """--init-from PATH: step 0 with a fresh optimizer around the parameters of a checkpoint (full
