@@ -284,14 +284,23 @@ def test_profile_steps_writes_a_trace(tmp_path):
     assert "train" in names  # the StepTraceAnnotation of the traced steps
 
 
-def test_resume_with_another_sync_layout_names_the_options(straight, tmp_path):
-    """The straight run's checkpoint (compression none) and a run with int8 (error feedback auto =
-    on: residuals, clipping before the sync): one line naming the --comm options, not a list of
-    arrays; int8 with error feedback off but still clipping before the sync differs as well."""
-    ref_dir, _ = straight
-    for over in ({"comm.compression": "int8"}, {"comm.compression": "int8", "comm.error_feedback": "false"}):
-        tr = Trainer(make_cfg(tmp_path, **{"checkpoint.resume": str(ref_dir / "checkpoints" / "4"), **over}))
-        with pytest.raises(UserError, match=r"checkpoints/4 was written with --comm.compression none --comm.error_feedback"
-                                            r" auto --comm.sync_every 1, whose train state differs from this run's"
-                                            r" \(--comm.compression int8"):
-            tr.resume_point(Checkpointer(str(tmp_path / "checkpoints")))
+def test_resume_converts_between_sync_layouts(straight, tmp_path):
+    """The straight run (compression none) resumed with int8 (error feedback on: residuals, clipping
+    before the sync): same losses up to the first compressed sync, residuals from zero; that run
+    resumed again without compression drops them. A switch to DiLoCo is refused in one line."""
+    ref_dir, ref = straight
+    ckpt4 = str(ref_dir / "checkpoints" / "4")
+    int8 = Trainer(make_cfg(tmp_path, **{"comm.compression": "int8", "checkpoint.resume": ckpt4,
+                                         "train.steps": 6, "checkpoint.every": 2}))
+    summary = int8.fit()
+    assert summary["resumed_from"] == 4 and summary["exit_code"] == 0
+    assert int8.history[0]["loss"] == ref[4]   # step 5's loss precedes its (first compressed) sync
+    assert max(float(np.abs(np.asarray(r)).max()) for r in jax.tree.leaves(int8.state.residual)) > 0
+    plain = Trainer(make_cfg(tmp_path))        # resume=latest: int8's step 6, residuals dropped
+    summary = plain.fit()
+    assert summary["resumed_from"] == 6 and summary["exit_code"] == 0 and plain.state.residual is None
+    assert all(np.isfinite(r["loss"]) for r in plain.history)
+    diloco = Trainer(make_cfg(tmp_path / "d", **{"comm.sync_every": 2, "checkpoint.resume": ckpt4}))
+    with pytest.raises(UserError, match=r"checkpoints/4 was written with --comm.compression none --comm.error_feedback"
+                                        r" auto --comm.sync_every 1: DiLoCo's train state .* does not convert"):
+        diloco.resume_point(Checkpointer(str(tmp_path / "d" / "checkpoints")))

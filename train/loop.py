@@ -11,6 +11,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -180,7 +181,7 @@ class Trainer:
         src, step = open_checkpoint(resume)
         if src.directory == saver.directory:
             src = saver
-        self._check_sync_state(src, step)
+        self._saved_abstract(src, step)   # a layout that cannot be converted fails before anything runs
         newer = [s for s in saver.all_steps() if s > step]
         if newer:
             raise UserError(f"--resume {resume}: step {step} is older than checkpoints already in"
@@ -188,22 +189,55 @@ class Trainer:
                             f" use another --checkpoint.dir")
         return src, step
 
-    def _check_sync_state(self, src: Checkpointer, step: int) -> None:
-        """UserError when the checkpoint's --comm settings give the train state another layout
-        (error-feedback residuals or not, clipping before or after the sync, DiLoCo or not): one
-        line naming the options, where the shape check would list arrays."""
-        def layout(m: dict) -> tuple:
+    def _saved_abstract(self, src: Checkpointer, step: int) -> S.TrainState:
+        """The abstract state (on this mesh) that `step` was saved as. Its --comm settings may give
+        another layout than this run's: error-feedback residuals or none, clipping in the optimizer
+        chain or before the sync. Those `_convert` bridges; a switch to or from DiLoCo (per-replica
+        optimizer states and drift) is refused in one line naming the options."""
+        def layout(m: dict) -> tuple[bool, bool, bool]:
             c = m.get("compression", "none")
             return c != "none", error_feedback_on(c, m.get("error_feedback", "auto")), m.get("sync_every", 1) > 1
 
         saved = src.meta(step).get("config", {}).get("comm")
         now = self.cfg.to_dict()["comm"]
-        if saved is not None and self.dp_axes() and layout(saved) != layout(now):
+        if saved is None or not self.dp_axes() or layout(saved) == layout(now):
+            return self.abstract_state()
+        compressed, feedback, diloco = layout(saved)
+        if diloco != layout(now)[2]:
             opts = ("compression", "error_feedback", "sync_every")
             text = lambda m: " ".join(f"--comm.{k} {m.get(k)}" for k in opts)  # noqa: E731
-            raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved)}, whose train"
-                            f" state differs from this run's ({text(now)}): resume with its settings,"
-                            f" or start a new --run-dir")
+            raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved)}: DiLoCo's train"
+                            f" state (per-replica optimizer states and drift) does not convert to or from"
+                            f" this run's ({text(now)}); resume with its settings, or start a new --run-dir")
+        tx = optim.make(self.cfg.train, clip=not (compressed and self.cfg.train.grad_clip > 0))
+        return S.abstract(self.model_cfg, tx, self.mesh, self.rules, S.Sync(self.dp_axes(), error_feedback=feedback))
+
+    def _convert(self, state: S.TrainState) -> tuple[S.TrainState, str]:
+        """A state restored in another --comm layout -> this run's, and what changed ("" if nothing).
+        The optimizer chain differs only in where clipping sits, which holds no arrays, so its
+        leaves carry over in order; residuals start at zero (nothing pending) or are dropped (up to
+        a step's worth of unsent gradient, which a change of compression forgoes anyway)."""
+        want = self.abstract_state()
+        opt_leaves = jax.tree.leaves(state.opt_state)
+        if [x.shape for x in opt_leaves] != [x.shape for x in jax.tree.leaves(want.opt_state)]:
+            raise UserError("the checkpoint's optimizer state does not match this run's (another optimizer setting)")
+        out = state.replace(opt_state=jax.tree.unflatten(jax.tree.structure(want.opt_state), opt_leaves))
+        if (state.residual is None) == (want.residual is None):
+            return out, ""
+        if want.residual is None:
+            return out.replace(residual=None), "error-feedback residuals dropped"
+        zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want.residual),
+                        out_shardings=self.state_shardings.residual)()
+        return out.replace(residual=zeros), "error-feedback residuals start at zero"
+
+    def _read(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
+        """`step` restored onto this mesh and converted to this run's --comm layout; the meta gets
+        `converted`, a note for the log, when a conversion changed something."""
+        abstract = self._saved_abstract(src, step)
+        state, meta = src.restore(step, abstract)
+        if abstract is not self.abstract_state():
+            state, meta["converted"] = self._convert(state)
+        return state, meta
 
     def restore(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
         """The saved state, read straight into this trainer's mesh and shardings. A step that is
@@ -213,7 +247,7 @@ class Trainer:
         if done is not None and done[0] is src and done[1] == step:
             self._verified = None
             return done[2], done[3]
-        return src.restore(step, self.abstract_state())
+        return self._read(src, step)
 
     def _latest_intact(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
         """--resume latest: the newest committed step that reads back completely. Unreadable newer
@@ -226,14 +260,12 @@ class Trainer:
         bad: list[tuple[int, UnreadableCheckpoint]] = []
         for step in sorted(saver.all_steps(), reverse=True):
             try:
-                self._check_sync_state(saver, step)
                 if step >= self.cfg.train.steps:  # nothing to train: the metadata suffices
                     saver.check_files(step)
                     saver.arrays(step)
                     saver.meta(step)
                 else:  # read it all (the only way to find truncated array data); restore() reuses it
-                    self._verified = (saver, step, *saver.restore(
-                        step, self.abstract_state()))
+                    self._verified = (saver, step, *self._read(saver, step))
             except UnreadableCheckpoint as e:
                 if is_main:
                     print(f"warning: {e}; trying the previous checkpoint", flush=True)
@@ -295,7 +327,7 @@ class Trainer:
         point = self.resume_point(saver)  # reads (and so verifies) the checkpoint it picks
         if point and point[1] >= t.steps:
             src, step = point
-            src.check_compatible(step, self.abstract_state())
+            src.check_compatible(step, self._saved_abstract(src, step))
             if is_main:
                 print(f"{src.step_dir(step)}: step {step} already reached --steps {t.steps}; nothing to train"
                       f" (raise --steps to continue)", flush=True)
@@ -422,7 +454,9 @@ class Trainer:
             state, meta = self.restore(*point)
             gp.add("restore", time.perf_counter() - t0)
             return state, meta, (f"resumed from {point[0].step_dir(point[1])} (step {point[1]}, saved on mesh"
-                                 f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - t0:.1f}s")
+                                 f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - t0:.1f}s"
+                                 + (f"; converted to this run's --comm settings: {meta['converted']}"
+                                    if meta.get("converted") else ""))
         if self.cfg.checkpoint.init_from:  # only a fresh run: a restarted fine-tune resumes from its own saves
             state, note = self.init_from(self.cfg.checkpoint.init_from)
             gp.add("restore", time.perf_counter() - t0)
