@@ -1,6 +1,7 @@
 """The training loop: the only place with I/O. Data in; metrics, eval and a sample out."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -25,7 +26,7 @@ from models import model as M, pipeline as PL
 from models.flops import flops_per_token, param_count
 from models.sample import generate
 from train import optim, state as S
-from train.config import Config, dump, error_feedback_on, profile_window
+from train.config import CommConfig, Config, dump, error_feedback_on, profile_window
 from train.data import abstract_batch as data_abstract_batch, make_pipeline
 from train.data.tokenizers import ByteTokenizer
 from train.goodput import Goodput, breakdown_text, read_records
@@ -63,10 +64,7 @@ class Trainer:
         self.lr = optim.schedule(cfg.train)
         self.batch_sharding = NamedSharding(self.mesh, logical_to_spec(("batch", "seq"), self.rules))
         self.state_shardings = S.shardings(self.model_cfg, self.tx, self.mesh, self.rules)
-        self.sync = self._sync()
-        m = cfg.comm   # a compressed gradient sync clips each replica's gradient itself (train_step)
-        self.local_clip = cfg.train.grad_clip if (self.sync.dp_axes and m.compression != "none"
-                                                  and m.sync_every == 1) else 0.0
+        self.sync, self.local_clip = self._sync(cfg.comm)
         if self.local_clip:
             self.tx = optim.make(cfg.train, clip=False)
         if self.sync != S.Sync():  # the data-parallel sync keeps per-replica state
@@ -96,15 +94,18 @@ class Trainer:
     def create_state(self) -> S.TrainState:
         return S.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed, self.sync)
 
-    def _sync(self) -> S.Sync:
-        """What --comm asks the state to carry: error-feedback residuals, or DiLoCo's drift and
-        outer optimizer; nothing without data-parallel axes (there is nothing to sync)."""
-        m, dp = self.cfg.comm, self.dp_axes()
+    def _sync(self, m: CommConfig) -> tuple[S.Sync, float]:
+        """What --comm settings `m` ask the state to carry (error-feedback residuals, or DiLoCo's
+        drift and outer optimizer; nothing without data-parallel axes: there is nothing to sync),
+        and the norm each replica clips its gradient to before a compressed sync (0: the optimizer
+        chain clips the synced gradient instead)."""
+        dp = self.dp_axes()
         if not dp:
-            return S.Sync()
+            return S.Sync(), 0.0
         if m.sync_every > 1:
-            return S.Sync(dp, outer_tx=comm.outer_optimizer(m.outer_lr, m.outer_momentum))
-        return S.Sync(dp, error_feedback=error_feedback_on(m.compression, m.error_feedback))
+            return S.Sync(dp, outer_tx=comm.outer_optimizer(m.outer_lr, m.outer_momentum)), 0.0
+        return (S.Sync(dp, error_feedback=error_feedback_on(m.compression, m.error_feedback)),
+                self.cfg.train.grad_clip if m.compression != "none" else 0.0)
 
     def abstract_state(self) -> S.TrainState:
         """ShapeDtypeStructs with shardings of this run's state (plan, restore). Traced once per
@@ -194,23 +195,23 @@ class Trainer:
         another layout than this run's: error-feedback residuals or none, clipping in the optimizer
         chain or before the sync. Those `_convert` bridges; a switch to or from DiLoCo (per-replica
         optimizer states and drift) is refused in one line naming the options."""
-        def layout(m: dict) -> tuple[bool, bool, bool]:
-            c = m.get("compression", "none")
-            return c != "none", error_feedback_on(c, m.get("error_feedback", "auto")), m.get("sync_every", 1) > 1
-
         saved = src.meta(step).get("config", {}).get("comm")
-        now = self.cfg.to_dict()["comm"]
-        if saved is None or not self.dp_axes() or layout(saved) == layout(now):
+        if saved is None:
             return self.abstract_state()
-        compressed, feedback, diloco = layout(saved)
-        if diloco != layout(now)[2]:
+        names = {f.name for f in dataclasses.fields(CommConfig)}
+        sync, local_clip = self._sync(CommConfig(**{k: v for k, v in saved.items() if k in names}))
+        layout = lambda sync, clip: (sync.error_feedback, sync.outer_tx is not None, clip > 0)  # noqa: E731
+        if layout(sync, local_clip) == layout(self.sync, self.local_clip):
+            return self.abstract_state()
+        if (sync.outer_tx is None) != (self.sync.outer_tx is None):
+            now = self.cfg.to_dict()["comm"]
             opts = ("compression", "error_feedback", "sync_every")
             text = lambda m: " ".join(f"--comm.{k} {m.get(k)}" for k in opts)  # noqa: E731
             raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved)}: DiLoCo's train"
                             f" state (per-replica optimizer states and drift) does not convert to or from"
                             f" this run's ({text(now)}); resume with its settings, or start a new --run-dir")
-        tx = optim.make(self.cfg.train, clip=not (compressed and self.cfg.train.grad_clip > 0))
-        return S.abstract(self.model_cfg, tx, self.mesh, self.rules, S.Sync(self.dp_axes(), error_feedback=feedback))
+        tx = optim.make(self.cfg.train, clip=not local_clip)
+        return S.abstract(self.model_cfg, tx, self.mesh, self.rules, sync)
 
     def _convert(self, state: S.TrainState) -> tuple[S.TrainState, str]:
         """A state restored in another --comm layout -> this run's, and what changed ("" if nothing).
