@@ -51,7 +51,7 @@ def _source(tokens, doc_starts, name="mem", eval_tokens=None) -> Source:
     """An in-memory source whose token values identify their position (windows are recognisable)."""
     ev = eval_tokens if eval_tokens is not None else np.zeros(0, np.uint32)
     return Source(name, Stream.from_array(tokens, np.asarray(doc_starts)), Stream.from_array(ev, np.zeros(1, np.int64)),
-                  int(tokens.max()) + 1, {"kind": "byte", "id": "byte", "eos_id": C.EOS}, name)
+                  int(tokens.max()) + 1, {"kind": "byte", "id": "byte", "eos_id": C.EOS}, name, int(tokens.max()))
 
 
 # ------------------------------------------------------------------ prepare
@@ -74,6 +74,7 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
     assert len(index["shards"]) > 3 and sum(s["n_tokens"] for s in index["shards"]) == index["n_tokens"]
     for sh in index["shards"]:
         assert TK.file_sha256(out / sh["tokens"]) == sh["sha256"]["tokens"]
+        assert sh["max_token"] == np.fromfile(out / sh["tokens"], index["dtype"]).max()
     texts = [C.decode(d) for d in _docs(out)]
     assert texts == TEXTS + [f"plain text file {i}\n" for i in range(3)]
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]

@@ -58,18 +58,23 @@ def _split(named_docs: list[tuple[str, bytes]], eval_fraction: float, name: str)
     return Corpus(name, _join(train), _join(held), BYTE_VOCAB)
 
 
-def _read_tree(root: str, suffix: str | None = None, skip_dirs: tuple[str, ...] = ()) -> list[tuple[str, bytes]]:
+def _read_tree(root: str, suffix: str | None = None, skip_dirs: tuple[str, ...] = (),
+               strict: bool = False) -> list[tuple[str, bytes]]:
+    """(name relative to root, bytes) of every file under root, sorted, hidden files and directories
+    skipped (as `prepare` does); an unreadable file is skipped, or with `strict` refused."""
     docs = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
-        for fname in sorted(filenames):
+        for fname in sorted(f for f in filenames if not f.startswith(".")):
             if suffix and not fname.endswith(suffix):
                 continue
             path = os.path.join(dirpath, fname)
             try:
                 with open(path, "rb") as f:
                     docs.append((os.path.relpath(path, root), f.read()))
-            except OSError:
+            except OSError as e:
+                if strict:  # the user's data: a file left out silently would be a silent change of corpus
+                    raise UserError(f"--data: cannot read '{path}': {e.strerror}") from None
                 continue  # unreadable stdlib files (permissions) are simply not part of the corpus
     return docs
 
@@ -82,8 +87,10 @@ def stdlib_corpus(eval_fraction: float) -> Corpus:
 
 
 def text_corpus(path: str, eval_fraction: float) -> Corpus:
+    """A text file or directory, byte-tokenised. Every file must be UTF-8 text, as `prepare` requires:
+    a binary file would otherwise be trained on as bytes without a word."""
     if os.path.isdir(path):
-        docs = _read_tree(path)
+        docs = _read_tree(path, strict=True)
     elif os.path.isfile(path):
         try:
             with open(path, "rb") as f:
@@ -93,6 +100,14 @@ def text_corpus(path: str, eval_fraction: float) -> Corpus:
     else:
         raise UserError(f"--data: '{path}' is not a file or directory; valid: default, synthetic, or a path to text")
     docs = [(n, d) for n, d in docs if d]
+    for name, data in docs:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            shown = path if os.path.isfile(path) else os.path.join(path, name)
+            raise UserError(f"--data: '{shown}' is not UTF-8 text (byte {e.start}); byte-tokenising it would train on"
+                            f" binary data: give text, or `python -m train.data prepare ... --on-bad-utf8 skip`"
+                            f" to leave such files out") from None
     if not docs:
         raise UserError(f"--data: '{path}' holds no non-empty files")
     return _split(docs, eval_fraction, f"text:{path}")

@@ -135,6 +135,19 @@ class Windows:
         return out
 
 
+def _check_vocab(src: Source, vocab_size: int) -> None:
+    """An id >= the model's vocab_size would index past the embedding table (NaN losses, no hint of
+    why): the model must cover both the tokenizer's vocabulary and the largest id actually present."""
+    if src.max_token >= vocab_size and src.max_token >= src.vocab_size:
+        raise UserError(f"data '{src.name}' holds token id {src.max_token}, beyond both model.vocab_size={vocab_size}"
+                        f" and the vocabulary its index records ({src.vocab_size}): the index is wrong; re-run"
+                        f" `python -m train.data prepare`")
+    if max(src.vocab_size, src.max_token + 1) > vocab_size:
+        raise UserError(f"data '{src.name}' needs vocab_size >= {max(src.vocab_size, src.max_token + 1)} but"
+                        f" model.vocab_size={vocab_size} (largest token id {src.max_token}); raise"
+                        f" --model.vocab_size or use a smaller tokenizer")
+
+
 def batch_keys(packing_mask: bool) -> dict[str, type]:
     keys = {"inputs": np.int32, "targets": np.int32, "weights": np.float32}
     return {**keys, "segment_ids": np.int32, "positions": np.int32} if packing_mask else keys
@@ -163,10 +176,8 @@ class Pipeline:
         self.packing, self.packing_mask = packing, packing_mask
         self.sharding, self.start_step, self.prefetch = batch_sharding, start_step, prefetch
         self.props = proportions(self.weights)
-        for src in self.sources:
-            if vocab_size is not None and src.vocab_size > vocab_size:
-                raise UserError(f"data '{src.name}' needs vocab_size >= {src.vocab_size} but model.vocab_size="
-                                f"{vocab_size}; raise --model.vocab_size or use a smaller tokenizer")
+        for src in self.sources if vocab_size is not None else ():
+            _check_vocab(src, vocab_size)
         eos = self.sources[0].tokenizer["eos_id"]
         self.train = [Windows(s.train, seq_len, packing, eos) for s in self.sources]
         self.eval = [Windows(s.eval, seq_len, packing, eos) for s in self.sources]

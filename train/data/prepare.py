@@ -3,12 +3,14 @@ and JSONL -> memory-mapped token shards with document boundaries and a JSON inde
 
 Layout of DIR:
   index.json                  tokenizer (kind, path, sha256, id), vocab_size, eos_id, dtype, token and
-                              document counts, and per shard its file names, counts and sha256
+                              document counts, and per shard its file names, counts, sha256 and largest
+                              token id (`max_token`); its schema is train/data/index.py
   shard-00000.bin             tokens, raw little-endian uint16 (vocabulary <= 65536) or uint32
   shard-00000.offsets.npy     int64 [n_documents + 1]: document d is tokens[offsets[d]:offsets[d+1]]
 Each document ends with the tokenizer's EOS id. Documents keep input order (files sorted inside a
 directory or glob; JSONL lines in file order), whatever the number of workers. Everything is written
-into `DIR.tmp-<pid>` and renamed to DIR only on success, so a failed run leaves nothing behind.
+into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing behind.
+`--overwrite` replaces only a directory that holds a prepared dataset and nothing else (check_out).
 """
 from __future__ import annotations
 
@@ -22,14 +24,13 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+import tempfile
 
 import numpy as np
 
 from mesh.errors import ArgParser, UserError, one_line_errors
 from train.data import tokenizers as TK
-
-FORMAT = "brigade-tokens/1"
-INDEX = "index.json"
+from train.data.index import FORMAT, INDEX, listed_files, read_index
 TASK_BYTES = 4 << 20          # input bytes per worker task at most: amortises the IPC, keeps the bar moving
 MIN_TASK_BYTES = 16 << 10     # ... and at least (small inputs are still spread over the workers)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -50,7 +51,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="a document that is not UTF-8: stop with its name, or skip it and report the count")
     p.add_argument("--eos-token", default=None, help="end-of-document token (default: found in the vocabulary)")
     p.add_argument("--shard-tokens", type=int, default=1 << 28, help="start a new shard after this many tokens")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out directory, if it holds a prepared dataset and nothing else")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -179,7 +181,7 @@ class _ShardWriter:
 
     def _open(self) -> None:
         name = f"shard-{len(self.shards):05d}"
-        self._name, self._hash, self._lengths, self._n = name, hashlib.sha256(), [], 0
+        self._name, self._hash, self._lengths, self._n, self._max = name, hashlib.sha256(), [], 0, 0
         self._f = open(os.path.join(self.directory, f"{name}.bin"), "wb")
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
@@ -192,7 +194,9 @@ class _ShardWriter:
             room = self.shard_tokens - self._n
             base = ends[lo - 1] if lo else 0
             hi = max(lo + 1, int(np.searchsorted(ends, base + room, side="right")))  # at least one document
-            data = tokens[base:ends[hi - 1]].astype(self.dtype).tobytes()
+            chunk = tokens[base:ends[hi - 1]]
+            self._max = max(self._max, int(chunk.max()))  # every document holds at least its EOS
+            data = chunk.astype(self.dtype).tobytes()
             self._f.write(data)
             self._hash.update(data)
             self._lengths.append(lengths[lo:hi])
@@ -209,7 +213,7 @@ class _ShardWriter:
         off_name = f"{self._name}.offsets.npy"
         np.save(os.path.join(self.directory, off_name), offsets)
         self.shards.append({"tokens": f"{self._name}.bin", "offsets": off_name, "n_tokens": int(offsets[-1]),
-                            "n_documents": len(offsets) - 1,
+                            "n_documents": len(offsets) - 1, "max_token": self._max,
                             "sha256": {"tokens": self._hash.hexdigest(),
                                        "offsets": TK.file_sha256(os.path.join(self.directory, off_name))}})
         self._f = None
@@ -219,22 +223,91 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
+def _within(path: str, directory: str) -> bool:
+    """Whether `path` is `directory` or lies inside it (both already real paths)."""
+    return os.path.commonpath([path, directory]) == directory
+
+
+def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) -> None:
+    """Refuses (UserError, before anything is written or deleted) an --out whose replacement would
+    lose data: one that is or contains an input, the current directory, the home directory or /;
+    one inside an input directory (the next run would read the dataset as input); an existing one
+    without --overwrite; and, with it, anything but a directory that holds a prepared dataset and
+    nothing else, so that the only files --overwrite deletes are ones `prepare` wrote."""
+    real = os.path.realpath(out)
+    if os.path.lexists(out):  # a new directory cannot hold anything yet
+        guarded = {"the current directory": os.getcwd(), "the home directory": os.path.expanduser("~"), "/": os.sep}
+        guarded |= {f"the input '{p}'": p for p in [*(i for i in inputs if os.path.exists(i)), *files]}
+        for what, path in guarded.items():
+            if _within(os.path.realpath(path), real):
+                raise UserError(f"prepare: --out '{out}' is or contains {what}; name a new directory for the dataset")
+    for spec in inputs:
+        if os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
+            raise UserError(f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are all"
+                            f" read as input; name a directory outside it")
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise UserError(f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite")
+    only = "--overwrite replaces only a directory that holds a prepared dataset and nothing else"
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise UserError(f"prepare: --out '{out}' is {'a symbolic link' if os.path.islink(out) else 'not a directory'};"
+                        f" {only}")
+    listed = listed_files(read_index(out, f"prepare: --out '{out}'", f"{only}; name a new directory"))
+    foreign = sorted(set(os.listdir(out)) - listed)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise UserError(f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write; {only}")
+
+
+def _replace(out: str, tmp: str) -> None:
+    """Moves the finished `tmp` to `out`; an existing `out` (a dataset check_out accepted) goes only
+    once the new one is in place, and only the files its index lists: anything that appeared since
+    the check is kept, with a warning."""
+    if not os.path.exists(out):
+        os.rename(tmp, out)
+        return
+    listed = listed_files(read_index(out, f"prepare: --out '{out}'", "it changed while prepare ran"))
+    trash = tempfile.mkdtemp(prefix=f"{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    old = os.path.join(trash, "dataset")
+    os.rename(out, old)
+    os.rename(tmp, out)
+    for name in listed:
+        try:
+            os.remove(os.path.join(old, name))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(old)
+        os.rmdir(trash)
+    except OSError:
+        print(f"prepare: kept {old}: it holds files that prepare did not write", file=sys.stderr)
+
+
+def _make_tmp(out: str) -> str:
+    """An empty directory next to `out` for the new dataset (renamed to `out` once complete)."""
+    parent = os.path.dirname(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"{os.path.basename(out)}.tmp-", dir=parent)
+    except OSError as e:
+        raise UserError(f"prepare: cannot create a directory next to --out '{out}': {e.strerror}") from None
+
+
 def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field: str = "text", workers: int = 1,
             on_bad_utf8: str = "fail", eos_token: str | None = None, shard_tokens: int = 1 << 28,
             overwrite: bool = False, progress: bool = True) -> dict:
     """Tokenise `inputs` into `out`; returns the index. Raises UserError (nothing left on disk) on bad input."""
     if workers < 1 or shard_tokens < 1:
         raise UserError(f"prepare: --workers and --shard-tokens must be >= 1, got {workers} and {shard_tokens}")
-    if os.path.exists(out) and not overwrite:
-        raise UserError(f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite")
     files = expand_inputs(inputs)
+    check_out(out, inputs, files, overwrite)
     tok = TK.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
     info = tok.describe()
     dtype = token_dtype(tok.vocab_size)
     tasks = make_tasks(files, workers)
     out = os.path.abspath(out)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    os.makedirs(tmp)
+    tmp = _make_tmp(out)
     from tqdm import tqdm
     bar = tqdm(total=sum(e - s for t in tasks for _, s, e in t), unit="B", unit_scale=True, desc="prepare",
                disable=not progress, file=sys.stderr)
@@ -261,13 +334,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
                  "shards": writer.shards}
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
-        if os.path.exists(out):  # --overwrite: the old directory goes only once the new one is complete
-            old = f"{out}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
+        _replace(out, tmp)
     except BaseException:
         bar.leave = False  # the error line stands alone
         bar.close()

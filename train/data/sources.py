@@ -24,7 +24,7 @@ import numpy as np
 
 from mesh.errors import UserError
 from train.data import corpus as C
-from train.data.prepare import FORMAT, INDEX
+from train.data.index import INDEX, read_index
 from train.data.tokenizers import file_sha256
 
 SOURCE_CHOICES = "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
@@ -83,6 +83,7 @@ class Source:
     vocab_size: int
     tokenizer: dict          # the index's tokenizer record; `id` decides what may be mixed
     fingerprint: str         # changes when the tokens do: a resumed run checks it
+    max_token: int           # the largest token id in either split: the model's vocab_size must exceed it
 
 
 def hash_u64(x: np.ndarray) -> np.ndarray:
@@ -108,50 +109,75 @@ def _doc_starts(tokens: np.ndarray) -> np.ndarray:
 def from_corpus(c: C.Corpus, whole_docs: bool = True) -> Source:
     streams = [Stream.from_array(t, _doc_starts(t) if whole_docs else np.zeros(1, np.int64)) for t in (c.train, c.eval)]
     fingerprint = hashlib.sha256(c.train.tobytes()).hexdigest()[:16]
+    max_token = max(int(t.max()) for t in (c.train, c.eval) if len(t))
     return Source(c.name, streams[0], streams[1], c.vocab_size, {"kind": "byte", "id": "byte",
                                                                  "vocab_size": C.BYTE_VOCAB, "eos_id": C.EOS},
-                  fingerprint)
+                  fingerprint, max_token)
 
 
 # ------------------------------------------------------------------ prepared datasets
 
-def read_index(directory: str) -> dict:
-    path = os.path.join(directory, INDEX)
+REPREPARE = "re-run `python -m train.data prepare`"
+
+
+def _scan(path: str, dtype: np.dtype) -> tuple[str, int]:
+    """(sha256, largest value) of a token file, in one read."""
+    h, top = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(dtype.itemsize << 21), b""):
+            h.update(block)
+            top = max(top, int(np.frombuffer(block, dtype).max()))
+    return h.hexdigest(), top
+
+
+def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """One shard of a validated index -> (tokens memmap, document offsets, largest token id), after
+    checking its size (always), sha256 (when `verify`) and offsets; any problem is one line naming
+    the file."""
+    where = f"--data {directory}"
+    files = {"tokens": os.path.join(directory, sh["tokens"]), "offsets": os.path.join(directory, sh["offsets"])}
+    for what, path in files.items():
+        if not os.path.isfile(path):
+            raise UserError(f"{where}: shard file {sh[what]} listed in {INDEX} is missing; {REPREPARE}")
+    size = os.path.getsize(files["tokens"])
+    if size != sh["n_tokens"] * dtype.itemsize:
+        raise UserError(f"{where}: {sh['tokens']} holds {size} bytes, its index says {sh['n_tokens']} {dtype.name}"
+                        f" tokens (truncated or modified); {REPREPARE}")
+    # Datasets prepared before `max_token` was recorded: the shard is scanned for it here (one read,
+    # what --data.verify does anyway) rather than refused, so they stay usable without re-preparing.
+    max_token = sh.get("max_token")
     try:
-        with open(path) as f:
-            index = json.load(f)
+        digest, found = _scan(files["tokens"], dtype) if verify or max_token is None else (None, None)
+        digests = {"tokens": digest, "offsets": file_sha256(files["offsets"]) if verify else None}
     except OSError as e:
-        raise UserError(f"--data {directory}: cannot read {INDEX}: {e.strerror}") from None
-    except ValueError:
-        raise UserError(f"--data {directory}: {INDEX} is not valid JSON; re-run `python -m train.data prepare`") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise UserError(f"--data {directory}: {INDEX} is not a {FORMAT} index; re-run `python -m train.data prepare`")
-    return index
+        raise UserError(f"{where}: cannot read {sh['tokens']} or {sh['offsets']}: {e.strerror}") from None
+    for what in files if verify else ():
+        if digests[what] != sh["sha256"][what]:
+            raise UserError(f"{where}: {sh[what]} does not match the sha256 in {INDEX} (corrupt or modified);"
+                            f" {REPREPARE}, or --data.verify false to skip this check")
+    if found is not None and max_token is not None and found != max_token:
+        raise UserError(f"{where}: {sh['tokens']} holds token ids up to {found} but {INDEX} says max_token"
+                        f" {max_token}; {REPREPARE}")
+    try:
+        off = np.load(files["offsets"])
+    except OSError as e:
+        raise UserError(f"{where}: cannot read {sh['offsets']}: {e.strerror}") from None
+    except (ValueError, EOFError):  # not an array file, or a pickle (never loaded: it could run code)
+        raise UserError(f"{where}: {sh['offsets']} is not a .npy array of document offsets; {REPREPARE}") from None
+    ok = off.ndim == 1 and off.dtype.kind in "iu" and len(off) == sh["n_documents"] + 1 and off[0] == 0 \
+        and off[-1] == sh["n_tokens"] and bool((np.diff(off) > 0).all())
+    if not ok:
+        raise UserError(f"{where}: {sh['offsets']} does not match {sh['tokens']}; {REPREPARE}")
+    tokens = np.memmap(files["tokens"], dtype, mode="r", shape=(sh["n_tokens"],))
+    return tokens, off.astype(np.int64), found if max_token is None else max_token
 
 
 def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
     """Memory-maps every shard after checking sizes (always) and sha256 checksums (when `verify`)."""
-    index = read_index(directory)
+    index = read_index(directory, f"--data {directory}", REPREPARE)
     dtype = np.dtype(index["dtype"])
-    shards, offsets = [], []
-    for sh in index["shards"]:
-        files = {"tokens": os.path.join(directory, sh["tokens"]), "offsets": os.path.join(directory, sh["offsets"])}
-        for what, path in files.items():
-            if not os.path.isfile(path):
-                raise UserError(f"--data {directory}: shard file {sh[what]} listed in {INDEX} is missing")
-        if os.path.getsize(files["tokens"]) != sh["n_tokens"] * dtype.itemsize:
-            raise UserError(f"--data {directory}: {sh['tokens']} holds {os.path.getsize(files['tokens'])} bytes, its"
-                            f" index says {sh['n_tokens']} {dtype.name} tokens (truncated or modified); re-run prepare")
-        if verify:
-            for what, path in files.items():
-                if file_sha256(path) != sh["sha256"][what]:
-                    raise UserError(f"--data {directory}: {sh[what]} does not match the sha256 in {INDEX} (corrupt or"
-                                    f" modified); re-run prepare, or --data.verify false to skip this check")
-        off = np.load(files["offsets"])
-        if len(off) != sh["n_documents"] + 1 or off[-1] != sh["n_tokens"]:
-            raise UserError(f"--data {directory}: {sh['offsets']} does not match {sh['tokens']}; re-run prepare")
-        shards.append(np.memmap(files["tokens"], dtype, mode="r", shape=(sh["n_tokens"],)))
-        offsets.append(off.astype(np.int64))
+    opened = [_open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
+    shards, offsets = [o[0] for o in opened], [o[1] for o in opened]
     doc_counts = [len(o) - 1 for o in offsets]
     held = is_eval_doc(np.arange(sum(doc_counts)), eval_fraction)
     starts = np.cumsum([0] + doc_counts)
@@ -159,7 +185,7 @@ def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
              for m in (~held, held)]
     fingerprint = hashlib.sha256(json.dumps([s["sha256"] for s in index["shards"]]).encode()).hexdigest()[:16]
     return Source(f"{os.path.basename(os.path.normpath(directory))} ({index['tokenizer']['id']})", split[0], split[1],
-                  int(index["vocab_size"]), index["tokenizer"], fingerprint)
+                  index["vocab_size"], index["tokenizer"], fingerprint, max(o[2] for o in opened))
 
 
 def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.ndarray]) -> Stream:
@@ -184,9 +210,28 @@ def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.n
 
 # ------------------------------------------------------------------ --data.source
 
+# The smallest mixture weight must be at least this share of the largest: the interleave turns weights
+# into integers with the smallest at 100 (pipeline.proportions), so a smaller ratio makes those grow
+# towards int64 overflow in its row arithmetic; and such a source would supply no row in practice.
+MIN_WEIGHT_RATIO = 1e-6
+
+
+def check_weights(entries: list[tuple[str, float | None]], where: str) -> list[tuple[str, float]]:
+    """Each weight finite and > 0, the smallest >= MIN_WEIGHT_RATIO x the largest; else UserError."""
+    for name, weight in entries:
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < float("inf"):
+            raise UserError(f"--data {where!r}: mixture entry '{name}' needs a positive weight (finite; got"
+                            f" {weight}), as in dirA:0.7,dirB:0.3")
+    (lo_name, lo), (_, hi) = min(entries, key=lambda e: e[1]), max(entries, key=lambda e: e[1])
+    if lo < hi * MIN_WEIGHT_RATIO:
+        raise UserError(f"--data {where!r}: the weight {lo} of '{lo_name}' is below {MIN_WEIGHT_RATIO:g} x the"
+                        f" largest ({hi}), too small to mix; raise it or leave that source out")
+    return [(name, float(weight)) for name, weight in entries]
+
+
 def parse_mixture(source: str) -> list[tuple[str, float]]:
     """`A:0.7,B:0.3` or FILE.yaml (a list of {source, weight}) -> [(source, weight)]; a single
-    source has weight 1."""
+    source without a weight has weight 1."""
     if source.endswith((".yaml", ".yml")) and os.path.isfile(source):
         return _mixture_yaml(source)
     entries = []
@@ -197,13 +242,9 @@ def parse_mixture(source: str) -> list[tuple[str, float]]:
         except ValueError:
             name, weight = part, None
         entries.append((name if weight is not None else part, weight))
-    if len(entries) == 1:
-        return [(entries[0][0], entries[0][1] or 1.0)]
-    for name, weight in entries:
-        if weight is None or not weight > 0 or not np.isfinite(weight):
-            raise UserError(f"--data {source!r}: mixture entry '{name}' needs a positive weight, as in"
-                            f" dirA:0.7,dirB:0.3")
-    return entries
+    if len(entries) == 1 and entries[0][1] is None:
+        return [(entries[0][0], 1.0)]
+    return check_weights(entries, source)
 
 
 def _mixture_yaml(path: str) -> list[tuple[str, float]]:
@@ -213,14 +254,13 @@ def _mixture_yaml(path: str) -> list[tuple[str, float]]:
             items = yaml.safe_load(f)
     except (OSError, yaml.YAMLError) as e:
         raise UserError(f"--data {path}: cannot read the mixture file ({str(e).splitlines()[0]})") from None
-    ok = isinstance(items, list) and items and all(
-        isinstance(i, dict) and isinstance(i.get("source"), str) and isinstance(i.get("weight"), (int, float))
-        and i["weight"] > 0 for i in items)
-    if not ok:
+    if not (isinstance(items, list) and items and all(isinstance(i, dict) and isinstance(i.get("source"), str)
+                                                       and "weight" in i for i in items)):
         raise UserError(f"--data {path}: a mixture file is a list of {{source: DIR, weight: POSITIVE}} entries")
+    entries = check_weights([(i["source"], i["weight"]) for i in items], path)
     base = os.path.dirname(os.path.abspath(path))  # relative sources are relative to the file
-    return [(i["source"] if i["source"] in ("default", "synthetic") or os.path.isabs(i["source"])
-             else os.path.join(base, i["source"]), float(i["weight"])) for i in items]
+    return [(name if name in ("default", "synthetic") or os.path.isabs(name) else os.path.join(base, name), weight)
+            for name, weight in entries]
 
 
 def load_source(spec: str, eval_fraction: float, seed: int, verify: bool = True) -> Source:

@@ -109,6 +109,12 @@ class TiktokenTokenizer(Tokenizer):
                 if line.strip():
                     token, rank = line.split()
                     ranks[base64.b64decode(token, validate=True)] = int(rank)
+        # tiktoken encodes a piece by merging its single bytes: a byte without a rank loads fine and
+        # then panics (in Rust, with a long backtrace) on the first text that holds it
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise UserError(f"--tokenizer {path}: not a usable tiktoken rank file: {len(missing)} of the 256 single"
+                            f" bytes have no rank (first: 0x{missing[0]:02x}), so text holding them cannot be encoded")
         self.path, self.eos_id = path, max(ranks.values()) + 1
         self.vocab_size = self.eos_id + 1
         self._enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
