@@ -1,7 +1,12 @@
-"""ModelConfig and the named presets (Llama shapes)."""
+"""ModelConfig, PipelineConfig and the named presets (Llama shapes); `ranged` fields, whose valid
+range is declared next to them, and `check_ranges`, the one check of a config section against them."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import typing
+from typing import Any, Callable
 
 from mesh.errors import UserError
 
@@ -12,46 +17,118 @@ DISPATCHES = ("dropless", "capacity")
 KERNELS = ("auto", "ragged", "blocks")  # dropless grouped matmul; auto = blocks on CPU, ragged elsewhere
 EXCHANGES = ("auto", "fixed", "ragged")  # dropless expert-parallel exchange; auto = fixed on CPU, ragged elsewhere
 
+# ------------------------------------------------------------------ declared ranges
+
+_BOUND = re.compile(r"(>=?)\s*(\S+)")
+_INTERVAL = re.compile(r"([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])")
+
+
+def _number(text: str) -> int | float:
+    # ints stay exact: float(2**63 - 1) would round up and admit 2**63
+    return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Where a numeric option may lie, written `>0`, `>=1`, `[0, 1)` or `(0, 1]`. NaN is never in
+    a range and inf only where the range names it with a closed bracket (`[0, inf]`)."""
+    spec: str
+    lo: int | float
+    hi: int | float
+    lo_open: bool
+    hi_open: bool
+
+    @classmethod
+    def parse(cls, spec: str) -> "Range":
+        if m := _BOUND.fullmatch(spec.strip()):
+            return cls(spec, _number(m[2]), math.inf, m[1] == ">", True)
+        if m := _INTERVAL.fullmatch(spec.strip()):
+            return cls(spec, _number(m[2]), _number(m[3]), m[1] == "(", m[4] == ")")
+        raise ValueError(f"range {spec!r}: expected >X, >=X or an interval like [0, 1)")
+
+    @property
+    def allows_inf(self) -> bool:
+        return (self.hi == math.inf and not self.hi_open) or (self.lo == -math.inf and not self.lo_open)
+
+    def admits(self, value: int | float) -> bool:
+        if math.isnan(value) or (math.isinf(value) and not self.allows_inf):
+            return False
+        return ((value > self.lo if self.lo_open else value >= self.lo)
+                and (value < self.hi if self.hi_open else value <= self.hi))
+
+    def describe(self, tp: type) -> str:
+        """`an integer >= 1`, `a finite number > 0`, `a number in [0, 1)`: how messages state it."""
+        if self.hi == math.inf and self.hi_open:
+            return f"{'an integer' if tp is int else 'a finite number'} {'>' if self.lo_open else '>='} {self.lo}"
+        return f"{'an integer' if tp is int else 'a number'} in {self.spec}"
+
+
+def ranged(default: int | float, spec: str, why: str = "") -> Any:
+    """A numeric dataclass field with its valid range (`Range` syntax); `why` is added to the
+    message of a value outside it where the range alone does not explain itself."""
+    return dataclasses.field(default=default, metadata={"range": Range.parse(spec), "why": why})
+
+
+def numeric_fields(cls) -> list[dataclasses.Field]:
+    """The int and float fields of a config dataclass (bool is not numeric here)."""
+    hints = typing.get_type_hints(cls)
+    return [f for f in dataclasses.fields(cls) if hints[f.name] in (int, float)]
+
+
+def check_ranges(section: Any, flag_of: Callable[[str], str]) -> None:
+    """UserError `FLAG VALUE: must be RANGE` for the first numeric field of `section` outside its
+    declared range; `flag_of(field)` is the option as the user writes it."""
+    hints = typing.get_type_hints(type(section))
+    for f in numeric_fields(type(section)):
+        rng = f.metadata.get("range")
+        if rng is None:  # a programming error: every numeric option declares where it may lie
+            raise TypeError(f"{type(section).__name__}.{f.name} has no declared range; define it with ranged()")
+        value = getattr(section, f.name)
+        if not rng.admits(value):
+            why = f" ({f.metadata['why']})" if f.metadata["why"] else ""
+            raise UserError(f"{flag_of(f.name)} {value}: must be {rng.describe(hints[f.name])}{why}")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 264          # 256 bytes + specials, padded to a multiple of 8 (shards on model<=8)
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    d_ff: int = 768
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
+    vocab_size: int = ranged(264, ">=1")       # 256 bytes + specials, padded to a multiple of 8 (shards on model<=8)
+    d_model: int = ranged(256, ">=1")
+    n_layers: int = ranged(4, ">=1")
+    n_heads: int = ranged(4, ">=1")
+    n_kv_heads: int = ranged(2, ">=1")
+    d_ff: int = ranged(768, ">=1")
+    max_seq_len: int = ranged(1024, ">=1")
+    rope_theta: float = ranged(10000.0, ">0")
     # Llama 3.1 RoPE scaling ("llama3"): long wavelengths stretched by the factor, short ones kept,
     # a smooth ramp between; factor 1 = none
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    norm_eps: float = 1e-5
+    rope_scaling_factor: float = ranged(1.0, ">=1")
+    rope_low_freq_factor: float = ranged(1.0, ">0")
+    rope_high_freq_factor: float = ranged(4.0, ">0")
+    rope_original_max_len: int = ranged(8192, ">=1")
+    norm_eps: float = ranged(1e-5, ">0")       # > 0: an all-zero row would normalise to 0 * inf
     tie_embeddings: bool = False
     dtype: str = "auto"            # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU (measured faster there)
     param_dtype: str = "float32"   # parameters and optimizer state
     remat: str = "full"            # none | full | dots (save matmul outputs, recompute the rest)
     scan_layers: bool = True       # lax.scan over the layer stack: compile time independent of depth
-    init_std: float = 0.02
+    init_std: float = ranged(0.02, ">0")
     # Mixture-of-Experts (n_experts = 0: dense). Every moe_every-th layer is MoE, the rest dense.
-    n_experts: int = 0
-    experts_per_token: int = 2     # top-k
-    d_ff_expert: int = 0           # width of each expert (and of each shared expert); 0 = d_ff
-    moe_every: int = 1
-    n_shared_experts: int = 0      # always-on experts (DeepSeek), one dense MLP of n_shared * d_ff_expert
+    n_experts: int = ranged(0, ">=0")
+    experts_per_token: int = ranged(2, ">=1")  # top-k
+    d_ff_expert: int = ranged(0, ">=0")        # width of each expert (and of each shared expert); 0 = d_ff
+    moe_every: int = ranged(1, ">=1")
+    n_shared_experts: int = ranged(0, ">=0")   # always-on experts (DeepSeek), one dense MLP of n_shared * d_ff_expert
     router: str = "softmax"        # softmax: Mixtral (top-k of softmax, renormalised); sigmoid: DeepSeek-V3
     dispatch: str = "dropless"     # dropless | capacity (GShard/Switch slots; overflow skips the layer)
-    capacity_factor: float = 1.25  # capacity = factor * tokens * k / n_experts slots per expert per device
+    # capacity = factor * tokens * k / n_experts slots per expert per device
+    capacity_factor: float = ranged(1.25, ">0")
     dropless_kernel: str = "auto"  # auto | ragged (lax.ragged_dot) | blocks (padded blocks, empty ones skipped)
     # dropless tokens over the expert axis: fixed (worst-case all_to_all buffers) | ragged (ragged_all_to_all,
     # only the real rows; on CPU an emulation, a test path) | auto (ragged on GPU/TPU, fixed on CPU)
     ep_exchange: str = "auto"
-    aux_loss_coef: float = 0.01    # Switch load-balancing loss (mean over MoE layers)
-    z_loss_coef: float = 0.001     # router z-loss (ST-MoE)
-    router_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per update; 0 = off
+    aux_loss_coef: float = ranged(0.01, ">=0")  # Switch load-balancing loss (mean over MoE layers)
+    z_loss_coef: float = ranged(0.001, ">=0")  # router z-loss (ST-MoE)
+    router_bias_rate: float = ranged(0.0, ">=0")  # DeepSeek-V3 aux-loss-free balancing: bias step per update; 0 = off
 
     @property
     def head_dim(self) -> int:
@@ -73,13 +150,13 @@ class ModelConfig:
         return self.n_layers // self.moe_every if self.n_experts else 0
 
     def validate(self) -> "ModelConfig":
+        """The declared ranges, then the rules between fields; UserError on the first broken one."""
+        check_ranges(self, lambda name: f"--model.{name}")
+
         def need(ok: bool, msg: str):
             if not ok:
                 raise UserError(f"model: {msg}")
-        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-            need(getattr(self, f) > 0, f"{f} must be positive, got {getattr(self, f)}")
         need(self.d_model % self.n_heads == 0, f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        need(self.rope_scaling_factor >= 1.0, f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
         need(self.rope_high_freq_factor > self.rope_low_freq_factor,
              f"rope_high_freq_factor={self.rope_high_freq_factor}"
              f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}")
@@ -92,17 +169,12 @@ class ModelConfig:
         need(self.param_dtype in DTYPES[1:], f"param_dtype '{self.param_dtype}' is not one of {', '.join(DTYPES[1:])}")
         if self.n_experts:
             self._validate_moe(need)
-        else:
-            need(self.n_experts == 0, f"n_experts must be >= 0 (0 = dense), got {self.n_experts}")
         return self
 
     def _validate_moe(self, need) -> None:
         e, k = self.n_experts, self.experts_per_token
-        need(e > 0, f"n_experts must be >= 0 (0 = dense), got {e}")
-        need(1 <= k <= e, f"experts_per_token={k} must be in [1, n_experts={e}]")
-        need(self.d_ff_expert >= 0, f"d_ff_expert must be >= 0 (0 = d_ff), got {self.d_ff_expert}")
-        need(self.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        need(self.moe_every >= 1 and self.n_layers % self.moe_every == 0,
+        need(k <= e, f"experts_per_token={k} must be in [1, n_experts={e}]")
+        need(self.n_layers % self.moe_every == 0,
              f"moe_every={self.moe_every} must divide n_layers={self.n_layers}; valid:"
              f" {[m for m in range(1, self.n_layers + 1) if self.n_layers % m == 0]}")
         need(self.router in ROUTERS, f"router '{self.router}' is not one of {', '.join(ROUTERS)}")
@@ -112,9 +184,6 @@ class ModelConfig:
         need(self.ep_exchange in EXCHANGES, f"ep_exchange '{self.ep_exchange}' is not one of {', '.join(EXCHANGES)}")
         need(self.ep_exchange != "ragged" or self.dispatch == "dropless",
              f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'")
-        need(self.capacity_factor > 0, f"capacity_factor must be positive, got {self.capacity_factor}")
-        for f in ("aux_loss_coef", "z_loss_coef", "router_bias_rate"):
-            need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
 
     def compute_dtype(self, platform: str) -> str:
         if self.dtype != "auto":
@@ -129,11 +198,19 @@ SCHEDULES = ("gpipe", "circular")
 class PipelineConfig:
     """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
     pipeline axis (`--mesh pipeline=P`)."""
-    microbatches: int = 0         # 0 = as many as stages; more shrinks the bubble (P-1)/(R*M+P-1)
-    repeats: int = 1              # circular: layer chunks per device (virtual stages per device)
+    microbatches: int = ranged(0, ">=0")       # 0 = as many as stages; more shrinks the bubble (P-1)/(R*M+P-1)
+    repeats: int = ranged(1, ">=1")            # circular: layer chunks per device (virtual stages per device)
     schedule: str = "gpipe"       # gpipe | circular
     remat_stage: bool = False     # also recompute each stage in the backward pass (less memory)
     gather_once: bool = False     # fsdp: all-gather each stage's weights once per step, not every tick
+
+    def validate(self) -> "PipelineConfig":
+        """The declared ranges and the schedule's name; what needs the mesh (stages, layer and batch
+        divisibility) the Trainer checks."""
+        check_ranges(self, lambda name: f"--pipeline.{name}")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"--pipeline.schedule '{self.schedule}' is not one of {', '.join(SCHEDULES)}")
+        return self
 
     @property
     def replica_axes(self) -> tuple[str, ...]:

@@ -57,7 +57,8 @@ def test_help_lists_section_flags_with_defaults(help_text):
     assert "(default: 120)" in help_of("--train.steps")
     assert "--steps INT" in help_of("--train.steps")
     assert "(default: 16)" in help_of("--train.batch_size")
-    assert "(default: 0.003)" in help_of("--train.lr")
+    assert "(default: 0.003) valid: >0" in help_of("--train.lr")
+    assert "(default: 0.9) valid: [0, 1)" in help_of("--train.b1")        # each numeric option's range
     assert "(default: runs/latest)" in help_of("--logging.run_dir")
     assert "tiny, default, 125m, 1b, 7b, 70b" in help_text
     for flag in ("--model.remat", "--parallelism.rules", "--data.eval_fraction", "--logging.tensorboard"):
@@ -160,9 +161,9 @@ def test_build_rejects_bad_values():
         build({"train.steps": "x"})
     with pytest.raises(UserError, match="unknown option 'model.depth'; valid model options: vocab_size"):
         build({"model.depth": 3})
-    with pytest.raises(UserError, match="train.steps must be positive"):
+    with pytest.raises(UserError, match="--steps 0: must be an integer >= 1"):
         build({"train.steps": 0})
-    with pytest.raises(UserError, match="--log-every must be positive"):
+    with pytest.raises(UserError, match="--log-every 0: must be an integer >= 1"):
         build({"logging.log_every": 0})
 
 

@@ -242,7 +242,7 @@ def test_generate_greedy_matches_full_forward(params):
     (dict(n_kv_heads=3), ["n_heads=4", "n_kv_heads=3", "[1, 2, 4]"]),
     (dict(remat="some"), ["remat", "'some'", "none, full, dots"]),
     (dict(dtype="float8"), ["dtype", "'float8'", "bfloat16"]),
-    (dict(n_layers=0), ["n_layers", "positive"]),
+    (dict(n_layers=0), ["--model.n_layers 0", "an integer >= 1"]),
     (dict(d_model=72, n_heads=8, n_kv_heads=8), ["head_dim", "9", "even"]),
 ])
 def test_validate_bad_inputs(change, needles):
@@ -250,7 +250,7 @@ def test_validate_bad_inputs(change, needles):
     with pytest.raises(UserError) as ei:
         cfg.validate()
     msg = str(ei.value)
-    assert msg.startswith("model: ")
+    assert msg.startswith(("model: ", "--model.")), msg
     for n in needles:
         assert n in msg, (n, msg)
 

@@ -1,11 +1,14 @@
 """Run configuration: typed dataclasses, YAML files and `--section.field VALUE` overrides.
 
-Precedence: dataclass defaults < model preset < YAML (--config) < command line.
+Precedence: dataclass defaults < model preset < YAML (--config) < command line. Every int and float
+option declares its valid range next to it (`ranged`); a section's validate() checks those, then the
+rules between its own fields; Config.validate() runs them all, then the rules that span sections.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import typing
@@ -15,33 +18,49 @@ import yaml
 
 from mesh.errors import UserError
 from mesh.xla import PRESETS as XLA_PRESETS
-from models.config import PRESETS, ModelConfig, preset
-from models.config import SCHEDULES, PipelineConfig
+from models.config import PRESETS, ModelConfig, PipelineConfig, check_ranges, numeric_fields, preset, ranged
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 120
-    batch_size: int = 16          # global, in sequences
-    seq_len: int = 128
-    micro_batches: int = 1        # gradient accumulation inside the jitted step
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1     # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 12
-    weight_decay: float = 0.1
+    steps: int = ranged(120, ">=1")
+    batch_size: int = ranged(16, ">=1")        # global, in sequences
+    seq_len: int = ranged(128, ">=1")
+    micro_batches: int = ranged(1, ">=1")      # gradient accumulation inside the jitted step
+    lr: float = ranged(3e-3, ">0")
+    min_lr_ratio: float = ranged(0.1, "[0, 1]")  # cosine decays to lr * min_lr_ratio
+    # more than steps is allowed (short smoke runs keep the default): the warmup is cut to steps - 1
+    warmup_steps: int = ranged(12, ">=0")
+    weight_decay: float = ranged(0.1, ">=0")
     decay_embeddings: bool = False  # norms never decay; embeddings only if this is set
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0        # global-norm clipping; 0 disables
-    seed: int = 0
-    max_bad_steps: int = 5        # non-finite steps in a row (each skipped) before reloading the last checkpoint; 0 = never
-    step_timeout: float = 900.0   # watchdog: seconds without progress (after the first compile) before exiting 4; 0 = off
-    max_restarts: int = 0         # supervisor: restart a crashed run up to N times from its last checkpoint
-    eval_every: int = 60          # 0 disables
-    eval_batches: int = 4
-    sample_tokens: int = 160      # tokens generated at the end of training; 0 disables
+    b1: float = ranged(0.9, "[0, 1)")
+    b2: float = ranged(0.95, "[0, 1)")
+    eps: float = ranged(1e-8, ">0")            # > 0: a parameter whose gradients are all zero would divide 0 by 0
+    grad_clip: float = ranged(1.0, ">=0")      # global-norm clipping; 0 disables
+    seed: int = ranged(0, f"[0, {2**63 - 1}]")  # jax.random.key takes a signed 64-bit seed
+    # non-finite steps in a row (each skipped) before reloading the last checkpoint; 0 = never
+    max_bad_steps: int = ranged(5, ">=0")
+    # watchdog: seconds without progress (after the first compile) before exiting 4; 0 = off
+    step_timeout: float = ranged(900.0, ">=0")
+    # supervisor: restart a crashed run up to N times from its last checkpoint
+    max_restarts: int = ranged(0, ">=0")
+    # skip the start-up check of the step's per-device memory against what the machine has; the loop uses it
+    skip_memory_check: bool = False
+    eval_every: int = ranged(60, ">=0")        # 0 disables
+    eval_batches: int = ranged(4, ">=0")       # at least 1 while eval_every > 0
+    sample_tokens: int = ranged(160, ">=0")    # tokens generated at the end of training; 0 disables
     prompt: str = "def "
+
+    def validate(self) -> "TrainConfig":
+        check_ranges(self, functools.partial(public_flag, "train"))
+        if self.batch_size % self.micro_batches:
+            raise UserError(
+                f"--batch-size {self.batch_size} is not divisible by --micro-batches {self.micro_batches}; valid"
+                f" micro-batch counts: {[m for m in range(1, self.batch_size + 1) if self.batch_size % m == 0]}")
+        if self.eval_every and not self.eval_batches:
+            raise UserError(f"--train.eval_batches 0: must be >= 1 while --eval-every {self.eval_every} evaluates"
+                            f" (--eval-every 0 turns evaluation off)")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +69,17 @@ class ParallelismConfig:
     mesh_dcn: str = ""            # part of each axis that spans hosts/slices, e.g. data=4
     rules: str = ""               # logical-axis overrides, e.g. embed=fsdp+model,vocab=none
     coordinator: str = ""         # HOST:PORT of process 0 (multi-process); empty = auto-detect
-    num_processes: int = 1
-    process_id: int = 0
-    peer_timeout: float = 45.0    # seconds before a lost peer process is declared (heartbeats; CPU collectives)
+    num_processes: int = ranged(1, ">=1")
+    process_id: int = ranged(0, ">=0")         # below num_processes
+    # seconds before a lost peer process is declared (heartbeats; CPU collectives)
+    peer_timeout: float = ranged(45.0, ">0")
+
+    def validate(self) -> "ParallelismConfig":
+        check_ranges(self, functools.partial(public_flag, "parallelism"))
+        if self.process_id >= self.num_processes:
+            raise UserError(f"--process-id {self.process_id}: must be in [0, {self.num_processes - 1}]"
+                            f" for --num-processes {self.num_processes}")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,48 +87,82 @@ class DataConfig:
     # default (stdlib corpus) | synthetic | DIR (prepared: DIR/index.json) | PATH (text file/dir, byte tokens)
     # | a mixture SRC:WEIGHT,SRC:WEIGHT (e.g. dirA:0.7,dirB:0.3) | FILE.yaml (a list of {source, weight})
     source: str = "default"
-    eval_fraction: float = 0.02   # share of documents held out for eval
-    prefetch: int = 2             # batches prepared ahead on a background thread
+    eval_fraction: float = ranged(0.02, "[0, 1)", why="the share of documents held out for eval;"
+                                                      " 1 would leave nothing to train on")
+    prefetch: int = ranged(2, ">=1")           # batches prepared ahead on a background thread
     packing: bool = True          # documents end to end in seq_len windows; false: one document chunk per row, padded
     packing_mask: bool = False    # also segment_ids/positions so attention stays inside a document
     verify: bool = True           # check every shard's sha256 against the prepared dataset's index at start
+
+    def validate(self) -> "DataConfig":
+        check_ranges(self, functools.partial(public_flag, "data"))
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     run_dir: str = "runs/latest"
-    log_every: int = 10
+    log_every: int = ranged(10, ">=1")
     tensorboard: bool = True
     progress: bool = True
-    peak_tflops: float = 0.0      # per-device peak for MFU; 0 = from the device table (measured on CPU)
+    # per-device peak for MFU; 0 = from the device table (measured on CPU)
+    peak_tflops: float = ranged(0.0, ">=0")
+
+    def validate(self) -> "LoggingConfig":
+        check_ranges(self, functools.partial(public_flag, "logging"))
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""                 # empty = <run_dir>/checkpoints
-    every: int = 50               # steps between saves; 0 = only the final save
-    keep: int = 3                 # the latest K checkpoints are kept; 0 = keep all
-    keep_every: int = 0           # steps divisible by this are kept forever (recovery points); 0 = none
+    every: int = ranged(50, ">=0")             # steps between saves; 0 = only the final save
+    keep: int = ranged(3, ">=0")               # the latest K checkpoints are kept; 0 = keep all
+    keep_every: int = ranged(0, ">=0")         # steps divisible by this are kept forever (recovery points); 0 = none
     async_save: bool = True       # flag and YAML name: `async` (a Python keyword cannot be a field)
     resume: str = "latest"        # latest | none | PATH (a run dir, a checkpoint dir or one step's dir)
     init_from: str = ""           # PATH: start a fresh run from these parameters (e.g. an HF import); fresh optimizer
+
+    def validate(self) -> "CheckpointConfig":
+        check_ranges(self, functools.partial(public_flag, "checkpoint"))
+        if not self.resume:
+            raise UserError("--resume: expected latest, none or a checkpoint PATH, got ''")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     steps: str = ""               # A:B = trace steps A..B-1 with jax.profiler into <run_dir>/profile; empty = off
 
+    def validate(self) -> "ProfileConfig":
+        # no numeric options; the window is checked against --steps in Config.validate
+        check_ranges(self, functools.partial(public_flag, "profile"))
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
     compression: str = "none"     # data-parallel gradient sync: none (XLA's float32 all-reduce) | int8 | int4 | topk
-    topk_fraction: float = 0.01   # topk: share of each replica's gradient sent per step (values + int32 indices)
+    # topk: share of each replica's gradient sent per step (values + int32 indices)
+    topk_fraction: float = ranged(0.01, "(0, 1]")
     # keep what compression did not send (per replica, checkpointed) and add it to the next step:
     # auto = on for int8/int4, off for topk (under AdamW it made top-k worse: BENCHMARKS.md)
     error_feedback: str = "auto"
-    sync_every: int = 1           # local SGD / DiLoCo: local steps between data-parallel syncs; 1 = synchronous
-    outer_lr: float = 0.7         # DiLoCo outer SGD learning rate (Douillard et al. 2023)
-    outer_momentum: float = 0.9   # DiLoCo outer Nesterov momentum; 0 = plain SGD on the averaged deltas
+    # local SGD / DiLoCo: local steps between data-parallel syncs; 1 = synchronous
+    sync_every: int = ranged(1, ">=1")
+    outer_lr: float = ranged(0.7, ">0")        # DiLoCo outer SGD learning rate (Douillard et al. 2023)
+    # DiLoCo outer Nesterov momentum; 0 = plain SGD on the averaged deltas
+    outer_momentum: float = ranged(0.9, "[0, 1)")
+
+    def validate(self) -> "CommConfig":
+        check_ranges(self, functools.partial(public_flag, "comm"))
+        if self.compression not in COMPRESSIONS:
+            raise UserError(f"--comm.compression: '{self.compression}' is not one of {', '.join(COMPRESSIONS)}")
+        error_feedback_on("int8", self.error_feedback)   # a valid value, whatever the compression
+        if self.sync_every > 1 and self.compression != "none":
+            raise UserError(f"--comm.compression {self.compression} compresses the every-step gradient sync; with"
+                            f" --comm.sync_every {self.sync_every} (DiLoCo) use --comm.compression none")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +185,15 @@ class Config:
         return {section: {PUBLIC_NAMES.get(f"{section}.{k}", k): v for k, v in values.items()}
                 for section, values in d.items()}
 
+    def validate(self) -> "Config":
+        """Each section's own checks, then the rules that span sections; UserError on the first."""
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise UserError(f"--seq-len {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        profile_window(self.profile.steps, self.train.steps)
+        return self
+
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig,
             "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig, "comm": CommConfig,
@@ -145,6 +215,14 @@ ALIASES = {
     "--process-id": "parallelism.process_id", "--resume": "checkpoint.resume",
     "--max-restarts": "train.max_restarts", "--init-from": "checkpoint.init_from",
 }
+_SHORT = {key: alias for alias, key in ALIASES.items()}
+
+
+def public_flag(section: str, field: str) -> str:
+    """How a user types the option of a dataclass field: its short alias (--lr) where there is one,
+    else --section.name (with its public name: --checkpoint.async)."""
+    key = f"{section}.{PUBLIC_NAMES.get(f'{section}.{field}', field)}"
+    return _SHORT.get(key, f"--{key}")
 
 
 def _parse_bool(s: str) -> bool:
@@ -213,17 +291,18 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xla-preset", choices=list(XLA_PRESETS), default=argparse.SUPPRESS,
                         help="recommended XLA flags for the backend, merged into XLA_FLAGS / LIBTPU_INIT_ARGS"
                              " (flags already set win)")
-    short = {v: k for k, v in ALIASES.items()}
     parser.add_argument("--model", "--model.preset", dest="model.preset", default=argparse.SUPPRESS, metavar="PRESET",
                         help=f"model preset: {', '.join(PRESETS)} (default: default)")
     for section in SECTIONS:
         group = parser.add_argument_group(section)
-        for name, (_, tp, default) in _options(section).items():
+        ranges = {f.name: f.metadata["range"].spec for f in numeric_fields(SECTIONS[section])}
+        for name, (field, tp, default) in _options(section).items():
             key = f"{section}.{name}"
-            flags = [f"--{key}"] + ([short[key]] if key in short else [])
+            flags = [f"--{key}"] + ([_SHORT[key]] if key in _SHORT else [])
             shown = "from the preset" if section == "model" else SHOWN_DEFAULTS.get(key, default)
+            valid = f" valid: {ranges[field]}" if field in ranges else ""
             group.add_argument(*flags, dest=key, type=_converter(tp), default=argparse.SUPPRESS,
-                               metavar=tp.__name__.upper(), help=f"(default: {shown})")
+                               metavar=tp.__name__.upper(), help=f"(default: {shown}){valid}")
 
 
 def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Config:
@@ -248,10 +327,7 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Co
                 raise UserError(f"unknown option '{section}.{name}'; valid {section} options: {', '.join(options)}")
         sections[section] = dataclasses.replace(
             base, **{options[n][0]: _coerce(f"{section}.{n}", options[n][1], v) for n, v in values.items()})
-    cfg = Config(model_preset=preset_name, **sections)
-    cfg.model.validate()
-    _validate(cfg)
-    return cfg
+    return Config(model_preset=preset_name, **sections).validate()
 
 
 # mesh/collectives.py METHODS plus the plain all-reduce; kept here so parsing flags needs no JAX
@@ -275,56 +351,9 @@ def error_feedback_on(compression: str, error_feedback: str | bool) -> bool:
 
 def validate_comm(compression: str, topk_fraction: float, sync_every: int, outer_lr: float,
                   outer_momentum: float, error_feedback: str | bool = "auto") -> None:
-    """UserError naming the `comm.*` option that is out of range."""
-    if compression not in COMPRESSIONS:
-        raise UserError(f"--comm.compression: '{compression}' is not one of {', '.join(COMPRESSIONS)}")
-    error_feedback_on("int8", error_feedback)   # a valid value, whatever the compression
-    if not 0 < topk_fraction <= 1:
-        raise UserError(f"--comm.topk_fraction must be in (0, 1], got {topk_fraction}")
-    if sync_every < 1:
-        raise UserError(f"--comm.sync_every must be >= 1 (1 = synchronous training), got {sync_every}")
-    if outer_lr <= 0:
-        raise UserError(f"--comm.outer_lr must be positive, got {outer_lr}")
-    if not 0 <= outer_momentum < 1:
-        raise UserError(f"--comm.outer_momentum must be in [0, 1), got {outer_momentum}")
-    if sync_every > 1 and compression != "none":
-        raise UserError(f"--comm.compression {compression} compresses the every-step gradient sync; with"
-                        f" --comm.sync_every {sync_every} (DiLoCo) use --comm.compression none")
-
-
-def _validate(cfg: Config) -> None:
-    t = cfg.train
-    for name in ("steps", "batch_size", "seq_len", "micro_batches"):
-        if getattr(t, name) <= 0:
-            raise UserError(f"train.{name} must be positive, got {getattr(t, name)}")
-    if t.batch_size % t.micro_batches:
-        raise UserError(f"--batch-size {t.batch_size} is not divisible by --micro-batches {t.micro_batches};"
-                        f" valid micro-batch counts: {[m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0]}")
-    if t.seq_len > cfg.model.max_seq_len:
-        raise UserError(f"--seq-len {t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    if cfg.logging.log_every <= 0:
-        raise UserError(f"--log-every must be positive, got {cfg.logging.log_every}")
-    for name in ("step_timeout", "max_restarts", "max_bad_steps"):
-        if getattr(t, name) < 0:
-            raise UserError(f"train.{name} must be >= 0, got {getattr(t, name)}")
-    if cfg.parallelism.peer_timeout <= 0:
-        raise UserError(f"parallelism.peer_timeout must be positive, got {cfg.parallelism.peer_timeout}")
-    m = cfg.comm
-    validate_comm(m.compression, m.topk_fraction, m.sync_every, m.outer_lr, m.outer_momentum, m.error_feedback)
-    c = cfg.checkpoint
-    for name in ("every", "keep", "keep_every"):
-        if getattr(c, name) < 0:
-            raise UserError(f"checkpoint.{name} must be >= 0, got {getattr(c, name)}")
-    profile_window(cfg.profile.steps, t.steps)
-    pc = cfg.pipeline  # what needs the mesh (stages, layer and batch divisibility) the Trainer checks
-    if pc.schedule not in SCHEDULES:
-        raise UserError(f"--pipeline.schedule '{pc.schedule}' is not one of {', '.join(SCHEDULES)}")
-    if pc.microbatches < 0:
-        raise UserError(f"--pipeline.microbatches must be >= 0 (0 = as many as stages), got {pc.microbatches}")
-    if pc.repeats < 1:
-        raise UserError(f"--pipeline.repeats must be >= 1, got {pc.repeats}")
-    if not c.resume:
-        raise UserError("--resume: expected latest, none or a checkpoint PATH, got ''")
+    """UserError naming the `comm.*` option that is out of range (CommConfig.validate, for callers
+    that hold the values rather than a section)."""
+    CommConfig(compression, topk_fraction, error_feedback, sync_every, outer_lr, outer_momentum).validate()
 
 
 def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
