@@ -19,8 +19,11 @@ import functools
 import json
 import math
 import os
+import shutil
 import sys
-from typing import Callable, NamedTuple
+import tempfile
+import typing
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -105,20 +108,66 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # -- config.json <-> ModelConfig ----------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)   # JSON true is a Python int
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # json reads NaN
+
+
+_KINDS = {"a positive integer": lambda v: _is_int(v) and v > 0,
+          "a positive number": lambda v: _is_number(v) and v > 0,
+          "a non-negative number": lambda v: _is_number(v) and v >= 0,
+          "true or false": lambda v: isinstance(v, bool),
+          "a string": lambda v: isinstance(v, str), "an object": lambda v: isinstance(v, dict)}
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# The JSON type of every config.json key read here (null = absent for all but _REQUIRED): a string
+# or a bool where a number belongs would otherwise reach int()/float()/bool() and convert silently.
+_KEY_KINDS = {
+    **dict.fromkeys(_REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                                 "num_local_experts", "num_experts_per_tok"), "a positive integer"),
+    "rope_theta": "a positive number", "rms_norm_eps": "a positive number",
+    "router_aux_loss_coef": "a non-negative number",
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"), "true or false"),
+    "model_type": "a string", "hidden_act": "a string", "rope_scaling": "an object", "rope_parameters": "an object",
+}
+_ROPE_KINDS = {"rope_theta": "a positive number", "rope_type": "a string", "type": "a string"}
+
+
+def _show(value) -> str:
+    """A value from a file as one short line of JSON (a newline in a tensor name stays escaped)."""
+    text = json.dumps(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def check_config_types(hf, where: str = "config.json") -> None:
+    """UserError naming the first config.json key whose JSON type is not the one it must have."""
+    if not isinstance(hf, dict):
+        raise UserError(f"{where}: expected a JSON object of config keys, got {_show(hf)}")
+    checks = [(key, kind, hf.get(key)) for key, kind in _KEY_KINDS.items()]
+    for section in ("rope_scaling", "rope_parameters"):
+        if isinstance(hf.get(section), dict):
+            checks += [(f"{section}.{k}", kind, hf[section].get(k)) for k, kind in _ROPE_KINDS.items()]
+    for key, kind, value in checks:
+        if value is None and key in _REQUIRED:
+            raise UserError(f"{where}: {key} is missing (it must be {kind})")
+        if value is not None and not _KINDS[kind](value):
+            raise UserError(f"{where}: {key} must be {kind}, got {_show(value)}")
+
+
 def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json") -> tuple[str, ModelConfig]:
     """An HF config dict -> (model_type, ModelConfig). Anything Brigade would compute differently
     is refused with one line naming the key."""
     def bad(key, value, supported):
         raise UserError(f"{where}: {key}={json.dumps(value)} is not supported (supported: {supported})")
 
+    check_config_types(hf, where)
     mtype = hf.get("model_type")
     if mtype not in ROWS:
         bad("model_type", mtype, ", ".join(ROWS))
     if dtype not in DTYPES:
         raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(hf.get(key), int):
-            raise UserError(f"{where}: {key} is missing or not an integer")
     if hf.get("hidden_act", "silu") != "silu":
         bad("hidden_act", hf["hidden_act"], "silu")
     for key in ("attention_bias", "mlp_bias"):
@@ -134,7 +183,7 @@ def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json")
     rope_fields = {}
     if rope_type == "llama3" and _LLAMA3_ROPE:
         for key, field in _LLAMA3_KEYS.items():
-            if not isinstance(scaling.get(key), (int, float)):
+            if not _is_number(scaling.get(key)):
                 raise UserError(f"{where}: {where_rope}.{key} is missing or not a number (rope_type llama3 needs it)")
             rope_fields[field] = type(getattr(ModelConfig, field))(scaling[key])
     elif rope_type != "default":
@@ -144,8 +193,8 @@ def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json")
     moe = {}
     if mtype == "mixtral":
         for key in ("num_local_experts", "num_experts_per_tok"):
-            if not isinstance(hf.get(key), int):
-                raise UserError(f"{where}: {key} is missing or not an integer")
+            if hf.get(key) is None:
+                raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
         moe = dict(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
                    d_ff_expert=hf["intermediate_size"], moe_every=1, router="softmax", dispatch="dropless",
                    aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)), z_loss_coef=0.0)
@@ -199,10 +248,31 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
 
 
 # -- the model object ---------------------------------------------------------------------------
+def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None:
+    """UserError naming the first array whose path or shape differs from what `cfg` implies: the
+    layouts reshape by the config's head counts, so a config that does not describe its arrays
+    (n_heads 4 read as 2) would convert without complaint into a silently wrong model."""
+    from mesh.shard import path_names
+    want = _expected_shapes(cfg)
+    have = {n: tuple(a.shape) for n, a in path_names(params, is_leaf=lambda x: hasattr(x, "shape"))}
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            found = f"shape {have[name]}" if name in have else "no such array"
+            implied = f"shape {want[name]}" if name in want else "no such array"
+            fields = ", ".join(f"{f}={getattr(cfg, f)}" for f in _SHAPE_FIELDS)
+            raise UserError(f"{source}: params/{name} has {found}, but its model config ({fields}) implies {implied};"
+                            f" the config does not describe these arrays")
+
+
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "n_experts", "d_ff_expert",
+                 "tie_embeddings")
+
+
 class Model:
     """A ModelConfig and its params: `model(tokens_BT)` -> logits [B,T,V] float32."""
 
-    def __init__(self, cfg: ModelConfig, params: dict):
+    def __init__(self, cfg: ModelConfig, params: dict, source: str = "params"):
+        check_params(cfg, params, source)
         self.cfg, self.params = cfg, params
 
     @property
@@ -237,40 +307,142 @@ def _safetensors():
         raise UserError("models.hf needs the safetensors package: pip install 'brigade[hf]'") from None
 
 
+# Bytes per element of the safetensors dtypes this converter reads (all floating point).
+ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_MAX_HEADER = 100 << 20   # safetensors' own limit on a header's length
+
+
+def _read_json(file: str):
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:   # JSONDecodeError and UnicodeDecodeError alike
+        raise UserError(f"{file}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise UserError(f"{file}: cannot be read ({e.strerror or e})") from None
+
+
+def read_header(file: str) -> dict[str, dict]:
+    """A safetensors file's header {tensor: {dtype, shape, data_offsets}}, checked against the file
+    before a byte of tensor data is read: what it claims must lie within the file, tightly packed."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if not 0 < n <= min(size - 8, _MAX_HEADER):
+            raise UserError(f"{file}: not a safetensors file (its 8-byte header length says {n},"
+                            f" the file has {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise UserError(f"{file}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{file}: the safetensors header is not a JSON object of tensors (got {_show(header)})")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise UserError(f"{file}: the safetensors __metadata__ must be an object of strings, got {_show(meta)}")
+    data, spans = size - 8 - n, []
+    for name, entry in header.items():
+        spans.append((*_check_entry(f"{file}: tensor {_show(name)}", entry, data), name))
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise UserError(f"{file}: tensor {_show(name)} starts at data byte {start}, expected {end} (tensors must be"
+                            f" packed without gaps or overlaps)")
+        end = stop
+    if end != data:
+        raise UserError(f"{file}: its tensors end at data byte {end} but the file holds {data} data bytes")
+    return header
+
+
+def _check_entry(where: str, entry, data_bytes: int) -> tuple[int, int]:
+    """One header entry's (start, stop) data offsets, after checking its dtype, shape and extent."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise UserError(f"{where}: expected {{dtype, shape, data_offsets}}, got {_show(entry)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in ST_DTYPES:
+        raise UserError(f"{where}: dtype {_show(dtype)} is not supported (supported: {', '.join(ST_DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise UserError(f"{where}: shape {_show(shape)} is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        raise UserError(f"{where}: data_offsets {_show(offsets)} do not lie within the file's {data_bytes} data bytes")
+    if offsets[1] - offsets[0] != math.prod(shape) * ST_DTYPES[dtype]:
+        raise UserError(f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype}"
+                        f" {tuple(shape)} needs {math.prod(shape) * ST_DTYPES[dtype]}")
+    return offsets[0], offsets[1]
+
+
+def _read_index(path: str) -> dict[str, str] | None:
+    """The index's weight_map {tensor: shard file}, every shard a file inside `path`; None when the
+    directory holds one model.safetensors instead."""
+    index = os.path.join(path, INDEX)
+    if not os.path.isfile(index):
+        if os.path.isfile(os.path.join(path, SAFETENSORS)):
+            return None
+        found = ", ".join(sorted(os.listdir(path))) or "nothing"
+        raise UserError(f"'{path}' has neither {SAFETENSORS} nor {INDEX} (found: {found}); pickled"
+                        f" pytorch_model.bin checkpoints are not read: re-save them with safetensors")
+    doc = _read_json(index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"{index}: expected {{\"weight_map\": {{tensor: shard file, ...}}}}, got {_show(doc)}")
+    for tensor, shard in weight_map.items():
+        # the index names files to open: it may not point outside the directory it describes
+        if not shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+            raise UserError(f"{index}: weight_map[{_show(tensor)}] = {_show(shard)} is outside the checkpoint"
+                            f" directory (shard files are named relative to it, without '..')")
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise UserError(f"{index}: lists shard {_show(shard)} (for {_show(tensor)}), which does not exist")
+    return weight_map
+
+
 class _Tensors:
-    """Lazy access to the safetensors of an HF directory (one file, or shards listed by an index)."""
+    """Lazy access to the safetensors of an HF directory (one file, or shards listed by an index);
+    every file's header is checked first, so names and shapes are known before any data is read."""
 
     def __init__(self, path: str):
-        safe_open = _safetensors().safe_open
-        index, single = os.path.join(path, INDEX), os.path.join(path, SAFETENSORS)
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
-        elif os.path.isfile(single):
-            weight_map = None
-        else:
-            found = ", ".join(sorted(os.listdir(path))) or "nothing"
-            raise UserError(f"'{path}' has neither {SAFETENSORS} nor {INDEX} (found: {found}); pickled"
-                            f" pytorch_model.bin checkpoints are not read: re-save them with safetensors")
+        self.path = path
+        weight_map = _read_index(path)
         files = sorted(set(weight_map.values())) if weight_map is not None else [SAFETENSORS]
-        self._open, self.where = {}, {}
-        for name in files:
-            file = os.path.join(path, name)
-            if not os.path.isfile(file):
-                raise UserError(f"{index}: lists shard '{name}', which does not exist")
-            self._open[name] = safe_open(file, framework="numpy")
-            for key in self._open[name].keys():
-                self.where[key] = name
+        self.headers = {name: read_header(os.path.join(path, name)) for name in files}
+        if weight_map is None:
+            weight_map = dict.fromkeys(self.headers[SAFETENSORS], SAFETENSORS)
+        for tensor, name in weight_map.items():
+            if tensor not in self.headers[name]:
+                raise UserError(f"{os.path.join(path, INDEX)}: lists {_show(tensor)} in {_show(name)}, which does"
+                                f" not hold it")
+        self.where, self._open = weight_map, {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.headers[self.where[name]][name]["shape"])
 
     def get(self, name: str) -> np.ndarray:
-        return self._open[self.where[name]].get_tensor(name)
+        file = self.where[name]
+        safetensors = _safetensors()
+        try:  # the header was checked; this guards only against a file changed since
+            if file not in self._open:
+                self._open[file] = safetensors.safe_open(os.path.join(self.path, file), framework="numpy")
+            return self._open[file].get_tensor(name)
+        except safetensors.SafetensorError as e:
+            raise UserError(f"{os.path.join(self.path, file)}: {name}: {e}") from None
 
 
-def _names(template: str, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
+def _names(template: str, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
     """Every (index into the Brigade array's stacked dims, HF name) of a row: the template's
     placeholders, layer then expert, enumerate the leading dims of `shape`."""
     keys = [k for k in ("l", "e") if "{" + k + "}" in template]
-    return [(idx, template.format(**dict(zip(keys, idx)))) for idx in np.ndindex(*shape[:len(keys)])]
+    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[:len(keys)]))
+
+
+def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """np.ndindex, lazily: a config.json claiming a billion layers fails at the first missing tensor
+    (np.ndindex and itertools.product first build every range)."""
+    if not dims:
+        yield ()
+        return
+    for i in range(dims[0]):
+        for rest in _indices(dims[1:]):
+            yield (i, *rest)
 
 
 def _rows(model_type: str, cfg: ModelConfig) -> list[Row]:
@@ -296,35 +468,53 @@ def _get(tree: dict, path: str):
     return tree
 
 
-def load_params(path: str, model_type: str, cfg: ModelConfig) -> dict:
-    """HF tensors -> Brigade params (numpy, cfg.param_dtype), checking every name and shape."""
-    tensors = _Tensors(path)
+def _hf_shape(row: Row, shape: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
+    """The HF tensor shape of one slice of a Brigade array of `shape` (traced: nothing allocated)."""
+    import jax
+    stacked = sum("{" + k + "}" in row.hf for k in ("l", "e"))
+    piece = jax.ShapeDtypeStruct(shape[stacked:], np.int8)
+    return tuple(jax.eval_shape(lambda w: LAYOUTS[row.layout].to_hf(w, head_dim), piece).shape)
+
+
+def _plan(path: str, tensors: _Tensors, model_type: str, cfg: ModelConfig) -> list[tuple[Row, tuple, list]]:
+    """Every row with its Brigade shape and (index, HF name) pairs, each tensor checked present with
+    the shape config.json implies from the file headers alone: nothing is allocated before the
+    files are known to hold it."""
     want = _expected_shapes(cfg)
-    dtype = np.dtype(_np_dtype(cfg.param_dtype))
-    params, used = {}, set()
-    for row in _rows(model_type, cfg):
-        layout, shape = LAYOUTS[row.layout], want[row.brigade]
-        names = _names(row.hf, shape)
-        stack = shape[:len(names[0][0])]
-        hf_shape = tuple(layout.to_hf(np.empty(shape[len(stack):], np.int8), cfg.head_dim).shape)
-        out = np.empty(shape, dtype)
-        for idx, name in names:
-            if name not in tensors.where:
-                raise UserError(f"'{path}': tensor {name} is missing (needed for {row.brigade})")
-            t = tensors.get(name)
-            if t.shape != hf_shape:
-                raise UserError(f"'{path}': tensor {name} has shape {tuple(t.shape)}, config.json implies {hf_shape}")
-            out[idx] = layout.to_brigade(t, cfg.head_dim).astype(dtype)
-            used.add(name)
-        _set(params, row.brigade, out)
     uncovered = sorted(set(want) - {r.brigade for r in _rows(model_type, cfg)})
     if uncovered:  # a parameter the table does not fill would be left uninitialised
         raise UserError(f"the {model_type} conversion has no HF tensor for Brigade parameters {', '.join(uncovered)}")
+    plan, used = [], set()
+    for row in _rows(model_type, cfg):
+        shape = want[row.brigade]
+        hf_shape, names = _hf_shape(row, shape, cfg.head_dim), []
+        for idx, name in _names(row.hf, shape):
+            if name not in tensors.where:
+                raise UserError(f"'{path}': tensor {name} is missing (needed for {row.brigade})")
+            if tensors.shape(name) != hf_shape:
+                raise UserError(f"'{path}': tensor {name} has shape {tensors.shape(name)},"
+                                f" config.json implies {hf_shape}")
+            names.append((idx, name))
+        used.update(name for _, name in names)
+        plan.append((row, shape, names))
     extra = sorted(n for n in tensors.where if n not in used and not n.endswith(IGNORED_SUFFIXES)
                    and not (cfg.tie_embeddings and n == "lm_head.weight"))
     if extra:
         raise UserError(f"'{path}': {len(extra)} tensors this {model_type} conversion does not know: "
-                        + ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""))
+                        + ", ".join(map(_show, extra[:5])) + (" ..." if len(extra) > 5 else ""))
+    return plan
+
+
+def load_params(path: str, model_type: str, cfg: ModelConfig) -> dict:
+    """HF tensors -> Brigade params (numpy, cfg.param_dtype), checking every name and shape first."""
+    tensors = _Tensors(path)
+    dtype = np.dtype(_np_dtype(cfg.param_dtype))
+    params = {}
+    for row, shape, names in _plan(path, tensors, model_type, cfg):
+        out = np.empty(shape, dtype)
+        for idx, name in names:
+            out[idx] = LAYOUTS[row.layout].to_brigade(tensors.get(name), cfg.head_dim).astype(dtype)
+        _set(params, row.brigade, out)
     return params
 
 
@@ -337,13 +527,9 @@ def read_config(path: str) -> dict:
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         raise UserError(f"'{path}': no such HuggingFace checkpoint directory")
-    try:
-        with open(file) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"'{path}' has no config.json (expected a HuggingFace checkpoint directory)") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{file}: not valid JSON ({e})") from None
+    if not os.path.exists(file):
+        raise UserError(f"'{path}' has no config.json (expected a HuggingFace checkpoint directory)")
+    return _read_json(file)   # its types are checked by config_from_hf
 
 
 def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, rules=None) -> Model:
@@ -353,12 +539,12 @@ def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, rules=None)
     model_type, cfg = config_from_hf(read_config(path), dtype, os.path.join(path, "config.json"))
     params = load_params(path, model_type, cfg)
     if mesh is None:
-        return Model(cfg, jax.device_put(params))
+        return Model(cfg, jax.device_put(params), path)
     from mesh.rules import make_rules
     from mesh.shard import tree_shardings
     from models import model as M
     shardings = tree_shardings(mesh, M.param_axes(cfg), rules or make_rules())
-    return Model(cfg, jax.device_put(params, shardings))
+    return Model(cfg, jax.device_put(params, shardings), path)
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -377,14 +563,31 @@ def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
 
 def save_pretrained(model: Model, path: str, *, dtype: str | None = None, max_shard_bytes: int = 5 << 30) -> None:
     """Write `path/config.json` and safetensors in HF layout (sharded with an index past
-    `max_shard_bytes`), loadable by transformers' `AutoModelForCausalLM.from_pretrained(path)`."""
-    save_file = _safetensors().numpy.save_file
+    `max_shard_bytes`), loadable by transformers' `AutoModelForCausalLM.from_pretrained(path)`.
+    The files are written beside `path` first and moved in once all are complete, so a refusal or
+    a failed write leaves `path` as it was (not created, when it did not exist)."""
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     tensors = hf_tensors(model, dtype)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(model.cfg, dtype), f, indent=2)
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.partial-", dir=parent)
+        try:
+            _write_files(staging, config_to_hf(model.cfg, dtype), tensors, max_shard_bytes)
+            os.makedirs(path, exist_ok=True)
+            for name in os.listdir(staging):
+                os.replace(os.path.join(staging, name), os.path.join(path, name))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:
+        raise UserError(f"'{path}': writing the HuggingFace files failed ({e.strerror or e})") from None
+
+
+def _write_files(folder: str, config: dict, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+    save_file = _safetensors().numpy.save_file
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     shards, size = [{}], 0
     for name, t in tensors.items():
         if shards[-1] and size + t.nbytes > max_shard_bytes:
@@ -394,14 +597,14 @@ def save_pretrained(model: Model, path: str, *, dtype: str | None = None, max_sh
         size += t.nbytes
     meta = {"format": "pt"}  # transformers refuses safetensors without it
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SAFETENSORS), metadata=meta)
+        save_file(shards[0], os.path.join(folder, SAFETENSORS), metadata=meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, name), metadata=meta)
+        save_file(shard, os.path.join(folder, name), metadata=meta)
         weight_map.update({k: name for k in shard})
-    with open(os.path.join(path, INDEX), "w") as f:
+    with open(os.path.join(folder, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map},
                   f, indent=2)
 
@@ -434,10 +637,32 @@ def load_checkpoint(path: str) -> Model:
     """The params of any Brigade checkpoint (a run, a step, an export) as a Model in host memory."""
     from checkpoint.manager import open_checkpoint
     ck, step = open_checkpoint(path)
-    meta = ck.meta(step)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in meta.get("model", {}).items() if k in fields})
-    return Model(cfg, ck.restore_params_to_host(step))
+    source = f"checkpoint '{ck.step_dir(step)}'"
+    cfg = config_from_meta(ck.meta(step), source)
+    return Model(cfg, ck.restore_params_to_host(step), source)
+
+
+def config_from_meta(meta: Any, source: str) -> ModelConfig:
+    """The ModelConfig a checkpoint's metadata records, every field checked for its type (a string
+    where a number belongs is refused, never converted) and validated."""
+    model = meta.get("model") if isinstance(meta, dict) else None
+    if not isinstance(model, dict):
+        raise UserError(f"{source}: its metadata has no model config (a \"model\" object), so its arrays"
+                        f" cannot be named")
+    hints, fields = typing.get_type_hints(ModelConfig), {}
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in model:
+            continue   # a field newer than the checkpoint: its default; check_params catches a wrong one
+        value, kind = model[f.name], hints[f.name]
+        ok = (isinstance(value, bool) if kind is bool else _is_int(value) if kind is int else
+              _is_number(value) if kind is float else isinstance(value, kind))
+        if not ok:
+            raise UserError(f"{source}: metadata model.{f.name} must be {kind.__name__}, got {_show(value)}")
+        fields[f.name] = kind(value)
+    try:
+        return ModelConfig(**fields).validate()
+    except UserError as e:
+        raise UserError(f"{source}: metadata {e}") from None
 
 
 # -- CLI ----------------------------------------------------------------------------------------
