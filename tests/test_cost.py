@@ -76,14 +76,20 @@ def test_predict_step_time_with_and_without_overlap():
 
 
 def test_pipeline_bubble():
-    p = cost.predict(model_flops=1.0, device_flops=1e14, comm={}, sizes=sizes(pipeline=4, data=2), hw=TOY,
-                     dtype="bfloat16", micro_batches=12)
-    assert p["bubble"] == pytest.approx(3 / 15)  # (p-1)/(m+p-1)
+    """The bubble comes from the pipeline's own micro-batch count M and repeats R, (P-1)/(R M + P-1)."""
+    kw = dict(model_flops=1.0, device_flops=1e14, comm={}, sizes=sizes(pipeline=4, data=2), hw=TOY, dtype="bfloat16")
+    p = cost.predict(pipeline_microbatches=12, **kw)
+    assert p["bubble"] == pytest.approx(3 / 15)  # (P-1)/(M+P-1)
     assert p["t_compute_with_bubble_s"] == pytest.approx(2.0 / (1 - 0.2))
+    assert cost.predict(pipeline_microbatches=12, repeats=2, **kw)["bubble"] == pytest.approx(3 / 27)  # circular
+    assert cost.predict(**kw)["bubble"] == pytest.approx(3 / 7)  # unset: as many micro-batches as stages
+    # 2 passes of gradient accumulation, each a 3-tick pipeline (M=2, P=2) of [b=1, T=32, D=64]
+    # float32 micro-batches (16 rows / 2 passes / M=2 / 4 batch shards), one send each way per tick
     pc = cost.pipeline_comm(preset("tiny"), sizes(pipeline=2, data=4), batch_size=16, seq_len=32, micro_batches=2,
-                            act_bytes=4)
-    msg = 16 // 2 // 4 * 32 * 64 * 4  # [b=2, T=32, D=64] float32 per micro-batch, each way
-    assert pc == {"collective-permute@pipeline": {"operand_bytes": 4 * msg, "wire_bytes": 4 * msg, "count": 4}}
+                            act_bytes=4, pipeline_microbatches=2, batch_shards=4)
+    msg = 16 // 2 // 2 // 4 * 32 * 64 * 4
+    assert pc == {"collective-permute@pipeline": {"operand_bytes": 2 * 2 * 3 * msg, "wire_bytes": 2 * 2 * 3 * msg,
+                                                  "count": 2 * 2 * 3}}
 
 
 def test_accelerators_use_the_ragged_all_to_all_bytes():

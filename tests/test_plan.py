@@ -187,3 +187,28 @@ def test_memory_traffic_counts_every_layer():
     t = memory_traffic(tr, r)
     assert t["bytes_accessed"] > 1.3 * r["bytes_accessed_per_device_compiled"] > 0
     assert t["flops"] > 2 * r["flops_per_step_per_device_compiled"]  # 4 layers, not 1
+
+
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
+def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedule, repeats):
+    """--micro-batches (gradient accumulation) repeats the whole pipeline; the bubble comes from
+    the schedule the run validates and plan prints: (P-1)/(R*M+P-1), M = --pipeline.microbatches."""
+    from train import cost, hardware
+    from train.plan import pipeline_report, theory
+    P, M, G, R = 2, 4, 2, repeats
+    c = cfg("pipeline=2,data=2,model=2", **{"model.n_layers": 4, "train.seq_len": 32, "train.micro_batches": G,
+                                            "pipeline.microbatches": M, "pipeline.schedule": schedule,
+                                            "pipeline.repeats": R})
+    tr = Trainer(c)  # accepts the schedule: its passes of 16 / G rows are cut into M micro-batches
+    printed = pipeline_report(tr, {"collective-permute": {"by_axes": {}}})  # plan's pipeline section
+    report = {"backend": "cpu", "flops_per_step": 1.0, "pipeline": printed,
+              "theory_detail": theory(tr, tr.abstract_state())}
+    priced = cost.from_plan(report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape))
+    assert printed["microbatches"] == M and printed["repeats"] == R
+    assert printed["bubble"] == priced["bubble"] == pytest.approx((P - 1) / (R * M + P - 1))
+    assert priced["bubble"] != pytest.approx((P - 1) / (G + P - 1))  # not the accumulation count
+    assert f"= {printed['bubble']:.1%}" in printed["chart"]
+    assert f"pipeline bubble {100 * priced['bubble']:.1f}%" in cost.render(priced)
+    # a GPU/TPU target prices the stage-to-stage sends plan counts (bubble ticks included)
+    assert priced["comm"]["collective-permute@pipeline"]["wire_bytes"] == printed["permute_bytes_theory"]

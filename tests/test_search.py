@@ -1,15 +1,18 @@
 """train/search.py: the mesh search enumerates only meshes a real run accepts, filters by memory,
 ranks sensibly, and its predicted collective bytes are the ones `plan` compiles."""
 import argparse
+import dataclasses
 import math
 
 import pytest
 
+from mesh.config import AXES
 from mesh.errors import UserError
-from models.config import preset
+from mesh.rules import make_rules
+from models.config import PipelineConfig, preset
 from train import hardware
 from train import search as S
-from train.config import build
+from train.config import TrainConfig, build
 from train.loop import Trainer
 from train.plan import analyze, on_backend
 
@@ -24,20 +27,67 @@ def test_factorizations():
 def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():
     """The search's divisibility logic is the trainer's: build a Trainer for every factorisation of 8."""
     tiny, hw = preset("tiny"), hardware.get("h100")
-    found = {r["mesh"] for r in S.search(tiny, 8, hw, batch_size=16, seq_len=32)}
+    two = PipelineConfig(microbatches=2)
+    found = {r["mesh"] for r in S.search(tiny, 8, hw, batch_size=16, seq_len=32, pipeline_cfg=two)}
     assert found and "model=8" not in found  # 4 heads cannot split 8 ways
+    assert "pipeline=2,data=4" in found and "pipeline=4,data=2" not in found  # 2 layers; M=2 < 4 stages
     for shape in S.factorizations(8):
         sizes = dict(zip(("pipeline", "data", "fsdp", "expert", "model"), shape))
-        if sizes["pipeline"] > 1 or sizes["expert"] > 1:
-            continue  # the layer stack is not split over stages yet; a dense model has no experts
+        if sizes["expert"] > 1:
+            continue  # a dense model has no experts
         text = S.mesh_text(sizes)
-        cfg = build({"model.preset": "tiny", "parallelism.mesh": text, "train.batch_size": 16, "train.seq_len": 32})
+        cfg = build({"model.preset": "tiny", "parallelism.mesh": text, "train.batch_size": 16, "train.seq_len": 32,
+                     "pipeline.microbatches": 2})
         try:
             Trainer(cfg)
             accepted = True
         except UserError:
             accepted = False
         assert accepted == (text in found), text
+
+
+def test_moe_pipeline_stages_hold_whole_layer_groups():
+    """An MoE model pipelines groups of moe_every layers: n_layers % pipeline == 0 is not enough,
+    a run needs (n_layers / moe_every) % (pipeline x repeats) == 0, and the search asks the same."""
+    moe, hw = dataclasses.replace(preset("moe-tiny"), n_layers=4, moe_every=2), hardware.get("h100")  # 2 groups
+    gpipe, circular = PipelineConfig(), PipelineConfig(schedule="circular", repeats=2)
+    t = TrainConfig(batch_size=16, seq_len=32)
+    four = {**dict.fromkeys(AXES, 1), "pipeline": 4, "data": 2}
+    two = {**dict.fromkeys(AXES, 1), "pipeline": 2, "data": 4}
+    assert "pipeline=4" in S.check(moe, four, t, gpipe, make_rules())  # 4 layers % 4 == 0, 2 groups % 4 != 0
+    assert "--pipeline.repeats=2" in S.check(moe, two, t, circular, make_rules())  # 2 groups % (2 x 2) != 0
+    assert S.check(moe, two, t, gpipe, make_rules()) is None
+    assert S.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None  # 4 groups
+    found = {r["mesh"] for r in S.search(moe, 8, hw, batch_size=16, seq_len=32)}
+    assert "pipeline=2,data=4" in found and not any(m.startswith("pipeline=4") for m in found)
+    with pytest.raises(UserError, match="pipeline=4"):  # and the run refuses it too
+        Trainer(build({"model.preset": "moe-tiny", "model.n_layers": 4, "model.moe_every": 2,
+                       "parallelism.mesh": "pipeline=4,data=2", "train.batch_size": 16, "train.seq_len": 32}))
+
+
+def test_search_splits_the_batch_as_the_rules_say():
+    """--parallelism.rules batch=data: the batch is split over data only, so 4 rows run on fsdp=8
+    (every device holds all 4) but not on data=8."""
+    tiny, hw, by_data = preset("tiny"), hardware.get("h100"), make_rules("batch=data")
+    found = {r["mesh"]: r for r in S.search(tiny, 8, hw, batch_size=4, seq_len=32, rules=by_data)}
+    assert "fsdp=8" in found and "data=8" not in found
+    assert "fsdp=8" not in {r["mesh"] for r in S.search(tiny, 8, hw, batch_size=4, seq_len=32)}  # default split
+    Trainer(build({"model.preset": "tiny", "parallelism.mesh": "fsdp=8", "parallelism.rules": "batch=data",
+                   "train.batch_size": 4, "train.seq_len": 32}))  # the run agrees
+    # 4 rows per device: the activations of fsdp=8 with 32 rows under the default split over fsdp
+    default_32 = S.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
+    assert found["fsdp=8"]["memory"]["activations"] == default_32["memory"]["activations"]
+
+
+def test_pipeline_fsdp_gathers_the_stage_weights_every_tick():
+    """On a pipeline mesh every tick (bubble ticks too) gathers its layers' FSDP-sharded weights:
+    (M + P-1) ticks a pass, once with --pipeline.gather_once; the embedding and head once."""
+    tiny, hw = preset("tiny"), hardware.get("h100")
+    gathered = lambda pc: S.evaluate(tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32,
+                                     pipeline_cfg=pc)["theory"]["all-gather@fsdp"]["operand_bytes"]
+    once = gathered(PipelineConfig(microbatches=4, gather_once=True))
+    three, five = gathered(PipelineConfig(microbatches=2)), gathered(PipelineConfig(microbatches=4))
+    assert three > once and (five - once) == pytest.approx(2 * (three - once))  # (5-1) / (3-1) extra passes
 
 
 def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
@@ -120,12 +170,19 @@ def test_plan_cli_flags(capsys):
     cfg = build({"model.preset": "7b", "train.batch_size": 8, "train.seq_len": 4096})
     report, text = S.analytic(parser.parse_args(["--search", "8", "--hardware", "h100", "--top", "3"]), cfg)
     assert report["top"][0]["mesh"] in text and len(report["top"]) == 3 and "Young/Daly" in text
-    cfg70 = build({"model.preset": "70b", "parallelism.mesh": "model=8,pipeline=4,data=32",
-                   "train.batch_size": 1024, "train.seq_len": 4096, "train.micro_batches": 32})
+    seeds70 = {"model.preset": "70b", "parallelism.mesh": "model=8,pipeline=4,data=32",
+               "train.batch_size": 1024, "train.seq_len": 4096}
+    cfg70 = build({**seeds70, "pipeline.microbatches": 32})
     row, text = S.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]), cfg70)
     assert row["mesh"] == "pipeline=4,data=32,model=8" and row["bubble"] == pytest.approx(3 / 35)
+    assert "--pipeline.microbatches 32" in text and "pipeline bubble 8.6%" in text
     assert row["placement"] == {"model": "intra", "data": "inter", "pipeline": "inter"} and row["fits"]
     assert row["goodput"]["failures_per_day"] == pytest.approx(1.024)
+    # gradient accumulation is not the pipeline's micro-batching: 32 passes of 32 rows, each cut into
+    # M = 4 pipeline micro-batches of 8 rows, cannot split over data=32, and the run would refuse it too
+    with pytest.raises(UserError, match=r"micro-batch size 32/4 = 8 .* not divisible by the 32 batch shards"):
+        S.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]),
+                   build({**seeds70, "train.micro_batches": 32}))
     with pytest.raises(UserError, match="need --hardware NAME"):
         S.analytic(parser.parse_args(["--search", "8"]), cfg)
     with pytest.raises(UserError, match="--hardware: unknown hardware 'tpu'"):

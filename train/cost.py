@@ -8,8 +8,11 @@ hardware profile (train/hardware.py).
                 fused kernels stream operands while the matrix units work), T_flops + T_memory
                 where it does not (XLA:CPU: the many small memory-bound ops run one after another,
                 between matmuls already timed at their measured rate); stretched by the pipeline
-                bubble (p-1)/(m+p-1). Without bytes of the target's own backend (the analytic
-                search; a GPU/TPU profile priced from a CPU compile) T_compute = T_flops.
+                bubble (P-1)/(R x M + P-1), M = --pipeline.microbatches and R = --pipeline.repeats
+                (the schedule the run executes, models/pipeline.py), not the gradient
+                accumulation of --micro-batches, which repeats the whole pipeline. Without bytes
+                of the target's own backend (the analytic search; a GPU/TPU profile priced from a
+                CPU compile) T_compute = T_flops.
     T_comm    = per collective group: bytes each device sends / (one-way link bandwidth x link
                 efficiency) + ring steps x latency; the link is NVLink/ICI when every mesh axis of
                 the group lies inside a node, else InfiniBand/DCN (decided by the mesh layout)
@@ -32,6 +35,7 @@ import math
 import numpy as np
 
 from mesh.config import AXES
+from models import pipeline as PL
 from models.flops import flops_per_token, matmul_param_count
 from train.hardware import Hardware
 
@@ -95,16 +99,19 @@ def hardware_flops_per_step(cfg, batch_size: int, seq_len: int) -> float:
 
 
 def pipeline_comm(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, micro_batches: int,
-                  act_bytes: int) -> dict:
-    """Activations forward and their gradients backward between neighbouring stages: per device,
-    one [b, T, D] send each way per micro-batch (b = the micro-batch rows of one replica)."""
+                  act_bytes: int, *, pipeline_microbatches: int, repeats: int = 1, batch_shards: int) -> dict:
+    """Activations forward and their gradients backward between neighbouring stages, per device
+    per step: models.pipeline's count (one [b, T, D] send each way per tick, bubble ticks included,
+    b = one pipeline micro-batch's rows on one batch shard), for each of the `micro_batches`
+    passes of gradient accumulation."""
     p = sizes.get("pipeline", 1)
     if p <= 1:
         return {}
-    replicas = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
-    msg = batch_size // micro_batches // replicas * seq_len * cfg.d_model * act_bytes
-    n = 2 * micro_batches
-    return {"collective-permute@pipeline": {"operand_bytes": n * msg, "wire_bytes": n * msg, "count": n}}
+    sent = PL.permute_bytes_theory(batch=batch_size // micro_batches, seq=seq_len, d_model=cfg.d_model,
+                                   itemsize=act_bytes, stages=p, microbatches=pipeline_microbatches,
+                                   repeats=repeats, batch_shards=batch_shards)["sent"] * micro_batches
+    n = 2 * PL.n_ticks(p, pipeline_microbatches, repeats) * micro_batches
+    return {"collective-permute@pipeline": {"operand_bytes": sent, "wire_bytes": sent, "count": n}}
 
 
 def ragged_all_to_all(comm: dict, platform: str) -> dict:
@@ -122,21 +129,22 @@ def ragged_all_to_all(comm: dict, platform: str) -> dict:
 
 
 def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[str, int], hw: Hardware,
-            dtype: str, micro_batches: int = 1, dcn: dict[str, int] | None = None,
+            dtype: str, pipeline_microbatches: int = 0, repeats: int = 1, dcn: dict[str, int] | None = None,
             tokens_per_step: int = 0, device_bytes: float = 0.0) -> dict:
     """Step time and MFU for one mesh.
 
     model_flops: per step, all devices (the MFU numerator). device_flops: per device per step,
     including recomputation. device_bytes: memory traffic per device per step (0: unknown, compute
     only). comm: {"kind@axes": {"wire_bytes": B, "count": C (optional)}} per device per step, as in
-    `plan`'s theory_detail or measured collectives."""
+    `plan`'s theory_detail or measured collectives. pipeline_microbatches, repeats: the pipeline
+    schedule's M (0: as many as stages, the run's default) and R, which set the bubble."""
     n_dev = math.prod(sizes.get(a, 1) for a in AXES)
     peak = hw.peak_flops(dtype)
     t_flops = device_flops / (peak * hw.compute_efficiency)
     t_memory = device_bytes / (hw.hbm_bw * hw.memory_efficiency)
     t_compute = max(t_flops, t_memory) if hw.memory_overlap else t_flops + t_memory
     p = sizes.get("pipeline", 1)
-    bubble = (p - 1) / (micro_batches + p - 1) if p > 1 else 0.0
+    bubble = PL.bubble_fraction(p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
     t_busy = t_compute / (1 - bubble)
     where = placement(sizes, hw, dcn)
     rows, t_overlappable, t_exposed = {}, 0.0, 0.0
@@ -211,7 +219,9 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
     """The prediction for a compiled `plan` report (train.plan.analyze). On the backend it was
     compiled for (the CPU profile on a CPU compile) the collectives are the ones measured in the HLO;
     for another target they are the theory as GPU/TPU lower it (reduce-scatter, not XLA:CPU's
-    all-reduce + slice), since the CPU's choices say nothing about NCCL's."""
+    all-reduce + slice), since the CPU's choices say nothing about NCCL's. A pipeline is priced
+    with the schedule the report compiled and prints (report['pipeline'])."""
+    pp = report.get("pipeline") or {"microbatches": 0, "repeats": 1, "batch_shards": 1}  # no pipeline
     same = hw.platform == report["backend"]
     dtype = cfg.compute_dtype(hw.platform)
     if same:
@@ -225,7 +235,9 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
     else:
         comm = ragged_all_to_all(report["theory_detail"], hw.platform)
         if not any(k.startswith("collective-permute@") for k in comm):
-            comm.update(pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, np.dtype(dtype).itemsize))
+            comm.update(pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, np.dtype(dtype).itemsize,
+                                      pipeline_microbatches=pp["microbatches"], repeats=pp["repeats"],
+                                      batch_shards=pp["batch_shards"]))
     n = math.prod(sizes.get(a, 1) for a in AXES)
     # Memory traffic only from a compile for the target's own backend: XLA:CPU fuses less and has
     # no flash attention, so its bytes (224 GiB per device per step for the 1b preset on fsdp=8)
@@ -234,7 +246,8 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
     traffic = report.get("memory_traffic", {}) if same else {}
     out = predict(model_flops=report["flops_per_step"],
                   device_flops=hardware_flops_per_step(cfg, batch_size, seq_len) / n, comm=comm, sizes=sizes,
-                  hw=hw, dtype=dtype, micro_batches=micro_batches, dcn=dcn, tokens_per_step=batch_size * seq_len,
+                  hw=hw, dtype=dtype, pipeline_microbatches=pp["microbatches"], repeats=pp["repeats"], dcn=dcn,
+                  tokens_per_step=batch_size * seq_len,
                   device_bytes=traffic.get("bytes_accessed", 0.0))
     out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
     out["bytes_source"] = traffic.get("source", "")

@@ -52,7 +52,8 @@ def theory(tr: Trainer, abstract_state) -> dict:
     For each parameter: the batch mesh axes it is *not* sharded on carry plain data parallelism
     (all-reduce of its gradient shard: 2(n-1)/n x M); the batch axes it *is* sharded on carry
     ZeRO-3/FSDP (all-gather of the weights in forward and again in backward, and a reduce-scatter
-    of the gradient, per micro-batch: (n-1)/n x M each).
+    of the gradient, per micro-batch: (n-1)/n x M each). On a pipeline mesh the layer stack's FSDP
+    traffic repeats on every tick (pipeline_uses).
     """
     mesh, rules, t = tr.mesh, tr.rules, tr.cfg.train
     batch_axes = [a for a in spec_axes(logical_to_spec(("batch",), rules)) if mesh.shape[a] > 1]
@@ -69,6 +70,7 @@ def theory(tr: Trainer, abstract_state) -> dict:
     names = dict(path_names(M.param_axes(m), is_leaf=lambda x: isinstance(x, tuple)))
     expert_axes = spec_axes(logical_to_spec(("experts",), rules))
     explicit_rs: dict[str, float] = defaultdict(float)
+    uses, replicas = pipeline_uses(tr)
     for path, sds in path_names(abstract_state.params, is_leaf=lambda x: hasattr(x, "shape")):
         used = spec_axes(sds.sharding.spec)
         # an expert's weights live on the devices its tokens travel to: no collective over the
@@ -80,16 +82,18 @@ def theory(tr: Trainer, abstract_state) -> dict:
         n_f = math.prod(mesh.shape[a] for a in fsdp_axes)
         n_d = math.prod(mesh.shape[a] for a in dp_axes)
         full = _local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
+        in_stack = path.startswith(("blocks/", "moe_blocks/"))
+        per_pass = uses if in_stack and not set(fsdp_axes) <= replicas else 1
         for _ in range(t.micro_batches):  # ZeRO-3 reduce-scatters every micro-batch's gradient
-            add("reduce-scatter", fsdp_axes, full, n_f, (n_f - 1) / n_f)
+            add("reduce-scatter", fsdp_axes, full * per_pass, n_f, (n_f - 1) / n_f)
             if is_expert and n_f > 1:  # models/moe.py gathers them inside shard_map: an explicit
-                explicit_rs[",".join(a for a in mesh.axis_names if a in fsdp_axes)] += full  # psum_scatter
+                explicit_rs[",".join(a for a in mesh.axis_names if a in fsdp_axes)] += full * per_pass  # psum_scatter
         add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
         # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
-        gathers = 2 if path.startswith(("blocks/", "moe_blocks/")) and m.remat != "none" else 1
+        gathers = 2 if in_stack and m.remat != "none" else 1
         for _ in range(gathers * t.micro_batches):
-            add("all-gather", fsdp_axes, full / n_f, n_f, n_f - 1)  # operand = own shard, receive n-1 shards
+            add("all-gather", fsdp_axes, full / n_f * per_pass, n_f, n_f - 1)  # operand = own shard, receive n-1
     for axes, b in explicit_rs.items():
         entries[("reduce-scatter", axes)]["explicit_bytes"] = b
     out = {f"{k}@{a}": v for (k, a), v in entries.items()}
@@ -98,6 +102,19 @@ def theory(tr: Trainer, abstract_state) -> dict:
         out["all-reduce@model"] = tensor_parallel_theory(tr)
     out.update(all_to_all_theory(tr))
     return out
+
+
+def pipeline_uses(tr) -> tuple[float, set[str]]:
+    """-> (times per pass a pipeline device runs each of its layer-stack weights, the batch axes
+    its weights are replicated over inside the pipeline). Every tick runs one of the stage's R layer
+    chunks, bubble ticks included, so each chunk runs (R*M + P-1) / R times and its weights are
+    gathered over FSDP (and their gradients reduced) as often, unless the pipeline gathers them
+    once (--pipeline.gather_once puts fsdp among the replica axes). (1, all axes) off a pipeline."""
+    P = tr.mesh.shape["pipeline"]
+    if P == 1:
+        return 1.0, set(tr.mesh.axis_names)
+    pc = tr.cfg.pipeline
+    return PL.n_ticks(P, pc.microbatches_for(P), pc.repeats) / pc.repeats, set(pc.replica_axes)
 
 
 def local_sgd(tr, abstract_state, th: dict) -> dict:
@@ -319,7 +336,7 @@ def pipeline_report(tr: Trainer, measured: dict) -> dict:
                                  itemsize=jax.numpy.dtype(tr.compute_dtype).itemsize, stages=P, microbatches=M_,
                                  repeats=R, batch_shards=shards)
     hlo = measured["collective-permute"]["by_axes"].get("pipeline", {"operand_bytes": 0})["operand_bytes"]
-    return {"stages": P, "microbatches": M_, "repeats": R, "schedule": pc.schedule,
+    return {"stages": P, "microbatches": M_, "repeats": R, "schedule": pc.schedule, "batch_shards": shards,
             "bubble": PL.bubble_fraction(P, M_, R), "permute_bytes_hlo": hlo,
             "permute_bytes_theory": th["sent"] * t.micro_batches,
             "permute_bytes_useful": th["useful"] * t.micro_batches,

@@ -1,0 +1,52 @@
+"""What a mesh can run, checked before anything is built or compiled: the one set of checks a
+training run and the mesh search (`plan --search`) both apply, so that a mesh the search offers
+is one the run accepts."""
+from __future__ import annotations
+
+from mesh.errors import UserError
+from mesh.rules import logical_to_spec
+from mesh.shard import axes_size, check_divisible
+from models import model as M, pipeline as PL
+from models.config import PipelineConfig
+from train.config import TrainConfig
+
+# Which config field sets each logical dim, for divisibility errors that name the culprit.
+HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
+         "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
+         "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
+
+
+def batch_shards(mesh, rules) -> int:
+    """Devices one forward pass's batch is split over: the mesh axes the rules give 'batch'."""
+    return axes_size(mesh, logical_to_spec(("batch",), rules)[0])
+
+
+def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig) -> None:
+    """The batch split over the rules' batch axes and, with pipeline > 1, the schedule
+    (models.pipeline.validate on layer groups: an MoE model pipelines groups of moe_every layers)."""
+    t, m = train_cfg, model_cfg
+    if t.batch_size % t.micro_batches:
+        raise UserError(f"--batch-size {t.batch_size} is not divisible by --micro-batches {t.micro_batches}")
+    spec = logical_to_spec(("batch",), rules)[0]
+    n = axes_size(mesh, spec)
+    per_micro = t.batch_size // t.micro_batches
+    if per_micro % n:
+        axes = (spec,) if isinstance(spec, str) else spec
+        layout = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise UserError(f"--batch-size {t.batch_size} (/ --micro-batches {t.micro_batches} = {per_micro}) is not"
+                        f" divisible by the batch mesh axes {layout} = {n}; use a multiple of {n * t.micro_batches}")
+    stages = mesh.shape["pipeline"]
+    if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
+        pc, per_group = pipeline_cfg, m.moe_every if m.n_experts else 1
+        PL.validate(n_layers=m.n_layers // per_group, batch=per_micro, stages=stages,
+                    microbatches=pc.microbatches_for(stages), repeats=pc.repeats, schedule=pc.schedule,
+                    batch_shards=n)
+
+
+def validate_run(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig,
+                 hints: dict[str, str] | None = HINTS) -> None:
+    """Raise a one-line UserError for a config `mesh` cannot run, before anything is built or
+    compiled: the one set of checks a training run and the mesh search both apply (parameter dims
+    by their mesh axes, then the batch and the pipeline schedule)."""
+    check_divisible(mesh, M.abstract_params(model_cfg), M.param_axes(model_cfg), rules, hints)
+    validate_batch(mesh, rules, model_cfg, train_cfg, pipeline_cfg)
