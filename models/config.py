@@ -186,6 +186,9 @@ class ModelConfig:
              f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'")
 
     def compute_dtype(self, platform: str) -> str:
+        if self.dtype == "float16" and platform == "cpu":
+            raise UserError("model: dtype 'float16' does not run on CPU (XLA:CPU has no float16 matmul"
+                            " accumulating in float32); valid on CPU: auto, float32, bfloat16")
         if self.dtype != "auto":
             return self.dtype
         return "float32" if platform == "cpu" else "bfloat16"

@@ -43,7 +43,8 @@ STEPS = 40
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("train") / "run"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')  # a stale log: fit starts afresh
+    (run_dir / "brigade-run.json").write_text("{}")  # an earlier run's directory ...
+    (run_dir / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')  # ... and its stale log: fit starts afresh
     cfg = build({"model.preset": "tiny", "train.steps": STEPS, "train.lr": 3e-3, "train.batch_size": 8,
                  "train.seq_len": 64, "train.eval_every": 20, "train.sample_tokens": 24,
                  "logging.log_every": 1, "logging.progress": False, "logging.tensorboard": True,
@@ -279,8 +280,9 @@ def test_lr_schedule_warmup_then_cosine():
     cfg = TrainConfig(lr=1e-2, warmup_steps=10, steps=110, min_lr_ratio=0.1)
     s = optim.schedule(cfg)
     v = np.array([float(s(i)) for i in range(0, 131)])
-    assert v[0] == 0.0
-    assert v[5] == pytest.approx(5e-3, rel=1e-5)
+    # warm-up starts at lr / warmup_steps, not 0 (a first update at rate 0 would change nothing)
+    assert v[0] == pytest.approx(1e-3, rel=1e-5)
+    assert v[5] == pytest.approx(1e-3 + 9e-3 * 0.5, rel=1e-5)
     assert v[10] == pytest.approx(1e-2, rel=1e-5)
     assert np.all(np.diff(v[:11]) > 0)                     # linear warm-up
     assert np.all(np.diff(v[10:111]) <= 1e-12)             # then decays

@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from train.config import TrainConfig
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Learning rate as a function of the optimizer's update count (0 for the first update).
+
+    Warm-up rises linearly from lr / warmup_steps (not from 0: a first update at rate 0 would be a
+    step that changes nothing) to lr at count warmup_steps, then a cosine decays to lr * min_lr_ratio."""
     warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        init_value=cfg.lr / max(warmup, 1), peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
 
 
@@ -27,6 +32,34 @@ def decay_mask(params: dict, decay_embeddings: bool) -> dict:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def _widen(tree):
+    """Leaves narrower than float32 (the 16-bit float params and grads) -> float32; wider ones and
+    optax's placeholders pass through."""
+    return jax.tree.map(lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree)
+
+
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run `inner` in float32 whatever the parameter dtype.
+
+    Adam kept in a 16-bit parameter dtype loses what it needs: float16 flushes eps (1e-8) and
+    squared gradients below ~6e-8 to 0, and bfloat16's 8-bit mantissa (relative step 2^-8)
+    cannot follow a slow average (b2 = 0.999 moves nu by 0.1% a step: rounded away). So gradients
+    and parameters enter the optimizer as float32 and both moments live in float32 (optimizer
+    memory as with float32 parameters; only the weights and activations shrink). The update is
+    returned in float32: optax.apply_updates adds it to the weight in float32 and rounds once to
+    the weight's dtype (rounding the update first would round twice). A float32 state also keeps
+    optax.apply_if_finite's skip and apply branches the same type. For float32 parameters this is
+    the identity. Updates under half a weight's ulp (2^-9 of it in bfloat16) still round away:
+    the price of 16-bit weights (float32 parameters, the default, keep every update)."""
+    def init(params):
+        return inner.init(_widen(params))
+
+    def update(updates, state, params=None):
+        return inner.update(_widen(updates), state, None if params is None else _widen(params))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make(cfg: TrainConfig, clip: bool = True) -> optax.GradientTransformation:
     """`clip` False: no clipping here; the train step clips each replica's gradient before a
     compressed sync instead (clipping the synced sum would cut error feedback's bursts)."""
@@ -36,4 +69,22 @@ def make(cfg: TrainConfig, clip: bool = True) -> optax.GradientTransformation:
     # Non-finite gradients (an overflow, a bad batch) skip the update instead of poisoning the
     # weights; the counts live in the optimizer state (so in checkpoints) and reach the metrics.
     # The loop, not optax, decides when too many in a row mean "restore the last checkpoint".
-    return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=2**30)
+    return in_float32(optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=2**30))
+
+
+def _schedule_states(opt_state) -> list[optax.ScaleByScheduleState]:
+    is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(s)]
+
+
+def applied_lr(lr_schedule: optax.Schedule, opt_state_before, opt_state_after) -> jax.Array:
+    """The learning rate an update from `opt_state_before` to `opt_state_after` applied.
+
+    The schedule runs on the optimizer's own count, not the train step: a skipped (non-finite)
+    update does not advance it, and restoring a checkpoint's optimizer state rewinds it. A skipped
+    update applied no rate at all, so it reports 0 (the next applied update uses the count this
+    one left unchanged). With per-replica optimizer states (DiLoCo: a leading [R] dim, each
+    replica skipping on its own), the mean over replicas of the rate each applied."""
+    (before,) = _schedule_states(opt_state_before)
+    applied = opt_state_after.notfinite_count == 0   # optax.apply_if_finite took the update
+    return jnp.mean(jnp.where(applied, lr_schedule(before.count), 0.0))

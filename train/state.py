@@ -20,9 +20,11 @@ from train import comm
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array      # int32 scalar: optimizer updates applied so far
+    step: jax.Array      # int32 scalar: train steps taken so far, skipped (non-finite) ones too; the
+                         # learning-rate schedule runs on the optimizer's own count, in opt_state
     params: Any          # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params)
-    opt_state: Any       # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...])
+    opt_state: Any       # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...]),
+                         # float32 whatever the param dtype (train/optim.py in_float32)
     # The data-parallel sync's own state (train/comm.py), [R, ...] per param and sharded over the
     # dp axes so each device holds its own replica's; None when not in use:
     residual: Any = None   # error feedback: what the compressed gradient sync has not sent yet (float32)

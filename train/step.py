@@ -13,6 +13,7 @@ from models import model as M
 from models.config import ModelConfig
 from models.moe import bias_update
 from train import comm
+from train.optim import applied_lr
 from train.state import TrainState
 
 BATCH_BT = ("batch", "seq")
@@ -153,7 +154,9 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
         new_bias = bias_update(moe["router_bias_E"], stats["counts"], cfg.router_bias_rate)
         params = {**params, "moe_blocks": {**params["moe_blocks"], "moe": {
             **moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])}}}  # a skipped step changes nothing
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
+    # the rate this update applied: the optimizer's own count (it stops on skipped steps and
+    # rewinds with a restored checkpoint), not the step number; 0 for a skipped step
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": applied_lr(lr_schedule, state.opt_state, opt_state),
                # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
                "bad_in_a_row": opt_state.notfinite_count, "skipped_steps": opt_state.total_notfinite}
     if stats:
@@ -185,7 +188,8 @@ def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx:
     outer = comm.OuterState(params=state.params, opt_state=state.outer_opt)
     outer, drift = jax.lax.cond((state.step + 1) % sync_every == 0, lambda o, d: comm.outer_step(o, d, outer_tx),
                                 lambda o, d: (o, d), outer, drift)
-    metrics = {"loss": loss_R.mean(), "grad_norm": gnorm_R.mean(), "lr": lr_schedule(state.step),
+    metrics = {"loss": loss_R.mean(), "grad_norm": gnorm_R.mean(),
+               "lr": applied_lr(lr_schedule, state.opt_state, opt_state),  # mean over replicas
                "bad_in_a_row": opt_state.notfinite_count.max(), "skipped_steps": opt_state.total_notfinite.max()}
     return state.replace(step=state.step + 1, params=outer.params, opt_state=opt_state, drift=drift,
                          outer_opt=outer.opt_state), metrics
