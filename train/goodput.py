@@ -37,7 +37,8 @@ class Goodput:
         this attempt resumes at checkpoint `step`. `restarts`: how many attempts have resumed so
         far, this one included, when the caller keeps that count (an attempt killed before it
         logged anything leaves no record); else one more than the last record says."""
-        timed = [r for r in records if f"{_PREFIX}total_s" in r and "time" in r]
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        timed = [r for r in records if num(r.get(f"{_PREFIX}total_s")) and num(r.get("time"))]
         self.restarts = restarts if restarts is not None else 1
         if not timed:
             return
@@ -70,17 +71,21 @@ class Goodput:
 
 
 def read_records(run_dir: str) -> list[dict]:
-    """metrics.jsonl's records (lines cut short by a kill are skipped)."""
+    """metrics.jsonl's records: JSON objects with an integer step. Anything else (a line cut short
+    by a kill, a line edited by hand) is skipped: the file is a log, never a reason to stop."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
     out = []
-    with open(path) as f:
-        for ln in f:
-            try:
-                out.append(json.loads(ln))
-            except json.JSONDecodeError:
-                pass
+    try:
+        with open(path, errors="replace") as f:
+            for ln in f:
+                try:
+                    rec = json.loads(ln)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                    out.append(rec)
+    except FileNotFoundError:
+        pass
     return out
 
 

@@ -21,8 +21,8 @@ from checkpoint.manager import RUN_SUBDIR, Checkpointer, open_checkpoint, shared
 from mesh.build import describe, init_distributed, make_mesh
 from mesh.errors import UserError
 from mesh.rules import axis_rules, logical_to_spec, make_rules
-from mesh.shard import axes_size, check_divisible, data_parallel_axes, warn_undersharded
-from models import model as M, pipeline as PL
+from mesh.shard import data_parallel_axes, warn_undersharded
+from models import model as M
 from models.flops import flops_per_token, param_count
 from models.sample import generate
 from train import optim, state as S
@@ -30,17 +30,14 @@ from train.config import CommConfig, Config, dump, error_feedback_on, profile_wi
 from train.data import abstract_batch as data_abstract_batch, make_pipeline
 from train.data.tokenizers import ByteTokenizer
 from train.goodput import Goodput, breakdown_text, read_records
-from train.metrics import MetricsLogger, StepProfiler, drop_records_after, peak_flops
+from train.metrics import MetricsLogger, StepProfiler, drop_records_after, json_safe, peak_flops
+from train.memory import check_fits
 from train.resilience import Diverged, StopSignals, exit_code, injected_steps
+from train.rundir import claim, run_dir_writes
 from train.watchdog import PeerHeartbeat, Watchdog
 from train import comm
+from train.shapes import validate_run
 from train.step import eval_step, local_sgd_step, train_step
-
-# Which config field sets each logical dim, for divisibility errors that name the culprit.
-HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
-         "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
-         "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
-
 
 class Trainer:
     """Build everything from a Config, then `fit()`. Usable from notebooks as well as the CLI."""
@@ -73,22 +70,8 @@ class Trainer:
 
     # -- validation -------------------------------------------------------------------------
     def _validate_shapes(self) -> None:
-        t, m = self.cfg.train, self.model_cfg
-        check_divisible(self.mesh, M.abstract_params(m), M.param_axes(m), self.rules, HINTS)
-        spec = logical_to_spec(("batch",), self.rules)[0]
-        n = axes_size(self.mesh, spec)
-        per_micro = t.batch_size // t.micro_batches
-        if per_micro % n:
-            axes = (spec,) if isinstance(spec, str) else spec
-            layout = "x".join(f"{a}={self.mesh.shape[a]}" for a in axes)
-            raise UserError(f"--batch-size {t.batch_size} (/ --micro-batches {t.micro_batches} = {per_micro}) is not"
-                            f" divisible by the batch mesh axes {layout} = {n}; use a multiple of {n * t.micro_batches}")
-        stages = self.mesh.shape["pipeline"]
-        if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
-            pc, per_group = self.cfg.pipeline, m.moe_every if m.n_experts else 1
-            PL.validate(n_layers=m.n_layers // per_group, batch=per_micro, stages=stages,
-                        microbatches=pc.microbatches_for(stages), repeats=pc.repeats, schedule=pc.schedule,
-                        batch_shards=n)
+        """Divisibility, the batch split and the pipeline schedule: one line before compiling."""
+        validate_run(self.mesh, self.rules, self.model_cfg, self.cfg.train, self.cfg.pipeline)
 
     # -- building blocks --------------------------------------------------------------------
     def create_state(self) -> S.TrainState:
@@ -192,44 +175,71 @@ class Trainer:
 
     def _saved_abstract(self, src: Checkpointer, step: int) -> S.TrainState:
         """The abstract state (on this mesh) that `step` was saved as. Its --comm settings may give
-        another layout than this run's: error-feedback residuals or none, clipping in the optimizer
-        chain or before the sync. Those `_convert` bridges; a switch to or from DiLoCo (per-replica
-        optimizer states and drift) is refused in one line naming the options."""
+        another layout than this run's (error-feedback residuals or none, clipping in the optimizer
+        chain or before the sync), and its residuals may hold another data-parallel replica count
+        (a resume onto another mesh). Those `_convert` bridges; a switch to or from DiLoCo, or
+        DiLoCo's per-replica state onto another replica count, is refused in one line naming why."""
         saved = src.meta(step).get("config", {}).get("comm")
-        if saved is None:
-            return self.abstract_state()
         names = {f.name for f in dataclasses.fields(CommConfig)}
-        sync, local_clip = self._sync(CommConfig(**{k: v for k, v in saved.items() if k in names}))
+        sync, local_clip = (self._sync(CommConfig(**{k: v for k, v in saved.items() if k in names}))
+                            if isinstance(saved, dict) else (self.sync, self.local_clip))
+        (n_saved, diloco), n_now = self._saved_replicas(src, step), self.sync.replicas(self.mesh)
+        resized = n_saved is not None and n_saved != n_now
         layout = lambda sync, clip: (sync.error_feedback, sync.outer_tx is not None, clip > 0)  # noqa: E731
-        if layout(sync, local_clip) == layout(self.sync, self.local_clip):
+        if layout(sync, local_clip) == layout(self.sync, self.local_clip) and not resized:
             return self.abstract_state()
-        if (sync.outer_tx is None) != (self.sync.outer_tx is None):
+        if diloco != (self.sync.outer_tx is not None) or (resized and diloco):
             now = self.cfg.to_dict()["comm"]
             opts = ("compression", "error_feedback", "sync_every")
             text = lambda m: " ".join(f"--comm.{k} {m.get(k)}" for k in opts)  # noqa: E731
-            raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved)}: DiLoCo's train"
-                            f" state (per-replica optimizer states and drift) does not convert to or from"
-                            f" this run's ({text(now)}); resume with its settings, or start a new --run-dir")
+            why = (f"DiLoCo's per-replica state (optimizer states and drift of {n_saved} data-parallel replicas)"
+                   f" does not convert to this mesh's {n_now}" if diloco and resized else
+                   f"DiLoCo's train state (per-replica optimizer states and drift) does not convert to or from"
+                   f" this run's ({text(now)})")
+            raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
+                            f" resume with its settings and data-parallel size, or start a new --run-dir")
         tx = optim.make(self.cfg.train, clip=not local_clip)
-        return S.abstract(self.model_cfg, tx, self.mesh, self.rules, sync)
+        out = S.abstract(self.model_cfg, tx, self.mesh, self.rules, sync)
+        if n_saved is not None and (resized or out.residual is None):  # replicated here; `_convert` averages
+            out = out.replace(residual=jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct((n_saved, *a.shape), jnp.float32,
+                                                   sharding=NamedSharding(self.mesh, jax.P(None, *sh.spec))),
+                self.abstract_state().params, self.state_shardings.params))
+        return out
+
+    @staticmethod
+    def _saved_replicas(src: Checkpointer, step: int) -> tuple[int | None, bool]:
+        """(the data-parallel replica count of the step's per-replica state: the leading dim of its
+        residuals or DiLoCo drift, None when it has none; whether it is DiLoCo's), from metadata."""
+        arrays = [(name, shape) for name, shape, _ in src.arrays(step) if name.startswith(("residual/", "drift/"))]
+        dims = {shape[0] for _, shape in arrays if shape}
+        return (dims.pop() if len(dims) == 1 else None), any(n.startswith("drift/") for n, _ in arrays)
 
     def _convert(self, state: S.TrainState) -> tuple[S.TrainState, str]:
         """A state restored in another --comm layout -> this run's, and what changed ("" if nothing).
         The optimizer chain differs only in where clipping sits, which holds no arrays, so its
         leaves carry over in order; residuals start at zero (nothing pending) or are dropped (up to
-        a step's worth of unsent gradient, which a change of compression forgoes anyway)."""
+        a step's worth of unsent gradient, which a change of compression forgoes anyway). Residuals
+        of another replica count are averaged and given to every replica: the sync adds the mean of
+        the replicas' residuals, so what is pending stays the same."""
         want = self.abstract_state()
         opt_leaves = jax.tree.leaves(state.opt_state)
         if [x.shape for x in opt_leaves] != [x.shape for x in jax.tree.leaves(want.opt_state)]:
             raise UserError("the checkpoint's optimizer state does not match this run's (another optimizer setting)")
         out = state.replace(opt_state=jax.tree.unflatten(jax.tree.structure(want.opt_state), opt_leaves))
-        if (state.residual is None) == (want.residual is None):
+        if state.residual is None and want.residual is None:
             return out, ""
         if want.residual is None:
             return out.replace(residual=None), "error-feedback residuals dropped"
-        zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want.residual),
-                        out_shardings=self.state_shardings.residual)()
-        return out.replace(residual=zeros), "error-feedback residuals start at zero"
+        if state.residual is None:
+            zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want.residual),
+                            out_shardings=self.state_shardings.residual)()
+            return out.replace(residual=zeros), "error-feedback residuals start at zero"
+        n_old, n_new = jax.tree.leaves(state.residual)[0].shape[0], jax.tree.leaves(want.residual)[0].shape[0]
+        mean = jax.jit(lambda r: jax.tree.map(lambda x: jnp.broadcast_to(x.mean(0), (n_new, *x.shape[1:])), r),
+                       out_shardings=self.state_shardings.residual)
+        return (out.replace(residual=mean(state.residual)),
+                f"error-feedback residuals of {n_old} data-parallel replicas averaged onto this mesh's {n_new}")
 
     def _read(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
         """`step` restored onto this mesh and converted to this run's --comm layout; the meta gets
@@ -304,26 +314,39 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict:
         """Train to --steps, saving checkpoints; resume first if --resume finds one. The summary's
-        `exit_code` is 0, or 128 + the signal number when SIGTERM/SIGINT stopped the run."""
-        saver = self.open_checkpoints()
-        failed = True
-        try:
-            with StopSignals() as signals:  # from here on a signal stops the run cleanly, even mid-compile
-                summary = self._fit(saver, signals)
-            failed = False
-            return summary
-        finally:
+        `exit_code` is 0, or 128 + the signal number when SIGTERM/SIGINT stopped the run. The
+        run directory is locked for the whole run (train/rundir.py): a second run on it exits."""
+        with claim(self.cfg.logging.run_dir, self.cfg.checkpoint.dir):
+            saver = self.open_checkpoints()
+            failed = True
             try:
-                saver.close()  # every save in flight is committed before fit() returns
-            except Exception as e:  # noqa: BLE001
-                if not failed:  # else the error already on its way out says more
-                    raise SaveFailed(saver, saver.latest_step() or 0, e) from None
+                with StopSignals() as signals:  # from here on a signal stops the run cleanly, even mid-compile
+                    summary = self._fit(saver, signals)
+                failed = False
+                return summary
+            finally:
+                try:
+                    saver.close()  # every save in flight is committed before fit() returns
+                except Exception as e:  # noqa: BLE001
+                    if not failed:  # else the error already on its way out says more
+                        raise SaveFailed(saver, saver.latest_step() or 0, e) from None
 
     def _fit(self, saver: Checkpointer, signals: StopSignals) -> dict:
         cfg, t = self.cfg, self.cfg.train
         gp = self.goodput = Goodput(self._started_at)
         run_dir = cfg.logging.run_dir
         is_main = jax.process_index() == 0
+        # Opened first: a bad --data is one line before the compile; it seeks to the resume point below.
+        data = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                             batch_sharding=self.batch_sharding, vocab_size=self.model_cfg.vocab_size)
+        t0 = time.perf_counter()
+        # Compiled from the abstract state, before any state exists: the memory check below comes
+        # before the allocation that a machine too small for the model would not survive.
+        step_fn = self.compile_step(self.abstract_state(), self.abstract_batch())
+        compile_s = time.perf_counter() - t0
+        gp.add("compile", compile_s)
+        if not t.skip_memory_check:
+            check_fits(step_fn, list(self.mesh.devices.flat), describe(self.mesh))
         t0 = time.perf_counter()
         point = self.resume_point(saver)  # reads (and so verifies) the checkpoint it picks
         if point and point[1] >= t.steps:
@@ -335,24 +358,19 @@ class Trainer:
             self.history, self.eval_history = [], []
             return {"steps": step, "resumed_from": step, "trained_steps": 0, "exit_code": 0}
         state, meta, note = self._initial_state(point, t0)
-        data = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                             batch_sharding=self.batch_sharding, start_step=int(state.step),
-                             vocab_size=self.model_cfg.vocab_size)
+        data.seek(int(state.step))
         self._data = data  # its state(step) goes into every checkpoint's meta
-        if is_main:
-            self._prepare_run_dir(point[1] if point else None)
         step = int(state.step)
-        log = MetricsLogger(run_dir, t.steps, step, tensorboard=cfg.logging.tensorboard,
-                            progress=cfg.logging.progress)
+        with run_dir_writes(run_dir):  # a full disk or a read-only directory: one line, exit 2
+            if is_main:
+                self._prepare_run_dir(point[1] if point else None)
+            log = MetricsLogger(run_dir, t.steps, step, tensorboard=cfg.logging.tensorboard,
+                                progress=cfg.logging.progress)
         for msg in warn_undersharded(self.mesh, state.params):
             log.print(f"warning: {msg}")
         batch, _ = data.next()
-        t0 = time.perf_counter()
-        step_fn = self.compile_step(state, batch)
-        compile_s = time.perf_counter() - t0
-        gp.add("compile", compile_s)
 
-        peak, peak_src = peak_flops(self.compute_dtype, cfg.logging.peak_tflops)
+        peak, peak_src = peak_flops(self.compute_dtype, cfg.logging.peak_tflops, self.mesh.devices.flat)
         log.print(f"brigade: {param_count(self.model_cfg) / 1e6:.2f}M params, mesh {describe(self.mesh)}"
                   f" ({self.mesh.size} device{'s' * (self.mesh.size > 1)}), {self.compute_dtype} compute, {data.describe()},"
                   f" step compiled in {compile_s:.1f}s; peak: {peak_src}")
@@ -369,7 +387,7 @@ class Trainer:
         saved, stopped_by = None, signals.received  # a signal before the first step: nothing new to save
         hang_at = injected_steps("HANG")
         profiler = StepProfiler(profile_window(cfg.profile.steps, t.steps), run_dir)
-        heartbeat = PeerHeartbeat()
+        heartbeat = PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout)
         watchdog = Watchdog(t.step_timeout, os.path.join(run_dir, f"watchdog-stacks.{jax.process_index()}.txt"),
                             heartbeat.lost)
         try:
@@ -400,14 +418,19 @@ class Trainer:
                                       f" {rec['skipped_steps']} in total)")
                         if t.max_bad_steps and bad >= t.max_bad_steps:
                             t0 = time.perf_counter()
-                            state = self._recover(saver, state, step, log)
+                            with watchdog.waiting(f"recovery at step {step} (the last save's commit, then a restore)"):
+                                state = self._recover(saver, state, step, log)
                             gp.add("restore", stats.pause(t0))
                     if stopped_by or step == t.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                         # blocks only for the device->host copy; the state may be donated by the next step right after
                         t0 = time.perf_counter()
-                        self._save(saver, step, state)
+                        # Orbax's save() first waits for the previous save's commit: not a hang
+                        with watchdog.waiting(f"checkpoint step {step} to be handed to the saver"):
+                            started = self._save_if_finite(saver, step, state, log,
+                                                           final=bool(stopped_by) or step == t.steps)
+                        if started:
+                            saved = step
                         gp.add("checkpoint", stats.pause(t0))
-                        saved = step
                         watchdog.beat(f"saving step {step}")
                     if stopped_by:
                         break
@@ -423,7 +446,8 @@ class Trainer:
                         watchdog.beat(f"eval at step {step}")
                 if saved is not None:
                     t0 = time.perf_counter()
-                    self._wait(saver, saved)
+                    with watchdog.waiting(f"the commit of checkpoint step {saved}"):
+                        self._wait(saver, saved)
                     gp.add("checkpoint", time.perf_counter() - t0)
                     log.print(f"checkpoint: step {saved} committed to {saver.step_dir(saved)}"
                               f" (waited {time.perf_counter() - t0:.1f}s for the last save)")
@@ -440,8 +464,8 @@ class Trainer:
         log.print(_summary_text(summary))
         log.close()
         if is_main:
-            with open(os.path.join(run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            with run_dir_writes(run_dir), open(os.path.join(run_dir, "summary.json"), "w") as f:
+                json.dump(json_safe(summary), f, indent=2, allow_nan=False)
         self.state = state
         self.history, self.eval_history = history, eval_history
         return summary
@@ -509,6 +533,30 @@ class Trainer:
             for path in (os.path.join(run_dir, "metrics.jsonl"), resumes):
                 if os.path.exists(path):
                     os.remove(path)
+
+    @functools.cached_property
+    def _state_is_finite(self):
+        def finite(state) -> jax.Array:
+            leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+            return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+        return jax.jit(finite)
+
+    def _save_if_finite(self, saver: Checkpointer, step: int, state, log, final: bool) -> bool:
+        """Save `step` unless its state holds a NaN or an infinity (a checkpoint must always be a
+        safe place to resume from) -> whether a save started. Non-finite at the run's last step:
+        Diverged (exit 3), naming the newest committed checkpoint."""
+        with jax.set_mesh(self.mesh):
+            if bool(self._state_is_finite(state)):
+                self._save(saver, step, state)
+                return True
+        saver.wait()
+        last = saver.latest_step()
+        where = f"the newest committed checkpoint is {saver.step_dir(last)}" if last is not None else "no checkpoint"
+        if final:
+            raise Diverged(f"step {step}: the parameters or optimizer state are not finite (NaN or inf), so"
+                           f" step {step} was not saved; {where}; lower --lr or raise --train.warmup_steps")
+        log.print(f"warning: step {step}: the state is not finite (NaN or inf); checkpoint skipped ({where})")
+        return False
 
     def _save(self, saver: Checkpointer, step: int, state) -> None:
         """Start saving `step`. An asynchronous save that failed in the background (full disk,
@@ -623,8 +671,13 @@ _RESUME_SENSITIVE = {"train": ("steps", "batch_size", "seq_len", "micro_batches"
 
 
 def _changed_settings(saved: dict, now: dict) -> list[str]:
-    return [f"{sec}.{k} {saved[sec][k]} -> {now[sec][k]}" for sec, keys in _RESUME_SENSITIVE.items() for k in keys
-            if k in saved.get(sec, {}) and saved[sec][k] != now[sec][k]]
+    """'section.field old -> new' for every resume-sensitive setting that changed: the listed train,
+    data and comm fields, and every field of the model section (a changed param_dtype casts the
+    restored parameters, a changed rope_theta or router changes what they compute)."""
+    keys = {**_RESUME_SENSITIVE, "model": tuple(now.get("model", {}))}
+    out = [f"{sec}.{k} {saved[sec][k]} -> {now[sec][k]}" for sec, names in keys.items() for k in names
+           if isinstance(saved.get(sec), dict) and k in saved[sec] and saved[sec][k] != now[sec][k]]
+    return [c + (" (the restored parameters are cast)" if c.startswith("model.param_dtype ") else "") for c in out]
 
 
 def _steps(steps: list[int]) -> str:

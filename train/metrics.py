@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 
 import jax
 import jax.numpy as jnp
+
+from mesh.errors import UserError
+from train.goodput import read_records
 
 # Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.
 PEAK_TFLOPS = {
@@ -38,18 +42,19 @@ def measured_host_flops(dtype: str, n: int = 1024, seconds: float = 0.3) -> floa
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def peak_flops(dtype: str, override_tflops: float = 0.0) -> tuple[float, str]:
-    """-> (peak FLOP/s of all devices in use, where the figure came from).
+def peak_flops(dtype: str, override_tflops: float = 0.0, devices: list | None = None) -> tuple[float, str]:
+    """-> (peak FLOP/s of `devices`, the mesh's (default: all), and where the figure came from).
 
     CPU fake devices share the host's cores, so their peak is the host's measured matmul rate
-    (per process), not a multiple of the device count."""
-    devices = jax.devices()
+    (per process that holds some of them), not a multiple of the device count."""
+    devices = list(devices) if devices is not None else jax.devices()
     if override_tflops > 0:
         return override_tflops * 1e12 * len(devices), f"--peak-tflops {override_tflops} x {len(devices)}"
     kind = devices[0].device_kind.lower()
     if devices[0].platform == "cpu":
         per_host = measured_host_flops(dtype)
-        return per_host * jax.process_count(), f"measured CPU matmul {per_host / 1e9:.0f} GFLOP/s per host"
+        hosts = len({d.process_index for d in devices})
+        return per_host * hosts, f"measured CPU matmul {per_host / 1e9:.0f} GFLOP/s per host"
     for name, table in PEAK_TFLOPS.items():
         if name in kind:
             tf = table.get(dtype, table["bfloat16"])
@@ -78,8 +83,12 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.main:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            raise UserError(f"--run-dir: cannot write {self._jsonl.name} ({e.strerror}); free space or"
+                            f" choose another --run-dir, then run the same command again to resume") from None
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -106,24 +115,27 @@ class MetricsLogger:
                 sink.close()
 
 
+def json_safe(record: dict) -> dict:
+    """`record` with non-finite floats as null and their keys listed under "nonfinite": JSON has no
+    NaN or Infinity, and a reader of metrics.jsonl must not choke on a diverged step."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+
+
 def drop_records_after(run_dir: str, step: int) -> None:
     """Keep only metrics.jsonl records up to `step`: a resumed run appends from there, so steps
     that a failed run logged after its last checkpoint (and that are now redone) appear once."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [ln for ln in f if ln.strip()]
-    keep = []
-    for ln in lines:
-        try:
-            if json.loads(ln).get("step", 0) <= step:
-                keep.append(ln)
-        except json.JSONDecodeError:
-            pass  # a line cut short by a kill
-    if len(keep) != len(lines):
+    with open(path, errors="replace") as f:
+        n_lines = sum(1 for ln in f if ln.strip())
+    keep = [rec for rec in read_records(run_dir) if rec["step"] <= step]
+    if len(keep) != n_lines:  # records past `step`, or lines that are not records
         with open(path + ".tmp", "w") as f:
-            f.writelines(keep)
+            f.writelines(json.dumps(rec) + "\n" for rec in keep)
         os.replace(path + ".tmp", path)
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 
 from mesh.errors import ArgParser, UserError
+from train.goodput import read_records
 
 # (file, title, y label, metric keys drawn on it, stacked); a key ending in '*' matches every key
 # with that prefix
@@ -36,15 +37,7 @@ def read_run(run_dir: str) -> tuple[list[dict], dict, dict]:
     if not os.path.isfile(path):
         raise UserError(f"report: '{run_dir}' has no metrics.jsonl (is it a run directory? `python -m train"
                         f" --run-dir DIR` writes one)")
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-            if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
-                records.append(rec)
+    records = read_records(run_dir)  # lines cut short by a kill, or not records, are skipped
     if not records:
         raise UserError(f"report: {path} holds no metrics records yet")
 

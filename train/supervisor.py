@@ -9,7 +9,9 @@ checkpoint, after a short back-off, up to N times. Each restart appends one line
 <run_dir>/restarts.jsonl (exit status, last logged step, checkpoint step, steps lost, downtime).
 
 In a multi-process job every process runs its own supervisor; when one child dies its peers exit
-with status 5, every supervisor restarts its child, and they meet again at the coordinator.
+with status 5, every supervisor restarts its child, and they meet again at the coordinator. A
+child that ends with 2 or 3 tells its peers, which end with the same status: no supervisor of
+the job restarts.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from train.goodput import read_records
+
 FINAL = {0: "finished", 2: "configuration or environment error", 3: "diverged",
          130: "stopped by SIGINT", 143: "stopped by SIGTERM"}
 REASONS = {4: "watchdog: no progress", 5: "lost a peer process", 1: "Python error"}
@@ -28,22 +32,15 @@ CHILD_ENV = "BRIGADE_SUPERVISED"  # set in the child: it must not supervise itse
 
 def describe(code: int) -> str:
     if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:  # a real-time or unnamed signal
+            return f"killed by signal {-code}"
     return REASONS.get(code, FINAL.get(code, f"exit status {code}"))
 
 
 def _last_logged_step(run_dir: str) -> int | None:
-    step = None
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for ln in f:
-                try:
-                    step = json.loads(ln).get("step", step)
-                except json.JSONDecodeError:
-                    pass
-    except OSError:
-        pass
-    return step
+    return max((r["step"] for r in read_records(run_dir)), default=None)
 
 
 def _checkpoint_step(ckpt_dir: str) -> int | None:
@@ -55,8 +52,20 @@ def _checkpoint_step(ckpt_dir: str) -> int | None:
     return max(steps, default=None)
 
 
-def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, backoff_s: float = 2.0) -> int:
-    """Run `python -m train argv` until it ends for good; -> its final exit status."""
+def _record(run_dir: str, restart: dict) -> None:
+    """One line in <run_dir>/restarts.jsonl, once the child has made run_dir a Brigade run
+    directory: a file written into a directory the child never claimed (it died before, or it
+    is the user's) would make the restarted child refuse that directory as not its own."""
+    from train.rundir import is_run_dir
+    if os.path.isdir(run_dir) and is_run_dir(run_dir):
+        with open(os.path.join(run_dir, "restarts.jsonl"), "a") as f:
+            f.write(json.dumps(restart) + "\n")
+
+
+def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, backoff_s: float = 2.0,
+              program: list[str] | None = None) -> int:
+    """Run `python -m train argv` (or `program` argv) until it ends for good; -> its final exit status."""
+    program = program or [sys.executable, "-m", "train"]
     env = dict(os.environ, **{CHILD_ENV: "1"})
     stop = {"signal": None}
     child: subprocess.Popen | None = None
@@ -71,7 +80,7 @@ def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, b
     try:
         while True:
             started = time.time()
-            child = subprocess.Popen([sys.executable, "-m", "train", *argv], env=env)
+            child = subprocess.Popen([*program, *argv], env=env)
             print(f"supervisor: training started (pid {child.pid}, restart {restarts}/{max_restarts})", flush=True)
             code = child.wait()
             ended = time.time()
@@ -87,11 +96,9 @@ def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, b
             print(f"supervisor: training {describe(code)} after {ended - started:.0f}s; restart {restarts}/"
                   f"{max_restarts} from {'step ' + str(saved) if saved is not None else 'scratch'}"
                   f" ({lost} logged step(s) to redo)", file=sys.stderr, flush=True)
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "restarts.jsonl"), "a") as f:
-                f.write(json.dumps({"restart": restarts, "exit_code": code, "reason": describe(code),
-                                    "exited_at": ended, "last_logged_step": logged, "checkpoint_step": saved,
-                                    "lost_steps": lost, "backoff_s": backoff_s}) + "\n")
+            _record(run_dir, {"restart": restarts, "exit_code": code, "reason": describe(code), "exited_at": ended,
+                              "last_logged_step": logged, "checkpoint_step": saved, "lost_steps": lost,
+                              "backoff_s": backoff_s})
             time.sleep(backoff_s)
     finally:
         for s, h in previous.items():

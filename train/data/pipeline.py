@@ -252,6 +252,13 @@ class Pipeline:
     def _nan_steps(self) -> set[int]:
         return injected_steps("NAN")  # fault injection: those steps' loss weights are NaN
 
+    def seek(self, step: int) -> None:
+        """Start at batch `step`: the loop opens the data (so a bad source is one line before the
+        compile) before it knows the step it resumes at. Only before the first next()."""
+        if self._ahead is not None:
+            raise RuntimeError("Pipeline.seek after next(): batches are already being prepared")
+        self.start_step = step
+
     def next(self) -> tuple[dict, float]:
         """The next batch (from start_step on) and the seconds the caller waited for it."""
         if self._ahead is None:
