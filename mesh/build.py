@@ -20,10 +20,14 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     (SLURM, Open MPI, Kubernetes/GKE, TPU pods) when one of their environments is present.
     On CPU the cross-process collectives go through gloo.
 
-    `peer_timeout_s` bounds how long a process waits for a peer that is gone: gloo collectives
-    time out after it (a Python error the trainer turns into a message naming the lost peer), and
-    the coordination service's heartbeat timeout (twice as long) is the backstop that aborts a
-    process stuck anywhere else (NCCL on GPUs has its own timeouts)."""
+    `peer_timeout_s` bounds how long a process waits for a peer that is gone: the trainer's
+    heartbeat ends the process after it, gloo collectives time out after it (a Python error the
+    trainer turns into a message naming the lost peer), and the coordination service's own
+    heartbeat and shutdown timeouts are longer, so that they never abort a process (from C++,
+    without naming anyone) before the trainer's detection has spoken (NCCL on GPUs has its own
+    timeouts). A second call, once the job is joined, does nothing."""
+    if jax.distributed.is_initialized():
+        return
     explicit = coordinator is not None or num_processes not in (None, 1)
     if explicit:
         if coordinator is None or num_processes is None or process_id is None:
@@ -34,7 +38,7 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _set_cpu_collective_timeout(peer_timeout_s)
-    kwargs = dict(heartbeat_timeout_seconds=max(10, int(2 * peer_timeout_s)))
+    kwargs = service_timeouts(peer_timeout_s)
     if explicit:
         kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
         if coordinator.startswith(("127.", "localhost")):
@@ -42,6 +46,14 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     jax.distributed.initialize(**kwargs)
     log.info("process %d/%d: %d local of %d devices", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
+
+
+def service_timeouts(peer_timeout_s: float) -> dict[str, int]:
+    """jax.distributed's heartbeat and shutdown-barrier timeouts for a job whose lost peers are
+    declared after `peer_timeout_s`: twice that, and at least 10 s more (the heartbeat samples
+    once a second on a possibly busy host), so the trainer's one-line exit always comes first."""
+    backstop = int(max(2 * peer_timeout_s, peer_timeout_s + 10))
+    return dict(heartbeat_timeout_seconds=backstop, shutdown_timeout_seconds=max(300, backstop))
 
 
 def _set_cpu_collective_timeout(seconds: float) -> None:

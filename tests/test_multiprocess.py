@@ -10,8 +10,9 @@ every wait has a deadline, and as soon as one process exits non-zero the others 
 children are sent SIGABRT first, so faulthandler prints where each one hung. The children's logs
 go into the assertion message.
 
-Note: a process that fails early (e.g. a UserError) can itself take tens of seconds to exit,
-because interpreter exit waits in jax.distributed's shutdown barrier for the other process.
+The other tests kill a process (mid-training, inside a checkpoint save, after the run finished)
+or fail one with a configuration error, and check that every survivor ends with one line and
+the status a supervisor needs: 5 (a lost peer: restart) or 2 (a configuration error: do not).
 """
 from __future__ import annotations
 
@@ -164,12 +165,23 @@ def _committed(ck_dir: Path) -> list[int]:
     return sorted(int(d.name) for d in ck_dir.iterdir() if d.name.isdigit()) if ck_dir.is_dir() else []
 
 
+def _errors(path: Path) -> list[str]:
+    return [ln for ln in path.read_text(errors="replace").splitlines() if ln.startswith("error:")]
+
+
+def _exit_time(p: subprocess.Popen, since: float, limit_s: float) -> float:
+    """Seconds from `since` until `p` exits (it is killed after `limit_s`)."""
+    while p.poll() is None and time.monotonic() - since < limit_s:
+        time.sleep(0.1)
+    return time.monotonic() - since
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_lost_peer_is_named_and_a_restart_of_both_resumes(tmp_path):
-    """SIGKILL process 1 mid-training: process 0 exits non-zero within 60 s with a line naming
-    process 1 (not a hang, not a bare traceback); starting both again resumes from the last
-    committed checkpoint and finishes."""
+    """SIGKILL process 1 mid-training: process 0 exits 5 within 60 s with one line naming
+    process 1 (not a hang, not a bare traceback, not JAX's C++ abort); starting both again
+    resumes from the last committed checkpoint and finishes."""
     run_dir, steps = tmp_path / "run", 30
     flags = [f for f in FLAGS] + ["--steps", str(steps), "--checkpoint.every", "4", "--seq-len", "64",
                                   "--batch-size", "16", "--run-dir", str(run_dir), "--parallelism.peer_timeout", "10",
@@ -200,9 +212,9 @@ def test_lost_peer_is_named_and_a_restart_of_both_resumes(tmp_path):
         took = time.monotonic() - killed_at
     finally:
         kids.kill()
-    err = err0.read_text()
-    assert p0.returncode not in (None, 0) and took < 60, f"rc={p0.returncode} after {took:.0f}s\n{kids.logs()}"
-    assert "lost peer process(es) 1" in err, kids.logs()
+    errors = _errors(err0)
+    assert p0.returncode == 5 and took < 60, f"rc={p0.returncode} after {took:.0f}s\n{kids.logs()}"
+    assert len(errors) == 1 and "lost peer process(es) 1" in errors[0], kids.logs()
 
     again = Children(tmp_path)
     start_both(again, "again", free_port())
@@ -211,3 +223,94 @@ def test_lost_peer_is_named_and_a_restart_of_both_resumes(tmp_path):
     resumed = int(out.split("resumed from ")[1].split("(step ")[1].split(",")[0])
     assert resumed >= saved[-1] and "done:" in out, again.logs()
     assert _committed(run_dir / "checkpoints")[-1] == steps
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_peer_lost_in_a_checkpoint_save_or_after_the_run_ends_the_survivor_with_status_5(tmp_path):
+    """Process 1 is SIGKILLed as the save of step 4 begins (both processes inside Orbax's
+    cross-process save and commit): process 0 exits 5 within --parallelism.peer_timeout and a
+    margin, with one line naming process 1, not JAX's C++ abort (exit 134) after its own
+    heartbeat timeout. Then both resume and finish, and process 1 dies before the shutdown
+    barrier (fault injection): process 0, done training, ends the same way."""
+    run_dir, peer_timeout, margin = tmp_path / "run", 10, 8
+    ck_dir = run_dir / "checkpoints"
+    flags = FLAGS + ["--mesh", "data=8", "--steps", "8", "--checkpoint.every", "4", "--run-dir", str(run_dir),
+                     "--parallelism.peer_timeout", str(peer_timeout), "--train.sample_tokens", "0"]
+
+    def start_both(kids: Children, tag: str, env: dict[str, str]) -> None:
+        port = free_port()
+        for i in range(2):
+            kids.start(f"{tag}{i}", flags + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                             "--process-id", str(i)], env)
+
+    kids = Children(tmp_path)
+    start_both(kids, "save", child_env(4))
+    (_, p0, _, err0), (_, p1, _, _) = kids.procs
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and p0.poll() is None and p1.poll() is None:
+            if ck_dir.is_dir() and any(d.name.split(".")[0] == "4" for d in ck_dir.iterdir()):
+                break  # the save of step 4 has begun
+            time.sleep(0.02)
+        assert p0.poll() is None and p1.poll() is None, kids.logs()
+        p1.kill()
+        took = _exit_time(p0, time.monotonic(), 3 * peer_timeout + 30)
+    finally:
+        kids.kill()
+    errors = _errors(err0)
+    assert p0.returncode == 5 and took < peer_timeout + margin, f"rc={p0.returncode} after {took:.0f}s\n{kids.logs()}"
+    assert len(errors) == 1 and "lost peer process(es) 1" in errors[0], kids.logs()
+
+    again = Children(tmp_path)
+    start_both(again, "end", {**child_env(4), "BRIGADE_INJECT_KILL_AT_SHUTDOWN_PROCESSES": "1"})
+    (_, p0, out0, err0), (_, p1, _, _) = again.procs
+    try:
+        p1.wait(timeout=TIMEOUT_S)
+        took = _exit_time(p0, time.monotonic(), 3 * peer_timeout + 30)
+    finally:
+        again.kill()
+    errors = _errors(err0)
+    assert p1.returncode == -signal.SIGKILL and "done:" in out0.read_text(), again.logs()
+    assert p0.returncode == 5 and took < peer_timeout + margin, f"rc={p0.returncode} after {took:.0f}s\n{again.logs()}"
+    assert len(errors) == 1 and "lost peer process(es) 1" in errors[0] and "shutdown barrier" in errors[0], again.logs()
+    assert _committed(ck_dir)[-1] == 8
+
+
+# Process 0 alone ends with a configuration error (as the CLI ends it) while process 1 waits for
+# it in a coordination-service barrier (as in Orbax's saves): no model, nothing to compile.
+ONE_SIDED_ERROR = """if True:
+    import sys
+    from mesh.build import init_distributed
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    init_distributed(f"127.0.0.1:{port}", 2, pid, peer_timeout_s=60)
+    from jax._src import distributed
+    from train.__main__ import _final_error
+    from train.watchdog import PeerHeartbeat
+    with PeerHeartbeat(timeout_s=60):
+        if pid == 0:
+            _final_error("error: --data.path /nowhere: no such file (seen by process 0 only)", 2)
+        distributed.global_state.client.wait_at_barrier("never-passed", 600_000)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_configuration_error_in_one_process_ends_every_process_with_status_2():
+    """Both processes exit 2, so no supervisor restarts either: process 1 neither waits until it
+    declares process 0 lost (5, a restart) nor aborts from C++ (134) when process 0, which
+    hosts the coordination service, leaves."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", ONE_SIDED_ERROR, str(i), str(port)], cwd=REPO, env=child_env(4),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    (own,), (peer,) = ([ln for ln in e.splitlines() if ln.startswith("error:")] for e in errs)
+    assert own == "error: --data.path /nowhere: no such file (seen by process 0 only)", errs
+    assert peer.startswith("error: process 1: stopping because process 0 ended with status 2:"), errs
+    assert "--data.path /nowhere" in peer, errs

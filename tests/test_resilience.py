@@ -158,3 +158,74 @@ def test_parsing_flags_and_the_supervisor_import_no_jax():
             " from_args(['--max-restarts', '2', '--comm.compression', 'int8']); print('jax' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr[-2000:]
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """A short Python child that imports no JAX (the watchdog ends its process with os._exit)."""
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_watchdog_waits_do_not_count_as_a_hang_but_their_own_limit_does(tmp_path):
+    code = """if True:
+        import sys, time
+        from train.watchdog import Watchdog
+        with Watchdog(0.5, sys.argv[1]) as dog:
+            dog.beat("step 1")
+            with dog.waiting("the commit of checkpoint step 8"):
+                time.sleep(2.0)                       # four step timeouts: a save, not a hang
+            print("commit waited out", flush=True)
+            time.sleep(0.2)
+            dog.beat("step 2")
+            with dog.waiting("the restore of step 4", limit_s=1.0):
+                time.sleep(30)                        # past the wait's own limit
+    """
+    p = _python(code, str(tmp_path / "stacks.txt"))
+    assert p.returncode == 4 and p.stdout == "commit waited out\n", p.stderr[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: watchdog: still waiting for the restore of step 4 after 1s (limit 1s);"), p.stderr[-3000:]
+    assert 'File "<string>"' in (tmp_path / "stacks.txt").read_text()  # where the main thread waited
+
+
+def test_two_threads_ending_the_process_at_once_print_one_line():
+    code = """if True:
+        import threading
+        from train.watchdog import end_process
+        go = threading.Barrier(3)
+        def end(code):
+            go.wait()
+            end_process(f"error: verdict {code}", code)
+        for c in (4, 5):
+            threading.Thread(target=end, args=(c,)).start()
+        go.wait()
+        threading.Event().wait(10)
+    """
+    p = _python(code)
+    lines = p.stderr.splitlines()
+    assert p.returncode in (4, 5) and lines == [f"error: verdict {p.returncode}"], (p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize("status,restarts", [(2, 0), (3, 0), (5, 1)])
+def test_supervisor_restarts_crashes_but_never_a_final_status(tmp_path, status, restarts):
+    """2 (configuration or input error) and 3 (diverged) end the supervision at once; a lost peer
+    (5) or the watchdog (4) is a crash, restarted up to --max-restarts times."""
+    from train.rundir import MARKER
+    from train.supervisor import supervise
+    (tmp_path / MARKER).write_text("{}")  # a run directory, as the child leaves it
+    child = [sys.executable, "-c", f"import sys; sys.exit({status})"]
+    code = supervise([], 1, str(tmp_path), str(tmp_path / "checkpoints"), backoff_s=0, program=child)
+    assert code == status
+    log = tmp_path / "restarts.jsonl"
+    lines = [json.loads(ln) for ln in log.read_text().splitlines()] if log.exists() else []
+    assert [r["exit_code"] for r in lines] == [status] * restarts
+
+
+def test_supervisor_writes_nothing_into_a_run_dir_its_child_never_claimed(tmp_path):
+    """A child that dies before it claims --run-dir: a restarts.jsonl written there would make
+    the restarted child refuse the directory as not a Brigade run directory."""
+    from train.supervisor import supervise
+    child = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    assert supervise([], 1, str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints"), backoff_s=0,
+                     program=child) == 1
+    assert not (tmp_path / "run").exists()

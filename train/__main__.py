@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
@@ -28,52 +29,83 @@ def main(argv: list[str] | None = None) -> int:
             c = cfg.checkpoint
             return supervise(argv, cfg.train.max_restarts, cfg.logging.run_dir,
                              c.dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
-        from train.loop import Trainer
-        try:
-            return Trainer(cfg).fit()["exit_code"]  # 143 / 130 after SIGTERM / SIGINT (checkpoint committed)
-        except Exception as e:  # noqa: BLE001
-            _exit_if_peer_lost(e)
-            raise
+        return _train(cfg)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        if getattr(e, "exit_now", False):  # e.g. a failed save: its I/O still in flight would print noise at exit
-            _exit_now(2)
-        _exit_now_if_distributed(2)
-        return 2
+        return _final_error(f"error: {e}", 2, exit_now=getattr(e, "exit_now", False))
     except Exception as e:
         from train.resilience import DIVERGED_EXIT, Diverged
         if not isinstance(e, Diverged):
             raise
-        print(f"error: {e}", file=sys.stderr)
-        _exit_now_if_distributed(DIVERGED_EXIT)
-        return DIVERGED_EXIT
+        return _final_error(f"error: {e}", DIVERGED_EXIT)
+
+
+def _train(cfg) -> int:
+    """Join the job, then train with the peer heartbeat running from before the first
+    cross-process wait (restore barriers, compile, steps, saves) to after the last one
+    (jax.distributed's shutdown barrier): a peer lost anywhere in between ends this process
+    with one line and PEER_LOST_EXIT within --parallelism.peer_timeout."""
+    from mesh.build import init_distributed
+    from train.loop import Trainer
+    from train.watchdog import PeerHeartbeat
+    p = cfg.parallelism
+    if p.coordinator or p.num_processes > 1:
+        init_distributed(p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout)
+    else:
+        init_distributed(peer_timeout_s=p.peer_timeout)
+    with PeerHeartbeat(timeout_s=p.peer_timeout):
+        try:
+            code = Trainer(cfg).fit()["exit_code"]  # 143 / 130 after SIGTERM / SIGINT (checkpoint committed)
+        except Exception as e:  # noqa: BLE001
+            _exit_if_peer_lost(e)
+            raise
+        _leave_job()
+    return code
+
+
+def _leave_job() -> None:
+    """jax.distributed's shutdown barrier, passed while the heartbeat still runs (at interpreter
+    exit it would not be: a peer dying now would leave this process to JAX's C++ abort)."""
+    import jax
+    if not jax.distributed.is_initialized():
+        return
+    from train.resilience import injected_processes
+    from train.watchdog import set_doing
+    if jax.process_index() in injected_processes("KILL_AT_SHUTDOWN"):
+        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a process that dies after the run finished
+    set_doing("waiting in jax.distributed's shutdown barrier (the run had finished)")
+    jax.distributed.shutdown()
+
+
+def _final_error(line: str, code: int, exit_now: bool = False) -> int:
+    """A configuration/input error (2) or a divergence (3): restarting cannot help. In a
+    multi-process job every process must end with this status (a peer left blocked would be
+    declared lost, exit 5, and restarted by its supervisor): tell them and leave at once."""
+    if "jax" in sys.modules:
+        import jax
+        if jax.distributed.is_initialized():
+            from train.watchdog import end_job
+            end_job(line, code)
+    print(line, file=sys.stderr)
+    if exit_now:  # e.g. a failed save: its I/O still in flight would print noise at exit
+        _exit_now(code)
+    return code
 
 
 def _exit_if_peer_lost(e: Exception) -> None:
-    """A runtime error in a multi-process job is most often a collective whose peer is gone: name
-    it (from the heartbeats) and leave with PEER_LOST_EXIT rather than a traceback and a hang in
-    the shutdown barrier."""
+    """An error in a multi-process job is most often a cross-process wait whose peer is gone (a
+    collective's JaxRuntimeError, or a checkpoint save that failed in Orbax's barrier and reads
+    as a SaveFailed): name the peer (from the heartbeats) and leave with PEER_LOST_EXIT, a crash
+    to restart, rather than a traceback, a final status 2, or a hang in the shutdown barrier."""
     import jax
-    if not jax.distributed.is_initialized() or jax.process_count() == 1 \
-            or not isinstance(e, jax.errors.JaxRuntimeError):
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return
-    from train.watchdog import PEER_LOST_EXIT, PeerHeartbeat
+    from train.watchdog import PEER_LOST_EXIT, PeerHeartbeat, end_process
     lost = PeerHeartbeat().lost()
     if not lost:
         return
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    print(f"error: process {jax.process_index()}: {lost}; the step failed ({first}); exiting with status"
-          f" {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint", file=sys.stderr)
-    _exit_now_if_distributed(PEER_LOST_EXIT)
-
-
-def _exit_now_if_distributed(code: int) -> None:
-    """In a multi-process job a normal interpreter exit blocks in jax.distributed's shutdown
-    barrier until every peer arrives (or the heartbeat times out); a configuration error must
-    not hang for that long, so leave at once."""
-    import jax
-    if jax.distributed.is_initialized():
-        _exit_now(code)
+    end_process(f"error: process {jax.process_index()}: {lost}; the step failed ({first}); exiting with status"
+                f" {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint", PEER_LOST_EXIT)
 
 
 def _exit_now(code: int) -> None:

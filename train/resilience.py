@@ -66,5 +66,19 @@ DIVERGED_EXIT = 3
 
 def injected_steps(fault: str) -> set[int]:
     """Fault injection for tests and drills: BRIGADE_INJECT_<FAULT>_STEPS=5,6,7 -> {5, 6, 7}."""
-    raw = os.environ.get(f"BRIGADE_INJECT_{fault}_STEPS", "")
-    return {int(x) for x in raw.split(",") if x.strip()}
+    return _numbers(f"BRIGADE_INJECT_{fault}_STEPS")
+
+
+def injected_processes(fault: str) -> set[int]:
+    """Fault injection for multi-process drills: BRIGADE_INJECT_<FAULT>_PROCESSES=1 -> {1}, the
+    process indices that act out the fault (every process of a job may share one environment)."""
+    return _numbers(f"BRIGADE_INJECT_{fault}_PROCESSES")
+
+
+def _numbers(variable: str) -> set[int]:
+    raw = os.environ.get(variable, "")
+    try:
+        return {int(x) for x in raw.split(",") if x.strip()}
+    except ValueError:
+        from mesh.errors import UserError
+        raise UserError(f"{variable}={raw!r}: expected comma-separated integers, e.g. 5,6") from None
