@@ -9,18 +9,20 @@ mid-save leaves the previous step as the latest and the half-written one is neve
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import re
 from typing import Any, Iterator
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from checkpoint.echoes import quiet_failed_read_echoes
+from checkpoint.integrity import StepNames, UnreadableCheckpoint, check_files, diagnose
+from checkpoint.items import check_meta
 from mesh.errors import UserError
 from mesh.shard import path_names
+
 
 class _QuietBackgroundSaveErrors(logging.Filter):
     """Orbax logs a failed background write (e.g. a full disk) with long tracebacks from its
@@ -35,26 +37,10 @@ class _QuietBackgroundSaveErrors(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_QuietBackgroundSaveErrors())
+quiet_failed_read_echoes()
 
 
 RUN_SUBDIR = "checkpoints"  # a run directory's checkpoints, unless --checkpoint.dir says otherwise
-
-# Files every committed step has, relative to its directory; the JSON ones must also parse. (A
-# step also has `state/d/*` data files, which only a full read of the arrays checks.)
-_REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
-_JSON = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "meta/metadata")
-_TS_FILE = re.compile(r'local file "([^"]*[^/"])"')  # tensorstore names the file it failed on
-
-
-class UnreadableCheckpoint(UserError):
-    """A committed step whose files are missing, truncated or corrupt. `file` is the culprit
-    (relative to the step directory) when it could be told, else ''."""
-
-    def __init__(self, step_dir: str, file: str, reason: str):
-        self.step_dir, self.file, self.reason = step_dir, file, reason
-        where = f"file {file}: " if file else ""
-        super().__init__(f"checkpoint {step_dir} is unreadable ({where}{reason})")
-
 
 _is_array = lambda x: hasattr(x, "shape")  # noqa: E731  (ShapeDtypeStruct, jax.Array, ArrayMetadata)
 
@@ -72,6 +58,15 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
     return th.create_type_handler_registry(
         (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
         (np.ndarray, th.NumpyHandler()), (jax.Array, array), (str, th.StringHandler()))
+
+
+def _unused(path: str) -> str:
+    """`path`, or `path2`, `path3`, ... : the first that does not exist (nothing is overwritten)."""
+    out, n = path, 1
+    while os.path.lexists(out):
+        n += 1
+        out = f"{path}{n}"
+    return out
 
 
 def shared_directory(path: str) -> str:
@@ -105,90 +100,77 @@ class Checkpointer:
         elif not os.path.isdir(directory):
             raise UserError(f"'{directory}': no such checkpoint directory")
         self.directory = directory
+        if create and jax.process_index() == 0:
+            self._set_aside_links()
+        self._names = StepNames(skip_links=create)  # a reader never deletes: it may read through a link
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep > 0 else None,
             keep_period=keep_every if keep_every > 0 else None,  # steps % keep_every == 0 are never deleted
-            enable_async_checkpointing=async_save, create=create)  # Orbax's create: a barrier for the other processes
+            enable_async_checkpointing=async_save, create=create,  # Orbax's create: a barrier for the other processes
+            step_name_format=self._names)
         handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
                     "meta": ocp.JsonCheckpointHandler()}
         self._mngr = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
     # -- listing and metadata (nothing is loaded) ------------------------------------------------
     def latest_step(self) -> int | None:
-        return self._mngr.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return sorted(self._mngr.all_steps())
+        """Every committed step, also those whose `_CHECKPOINT_METADATA` Orbax cannot read (reading
+        them raises UnreadableCheckpoint, so the loop falls back past them like any damaged step)."""
+        return sorted(set(self._mngr.all_steps()) | set(self._names.unlisted))
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
     def meta(self, step: int) -> dict:
+        """The step's `meta` JSON; UnreadableCheckpoint naming the field when it is not of the shape
+        make_meta writes (checkpoint.items.META_SCHEMA)."""
         with self._reading(step):
-            return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return check_meta(meta, self.step_dir(step))
+
+    def _set_aside_links(self) -> None:
+        """Rename each step that is a symbolic link to `<step>.symlink`: the link itself, never its
+        target. Orbax would list it as a step and, once it is old enough, fail every save trying to
+        delete it; a link is also no checkpoint this directory's retention may delete through."""
+        for name in sorted(os.listdir(self.directory)):
+            link = os.path.join(self.directory, name)
+            if not (name.isdigit() and os.path.islink(link)):
+                continue
+            target, dst = os.readlink(link), _unused(f"{link}.symlink")
+            try:
+                os.rename(link, dst)
+            except OSError as e:
+                raise UserError(f"checkpoint step {link} is a symbolic link (to {target}) and cannot be set aside"
+                                f" ({e.strerror}); move it out of {self.directory}") from None
+            print(f"warning: checkpoint step {link} is a symbolic link (to {target}); set aside as {dst}"
+                  f" (the link only, its target untouched) so that removing old steps never deletes through it",
+                  flush=True)
 
     # -- integrity ------------------------------------------------------------------------------
     def check_files(self, step: int) -> None:
-        """UnreadableCheckpoint if one of the step's metadata files is missing or is not valid JSON
-        (cheap: nothing but those small files is read; truncated array data shows only on restore)."""
-        step_dir = self.step_dir(step)
-        for rel in _REQUIRED:
-            if not os.path.isfile(os.path.join(step_dir, rel)):
-                raise UnreadableCheckpoint(step_dir, rel, "missing")
-        for rel in _JSON:
-            path = os.path.join(step_dir, rel)
-            if not os.path.exists(path):
-                continue
-            try:
-                with open(path, "rb") as f:
-                    json.loads(f.read())  # JSON only: nothing in a checkpoint is ever unpickled
-            except (OSError, ValueError) as e:
-                raise UnreadableCheckpoint(step_dir, rel, f"not valid JSON: {e}") from None
-        data = os.path.join(step_dir, "state", "d")
-        if os.path.isdir(data):
-            for name in sorted(os.listdir(data)):
-                if os.path.getsize(os.path.join(data, name)) == 0:
-                    raise UnreadableCheckpoint(step_dir, f"state/d/{name}", "empty")
-
-    def check_data(self, step: int) -> None:
-        """UnreadableCheckpoint if any stored array chunk cannot be read back (a truncated or
-        deleted `state/d/*` file, a damaged OCDBT manifest): reads every value of the step's OCDBT
-        store, a few at a time, synchronously. Orbax's own restore would find the same damage, but
-        it fails with reads still in flight that then print 'Event loop is closed' tracebacks."""
-        import tensorstore as ts
-        state_dir = os.path.join(self.step_dir(step), "state")
-        with self._reading(step):
-            kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state_dir}/"}).result()
-            keys = kv.list().result()
-            for i in range(0, len(keys), 16):
-                for f in [kv.read(k) for k in keys[i:i + 16]]:
-                    f.result()
+        """UnreadableCheckpoint if one of the step's metadata files is missing, is not valid JSON
+        or is JSON of the wrong shape (cheap: only those small files are read; damaged array data
+        fails the read of the arrays, and `_reading` then names its file)."""
+        if step in self._names.unlisted:
+            raise UnreadableCheckpoint(self.step_dir(step), "_CHECKPOINT_METADATA", self._names.unlisted[step])
+        check_files(self.step_dir(step), check_meta)
 
     @contextlib.contextmanager
     def _reading(self, step: int) -> Iterator[None]:
         """Turn any failure to read step `step` (Orbax, tensorstore, JSON, OS errors) into an
-        UnreadableCheckpoint naming the step directory and, where the error tells, the file."""
-        step_dir = self.step_dir(step)
+        UnreadableCheckpoint naming the step directory and, where it can be told, the file."""
+        if step in self._names.unlisted:  # Orbax does not list it: reading would say only 'no step'
+            self.check_files(step)
         try:
             yield
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001  (whatever a damaged file makes Orbax raise)
-            text = str(e)
-            files = [f for f in _TS_FILE.findall(text) if f.startswith(step_dir + os.sep)]
-            if not files and getattr(e, "filename", None):
-                files = [str(e.filename)]
-            if files:
-                rel = os.path.relpath(files[-1], step_dir)
-            else:  # no file in the message: the first metadata file that is damaged, if any
-                try:
-                    self.check_files(step)
-                    rel = ""
-                except UnreadableCheckpoint as u:
-                    rel = u.file
-            first = text.split("[tensorstore_spec=")[0].strip().splitlines()
-            reason = f"{type(e).__name__}: {first[0] if first else ''}"
-            raise UnreadableCheckpoint(step_dir, rel, reason[:400]) from None
+            raise diagnose(self.step_dir(step), e, lambda: self.check_files(step)) from None
 
     def arrays(self, step: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
         """(name, global shape, dtype) of every saved array, from Orbax's metadata files: step,
@@ -207,9 +189,9 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restore into `abstract_state` (ShapeDtypeStructs with shardings, on any mesh): each
-        device reads only the slices of the saved arrays that its new shards cover."""
+        device reads only the slices of the saved arrays that its new shards cover. Nothing is
+        read twice: damaged array data fails the restore itself, which then names the file."""
         self.check_files(step)
-        self.check_data(step)
         meta = self.meta(step)
         self.check_compatible(step, abstract_state, meta)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
@@ -222,11 +204,9 @@ class Checkpointer:
         """Rename an unreadable step to `<step>.unreadable` (Orbax then no longer lists it, and this
         run may save that step again); nothing is deleted. -> the new path."""
         src = self.step_dir(step)
-        dst, n = f"{src}.unreadable", 1
+        dst = f"{src}.unreadable"
         if jax.process_index() == 0:
-            while os.path.exists(dst):
-                n += 1
-                dst = f"{src}.unreadable{n}"
+            dst = _unused(dst)
             os.rename(src, dst)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -236,6 +216,7 @@ class Checkpointer:
 
     def restore_params_to_host(self, step: int) -> dict:
         """Only the `params` subtree, as numpy arrays in host memory (the optimizer state is not read)."""
+        self.check_files(step)
         with self._reading(step):
             saved = self._mngr.item_metadata(step)["state"]
         try:

@@ -246,7 +246,7 @@ def test_checkpoint_flags(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("checkpoint:\n  async: false\n  keep: 5\n")
     assert build({}, str(y)).checkpoint.async_save is False and build({}, str(y)).checkpoint.keep == 5
-    with pytest.raises(UserError, match="checkpoint.keep must be >= 0"):
+    with pytest.raises(UserError, match="checkpoint.keep -1: must be an integer >= 0"):
         build({"checkpoint.keep": -1})
     with pytest.raises(UserError, match="valid checkpoint options: dir, every, keep, keep_every, async, resume"):
         build({"checkpoint.async_save": False})

@@ -301,12 +301,17 @@ class Trainer:
         The state keeps the current step number, so training skips the data window that led here
         (batches are a function of the step; replaying them would likely diverge again) and the
         schedule continues where it was."""
+        from checkpoint.manager import UnreadableCheckpoint
         saver.wait()
-        last = saver.latest_step()
-        if last is None:
+        for last in sorted(saver.all_steps(), reverse=True):  # the newest step that reads back
+            try:
+                restored, _ = self.restore(saver, last)
+                break
+            except UnreadableCheckpoint as e:
+                log.print(f"warning: {e}; trying the previous checkpoint")
+        else:
             raise Diverged(f"{self.cfg.train.max_bad_steps} non-finite steps in a row at step {step} and no"
-                               f" checkpoint to restore in {saver.directory}")
-        restored, _ = self.restore(saver, last)
+                           f" intact checkpoint to restore in {saver.directory}")
         log.print(f"recovery: {self.cfg.train.max_bad_steps} non-finite steps in a row at step {step}; restored"
                   f" the weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}")
         return restored.replace(step=state.step)
