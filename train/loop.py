@@ -311,7 +311,8 @@ class Trainer:
                 log.print(f"warning: {e}; trying the previous checkpoint")
         else:
             raise Diverged(f"{self.cfg.train.max_bad_steps} non-finite steps in a row at step {step} and no"
-                           f" intact checkpoint to restore in {saver.directory}")
+                           f" checkpoint to restore in {saver.directory}"
+                           + (" that reads back" if saver.all_steps() else ""))
         log.print(f"recovery: {self.cfg.train.max_bad_steps} non-finite steps in a row at step {step}; restored"
                   f" the weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}")
         return restored.replace(step=state.step)
