@@ -5,7 +5,7 @@ import sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# JAX_FACTS.md section 11: the config a mature peer runs at 0.75-0.9 s/step on this machine.
+# The peer shape: the config a mature peer runs at 0.75-0.9 s/step on this machine.
 PEER = {
     "model.preset": "tiny", "model.d_model": 256, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 4,
     "model.d_ff": 1024, "model.vocab_size": 32000, "model.max_seq_len": 128, "train.seq_len": 128,

@@ -2,7 +2,7 @@
 
 The trainer, checkpoints and converters only see `init`, `apply`, `param_axes` and
 `abstract_params`; the NNX module graph is rebuilt from the dict inside each trace (trace-time
-cost only), which keeps jitted steps on plain pytrees (JAX_FACTS: the cheapest per-step path).
+cost only), which keeps jitted steps on plain pytrees (the cheapest per-step path we measured).
 """
 from __future__ import annotations
 

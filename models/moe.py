@@ -36,7 +36,7 @@ TOKENS_BT = ("batch", "seq", None)
 
 def kernel_for(cfg: ModelConfig) -> str:
     """The dropless grouped matmul: ragged_dot where it is fast (GPU/TPU); on CPU ragged_dot costs
-    about as much as every expert on every row (JAX_FACTS §5), so padded blocks, empty ones skipped."""
+    about as much as every expert on every row (measured), so padded blocks, empty ones skipped."""
     if cfg.dropless_kernel != "auto":
         return cfg.dropless_kernel
     return "blocks" if jax.default_backend() == "cpu" else "ragged"

@@ -25,7 +25,7 @@ reduce-scatter), which XLA's latency-hiding scheduler runs next to other layers'
 Exposed: tensor-parallel activation all-reduces (on the critical path of every layer), pipeline
 sends and expert all-to-alls (the next computation waits for their result).
 
-Goodput (MISSION.md): T_total = T_train + N_ckpt x T_save + N_fail x T_recover, with failures
+Goodput (the checkpoint/restart model): T_total = T_train + N_ckpt x T_save + N_fail x T_recover, with failures
 arriving at rate (failures per device-day x devices) over the wall time.
 """
 from __future__ import annotations
@@ -180,7 +180,7 @@ def goodput(t_step: float, state_bytes: float, n_devices: int, hw: Hardware, *, 
     """Effective-time fraction T_train / T_total for a cluster of `n_devices`.
 
     state_bytes: checkpointed bytes per device (params + optimizer state; each device writes its
-    own shards, all in parallel). fail_rate: failures per device-day (MISSION.md: 0.1%/day/GPU, so
+    own shards, all in parallel). fail_rate: failures per device-day (default 0.1%/day/GPU, so
     10 a day on 10,000 GPUs). A save blocks for the device-to-host copy when async (plus any part of
     the write that the next interval cannot hide), for the whole write otherwise. A failure costs
     the restart, reading the checkpoint back, and on average half an interval of lost steps.

@@ -1,6 +1,6 @@
 """Goodput: where a run's wall time goes, across restarts.
 
-MISSION.md: T_total = T_train + N_ckpt * T_save + N_fail * T_recover. Each attempt (one process
+The checkpoint/restart model: T_total = T_train + N_ckpt * T_save + N_fail * T_recover. Each attempt (one process
 lifetime) times its own phases; the totals are written into every metrics.jsonl record, so a
 resumed attempt carries on from the record of the step it resumed at. Everything the failed
 attempt did after that record (steps that are now recomputed) plus the downtime until the new

@@ -47,7 +47,8 @@ def sharding_table(abstract_params) -> list[dict]:
 
 
 def theory(tr: Trainer, abstract_state) -> dict:
-    """Ideal per-device collective bytes per step from MISSION.md's ring formulas.
+    """Ideal per-device collective bytes per step from the ring formulas (all-reduce 2(n-1)/n x
+    bytes; all-gather and reduce-scatter (n-1)/n x bytes).
 
     For each parameter: the batch mesh axes it is *not* sharded on carry plain data parallelism
     (all-reduce of its gradient shard: 2(n-1)/n x M); the batch axes it *is* sharded on carry
@@ -232,7 +233,7 @@ def all_to_all_theory(tr: Trainer) -> dict:
 
 def on_backend(th: dict, platform: str, mesh) -> dict:
     """Theory as this backend lowers it: XLA:CPU turns each reduce-scatter the partitioner makes
-    into an all-reduce of the full operand plus a dynamic-slice (JAX_FACTS.md); explicit
+    into an all-reduce of the full operand plus a dynamic-slice (seen in its HLO); explicit
     `lax.psum_scatter`s (the MoE expert weights' FSDP gradients) stay reduce-scatters."""
     if platform != "cpu":
         return th
