@@ -47,7 +47,7 @@ def test_comm_time_ring_arithmetic():
 
 
 def test_mission_7b_all_reduce_over_200gbps_takes_over_a_second():
-    """MISSION.md: 7B fp16 gradients (M = 14 GB) all-reduced over 200 Gb/s (25 GB/s) take over a second."""
+    """7B fp16 gradients (M = 14 GB) all-reduced over 200 Gb/s (25 GB/s) take over a second."""
     a100 = hardware.get("a100")
     n = 64
     wire = 2 * (n - 1) / n * 14e9  # ring all-reduce: each device sends ~2M
@@ -117,7 +117,7 @@ def test_goodput_hand_computed():
     # 1 s steps, 1 GB of state per device, save every 100 steps, 10,000 devices at 0.1%/day
     g = cost.goodput(1.0, 1e9, 10_000, TOY, ckpt_every=100, async_save=True, fail_rate=0.001, restart_s=300.0,
                      steps=10_000)
-    assert g["failures_per_day"] == pytest.approx(10.0)  # MISSION.md: 10 failures a day
+    assert g["failures_per_day"] == pytest.approx(10.0)  # 0.1%/day on 10,000 devices: 10 failures a day
     assert g["mtbf_s"] == pytest.approx(8640.0)
     c = g["checkpoint"]
     assert c["t_save_s"] == pytest.approx(1.0)  # async: the 1 GB device-to-host copy; the 10 s write hides in 100 s

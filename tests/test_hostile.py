@@ -9,7 +9,6 @@ so the table costs no interpreter start-ups; the real-process versions of the ca
 test_data_trust.py and test_checkpoint_trust.py."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from test_data import _jsonl, _tiktoken_file
-from test_data_trust import _edit_index, _set
+from test_data_trust import _edit_index, _set, _tree as listing
 
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--train.sample_tokens",
         "0", "--logging.progress", "false", "--logging.tensorboard", "false", "--steps", "2"]
@@ -50,16 +49,6 @@ def pristine(tmp_path_factory) -> Path:
     except ImportError:  # transformers/torch are dev extras
         pass
     return root
-
-
-def listing(root: Path) -> dict[str, str]:
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            if not os.path.islink(p):
-                out[os.path.relpath(p, root)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
 
 
 def edit_json(path: Path, edit) -> None:

@@ -1,7 +1,6 @@
 """The run directory is the run's own: a second run on it, a directory Brigade did not create,
 and a full disk at the first write each end in one line and exit 2, with the user's files
 untouched; a SIGKILLed run never blocks its own restart."""
-import hashlib
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import time
 import pytest
 
 from mesh.errors import UserError
+from test_data_trust import _tree as listing
 from train.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,17 +23,6 @@ CMD = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--log-every",
 def train(args, run_dir, **kw):
     return subprocess.Popen([sys.executable, "-m", "train", *CMD, "--run-dir", str(run_dir), *args], cwd=ROOT,
                             env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-
-
-def listing(root) -> dict[str, str]:
-    """Every file under `root` -> sha256 of its content (what must not change)."""
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            path = os.path.join(d, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, root)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -115,7 +115,7 @@ def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
 
 
 def test_tensor_parallel_across_nodes_ranks_below_inside_a_node():
-    """MISSION.md's placement rule: the same model=8 sync costs more over InfiniBand than over NVLink."""
+    """The placement rule: the same model=8 sync costs more over InfiniBand than over NVLink."""
     m7, hw = preset("7b"), hardware.get("h100")
     inside = S.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048)
     across = S.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048, dcn={"model": 4})
