@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices for every test, set before JAX initialises."""
+"""Test setup: 8 fake CPU devices for every test, set before JAX initialises, and one persistent
+compilation cache shared by the test processes and the training subprocesses they start."""
 import os
 import re
 
@@ -6,6 +7,15 @@ import re
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Most of a tiny training run is XLA compilation (about 80% of a 3-step run on CPU), and the suite
+# compiles the same programs many times: in both workers and in every `python -m train` subprocess
+# a crash or restart drill starts. The cache is keyed by the program, the compile options and the
+# jax/XLA versions, so a hit is the very executable a fresh compile would produce. Subprocesses
+# inherit these variables through os.environ.
+_cache_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache_dir)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -62,6 +63,21 @@ def peak_flops(dtype: str, override_tflops: float = 0.0, devices: list | None = 
     return 0.0, f"unknown device '{devices[0].device_kind}': pass --peak-tflops for MFU"
 
 
+def _summary_writer(log_dir: str):
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch only to
+    accept torch tensors (this logger passes floats), and that import costs ~3 s of every run's
+    start-up wherever torch is installed. A torch the process already imported is left as it is."""
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX's fallback
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide_torch:
+            del sys.modules["torch"]
+    return SummaryWriter(log_dir, flush_secs=10)
+
+
 class MetricsLogger:
     """Writes each logged step to metrics.jsonl, TensorBoard and the progress bar (process 0 only)."""
 
@@ -74,8 +90,7 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if tensorboard:
-            from tensorboardX import SummaryWriter  # lazy: heavy import, optional sink
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), flush_secs=10)
+            self._tb = _summary_writer(os.path.join(run_dir, "tb"))
         if progress:
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
