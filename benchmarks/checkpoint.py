@@ -18,12 +18,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from checkpoint.items import make_meta
+from checkpoint.layout import make_meta
 from checkpoint.manager import Checkpointer
 from mesh.build import make_mesh
 from mesh.rules import DEFAULT_RULES
 from models.config import ModelConfig
-from train import optim, state as S
+from train import optim, state as train_state
 from train.config import TrainConfig
 
 
@@ -91,7 +91,7 @@ def main() -> None:
                       d_ff=4 * args.d_model, max_seq_len=256, dtype="float32")
     tx = optim.make(TrainConfig())
     mesh = make_mesh("fsdp=8")
-    state = S.create(cfg, tx, mesh, DEFAULT_RULES, 0)
+    state = train_state.create(cfg, tx, mesh, DEFAULT_RULES, 0)
     jax.block_until_ready(state)
     n_bytes = state_bytes(state)
     meta = make_meta(0, {}, mesh, 0)
@@ -109,11 +109,11 @@ def main() -> None:
     print(f"async blocks {100 * med(a_block) / med(s_block):.1f}% of sync (target < 10%);"
           f" save throughput {100 * mb / med(a_total) / raw:.0f}% of raw disk")
 
-    abstract_same = S.abstract(cfg, tx, mesh, DEFAULT_RULES)
+    abstract_same = train_state.abstract(cfg, tx, mesh, DEFAULT_RULES)
     other = make_mesh("data=2,model=4")
-    abstract_other = S.abstract(cfg, tx, other, DEFAULT_RULES)
+    abstract_other = train_state.abstract(cfg, tx, other, DEFAULT_RULES)
     one = make_mesh("", devices=jax.devices()[:1])
-    abstract_one = S.abstract(cfg, tx, one, DEFAULT_RULES)
+    abstract_one = train_state.abstract(cfg, tx, one, DEFAULT_RULES)
     step = args.repeats
     d = args.dir + "_async"
     for name, ab in (("same mesh fsdp=8", abstract_same), ("resharded to data=2,model=4", abstract_other),

@@ -26,10 +26,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from mesh import bench  # noqa: E402
-from mesh.build import describe, make_mesh  # noqa: E402
+from mesh.build import make_mesh  # noqa: E402
+from mesh.spec import mesh_text  # noqa: E402
 from mesh.hlo import parse_collectives, summarize  # noqa: E402
 from mesh.rules import axis_rules, logical_to_spec, make_rules  # noqa: E402
-from models import model as M  # noqa: E402
+from models import model as model_lib  # noqa: E402
 from models.config import preset  # noqa: E402
 from train import comm  # noqa: E402
 
@@ -42,9 +43,9 @@ def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
     cfg = preset(model)
     dp = tuple(a for a in rules["batch"] if mesh.shape[a] > 1 and a not in ("fsdp",))
     n_dp = int(np.prod([mesh.shape[a] for a in dp]))
-    specs = jax.tree.map(lambda names: logical_to_spec(names, rules), M.param_axes(cfg),
+    specs = jax.tree.map(lambda names: logical_to_spec(names, rules), model_lib.param_axes(cfg),
                          is_leaf=lambda x: isinstance(x, tuple))
-    shapes = M.abstract_params(cfg)
+    shapes = model_lib.abstract_params(cfg)
     rng = np.random.default_rng(0)
     grads = jax.tree.map(lambda s, sp: jax.device_put(
         rng.standard_normal((n_dp, *s.shape)).astype(np.float32) / n_dp,
@@ -68,7 +69,7 @@ def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
             rows.append({"setting": label, "wire_bytes": wire, "kinds": kinds, "time_ms": 1e3 * statistics.median(times)})
     base = rows[0]["wire_bytes"]
     print(f"\n## Gradient sync over {','.join(dp)} (n={n_dp}), model `{model}` ({n_params / 1e6:.2f}M params),"
-          f" mesh {describe(mesh)}: per-device wire bytes per step from the compiled HLO\n")
+          f" mesh {mesh_text(mesh.shape)}: per-device wire bytes per step from the compiled HLO\n")
     print("| setting | collectives over dp | wire bytes / device | float32 / this | sync time (CPU, ms) |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -7,14 +7,14 @@ import time
 import common  # noqa: F401
 import jax
 
-from train import state as S
+from train import state as train_state
 from train.config import build
 from train.loop import Trainer
 
 
 def compile_seconds(layers: int, scan: bool) -> float:
     tr = Trainer(build({**common.PEER, "model.n_layers": layers, "model.scan_layers": scan}))
-    abstract = S.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
+    abstract = train_state.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
     batch = tr.abstract_batch()
     t0 = time.perf_counter()
     tr.compile_step(abstract, batch)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import hf, model as M  # noqa: E402
+from models import hf, model  # noqa: E402
 from models.config import preset  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cfg = dataclasses.replace(preset(args.preset), dtype="float32", param_dtype="float32")
-    params = jax.jit(lambda k: M.init(cfg, k))(jax.random.key(0))
+    params = jax.jit(lambda k: model.init(cfg, k))(jax.random.key(0))
     n = sum(x.size for x in jax.tree.leaves(params))
     _, t_save = timed(lambda: hf.save_pretrained(hf.Model(cfg, params), f"{out}/hf"))
     loaded, t_load = timed(lambda: hf.from_pretrained(f"{out}/hf"))

@@ -13,7 +13,7 @@ import jax
 import optax
 
 from mesh.rules import axis_rules
-from models import model as M
+from models import model as model_lib
 from train.config import build
 from train.loop import Trainer
 
@@ -32,14 +32,14 @@ def hand_written(overrides: dict, steps: int) -> float:
     cfg, t, tx = tr.model_cfg, tr.cfg.train, tr.tx
     sh = tr.state_shardings
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        params = jax.jit(lambda k: M.init(cfg, k), out_shardings=sh.params)(jax.random.key(0))
+        params = jax.jit(lambda k: model_lib.init(cfg, k), out_shardings=sh.params)(jax.random.key(0))
         opt = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
         tokens = jax.device_put(jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, 256),
                                 tr.batch_sharding)
 
         def step(params, opt, tokens):
             def loss(p):
-                logits, _ = M.apply(cfg, p, tokens[:, :-1])
+                logits, _ = model_lib.apply(cfg, p, tokens[:, :-1])
                 return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
             l, g = jax.value_and_grad(loss)(params)
             u, opt = tx.update(g, opt, params)

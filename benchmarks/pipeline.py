@@ -22,7 +22,7 @@ from flax import nnx
 from mesh.build import make_mesh
 from mesh.hlo import parse_collectives, summarize
 from mesh.rules import axis_rules, logical_to_spec, make_rules
-from models import pipeline as PL
+from models import pipeline as pipeline_lib
 from models.config import PRESETS
 from models.transformer import Block
 
@@ -57,10 +57,10 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
     else:
         # circular: the layer stack stored in stage order, so each device's chunks are local
         ordered = R > 1 and not args.model_order
-        params = PL.to_stage_order(params, P, R) if ordered else params
+        params = pipeline_lib.to_stage_order(params, P, R) if ordered else params
 
         def stack(p, x, pos):
-            return PL.pipeline_apply(layer, p, x, pos, stages=P, microbatches=M, repeats=R, schedule=schedule,
+            return pipeline_lib.pipeline_apply(layer, p, x, pos, stages=P, microbatches=M, repeats=R, schedule=schedule,
                                      remat_policy=remat, stage_ordered=ordered)
     loss = lambda p, x, pos: jnp.mean(stack(p, x, pos) ** 2)
     x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.d_model))
@@ -76,14 +76,14 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
         jax.block_until_ready(step(p, *xs))
         mem = step.memory_analysis()
         cp = summarize(parse_collectives(step.as_text(), mesh))["collective-permute"]["by_axes"].get("pipeline", {})
-    theory = PL.permute_bytes_theory(batch=args.batch, seq=args.seq, d_model=args.d_model, itemsize=4, stages=P,
+    theory = pipeline_lib.permute_bytes_theory(batch=args.batch, seq=args.seq, d_model=args.d_model, itemsize=4, stages=P,
                                      microbatches=M, repeats=R, batch_shards=8 // P)
     timed = lambda: jax.block_until_ready(step(p, *xs))
     return timed, {"P": P, "M": M, "R": R, "schedule": schedule if P > 1 else "-",
             "compile_s": compile_s, "params_MiB": mem.argument_size_in_bytes / 2**20,
             "temp_MiB": mem.temp_size_in_bytes / 2**20, "permute_hlo_KiB": cp.get("operand_bytes", 0) / 1024,
             "permute_theory_KiB": theory["sent"] / 1024,
-            "bubble_pred": PL.bubble_fraction(P, M, R) if P > 1 else 0.0}
+            "bubble_pred": pipeline_lib.bubble_fraction(P, M, R) if P > 1 else 0.0}
 
 
 def main():
@@ -118,7 +118,7 @@ def main():
           " args MiB/dev | temp MiB/dev | permute KiB/dev HLO (theory) | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ticks = PL.n_ticks(r["P"], r["M"], r["R"])
+        ticks = pipeline_lib.n_ticks(r["P"], r["M"], r["R"])
         measured = 1 - base / r["step_s"]
         print(f"| {r['P']} | {r['schedule']} | {r['R']} | {r['M']} | {ticks} | {r['step_s']:.3f} | "
               f"{1000 * r['step_s'] / ticks:.0f} | {measured:.1%} | {r['bubble_pred']:.1%} | "

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from mesh.errors import ArgParser, UserError, one_line_errors
+from errors import ArgParser, UserError, one_line_errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def _prod(shape) -> int:
 
 
 def inspect_text(info: dict) -> str:
-    from checkpoint.items import mesh_text
+    from mesh.spec import mesh_text
     meta, arrays = info["meta"], info["arrays"]
     data = meta.get("data", {})
     lines = [f"checkpoint {info['path']}",
@@ -79,7 +79,7 @@ def inspect_text(info: dict) -> str:
 
 def export_params(path: str, out: str) -> str:
     from checkpoint.manager import Checkpointer, open_checkpoint
-    from mesh.errors import UserError
+    from errors import UserError
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UserError(f"export: '{out}' already exists and is not empty; choose a new OUT directory")
     ck, step = open_checkpoint(path)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import orbax.checkpoint as ocp
 
-from mesh.errors import UserError
+from errors import UserError
 
 # Files every committed step has, relative to its directory; the JSON ones must also parse.
 REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "meta/metadata")

@@ -19,8 +19,8 @@ import orbax.checkpoint as ocp
 
 from checkpoint.echoes import quiet_failed_read_echoes
 from checkpoint.integrity import StepNames, UnreadableCheckpoint, check_files, diagnose
-from checkpoint.items import check_meta
-from mesh.errors import UserError
+from checkpoint.layout import check_meta
+from errors import UserError
 from mesh.shard import path_names
 
 
@@ -127,7 +127,7 @@ class Checkpointer:
 
     def meta(self, step: int) -> dict:
         """The step's `meta` JSON; UnreadableCheckpoint naming the field when it is not of the shape
-        make_meta writes (checkpoint.items.META_SCHEMA)."""
+        make_meta writes (checkpoint.layout.META_SCHEMA)."""
         with self._reading(step):
             meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         return check_meta(meta, self.step_dir(step))

@@ -25,8 +25,8 @@ import statistics
 import sys
 import time
 
-from mesh.config import AXES
-from mesh.errors import ArgParser, UserError, one_line_errors
+from mesh.spec import AXES
+from errors import ArgParser, UserError, one_line_errors
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
@@ -235,7 +235,8 @@ def _main(args) -> int:
     import jax
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from mesh.build import describe, init_distributed, make_mesh
+    from mesh.build import init_distributed, make_mesh
+    from mesh.spec import mesh_text
     if args.coordinator or args.num_processes > 1:
         init_distributed(args.coordinator or None, args.num_processes, args.process_id)
     else:
@@ -243,7 +244,7 @@ def _main(args) -> int:
     mesh = make_mesh(args.mesh, args.mesh_dcn)
     groups = axis_groups(dict(mesh.shape), args.axes)
     main_proc = jax.process_index() == 0
-    info = {"mesh": describe(mesh), "devices": mesh.devices.size, "processes": jax.process_count(),
+    info = {"mesh": mesh_text(mesh.shape), "devices": mesh.devices.size, "processes": jax.process_count(),
             "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
             "iters": args.iters, "warmup": args.warmup}
     if main_proc and not args.json:

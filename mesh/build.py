@@ -8,8 +8,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from mesh.config import AXES, MeshShape, resolve
-from mesh.errors import UserError
+from mesh.spec import AXES, MeshShape, resolve
+from errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,14 @@ def _granules(devices) -> tuple[int, bool]:
     return len({d.process_index for d in devices}), True
 
 
-def describe(mesh: Mesh) -> str:
-    used = [f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1]
-    return ",".join(used) or "1 device"
+def start_mesh(parallelism, devices: list | None = None) -> Mesh:
+    """The entry point's mesh: start the distributed runtime the --parallelism settings ask for
+    (coordinator, process count and id, peer timeout), then lay --mesh/--mesh-dcn over `devices`
+    (default: every device of every process)."""
+    p = parallelism
+    if p.coordinator or p.num_processes > 1:
+        init_distributed(p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout)
+    else:
+        init_distributed(peer_timeout_s=p.peer_timeout)
+    return make_mesh(p.mesh, p.mesh_dcn, devices)
+

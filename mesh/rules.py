@@ -12,8 +12,8 @@ from typing import Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from mesh.config import AXES, parse_spec  # noqa: F401  (AXES re-exported for callers)
-from mesh.errors import UserError
+from mesh.spec import AXES, parse_spec  # noqa: F401  (AXES re-exported for callers)
+from errors import UserError
 
 MeshAxes = tuple[str, ...]  # () = replicated
 

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mesh.errors import UserError
+from errors import UserError
 from mesh.rules import MeshAxes, current_rules, logical_to_spec
 
 

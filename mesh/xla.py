@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 
-from mesh.errors import UserError
+from errors import UserError
 
 MiB = 2**20
 

@@ -8,7 +8,7 @@ import re
 import typing
 from typing import Any, Callable
 
-from mesh.errors import UserError
+from errors import UserError
 
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

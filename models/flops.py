@@ -6,12 +6,12 @@ import math
 
 import jax
 
-from models import model as M
+from models import model
 from models.config import ModelConfig
 
 
 def param_count(cfg: ModelConfig) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(M.abstract_params(cfg)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(model.abstract_params(cfg)))
 
 
 def active_param_count(cfg: ModelConfig) -> int:

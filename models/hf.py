@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from mesh.errors import ArgParser, UserError, one_line_errors
+from errors import ArgParser, UserError, one_line_errors
 from models.config import ModelConfig
 
 SAFETENSORS = "model.safetensors"
@@ -282,8 +282,8 @@ class Model:
     @functools.cached_property
     def _forward(self):
         import jax
-        from models import model as M
-        return jax.jit(lambda params, tokens_BT: M.apply(self.cfg, params, tokens_BT)[0])
+        from models import model as model_lib
+        return jax.jit(lambda params, tokens_BT: model_lib.apply(self.cfg, params, tokens_BT)[0])
 
     def __call__(self, tokens_BT) -> "jax.Array":  # noqa: F821
         import jax.numpy as jnp
@@ -451,8 +451,8 @@ def _rows(model_type: str, cfg: ModelConfig) -> list[Row]:
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     from mesh.shard import path_names
-    from models import model as M
-    return {n: tuple(s.shape) for n, s in path_names(M.abstract_params(cfg), is_leaf=lambda x: hasattr(x, "shape"))}
+    from models import model as model_lib
+    return {n: tuple(s.shape) for n, s in path_names(model_lib.abstract_params(cfg), is_leaf=lambda x: hasattr(x, "shape"))}
 
 
 def _set(tree: dict, path: str, value) -> None:
@@ -542,8 +542,8 @@ def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, rules=None)
         return Model(cfg, jax.device_put(params), path)
     from mesh.rules import make_rules
     from mesh.shard import tree_shardings
-    from models import model as M
-    shardings = tree_shardings(mesh, M.param_axes(cfg), rules or make_rules())
+    from models import model as model_lib
+    shardings = tree_shardings(mesh, model_lib.param_axes(cfg), rules or make_rules())
     return Model(cfg, jax.device_put(params, shardings), path)
 
 
@@ -614,7 +614,7 @@ def import_checkpoint(hf_dir: str, out: str, dtype: str = "float32") -> str:
     """HF directory -> a params-only Brigade checkpoint `out/0/` (what `--init-from` starts from),
     plus `out/model.yaml`, the model section to train it with (`--config out/model.yaml`)."""
     import yaml
-    from checkpoint.items import versions
+    from checkpoint.layout import versions
     from checkpoint.manager import Checkpointer
     from train.config import Config
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):

@@ -23,7 +23,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mesh.errors import UserError
+from errors import UserError
 from mesh.rules import logical_to_spec
 from mesh.shard import spec_axes
 from models.config import ModelConfig

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mesh.errors import UserError
+from errors import UserError
 from models.config import SCHEDULES, PipelineConfig  # noqa: F401  (re-exported: the config lives with the model's)
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 

@@ -6,7 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models import model as M
+from models import model
 from models.config import ModelConfig
 
 
@@ -28,15 +28,15 @@ def generate(cfg: ModelConfig, params, prompt_BT: jax.Array, key: jax.Array, *, 
     One prefill pass fills the cache with the prompt; each new token then costs one
     single-position pass over the cache."""
     b, t0 = prompt_BT.shape
-    cache = M.init_cache(cfg, b, t0 + max_new)
-    logits_BTV, cache = M.apply(cfg, params, prompt_BT, jnp.broadcast_to(jnp.arange(t0), (b, t0)), cache)
+    cache = model.init_cache(cfg, b, t0 + max_new)
+    logits_BTV, cache = model.apply(cfg, params, prompt_BT, jnp.broadcast_to(jnp.arange(t0), (b, t0)), cache)
 
     def step(carry, i):
         logits_BV, cache, key = carry
         key, sub = jax.random.split(key)
         tok_B = _pick(logits_BV, sub, temperature, top_k)
         pos_B1 = jnp.full((b, 1), t0 + i, jnp.int32)
-        logits_B1V, cache = M.apply(cfg, params, tok_B[:, None], pos_B1, cache)
+        logits_B1V, cache = model.apply(cfg, params, tok_B[:, None], pos_B1, cache)
         return (logits_B1V[:, -1], cache, key), tok_B
 
     _, toks_NB = jax.lax.scan(step, (logits_BTV[:, -1], cache, key), jnp.arange(max_new))

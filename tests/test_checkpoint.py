@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from checkpoint.manager import Checkpointer, open_checkpoint
-from mesh.errors import UserError
+from errors import UserError
 from train.config import build, from_args
 from train.loop import Trainer
 

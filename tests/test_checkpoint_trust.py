@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from checkpoint.__main__ import describe
 from checkpoint.echoes import _is_echo, quiet_failed_read_echoes
-from checkpoint.items import check_meta
+from checkpoint.layout import check_meta
 from checkpoint.manager import Checkpointer, UnreadableCheckpoint, open_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from train.config import build, from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.build import make_mesh
-from mesh.errors import UserError
+from errors import UserError
 from mesh.hlo import parse_collectives, summarize
 from train import comm
 

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from models.config import PRESETS, Range, check_ranges, numeric_fields, ranged
 from train.__main__ import main
 from train.config import SECTIONS, build, from_args, public_flag

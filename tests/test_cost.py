@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from models.config import preset
 from train import cost, hardware
 from train.hardware import Hardware

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from train.config import build
 from train.loop import Trainer
 

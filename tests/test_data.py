@@ -14,11 +14,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.build import make_mesh
-from mesh.errors import UserError
+from errors import UserError
 from train.config import DataConfig
-from train.data import corpus as C
-from train.data import prepare as PR
-from train.data import tokenizers as TK
+from train.data import corpus
+from train.data import prepare
+from train.data import tokenizers
 from train.data.pipeline import Pipeline, abstract_batch, make_pipeline, mix, permute, proportions, _round_keys
 from train.data.sources import Source, Stream, load_prepared, parse_mixture
 
@@ -36,7 +36,7 @@ def _jsonl(path, texts, field="text"):
 
 def _docs(directory) -> list[np.ndarray]:
     """Every document of a prepared dataset, in order, without its EOS."""
-    index = json.load(open(os.path.join(directory, PR.INDEX)))
+    index = json.load(open(os.path.join(directory, prepare.INDEX)))
     out = []
     for sh in index["shards"]:
         tokens = np.fromfile(os.path.join(directory, sh["tokens"]), index["dtype"])
@@ -51,7 +51,7 @@ def _source(tokens, doc_starts, name="mem", eval_tokens=None) -> Source:
     """An in-memory source whose token values identify their position (windows are recognisable)."""
     ev = eval_tokens if eval_tokens is not None else np.zeros(0, np.uint32)
     return Source(name, Stream.from_array(tokens, np.asarray(doc_starts)), Stream.from_array(ev, np.zeros(1, np.int64)),
-                  int(tokens.max()) + 1, {"kind": "byte", "id": "byte", "eos_id": C.EOS}, name, int(tokens.max()))
+                  int(tokens.max()) + 1, {"kind": "byte", "id": "byte", "eos_id": corpus.EOS}, name, int(tokens.max()))
 
 
 # ------------------------------------------------------------------ prepare
@@ -68,30 +68,30 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
                         "--workers", "2", "--shard-tokens", "4000", "--no-progress"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert len(PR.make_tasks(PR.expand_inputs([a, str(tmp_path / "txt")]), 2)) > 1  # the pool was used
+    assert len(prepare.make_tasks(prepare.expand_inputs([a, str(tmp_path / "txt")]), 2)) > 1  # the pool was used
     index = json.load(open(out / "index.json"))
-    assert index["dtype"] == "uint16" and index["vocab_size"] == C.BYTE_VOCAB and index["n_documents"] == 303
+    assert index["dtype"] == "uint16" and index["vocab_size"] == corpus.BYTE_VOCAB and index["n_documents"] == 303
     assert len(index["shards"]) > 3 and sum(s["n_tokens"] for s in index["shards"]) == index["n_tokens"]
     for sh in index["shards"]:
-        assert TK.file_sha256(out / sh["tokens"]) == sh["sha256"]["tokens"]
+        assert tokenizers.file_sha256(out / sh["tokens"]) == sh["sha256"]["tokens"]
         assert sh["max_token"] == np.fromfile(out / sh["tokens"], index["dtype"]).max()
-    texts = [C.decode(d) for d in _docs(out)]
+    texts = [corpus.decode(d) for d in _docs(out)]
     assert texts == TEXTS + [f"plain text file {i}\n" for i in range(3)]
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
 def test_jsonl_split_into_tasks_keeps_every_line_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(PR, "TASK_BYTES", 257)  # many byte ranges that cut lines anywhere
-    monkeypatch.setattr(PR, "MIN_TASK_BYTES", 1)
+    monkeypatch.setattr(prepare, "TASK_BYTES", 257)  # many byte ranges that cut lines anywhere
+    monkeypatch.setattr(prepare, "MIN_TASK_BYTES", 1)
     a = _jsonl(tmp_path / "a.jsonl", TEXTS)
-    assert len(PR.make_tasks([a])) > 20
-    PR.prepare([a], str(tmp_path / "ds"), progress=False)
-    assert [C.decode(d) for d in _docs(tmp_path / "ds")] == TEXTS
+    assert len(prepare.make_tasks([a])) > 20
+    prepare.prepare([a], str(tmp_path / "ds"), progress=False)
+    assert [corpus.decode(d) for d in _docs(tmp_path / "ds")] == TEXTS
 
 
 def test_token_dtype():
-    assert PR.token_dtype(259) == np.uint16 and PR.token_dtype(65536) == np.uint16
-    assert PR.token_dtype(65537) == np.uint32 and PR.token_dtype(200_019) == np.uint32
+    assert prepare.token_dtype(259) == np.uint16 and prepare.token_dtype(65536) == np.uint16
+    assert prepare.token_dtype(65537) == np.uint32 and prepare.token_dtype(200_019) == np.uint32
 
 
 # ------------------------------------------------------------------ tokenizers
@@ -130,14 +130,14 @@ def _tiktoken_file(tmp_path):
 @pytest.mark.parametrize("kind", ["byte", "hf", "sentencepiece", "tiktoken"])
 def test_tokenizer_round_trip_through_prepare(tmp_path, kind):
     spec = {"byte": lambda p: "byte", "hf": _hf_file, "sentencepiece": _sp_file, "tiktoken": _tiktoken_file}[kind](tmp_path)
-    tok = TK.load(spec)
+    tok = tokenizers.load(spec)
     assert tok.kind == kind and 0 <= tok.eos_id < tok.vocab_size
     out = tmp_path / "ds"
-    assert PR.main([_jsonl(tmp_path / "a.jsonl", TEXTS[:60]), "--tokenizer", spec, "--out", str(out), "--workers", "1",
+    assert prepare.main([_jsonl(tmp_path / "a.jsonl", TEXTS[:60]), "--tokenizer", spec, "--out", str(out), "--workers", "1",
                     "--no-progress"]) == 0
     index = json.load(open(out / "index.json"))
     assert index["tokenizer"]["kind"] == kind and index["vocab_size"] == tok.vocab_size
-    assert index["tokenizer"]["id"] == (kind if kind == "byte" else f"{kind}:{TK.file_sha256(spec)[:16]}")
+    assert index["tokenizer"]["id"] == (kind if kind == "byte" else f"{kind}:{tokenizers.file_sha256(spec)[:16]}")
     docs = _docs(out)
     assert [tok.decode(d) for d in docs] == TEXTS[:60]
     again = make_pipeline(DataConfig(source=str(out)), batch_size=2, seq_len=8, seed=0).tokenizer()
@@ -150,7 +150,7 @@ def test_tokenizer_round_trip_through_prepare(tmp_path, kind):
 
 def _fails(tmp_path, capsys, argv, match):
     out = tmp_path / "out"
-    assert PR.main([*argv, "--out", str(out), "--workers", "1", "--no-progress"]) == 2
+    assert prepare.main([*argv, "--out", str(out), "--workers", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and match in err, err
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
@@ -166,12 +166,12 @@ def test_bad_inputs_to_prepare(tmp_path, capsys, monkeypatch):
     (tmp_path / "blank.txt").write_text("")
     _fails(tmp_path, capsys, [str(tmp_path / "blank.txt")], "no non-empty documents")
     # unreadable (the tests may run as root, who reads anything: make the check see a denied file)
-    monkeypatch.setattr(PR.os, "access", lambda p, mode: not str(p).endswith("good.jsonl"))
+    monkeypatch.setattr(prepare.os, "access", lambda p, mode: not str(p).endswith("good.jsonl"))
     _fails(tmp_path, capsys, [good], "cannot read input file")
     monkeypatch.undo()
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     _fails(tmp_path, capsys, [good, str(tmp_path / "latin1.txt")], "latin1.txt is not UTF-8")
-    assert PR.main([good, str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "skip"), "--on-bad-utf8", "skip",
+    assert prepare.main([good, str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "skip"), "--on-bad-utf8", "skip",
                     "--no-progress"]) == 0
     assert "skipped 1 documents that are not UTF-8" in capsys.readouterr().err
     assert json.load(open(tmp_path / "skip" / "index.json"))["skipped_not_utf8"] == 1
@@ -183,17 +183,17 @@ def test_bad_inputs_to_prepare(tmp_path, capsys, monkeypatch):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
     _fails(tmp_path, capsys, [str(tmp_path / "bad.jsonl")], "not a JSON line")
     before = sorted(os.listdir(tmp_path / "skip"))
-    assert PR.main([good, "--out", str(tmp_path / "skip"), "--no-progress"]) == 2
+    assert prepare.main([good, "--out", str(tmp_path / "skip"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "already exists" in err and "--overwrite" in err
     assert sorted(os.listdir(tmp_path / "skip")) == before
-    assert PR.main([good, "--out", str(tmp_path / "skip"), "--overwrite", "--no-progress"]) == 0
+    assert prepare.main([good, "--out", str(tmp_path / "skip"), "--overwrite", "--no-progress"]) == 0
     assert json.load(open(tmp_path / "skip" / "index.json"))["n_documents"] == 5
 
 
 def test_bad_datasets_at_train_time(tmp_path):
     ds = tmp_path / "ds"
-    PR.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS)], str(ds), progress=False)
+    prepare.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS)], str(ds), progress=False)
     cfg = DataConfig(source=str(ds), eval_fraction=0.0)
     with pytest.raises(UserError, match=r"needs vocab_size >= 259 but model.vocab_size=256"):
         make_pipeline(cfg, batch_size=4, seq_len=16, seed=0, vocab_size=256)
@@ -220,8 +220,8 @@ def test_bad_datasets_at_train_time(tmp_path):
 def test_mixing_different_tokenizers_is_refused(tmp_path):
     spec = _tiktoken_file(tmp_path)
     a = _jsonl(tmp_path / "a.jsonl", TEXTS)
-    PR.prepare([a], str(tmp_path / "b"), progress=False)
-    PR.prepare([a], str(tmp_path / "t"), spec, progress=False)
+    prepare.prepare([a], str(tmp_path / "b"), progress=False)
+    prepare.prepare([a], str(tmp_path / "t"), spec, progress=False)
     with pytest.raises(UserError, match="different tokenizers"):
         make_pipeline(DataConfig(source=f"{tmp_path / 'b'}:1,{tmp_path / 't'}:1"), batch_size=4, seq_len=16, seed=0)
 
@@ -252,7 +252,7 @@ def test_mixture_matches_grain_and_its_weights():
 def test_mixture_weights_in_batches(tmp_path):
     """Two prepared datasets of distinguishable bytes mixed 0.8/0.2: the share of rows from each."""
     for name, ch in (("a", "a"), ("b", "z")):
-        PR.prepare([_jsonl(tmp_path / f"{name}.jsonl", [ch * 500] * 20)], str(tmp_path / name), progress=False)
+        prepare.prepare([_jsonl(tmp_path / f"{name}.jsonl", [ch * 500] * 20)], str(tmp_path / name), progress=False)
     p = make_pipeline(DataConfig(source=f"{tmp_path / 'a'}:0.8,{tmp_path / 'b'}:0.2", eval_fraction=0.0),
                       batch_size=16, seq_len=32, seed=5)
     rows = np.concatenate([p.global_batch(s)["inputs"] for s in range(100)])
@@ -338,7 +338,7 @@ def test_resume_from_saved_state_is_exact():
 
 
 def test_eval_batches_fixed_and_held_out(tmp_path):
-    PR.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS)], str(tmp_path / "ds"), progress=False)
+    prepare.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS)], str(tmp_path / "ds"), progress=False)
     mesh = make_mesh("data=8")
     p = make_pipeline(DataConfig(source=str(tmp_path / "ds"), eval_fraction=0.1), batch_size=8, seq_len=16, seed=0,
                       batch_sharding=NamedSharding(mesh, P("data", None)))
@@ -347,8 +347,8 @@ def test_eval_batches_fixed_and_held_out(tmp_path):
     e1, e2 = p.eval_batches(2), p.eval_batches(2)
     np.testing.assert_array_equal(np.asarray(e1[1]["inputs"]), np.asarray(e2[1]["inputs"]))
     np.testing.assert_array_equal(np.asarray(e1[0]["targets"]), p.eval_rows(0)["targets"])
-    held = {C.decode(src.eval.gather(np.arange(a, b - 1))) for a, b in zip(src.eval.doc_vstart[:-1], src.eval.doc_vstart[1:])}
-    trained = {C.decode(src.train.gather(np.arange(a, b - 1)))
+    held = {corpus.decode(src.eval.gather(np.arange(a, b - 1))) for a, b in zip(src.eval.doc_vstart[:-1], src.eval.doc_vstart[1:])}
+    trained = {corpus.decode(src.train.gather(np.arange(a, b - 1)))
                for a, b in zip(src.train.doc_vstart[:-1], src.train.doc_vstart[1:])}
     assert held | trained == set(TEXTS) and not held & trained
     assert load_prepared(str(tmp_path / "ds"), 0.1, True).eval.n_tokens == src.eval.n_tokens  # same split again
@@ -397,10 +397,10 @@ def test_unpacked_rows_stay_in_one_document_and_pad():
 def test_default_source_through_the_pipeline():
     """The stdlib corpus is one more source: same tokens and split as corpus.py."""
     p = make_pipeline(DataConfig(), batch_size=8, seq_len=64, seed=0, vocab_size=264)
-    c = C.load("default", 0.02, 0)
+    c = corpus.load("default", 0.02, 0)
     assert p.sources[0].train.n_tokens == len(c.train) and p.sources[0].eval.n_tokens == len(c.eval)
     b = p.global_batch(3)
-    assert b["inputs"].dtype == np.int32 and b["inputs"].shape == (8, 64) and b["inputs"].max() < C.BYTE_VOCAB
+    assert b["inputs"].dtype == np.int32 and b["inputs"].shape == (8, 64) and b["inputs"].max() < corpus.BYTE_VOCAB
     windows = c.train[:p.train[0].n * 64].reshape(-1, 64).astype(np.int32)  # packed: window w = tokens[64w:][:65]
     for row in b["inputs"]:
         assert (windows == row).all(axis=1).any()

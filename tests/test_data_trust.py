@@ -13,10 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from test_data import TEXTS, _jsonl, _tiktoken_file
 from train.config import DataConfig
-from train.data import prepare as PR
+from train.data import prepare
 from train.data.pipeline import make_pipeline
 
 
@@ -41,7 +41,7 @@ def _layout(tmp_path):
     for d, name in (("work", "notes.txt"), ("home", ".bashrc"), ("data/in", "a.txt"), ("data/in", "b.txt")):
         (tmp_path / d).mkdir(parents=True, exist_ok=True)
         (tmp_path / d / name).write_text(f"{d}/{name} text\n")
-    PR.prepare([str(tmp_path / "data" / "in")], str(tmp_path / "ds"), progress=False)
+    prepare.prepare([str(tmp_path / "data" / "in")], str(tmp_path / "ds"), progress=False)
     (tmp_path / "ds" / "mine.txt").write_text("not Brigade's")
 
 
@@ -196,7 +196,7 @@ def _truncated_tiktoken(tmp_path) -> None:
         lines = f.read().splitlines()
     with open(path, "w") as f:
         f.write("\n".join(lines[:0xb8] + lines[0xc0:]) + "\n")
-    PR.prepare([_jsonl(tmp_path / "t.jsonl", ["ÿ"])], str(tmp_path / "out"), path, progress=False)
+    prepare.prepare([_jsonl(tmp_path / "t.jsonl", ["ÿ"])], str(tmp_path / "out"), path, progress=False)
 
 
 def _prepare_over(tmp_path, name: str, make_dir: bool) -> None:
@@ -205,7 +205,7 @@ def _prepare_over(tmp_path, name: str, make_dir: bool) -> None:
     if make_dir:
         target.mkdir()
     (target / "notes.txt" if make_dir else target).write_text("the user's")
-    PR.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS[:2])], str(target), overwrite=True)
+    prepare.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS[:2])], str(target), overwrite=True)
 
 
 def _binary(path) -> str:
@@ -218,7 +218,7 @@ def _binary(path) -> str:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("pristine")
-    PR.prepare([_jsonl(root / "a.jsonl", TEXTS)], str(root / "ds"), progress=False)
+    prepare.prepare([_jsonl(root / "a.jsonl", TEXTS)], str(root / "ds"), progress=False)
     return str(root / "ds")
 
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 
-from mesh.errors import UserError  # noqa: E402
+from errors import UserError  # noqa: E402
 from models import hf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,7 +214,7 @@ def test_cli_import_inspect_train_shapes_export(tmp_path):
     """`python -m models.hf import` writes a checkpoint that `python -m checkpoint inspect` reads,
     whose arrays are exactly the params of the model.yaml it writes; `export` gives the HF files back."""
     from checkpoint.__main__ import describe
-    from models import model as M
+    from models import model as model_lib
     from mesh.shard import path_names
     from train.config import build
     make_hf(tmp_path / "hf", **CASES["gqa"])
@@ -225,7 +225,7 @@ def test_cli_import_inspect_train_shapes_export(tmp_path):
     info = describe(str(tmp_path / "ckpt"))
     assert info["step"] == 0 and info["meta"]["contents"] == "params"
     cfg = build({"train.seq_len": 32}, yaml_path=str(tmp_path / "ckpt" / "model.yaml"))
-    want = {f"params/{n}": list(s.shape) for n, s in path_names(M.abstract_params(cfg.model),
+    want = {f"params/{n}": list(s.shape) for n, s in path_names(model_lib.abstract_params(cfg.model),
                                                                  is_leaf=lambda x: hasattr(x, "shape"))}
     assert {a["name"]: a["shape"] for a in info["arrays"]} == want
     assert hf.main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0

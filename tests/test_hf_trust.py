@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 import jax  # noqa: E402
 
-from mesh.errors import UserError  # noqa: E402
+from errors import UserError  # noqa: E402
 from models import hf  # noqa: E402
 from test_hf import CASES, make_hf  # noqa: E402
 

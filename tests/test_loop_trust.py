@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from train.config import build
 from train.loop import Trainer
 from train.metrics import peak_flops

@@ -11,11 +11,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh.build import make_mesh
-from mesh.config import AXES, parse_spec, resolve
-from mesh.errors import UserError
+from mesh.spec import AXES, parse_spec, resolve
+from errors import UserError
 from mesh.rules import DEFAULT_RULES, logical_to_spec, make_rules, parse_overrides
 from mesh.shard import check_divisible, tree_shardings, warn_undersharded
-from models import model as M
+from models import model as model_lib
 from models.config import PRESETS
 
 TINY = PRESETS["tiny"]
@@ -220,7 +220,7 @@ def test_parse_overrides_bad(spec, needles):
 
 def _check(cfg, mesh_spec, rules=None):
     mesh = make_mesh(mesh_spec)
-    check_divisible(mesh, M.abstract_params(cfg), M.param_axes(cfg), make_rules(rules), HINTS)
+    check_divisible(mesh, model_lib.abstract_params(cfg), model_lib.param_axes(cfg), make_rules(rules), HINTS)
 
 
 def test_check_divisible_passes_on_good_shapes():
@@ -267,9 +267,9 @@ def _big_cfg():  # embed/lm_head 8192 x 64 float32 = 2 MiB each; the rest is sma
 
 
 def _abstract_params(cfg, mesh, rules):
-    sh = tree_shardings(mesh, M.param_axes(cfg), rules)
+    sh = tree_shardings(mesh, model_lib.param_axes(cfg), rules)
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
-                        M.abstract_params(cfg), sh)
+                        model_lib.abstract_params(cfg), sh)
 
 
 def test_warn_undersharded_names_replicated_array():

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh.errors import UserError
-from models import model as M
+from errors import UserError
+from models import model as model_lib
 from models.config import PRESETS, preset
 from models.flops import flops_per_token, matmul_param_count, param_count
 from models.layers import rope
@@ -25,12 +25,12 @@ B, T = 2, 16
 
 @functools.lru_cache(maxsize=None)
 def fwd(cfg):
-    return jax.jit(lambda p, t: M.apply(cfg, p, t)[0])
+    return jax.jit(lambda p, t: model_lib.apply(cfg, p, t)[0])
 
 
 @pytest.fixture(scope="module")
 def params():
-    return M.init(CFG, jax.random.key(0))
+    return model_lib.init(CFG, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +56,12 @@ def test_params_layout(params):
     assert params["blocks"]["attn"]["wq_DNH"].shape == (CFG.n_layers, CFG.d_model, CFG.n_heads, CFG.head_dim)
     assert params["blocks"]["attn"]["wk_DKH"].shape == (CFG.n_layers, CFG.d_model, CFG.n_kv_heads, CFG.head_dim)
     assert params["blocks"]["mlp"]["w_down_FD"].shape == (CFG.n_layers, CFG.d_ff, CFG.d_model)
-    axes = M.param_axes(CFG)
+    axes = model_lib.param_axes(CFG)
     assert axes["blocks"]["mlp"]["w_gate_DF"] == ("layers", "embed", "mlp")
     assert axes["embed_VD"] == ("vocab", "embed") and axes["final_norm"]["scale"] == ("norm",)
     assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(params)
     # the abstract params match the real ones without allocating
-    abstract = M.abstract_params(CFG)
+    abstract = model_lib.abstract_params(CFG)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), params)
     # different layers got different weights (per-layer rng split)
     wq = params["blocks"]["attn"]["wq_DNH"]
@@ -69,9 +69,9 @@ def test_params_layout(params):
 
 
 def test_init_deterministic_in_key():
-    a = M.init(CFG, jax.random.key(0))["blocks"]["mlp"]["w_up_DF"]
-    b = M.init(CFG, jax.random.key(0))["blocks"]["mlp"]["w_up_DF"]
-    c = M.init(CFG, jax.random.key(1))["blocks"]["mlp"]["w_up_DF"]
+    a = model_lib.init(CFG, jax.random.key(0))["blocks"]["mlp"]["w_up_DF"]
+    b = model_lib.init(CFG, jax.random.key(0))["blocks"]["mlp"]["w_up_DF"]
+    c = model_lib.init(CFG, jax.random.key(1))["blocks"]["mlp"]["w_up_DF"]
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c)
 
@@ -120,8 +120,8 @@ def test_remat_really_changes_the_program(params, tokens):
 
 
 def test_kv_cache_decoding_matches_full_forward(params, tokens, logits):
-    step = jax.jit(lambda p, t, pos, c: M.apply(CFG, p, t, pos, c))
-    cache = M.init_cache(CFG, B, T)
+    step = jax.jit(lambda p, t, pos, c: model_lib.apply(CFG, p, t, pos, c))
+    cache = model_lib.init_cache(CFG, B, T)
     assert cache.k.shape == (CFG.n_layers, B, T, CFG.n_kv_heads, CFG.head_dim)
     # prefill 5 tokens at once, then one token at a time
     t0 = 5
@@ -136,8 +136,8 @@ def test_kv_cache_decoding_matches_full_forward(params, tokens, logits):
 
 def test_kv_cache_unrolled_layers(params, tokens, logits):
     cfg = dataclasses.replace(CFG, scan_layers=False)
-    cache = M.init_cache(cfg, B, T)
-    out, cache = jax.jit(lambda p, t, pos, c: M.apply(cfg, p, t, pos, c))(
+    cache = model_lib.init_cache(cfg, B, T)
+    out, cache = jax.jit(lambda p, t, pos, c: model_lib.apply(cfg, p, t, pos, c))(
         params, tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache)
     np.testing.assert_allclose(out, logits, atol=1e-4)
     assert np.asarray(cache.index).tolist() == [T] * cfg.n_layers
@@ -184,12 +184,12 @@ def test_gqa_kv1_equals_mha_with_shared_kv(tokens):
     """n_kv_heads=1 works, and equals n_kv_heads=n_heads with K/V weights copied to every head."""
     cfg1 = dataclasses.replace(CFG, n_kv_heads=1)
     cfgn = dataclasses.replace(CFG, n_kv_heads=CFG.n_heads)
-    p1 = M.init(cfg1, jax.random.key(3))
+    p1 = model_lib.init(cfg1, jax.random.key(3))
     assert p1["blocks"]["attn"]["wk_DKH"].shape == (CFG.n_layers, CFG.d_model, 1, CFG.head_dim)
     pn = jax.tree.map(lambda x: x, p1)
     for w in ("wk_DKH", "wv_DKH"):
         pn["blocks"]["attn"][w] = jnp.repeat(p1["blocks"]["attn"][w], CFG.n_heads, axis=2)
-    assert jax.tree.map(jnp.shape, pn) == jax.tree.map(jnp.shape, M.abstract_params(cfgn))
+    assert jax.tree.map(jnp.shape, pn) == jax.tree.map(jnp.shape, model_lib.abstract_params(cfgn))
     l1, ln = fwd(cfg1)(p1, tokens), fwd(cfgn)(pn, tokens)
     assert l1.shape == ln.shape == (B, T, CFG.vocab_size)
     np.testing.assert_allclose(l1, ln, atol=1e-5)
@@ -294,8 +294,8 @@ def test_packed_row_equals_separate_rows(params):
 
     @jax.jit
     def packed_run(p, t, pos, s):
-        out = M.apply(CFG, p, t, pos, segment_ids_BT=s)[0]
-        default_pos = M.apply(CFG, p, t, segment_ids_BT=s)[0]  # positions restart at each segment
+        out = model_lib.apply(CFG, p, t, pos, segment_ids_BT=s)[0]
+        default_pos = model_lib.apply(CFG, p, t, segment_ids_BT=s)[0]  # positions restart at each segment
         # the training loss reads positions and segment ids from the batch
         xent, n = loss_sums(CFG, p, {"inputs": t, "targets": t, "positions": pos, "segment_ids": s})
         return out, default_pos, xent, n

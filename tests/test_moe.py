@@ -12,10 +12,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from mesh.build import make_mesh
-from mesh.errors import UserError
+from errors import UserError
 from mesh.hlo import parse_collectives
 from mesh.rules import axis_rules, logical_to_spec, make_rules
-from models import model as M
+from models import model as model_lib
 from models import moe as MOE
 from models.config import PRESETS
 from models.flops import active_param_count, matmul_param_count, param_count
@@ -239,18 +239,18 @@ def test_bias_lives_in_params_and_follows_the_loads(runs):
 @pytest.mark.slow
 def test_moe_every_groups_and_shared_experts():
     cfg = dataclasses.replace(CFG, n_layers=4, moe_every=2, n_shared_experts=1)
-    p = M.init(cfg, jax.random.key(0))
+    p = model_lib.init(cfg, jax.random.key(0))
     assert p["blocks"]["mlp"]["w_gate_DF"].shape[0] == 2 and p["moe_blocks"]["moe"]["w_gate_EDF"].shape[:2] == (2, 8)
     assert p["moe_blocks"]["moe"]["shared"]["w_up_DF"].shape == (2, cfg.d_model, cfg.expert_width)
-    axes = M.param_axes(cfg)
+    axes = model_lib.param_axes(cfg)
     assert axes["moe_blocks"]["moe"]["w_down_EFD"] == ("layers", "experts", "expert_mlp", "embed")
     tok = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-    scan, stats = jax.jit(lambda p, t: M.forward(cfg, p, t))(p, tok)
-    unrolled, _ = jax.jit(lambda p, t: M.forward(dataclasses.replace(cfg, scan_layers=False), p, t))(p, tok)
+    scan, stats = jax.jit(lambda p, t: model_lib.forward(cfg, p, t))(p, tok)
+    unrolled, _ = jax.jit(lambda p, t: model_lib.forward(dataclasses.replace(cfg, scan_layers=False), p, t))(p, tok)
     np.testing.assert_allclose(unrolled, scan, rtol=1e-5, atol=1e-5)
     # the [L,...] KV cache is split between the dense and MoE layers of each group and put back
     pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
-    cached, cache = jax.jit(lambda p, t, c: M.apply(cfg, p, t, pos, c))(p, tok, M.init_cache(cfg, 2, 16))
+    cached, cache = jax.jit(lambda p, t, c: model_lib.apply(cfg, p, t, pos, c))(p, tok, model_lib.init_cache(cfg, 2, 16))
     np.testing.assert_allclose(cached, scan, rtol=1e-4, atol=1e-4)
     assert cache.k.shape[0] == 4 and np.asarray(cache.index).tolist() == [16] * 4
     assert float(jnp.abs(cache.k[2]).max()) > 0  # every layer wrote its keys

@@ -9,12 +9,12 @@ import numpy as np
 import optax
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from mesh.rules import axis_rules
-from models import model as M
+from models import model as model_lib
 from models.config import DTYPES
 from train import optim
-from train import state as S
+from train import state as train_state
 from train.config import TrainConfig, build
 from train.loop import Trainer
 
@@ -37,13 +37,13 @@ def _initial_params() -> dict:
     """float32 initial weights, drawn once: every dtype pair starts from these, cast (an init per
     pair would cost a compile each and test nothing this file is about)."""
     cfg = _trainer().model_cfg
-    return jax.jit(lambda k: M.init(cfg, k)).lower(jax.random.key(0)).compile(FAST_COMPILE)(jax.random.key(0))
+    return jax.jit(lambda k: model_lib.init(cfg, k)).lower(jax.random.key(0)).compile(FAST_COMPILE)(jax.random.key(0))
 
 
-def _fresh_state(tr: Trainer) -> S.TrainState:
+def _fresh_state(tr: Trainer) -> train_state.TrainState:
     # a copy even where the dtype is unchanged: from_params donates (deletes) what it is given
     cast = jax.tree.map(lambda x: x.astype(tr.model_cfg.param_dtype, copy=True), _initial_params())
-    return S.from_params(tr.model_cfg, tr.tx, tr.mesh, tr.rules, cast)
+    return train_state.from_params(tr.model_cfg, tr.tx, tr.mesh, tr.rules, cast)
 
 
 def _batch(tr: Trainer, poison: bool = False) -> dict:

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 from mesh.build import make_mesh
-from mesh.errors import UserError
+from errors import UserError
 from mesh.hlo import parse_collectives
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model
-from models import pipeline as PL
+from models import pipeline as pipeline_lib
 from models.config import PRESETS
 from models.transformer import Block
 
@@ -117,15 +117,15 @@ def compiled_cases():
             x, pos = inputs(d)
             want = jax.jit(jax.value_and_grad(loss_of(lambda p, x, pos: sequential(layer, p, x, pos)),
                                               argnums=(0, 1)))(params, x, pos)
-            cfg = PL.PipelineConfig(microbatches=M, repeats=R, schedule=schedule,
+            cfg = pipeline_lib.PipelineConfig(microbatches=M, repeats=R, schedule=schedule,
                                     gather_once=kind.endswith("gather-once"))
             ordered = kind.endswith("stage-ordered")
-            f = lambda p, x, pos: PL.pipeline_apply(layer, p, x, pos, stages=P, microbatches=cfg.microbatches_for(P),
+            f = lambda p, x, pos: pipeline_lib.pipeline_apply(layer, p, x, pos, stages=P, microbatches=cfg.microbatches_for(P),
                                                     repeats=R, schedule=schedule, replica_axes=cfg.replica_axes,
                                                     stage_ordered=ordered)
             if ordered:  # stored in stage order; the gradients come back in that order too
-                params = PL.to_stage_order(params, P, R)
-                want = (want[0], (PL.to_stage_order(want[1][0], P, R), want[1][1]))
+                params = pipeline_lib.to_stage_order(params, P, R)
+                want = (want[0], (pipeline_lib.to_stage_order(want[1][0], P, R), want[1][1]))
             mesh = make_mesh(mesh_spec)
             with jax.set_mesh(mesh), axis_rules(rules):
                 p_sh = sharded_params(mesh, params, axes)
@@ -166,11 +166,11 @@ def test_activations_move_by_collective_permute(compiled_cases, case):
     mesh, compiled, *_, d, _ = compiled_cases(case)
     _, _, P, M, R, _ = case
     colls = parse_collectives(compiled.as_text(), mesh)
-    ticks = PL.n_ticks(P, M, R)
+    ticks = pipeline_lib.n_ticks(P, M, R)
     in_loop = [c for c in colls if c.kind == "collective-permute" and c.axes == ("pipeline",) and c.count == ticks]
     assert len(in_loop) == 2, in_loop   # forward activations, backward gradients
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    theory = PL.permute_bytes_theory(batch=B, seq=T, d_model=d, itemsize=4, stages=P, microbatches=M,
+    theory = pipeline_lib.permute_bytes_theory(batch=B, seq=T, d_model=d, itemsize=4, stages=P, microbatches=M,
                                      repeats=R, batch_shards=shards)
     assert sum(c.operand_bytes * c.count for c in in_loop) == theory["sent"]
     assert theory["useful"] == theory["sent"] * R * M // ticks
@@ -200,7 +200,7 @@ def test_aux_outputs_are_per_layer_means_over_microbatches():
         y = layer(x_bTD, p, pos_bT)
         return y, {"mean": jnp.mean(y), "positive": jnp.sum(y > 0)}
     ys, want = jax.lax.scan(lambda h, p: layer_aux(h, p, pos), x, params)
-    f = jax.jit(lambda p, x, pos: PL.pipeline_apply(layer_aux, p, x, pos, stages=2, microbatches=4, repeats=2,
+    f = jax.jit(lambda p, x, pos: pipeline_lib.pipeline_apply(layer_aux, p, x, pos, stages=2, microbatches=4, repeats=2,
                                                     schedule="circular", has_aux=True, scan_layers=False))
     y, aux = f(params, x, pos)
     assert rel_err(y, ys) <= 1e-6
@@ -219,7 +219,7 @@ def test_no_mesh_and_stage_remat_match():
     x, pos = inputs(d)
     want = jax.grad(loss_of(lambda p, x, pos: sequential(layer, p, x, pos)), argnums=(0, 1))(params, x, pos)
     for kw in ({"remat_stage": True}, {"remat_policy": None}):
-        f = lambda p, x, pos, kw=kw: PL.pipeline_apply(layer, p, x, pos, stages=2, microbatches=4, repeats=2,
+        f = lambda p, x, pos, kw=kw: pipeline_lib.pipeline_apply(layer, p, x, pos, stages=2, microbatches=4, repeats=2,
                                                        schedule="circular", **kw)
         assert_close_trees(jax.jit(jax.grad(loss_of(f), argnums=(0, 1)))(params, x, pos), want)
 
@@ -228,23 +228,23 @@ def test_no_mesh_and_stage_remat_match():
 
 def test_stage_order_round_trip():
     a = jnp.arange(12)
-    assert PL.to_stage_order(a, 2, 3).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
-    assert PL.to_model_order(PL.to_stage_order(a, 2, 3), 2, 3).tolist() == a.tolist()
-    assert PL.to_stage_order(a, 4, 1).tolist() == a.tolist()
+    assert pipeline_lib.to_stage_order(a, 2, 3).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert pipeline_lib.to_model_order(pipeline_lib.to_stage_order(a, 2, 3), 2, 3).tolist() == a.tolist()
+    assert pipeline_lib.to_stage_order(a, 4, 1).tolist() == a.tolist()
 
 
 def test_bubble_fraction():
-    assert PL.bubble_fraction(1, 4) == 0
-    assert PL.bubble_fraction(4, 4) == pytest.approx(3 / 7)
-    assert PL.bubble_fraction(4, 16) == pytest.approx(3 / 19)
-    assert PL.bubble_fraction(4, 4, repeats=2) == pytest.approx(3 / 11)
-    assert PL.n_ticks(4, 8, 2) == 19
+    assert pipeline_lib.bubble_fraction(1, 4) == 0
+    assert pipeline_lib.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert pipeline_lib.bubble_fraction(4, 16) == pytest.approx(3 / 19)
+    assert pipeline_lib.bubble_fraction(4, 4, repeats=2) == pytest.approx(3 / 11)
+    assert pipeline_lib.n_ticks(4, 8, 2) == 19
 
 
 def test_schedule_visits_every_layer_chunk_in_order():
     """Each micro-batch runs virtual stages 0..R*P-1 in order, one per tick, never two at once on a device."""
     for P, M, R in [(2, 2, 1), (4, 6, 1), (2, 4, 3), (4, 8, 2)]:
-        table = PL.schedule_table(P, M, R)
+        table = pipeline_lib.schedule_table(P, M, R)
         seen = {}
         for s, row in enumerate(table):
             assert sum(c is not None for c in row) == R * M        # busy R*M ticks, idle P-1
@@ -258,7 +258,7 @@ def test_schedule_visits_every_layer_chunk_in_order():
 
 
 def test_schedule_chart_gpipe():
-    chart = PL.schedule_chart(2, 3, n_layers=4)
+    chart = pipeline_lib.schedule_chart(2, 3, n_layers=4)
     lines = chart.splitlines()
     assert "bubble (P-1)/(R*M+P-1) = 25.0%" in lines[0]
     assert lines[1].split() == ["stage", "0", "(layers", "0-1)", "F0", "F1", "F2", ".", "|", ".", "B2", "B1", "B0"]
@@ -266,7 +266,7 @@ def test_schedule_chart_gpipe():
 
 
 def test_schedule_chart_circular_labels_repeats():
-    chart = PL.schedule_chart(2, 2, repeats=2, schedule="circular", n_layers=8)
+    chart = pipeline_lib.schedule_chart(2, 2, repeats=2, schedule="circular", n_layers=8)
     row0 = chart.splitlines()[1]
     assert "(layers 0-1, 4-5)" in row0
     assert row0.split()[5:10] == ["F0.0", "F1.0", "F0.1", "F1.1", "."]
@@ -274,7 +274,7 @@ def test_schedule_chart_circular_labels_repeats():
 
 def test_plot_schedule_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    path = PL.plot_schedule(4, 8, 2, "circular", path=str(tmp_path / "s.png"))
+    path = pipeline_lib.plot_schedule(4, 8, 2, "circular", path=str(tmp_path / "s.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -294,7 +294,7 @@ def test_plot_schedule_writes_png(tmp_path):
 def test_bad_config_is_one_line(kw, culprit):
     args = {"n_layers": 8, "batch": 16, "stages": 4, "microbatches": 4, "repeats": 1, "schedule": "gpipe", **kw}
     with pytest.raises(UserError) as e:
-        PL.validate(**args)
+        pipeline_lib.validate(**args)
     assert culprit in str(e.value) and "\n" not in str(e.value)
 
 
@@ -302,9 +302,9 @@ def test_pipeline_apply_validates_before_tracing_layers():
     layer, params, _, d = mlp_layers(n_layers=6)
     x, pos = inputs(d)
     with pytest.raises(UserError, match="model.n_layers=6"):
-        PL.pipeline_apply(layer, params, x, pos, stages=4, microbatches=4)
+        pipeline_lib.pipeline_apply(layer, params, x, pos, stages=4, microbatches=4)
     with pytest.raises(UserError, match="batch size 16"):
-        PL.pipeline_apply(layer, params, x, pos, stages=2, microbatches=5)
+        pipeline_lib.pipeline_apply(layer, params, x, pos, stages=2, microbatches=5)
 
 
 # ------------------------------------------------------------------ end to end: model, trainer, plan

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mesh.errors import UserError  # noqa: E402
-from train import report as R  # noqa: E402
+from errors import UserError  # noqa: E402
+from train import report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +42,7 @@ def write_run(run_dir, goodput=True, summary=True, steps=(1, 10, 20, 30)):
 
 def test_report_plots_and_markdown(tmp_path):
     run = write_run(tmp_path / "run")
-    path = R.report(str(run))
+    path = report.report(str(run))
     out = run / "report"
     assert path == str(out / "report.md")
     pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
@@ -59,15 +59,15 @@ def test_report_plots_and_markdown(tmp_path):
 
 def test_series_and_percent():
     records = [{"step": 1, "loss": 2.0, "mfu": 0.25}, {"step": 2, "eval_loss": 1.5}, {"step": 3, "loss": 1.0}]
-    assert R.series(records, "loss") == ([1, 3], [2.0, 1.0])
-    assert R.series(records, "mfu") == ([1], [25.0])
-    assert R._keys(records, ("loss", "eval_loss", "goodput*")) == ["loss", "eval_loss"]
+    assert report.series(records, "loss") == ([1, 3], [2.0, 1.0])
+    assert report.series(records, "mfu") == ([1], [25.0])
+    assert report._keys(records, ("loss", "eval_loss", "goodput*")) == ["loss", "eval_loss"]
 
 
 def test_run_without_goodput_or_summary(tmp_path):
     """An older or still-running run: no goodput fields (no plot for them), no summary.json."""
     run = write_run(tmp_path / "run", goodput=False, summary=False)
-    R.report(str(run), str(tmp_path / "elsewhere"))
+    report.report(str(run), str(tmp_path / "elsewhere"))
     pngs = sorted(p.name for p in (tmp_path / "elsewhere").iterdir() if p.suffix == ".png")
     assert "goodput.png" not in pngs and "time.png" not in pngs and "loss.png" in pngs
     md = (tmp_path / "elsewhere" / "report.md").read_text()
@@ -76,13 +76,13 @@ def test_run_without_goodput_or_summary(tmp_path):
 
 def test_bad_run_dir_is_one_line(tmp_path):
     with pytest.raises(UserError, match="is not a directory"):
-        R.report(str(tmp_path / "nope"))
+        report.report(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="has no metrics.jsonl"):
-        R.report(str(tmp_path / "empty"))
+        report.report(str(tmp_path / "empty"))
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="holds no metrics records"):
-        R.report(str(tmp_path / "empty"))
+        report.report(str(tmp_path / "empty"))
     r = subprocess.run([sys.executable, "-m", "train.report", str(tmp_path / "nope")], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: report:"), r.stderr

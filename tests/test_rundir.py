@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mesh.errors import UserError
+from errors import UserError
 from test_data_trust import _tree as listing
 from train.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir
 

@@ -6,36 +6,36 @@ import math
 
 import pytest
 
-from mesh.config import AXES
-from mesh.errors import UserError
+from mesh.spec import AXES
+from errors import UserError
 from mesh.rules import make_rules
 from models.config import PipelineConfig, preset
 from train import hardware
-from train import search as S
+from train import search
 from train.config import TrainConfig, build
 from train.loop import Trainer
 from train.plan import analyze, on_backend
 
 
 def test_factorizations():
-    f = S.factorizations(8)
+    f = search.factorizations(8)
     assert len(f) == 35 and len(set(f)) == 35  # 2^3 over 5 axes: C(3+4, 4)
     assert all(math.prod(x) == 8 and len(x) == 5 for x in f)
-    assert len(S.factorizations(4096)) == math.comb(12 + 4, 4)
+    assert len(search.factorizations(4096)) == math.comb(12 + 4, 4)
 
 
 def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():
     """The search's divisibility logic is the trainer's: build a Trainer for every factorisation of 8."""
     tiny, hw = preset("tiny"), hardware.get("h100")
     two = PipelineConfig(microbatches=2)
-    found = {r["mesh"] for r in S.search(tiny, 8, hw, batch_size=16, seq_len=32, pipeline_cfg=two)}
+    found = {r["mesh"] for r in search.search(tiny, 8, hw, batch_size=16, seq_len=32, pipeline_cfg=two)}
     assert found and "model=8" not in found  # 4 heads cannot split 8 ways
     assert "pipeline=2,data=4" in found and "pipeline=4,data=2" not in found  # 2 layers; M=2 < 4 stages
-    for shape in S.factorizations(8):
+    for shape in search.factorizations(8):
         sizes = dict(zip(("pipeline", "data", "fsdp", "expert", "model"), shape))
         if sizes["expert"] > 1:
             continue  # a dense model has no experts
-        text = S.mesh_text(sizes)
+        text = search.mesh_text(sizes)
         cfg = build({"model.preset": "tiny", "parallelism.mesh": text, "train.batch_size": 16, "train.seq_len": 32,
                      "pipeline.microbatches": 2})
         try:
@@ -54,11 +54,11 @@ def test_moe_pipeline_stages_hold_whole_layer_groups():
     t = TrainConfig(batch_size=16, seq_len=32)
     four = {**dict.fromkeys(AXES, 1), "pipeline": 4, "data": 2}
     two = {**dict.fromkeys(AXES, 1), "pipeline": 2, "data": 4}
-    assert "pipeline=4" in S.check(moe, four, t, gpipe, make_rules())  # 4 layers % 4 == 0, 2 groups % 4 != 0
-    assert "--pipeline.repeats=2" in S.check(moe, two, t, circular, make_rules())  # 2 groups % (2 x 2) != 0
-    assert S.check(moe, two, t, gpipe, make_rules()) is None
-    assert S.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None  # 4 groups
-    found = {r["mesh"] for r in S.search(moe, 8, hw, batch_size=16, seq_len=32)}
+    assert "pipeline=4" in search.check(moe, four, t, gpipe, make_rules())  # 4 layers % 4 == 0, 2 groups % 4 != 0
+    assert "--pipeline.repeats=2" in search.check(moe, two, t, circular, make_rules())  # 2 groups % (2 x 2) != 0
+    assert search.check(moe, two, t, gpipe, make_rules()) is None
+    assert search.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None  # 4 groups
+    found = {r["mesh"] for r in search.search(moe, 8, hw, batch_size=16, seq_len=32)}
     assert "pipeline=2,data=4" in found and not any(m.startswith("pipeline=4") for m in found)
     with pytest.raises(UserError, match="pipeline=4"):  # and the run refuses it too
         Trainer(build({"model.preset": "moe-tiny", "model.n_layers": 4, "model.moe_every": 2,
@@ -69,13 +69,13 @@ def test_search_splits_the_batch_as_the_rules_say():
     """--parallelism.rules batch=data: the batch is split over data only, so 4 rows run on fsdp=8
     (every device holds all 4) but not on data=8."""
     tiny, hw, by_data = preset("tiny"), hardware.get("h100"), make_rules("batch=data")
-    found = {r["mesh"]: r for r in S.search(tiny, 8, hw, batch_size=4, seq_len=32, rules=by_data)}
+    found = {r["mesh"]: r for r in search.search(tiny, 8, hw, batch_size=4, seq_len=32, rules=by_data)}
     assert "fsdp=8" in found and "data=8" not in found
-    assert "fsdp=8" not in {r["mesh"] for r in S.search(tiny, 8, hw, batch_size=4, seq_len=32)}  # default split
+    assert "fsdp=8" not in {r["mesh"] for r in search.search(tiny, 8, hw, batch_size=4, seq_len=32)}  # default split
     Trainer(build({"model.preset": "tiny", "parallelism.mesh": "fsdp=8", "parallelism.rules": "batch=data",
                    "train.batch_size": 4, "train.seq_len": 32}))  # the run agrees
     # 4 rows per device: the activations of fsdp=8 with 32 rows under the default split over fsdp
-    default_32 = S.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
+    default_32 = search.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
     assert found["fsdp=8"]["memory"]["activations"] == default_32["memory"]["activations"]
 
 
@@ -83,7 +83,7 @@ def test_pipeline_fsdp_gathers_the_stage_weights_every_tick():
     """On a pipeline mesh every tick (bubble ticks too) gathers its layers' FSDP-sharded weights:
     (M + P-1) ticks a pass, once with --pipeline.gather_once; the embedding and head once."""
     tiny, hw = preset("tiny"), hardware.get("h100")
-    gathered = lambda pc: S.evaluate(tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32,
+    gathered = lambda pc: search.evaluate(tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32,
                                      pipeline_cfg=pc)["theory"]["all-gather@fsdp"]["operand_bytes"]
     once = gathered(PipelineConfig(microbatches=4, gather_once=True))
     three, five = gathered(PipelineConfig(microbatches=2)), gathered(PipelineConfig(microbatches=4))
@@ -93,9 +93,9 @@ def test_pipeline_fsdp_gathers_the_stage_weights_every_tick():
 def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
     m70 = preset("70b")
     for name in ("h100", "h200"):
-        rows = S.search(m70, 8, hardware.get(name), batch_size=8, seq_len=4096)
+        rows = search.search(m70, 8, hardware.get(name), batch_size=8, seq_len=4096)
         assert rows and not any(r["fits"] for r in rows)  # 70B x 16 bytes of state > 8 x 141 GB
-    rows = S.search(m70, 512, hardware.get("h100"), batch_size=512, seq_len=4096)
+    rows = search.search(m70, 512, hardware.get("h100"), batch_size=512, seq_len=4096)
     by_mesh = {r["mesh"]: r for r in rows}
     assert not by_mesh["data=512"]["fits"]  # a full replica per device
     assert by_mesh["data=512"]["memory"]["params"] == pytest.approx(4 * 70.55e9, rel=0.01)
@@ -105,7 +105,7 @@ def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
 
 
 def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
-    rows = S.search(preset("7b"), 8, hardware.get("h100"), batch_size=8, seq_len=4096)
+    rows = search.search(preset("7b"), 8, hardware.get("h100"), batch_size=8, seq_len=4096)
     by_mesh = {r["mesh"]: r for r in rows}
     assert not by_mesh["data=8"]["fits"]  # 7B x (4 + 4 + 8) bytes = 108 GB > 80 GB
     best = rows[0]
@@ -117,26 +117,26 @@ def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
 def test_tensor_parallel_across_nodes_ranks_below_inside_a_node():
     """The placement rule: the same model=8 sync costs more over InfiniBand than over NVLink."""
     m7, hw = preset("7b"), hardware.get("h100")
-    inside = S.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048)
-    across = S.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048, dcn={"model": 4})
+    inside = search.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048)
+    across = search.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048, dcn={"model": 4})
     assert inside["placement"]["model"] == "intra" and across["placement"]["model"] == "inter"
     assert across["t_step_s"] > inside["t_step_s"]
 
 
 def test_big_searches_run_in_seconds():
-    rows = S.search(preset("70b"), 4096, hardware.get("h100"), batch_size=2048, seq_len=4096)
+    rows = search.search(preset("70b"), 4096, hardware.get("h100"), batch_size=2048, seq_len=4096)
     assert len(rows) > 50 and rows[0]["fits"]
     assert {r["sizes"]["model"] for r in rows} <= {1, 2, 4, 8, 16, 32, 64}  # 64 heads, 8 kv heads allow model | 8
     assert all(r["sizes"]["model"] <= 8 for r in rows)
-    rows = S.search(preset("default"), 8, hardware.get("cpu", 8), batch_size=16, seq_len=128)
+    rows = search.search(preset("default"), 8, hardware.get("cpu", 8), batch_size=16, seq_len=128)
     assert rows and all(r["fits"] for r in rows)
 
 
 def test_evaluate_refuses_an_invalid_mesh_in_one_line():
     with pytest.raises(UserError, match=r"mesh model=8: model.n_heads=4|mesh model=8: .*heads"):
-        S.evaluate(preset("tiny"), {"model": 8}, hardware.get("h100"), 16, 32)
+        search.evaluate(preset("tiny"), {"model": 8}, hardware.get("h100"), 16, 32)
     with pytest.raises(UserError, match="pipeline=3"):
-        S.evaluate(preset("7b"), {"pipeline": 3}, hardware.get("h100"), 16, 32)
+        search.evaluate(preset("7b"), {"pipeline": 3}, hardware.get("h100"), 16, 32)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def compiled():
 @pytest.mark.parametrize("mesh,sizes", [("data=8", {"data": 8}), ("fsdp=8", {"fsdp": 8})])
 def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
     tr, report = compiled(mesh)
-    row = S.evaluate(preset("tiny"), sizes, hardware.get("cpu", 8), 16, 256, train_cfg=tr.cfg.train)
+    row = search.evaluate(preset("tiny"), sizes, hardware.get("cpu", 8), 16, 256, train_cfg=tr.cfg.train)
     assert row["theory"] == report["theory_detail"]  # the analytic search uses plan's own formulas
     for key, th in on_backend(row["theory"], "cpu", tr.mesh).items():
         kind, _, axes = key.partition("@")
@@ -166,14 +166,14 @@ def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
 def test_plan_cli_flags(capsys):
     """`plan --search N --hardware NAME` and `plan --devices N --hardware NAME`, without compiling."""
     parser = argparse.ArgumentParser()
-    S.add_args(parser)
+    search.add_args(parser)
     cfg = build({"model.preset": "7b", "train.batch_size": 8, "train.seq_len": 4096})
-    report, text = S.analytic(parser.parse_args(["--search", "8", "--hardware", "h100", "--top", "3"]), cfg)
+    report, text = search.analytic(parser.parse_args(["--search", "8", "--hardware", "h100", "--top", "3"]), cfg)
     assert report["top"][0]["mesh"] in text and len(report["top"]) == 3 and "Young/Daly" in text
     seeds70 = {"model.preset": "70b", "parallelism.mesh": "model=8,pipeline=4,data=32",
                "train.batch_size": 1024, "train.seq_len": 4096}
     cfg70 = build({**seeds70, "pipeline.microbatches": 32})
-    row, text = S.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]), cfg70)
+    row, text = search.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]), cfg70)
     assert row["mesh"] == "pipeline=4,data=32,model=8" and row["bubble"] == pytest.approx(3 / 35)
     assert "--pipeline.microbatches 32" in text and "pipeline bubble 8.6%" in text
     assert row["placement"] == {"model": "intra", "data": "inter", "pipeline": "inter"} and row["fits"]
@@ -181,12 +181,12 @@ def test_plan_cli_flags(capsys):
     # gradient accumulation is not the pipeline's micro-batching: 32 passes of 32 rows, each cut into
     # M = 4 pipeline micro-batches of 8 rows, cannot split over data=32, and the run would refuse it too
     with pytest.raises(UserError, match=r"micro-batch size 32/4 = 8 .* not divisible by the 32 batch shards"):
-        S.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]),
+        search.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]),
                    build({**seeds70, "train.micro_batches": 32}))
     with pytest.raises(UserError, match="need --hardware NAME"):
-        S.analytic(parser.parse_args(["--search", "8"]), cfg)
+        search.analytic(parser.parse_args(["--search", "8"]), cfg)
     with pytest.raises(UserError, match="--hardware: unknown hardware 'tpu'"):
-        S.analytic(parser.parse_args(["--search", "8", "--hardware", "tpu"]), cfg)
+        search.analytic(parser.parse_args(["--search", "8", "--hardware", "tpu"]), cfg)
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=2,expert=2,model=2", "data=2,fsdp=2,model=2"])
@@ -199,7 +199,7 @@ def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
         over["comm.sync_every"] = 4
     tr = Trainer(build(over))
     sizes = {a: tr.mesh.shape[a] for a in tr.mesh.axis_names}
-    row = S.evaluate(tr.model_cfg, sizes, hardware.get("cpu", 8), 16, 64, train_cfg=tr.cfg.train,
+    row = search.evaluate(tr.model_cfg, sizes, hardware.get("cpu", 8), 16, 64, train_cfg=tr.cfg.train,
                      comm_cfg=tr.cfg.comm)
     assert row["theory"] == theory(tr, tr.abstract_state())
     assert "all-reduce@model" in row["theory"] and row["comm"]["all-reduce@model"]["wire_bytes"] > 0

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.rules import axis_rules, logical_to_spec
 from mesh.shard import axes_size
-from models import model as M
+from models import model as model_lib
 from train.config import build
 from train.data import make_pipeline
 from train.loop import Trainer
@@ -76,7 +76,7 @@ def _expected_shard_shape(mesh, shape, spec):
 
 def check_state_layout(tr: Trainer, state):
     mesh, rules = tr.mesh, tr.rules
-    axes = M.param_axes(tr.model_cfg)
+    axes = model_lib.param_axes(tr.model_cfg)
     want = jax.tree.map(lambda names: logical_to_spec(names, rules), axes,
                         is_leaf=lambda x: isinstance(x, tuple))
     adam = _adam_states(state.opt_state)

@@ -18,12 +18,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh.build import make_mesh
-from mesh.errors import UserError
-from models import model as M
+from errors import UserError
+from models import model as model_lib
 from models.config import PRESETS
 from train import optim
 from train.config import TrainConfig, build
-from train.data import corpus as C
+from train.data import corpus
 from train.data import make_pipeline
 from train.loop import Trainer
 
@@ -182,30 +182,30 @@ def test_prefetch_and_eval_batches():
 # ------------------------------------------------------------------ data: corpora
 
 def _docs(tokens):
-    cuts = np.flatnonzero(tokens == C.EOS)
+    cuts = np.flatnonzero(tokens == corpus.EOS)
     assert len(cuts) and cuts[-1] == len(tokens) - 1  # every document ends with EOS
     return [tokens[a + 1:b].tobytes() for a, b in zip(np.r_[-1, cuts[:-1]], cuts)]
 
 
 @pytest.fixture(scope="module")
 def default_corpus():
-    return C.load("default", 0.02, 0)
+    return corpus.load("default", 0.02, 0)
 
 
 def test_default_corpus_split(default_corpus):
     c = default_corpus
-    again = C.load("default", 0.02, 7)  # the split hashes document names: independent of the seed
+    again = corpus.load("default", 0.02, 7)  # the split hashes document names: independent of the seed
     np.testing.assert_array_equal(c.train, again.train)
     np.testing.assert_array_equal(c.eval, again.eval)
-    assert c.vocab_size == C.BYTE_VOCAB and c.train.dtype == np.uint16
-    assert int(c.train.max()) < C.BYTE_VOCAB
+    assert c.vocab_size == corpus.BYTE_VOCAB and c.train.dtype == np.uint16
+    assert int(c.train.max()) < corpus.BYTE_VOCAB
     train_docs, eval_docs = _docs(c.train), _docs(c.eval)
     assert len(train_docs) > 100 and len(eval_docs) > 5
     assert 0.005 < len(eval_docs) / (len(train_docs) + len(eval_docs)) < 0.05
     # documents as read from disk: the split is a partition of them, and any content found on
     # both sides must be a file that exists twice (e.g. identical __init__.py) under different names
     import sysconfig
-    named = C._read_tree(sysconfig.get_paths()["stdlib"], ".py", ("site-packages", "dist-packages", "__pycache__"))
+    named = corpus._read_tree(sysconfig.get_paths()["stdlib"], ".py", ("site-packages", "dist-packages", "__pycache__"))
     contents = collections.Counter(np.frombuffer(d, np.uint8).astype(np.uint16).tobytes() for _, d in named)
     assert collections.Counter(train_docs) + collections.Counter(eval_docs) == contents
     shared = set(train_docs) & set(eval_docs)
@@ -215,31 +215,31 @@ def test_default_corpus_split(default_corpus):
 def test_text_corpus_split_by_name(tmp_path):
     for i in range(300):
         (tmp_path / f"doc{i:03d}.txt").write_text(f"document number {i}\n")
-    c = C.text_corpus(str(tmp_path), 0.1)
+    c = corpus.text_corpus(str(tmp_path), 0.1)
     tr, ev = set(_docs(c.train)), set(_docs(c.eval))
     assert not tr & ev and len(tr) + len(ev) == 300
     assert 10 < len(ev) < 60
-    c2 = C.text_corpus(str(tmp_path), 0.1)
+    c2 = corpus.text_corpus(str(tmp_path), 0.1)
     np.testing.assert_array_equal(c.eval, c2.eval)
     one = tmp_path / "one"
     one.mkdir()
     (one / "a.txt").write_text("x" * 1000)
-    c1 = C.text_corpus(str(one / "a.txt"), 0.1)  # a single document holds out its tail
+    c1 = corpus.text_corpus(str(one / "a.txt"), 0.1)  # a single document holds out its tail
     assert len(c1.train) == 900 + 1 and len(c1.eval) == 100 + 1
     with pytest.raises(UserError, match="not a file or directory"):
-        C.load(str(tmp_path / "missing"), 0.1, 0)
+        corpus.load(str(tmp_path / "missing"), 0.1, 0)
 
 
 def test_encode_decode():
-    toks = C.encode("héllo")
+    toks = corpus.encode("héllo")
     assert toks.dtype == np.uint16 and len(toks) == 6
-    assert C.decode(list(toks) + [C.EOS, C.BOS]) == "héllo"
+    assert corpus.decode(list(toks) + [corpus.EOS, corpus.BOS]) == "héllo"
 
 
 # ------------------------------------------------------------------ optimizer
 
 def test_decay_mask_excludes_norms_and_embeddings():
-    params = M.abstract_params(PRESETS["tiny"])
+    params = model_lib.abstract_params(PRESETS["tiny"])
     mask = optim.decay_mask(params, decay_embeddings=False)
     assert mask["embed_VD"] is False and mask["lm_head_DV"] is True
     assert mask["final_norm"]["scale"] is False
@@ -255,7 +255,7 @@ def test_weight_decay_applies_only_to_masked_params():
     """With zero gradients the AdamW update is exactly -lr * wd * p on decayed params, 0 elsewhere."""
     cfg = TrainConfig(lr=0.1, warmup_steps=0, steps=10, grad_clip=0.0, weight_decay=0.5)
     tx = optim.make(cfg)
-    params = jax.tree.map(lambda s: jnp.full(s.shape, 2.0, s.dtype), M.abstract_params(PRESETS["tiny"]))
+    params = jax.tree.map(lambda s: jnp.full(s.shape, 2.0, s.dtype), model_lib.abstract_params(PRESETS["tiny"]))
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     mask = optim.decay_mask(params, False)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from mesh import xla
-from mesh.errors import UserError
+from errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JIT = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: (x @ x).sum())(jnp.ones((64, 64)))))"

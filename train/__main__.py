@@ -9,7 +9,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from mesh.errors import UserError
+    from errors import UserError
     if argv[:1] not in (["plan"], ["report"]):
         from checkpoint.echoes import QuietClosedLoopEchoes
         sys.stderr = QuietClosedLoopEchoes(sys.stderr)

@@ -8,6 +8,8 @@ live in the train state, so checkpoints keep them.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -15,12 +17,37 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh.collectives import compressed_psum
-from mesh.errors import UserError
-from train.config import COMPRESSIONS, validate_comm as validate  # noqa: F401  (jax-free: flag parsing uses it)
+from errors import UserError
+from train.config import COMPRESSIONS, error_feedback_on, validate_comm as validate  # noqa: F401  (jax-free: flag parsing uses it)
 from mesh.shard import spec_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncLayout:
+    """What the data-parallel sync keeps in the state (per-replica arrays with a leading [R] dim)."""
+    dp_axes: tuple[str, ...] = ()
+    error_feedback: bool = False                           # residual [R, ...]
+    outer_tx: optax.GradientTransformation | None = None   # DiLoCo: drift, per-replica opt_state, outer_opt
+
+    def replicas(self, mesh: Mesh) -> int:
+        return math.prod(mesh.shape[a] for a in self.dp_axes)
+
+
+def sync_layout(comm_cfg, dp_axes: tuple[str, ...], grad_clip: float) -> tuple[SyncLayout, float]:
+    """What the --comm settings ask the state to carry over the data-parallel axes `dp_axes`
+    (error-feedback residuals, or DiLoCo's drift and outer optimizer; nothing without dp axes:
+    there is nothing to sync), and the norm each replica clips its gradient to before a
+    compressed sync (0: the optimizer chain clips the synced gradient instead)."""
+    if not dp_axes:
+        return SyncLayout(), 0.0
+    if comm_cfg.sync_every > 1:
+        return SyncLayout(dp_axes, outer_tx=outer_optimizer(comm_cfg.outer_lr, comm_cfg.outer_momentum)), 0.0
+    compressed = comm_cfg.compression != "none"
+    return (SyncLayout(dp_axes, error_feedback=error_feedback_on(comm_cfg.compression, comm_cfg.error_feedback)),
+            grad_clip if compressed else 0.0)
 
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from mesh.errors import UserError
+from errors import UserError
 from mesh.xla import PRESETS as XLA_PRESETS
 from models.config import PRESETS, ModelConfig, PipelineConfig, check_ranges, numeric_fields, preset, ranged
 

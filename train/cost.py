@@ -34,8 +34,8 @@ import math
 
 import numpy as np
 
-from mesh.config import AXES
-from models import pipeline as PL
+from mesh.spec import AXES
+from models import pipeline
 from models.flops import flops_per_token, matmul_param_count
 from train.hardware import Hardware
 
@@ -48,7 +48,7 @@ RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1
 def placement(sizes: dict[str, int], hw: Hardware, dcn: dict[str, int] | None = None) -> dict[str, str]:
     """Mesh axis -> 'intra' (inside a node) or 'inter' (across nodes), for axes of size > 1.
 
-    The mesh is laid out outermost first (mesh.config.AXES), so an axis's groups are contiguous
+    The mesh is laid out outermost first (mesh.spec.AXES), so an axis's groups are contiguous
     with everything inside it: the axis stays inside a node when its size times the sizes of all
     axes inside it fits in one node. With --mesh-dcn the layout is explicit: the axes with a DCN
     part span nodes, the others stay inside one."""
@@ -107,10 +107,10 @@ def pipeline_comm(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, mic
     p = sizes.get("pipeline", 1)
     if p <= 1:
         return {}
-    sent = PL.permute_bytes_theory(batch=batch_size // micro_batches, seq=seq_len, d_model=cfg.d_model,
+    sent = pipeline.permute_bytes_theory(batch=batch_size // micro_batches, seq=seq_len, d_model=cfg.d_model,
                                    itemsize=act_bytes, stages=p, microbatches=pipeline_microbatches,
                                    repeats=repeats, batch_shards=batch_shards)["sent"] * micro_batches
-    n = 2 * PL.n_ticks(p, pipeline_microbatches, repeats) * micro_batches
+    n = 2 * pipeline.n_ticks(p, pipeline_microbatches, repeats) * micro_batches
     return {"collective-permute@pipeline": {"operand_bytes": sent, "wire_bytes": sent, "count": n}}
 
 
@@ -144,7 +144,7 @@ def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[
     t_memory = device_bytes / (hw.hbm_bw * hw.memory_efficiency)
     t_compute = max(t_flops, t_memory) if hw.memory_overlap else t_flops + t_memory
     p = sizes.get("pipeline", 1)
-    bubble = PL.bubble_fraction(p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
+    bubble = pipeline.bubble_fraction(p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
     t_busy = t_compute / (1 - bubble)
     where = placement(sizes, hw, dcn)
     rows, t_overlappable, t_exposed = {}, 0.0, 0.0

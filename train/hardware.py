@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import time
 
-from mesh.errors import UserError
+from errors import UserError
 
 GB = 1e9
 MIB = 2**20

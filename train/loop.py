@@ -14,20 +14,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from checkpoint.items import make_meta, mesh_text
+from checkpoint.layout import make_meta
 from checkpoint.manager import RUN_SUBDIR, Checkpointer, open_checkpoint, shared_directory
-from mesh.build import describe, init_distributed, make_mesh
-from mesh.errors import UserError
-from mesh.rules import axis_rules, logical_to_spec, make_rules
-from mesh.shard import data_parallel_axes, warn_undersharded
-from models import model as M
+from mesh.build import start_mesh
+from mesh.spec import mesh_text
+from errors import UserError
+from mesh.rules import axis_rules
+from mesh.shard import warn_undersharded
 from models.flops import flops_per_token, param_count
 from models.sample import generate
-from train import optim, state as S
-from train.config import CommConfig, Config, dump, error_feedback_on, profile_window
-from train.data import abstract_batch as data_abstract_batch, make_pipeline
+from train import optim, state as train_state
+from train.config import CommConfig, Config, dump, profile_window
+from train.data import make_pipeline
 from train.data.tokenizers import ByteTokenizer
 from train.goodput import Goodput, breakdown_text, read_records
 from train.metrics import MetricsLogger, StepProfiler, drop_records_after, json_safe, peak_flops
@@ -36,94 +36,47 @@ from train.resilience import Diverged, StopSignals, exit_code, injected_steps
 from train.rundir import claim, run_dir_writes
 from train.watchdog import PeerHeartbeat, Watchdog
 from train import comm
-from train.shapes import validate_run
-from train.step import eval_step, local_sgd_step, train_step
+from train.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
+from train.step import eval_step
 
 class Trainer:
     """Build everything from a Config, then `fit()`. Usable from notebooks as well as the CLI."""
 
-    def __init__(self, cfg: Config, *, devices: list | None = None, on_log=None):
-        """`on_log(record)`: called with every metrics record as it is logged (step records and
-        eval records, the dicts written to metrics.jsonl), e.g. for a live plot in a notebook."""
+    def __init__(self, cfg: Config, *, mesh: Mesh | None = None, devices: list | None = None, on_log=None):
+        """`mesh`: the entry point's (else one is built from --mesh over `devices`, after starting
+        the distributed runtime). `on_log(record)`: called with every metrics record as it is
+        logged (the dicts written to metrics.jsonl), e.g. for a live plot in a notebook."""
         self._started_at = time.time()  # goodput counts this attempt's wall time from here
         self.cfg = cfg
         self.on_log = on_log
-        p = cfg.parallelism
-        if p.coordinator or p.num_processes > 1:
-            init_distributed(p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout)
-        else:
-            init_distributed(peer_timeout_s=p.peer_timeout)
-        self.mesh = make_mesh(p.mesh, p.mesh_dcn, devices)
-        self.rules = make_rules(p.rules)
-        self.model_cfg = cfg.model
-        self._validate_shapes()
-        self.tx = optim.make(cfg.train)
-        self.lr = optim.schedule(cfg.train)
-        self.batch_sharding = NamedSharding(self.mesh, logical_to_spec(("batch", "seq"), self.rules))
-        self.state_shardings = S.shardings(self.model_cfg, self.tx, self.mesh, self.rules)
-        self.sync, self.local_clip = self._sync(cfg.comm)
-        if self.local_clip:
-            self.tx = optim.make(cfg.train, clip=False)
-        if self.sync != S.Sync():  # the data-parallel sync keeps per-replica state
-            self.state_shardings = S.shardings(self.model_cfg, self.tx, self.mesh, self.rules, self.sync)
-        self.compute_dtype = M.compute_dtype(self.model_cfg)
-
-    # -- validation -------------------------------------------------------------------------
-    def _validate_shapes(self) -> None:
-        """Divisibility, the batch split and the pipeline schedule: one line before compiling."""
-        validate_run(self.mesh, self.rules, self.model_cfg, self.cfg.train, self.cfg.pipeline)
+        self.setup = s = setup(cfg, mesh if mesh is not None else start_mesh(cfg.parallelism, devices))
+        self.mesh, self.rules, self.model_cfg, self.compute_dtype = s.mesh, s.rules, cfg.model, s.compute_dtype
+        self.tx, self.lr, self.sync, self.local_clip = s.tx, s.lr, s.sync, s.local_clip
+        self.batch_sharding, self.state_shardings = s.batch_sharding, s.state_shardings
 
     # -- building blocks --------------------------------------------------------------------
-    def create_state(self) -> S.TrainState:
-        return S.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed, self.sync)
+    def create_state(self) -> train_state.TrainState:
+        return train_state.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed, self.sync)
 
-    def _sync(self, m: CommConfig) -> tuple[S.Sync, float]:
-        """What --comm settings `m` ask the state to carry (error-feedback residuals, or DiLoCo's
-        drift and outer optimizer; nothing without data-parallel axes: there is nothing to sync),
-        and the norm each replica clips its gradient to before a compressed sync (0: the optimizer
-        chain clips the synced gradient instead)."""
-        dp = self.dp_axes()
-        if not dp:
-            return S.Sync(), 0.0
-        if m.sync_every > 1:
-            return S.Sync(dp, outer_tx=comm.outer_optimizer(m.outer_lr, m.outer_momentum)), 0.0
-        return (S.Sync(dp, error_feedback=error_feedback_on(m.compression, m.error_feedback)),
-                self.cfg.train.grad_clip if m.compression != "none" else 0.0)
-
-    def abstract_state(self) -> S.TrainState:
+    def abstract_state(self) -> train_state.TrainState:
         """ShapeDtypeStructs with shardings of this run's state (plan, restore). Traced once per
         Trainer: the resume check, the restore, NaN recovery and --init-from all ask for it."""
         if getattr(self, "_abstract_state", None) is None:
-            self._abstract_state = S.abstract(self.model_cfg, self.tx, self.mesh, self.rules, self.sync)
+            self._abstract_state = abstract_state(self.setup)
         return self._abstract_state
 
     def jit_step(self):
-        t = self.cfg.train
-        if self.sync.outer_tx is not None:
-            step = functools.partial(local_sgd_step, self.model_cfg, self.tx, self.sync.outer_tx, self.lr,
-                                     t.micro_batches, self.sync.dp_axes, self.cfg.comm.sync_every,
-                                     pipeline=self.cfg.pipeline)
-        else:
-            specs = jax.tree.map(lambda sh: sh.spec, self.state_shardings.params)
-            step = functools.partial(train_step, self.model_cfg, self.tx, self.lr, t.micro_batches,
-                                     self.dp_axes(), comm_cfg=self.cfg.comm, param_specs=specs,
-                                     pipeline=self.cfg.pipeline, local_clip=self.local_clip)
-        return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
-                       out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+        return jit_step(self.setup)
 
     def dp_axes(self) -> tuple[str, ...]:
         """Leading batch mesh axes (size > 1) that shard no parameter: plain data parallelism."""
-        return data_parallel_axes(self.mesh, self.rules["batch"],
-                                  [sh.spec for sh in jax.tree.leaves(self.state_shardings.params)])
+        return self.setup.dp_axes
 
     def abstract_batch(self) -> dict:
-        """ShapeDtypeStructs of one global batch, as the loader builds it."""
-        t = self.cfg.train
-        return data_abstract_batch(self.cfg.data, t.batch_size, t.seq_len, self.batch_sharding)
+        return abstract_batch(self.setup)
 
     def compile_step(self, state, batch):
-        with jax.set_mesh(self.mesh), axis_rules(self.rules):
-            return self.jit_step().lower(state, batch).compile()
+        return compile_step(self.setup, state, batch)
 
     @functools.cached_property
     def _eval_fn(self):
@@ -173,7 +126,7 @@ class Trainer:
                             f" use another --checkpoint.dir")
         return src, step
 
-    def _saved_abstract(self, src: Checkpointer, step: int) -> S.TrainState:
+    def _saved_abstract(self, src: Checkpointer, step: int) -> train_state.TrainState:
         """The abstract state (on this mesh) that `step` was saved as. Its --comm settings may give
         another layout than this run's (error-feedback residuals or none, clipping in the optimizer
         chain or before the sync), and its residuals may hold another data-parallel replica count
@@ -181,7 +134,8 @@ class Trainer:
         DiLoCo's per-replica state onto another replica count, is refused in one line naming why."""
         saved = src.meta(step).get("config", {}).get("comm")
         names = {f.name for f in dataclasses.fields(CommConfig)}
-        sync, local_clip = (self._sync(CommConfig(**{k: v for k, v in saved.items() if k in names}))
+        sync, local_clip = (comm.sync_layout(CommConfig(**{k: v for k, v in saved.items() if k in names}),
+                                             self.setup.dp_axes, self.cfg.train.grad_clip)
                             if isinstance(saved, dict) else (self.sync, self.local_clip))
         (n_saved, diloco), n_now = self._saved_replicas(src, step), self.sync.replicas(self.mesh)
         resized = n_saved is not None and n_saved != n_now
@@ -199,7 +153,7 @@ class Trainer:
             raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
                             f" resume with its settings and data-parallel size, or start a new --run-dir")
         tx = optim.make(self.cfg.train, clip=not local_clip)
-        out = S.abstract(self.model_cfg, tx, self.mesh, self.rules, sync)
+        out = train_state.abstract(self.model_cfg, tx, self.mesh, self.rules, sync)
         if n_saved is not None and (resized or out.residual is None):  # replicated here; `_convert` averages
             out = out.replace(residual=jax.tree.map(
                 lambda a, sh: jax.ShapeDtypeStruct((n_saved, *a.shape), jnp.float32,
@@ -215,7 +169,7 @@ class Trainer:
         dims = {shape[0] for _, shape in arrays if shape}
         return (dims.pop() if len(dims) == 1 else None), any(n.startswith("drift/") for n, _ in arrays)
 
-    def _convert(self, state: S.TrainState) -> tuple[S.TrainState, str]:
+    def _convert(self, state: train_state.TrainState) -> tuple[train_state.TrainState, str]:
         """A state restored in another --comm layout -> this run's, and what changed ("" if nothing).
         The optimizer chain differs only in where clipping sits, which holds no arrays, so its
         leaves carry over in order; residuals start at zero (nothing pending) or are dropped (up to
@@ -241,7 +195,7 @@ class Trainer:
         return (out.replace(residual=mean(state.residual)),
                 f"error-feedback residuals of {n_old} data-parallel replicas averaged onto this mesh's {n_new}")
 
-    def _read(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
+    def _read(self, src: Checkpointer, step: int) -> tuple[train_state.TrainState, dict]:
         """`step` restored onto this mesh and converted to this run's --comm layout; the meta gets
         `converted`, a note for the log, when a conversion changed something."""
         abstract = self._saved_abstract(src, step)
@@ -250,7 +204,7 @@ class Trainer:
             state, meta["converted"] = self._convert(state)
         return state, meta
 
-    def restore(self, src: Checkpointer, step: int) -> tuple[S.TrainState, dict]:
+    def restore(self, src: Checkpointer, step: int) -> tuple[train_state.TrainState, dict]:
         """The saved state, read straight into this trainer's mesh and shardings. A step that is
         unreadable (missing, truncated or corrupt files) raises UnreadableCheckpoint, a UserError
         naming the step directory and the file."""
@@ -295,7 +249,7 @@ class Trainer:
                 " to read one anyway, --resume PATH shows its error)")
         return None
 
-    def _recover(self, saver: Checkpointer, state, step: int, log) -> S.TrainState:
+    def _recover(self, saver: Checkpointer, state, step: int, log) -> train_state.TrainState:
         """--train.max_bad_steps non-finite steps in a row: reload the last committed checkpoint.
 
         The state keeps the current step number, so training skips the data window that led here
@@ -352,7 +306,7 @@ class Trainer:
         compile_s = time.perf_counter() - t0
         gp.add("compile", compile_s)
         if not t.skip_memory_check:
-            check_fits(step_fn, list(self.mesh.devices.flat), describe(self.mesh))
+            check_fits(step_fn, list(self.mesh.devices.flat), mesh_text(self.mesh.shape))
         t0 = time.perf_counter()
         point = self.resume_point(saver)  # reads (and so verifies) the checkpoint it picks
         if point and point[1] >= t.steps:
@@ -377,7 +331,7 @@ class Trainer:
         batch, _ = data.next()
 
         peak, peak_src = peak_flops(self.compute_dtype, cfg.logging.peak_tflops, self.mesh.devices.flat)
-        log.print(f"brigade: {param_count(self.model_cfg) / 1e6:.2f}M params, mesh {describe(self.mesh)}"
+        log.print(f"brigade: {param_count(self.model_cfg) / 1e6:.2f}M params, mesh {mesh_text(self.mesh.shape)}"
                   f" ({self.mesh.size} device{'s' * (self.mesh.size > 1)}), {self.compute_dtype} compute, {data.describe()},"
                   f" step compiled in {compile_s:.1f}s; peak: {peak_src}")
         if note:
@@ -476,7 +430,7 @@ class Trainer:
         self.history, self.eval_history = history, eval_history
         return summary
 
-    def _initial_state(self, point: tuple[Checkpointer, int] | None, t0: float) -> tuple[S.TrainState, dict, str]:
+    def _initial_state(self, point: tuple[Checkpointer, int] | None, t0: float) -> tuple[train_state.TrainState, dict, str]:
         """The state this run starts from -> (state, the checkpoint's meta or {}, a line to log or
         ""): the resume point's, --init-from's parameters with a fresh optimizer, or a fresh init.
         `t0`: when the search for the resume point began (it reads the checkpoint it picks)."""
@@ -506,7 +460,7 @@ class Trainer:
                       + (" (the learning-rate schedule spans train.steps)" if any(
                           c.startswith("train.steps ") for c in changed) else ""))
 
-    def init_from(self, path: str) -> tuple[S.TrainState, str]:
+    def init_from(self, path: str) -> tuple[train_state.TrainState, str]:
         """--init-from PATH: step 0 with a fresh optimizer around the parameters of a checkpoint (full
         or parameters-only, e.g. `python -m models.hf import`), read straight into this mesh's shardings."""
         src, step = open_checkpoint(path)
@@ -517,7 +471,7 @@ class Trainer:
             if os.path.exists(hint) and "does not match" in str(e):
                 raise UserError(f"{e} (the model config it was made with: --config {hint})") from None
             raise
-        state = S.from_params(self.model_cfg, self.tx, self.mesh, self.rules, params, self.sync)
+        state = train_state.from_params(self.model_cfg, self.tx, self.mesh, self.rules, params, self.sync)
         return state, f"initialised the parameters from {src.step_dir(step)} (fresh optimizer)"
 
     def _prepare_run_dir(self, resumed_step: int | None) -> None:
@@ -595,7 +549,7 @@ class Trainer:
             "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])) if steady else 0.0,
             "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
             "compile_s": compile_s, "wall_s": time.time() - self.goodput.started_at,
-            "params": param_count(self.model_cfg), "mesh": describe(self.mesh), "sample": text,
+            "params": param_count(self.model_cfg), "mesh": mesh_text(self.mesh.shape), "sample": text,
             "resumed_from": point[1] if point else None,
             "checkpoint": saver.step_dir(saved) if saved is not None else None,
             "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,

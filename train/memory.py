@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from mesh.errors import UserError
+from errors import UserError
 
 GiB = 1024**3
 

@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mesh.errors import UserError
+from errors import UserError
 from train.goodput import read_records
 
 # Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.

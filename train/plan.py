@@ -13,12 +13,12 @@ from collections import defaultdict
 
 import jax
 
-from mesh.build import describe
-from mesh.errors import UserError
+from mesh.spec import mesh_text
+from errors import UserError
 from mesh.hlo import KINDS, parse_collectives, summarize
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, data_parallel_axes, path_names, spec_axes
-from models import model as M, pipeline as PL
+from models import model as model_lib, pipeline as pipeline_lib
 from models.flops import active_param_count, flops_per_token, param_count
 from models.attention import fused_qkv
 from models.moe import exchange_for
@@ -68,7 +68,7 @@ def theory(tr: Trainer, abstract_state) -> dict:
         e["wire_bytes"] += wire_factor * operand
 
     m = tr.model_cfg
-    names = dict(path_names(M.param_axes(m), is_leaf=lambda x: isinstance(x, tuple)))
+    names = dict(path_names(model_lib.param_axes(m), is_leaf=lambda x: isinstance(x, tuple)))
     expert_axes = spec_axes(logical_to_spec(("experts",), rules))
     explicit_rs: dict[str, float] = defaultdict(float)
     uses, replicas = pipeline_uses(tr)
@@ -115,7 +115,7 @@ def pipeline_uses(tr) -> tuple[float, set[str]]:
     if P == 1:
         return 1.0, set(tr.mesh.axis_names)
     pc = tr.cfg.pipeline
-    return PL.n_ticks(P, pc.microbatches_for(P), pc.repeats) / pc.repeats, set(pc.replica_axes)
+    return pipeline_lib.n_ticks(P, pc.microbatches_for(P), pc.repeats) / pc.repeats, set(pc.replica_axes)
 
 
 def local_sgd(tr, abstract_state, th: dict) -> dict:
@@ -300,7 +300,7 @@ def analyze(tr: Trainer) -> dict:
     opt_b = sum(_local_bytes(x) for x in jax.tree.leaves(abstract_state.opt_state))
     model_flops = flops_per_token(tr.model_cfg, t.seq_len) * t.batch_size * t.seq_len
     return {
-        "mesh": describe(tr.mesh), "devices": tr.mesh.size, "backend": jax.default_backend(),
+        "mesh": mesh_text(tr.mesh.shape), "devices": tr.mesh.size, "backend": jax.default_backend(),
         "params": param_count(tr.model_cfg),
         "active_params": active_param_count(tr.model_cfg),
         "memory": {
@@ -333,15 +333,15 @@ def pipeline_report(tr: Trainer, measured: dict) -> dict:
     M_, R = pc.microbatches_for(P), pc.repeats
     n_groups = m.n_layers // (m.moe_every if m.n_experts else 1)
     shards = axes_size(tr.mesh, logical_to_spec(("batch",), tr.rules)[0])
-    th = PL.permute_bytes_theory(batch=t.batch_size // t.micro_batches, seq=t.seq_len, d_model=m.d_model,
+    th = pipeline_lib.permute_bytes_theory(batch=t.batch_size // t.micro_batches, seq=t.seq_len, d_model=m.d_model,
                                  itemsize=jax.numpy.dtype(tr.compute_dtype).itemsize, stages=P, microbatches=M_,
                                  repeats=R, batch_shards=shards)
     hlo = measured["collective-permute"]["by_axes"].get("pipeline", {"operand_bytes": 0})["operand_bytes"]
     return {"stages": P, "microbatches": M_, "repeats": R, "schedule": pc.schedule, "batch_shards": shards,
-            "bubble": PL.bubble_fraction(P, M_, R), "permute_bytes_hlo": hlo,
+            "bubble": pipeline_lib.bubble_fraction(P, M_, R), "permute_bytes_hlo": hlo,
             "permute_bytes_theory": th["sent"] * t.micro_batches,
             "permute_bytes_useful": th["useful"] * t.micro_batches,
-            "chart": PL.schedule_chart(P, M_, R, pc.schedule, n_layers=n_groups)}
+            "chart": pipeline_lib.schedule_chart(P, M_, R, pc.schedule, n_layers=n_groups)}
 
 
 def _by_kind(detail: dict) -> dict:
@@ -418,7 +418,7 @@ def main(argv: list[str]) -> int:
         if P == 1:
             raise UserError("--plot draws the pipeline schedule: it needs --mesh pipeline=P with P > 1")
         pc = cfg.pipeline
-        PL.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
+        pipeline_lib.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
     report = analyze(trainer)
     if ns.hardware and hardware.platform_of(ns.hardware) == report["backend"]:
         # the compile's bytes price only its own backend (train/cost.py from_plan): no second compile else

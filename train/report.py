@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from mesh.errors import ArgParser, UserError
+from errors import ArgParser, UserError
 from train.goodput import read_records
 
 # (file, title, y label, metric keys drawn on it, stacked); a key ending in '*' matches every key

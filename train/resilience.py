@@ -80,5 +80,5 @@ def _numbers(variable: str) -> set[int]:
     try:
         return {int(x) for x in raw.split(",") if x.strip()}
     except ValueError:
-        from mesh.errors import UserError
+        from errors import UserError
         raise UserError(f"{variable}={raw!r}: expected comma-separated integers, e.g. 5,6") from None

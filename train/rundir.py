@@ -25,7 +25,7 @@ import json
 import os
 import socket
 
-from mesh.errors import UserError
+from errors import UserError
 
 MARKER = "brigade-run.json"
 LOCK = ".brigade-lock"

@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
-from mesh.config import AXES
-from mesh.errors import UserError
+from mesh.spec import AXES, mesh_text
+from errors import UserError
 from mesh.rules import logical_to_spec, make_rules
-from models import model as M
+from models import model as model_lib
 from models.config import PipelineConfig
 from train import cost
 from train.config import TrainConfig
@@ -35,17 +35,13 @@ def factorizations(n: int, n_axes: int = len(AXES)) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, n_axes - 1)]
 
 
-def mesh_text(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1) or "1 device"
-
-
 def _is_names(x) -> bool:
     return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
 
 @functools.lru_cache(maxsize=16)
 def _model_arrays(cfg) -> tuple[dict, dict]:
-    return M.abstract_params(cfg), M.param_axes(cfg)
+    return model_lib.abstract_params(cfg), model_lib.param_axes(cfg)
 
 
 @functools.lru_cache(maxsize=4)
@@ -296,7 +292,7 @@ def _goodput(ns, cfg, pred: dict, state_bytes: float, hw: Hardware) -> dict:
 
 def analytic(ns, cfg) -> tuple[dict, str]:
     """`plan --search N` / `plan --devices N`: no compile. -> (JSON-able report, text)."""
-    from mesh.config import resolve
+    from mesh.spec import resolve
     t, p = cfg.train, cfg.parallelism
     n = ns.search or ns.devices
     hw = _hardware(ns, n, cfg)
@@ -331,7 +327,7 @@ def with_cost(report: dict, ns, cfg, mesh) -> str:
     t = cfg.train
     sizes = {a: mesh.shape[a] for a in AXES}
     hw = _hardware(ns, mesh.size, cfg)
-    from mesh.config import resolve
+    from mesh.spec import resolve
     dcn = dict(zip(AXES, resolve(cfg.parallelism.mesh, mesh.size, cfg.parallelism.mesh_dcn).dcn))
     pred = cost.from_plan(report, hw, cfg.model, t.batch_size, t.seq_len, t.micro_batches, sizes, dcn)
     mem = report["memory"]

@@ -3,10 +3,10 @@ training run and the mesh search (`plan --search`) both apply, so that a mesh th
 is one the run accepts."""
 from __future__ import annotations
 
-from mesh.errors import UserError
+from errors import UserError
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, check_divisible
-from models import model as M, pipeline as PL
+from models import model, pipeline
 from models.config import PipelineConfig
 from train.config import TrainConfig
 
@@ -38,7 +38,7 @@ def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg:
     stages = mesh.shape["pipeline"]
     if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
         pc, per_group = pipeline_cfg, m.moe_every if m.n_experts else 1
-        PL.validate(n_layers=m.n_layers // per_group, batch=per_micro, stages=stages,
+        pipeline.validate(n_layers=m.n_layers // per_group, batch=per_micro, stages=stages,
                     microbatches=pc.microbatches_for(stages), repeats=pc.repeats, schedule=pc.schedule,
                     batch_shards=n)
 
@@ -48,5 +48,5 @@ def validate_run(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: P
     """Raise a one-line UserError for a config `mesh` cannot run, before anything is built or
     compiled: the one set of checks a training run and the mesh search both apply (parameter dims
     by their mesh axes, then the batch and the pipeline schedule)."""
-    check_divisible(mesh, M.abstract_params(model_cfg), M.param_axes(model_cfg), rules, hints)
+    check_divisible(mesh, model.abstract_params(model_cfg), model.param_axes(model_cfg), rules, hints)
     validate_batch(mesh, rules, model_cfg, train_cfg, pipeline_cfg)

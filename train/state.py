@@ -1,8 +1,6 @@
 """The train state (step, params, optimizer state), created already sharded on the mesh."""
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import flax.struct
@@ -13,9 +11,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
-from models import model as M
+from models import model
 from models.config import ModelConfig
 from train import comm
+from train.comm import SyncLayout
 
 
 @flax.struct.dataclass
@@ -32,25 +31,15 @@ class TrainState:
     outer_opt: Any = None  # DiLoCo: the outer optimizer's state (Nesterov momentum), like params
 
 
-@dataclasses.dataclass(frozen=True)
-class Sync:
-    """What the data-parallel sync keeps in the state (see train/comm.py and Trainer.sync)."""
-    dp_axes: tuple[str, ...] = ()
-    error_feedback: bool = False                           # residual [R, ...]
-    outer_tx: optax.GradientTransformation | None = None   # DiLoCo: drift, per-replica opt_state, outer_opt
 
-    def replicas(self, mesh: Mesh) -> int:
-        return math.prod(mesh.shape[a] for a in self.dp_axes)
-
-
-def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: Sync = Sync()) -> TrainState:
+def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout()) -> TrainState:
     """A TrainState of NamedShardings: params from the rules, optimizer moments like their params,
     scalars (counts, step) replicated; per-replica state over the dp axes."""
-    param_sh = tree_shardings(mesh, M.param_axes(cfg), rules)
+    param_sh = tree_shardings(mesh, model.param_axes(cfg), rules)
     replicated = NamedSharding(mesh, P())
 
     def like_params(t):
-        return optax.tree_map_params(t, lambda _, s: s, jax.eval_shape(t.init, M.abstract_params(cfg)), param_sh,
+        return optax.tree_map_params(t, lambda _, s: s, jax.eval_shape(t.init, model.abstract_params(cfg)), param_sh,
                                      transform_non_params=lambda _: replicated,
                                      is_leaf=lambda x: isinstance(x, NamedSharding))
 
@@ -67,18 +56,18 @@ def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, ru
     return out
 
 
-def abstract(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: Sync = Sync()) -> TrainState:
+def abstract(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout()) -> TrainState:
     """ShapeDtypeStructs with shardings: what `plan` compiles against, without allocating."""
     sh = shardings(cfg, tx, mesh, rules, sync)
     shapes = jax.eval_shape(lambda: _fresh(cfg, tx, jax.random.key(0), sync, sync.replicas(mesh)))
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
 
 
-def _fresh(cfg: ModelConfig, tx, key, sync: Sync = Sync(), n_dp: int = 1) -> TrainState:
-    return _around(M.init(cfg, key), tx, sync, n_dp)
+def _fresh(cfg: ModelConfig, tx, key, sync: SyncLayout = SyncLayout(), n_dp: int = 1) -> TrainState:
+    return _around(model.init(cfg, key), tx, sync, n_dp)
 
 
-def _around(params, tx, sync: Sync, n_dp: int) -> TrainState:
+def _around(params, tx, sync: SyncLayout, n_dp: int) -> TrainState:
     """Step 0 and fresh optimizer (and data-parallel sync) state around `params`."""
     out = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     if sync.error_feedback:
@@ -90,7 +79,7 @@ def _around(params, tx, sync: Sync, n_dp: int) -> TrainState:
 
 
 def create(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, seed: int,
-           sync: Sync = Sync()) -> TrainState:
+           sync: SyncLayout = SyncLayout()) -> TrainState:
     """Initialise under jit with output shardings: every device only ever holds its own shards."""
     sh = shardings(cfg, tx, mesh, rules, sync)
     with jax.set_mesh(mesh), axis_rules(rules):
@@ -98,7 +87,7 @@ def create(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules
 
 
 def from_params(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, params,
-                sync: Sync = Sync()) -> TrainState:
+                sync: SyncLayout = SyncLayout()) -> TrainState:
     """A fresh state around `params` (already sharded; donated): where fine-tuning starts. No
     random init is materialised, so the peak is one copy of the parameters plus the optimizer."""
     sh = shardings(cfg, tx, mesh, rules, sync)

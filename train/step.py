@@ -9,7 +9,7 @@ import optax
 
 from mesh.rules import axis_rules, current_rules
 from mesh.shard import constrain
-from models import model as M
+from models import model
 from models.config import ModelConfig
 from models.moe import bias_update
 from train import comm
@@ -26,7 +26,7 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None):
     so that dividing by the total count gives mean cross-entropy + coefficient x loss, also across
     micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
     (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
-    logits_BTV, stats = M.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+    logits_BTV, stats = model.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
                                   pipeline)
     xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
     weights_BT = batch.get("weights", jnp.ones_like(xent_BT))

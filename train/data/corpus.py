@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mesh.errors import UserError
+from errors import UserError
 
 BOS, EOS, PAD = 256, 257, 258
 BYTE_VOCAB = 259  # bytes + specials; models pad their vocab_size above this

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from mesh.errors import UserError
+from errors import UserError
 from train.data.tokenizers import KINDS
 
 FORMAT = "brigade-tokens/1"

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from mesh.errors import UserError
+from errors import UserError
 from train.data.sources import Source, Stream, hash_u64, load_sources
 from train.resilience import injected_steps
 
@@ -319,12 +319,12 @@ class Pipeline:
     def tokenizer(self):
         """The tokenizer the data was prepared with (to encode a prompt and decode a sample), or
         None when its file (the path in the index) no longer loads: a sample is not worth failing for."""
-        from train.data import tokenizers as TK
+        from train.data import tokenizers
         info = self.sources[0].tokenizer
         if info["kind"] == "byte":
-            return TK.ByteTokenizer()
+            return tokenizers.ByteTokenizer()
         try:
-            return TK.load(f"{info['kind']}:{info['path']}")
+            return tokenizers.load(f"{info['kind']}:{info['path']}")
         except UserError:
             return None
 

@@ -28,8 +28,8 @@ import tempfile
 
 import numpy as np
 
-from mesh.errors import ArgParser, UserError, one_line_errors
-from train.data import tokenizers as TK
+from errors import ArgParser, UserError, one_line_errors
+from train.data import tokenizers
 from train.data.index import FORMAT, INDEX, listed_files, read_index
 TASK_BYTES = 4 << 20          # input bytes per worker task at most: amortises the IPC, keeps the bar moving
 MIN_TASK_BYTES = 16 << 10     # ... and at least (small inputs are still spread over the workers)
@@ -104,14 +104,14 @@ def make_tasks(files: list[str], workers: int = 1) -> list[list[tuple[str, int, 
 
 # ------------------------------------------------------------------ workers
 
-_TOKENIZER: TK.Tokenizer | None = None
+_TOKENIZER: tokenizers.Tokenizer | None = None
 
 
 def _init_worker(spec: str, eos_token: str | None, pool: bool) -> None:
     global _TOKENIZER
     if pool:  # HF tokenizers' own thread pool in every worker would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _TOKENIZER = TK.load(spec, eos_token)
+    _TOKENIZER = tokenizers.load(spec, eos_token)
 
 
 def _read_docs(path: str, start: int, end: int, text_field: str):
@@ -215,7 +215,7 @@ class _ShardWriter:
         self.shards.append({"tokens": f"{self._name}.bin", "offsets": off_name, "n_tokens": int(offsets[-1]),
                             "n_documents": len(offsets) - 1, "max_token": self._max,
                             "sha256": {"tokens": self._hash.hexdigest(),
-                                       "offsets": TK.file_sha256(os.path.join(self.directory, off_name))}})
+                                       "offsets": tokenizers.file_sha256(os.path.join(self.directory, off_name))}})
         self._f = None
 
 
@@ -302,7 +302,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
         raise UserError(f"prepare: --workers and --shard-tokens must be >= 1, got {workers} and {shard_tokens}")
     files = expand_inputs(inputs)
     check_out(out, inputs, files, overwrite)
-    tok = TK.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
+    tok = tokenizers.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
     info = tok.describe()
     dtype = token_dtype(tok.vocab_size)
     tasks = make_tasks(files, workers)

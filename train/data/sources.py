@@ -22,8 +22,8 @@ import os
 
 import numpy as np
 
-from mesh.errors import UserError
-from train.data import corpus as C
+from errors import UserError
+from train.data import corpus
 from train.data.index import INDEX, read_index
 from train.data.tokenizers import file_sha256
 
@@ -102,16 +102,16 @@ def is_eval_doc(doc_index: np.ndarray, eval_fraction: float) -> np.ndarray:
 
 def _doc_starts(tokens: np.ndarray) -> np.ndarray:
     """Documents of a corpus.py array end with EOS; the start of each."""
-    ends = np.flatnonzero(tokens == C.EOS) + 1
+    ends = np.flatnonzero(tokens == corpus.EOS) + 1
     return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
 
 
-def from_corpus(c: C.Corpus, whole_docs: bool = True) -> Source:
+def from_corpus(c: corpus.Corpus, whole_docs: bool = True) -> Source:
     streams = [Stream.from_array(t, _doc_starts(t) if whole_docs else np.zeros(1, np.int64)) for t in (c.train, c.eval)]
     fingerprint = hashlib.sha256(c.train.tobytes()).hexdigest()[:16]
     max_token = max(int(t.max()) for t in (c.train, c.eval) if len(t))
     return Source(c.name, streams[0], streams[1], c.vocab_size, {"kind": "byte", "id": "byte",
-                                                                 "vocab_size": C.BYTE_VOCAB, "eos_id": C.EOS},
+                                                                 "vocab_size": corpus.BYTE_VOCAB, "eos_id": corpus.EOS},
                   fingerprint, max_token)
 
 
@@ -265,14 +265,14 @@ def _mixture_yaml(path: str) -> list[tuple[str, float]]:
 
 def load_source(spec: str, eval_fraction: float, seed: int, verify: bool = True) -> Source:
     if spec == "default":
-        return from_corpus(C.stdlib_corpus(eval_fraction))
+        return from_corpus(corpus.stdlib_corpus(eval_fraction))
     if spec == "synthetic":
-        return from_corpus(C.synthetic_corpus(seed), whole_docs=False)  # random bytes: one long document
+        return from_corpus(corpus.synthetic_corpus(seed), whole_docs=False)  # random bytes: one long document
     if os.path.isfile(os.path.join(spec, INDEX)):
         return load_prepared(spec, eval_fraction, verify)
     if not os.path.exists(spec):
         raise UserError(f"--data: '{spec}' is not a file or directory; valid: {SOURCE_CHOICES}")
-    return from_corpus(C.text_corpus(spec, eval_fraction))
+    return from_corpus(corpus.text_corpus(spec, eval_fraction))
 
 
 def load_sources(source: str, eval_fraction: float, seed: int, verify: bool = True) -> list[tuple[Source, float]]:

@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 
-from mesh.errors import UserError
-from train.data import corpus as C
+from errors import UserError
+from train.data import corpus
 
 KINDS = ("byte", "hf", "sentencepiece", "tiktoken")
 _SUFFIX = {".json": "hf", ".model": "sentencepiece", ".tiktoken": "tiktoken"}
@@ -48,13 +48,13 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    kind, path, vocab_size, eos_id = "byte", "", C.BYTE_VOCAB, C.EOS
+    kind, path, vocab_size, eos_id = "byte", "", corpus.BYTE_VOCAB, corpus.EOS
 
     def encode(self, texts):
-        return [C.encode(t) for t in texts]
+        return [corpus.encode(t) for t in texts]
 
     def decode(self, ids):
-        return C.decode(ids)
+        return corpus.decode(ids)
 
 
 class HFTokenizer(Tokenizer):

@@ -1,4 +1,4 @@
-"""The one exception type for bad user input.
+"""The one exception type for bad user input, and the helpers that make every CLI report it in one line.
 
 Anything raised as `UserError` is shown by the CLIs as a single line (no traceback) and exits
 with status 2. Every message names the culprit and the valid choices.

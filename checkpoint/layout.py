@@ -100,7 +100,3 @@ def _mismatch(value: Any, spec: Any, name: str = "") -> str:
     got = _JSON_NAMES.get(type(value), type(value).__name__)
     return f"{where}expected {' or '.join(_JSON_NAMES[c] for c in choices)}, got {got}{shown}"
 
-
-def mesh_text(shape: dict) -> str:
-    """{'data': 4, 'fsdp': 1, 'model': 2} -> 'data=4,model=2' (axes of size 1 left out)."""
-    return ",".join(f"{k}={v}" for k, v in shape.items() if v > 1) or "1 device"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mesh.errors import UserError
+from errors import UserError
 
 # Outermost first. The most talkative axis (model, then expert) is innermost so that it lands
 # on the closest devices (same NVLink island / ICI neighbours); data and pipeline go outermost,
@@ -108,3 +108,11 @@ def resolve(spec: str | dict | None, n_devices: int, dcn_spec: str | dict | None
                 f"--mesh-dcn: {name}={d} does not divide the mesh's {name}={total};"
                 f" valid: {_divisors(total)}")
     return MeshShape(tuple(sizes.get(a, 1) for a in AXES), tuple(dcn.get(a, 1) for a in AXES))
+
+
+def mesh_text(sizes) -> str:
+    """A mesh's axis sizes as `--mesh` text, axes of size 1 left out: {'data': 4, 'fsdp': 1,
+    'model': 2} (or a Mesh's `.shape`) -> 'data=4,model=2'; '1 device' when every axis is 1."""
+    names = [a for a in AXES if a in sizes] + [a for a in sizes if a not in AXES]
+    return ",".join(f"{a}={sizes[a]}" for a in names if sizes[a] > 1) or "1 device"
+

@@ -1,0 +1,93 @@
+"""A run's pieces, computed once and in order from the config and the mesh: the rules, the
+batch sharding, the data-parallel axes, the sync layout, the optimizer, the state shardings;
+and the one jitted train step built from them. The Trainer, `plan` and the benchmarks all start
+here, so what they compile is what a run compiles."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from mesh.rules import axis_rules, logical_to_spec, make_rules
+from mesh.shard import data_parallel_axes, tree_shardings
+from models import model
+from train import comm, optim, state as train_state
+from train.comm import SyncLayout
+from train.config import Config
+from train.data import abstract_batch as data_abstract_batch
+from train.shapes import validate_run
+from train.step import local_sgd_step, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """Everything a step needs besides the state and the batch. Build it with `setup()`."""
+    cfg: Config
+    mesh: Mesh
+    rules: dict
+    batch_sharding: NamedSharding      # [batch, seq] token arrays
+    dp_axes: tuple[str, ...]           # plain data-parallel mesh axes: where the gradient sync runs
+    sync: SyncLayout                   # what the sync keeps per replica (residuals, DiLoCo drift)
+    local_clip: float                  # > 0: each replica clips before a compressed sync
+    tx: optax.GradientTransformation
+    lr: optax.Schedule
+    state_shardings: train_state.TrainState
+    compute_dtype: Any
+
+    @property
+    def model_cfg(self):
+        return self.cfg.model
+
+
+def setup(cfg: Config, mesh: Mesh) -> RunSetup:
+    """Each value from the ones before it; one line (UserError) for shapes the mesh cannot split."""
+    rules = make_rules(cfg.parallelism.rules)
+    validate_run(mesh, rules, cfg.model, cfg.train, cfg.pipeline)
+    param_shardings = tree_shardings(mesh, model.param_axes(cfg.model), rules)
+    dp_axes = data_parallel_axes(mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)])
+    sync, local_clip = comm.sync_layout(cfg.comm, dp_axes, cfg.train.grad_clip)
+    tx = optim.make(cfg.train, clip=not local_clip)  # a compressed sync clips per replica instead
+    return RunSetup(cfg=cfg, mesh=mesh, rules=rules,
+                    batch_sharding=NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules)),
+                    dp_axes=dp_axes, sync=sync, local_clip=local_clip, tx=tx, lr=optim.schedule(cfg.train),
+                    state_shardings=train_state.shardings(cfg.model, tx, mesh, rules, sync),
+                    compute_dtype=model.compute_dtype(cfg.model))
+
+
+def abstract_state(s: RunSetup) -> train_state.TrainState:
+    """ShapeDtypeStructs with shardings of the run's state: what compiles and restores use."""
+    return train_state.abstract(s.cfg.model, s.tx, s.mesh, s.rules, s.sync)
+
+
+def abstract_batch(s: RunSetup) -> dict:
+    """ShapeDtypeStructs of one global batch, as the loader builds it."""
+    return data_abstract_batch(s.cfg.data, s.cfg.train.batch_size, s.cfg.train.seq_len, s.batch_sharding)
+
+
+def jit_step(s: RunSetup):
+    """The train step, jitted with the state's shardings: (state, batch) -> (state, metrics). The
+    state is donated: its buffers become the new state's."""
+    cfg, t = s.cfg, s.cfg.train
+    if s.sync.outer_tx is not None:  # local SGD / DiLoCo: replicas step alone, sync every H steps
+        def step(state, batch):
+            return local_sgd_step(cfg.model, s.tx, s.sync.outer_tx, s.lr, t.micro_batches, s.dp_axes,
+                                  cfg.comm.sync_every, state, batch, pipeline=cfg.pipeline)
+    else:
+        param_specs = jax.tree.map(lambda sh: sh.spec, s.state_shardings.params)
+
+        def step(state, batch):
+            return train_step(cfg.model, s.tx, s.lr, t.micro_batches, s.dp_axes, state, batch,
+                              comm_cfg=cfg.comm, param_specs=param_specs, pipeline=cfg.pipeline,
+                              local_clip=s.local_clip)
+    return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
+                   out_shardings=(s.state_shardings, None), donate_argnums=(0,))
+
+
+def compile_step(s: RunSetup, state=None, batch=None):
+    """The step compiled for `state` and `batch` (abstract ones by default: nothing allocated)."""
+    with jax.set_mesh(s.mesh), axis_rules(s.rules):
+        return jit_step(s).lower(abstract_state(s) if state is None else state,
+                                 abstract_batch(s) if batch is None else batch).compile()
