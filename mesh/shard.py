@@ -36,19 +36,18 @@ def _is_names(x) -> bool:
 
 def axes_size(mesh: Mesh, entry) -> int:
     """Number of shards a PartitionSpec entry (None, 'a' or ('a','b')) makes."""
-    if entry is None:
-        return 1
-    axes = (entry,) if isinstance(entry, str) else entry
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in entry_axes(entry))
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry, in order: None -> (), 'fsdp' -> ('fsdp',),
+    ('data', 'model') -> ('data', 'model')."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def spec_axes(spec) -> set[str]:
     """The mesh axes a PartitionSpec uses: P('fsdp', ('data','model'), None) -> {fsdp, data, model}."""
-    out: set[str] = set()
-    for entry in spec:
-        if entry is not None:
-            out.update((entry,) if isinstance(entry, str) else entry)
-    return out
+    return {a for entry in spec for a in entry_axes(entry)}
 
 
 def data_parallel_axes(mesh: Mesh, batch_axes, param_specs) -> tuple[str, ...]:

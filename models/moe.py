@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from errors import UserError
 from mesh.rules import logical_to_spec
-from mesh.shard import spec_axes
+from mesh.shard import entry_axes, spec_axes
 from models.config import ModelConfig
 from models.layers import MLP, param
 
@@ -310,10 +310,6 @@ def _combine(y_JUD, gate_A, tp_axes):
     return lax.psum(y_UD, tp_axes) if tp_axes else y_UD
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, kernel: str | None = None,
             exchange: str | None = None):
     """The routed experts on whatever mesh is in context -> (y [B,T,D], dropped assignments).
@@ -327,7 +323,7 @@ def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, 
     if mesh.empty:
         return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
     # size-1 axes stay automatic: collectives over them would still be emitted as copies
-    real = lambda entry: tuple(a for a in _axes(entry) if mesh.shape[a] > 1)
+    real = lambda entry: tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)
     x_spec, w_spec, wd_spec = (P(*(real(e) or None for e in s)) for s in (x_spec, w_spec, wd_spec))
     named = spec_axes(x_spec) | spec_axes(w_spec) | spec_axes(wd_spec)
     if not named:
@@ -341,13 +337,13 @@ def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, 
     manual = {a for a, size in mesh.shape.items() if size > 1}
     check_vma = manual <= named
     local = functools.partial(local, vmapped=not check_vma)
-    ep_axes, token_axes = _axes(w_spec[0]), _axes(x_spec[0])
+    ep_axes, token_axes = entry_axes(w_spec[0]), entry_axes(x_spec[0])
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     if not set(ep_axes) <= set(token_axes):
         raise UserError(f"--parallelism.rules: the experts dim is sharded over {ep_axes}, which must also shard"
                         f" the batch (now {token_axes}) so that every expert device holds its own tokens")
-    body = functools.partial(local, ep_axes=ep_axes, ep=ep, embed_axes=_axes(w_spec[1]),
-                             tp_axes=_axes(w_spec[2]), token_axes=token_axes)
+    body = functools.partial(local, ep_axes=ep_axes, ep=ep, embed_axes=entry_axes(w_spec[1]),
+                             tp_axes=entry_axes(w_spec[2]), token_axes=token_axes)
     return jax.shard_map(body, in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, wd_spec),
                          out_specs=(x_spec, P()), axis_names=frozenset(manual),
                          check_vma=check_vma)(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)

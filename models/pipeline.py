@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec
 from errors import UserError
 from models.config import SCHEDULES, PipelineConfig  # noqa: F401  (re-exported: the config lives with the model's)
 from mesh.rules import axis_rules, current_rules, logical_to_spec
+from mesh.shard import entry_axes
 
 
 
@@ -241,10 +242,6 @@ def _shift(y_P: jax.Array) -> jax.Array:
 _shift.defvjp(lambda y: (_shift(y), None), lambda _, ct: (jnp.roll(ct, -1, axis=0),))
 
 
-def _axes_of(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _mesh_size(axes) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else math.prod(mesh.shape[a] for a in axes)
@@ -295,7 +292,7 @@ def pipeline_apply(layer_fn: Callable[..., jax.Array], params: Any, x_BTD: jax.A
     """
     L, B = jax.tree.leaves(params)[0].shape[0], x_BTD.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
-    batch_axes = _axes_of(logical_to_spec(("stages", "batch"))[1]) if not mesh.empty else ()
+    batch_axes = entry_axes(logical_to_spec(("stages", "batch"))[1]) if not mesh.empty else ()
     replicas = tuple(a for a in batch_axes if a in replica_axes and mesh.shape[a] > 1)
     with axis_rules(_inner_rules(replicas)):
         validate(n_layers=L, batch=B, stages=stages, microbatches=microbatches, repeats=repeats,

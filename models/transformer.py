@@ -15,7 +15,7 @@ from flax import nnx
 
 from mesh.rules import current_rules
 from mesh.shard import constrain
-from models import pipeline
+from models import pipeline as pipeline_lib
 from models.attention import Attention, KVCache
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, param
@@ -98,7 +98,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None, *,
-                 pipeline: pipeline.PipelineConfig | None = None):
+                 pipeline: pipeline_lib.PipelineConfig | None = None):
         """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
         `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
         On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
@@ -139,12 +139,12 @@ class Decoder(nnx.Module):
         policy = REMAT[cfg.remat]
         stages = _pipeline_stages()
         if stages > 1 and cache is None:
-            pc = pipeline or pipeline.PipelineConfig()
+            pc = pipeline or pipeline_lib.PipelineConfig()
             def one_group(x_BTD, xs, *args):
                 x_BTD, (_, stats) = group(x_BTD, (*xs, None), *args)
                 return x_BTD, stats
             M = pc.microbatches_for(stages)
-            x_BTD, stats = pipeline.pipeline_apply(
+            x_BTD, stats = pipeline_lib.pipeline_apply(
                 one_group, (dense, moe), x_BTD, positions_BT, *seg, stages=stages, microbatches=M,
                 repeats=pc.repeats, schedule=pc.schedule, remat_policy=policy, remat_stage=pc.remat_stage,
                 has_aux=True, scan_layers=cfg.scan_layers, replica_axes=pc.replica_axes)

@@ -97,9 +97,9 @@ def test_token_dtype():
 # ------------------------------------------------------------------ tokenizers
 
 def _hf_file(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    hf_tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
-    tok = tokenizers.Tokenizer(models.BPE())
+    tok = hf_tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(TEXTS * 3, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],

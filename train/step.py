@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import optax
 
 from mesh.rules import axis_rules, current_rules
-from mesh.shard import constrain
 from models import model
 from models.config import ModelConfig
 from models.moe import bias_update
@@ -44,6 +43,14 @@ def loss_sums(cfg: ModelConfig, params, batch, pipeline=None) -> tuple[jax.Array
     per micro-batch makes gradient accumulation exactly equal to one big batch."""
     _, (xent, n, _) = loss_terms(cfg, params, batch, pipeline)
     return xent, n
+
+
+def replica_split(dp_axes: tuple[str, ...]) -> tuple[int, dict]:
+    """(R, the rules inside one replica) on the mesh and rules in context: R = the product of the
+    data-parallel axes' sizes; inside a replica the batch is sharded over the other batch axes only."""
+    n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes)
+    rules = current_rules()
+    return n_dp, {**rules, "batch": tuple(a for a in rules["batch"] if a not in dp_axes)}
 
 
 def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
@@ -84,9 +91,7 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
         return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
 
     micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)   # [M, B/M, ...]
-    n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes) if dp_axes else 1
-    rules = current_rules()
-    inner_rules = {**rules, "batch": tuple(a for a in rules["batch"] if a not in dp_axes)}
+    n_dp, inner_rules = replica_split(dp_axes)
     if n_dp > 1:  # [M, B/M, ...] -> [M, n_dp, B/(M n_dp), ...]: dim 1 is the replica group
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0], n_dp, x.shape[1] // n_dp, *x.shape[2:]), micro)
         grad_fn = jax.vmap(sums_and_grads, in_axes=(None, 0), spmd_axis_name=dp_axes)
@@ -172,11 +177,9 @@ def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx:
     """--comm.sync_every H > 1 (local SGD / DiLoCo): every data-parallel replica takes an inner
     optimizer step on its own rows of the batch with no data-parallel traffic; every H-th step the
     outer optimizer applies the replicas' mean drift to the global params (one all-reduce)."""
-    n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes)
+    n_dp, inner_rules = replica_split(dp_axes)
     # rows are sharded over the batch axes, dp axes outermost: block r of B/R rows is replica r's
     batch_R = jax.tree.map(lambda x: x.reshape(n_dp, x.shape[0] // n_dp, *x.shape[1:]), batch)
-    rules = current_rules()
-    inner_rules = {**rules, "batch": tuple(a for a in rules["batch"] if a not in dp_axes)}
 
     def grad_fn(params, b):
         with axis_rules(inner_rules):
