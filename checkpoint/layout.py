@@ -1,8 +1,21 @@
-"""What a checkpoint holds besides the arrays: the `meta` JSON, readable without JAX.
+"""What a Brigade checkpoint contains: the one definition that save, restore, inspect, export and
+the HuggingFace converter share.
 
-The arrays (`state`: step, params, optimizer state with the schedule's count) need nothing else to
-continue exactly: there is no RNG state in the step, and batch `s` depends only on (seed, s), so
-the data position is the step itself.
+A checkpoint directory holds one directory per committed step:
+
+    <dir>/<step>/state/   STATE_ITEM: the arrays, an Orbax PyTree (OCDBT/tensorstore; every process
+                          writes only its own shards). A full checkpoint holds the TrainState: `step`,
+                          `params`, `opt_state` (with the schedule's count) and, by the data-parallel
+                          sync layout, `residual` (error feedback) or `drift` + `outer_opt` (DiLoCo);
+                          those per-replica arrays carry a leading [R] dim (R data-parallel replicas).
+                          A parameters-only checkpoint (export, HF import) holds `{"params": ...}`.
+    <dir>/<step>/meta/    META_ITEM: JSON (META_SCHEMA): the format version, the resolved config, the
+                          model section, the mesh, the data position, the library versions.
+
+Orbax writes a step under `<step>` + TMP_SUFFIX and renames it when complete, so only committed
+steps are listed. The arrays need nothing else to continue exactly: there is no RNG state in the
+step, and batch `s` depends only on (seed, s), so the data position is the step itself (plus the
+loader's record of its sources, checked on resume).
 """
 from __future__ import annotations
 
@@ -14,6 +27,16 @@ from typing import Any
 import jax
 
 from checkpoint.integrity import UnreadableCheckpoint
+from errors import UserError
+
+# Bumped when what a step holds changes so that an older Brigade would misread it. Steps written
+# before the field existed are format 1.
+FORMAT_VERSION = 1
+STATE_ITEM, META_ITEM = "state", "meta"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+RUN_SUBDIR = "checkpoints"      # a run directory's checkpoints, unless --checkpoint.dir says otherwise
+PARAMS_ONLY = "params"          # meta["contents"] of a parameters-only checkpoint
+PER_REPLICA = ("residual", "drift")  # state fields with a leading [R] data-parallel replica dim
 
 
 def versions() -> dict[str, str]:
@@ -29,6 +52,7 @@ def versions() -> dict[str, str]:
 def make_meta(step: int, config: dict, mesh: jax.sharding.Mesh, seed: int) -> dict:
     """config: the full resolved config (Config.to_dict()); its `model` section is the model config."""
     return {
+        "format": FORMAT_VERSION,
         "step": step,
         "data": {"next_step": step, "seed": seed, "source": config.get("data", {}).get("source")},
         "seed": seed,
@@ -50,7 +74,7 @@ def make_meta(step: int, config: dict, mesh: jax.sharding.Mesh, seed: int) -> di
 _COMM = {"compression": str, "topk_fraction": float, "error_feedback": str, "sync_every": int,
          "outer_lr": float, "outer_momentum": float}
 META_SCHEMA = {
-    "step": int, "seed": int, "devices": int, "processes": int, "mesh": {"*": int},
+    "format": int, "step": int, "seed": int, "devices": int, "processes": int, "mesh": {"*": int},
     "data": {"next_step": int, "seed": int, "source": (str, None),
              "loader": {"next_step": int, "sources": [dict]}},
     "model": dict, "config": {"*": dict, "comm": _COMM}, "versions": {"*": str},
@@ -59,6 +83,26 @@ META_SCHEMA = {
 _REQUIRED_META = ("step",)
 _JSON_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
                bool: "a boolean", type(None): "null"}
+
+
+def params_only_meta(step: int, config: dict, **origin) -> dict:
+    """The meta of a parameters-only checkpoint of the model in `config` (a resolved Config dict);
+    `origin`: where the parameters came from (`exported_from=<step dir>`, `imported_from={...}`)."""
+    return {"format": FORMAT_VERSION, "step": step, "contents": PARAMS_ONLY, "model": config.get("model", {}),
+            "config": config, "mesh": {}, "devices": 1, "processes": 1, "versions": versions(), **origin}
+
+
+def is_params_only(meta: dict) -> bool:
+    return meta.get("contents") == PARAMS_ONLY
+
+
+def replica_layout(arrays: list[tuple[str, tuple, str]]) -> tuple[int | None, bool]:
+    """From a step's (name, shape, dtype) array list: (the data-parallel replica count of its
+    per-replica state, the leading dim of its residuals or drift, None when it has none; whether it
+    is DiLoCo's, i.e. holds drift)."""
+    per_replica = [(name, shape) for name, shape, _ in arrays if name.startswith(tuple(f + "/" for f in PER_REPLICA))]
+    dims = {shape[0] for _, shape in per_replica if shape}
+    return (dims.pop() if len(dims) == 1 else None), any(n.startswith("drift/") for n, _ in per_replica)
 
 
 def check_meta(meta: Any, step_dir: str) -> dict:
@@ -71,6 +115,10 @@ def check_meta(meta: Any, step_dir: str) -> dict:
         problem = f"field {missing[0]}: missing" if missing else _mismatch(meta, META_SCHEMA)
     if problem:
         raise UnreadableCheckpoint(step_dir, "meta/metadata", problem)
+    if meta.get("format", 1) > FORMAT_VERSION:  # readable, but not by this version: never set aside
+        raise UserError(f"{step_dir}: checkpoint format {meta['format']} was written by a newer Brigade"
+                        f" ({meta.get('versions', {}).get('brigade', '?')}); this one reads formats up to"
+                        f" {FORMAT_VERSION}: upgrade Brigade to resume from it")
     return meta
 
 

@@ -309,6 +309,8 @@ def pipeline_apply(layer_fn: Callable[..., jax.Array], params: Any, x_BTD: jax.A
 def _pipeline(layer_fn, params, x_BTD, batch_args, P, M, R, A, remat_policy, remat_stage, has_aux, scan_layers,
               stage_ordered):
     """-> (outputs [P, M, A, b/A, ...], zero except the last stage's row; aux [L, ...] or ())."""
+    # One function on purpose (~85 lines): the tick body and the schedule's masks and shifts are
+    # closures over the same shapes (P, M, R, A, J) and names; split, each piece would take them all.
     L, B = jax.tree.leaves(params)[0].shape[0], x_BTD.shape[0]
     J, b = L // (R * P), B // M
     stage_axis = logical_to_spec(("stages",))[0] if not jax.sharding.get_abstract_mesh().empty else None

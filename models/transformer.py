@@ -103,6 +103,8 @@ class Decoder(nnx.Module):
         `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
         On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
         models/pipeline.py with `pipeline`'s schedule (default: PipelineConfig())."""
+        # ~75 lines on purpose: `group` (one layer group) is shared by the three ways of running the
+        # stack (pipeline, scan, unrolled), which read best side by side with it.
         cfg = self.cfg
         if positions_BT is None:
             positions_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)

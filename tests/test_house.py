@@ -1,0 +1,132 @@
+"""The shape of the house: the import graph flows one way (mesh -> models -> checkpoint -> train
+-> plan), no module imports itself back through others, no source file outgrows a room, and the
+README's "Where things are" map names files and functions that exist."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("mesh", "models", "checkpoint", "train", "plan")
+# what each package may import from the project (besides itself and the top-level errors module)
+ALLOWED = {"mesh": set(), "models": {"mesh"}, "checkpoint": {"mesh", "models"},
+           "train": {"mesh", "models", "checkpoint"}, "plan": {"mesh", "models", "checkpoint", "train"}}
+# The entry points that dispatch to a package above them: `python -m train plan` runs plan's CLI.
+CLI_DISPATCH = {("train.__main__", "plan")}
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, str]:
+    """module name -> file, for every source file of the packages and the top-level modules."""
+    out = {"errors": os.path.join(ROOT, "errors.py")}
+    for pkg in PACKAGES:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+    return out
+
+
+def _imports(path: str, known: set[str]) -> set[str]:
+    """The project modules `path` imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from pkg import sub` depends on the submodule; `from mod import name`, on mod
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in known}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(f, set(mods)) - {m} for m, f in mods.items()}
+
+
+def test_imports_flow_one_way():
+    wrong = []
+    for mod, deps in _graph().items():
+        pkg = mod.split(".")[0]
+        for dep in deps:
+            dep_pkg = dep.split(".")[0]
+            if dep_pkg in (pkg, "errors") or pkg == "errors" and dep_pkg == "errors":
+                continue
+            if dep_pkg not in ALLOWED.get(pkg, set()) and (mod, dep_pkg) not in CLI_DISPATCH:
+                wrong.append(f"{mod} imports {dep}")
+    assert not wrong, wrong
+
+
+def test_no_import_cycle():
+    # a submodule importing its own package's __init__ (which re-exports it) is no cycle
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in _graph().items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_no_source_file_outgrows_a_room():
+    big = {m: n for m, f in _modules().items() if (n := sum(1 for _ in open(f))) > MAX_LINES}
+    assert not big, big
+
+
+def _map_rows() -> list[tuple[str, str, str]]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("\n## Where things are\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\|([^|`]+)\|\s*`([^`]+)`\s*\|\s*`([^`]+)`\s*\|", section, flags=re.M)
+    return [(what.strip(), path, name) for what, path, name in rows]
+
+
+def _defines(path: str, name: str) -> bool:
+    """Whether the module at `path` defines `name` (a function, class or assignment at module
+    level) or, for `Class.member`, the class defines that member."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    head, _, member = name.partition(".")
+
+    def names_in(body) -> dict[str, ast.AST]:
+        out = {}
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out[node.name] = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            out[n.id] = node
+        return out
+
+    top = names_in(tree.body)
+    if head not in top:
+        return False
+    return not member or (isinstance(top[head], ast.ClassDef) and member in names_in(top[head].body))
+
+
+def test_the_readme_map_names_what_exists():
+    rows = _map_rows()
+    concepts = {what.split("(")[0].strip().lower() for what, _, _ in rows}
+    # the places a newcomer looks for first
+    for needed in ("mesh rules", "model", "state", "step", "loop", "resume", "checkpoint layout", "plan", "data"):
+        assert any(c.startswith(needed) for c in concepts), f"the map has no row for {needed}: {sorted(concepts)}"
+    missing = [f"{path}: {name} ({what})" for what, path, name in rows
+               if not os.path.isfile(os.path.join(ROOT, path)) or not _defines(path, name)]
+    assert not missing, missing
