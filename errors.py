@@ -6,6 +6,7 @@ with status 2. Every message names the culprit and the valid choices.
 import argparse
 import functools
 import sys
+from typing import Callable
 
 
 class UserError(ValueError):
@@ -27,8 +28,16 @@ def one_line_errors(main):
 
 class ArgParser(argparse.ArgumentParser):
     """argparse whose errors are one line (`PROG: error: ... (see --help)`) and exit status 2,
-    like every other bad input: no usage dump. The CLIs' parsers (and their subparsers) use it."""
+    like every other bad input: no usage dump. Every CLI's parser (and subparser) is one.
+    `explain_unknown(flag)`, where given, words the error for an option the parser does not know
+    (e.g. with the valid options of the flag's config section)."""
+
+    def __init__(self, *args, explain_unknown: Callable[[str], str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.explain_unknown = explain_unknown
 
     def error(self, message: str):
+        if self.explain_unknown and message.startswith("unrecognized arguments:"):
+            message = self.explain_unknown(message.split(":", 1)[1].split()[0])
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         sys.exit(2)

@@ -7,7 +7,7 @@ gradients.
 
 Part 1 is `python -m mesh.bench` over a few sizes. Part 2 compiles train.comm.sync_grads for
 the model's parameter tree ([R, ...] per-replica gradients sharded over the data axis, the model
-axis sharding the weights by the logical-axis rules), parses the optimized HLO with mesh.hlo and
+axis sharding the weights by the logical-axis rules), parses the optimized HLO with plan.hlo and
 sums the wire bytes of the collectives over the data axis; it also times each sync (median of
 --iters): on one CPU the fake devices share memory, so the time shows the compression's compute
 cost, not a network saving.
@@ -28,10 +28,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from mesh import bench  # noqa: E402
 from mesh.build import make_mesh  # noqa: E402
 from mesh.spec import mesh_text  # noqa: E402
-from mesh.hlo import parse_collectives, summarize  # noqa: E402
 from mesh.rules import axis_rules, logical_to_spec, make_rules  # noqa: E402
 from models import model as model_lib  # noqa: E402
 from models.config import preset  # noqa: E402
+from plan.hlo import parse_collectives, summarize  # noqa: E402
 from train import comm  # noqa: E402
 
 SETTINGS = (("none (float32, XLA)", "none"), ("int8", "int8"), ("int4", "int4"), ("topk 1%", "topk"))

@@ -17,8 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import hf, model  # noqa: E402
+from checkpoint import hf  # noqa: E402
+from models import model  # noqa: E402
 from models.config import preset  # noqa: E402
+from models.hf import Model  # noqa: E402
 
 
 def timed(fn):
@@ -39,7 +41,7 @@ def main() -> None:
     cfg = dataclasses.replace(preset(args.preset), dtype="float32", param_dtype="float32")
     params = jax.jit(lambda k: model.init(cfg, k))(jax.random.key(0))
     n = sum(x.size for x in jax.tree.leaves(params))
-    _, t_save = timed(lambda: hf.save_pretrained(hf.Model(cfg, params), f"{out}/hf"))
+    _, t_save = timed(lambda: hf.save_pretrained(Model(cfg, params), f"{out}/hf"))
     loaded, t_load = timed(lambda: hf.from_pretrained(f"{out}/hf"))
     _, t_import = timed(lambda: hf.import_checkpoint(f"{out}/hf", f"{out}/ck"))
     _, t_export = timed(lambda: hf.save_pretrained(hf.load_checkpoint(f"{out}/ck"), f"{out}/hf2"))

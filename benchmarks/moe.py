@@ -28,11 +28,11 @@ import numpy as np
 
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
-from models import moe as MOE
+from models import moe
 from models.config import PRESETS
+from plan.report import analyze
 from train.config import build
 from train.loop import Trainer
-from train.plan import analyze
 
 
 def _time(fn, *args, reps: int) -> float:
@@ -55,8 +55,8 @@ def kernels(reps: int) -> None:
 
     def layer(c, kernel):
         def loss(x, router, wg, wu, wd):
-            idx, gate, _ = MOE.route(c, x, router)
-            return MOE.experts(c, x, idx, gate, wg, wu, wd, kernel)[0].sum()
+            idx, gate, _ = moe.route(c, x, router)
+            return moe.experts(c, x, idx, gate, wg, wu, wd, kernel)[0].sum()
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
     k = cfg.experts_per_token
@@ -99,7 +99,7 @@ def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "
                         state, m = fn(state, batch)
                         jax.block_until_ready(m["loss"])
                         times.append(time.perf_counter() - t0)
-                r = analyze(tr) if mesh == "expert=8" else None
+                r = analyze(tr.setup) if mesh == "expert=8" else None
             line = (f"  {mesh:<10}{dispatch:<10}{statistics.median(times[1:]):7.3f} s/step  compile {compile_s:5.1f} s"
                     f"  dropped {float(m['moe/dropped_fraction']):.3f}")
             if r:
@@ -119,7 +119,7 @@ def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
     mesh = make_mesh(mesh_spec)
     ep = dict(zip(mesh.axis_names, mesh.devices.shape))["expert"]
     n, x_count = x.shape[0] * x.shape[1] // mesh.devices.size, e // ep
-    idx = np.asarray(MOE.route(cfg, x, w[0])[0]).reshape(mesh.devices.size, n * k)  # each device's rows
+    idx = np.asarray(moe.route(cfg, x, w[0])[0]).reshape(mesh.devices.size, n * k)  # each device's rows
     own = np.mean([np.sum(idx[i] // x_count == i % ep) for i in range(mesh.devices.size)])
     fixed = ep * n * min(k, x_count)
     print(f"dropless {mesh_spec}, {n} tokens x top-{k} per device, rows of d_model sent per direction and device:")
@@ -128,11 +128,11 @@ def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
 
     def layer(exchange):
         def loss(x, router, wg, wu, wd):
-            idx, gate, _ = MOE.route(cfg, x, router)
-            return MOE.experts(cfg, x, idx, gate, wg, wu, wd, None, exchange)[0].sum()
+            idx, gate, _ = moe.route(cfg, x, router)
+            return moe.experts(cfg, x, idx, gate, wg, wu, wd, None, exchange)[0].sum()
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     with jax.set_mesh(mesh), axis_rules(make_rules()):
-        xs = jax.device_put(x, logical_to_spec(MOE.TOKENS_BT))
+        xs = jax.device_put(x, logical_to_spec(moe.TOKENS_BT))
         for name in ("fixed", "emulated"):
             print(f"  layer fwd+bwd, {name:<9}{1e3 * _time(layer(name), xs, *w, reps=reps):8.1f} ms (CPU)")
 

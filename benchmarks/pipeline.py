@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mesh.build import make_mesh
-from mesh.hlo import parse_collectives, summarize
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import pipeline as pipeline_lib
 from models.config import PRESETS
 from models.transformer import Block
+from plan.hlo import parse_collectives, summarize
 
 
 def block_stack(n_layers, d_model, d_ff):

@@ -1,4 +1,5 @@
-"""`python -m checkpoint inspect PATH [--json]` and `python -m checkpoint export PATH --params-only OUT`.
+"""`python -m checkpoint inspect PATH [--json]`, `python -m checkpoint export PATH --params-only OUT`
+and `python -m checkpoint hf import|export` (HuggingFace <-> Brigade, checkpoint/hf.py).
 
 PATH is one step's directory (`runs/x/checkpoints/40`), a checkpoint directory (its latest step) or
 a run directory (its `checkpoints/`). `inspect` reads only metadata, never the arrays. `export`
@@ -12,11 +13,14 @@ import json
 import os
 import sys
 
+from checkpoint import hf
+from checkpoint.layout import FORMAT_VERSION, PARAMS_ONLY, is_params_only
 from errors import ArgParser, UserError, one_line_errors
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="python -m checkpoint", description="Inspect or export Brigade checkpoints.")
+    p = ArgParser(prog="python -m checkpoint", description="Inspect or export Brigade checkpoints, or convert them"
+                                                         " to and from HuggingFace.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgParser)
     i = sub.add_parser("inspect", help="step, config, mesh and every array (name, shape, dtype, size)")
     i.add_argument("path", metavar="PATH", help="a step directory, a checkpoint directory or a run directory")
@@ -25,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("path", metavar="PATH", help="a step directory, a checkpoint directory or a run directory")
     e.add_argument("out", metavar="OUT", help="new directory for the exported checkpoint")
     e.add_argument("--params-only", action="store_true", help="export the parameters only (required: the only mode)")
+    hf.add_commands(sub)
     return p
 
 
@@ -57,7 +62,7 @@ def inspect_text(info: dict) -> str:
     data = meta.get("data", {})
     lines = [f"checkpoint {info['path']}",
              f"step: {info['step']} (steps in this directory: {', '.join(map(str, info['steps_in_dir']))})"
-             + ("; parameters only" if meta.get("contents") == "params" else ""),
+             + ("; parameters only" if is_params_only(meta) else ""),
              f"mesh: {mesh_text(meta.get('mesh', {}))} ({meta.get('devices', '?')} devices,"
              f" {meta.get('processes', '?')} process{'' if meta.get('processes') == 1 else 'es'})",
              f"data: next step {data.get('next_step', '?')}, seed {data.get('seed', '?')},"
@@ -84,7 +89,7 @@ def export_params(path: str, out: str) -> str:
         raise UserError(f"export: '{out}' already exists and is not empty; choose a new OUT directory")
     ck, step = open_checkpoint(path)
     params = ck.restore_params_to_host(step)
-    meta = {**ck.meta(step), "contents": "params", "exported_from": ck.step_dir(step)}
+    meta = {**ck.meta(step), "format": FORMAT_VERSION, "contents": PARAMS_ONLY, "exported_from": ck.step_dir(step)}
     dst = Checkpointer(out, keep=0, async_save=False)
     dst.save(step, {"params": params}, meta)
     dst.close()
@@ -99,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         info = describe(args.path)
         print(json.dumps(info, indent=2) if args.json else inspect_text(info))
+    elif args.command == "hf":
+        hf.run(args)
     else:
         if not args.params_only:
             raise UserError("export: pass --params-only (parameters-only export is the only mode so far)")

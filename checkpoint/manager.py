@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 
 from checkpoint.echoes import quiet_failed_read_echoes
 from checkpoint.integrity import StepNames, UnreadableCheckpoint, check_files, diagnose
-from checkpoint.layout import check_meta
+from checkpoint.layout import RUN_SUBDIR, check_meta, is_params_only  # noqa: F401  (RUN_SUBDIR: for callers)
 from errors import UserError
 from mesh.shard import path_names
 
@@ -27,7 +27,7 @@ from mesh.shard import path_names
 class _QuietBackgroundSaveErrors(logging.Filter):
     """Orbax logs a failed background write (e.g. a full disk) with long tracebacks from its
     threads before the error reaches the caller, which reports it in one line
-    (train.loop.SaveFailed); keep Orbax's record, as one line, without the traceback."""
+    (checkpoint.saving.SaveFailed); keep Orbax's record, as one line, without the traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and "orbax" in record.pathname:
@@ -40,7 +40,6 @@ logging.getLogger("absl").addFilter(_QuietBackgroundSaveErrors())
 quiet_failed_read_echoes()
 
 
-RUN_SUBDIR = "checkpoints"  # a run directory's checkpoints, unless --checkpoint.dir says otherwise
 
 _is_array = lambda x: hasattr(x, "shape")  # noqa: E731  (ShapeDtypeStruct, jax.Array, ArrayMetadata)
 
@@ -245,7 +244,7 @@ class Checkpointer:
 
     def check_compatible(self, step: int, abstract_state: Any, meta: dict | None = None) -> None:
         """UserError listing every array whose saved shape differs from `abstract_state`'s (metadata only)."""
-        if (meta or self.meta(step)).get("contents") == "params":
+        if is_params_only(meta or self.meta(step)):
             raise UserError(f"checkpoint {self.step_dir(step)} holds parameters only (an export);"
                             f" it cannot resume training")
         self._check_shapes(step, abstract_state)

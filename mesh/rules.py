@@ -12,7 +12,7 @@ from typing import Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from mesh.spec import AXES, parse_spec  # noqa: F401  (AXES re-exported for callers)
+from mesh.spec import AXES
 from errors import UserError
 
 MeshAxes = tuple[str, ...]  # () = replicated
@@ -40,6 +40,11 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "router_experts": (),         # the router's expert dim: every device routes its own tokens to all experts
     "stages": ("pipeline",),
 }
+
+# The config option that sets each parameter dim's size, so that a divisibility error names what to change.
+HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
+         "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
+         "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
 
 _RULES: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar("rules", default=DEFAULT_RULES)
 

@@ -1,5 +1,6 @@
-"""ModelConfig, PipelineConfig and the named presets (Llama shapes); `ranged` fields, whose valid
-range is declared next to them, and `check_ranges`, the one check of a config section against them."""
+"""ModelConfig, PipelineConfig and the named presets (Llama shapes); the field helpers every config
+section uses, `ranged` (a numeric field with its valid range) and `option` (a string or bool field),
+both with the help text `--help` shows; `check_ranges`, the one check of a section against its ranges."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,8 @@ REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity")
-KERNELS = ("auto", "ragged", "blocks")  # dropless grouped matmul; auto = blocks on CPU, ragged elsewhere
-EXCHANGES = ("auto", "fixed", "ragged")  # dropless expert-parallel exchange; auto = fixed on CPU, ragged elsewhere
+KERNELS = ("auto", "ragged", "blocks")
+EXCHANGES = ("auto", "fixed", "ragged")
 
 # ------------------------------------------------------------------ declared ranges
 
@@ -63,10 +64,16 @@ class Range:
         return f"{'an integer' if tp is int else 'a number'} in {self.spec}"
 
 
-def ranged(default: int | float, spec: str, why: str = "") -> Any:
-    """A numeric dataclass field with its valid range (`Range` syntax); `why` is added to the
-    message of a value outside it where the range alone does not explain itself."""
-    return dataclasses.field(default=default, metadata={"range": Range.parse(spec), "why": why})
+def ranged(default: int | float, spec: str, help: str = "", why: str = "") -> Any:
+    """A numeric dataclass field with its valid range (`Range` syntax) and the text `--help` shows
+    for it; `why` is added to the message of a value outside the range where the range alone does
+    not explain itself."""
+    return dataclasses.field(default=default, metadata={"range": Range.parse(spec), "why": why, "help": help})
+
+
+def option(default: str | bool, help: str) -> Any:
+    """A string or bool dataclass field and the text `--help` shows for it."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def numeric_fields(cls) -> list[dataclasses.Field]:
@@ -91,44 +98,61 @@ def check_ranges(section: Any, flag_of: Callable[[str], str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = ranged(264, ">=1")       # 256 bytes + specials, padded to a multiple of 8 (shards on model<=8)
-    d_model: int = ranged(256, ">=1")
-    n_layers: int = ranged(4, ">=1")
-    n_heads: int = ranged(4, ">=1")
-    n_kv_heads: int = ranged(2, ">=1")
-    d_ff: int = ranged(768, ">=1")
-    max_seq_len: int = ranged(1024, ">=1")
-    rope_theta: float = ranged(10000.0, ">0")
-    # Llama 3.1 RoPE scaling ("llama3"): long wavelengths stretched by the factor, short ones kept,
-    # a smooth ramp between; factor 1 = none
-    rope_scaling_factor: float = ranged(1.0, ">=1")
-    rope_low_freq_factor: float = ranged(1.0, ">0")
-    rope_high_freq_factor: float = ranged(4.0, ">0")
-    rope_original_max_len: int = ranged(8192, ">=1")
-    norm_eps: float = ranged(1e-5, ">0")       # > 0: an all-zero row would normalise to 0 * inf
-    tie_embeddings: bool = False
-    dtype: str = "auto"            # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU (measured faster there)
-    param_dtype: str = "float32"   # parameters and optimizer state
-    remat: str = "full"            # none | full | dots (save matmul outputs, recompute the rest)
-    scan_layers: bool = True       # lax.scan over the layer stack: compile time independent of depth
-    init_std: float = ranged(0.02, ">0")
-    # Mixture-of-Experts (n_experts = 0: dense). Every moe_every-th layer is MoE, the rest dense.
-    n_experts: int = ranged(0, ">=0")
-    experts_per_token: int = ranged(2, ">=1")  # top-k
-    d_ff_expert: int = ranged(0, ">=0")        # width of each expert (and of each shared expert); 0 = d_ff
-    moe_every: int = ranged(1, ">=1")
-    n_shared_experts: int = ranged(0, ">=0")   # always-on experts (DeepSeek), one dense MLP of n_shared * d_ff_expert
-    router: str = "softmax"        # softmax: Mixtral (top-k of softmax, renormalised); sigmoid: DeepSeek-V3
-    dispatch: str = "dropless"     # dropless | capacity (GShard/Switch slots; overflow skips the layer)
-    # capacity = factor * tokens * k / n_experts slots per expert per device
-    capacity_factor: float = ranged(1.25, ">0")
-    dropless_kernel: str = "auto"  # auto | ragged (lax.ragged_dot) | blocks (padded blocks, empty ones skipped)
-    # dropless tokens over the expert axis: fixed (worst-case all_to_all buffers) | ragged (ragged_all_to_all,
-    # only the real rows; on CPU an emulation, a test path) | auto (ragged on GPU/TPU, fixed on CPU)
-    ep_exchange: str = "auto"
-    aux_loss_coef: float = ranged(0.01, ">=0")  # Switch load-balancing loss (mean over MoE layers)
-    z_loss_coef: float = ranged(0.001, ">=0")  # router z-loss (ST-MoE)
-    router_bias_rate: float = ranged(0.0, ">=0")  # DeepSeek-V3 aux-loss-free balancing: bias step per update; 0 = off
+    """The `model` config section; a preset (`--model`) sets every field, flags and YAML override it."""
+    vocab_size: int = ranged(264, ">=1", help="token vocabulary (V); the byte-level presets' 264 is 256 bytes +"
+                                              " specials, padded to a multiple of 8 so that it shards on model <= 8")
+    d_model: int = ranged(256, ">=1", help="width of the residual stream (D)")
+    n_layers: int = ranged(4, ">=1", help="decoder layers (L)")
+    n_heads: int = ranged(4, ">=1", help="query heads (N); head_dim = d_model / n_heads, which must be even")
+    n_kv_heads: int = ranged(2, ">=1", help="key/value heads (K) of grouped-query attention; must divide n_heads")
+    d_ff: int = ranged(768, ">=1", help="hidden width of the dense MLP (F)")
+    max_seq_len: int = ranged(1024, ">=1", help="the longest sequence the model takes; --seq-len must not exceed it")
+    rope_theta: float = ranged(10000.0, ">0", help="base of the rotary embedding's wavelengths")
+    rope_scaling_factor: float = ranged(1.0, ">=1", help="Llama 3.1 RoPE scaling (\"llama3\"): long wavelengths"
+                                                         " stretched by this factor, short ones kept, a smooth ramp"
+                                                         " between; 1 = none")
+    rope_low_freq_factor: float = ranged(1.0, ">0", help="RoPE scaling: wavelengths longer than"
+                                                         " rope_original_max_len / this are stretched")
+    rope_high_freq_factor: float = ranged(4.0, ">0", help="RoPE scaling: wavelengths shorter than"
+                                                          " rope_original_max_len / this are kept; above"
+                                                          " rope_low_freq_factor")
+    rope_original_max_len: int = ranged(8192, ">=1", help="RoPE scaling: the context length the model was"
+                                                          " trained at before scaling")
+    norm_eps: float = ranged(1e-5, ">0", help="RMSNorm epsilon; > 0: an all-zero row would normalise to 0 * inf")
+    tie_embeddings: bool = option(False, "the output projection reuses the input embedding")
+    dtype: str = option("auto", f"compute dtype: {' | '.join(DTYPES)}; auto = bfloat16 on GPU/TPU, float32 on"
+                                " CPU (measured faster there)")
+    param_dtype: str = option("float32", f"dtype of the parameters and optimizer state: {' | '.join(DTYPES[1:])}")
+    remat: str = option("full", "what the backward pass recomputes: none | full | dots (save matmul outputs,"
+                                " recompute the rest)")
+    scan_layers: bool = option(True, "lax.scan over the layer stack: compile time independent of depth")
+    init_std: float = ranged(0.02, ">0", help="standard deviation of the normal initialisation of embeddings and"
+                                              " weights")
+    n_experts: int = ranged(0, ">=0", help="Mixture-of-Experts: experts per MoE layer (E); 0 = a dense model")
+    experts_per_token: int = ranged(2, ">=1", help="MoE: experts each token is routed to (top-k); at most"
+                                                   " n_experts")
+    d_ff_expert: int = ranged(0, ">=0", help="MoE: width of each expert (and of each shared expert); 0 = d_ff")
+    moe_every: int = ranged(1, ">=1", help="MoE: every moe_every-th layer is MoE, the rest dense; must divide"
+                                           " n_layers")
+    n_shared_experts: int = ranged(0, ">=0", help="MoE: always-on experts (DeepSeek), one dense MLP of"
+                                                  " n_shared_experts * d_ff_expert")
+    router: str = option("softmax", "MoE router: softmax (Mixtral: top-k of softmax, renormalised) | sigmoid"
+                                    " (DeepSeek-V3)")
+    dispatch: str = option("dropless", "MoE dispatch: dropless | capacity (GShard/Switch slots; overflow skips"
+                                       " the layer)")
+    capacity_factor: float = ranged(1.25, ">0", help="MoE capacity dispatch: factor * tokens * k / n_experts slots"
+                                                     " per expert per device")
+    dropless_kernel: str = option("auto", "MoE dropless grouped matmul: auto | ragged (lax.ragged_dot) | blocks"
+                                          " (padded blocks, empty ones skipped); auto = blocks on CPU, ragged"
+                                          " elsewhere")
+    ep_exchange: str = option("auto", "MoE dropless tokens over the expert axis: fixed (worst-case all_to_all"
+                                      " buffers) | ragged (ragged_all_to_all, only the real rows; on CPU an"
+                                      " emulation, a test path) | auto (ragged on GPU/TPU, fixed on CPU)")
+    aux_loss_coef: float = ranged(0.01, ">=0", help="MoE: weight of the Switch load-balancing loss (mean over MoE"
+                                                    " layers)")
+    z_loss_coef: float = ranged(0.001, ">=0", help="MoE: weight of the router z-loss (ST-MoE)")
+    router_bias_rate: float = ranged(0.0, ">=0", help="MoE: DeepSeek-V3 aux-loss-free balancing, the bias step per"
+                                                      " update; 0 = off")
 
     @property
     def head_dim(self) -> int:
@@ -201,11 +225,12 @@ SCHEDULES = ("gpipe", "circular")
 class PipelineConfig:
     """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
     pipeline axis (`--mesh pipeline=P`)."""
-    microbatches: int = ranged(0, ">=0")       # 0 = as many as stages; more shrinks the bubble (P-1)/(R*M+P-1)
-    repeats: int = ranged(1, ">=1")            # circular: layer chunks per device (virtual stages per device)
-    schedule: str = "gpipe"       # gpipe | circular
-    remat_stage: bool = False     # also recompute each stage in the backward pass (less memory)
-    gather_once: bool = False     # fsdp: all-gather each stage's weights once per step, not every tick
+    microbatches: int = ranged(0, ">=0", help="microbatches per step; 0 = as many as stages; more shrinks the"
+                                              " bubble (P-1)/(R*M+P-1)")
+    repeats: int = ranged(1, ">=1", help="circular schedule: layer chunks per device (virtual stages per device)")
+    schedule: str = option("gpipe", f"pipeline schedule: {' | '.join(SCHEDULES)}")
+    remat_stage: bool = option(False, "also recompute each stage in the backward pass (less memory)")
+    gather_once: bool = option(False, "fsdp: all-gather each stage's weights once per step, not every tick")
 
     def validate(self) -> "PipelineConfig":
         """The declared ranges and the schedule's name; what needs the mesh (stages, layer and batch

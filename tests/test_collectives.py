@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.build import make_mesh
 from mesh.collectives import BLOCK, QMAX, compressed_psum, dequantize, quantize, topk, topk_size
-from mesh.hlo import parse_collectives, summarize
+from plan.hlo import parse_collectives, summarize
 
 
 @pytest.fixture(scope="module")

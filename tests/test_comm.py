@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.build import make_mesh
 from errors import UserError
-from mesh.hlo import parse_collectives, summarize
+from plan.hlo import parse_collectives, summarize
 from train import comm
 
 R, DP = 4, ("data",)

@@ -120,6 +120,12 @@ def test_every_numeric_field_declares_a_range(section):
 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
+def test_every_field_declares_its_help_text(section):
+    for f in dataclasses.fields(SECTIONS[section]):
+        assert f.metadata.get("help"), f"{section}.{f.name} has no help text"
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
 def test_every_float_field_rejects_nan_and_inf(section):
     base = PRESETS["tiny"] if section == "model" else SECTIONS[section]()
     hints = typing.get_type_hints(SECTIONS[section])

@@ -1,4 +1,4 @@
-"""train/cost.py and train/hardware.py: the cost model's arithmetic on hand-computed examples, and the
+"""plan/cost.py and plan/hardware.py: the cost model's arithmetic on hand-computed examples, and the
 mesh layout deciding NVLink vs InfiniBand."""
 import dataclasses
 import math
@@ -7,8 +7,8 @@ import pytest
 
 from errors import UserError
 from models.config import preset
-from train import cost, hardware
-from train.hardware import Hardware
+from plan import cost, hardware
+from plan.hardware import Hardware
 
 # A made-up machine with round numbers, so every expected value below is done by hand.
 TOY = Hardware("toy", {"bfloat16": 100.0, "float32": 50.0}, hbm_bytes=80e9, hbm_bw=1e12, intra_bw=100e9,

@@ -15,7 +15,10 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 
 from errors import UserError  # noqa: E402
-from models import hf  # noqa: E402
+from checkpoint import hf  # noqa: E402
+from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
+from checkpoint.hf_files import INDEX, SAFETENSORS  # noqa: E402
+from models import hf as hf_tables  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -88,7 +91,7 @@ def test_sharded_placement_and_sharded_files(tmp_path):
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(np.asarray(model(toks)), torch_logits(ref_model, toks), atol=1e-4, rtol=1e-4)
     hf.save_pretrained(hf.from_pretrained(str(tmp_path / "hf")), str(tmp_path / "sharded"), max_shard_bytes=20_000)
-    index = json.loads((tmp_path / "sharded" / hf.INDEX).read_text())
+    index = json.loads((tmp_path / "sharded" / INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 2
     again = hf.from_pretrained(str(tmp_path / "sharded"))
     np.testing.assert_array_equal(np.asarray(again(toks)), np.asarray(hf.from_pretrained(str(tmp_path / "hf"))(toks)))
@@ -117,7 +120,7 @@ def test_export_reimport_exact_and_loads_in_transformers(tmp_path, case):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.params), jax.device_get(model.params))
     # the original files and ours hold the same tensors, bit for bit
     from safetensors.numpy import load_file
-    theirs, ours = load_file(str(tmp_path / "hf" / hf.SAFETENSORS)), load_file(str(tmp_path / "out" / hf.SAFETENSORS))
+    theirs, ours = load_file(str(tmp_path / "hf" / SAFETENSORS)), load_file(str(tmp_path / "out" / SAFETENSORS))
     assert sorted(ours) == sorted(theirs)
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
@@ -130,7 +133,7 @@ def test_export_reimport_exact_and_loads_in_transformers(tmp_path, case):
 
 def test_llama3_rope_scaling(tmp_path):
     """Llama 3.1's long-context RoPE ("llama3"), at positions past original_max_position_embeddings."""
-    if not hf._LLAMA3_ROPE:
+    if not hf_tables._LLAMA3_ROPE:
         make_hf(tmp_path, num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3)
         with pytest.raises(UserError, match="rope_type=\"llama3\" is not supported"):
             hf.from_pretrained(str(tmp_path))
@@ -156,7 +159,7 @@ def test_bfloat16_checkpoint_and_greedy_generation(tmp_path):
     ref_model.save_pretrained(tmp_path / "bf16")
     ref_model = ref_model.float()
     from safetensors import safe_open
-    with safe_open(str(tmp_path / "bf16" / hf.SAFETENSORS), "numpy") as f:
+    with safe_open(str(tmp_path / "bf16" / SAFETENSORS), "numpy") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
     model = hf.from_pretrained(str(tmp_path / "bf16"))
     toks = tokens()
@@ -205,20 +208,20 @@ def test_missing_files_are_one_line(tmp_path):
     with pytest.raises(UserError, match="no such HuggingFace checkpoint directory"):
         hf.from_pretrained(str(tmp_path / "nope"))
     make_hf(tmp_path, **CASES["mha"])
-    os.rename(tmp_path / hf.SAFETENSORS, tmp_path / "pytorch_model.bin")
+    os.rename(tmp_path / SAFETENSORS, tmp_path / "pytorch_model.bin")
     with pytest.raises(UserError, match="neither model.safetensors nor .*pytorch_model.bin"):
         hf.from_pretrained(str(tmp_path))
 
 
 def test_cli_import_inspect_train_shapes_export(tmp_path):
-    """`python -m models.hf import` writes a checkpoint that `python -m checkpoint inspect` reads,
+    """`python -m checkpoint hf import` writes a checkpoint that `python -m checkpoint inspect` reads,
     whose arrays are exactly the params of the model.yaml it writes; `export` gives the HF files back."""
     from checkpoint.__main__ import describe
     from models import model as model_lib
     from mesh.shard import path_names
     from train.config import build
     make_hf(tmp_path / "hf", **CASES["gqa"])
-    r = subprocess.run([sys.executable, "-m", "models.hf", "import", str(tmp_path / "hf"), "--out",
+    r = subprocess.run([sys.executable, "-m", "checkpoint", "hf", "import", str(tmp_path / "hf"), "--out",
                         str(tmp_path / "ckpt")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "--init-from" in r.stdout
@@ -228,32 +231,32 @@ def test_cli_import_inspect_train_shapes_export(tmp_path):
     want = {f"params/{n}": list(s.shape) for n, s in path_names(model_lib.abstract_params(cfg.model),
                                                                  is_leaf=lambda x: hasattr(x, "shape"))}
     assert {a["name"]: a["shape"] for a in info["arrays"]} == want
-    assert hf.main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert checkpoint_main(["hf", "export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
     from safetensors.numpy import load_file
-    theirs, ours = load_file(str(tmp_path / "hf" / hf.SAFETENSORS)), load_file(str(tmp_path / "out" / hf.SAFETENSORS))
+    theirs, ours = load_file(str(tmp_path / "hf" / SAFETENSORS)), load_file(str(tmp_path / "out" / SAFETENSORS))
     assert sorted(ours) == sorted(theirs)
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
 def test_cli_errors_exit_2_one_line(tmp_path, capsys):
-    assert hf.main(["import", str(tmp_path / "nope"), "--out", str(tmp_path / "ck")]) == 2
+    assert checkpoint_main(["hf", "import", str(tmp_path / "nope"), "--out", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "nope" in err and "\n" not in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    assert hf.main(["export", str(tmp_path), "--out", str(tmp_path / "full")]) == 2
+    assert checkpoint_main(["hf", "export", str(tmp_path), "--out", str(tmp_path / "full")]) == 2
     assert "not empty" in capsys.readouterr().err
 
 
 def test_export_refuses_what_hf_cannot_express():
     from models.config import preset
     cfg = preset("moe-tiny")
-    assert hf.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]
-    assert hf.config_to_hf(preset("tiny"))["architectures"] == ["LlamaForCausalLM"]
+    assert hf_tables.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]
+    assert hf_tables.config_to_hf(preset("tiny"))["architectures"] == ["LlamaForCausalLM"]
     for field, value in (("n_shared_experts", 1), ("router", "sigmoid"), ("moe_every", 2)):
         with pytest.raises(UserError, match=f"model.{field}={value} has no HuggingFace Mixtral equivalent"):
-            hf.config_to_hf(dataclasses.replace(cfg, **{field: value}))
+            hf_tables.config_to_hf(dataclasses.replace(cfg, **{field: value}))
 
 
 @pytest.mark.parametrize("case,mesh", [("gqa", "fsdp=4,model=2"), ("mixtral", "expert=2,fsdp=2,model=2")])

@@ -1,4 +1,4 @@
-"""Untrusted input to `python -m models.hf`: a HuggingFace directory whose config.json, safetensors
+"""Untrusted input to `python -m checkpoint hf`: a HuggingFace directory whose config.json, safetensors
 headers or index lie, and a Brigade checkpoint whose metadata does not describe its arrays, are each
 refused in one line naming the culprit (exit 2, no traceback) before anything is written."""
 import json
@@ -14,7 +14,10 @@ pytest.importorskip("torch")
 import jax  # noqa: E402
 
 from errors import UserError  # noqa: E402
-from models import hf  # noqa: E402
+from checkpoint import hf  # noqa: E402
+from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
+from checkpoint.hf_files import INDEX, SAFETENSORS, load_params, read_config  # noqa: E402
+from models import hf as hf_tables  # noqa: E402
 from test_hf import CASES, make_hf  # noqa: E402
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -27,24 +30,24 @@ def good(tmp_path_factory):
     from safetensors.numpy import load_file, save_file
     root = tmp_path_factory.mktemp("good")
     make_hf(root / "single", **CASES["gqa"])
-    tensors = load_file(str(root / "single" / hf.SAFETENSORS))
+    tensors = load_file(str(root / "single" / SAFETENSORS))
     (root / "sharded").mkdir()
     shutil.copy(root / "single" / "config.json", root / "sharded")
     names, weight_map = sorted(tensors), {}
     for shard, part in zip(SHARDS, (names[::2], names[1::2])):
         save_file({n: tensors[n] for n in part}, str(root / "sharded" / shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, shard))
-    (root / "sharded" / hf.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    model_type, cfg = hf.config_from_hf(hf.read_config(str(root / "single")))
-    one, two = (hf.load_params(str(root / d), model_type, cfg) for d in ("single", "sharded"))
+    (root / "sharded" / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model_type, cfg = hf_tables.config_from_hf(read_config(str(root / "single")))
+    one, two = (load_params(str(root / d), model_type, cfg) for d in ("single", "sharded"))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, one, two)))   # the shards hold the same model
-    assert hf.main(["import", str(root / "single"), "--out", str(root / "ckpt")]) == 0
+    assert checkpoint_main(["hf", "import", str(root / "single"), "--out", str(root / "ckpt")]) == 0
     return root
 
 
 def _refused(capsys, argv, out, words):
     """main(argv) exits 2 with one `error:` line holding every word, and `out` was never created."""
-    assert hf.main(argv) == 2
+    assert checkpoint_main(["hf", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "Traceback" not in err, err
     missing = [w for w in words if w not in err]
@@ -74,7 +77,7 @@ def _split(file):
     return json.loads(raw[8:8 + n]), raw[8 + n:]
 
 
-def _header(edit, file=hf.SAFETENSORS, claimed=None):
+def _header(edit, file=SAFETENSORS, claimed=None):
     """Rewrite a safetensors file's header as edit(header) (a JSON value, or raw bytes); `claimed`
     replaces the 8-byte header length."""
     def mutate(d):
@@ -100,7 +103,7 @@ def _resave(edit):
     """Rewrite model.safetensors through safetensors itself (a well-formed file), tensors edited."""
     def mutate(d):
         from safetensors.numpy import load_file, save_file
-        save_file(edit(load_file(str(d / hf.SAFETENSORS))), str(d / hf.SAFETENSORS))
+        save_file(edit(load_file(str(d / SAFETENSORS))), str(d / SAFETENSORS))
     return mutate
 
 
@@ -110,9 +113,9 @@ def _outside(rel):
     def mutate(d):
         (d.parent / "elsewhere").mkdir()
         shutil.copy(d / SHARDS[0], d.parent / "elsewhere" / SHARDS[0])
-        doc = json.loads((d / hf.INDEX).read_text())
+        doc = json.loads((d / INDEX).read_text())
         doc["weight_map"]["model.embed_tokens.weight"] = rel(d)
-        (d / hf.INDEX).write_text(json.dumps(doc))
+        (d / INDEX).write_text(json.dumps(doc))
     return mutate
 
 
@@ -138,31 +141,31 @@ BAD_DIRS = {  # case: (base directory, corruption, words the one-line error must
                                                                          if k != "vocab_size"}), ["vocab_size"]),
     # a billion layers claimed: refused at the first layer the file lacks, nothing allocated for the rest
     "config_absurd_layers": ("single", _config(num_hidden_layers=10**9), ["model.layers.2.", "missing"]),
-    "header_absurd_length": ("single", _header(lambda h: h, claimed=2**62), [hf.SAFETENSORS, "header length"]),
-    "header_too_short": ("single", _write(hf.SAFETENSORS, "\x01\x02"), [hf.SAFETENSORS, "not a safetensors file"]),
-    "header_not_json": ("single", _header(lambda h: b"{\"x\": ["), [hf.SAFETENSORS, "not valid JSON"]),
-    "header_a_list": ("single", _header(lambda h: [1]), [hf.SAFETENSORS, "not a JSON object of tensors"]),
+    "header_absurd_length": ("single", _header(lambda h: h, claimed=2**62), [SAFETENSORS, "header length"]),
+    "header_too_short": ("single", _write(SAFETENSORS, "\x01\x02"), [SAFETENSORS, "not a safetensors file"]),
+    "header_not_json": ("single", _header(lambda h: b"{\"x\": ["), [SAFETENSORS, "not valid JSON"]),
+    "header_a_list": ("single", _header(lambda h: [1]), [SAFETENSORS, "not a JSON object of tensors"]),
     "header_metadata": ("single", _header(lambda h: {**h, "__metadata__": ["pt"]}), ["__metadata__"]),
-    "dtype_unknown": ("single", _entry(EMBED, dtype="F7"), [hf.SAFETENSORS, EMBED, '"F7"', "BF16"]),
+    "dtype_unknown": ("single", _entry(EMBED, dtype="F7"), [SAFETENSORS, EMBED, '"F7"', "BF16"]),
     "dtype_not_float": ("single", _entry(EMBED, dtype="I32"), [EMBED, '"I32"', "F32"]),
     "shape_vs_offsets": ("single", _entry(EMBED, shape=[96, 33]), [EMBED, "data_offsets", "needs"]),
     "offsets_past_end": ("single", _entry(EMBED, data_offsets=[0, 10**12]), [EMBED, "do not lie within"]),
     # lm_head.weight has embed's shape: reading embed's bytes as lm_head passes every per-tensor check
     "offsets_overlap": ("single", _header(lambda h: {**h, "lm_head.weight": {
         **h["lm_head.weight"], "data_offsets": h[EMBED]["data_offsets"]}}), ["without gaps or overlaps"]),
-    "file_truncated": ("single", lambda d: os.truncate(d / hf.SAFETENSORS, os.path.getsize(d / hf.SAFETENSORS) - 64),
-                       [hf.SAFETENSORS, "do not lie within"]),
-    "file_padded": ("single", _append(hf.SAFETENSORS, b"\0" * 64), [hf.SAFETENSORS, "data bytes"]),
+    "file_truncated": ("single", lambda d: os.truncate(d / SAFETENSORS, os.path.getsize(d / SAFETENSORS) - 64),
+                       [SAFETENSORS, "do not lie within"]),
+    "file_padded": ("single", _append(SAFETENSORS, b"\0" * 64), [SAFETENSORS, "data bytes"]),
     "tensor_missing": ("single", _resave(lambda t: {k: v for k, v in t.items() if "layers.1.mlp.up" not in k}),
                        ["model.layers.1.mlp.up_proj.weight", "missing"]),
     "tensor_unknown": ("single", _resave(lambda t: {**t, "model.extra.weight": t[EMBED]}), ["model.extra.weight"]),
-    "index_a_list": ("sharded", _write(hf.INDEX, "[]"), [hf.INDEX, "weight_map"]),
-    "index_not_json": ("sharded", _write(hf.INDEX, "{"), [hf.INDEX, "not valid JSON"]),
+    "index_a_list": ("sharded", _write(INDEX, "[]"), [INDEX, "weight_map"]),
+    "index_not_json": ("sharded", _write(INDEX, "{"), [INDEX, "not valid JSON"]),
     "index_absolute_shard": ("sharded", _outside(lambda d: str(d.parent / "elsewhere" / SHARDS[0])),
-                             [hf.INDEX, EMBED, "outside the checkpoint directory"]),
-    "index_dotdot_shard": ("sharded", _outside(lambda d: f"../elsewhere/{SHARDS[0]}"), [hf.INDEX, "../elsewhere/"]),
-    "index_missing_shard": ("sharded", lambda d: os.remove(d / SHARDS[1]), [hf.INDEX, SHARDS[1], "does not exist"]),
-    "index_wrong_shard": ("sharded", _edit_json(hf.INDEX, _move_tensor), [hf.INDEX, SHARDS[1], "does not hold it"]),
+                             [INDEX, EMBED, "outside the checkpoint directory"]),
+    "index_dotdot_shard": ("sharded", _outside(lambda d: f"../elsewhere/{SHARDS[0]}"), [INDEX, "../elsewhere/"]),
+    "index_missing_shard": ("sharded", lambda d: os.remove(d / SHARDS[1]), [INDEX, SHARDS[1], "does not exist"]),
+    "index_wrong_shard": ("sharded", _edit_json(INDEX, _move_tensor), [INDEX, SHARDS[1], "does not hold it"]),
     "shard_header_corrupt": ("sharded", _header(lambda h: h, file=SHARDS[1], claimed=2**40), [SHARDS[1]]),
 }
 
@@ -203,8 +206,8 @@ def test_export_of_the_unedited_checkpoint_succeeds(good, tmp_path):
     """The control for the refusals above: the same checkpoint, unedited, exports the tensors it was
     imported from."""
     from safetensors.numpy import load_file
-    assert hf.main(["export", str(good / "ckpt"), "--out", str(tmp_path / "out")]) == 0
-    ours, theirs = load_file(str(tmp_path / "out" / hf.SAFETENSORS)), load_file(str(good / "single" / hf.SAFETENSORS))
+    assert checkpoint_main(["hf", "export", str(good / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    ours, theirs = load_file(str(tmp_path / "out" / SAFETENSORS)), load_file(str(good / "single" / SAFETENSORS))
     assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[n], theirs[n]) for n in ours)
 
 
@@ -227,4 +230,4 @@ def test_failed_write_leaves_no_output(good, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
     monkeypatch.undo()
     hf.save_pretrained(model, str(tmp_path / "out"), max_shard_bytes=20_000)
-    assert sorted(os.listdir(tmp_path)) == ["out"] and hf.INDEX in os.listdir(tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["out"] and INDEX in os.listdir(tmp_path / "out")

@@ -1,5 +1,6 @@
-"""mesh/hlo.py against real compiled programs on 8 fake CPU devices, plus hand-written HLO for the
-formats XLA:CPU never prints (async pairs, unknown trip counts, sub-axis mesh groups)."""
+"""plan/hlo.py and plan/replica_groups.py against real compiled programs on 8 fake CPU devices,
+plus hand-written HLO for the formats XLA:CPU never prints (async pairs, unknown trip counts,
+sub-axis mesh groups)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +9,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh.build import make_mesh
-from mesh.hlo import (KINDS, Collective, explicit_groups, iota_groups, mesh_axes_groups,
-                      parse_collectives, shape_bytes, summarize)
+from plan.hlo import KINDS, Collective, parse_collectives, shape_bytes, summarize
+from plan.replica_groups import explicit_groups, iota_groups, mesh_axes_groups
 
 N = 1024  # local elements per device: f32 -> 4096 bytes
 

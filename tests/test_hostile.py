@@ -43,9 +43,9 @@ def pristine(tmp_path_factory) -> Path:
                    "logging.run_dir": str(root / "run")})).fit()
     try:
         from test_hf import CASES, make_hf
-        from models import hf
+        from checkpoint.__main__ import main as checkpoint_main
         make_hf(root / "hf", **CASES["gqa"])
-        assert hf.main(["import", str(root / "hf"), "--out", str(root / "hf-ckpt")]) == 0
+        assert checkpoint_main(["hf", "import", str(root / "hf"), "--out", str(root / "hf-ckpt")]) == 0
     except ImportError:  # transformers/torch are dev extras
         pass
     return root
@@ -269,8 +269,9 @@ def run(command: str, argv: list[str]) -> int:
         from train.data.prepare import main
     elif command == "checkpoint":
         from checkpoint.__main__ import main
-    else:
-        from models.hf import main
+    else:  # hf: `python -m checkpoint hf ...`
+        from checkpoint.__main__ import main
+        argv = ["hf", *argv]
     try:
         return main(argv)
     except SystemExit as e:  # argparse

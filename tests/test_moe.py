@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh.build import make_mesh
 from errors import UserError
-from mesh.hlo import parse_collectives
+from plan.hlo import parse_collectives
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model as model_lib
 from models import moe as MOE

@@ -13,7 +13,7 @@ from flax import nnx
 
 from mesh.build import make_mesh
 from errors import UserError
-from mesh.hlo import parse_collectives
+from plan.hlo import parse_collectives
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model
 from models import pipeline as pipeline_lib
@@ -393,9 +393,9 @@ def test_moe_on_pipeline_mesh_matches_data_parallel(tmp_path):
 def test_plan_reports_pipeline(tmp_path):
     """`plan` on pipeline=4: a quarter of the layer-stack bytes per device of pipeline=1, the
     stage-to-stage permutes of the compiled step equal to the schedule's count, and the chart."""
-    from train.plan import analyze, render
+    from plan.report import analyze, render
     over = {"model.n_layers": 4}
-    flat, pp = (analyze(trainer_for(mesh, tmp_path, **over)) for mesh in ("data=8", "pipeline=4,data=2"))
+    flat, pp = (analyze(trainer_for(mesh, tmp_path, **over).setup) for mesh in ("data=8", "pipeline=4,data=2"))
     stack = lambda r: sum(row["local_bytes"] for row in r["sharding"] if row["name"].startswith("blocks/"))
     assert stack(pp) * 4 == stack(flat)
     assert pp["memory"]["params_bytes"] < 0.6 * flat["memory"]["params_bytes"]  # embedding and head stay whole

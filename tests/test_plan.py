@@ -1,5 +1,6 @@
-"""train/plan.py: the collectives measured in the compiled train step agree with the ring-formula
-theory, and memory per device follows the sharding. Compile only; nothing is trained."""
+"""plan/report.py and plan/theory.py: the collectives measured in the compiled train step agree
+with the ring-formula theory, and memory per device follows the sharding. Compile only; nothing is
+trained."""
 import dataclasses
 import json
 import os
@@ -8,10 +9,10 @@ import sys
 
 import pytest
 
-from mesh.hlo import KINDS
+from plan.hlo import KINDS
+from plan.report import analyze, memory_traffic
 from train.config import build
 from train.loop import Trainer
-from train.plan import analyze, memory_traffic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ def reports():
     def get(mesh, micro=1, batch=16):
         key = (mesh, micro, batch)
         if key not in cache:
-            cache[key] = analyze(Trainer(cfg(mesh, **{"train.micro_batches": micro, "train.batch_size": batch})))
+            cache[key] = analyze(Trainer(cfg(mesh, **{"train.micro_batches": micro, "train.batch_size": batch})).setup)
         return cache[key]
     return get
 
@@ -123,7 +124,7 @@ def test_plan_cli_json():
 
 
 def test_moe_all_to_all_matches_theory():
-    r = analyze(Trainer(cfg("expert=8", **{"model.preset": "moe-tiny", "train.seq_len": 64})))
+    r = analyze(Trainer(cfg("expert=8", **{"model.preset": "moe-tiny", "train.seq_len": 64})).setup)
     th = r["theory_detail"]["all-to-all@expert"]
     assert measured(r, "all-to-all", "expert") == pytest.approx(th["operand_bytes"], rel=0.02)
     # by hand: 16/8 x 64 = 128 tokens per device, each sending min(k=2, 1 expert per device) row to
@@ -142,7 +143,7 @@ def test_moe_all_to_all_matches_theory():
 def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
     """Experts split over 'model' psum their partial outputs (fwd); the backward sums the tokens'
     gradient once, [U,D], whatever the dispatch buffer's size."""
-    r = analyze(Trainer(cfg(mesh, **{"model.preset": "moe-tiny", "train.seq_len": 64, "model.dispatch": dispatch})))
+    r = analyze(Trainer(cfg(mesh, **{"model.preset": "moe-tiny", "train.seq_len": 64, "model.dispatch": dispatch})).setup)
     th = r["theory_on_backend_detail"]
     assert measured(r, "all-reduce", "model") == pytest.approx(th["all-reduce@model"]["operand_bytes"], rel=0.10)
     assert measured(r, "all-to-all", "expert") == pytest.approx(th["all-to-all@expert"]["operand_bytes"], rel=0.02)
@@ -162,13 +163,13 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
 @pytest.mark.slow
 def test_local_sgd_reports_bytes_per_sync_and_per_step():
     """DiLoCo: the outer all-reduce sits in a lax.cond branch run every H-th step; the HLO holds it once."""
-    from train import cost, hardware
-    r = analyze(Trainer(cfg("data=4,fsdp=2", **{"comm.sync_every": 4, "train.seq_len": 64})))
+    from plan import cost, hardware
+    r = analyze(Trainer(cfg("data=4,fsdp=2", **{"comm.sync_every": 4, "train.seq_len": 64})).setup)
     th = r["theory_detail"]["all-reduce@data"]
     assert th["sync_every"] == 4 and r["sync_every"] == 4
     assert th["operand_bytes"] == th["per_sync_operand_bytes"] / 4
     assert measured(r, "all-reduce", "data") == pytest.approx(th["per_sync_operand_bytes"], rel=0.10)
-    sync = analyze(Trainer(cfg("data=4,fsdp=2", **{"train.seq_len": 64})))["theory_detail"]["all-reduce@data"]
+    sync = analyze(Trainer(cfg("data=4,fsdp=2", **{"train.seq_len": 64})).setup)["theory_detail"]["all-reduce@data"]
     assert th["per_sync_operand_bytes"] == sync["operand_bytes"] and "sync_every" not in sync
     # the cost model charges the amortised bytes of the measured HLO every step
     hw = dataclasses.replace(hardware.get("h100"), platform="cpu", overlap=False)
@@ -183,8 +184,8 @@ def test_local_sgd_reports_bytes_per_sync_and_per_step():
 def test_memory_traffic_counts_every_layer():
     """XLA's cost analysis counts a scanned layer once; plan's memory term counts all of them."""
     tr = Trainer(cfg("data=8", **{"model.n_layers": 4}))
-    r = analyze(tr)
-    t = memory_traffic(tr, r)
+    r = analyze(tr.setup)
+    t = memory_traffic(tr.setup, r)
     assert t["bytes_accessed"] > 1.3 * r["bytes_accessed_per_device_compiled"] > 0
     assert t["flops"] > 2 * r["flops_per_step_per_device_compiled"]  # 4 layers, not 1
 
@@ -194,21 +195,22 @@ def test_memory_traffic_counts_every_layer():
 def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedule, repeats):
     """--micro-batches (gradient accumulation) repeats the whole pipeline; the bubble comes from
     the schedule the run validates and plan prints: (P-1)/(R*M+P-1), M = --pipeline.microbatches."""
-    from train import cost, hardware
-    from train.plan import pipeline_report, theory
+    from plan import cost, hardware
+    from plan.report import pipeline_report, render_cost
+    from plan.theory import run_spec, theory
     P, M, G, R = 2, 4, 2, repeats
     c = cfg("pipeline=2,data=2,model=2", **{"model.n_layers": 4, "train.seq_len": 32, "train.micro_batches": G,
                                             "pipeline.microbatches": M, "pipeline.schedule": schedule,
                                             "pipeline.repeats": R})
     tr = Trainer(c)  # accepts the schedule: its passes of 16 / G rows are cut into M micro-batches
-    printed = pipeline_report(tr, {"collective-permute": {"by_axes": {}}})  # plan's pipeline section
+    printed = pipeline_report(tr.setup, {"collective-permute": {"by_axes": {}}})  # plan's pipeline section
     report = {"backend": "cpu", "flops_per_step": 1.0, "pipeline": printed,
-              "theory_detail": theory(tr, tr.abstract_state())}
+              "theory_detail": theory(run_spec(tr.setup), tr.abstract_state().params)}
     priced = cost.from_plan(report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape))
     assert printed["microbatches"] == M and printed["repeats"] == R
     assert printed["bubble"] == priced["bubble"] == pytest.approx((P - 1) / (R * M + P - 1))
     assert priced["bubble"] != pytest.approx((P - 1) / (G + P - 1))  # not the accumulation count
     assert f"= {printed['bubble']:.1%}" in printed["chart"]
-    assert f"pipeline bubble {100 * priced['bubble']:.1f}%" in cost.render(priced)
+    assert f"pipeline bubble {100 * priced['bubble']:.1f}%" in render_cost(priced)
     # a GPU/TPU target prices the stage-to-stage sends plan counts (bubble ticks included)
     assert priced["comm"]["collective-permute@pipeline"]["wire_bytes"] == printed["permute_bytes_theory"]

@@ -1,4 +1,4 @@
-"""train/search.py: the mesh search enumerates only meshes a real run accepts, filters by memory,
+"""plan/search.py: the mesh search enumerates only meshes a real run accepts, filters by memory,
 ranks sensibly, and its predicted collective bytes are the ones `plan` compiles."""
 import argparse
 import dataclasses
@@ -10,11 +10,11 @@ from mesh.spec import AXES
 from errors import UserError
 from mesh.rules import make_rules
 from models.config import PipelineConfig, preset
-from train import hardware
-from train import search
+from plan import cli, hardware, search
+from plan.report import analyze
+from plan.theory import on_backend, run_spec, theory
 from train.config import TrainConfig, build
 from train.loop import Trainer
-from train.plan import analyze, on_backend
 
 
 def test_factorizations():
@@ -145,7 +145,7 @@ def compiled():
         cfg = build({"model.preset": "tiny", "model.dtype": "float32", "parallelism.mesh": mesh,
                      "train.batch_size": 16, "train.seq_len": 256})
         tr = Trainer(cfg)
-        return tr, analyze(tr)
+        return tr, analyze(tr.setup)
     return get
 
 
@@ -155,7 +155,7 @@ def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
     tr, report = compiled(mesh)
     row = search.evaluate(preset("tiny"), sizes, hardware.get("cpu", 8), 16, 256, train_cfg=tr.cfg.train)
     assert row["theory"] == report["theory_detail"]  # the analytic search uses plan's own formulas
-    for key, th in on_backend(row["theory"], "cpu", tr.mesh).items():
+    for key, th in on_backend(row["theory"], "cpu", tr.mesh.shape).items():
         kind, _, axes = key.partition("@")
         got = report["collectives_detail"][kind]["by_axes"][axes]["operand_bytes"]
         assert got == pytest.approx(th["operand_bytes"], rel=0.10), key  # and the compiler agrees
@@ -166,14 +166,14 @@ def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
 def test_plan_cli_flags(capsys):
     """`plan --search N --hardware NAME` and `plan --devices N --hardware NAME`, without compiling."""
     parser = argparse.ArgumentParser()
-    search.add_args(parser)
+    cli.add_args(parser)
     cfg = build({"model.preset": "7b", "train.batch_size": 8, "train.seq_len": 4096})
-    report, text = search.analytic(parser.parse_args(["--search", "8", "--hardware", "h100", "--top", "3"]), cfg)
+    report, text = cli.analytic(parser.parse_args(["--search", "8", "--hardware", "h100", "--top", "3"]), cfg)
     assert report["top"][0]["mesh"] in text and len(report["top"]) == 3 and "Young/Daly" in text
     seeds70 = {"model.preset": "70b", "parallelism.mesh": "model=8,pipeline=4,data=32",
                "train.batch_size": 1024, "train.seq_len": 4096}
     cfg70 = build({**seeds70, "pipeline.microbatches": 32})
-    row, text = search.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]), cfg70)
+    row, text = cli.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]), cfg70)
     assert row["mesh"] == "pipeline=4,data=32,model=8" and row["bubble"] == pytest.approx(3 / 35)
     assert "--pipeline.microbatches 32" in text and "pipeline bubble 8.6%" in text
     assert row["placement"] == {"model": "intra", "data": "inter", "pipeline": "inter"} and row["fits"]
@@ -181,18 +181,17 @@ def test_plan_cli_flags(capsys):
     # gradient accumulation is not the pipeline's micro-batching: 32 passes of 32 rows, each cut into
     # M = 4 pipeline micro-batches of 8 rows, cannot split over data=32, and the run would refuse it too
     with pytest.raises(UserError, match=r"micro-batch size 32/4 = 8 .* not divisible by the 32 batch shards"):
-        search.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]),
-                   build({**seeds70, "train.micro_batches": 32}))
+        cli.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h200"]),
+                     build({**seeds70, "train.micro_batches": 32}))
     with pytest.raises(UserError, match="need --hardware NAME"):
-        search.analytic(parser.parse_args(["--search", "8"]), cfg)
+        cli.analytic(parser.parse_args(["--search", "8"]), cfg)
     with pytest.raises(UserError, match="--hardware: unknown hardware 'tpu'"):
-        search.analytic(parser.parse_args(["--search", "8", "--hardware", "tpu"]), cfg)
+        cli.analytic(parser.parse_args(["--search", "8", "--hardware", "tpu"]), cfg)
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=2,expert=2,model=2", "data=2,fsdp=2,model=2"])
 def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
     """The search's bytes for MoE tensor parallelism and DiLoCo come from plan's own theory."""
-    from train.plan import theory
     over = {"model.preset": "moe-tiny", "model.dtype": "float32", "parallelism.mesh": mesh,
             "train.batch_size": 16, "train.seq_len": 64}
     if mesh.startswith("data"):
@@ -201,7 +200,7 @@ def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
     sizes = {a: tr.mesh.shape[a] for a in tr.mesh.axis_names}
     row = search.evaluate(tr.model_cfg, sizes, hardware.get("cpu", 8), 16, 64, train_cfg=tr.cfg.train,
                      comm_cfg=tr.cfg.comm)
-    assert row["theory"] == theory(tr, tr.abstract_state())
+    assert row["theory"] == theory(run_spec(tr.setup), tr.abstract_state().params)
     assert "all-reduce@model" in row["theory"] and row["comm"]["all-reduce@model"]["wire_bytes"] > 0
     if "sync_every" in over:
         assert row["theory"]["all-reduce@data"]["sync_every"] == 4

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         from mesh.xla import apply_argv
         apply_argv(argv, os.environ)  # XLA reads its flags when jax starts a backend: before any import of jax
         if argv and argv[0] == "plan":
-            from train.plan import main as plan_main
+            from plan.cli import main as plan_main
             return plan_main(argv[1:])
         if argv and argv[0] == "report":
             from train.report import main as report_main
@@ -40,21 +40,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg) -> int:
-    """Join the job, then train with the peer heartbeat running from before the first
-    cross-process wait (restore barriers, compile, steps, saves) to after the last one
-    (jax.distributed's shutdown barrier): a peer lost anywhere in between ends this process
-    with one line and PEER_LOST_EXIT within --parallelism.peer_timeout."""
-    from mesh.build import init_distributed
+    """Join the job and build the mesh (mesh.build.start_mesh), then train with the peer
+    heartbeat running from before the first cross-process wait (restore barriers, compile,
+    steps, saves) to after the last one (jax.distributed's shutdown barrier): a peer lost
+    anywhere in between ends this process with one line and PEER_LOST_EXIT within
+    --parallelism.peer_timeout."""
+    from mesh.build import start_mesh
     from train.loop import Trainer
     from train.watchdog import PeerHeartbeat
-    p = cfg.parallelism
-    if p.coordinator or p.num_processes > 1:
-        init_distributed(p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout)
-    else:
-        init_distributed(peer_timeout_s=p.peer_timeout)
-    with PeerHeartbeat(timeout_s=p.peer_timeout):
+    mesh = start_mesh(cfg.parallelism)
+    with PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout):
         try:
-            code = Trainer(cfg).fit()["exit_code"]  # 143 / 130 after SIGTERM / SIGINT (checkpoint committed)
+            code = Trainer(cfg, mesh=mesh).fit()["exit_code"]  # 143 / 130 after SIGTERM / SIGINT, checkpoint committed
         except Exception as e:  # noqa: BLE001
             _exit_if_peer_lost(e)
             raise

@@ -1,8 +1,10 @@
-"""Run configuration: typed dataclasses, YAML files and `--section.field VALUE` overrides.
+"""Run configuration: typed dataclasses, one per section, YAML files and `--section.field VALUE` overrides.
 
-Precedence: dataclass defaults < model preset < YAML (--config) < command line. Every int and float
-option declares its valid range next to it (`ranged`); a section's validate() checks those, then the
-rules between its own fields; Config.validate() runs them all, then the rules that span sections.
+Each field declares next to it its valid range (`ranged`, for ints and floats) and the text
+`--help` shows (`ranged(..., help=)` or `option`). Precedence: dataclass defaults < model preset
+< YAML (--config) < command line. A section's validate() checks its ranges, then the rules
+between its own fields; Config.validate() runs them all, then the rules that span sections, once,
+when `build` makes the Config.
 """
 from __future__ import annotations
 
@@ -10,46 +12,48 @@ import argparse
 import dataclasses
 import functools
 import json
-import sys
-import typing
 from typing import Any
 
-import yaml
-
-from errors import UserError
+from errors import ArgParser, UserError
 from mesh.xla import PRESETS as XLA_PRESETS
-from models.config import PRESETS, ModelConfig, PipelineConfig, check_ranges, numeric_fields, preset, ranged
+from models.config import PRESETS, ModelConfig, PipelineConfig, check_ranges, option, preset, ranged
+from train.cli import coerce, converter, help_line, load_yaml, parse_bool, typed_fields
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = ranged(120, ">=1")
-    batch_size: int = ranged(16, ">=1")        # global, in sequences
-    seq_len: int = ranged(128, ">=1")
-    micro_batches: int = ranged(1, ">=1")      # gradient accumulation inside the jitted step
-    lr: float = ranged(3e-3, ">0")
-    min_lr_ratio: float = ranged(0.1, "[0, 1]")  # cosine decays to lr * min_lr_ratio
-    # more than steps is allowed (short smoke runs keep the default): the warmup is cut to steps - 1
-    warmup_steps: int = ranged(12, ">=0")
-    weight_decay: float = ranged(0.1, ">=0")
-    decay_embeddings: bool = False  # norms never decay; embeddings only if this is set
-    b1: float = ranged(0.9, "[0, 1)")
-    b2: float = ranged(0.95, "[0, 1)")
-    eps: float = ranged(1e-8, ">0")            # > 0: a parameter whose gradients are all zero would divide 0 by 0
-    grad_clip: float = ranged(1.0, ">=0")      # global-norm clipping; 0 disables
-    seed: int = ranged(0, f"[0, {2**63 - 1}]")  # jax.random.key takes a signed 64-bit seed
-    # non-finite steps in a row (each skipped) before reloading the last checkpoint; 0 = never
-    max_bad_steps: int = ranged(5, ">=0")
-    # watchdog: seconds without progress (after the first compile) before exiting 4; 0 = off
-    step_timeout: float = ranged(900.0, ">=0")
-    # supervisor: restart a crashed run up to N times from its last checkpoint
-    max_restarts: int = ranged(0, ">=0")
-    # skip the start-up check of the step's per-device memory against what the machine has; the loop uses it
-    skip_memory_check: bool = False
-    eval_every: int = ranged(60, ">=0")        # 0 disables
-    eval_batches: int = ranged(4, ">=0")       # at least 1 while eval_every > 0
-    sample_tokens: int = ranged(160, ">=0")    # tokens generated at the end of training; 0 disables
-    prompt: str = "def "
+    """The `train` section: the optimizer and its schedule, the batch, evaluation, sampling and recovery."""
+    steps: int = ranged(120, ">=1", help="optimizer steps to run")
+    batch_size: int = ranged(16, ">=1", help="global batch, in sequences")
+    seq_len: int = ranged(128, ">=1", help="tokens per sequence; at most model.max_seq_len")
+    micro_batches: int = ranged(1, ">=1", help="gradient accumulation inside the jitted step: the batch is split"
+                                               " into this many micro-batches; must divide --batch-size")
+    lr: float = ranged(3e-3, ">0", help="peak learning rate: linear warmup to it, then a cosine decay")
+    min_lr_ratio: float = ranged(0.1, "[0, 1]", help="the cosine decays to lr * min_lr_ratio")
+    warmup_steps: int = ranged(12, ">=0", help="steps of linear warmup; more than --steps is allowed (short smoke"
+                                               " runs keep the default): the warmup is cut to steps - 1")
+    weight_decay: float = ranged(0.1, ">=0", help="AdamW weight decay")
+    decay_embeddings: bool = option(False, "weight decay on the embeddings too (norms never decay)")
+    b1: float = ranged(0.9, "[0, 1)", help="AdamW decay of the gradient's running mean")
+    b2: float = ranged(0.95, "[0, 1)", help="AdamW decay of the squared gradient's running mean")
+    eps: float = ranged(1e-8, ">0", help="AdamW epsilon; > 0: a parameter whose gradients are all zero would"
+                                         " divide 0 by 0")
+    grad_clip: float = ranged(1.0, ">=0", help="global-norm gradient clipping; 0 disables")
+    seed: int = ranged(0, f"[0, {2**63 - 1}]", help="seed of the initial parameters, the data order and"
+                                                    " sampling; jax.random.key takes a signed 64-bit seed")
+    max_bad_steps: int = ranged(5, ">=0", help="non-finite steps in a row (each skipped) before reloading the last"
+                                               " checkpoint; 0 = never")
+    step_timeout: float = ranged(900.0, ">=0", help="watchdog: seconds without progress (after the first compile)"
+                                                    " before exiting 4; 0 = off")
+    max_restarts: int = ranged(0, ">=0", help="supervisor: restart a crashed run up to N times from its last"
+                                              " checkpoint")
+    skip_memory_check: bool = option(False, "skip the start-up check of the step's per-device memory against what"
+                                            " the machine has")
+    eval_every: int = ranged(60, ">=0", help="steps between evaluations; 0 disables")
+    eval_batches: int = ranged(4, ">=0", help="batches per evaluation; at least 1 while eval_every > 0")
+    sample_tokens: int = ranged(160, ">=0", help="tokens generated from --train.prompt at the end of training;"
+                                                 " 0 disables")
+    prompt: str = option("def ", "the text that sampling at the end of training continues")
 
     def validate(self) -> "TrainConfig":
         check_ranges(self, functools.partial(public_flag, "train"))
@@ -65,14 +69,16 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelismConfig:
-    mesh: str = ""                # e.g. data=2,fsdp=2,model=2; empty = all devices on data
-    mesh_dcn: str = ""            # part of each axis that spans hosts/slices, e.g. data=4
-    rules: str = ""               # logical-axis overrides, e.g. embed=fsdp+model,vocab=none
-    coordinator: str = ""         # HOST:PORT of process 0 (multi-process); empty = auto-detect
-    num_processes: int = ranged(1, ">=1")
-    process_id: int = ranged(0, ">=0")         # below num_processes
-    # seconds before a lost peer process is declared (heartbeats; CPU collectives)
-    peer_timeout: float = ranged(45.0, ">0")
+    """The `parallelism` section: the device mesh, the rule-table overrides and the multi-process job."""
+    mesh: str = option("", "mesh axis sizes, e.g. data=2,fsdp=2,model=2 (one may be -1: the rest); empty = all"
+                           " devices on data")
+    mesh_dcn: str = option("", "the part of each axis that spans hosts/slices, e.g. data=4")
+    rules: str = option("", "logical-axis overrides of the rule table, e.g. embed=fsdp+model,vocab=none")
+    coordinator: str = option("", "HOST:PORT of process 0 (multi-process); empty = auto-detect")
+    num_processes: int = ranged(1, ">=1", help="processes in the job")
+    process_id: int = ranged(0, ">=0", help="this process's rank; below num_processes")
+    peer_timeout: float = ranged(45.0, ">0", help="seconds before a lost peer process is declared (heartbeats;"
+                                                  " CPU collectives)")
 
     def validate(self) -> "ParallelismConfig":
         check_ranges(self, functools.partial(public_flag, "parallelism"))
@@ -84,15 +90,17 @@ class ParallelismConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    # default (stdlib corpus) | synthetic | DIR (prepared: DIR/index.json) | PATH (text file/dir, byte tokens)
-    # | a mixture SRC:WEIGHT,SRC:WEIGHT (e.g. dirA:0.7,dirB:0.3) | FILE.yaml (a list of {source, weight})
-    source: str = "default"
-    eval_fraction: float = ranged(0.02, "[0, 1)", why="the share of documents held out for eval;"
-                                                      " 1 would leave nothing to train on")
-    prefetch: int = ranged(2, ">=1")           # batches prepared ahead on a background thread
-    packing: bool = True          # documents end to end in seq_len windows; false: one document chunk per row, padded
-    packing_mask: bool = False    # also segment_ids/positions so attention stays inside a document
-    verify: bool = True           # check every shard's sha256 against the prepared dataset's index at start
+    """The `data` section: where the tokens come from and how batches are made of them."""
+    source: str = option("default", "default (stdlib corpus) | synthetic | DIR (prepared: DIR/index.json) | PATH"
+                                    " (text file/dir, byte tokens) | a mixture SRC:WEIGHT,SRC:WEIGHT (e.g."
+                                    " dirA:0.7,dirB:0.3) | FILE.yaml (a list of {source, weight})")
+    eval_fraction: float = ranged(0.02, "[0, 1)", help="the share of documents held out for eval",
+                                  why="the share of documents held out for eval; 1 would leave nothing to train on")
+    prefetch: int = ranged(2, ">=1", help="batches prepared ahead on a background thread")
+    packing: bool = option(True, "documents end to end in seq_len windows; false: one document chunk per row,"
+                                 " padded")
+    packing_mask: bool = option(False, "also segment_ids/positions so that attention stays inside a document")
+    verify: bool = option(True, "check every shard's sha256 against the prepared dataset's index at start")
 
     def validate(self) -> "DataConfig":
         check_ranges(self, functools.partial(public_flag, "data"))
@@ -101,12 +109,13 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    run_dir: str = "runs/latest"
-    log_every: int = ranged(10, ">=1")
-    tensorboard: bool = True
-    progress: bool = True
-    # per-device peak for MFU; 0 = from the device table (measured on CPU)
-    peak_tflops: float = ranged(0.0, ">=0")
+    """The `logging` section: the run directory and what is reported while training."""
+    run_dir: str = option("runs/latest", "where the run writes its config, metrics, logs and checkpoints")
+    log_every: int = ranged(10, ">=1", help="steps between metric lines")
+    tensorboard: bool = option(True, "also write TensorBoard event files")
+    progress: bool = option(True, "show a progress bar")
+    peak_tflops: float = ranged(0.0, ">=0", help="per-device peak TFLOP/s for MFU; 0 = from the device table"
+                                                 " (measured on CPU)")
 
     def validate(self) -> "LoggingConfig":
         check_ranges(self, functools.partial(public_flag, "logging"))
@@ -115,13 +124,16 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = ""                 # empty = <run_dir>/checkpoints
-    every: int = ranged(50, ">=0")             # steps between saves; 0 = only the final save
-    keep: int = ranged(3, ">=0")               # the latest K checkpoints are kept; 0 = keep all
-    keep_every: int = ranged(0, ">=0")         # steps divisible by this are kept forever (recovery points); 0 = none
-    async_save: bool = True       # flag and YAML name: `async` (a Python keyword cannot be a field)
-    resume: str = "latest"        # latest | none | PATH (a run dir, a checkpoint dir or one step's dir)
-    init_from: str = ""           # PATH: start a fresh run from these parameters (e.g. an HF import); fresh optimizer
+    """The `checkpoint` section: when checkpoints are saved, which are kept, and where a run starts from."""
+    dir: str = option("", "directory of the run's checkpoints (empty: the default)")
+    every: int = ranged(50, ">=0", help="steps between saves; 0 = only the final save")
+    keep: int = ranged(3, ">=0", help="the latest K checkpoints are kept; 0 = keep all")
+    keep_every: int = ranged(0, ">=0", help="steps divisible by this are kept forever (recovery points); 0 = none")
+    # the option is `async` (flag and YAML): a Python keyword cannot be a field
+    async_save: bool = option(True, "save in the background while training goes on")
+    resume: str = option("latest", "latest | none | PATH (a run dir, a checkpoint dir or one step's dir)")
+    init_from: str = option("", "PATH: start a fresh run from these parameters (e.g. an HF import), with a fresh"
+                                " optimizer")
 
     def validate(self) -> "CheckpointConfig":
         check_ranges(self, functools.partial(public_flag, "checkpoint"))
@@ -132,7 +144,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
-    steps: str = ""               # A:B = trace steps A..B-1 with jax.profiler into <run_dir>/profile; empty = off
+    """The `profile` section: which steps jax.profiler traces."""
+    steps: str = option("", "A:B = trace steps A..B-1 with jax.profiler into <run_dir>/profile; empty = off")
 
     def validate(self) -> "ProfileConfig":
         # no numeric options; the window is checked against --steps in Config.validate
@@ -140,19 +153,39 @@ class ProfileConfig:
         return self
 
 
+def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
+    """--profile.steps 'A:B' -> (A, B): trace steps A..B-1; '' -> None."""
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise UserError(f"--profile.steps '{spec}': expected START:STOP, e.g. 10:15 (steps 10 to 14)") from None
+    if not 1 <= a < b <= steps + 1:
+        raise UserError(f"--profile.steps '{spec}': need 1 <= START < STOP <= --steps + 1 = {steps + 1}")
+    return a, b
+
+
+# mesh/collectives.py METHODS plus the plain all-reduce; kept here so that parsing flags needs no JAX
+COMPRESSIONS = ("none", "int8", "int4", "topk")
+
+
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
-    compression: str = "none"     # data-parallel gradient sync: none (XLA's float32 all-reduce) | int8 | int4 | topk
-    # topk: share of each replica's gradient sent per step (values + int32 indices)
-    topk_fraction: float = ranged(0.01, "(0, 1]")
-    # keep what compression did not send (per replica, checkpointed) and add it to the next step:
-    # auto = on for int8/int4, off for topk (under AdamW it made top-k worse: BENCHMARKS.md)
-    error_feedback: str = "auto"
-    # local SGD / DiLoCo: local steps between data-parallel syncs; 1 = synchronous
-    sync_every: int = ranged(1, ">=1")
-    outer_lr: float = ranged(0.7, ">0")        # DiLoCo outer SGD learning rate (Douillard et al. 2023)
-    # DiLoCo outer Nesterov momentum; 0 = plain SGD on the averaged deltas
-    outer_momentum: float = ranged(0.9, "[0, 1)")
+    """The `comm` section: how data-parallel replicas sync (compression, error feedback, DiLoCo);
+    `error_feedback_on` and `validate_comm` below apply its policy to values outside a section."""
+    compression: str = option("none", "data-parallel gradient sync: none (XLA's float32 all-reduce) | int8 |"
+                                      " int4 | topk")
+    topk_fraction: float = ranged(0.01, "(0, 1]", help="topk: the share of each replica's gradient sent per"
+                                                       " step (values + int32 indices)")
+    error_feedback: str = option("auto", "auto | true | false: keep what compression did not send (per replica,"
+                                         " checkpointed) and add it to the next step; auto = on for int8/int4,"
+                                         " off for topk (under AdamW it made top-k worse: BENCHMARKS.md)")
+    sync_every: int = ranged(1, ">=1", help="local SGD / DiLoCo: local steps between data-parallel syncs;"
+                                            " 1 = synchronous")
+    outer_lr: float = ranged(0.7, ">0", help="DiLoCo outer SGD learning rate (Douillard et al. 2023)")
+    outer_momentum: float = ranged(0.9, "[0, 1)", help="DiLoCo outer Nesterov momentum; 0 = plain SGD on the"
+                                                       " averaged deltas")
 
     def validate(self) -> "CommConfig":
         check_ranges(self, functools.partial(public_flag, "comm"))
@@ -163,6 +196,28 @@ class CommConfig:
             raise UserError(f"--comm.compression {self.compression} compresses the every-step gradient sync; with"
                             f" --comm.sync_every {self.sync_every} (DiLoCo) use --comm.compression none")
         return self
+
+
+def error_feedback_on(compression: str, error_feedback: str | bool) -> bool:
+    """Whether `--comm.error_feedback` (auto | true | false) keeps residuals for `compression`.
+    auto: on for the quantisers, off for top-k, as measured under AdamW (BENCHMARKS.md: top-k's
+    error-feedback bursts are stale many-step sums that Adam's normalisation turns into the wrong
+    step; top-k 10% on the default model: +12% eval loss with, +1.3% without)."""
+    if compression == "none":
+        return False
+    if str(error_feedback).strip().lower() == "auto":
+        return compression != "topk"
+    try:
+        return parse_bool(error_feedback)
+    except argparse.ArgumentTypeError:
+        raise UserError(f"--comm.error_feedback: '{error_feedback}' is not one of auto, true, false") from None
+
+
+def validate_comm(compression: str, topk_fraction: float, sync_every: int, outer_lr: float,
+                  outer_momentum: float, error_feedback: str | bool = "auto") -> None:
+    """UserError naming the `comm.*` option that is out of range (CommConfig.validate, for callers
+    that hold the values rather than a section)."""
+    CommConfig(compression, topk_fraction, error_feedback, sync_every, outer_lr, outer_momentum).validate()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,67 +280,22 @@ def public_flag(section: str, field: str) -> str:
     return _SHORT.get(key, f"--{key}")
 
 
-def _parse_bool(s: str) -> bool:
-    v = str(s).strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{s}'")
+def _options(section: str) -> dict[str, tuple[dataclasses.Field, type]]:
+    """public option name -> (dataclass field, its type) for one section."""
+    return {PUBLIC_NAMES.get(f"{section}.{f.name}", f.name): (f, tp) for f, tp in typed_fields(SECTIONS[section])}
 
 
-def _converter(tp):
-    return {bool: _parse_bool, int: int, float: float, str: str}[tp]
-
-
-def _fields(cls) -> list[tuple[str, type, Any]]:
-    hints = typing.get_type_hints(cls)
-    return [(f.name, hints[f.name], f.default) for f in dataclasses.fields(cls)]
-
-
-def _options(section: str) -> dict[str, tuple[str, type, Any]]:
-    """public option name -> (dataclass field, type, default) for one section."""
-    return {PUBLIC_NAMES.get(f"{section}.{name}", name): (name, tp, default)
-            for name, tp, default in _fields(SECTIONS[section])}
-
-
-def _coerce(key: str, tp: type, value: Any) -> Any:
-    """A YAML/dict/CLI value -> the field's type; never truncates (2.5 or true for an int is an error)."""
-    if tp is str and isinstance(value, bool):   # YAML `true` for an auto|true|false option
-        value = str(value).lower()
-    if isinstance(value, str):
-        try:
-            return _converter(tp)(value)
-        except (ValueError, argparse.ArgumentTypeError):
-            raise UserError(f"{key}: expected {tp.__name__}, got {value!r}") from None
-    ok = (isinstance(value, bool) if tp is bool else
-          isinstance(value, int) and not isinstance(value, bool) if tp is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else False)
-    if not ok:
-        raise UserError(f"{key}: expected {tp.__name__}, got {value!r}")
-    return tp(value)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are one line and exit 2 (no usage dump); an unknown option lists the
-    valid ones of its section."""
-
-    def error(self, message: str):
-        if message.startswith("unrecognized arguments:"):
-            flag = message.split(":", 1)[1].split()[0]
-            section = flag.lstrip("-").partition(".")[0]
-            if section in SECTIONS and "." in flag:
-                names = ", ".join(_options(section))
-                message = f"unknown option '{flag}'; valid {section} options: {names}"
-            else:
-                message = (f"unknown option '{flag}'; valid: --section.field with sections"
-                           f" {', '.join(SECTIONS)}, or {', '.join(['--config', *ALIASES])}")
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
+def _unknown_option(flag: str) -> str:
+    """The parser's error for an option it does not know: the valid options of the flag's section."""
+    section = flag.lstrip("-").partition(".")[0]
+    if section in SECTIONS and "." in flag:
+        return f"unknown option '{flag}'; valid {section} options: {', '.join(_options(section))}"
+    return (f"unknown option '{flag}'; valid: --section.field with sections"
+            f" {', '.join(SECTIONS)}, or {', '.join(['--config', *ALIASES])}")
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """Every field as --section.field, plus the stable short aliases; defaults shown in --help."""
+    """Every field as --section.field, plus the stable short aliases; each flag's help is its field's."""
     parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="YAML file with config sections")
     # Acted on by train/__main__.py before jax is imported (mesh/xla.py); declared here for --help.
     parser.add_argument("--xla-preset", choices=list(XLA_PRESETS), default=argparse.SUPPRESS,
@@ -295,21 +305,19 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help=f"model preset: {', '.join(PRESETS)} (default: default)")
     for section in SECTIONS:
         group = parser.add_argument_group(section)
-        ranges = {f.name: f.metadata["range"].spec for f in numeric_fields(SECTIONS[section])}
-        for name, (field, tp, default) in _options(section).items():
+        for name, (field, tp) in _options(section).items():
             key = f"{section}.{name}"
-            flags = [f"--{key}"] + ([_SHORT[key]] if key in _SHORT else [])
-            shown = "from the preset" if section == "model" else SHOWN_DEFAULTS.get(key, default)
-            valid = f" valid: {ranges[field]}" if field in ranges else ""
-            group.add_argument(*flags, dest=key, type=_converter(tp), default=argparse.SUPPRESS,
-                               metavar=tp.__name__.upper(), help=f"(default: {shown}){valid}")
+            shown = "from the preset" if section == "model" else SHOWN_DEFAULTS.get(key, field.default)
+            group.add_argument(f"--{key}", *([_SHORT[key]] if key in _SHORT else []), dest=key, type=converter(tp),
+                               default=argparse.SUPPRESS, metavar=tp.__name__.upper(),
+                               help=help_line(key, field, shown))
 
 
 def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Config:
     """Resolve a Config from an optional YAML file and `{section.field: value}` overrides."""
     raw: dict[str, dict] = {s: {} for s in SECTIONS}
-    if yaml_path:
-        raw = _merge(raw, _load_yaml(yaml_path))
+    for section, values in (load_yaml(yaml_path, SECTIONS) if yaml_path else {}).items():
+        raw[section].update(values)
     for key, value in (cli or {}).items():
         section, _, name = key.partition(".")
         if section not in SECTIONS:
@@ -320,75 +328,14 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Co
     sections = {}
     for section, cls in SECTIONS.items():
         base = preset(preset_name) if section == "model" else cls()
-        values = model_raw if section == "model" else raw.get(section, {})
+        values = model_raw if section == "model" else raw[section]
         options = _options(section)
         for name in values:
             if name not in options:
                 raise UserError(f"unknown option '{section}.{name}'; valid {section} options: {', '.join(options)}")
-        sections[section] = dataclasses.replace(
-            base, **{options[n][0]: _coerce(f"{section}.{n}", options[n][1], v) for n, v in values.items()})
+        sections[section] = dataclasses.replace(base, **{options[n][0].name: coerce(f"{section}.{n}", options[n][1], v)
+                                                         for n, v in values.items()})
     return Config(model_preset=preset_name, **sections).validate()
-
-
-# mesh/collectives.py METHODS plus the plain all-reduce; kept here so parsing flags needs no JAX
-COMPRESSIONS = ("none", "int8", "int4", "topk")
-
-
-def error_feedback_on(compression: str, error_feedback: str | bool) -> bool:
-    """Whether `--comm.error_feedback` (auto | true | false) keeps residuals for `compression`.
-    auto: on for the quantisers, off for top-k, as measured under AdamW (BENCHMARKS.md: top-k's
-    error-feedback bursts are stale many-step sums that Adam's normalisation turns into the wrong
-    step; top-k 10% on the default model: +12% eval loss with, +1.3% without)."""
-    if compression == "none":
-        return False
-    if str(error_feedback).strip().lower() == "auto":
-        return compression != "topk"
-    try:
-        return _parse_bool(error_feedback)
-    except argparse.ArgumentTypeError:
-        raise UserError(f"--comm.error_feedback: '{error_feedback}' is not one of auto, true, false") from None
-
-
-def validate_comm(compression: str, topk_fraction: float, sync_every: int, outer_lr: float,
-                  outer_momentum: float, error_feedback: str | bool = "auto") -> None:
-    """UserError naming the `comm.*` option that is out of range (CommConfig.validate, for callers
-    that hold the values rather than a section)."""
-    CommConfig(compression, topk_fraction, error_feedback, sync_every, outer_lr, outer_momentum).validate()
-
-
-def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
-    """--profile.steps 'A:B' -> (A, B): trace steps A..B-1; '' -> None."""
-    if not spec:
-        return None
-    try:
-        a, b = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise UserError(f"--profile.steps '{spec}': expected START:STOP, e.g. 10:15 (steps 10 to 14)") from None
-    if not 1 <= a < b <= steps + 1:
-        raise UserError(f"--profile.steps '{spec}': need 1 <= START < STOP <= --steps + 1 = {steps + 1}")
-    return a, b
-
-
-def _load_yaml(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise UserError(f"--config: cannot read '{path}': {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"--config: '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"--config: '{path}' must be a mapping of sections")
-    for section, values in data.items():
-        if section not in SECTIONS:
-            raise UserError(f"--config {path}: unknown section '{section}'; valid: {', '.join(SECTIONS)}")
-        if not isinstance(values, dict):
-            raise UserError(f"--config {path}: section '{section}' must be a mapping")
-    return data
-
-
-def _merge(a: dict, b: dict) -> dict:
-    return {s: {**a.get(s, {}), **b.get(s, {})} for s in set(a) | set(b)}
 
 
 def from_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> tuple[Config, argparse.Namespace]:
@@ -400,8 +347,8 @@ def from_args(argv: list[str], parser: argparse.ArgumentParser | None = None) ->
 
 def make_parser(prog: str = "python -m train", description: str = "Train a Transformer on a device mesh.") -> argparse.ArgumentParser:
     # allow_abbrev=False: a typo like --checkpoint.asyn must be an error, not a silent prefix match
-    parser = OneLineParser(prog=prog, description=description, allow_abbrev=False,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgParser(prog=prog, description=description, allow_abbrev=False, explain_unknown=_unknown_option,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(parser)
     return parser
 

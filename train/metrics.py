@@ -1,18 +1,25 @@
-"""Throughput, MFU and the metric sinks (progress bar, metrics.jsonl, TensorBoard)."""
+"""Throughput, MFU, step statistics, the metric sinks (progress bar, metrics.jsonl, TensorBoard)
+and the run's summary."""
 from __future__ import annotations
 
 import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from errors import UserError
-from train.goodput import read_records
+from mesh.spec import mesh_text
+from models.flops import param_count
+from train.config import profile_window
+from train.goodput import Goodput, breakdown_text
+from train.resilience import exit_code
 
 # Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.
 PEAK_TFLOPS = {
@@ -139,27 +146,13 @@ def json_safe(record: dict) -> dict:
     return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
 
 
-def drop_records_after(run_dir: str, step: int) -> None:
-    """Keep only metrics.jsonl records up to `step`: a resumed run appends from there, so steps
-    that a failed run logged after its last checkpoint (and that are now redone) appear once."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return
-    with open(path, errors="replace") as f:
-        n_lines = sum(1 for ln in f if ln.strip())
-    keep = [rec for rec in read_records(run_dir) if rec["step"] <= step]
-    if len(keep) != n_lines:  # records past `step`, or lines that are not records
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(rec) + "\n" for rec in keep)
-        os.replace(path + ".tmp", path)
-
-
 class StepProfiler:
     """--profile.steps A:B: a jax.profiler trace of steps A..B-1 in <run_dir>/profile (open it
     with TensorBoard's profile plugin or ui.perfetto.dev). Each step is a StepTraceAnnotation."""
 
-    def __init__(self, window: tuple[int, int] | None, run_dir: str):
-        self.window, self.dir, self.active = window, os.path.join(run_dir, "profile"), False
+    def __init__(self, spec: str, steps: int, run_dir: str):
+        self.spec, self.window = spec, profile_window(spec, steps)
+        self.dir, self.active = os.path.join(run_dir, "profile"), False
 
     def step(self, step: int):
         """Context for running step `step` (1-based): starts the trace at A, annotates inside."""
@@ -171,16 +164,95 @@ class StepProfiler:
             self.active = True
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
-    def after(self, step: int, outputs) -> str | None:
-        """Stop once step B-1 has run (waiting for its outputs); -> the trace dir when stopped."""
+    def after(self, step: int, outputs) -> str:
+        """Stop once step B-1 has run (waiting for its outputs) -> then the line saying where the
+        trace is, else ''."""
         if self.active and step >= self.window[1] - 1:
             jax.block_until_ready(outputs)
             jax.profiler.stop_trace()
             self.active = False
-            return self.dir
-        return None
+            return (f"profile: steps {self.spec} traced into {self.dir} (tensorboard --logdir {self.dir},"
+                    f" or open the .trace.json.gz in ui.perfetto.dev)")
+        return ""
 
     def close(self) -> None:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+
+
+class StepStats:
+    """Step time, throughput and MFU between logged steps. Time the loop spends on saves, evals
+    and recovery (`pause`) is not step time."""
+
+    _KNOWN = ("loss", "grad_norm", "lr", "skipped_steps", "bad_in_a_row")
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float, n_devices: int, step: int):
+        self.tokens, self.flops = tokens_per_step, flops_per_token * tokens_per_step
+        self.peak, self.n_devices = peak, n_devices
+        self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
+
+    def pause(self, since: float) -> float:
+        """Count the time since `since` as not-stepping; -> its length."""
+        dt = time.perf_counter() - since
+        self.paused_s += dt
+        return dt
+
+    def record(self, step: int, m: dict, gp: Goodput) -> tuple[dict, int]:
+        """The metrics.jsonl record for `step` from the fetched step metrics `m`, and the number
+        of non-finite steps in a row."""
+        now = time.perf_counter()
+        n = step - self.last_step
+        busy = max(now - self.t_last - self.paused_s, 1e-9)
+        gp.add("productive", busy - self.wait_s)
+        gp.add("data_wait", self.wait_s)
+        dt = busy / n
+        rec = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+               "step_time_s": dt, "tokens_per_sec": self.tokens / dt,
+               "tokens_per_sec_per_device": self.tokens / dt / self.n_devices,
+               "mfu": self.flops / dt / self.peak if self.peak else 0.0, "data_wait_s": self.wait_s / n,
+               "skipped_steps": int(m["skipped_steps"]), "steps_since_log": n}
+        # whatever else the step reports (e.g. MoE load balance): scalars, logged as they are
+        rec.update({k: float(v) for k, v in m.items() if k not in self._KNOWN and np.ndim(v) == 0})
+        rec.update(gp.totals())
+        self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
+        return rec, int(m["bad_in_a_row"])
+
+
+def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model_cfg, mesh, compile_s: float,
+            sample: str, resumed_from: int | None, checkpoint: str | None, stopped_by: int | None) -> dict:
+    """summary.json, from the logged records and the run's facts: medians of the steady steps
+    (the first, which includes warm-up, is left out when there are others), and where the time went."""
+    steady = history[1:] or history
+    return {
+        "steps": history[-1]["step"] if history else (resumed_from or 0),
+        "final_loss": history[-1]["loss"] if history else None,
+        "first_loss": history[0]["loss"] if history else None,
+        "eval_loss": eval_history[-1]["eval_loss"] if eval_history else None,
+        "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])) if steady else 0.0,
+        "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
+        "compile_s": compile_s, "wall_s": time.time() - gp.started_at,
+        "params": param_count(model_cfg), "mesh": mesh_text(mesh.shape), "sample": sample,
+        "resumed_from": resumed_from, "checkpoint": checkpoint,
+        "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
+        "exit_code": exit_code(stopped_by),
+        **gp.totals(),
+    }
+
+
+def summary_text(s: dict) -> str:
+    """The lines the run ends with, from `summary`'s dict."""
+    if s["stopped_by"]:
+        head = (f"stopped by {s['stopped_by']} after step {s['steps']}"
+                + (f", checkpoint {s['checkpoint']} committed" if s["checkpoint"] else "")
+                + f"; exit status {s['exit_code']}")
+        if s["first_loss"] is None:
+            return head
+        return head + f"\nloss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in {s['wall_s']:.1f}s"
+    lines = [f"done: {s['steps']} steps in {s['wall_s']:.1f}s (compile {s['compile_s']:.1f}s),"
+             f" loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}"
+             + (f", eval loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "")
+             + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%", breakdown_text(s)]
+    if s["sample"]:
+        lines += ["--- sample ---", s["sample"], "--------------"]
+    return "\n".join(lines)

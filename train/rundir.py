@@ -1,4 +1,5 @@
-"""The run directory: which directories a run may write into, and the lock it holds on them.
+"""The run directory: which directories a run may write into, the lock it holds on them, and the
+records a run starts it with (config.json, resumes.jsonl, metrics.jsonl trimmed on a resume).
 
 A run writes config.json, metrics.jsonl, checkpoints and more into `--run-dir`. Two runs writing
 into one directory at once clobber each other (both resume from the same checkpoint, both save
@@ -26,6 +27,7 @@ import os
 import socket
 
 from errors import UserError
+from train.goodput import Goodput, read_records
 
 MARKER = "brigade-run.json"
 LOCK = ".brigade-lock"
@@ -148,6 +150,42 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def prepare_run_dir(run_dir: str, config_text: str, resumed_step: int | None, goodput: Goodput) -> None:
+    """A run's start in its directory: config.json (`config_text`); after a resume, one line more
+    in resumes.jsonl, the goodput of the attempts before carried over from metrics.jsonl, and
+    the records that the resumed checkpoint does not cover dropped; a fresh run starts a fresh log."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        f.write(config_text)
+    resumes = os.path.join(run_dir, "resumes.jsonl")   # one line per attempt that resumed
+    if resumed_step is not None:
+        with open(resumes, "a") as f:
+            f.write(json.dumps({"step": resumed_step, "time": goodput.started_at}) + "\n")
+        with open(resumes) as f:
+            n_resumes = sum(1 for ln in f if ln.strip())
+        goodput.resume(read_records(run_dir), resumed_step, restarts=n_resumes)
+        drop_records_after(run_dir, resumed_step)  # logged after that save by the run that died
+    else:
+        for path in (os.path.join(run_dir, "metrics.jsonl"), resumes):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def drop_records_after(run_dir: str, step: int) -> None:
+    """Keep only metrics.jsonl records up to `step`: a resumed run appends from there, so steps
+    that a failed run logged after its last checkpoint (and that are now redone) appear once."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path, errors="replace") as f:
+        n_lines = sum(1 for ln in f if ln.strip())
+    keep = [rec for rec in read_records(run_dir) if rec["step"] <= step]
+    if len(keep) != n_lines:  # records past `step`, or lines that are not records
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(rec) + "\n" for rec in keep)
+        os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager

@@ -4,16 +4,11 @@ is one the run accepts."""
 from __future__ import annotations
 
 from errors import UserError
-from mesh.rules import logical_to_spec
+from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
 from models import model, pipeline
 from models.config import PipelineConfig
 from train.config import TrainConfig
-
-# Which config field sets each logical dim, for divisibility errors that name the culprit.
-HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
-         "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
-         "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
 
 
 def batch_shards(mesh, rules) -> int:
@@ -43,10 +38,9 @@ def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg:
                     batch_shards=n)
 
 
-def validate_run(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig,
-                 hints: dict[str, str] | None = HINTS) -> None:
+def validate_run(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig) -> None:
     """Raise a one-line UserError for a config `mesh` cannot run, before anything is built or
     compiled: the one set of checks a training run and the mesh search both apply (parameter dims
     by their mesh axes, then the batch and the pipeline schedule)."""
-    check_divisible(mesh, model.abstract_params(model_cfg), model.param_axes(model_cfg), rules, hints)
+    check_divisible(mesh, model.abstract_params(model_cfg), model.param_axes(model_cfg), rules, HINTS)
     validate_batch(mesh, rules, model_cfg, train_cfg, pipeline_cfg)

@@ -1,5 +1,5 @@
 """The cost model: step time, MFU and goodput from FLOPs, collective bytes per mesh axis and a
-hardware profile (train/hardware.py).
+hardware profile (plan/hardware.py).
 
     T_flops   = hardware FLOPs per device / (peak x compute efficiency)
     T_memory  = bytes accessed per device (XLA's cost analysis of the compiled step) /
@@ -37,7 +37,8 @@ import numpy as np
 from mesh.spec import AXES
 from models import pipeline
 from models.flops import flops_per_token, matmul_param_count
-from train.hardware import Hardware
+from plan.hardware import Hardware
+from plan.theory import rows_per_shard
 
 DAY_S = 86400.0
 # Sequential steps of a ring algorithm on n devices (each pays one link latency).
@@ -107,9 +108,9 @@ def pipeline_comm(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, mic
     p = sizes.get("pipeline", 1)
     if p <= 1:
         return {}
-    sent = pipeline.permute_bytes_theory(batch=batch_size // micro_batches, seq=seq_len, d_model=cfg.d_model,
-                                   itemsize=act_bytes, stages=p, microbatches=pipeline_microbatches,
-                                   repeats=repeats, batch_shards=batch_shards)["sent"] * micro_batches
+    rows = rows_per_shard(batch_size, micro_batches, batch_shards)
+    sent = pipeline.permute_bytes_theory(batch=rows, seq=seq_len, d_model=cfg.d_model, itemsize=act_bytes, stages=p,
+                                         microbatches=pipeline_microbatches, repeats=repeats)["sent"] * micro_batches
     n = 2 * pipeline.n_ticks(p, pipeline_microbatches, repeats) * micro_batches
     return {"collective-permute@pipeline": {"operand_bytes": sent, "wire_bytes": sent, "count": n}}
 
@@ -216,7 +217,7 @@ def goodput(t_step: float, state_bytes: float, n_devices: int, hw: Hardware, *, 
 
 def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, micro_batches: int,
               sizes: dict[str, int], dcn: dict[str, int] | None = None) -> dict:
-    """The prediction for a compiled `plan` report (train.plan.analyze). On the backend it was
+    """The prediction for a compiled `plan` report (plan.report.analyze). On the backend it was
     compiled for (the CPU profile on a CPU compile) the collectives are the ones measured in the HLO;
     for another target they are the theory as GPU/TPU lower it (reduce-scatter, not XLA:CPU's
     all-reduce + slice), since the CPU's choices say nothing about NCCL's. A pipeline is priced
@@ -252,39 +253,3 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
     out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
     out["bytes_source"] = traffic.get("source", "")
     return out
-
-
-def render(pred: dict, good: dict | None = None) -> str:
-    """The prediction as text lines (plan's output)."""
-    place = ", ".join(f"{a}:{w}" for a, w in pred["placement"].items()) or "one device"
-    roof = ""
-    if pred.get("device_bytes"):
-        how = "max" if pred.get("memory_overlap", True) else "sum"
-        roof = (f"  ({how} of {pred['t_flops_s']:.4f} s matmul FLOPs and {pred['t_memory_s']:.4f} s for"
-                f" {pred['device_bytes'] / 2**20:.0f} MiB of memory traffic)")
-    lines = [f"cost model on {pred['devices']} x {pred['hardware']} ({pred['dtype']}; axes {place}):",
-             f"  compute      {pred['t_compute_s']:10.4f} s" + roof +
-             (f"  (+ pipeline bubble {100 * pred['bubble']:.1f}% -> {pred['t_compute_with_bubble_s']:.4f} s)"
-              if pred["bubble"] else "")]
-    for key, c in sorted(pred["comm"].items()):
-        lines.append(f"  {key:<30}{c['wire_bytes'] / 2**30:10.3f} GiB sent  {c['link']:<5} {c['time_s']:10.4f} s"
-                     f"  {'overlappable' if c['overlappable'] else 'exposed'}" +
-                     (f"  (amortised: {c['per_sync_wire_bytes'] / 2**20:.2f} MiB per sync, every {c['sync_every']} steps)"
-                      if "sync_every" in c else ""))
-    if pred["overlap"]:
-        lines.append(f"  step time    {pred['t_step_serial_s']:10.4f} s without overlap, {pred['t_step_overlap_s']:.4f} s"
-                     f" with overlap; MFU {100 * pred['mfu_serial']:.1f}% / {100 * pred['mfu']:.1f}%")
-    else:
-        lines.append(f"  step time    {pred['t_step_s']:10.4f} s (collectives run synchronously here);"
-                     f" MFU {100 * pred['mfu']:.1f}%")
-    if good:
-        g, y = good["checkpoint"], good["young_daly"]
-        lines.append(f"  goodput on {good['devices']} devices ({good['failures_per_day']:.2f} failures/day, MTBF"
-                     f" {good['mtbf_s'] / 3600:.1f} h): {100 * g['goodput']:.1f}% with a save every"
-                     f" {g['interval_steps']:.0f} steps (T_save {g['t_save_s']:.2f} s, T_recover {g['t_recover_s']:.0f} s);"
-                     f" Young/Daly: every {y['interval_steps']:.0f} steps -> {100 * y['goodput']:.1f}%")
-        if "run" in good:
-            r = good["run"]
-            lines.append(f"  this run: {r['steps']} steps = {r['t_train_s'] / 3600:.2f} h of training,"
-                         f" {r['t_total_s'] / 3600:.2f} h wall ({r['n_ckpt']:.0f} saves, {r['n_fail']:.1f} failures expected)")
-    return "\n".join(lines)

@@ -2,7 +2,7 @@
 memory and communication, ranked by predicted step time. Analytic: nothing is compiled, so
 N = 4096 takes seconds on a laptop.
 
-The collective bytes come from `train.plan.theory` (the same ring formulas `plan` checks against
+The collective bytes come from `plan.theory.theory` (the same ring formulas `plan` checks against
 the compiled HLO), evaluated on an AbstractMesh of the candidate's shape; what a mesh accepts comes
 from `validate_run`, the checks a real run makes before compiling (the rules table's divisibility,
 the batch split, the pipeline schedule).
@@ -12,21 +12,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import NamedSharding
 
-from mesh.spec import AXES, mesh_text
 from errors import UserError
 from mesh.rules import logical_to_spec, make_rules
+from mesh.spec import AXES, mesh_text
 from models import model as model_lib
 from models.config import PipelineConfig
-from train import cost
-from train.config import TrainConfig
-from train.hardware import Hardware
+from plan import cost
+from plan.hardware import Hardware
+from plan.theory import RunSpec, abstract_mesh, rows_per_shard, theory
+from train import optim
+from train.config import CommConfig, TrainConfig
 from train.shapes import batch_shards, validate_batch, validate_run
+
 
 def factorizations(n: int, n_axes: int = len(AXES)) -> list[tuple[int, ...]]:
     """All ordered tuples of n_axes positive ints whose product is n."""
@@ -47,7 +49,6 @@ def _model_arrays(cfg) -> tuple[dict, dict]:
 @functools.lru_cache(maxsize=4)
 def _optimizer_ratio(cfg, train_cfg: TrainConfig) -> float:
     """Optimizer-state bytes per parameter byte (AdamW: 2, plus scalars), from the real optimizer."""
-    from train import optim
     params = _model_arrays(cfg)[0]
     opt = jax.eval_shape(optim.make(train_cfg).init, params)
     nbytes = lambda t: sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(t))
@@ -57,10 +58,6 @@ def _optimizer_ratio(cfg, train_cfg: TrainConfig) -> float:
 def _stage_cfg(cfg, p: int):
     """The layers one pipeline stage holds (embedding and head counted on every stage: conservative)."""
     return cfg if p == 1 else dataclasses.replace(cfg, n_layers=cfg.n_layers // p)
-
-
-def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
-    return AbstractMesh(tuple(sizes.get(a, 1) for a in AXES), AXES)
 
 
 def check(cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipeline_cfg: PipelineConfig, rules) -> str | None:
@@ -84,7 +81,7 @@ def pipeline_choices(cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipelin
     if p == 1 or pipeline_cfg.microbatches:
         return [pipeline_cfg]
     mesh, t = abstract_mesh(sizes), train_cfg
-    rows = t.batch_size // t.micro_batches // batch_shards(mesh, rules)
+    rows = rows_per_shard(t.batch_size, t.micro_batches, batch_shards(mesh, rules))
     out = []
     for m in range(p, rows + 1):
         if rows % m:
@@ -124,7 +121,7 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     whole pass."""
     tp, p = sizes["model"], sizes["pipeline"]
     d, f, n, k, h, v = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-    pass_tokens = batch_size // micro_batches // shards * seq_len
+    pass_tokens = rows_per_shard(batch_size, micro_batches, shards) * seq_len
     tokens = pass_tokens // (pipeline_microbatches if p > 1 else 1)
     every = 4 * d + (2 * n * h + 4 * k * h + n * h) / tp + 2 * d + 4 * f / tp
     if not fused_attention:
@@ -164,14 +161,9 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
     params = jax.tree.map(lambda s, names: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
         mesh, logical_to_spec(names, {**rules, "layers": ()}))), params_abs, axes, is_leaf=_is_names)
     param_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
-
-    from train.plan import (
-        theory,  # the ring formulas plan checks against the compiled HLO
-    )
-    run = types.SimpleNamespace(train=t, comm=comm_cfg, pipeline=pc)
-    view = types.SimpleNamespace(mesh=mesh, rules=rules, cfg=run, model_cfg=stage, compute_dtype=dtype,
-                                 platform=platform)
-    comm = theory(view, types.SimpleNamespace(params=params))
+    run = RunSpec(model=stage, train=t, comm=comm_cfg or CommConfig(), pipeline=pc, sizes=sizes, rules=rules,
+                  compute_dtype=dtype)
+    comm = theory(run, params)  # the ring formulas plan checks against the compiled HLO
     comm.update(cost.pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes,
                                    pipeline_microbatches=pipe_m, repeats=pc.repeats, batch_shards=shards))
 
@@ -219,118 +211,3 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
     # ties (compute-bound meshes whose traffic all hides) go to less traffic, then less memory
     return sorted(rows, key=lambda r: (not r["fits"], r["t_step_s"] if r["fits"] else r["memory"]["total"],
                                        r["t_comm_s"], r["memory"]["total"]))
-
-
-def run_flags(row: dict) -> str:
-    """The flags that run `row`'s layout as priced: the gradient accumulation and, on a pipeline
-    mesh, the pipeline schedule (its micro-batch count, repeats and schedule set the bubble)."""
-    out = f"--mesh {row['mesh']} --micro-batches {row['micro_batches']}"
-    pp = row["pipeline"]
-    if pp:
-        out += (f" --pipeline.microbatches {pp['microbatches']} --pipeline.repeats {pp['repeats']}"
-                f" --pipeline.schedule {pp['schedule']}")
-    return out
-
-
-def render(rows: list[dict], top: int, hw: Hardware, n_devices: int) -> str:
-    fit = [r for r in rows if r["fits"]]
-    usable = hw.usable_memory * hw.hbm_bytes / 2**30
-    width = max([36] + [len(r["mesh"]) + 2 for r in fit[:top]])
-    lines = [f"search: {len(rows)} valid meshes of {n_devices} x {hw.name}, {len(fit)} fit in {usable:.0f} GiB"
-             f" per device; best {min(top, len(fit))} by predicted step time:",
-             f"{'mesh':<{width}}{'pp-mb':>6}{'mem GiB':>9}{'step s':>9}{'MFU':>7}{'bubble':>7}"
-             f"  comm per step (GiB sent per device, link, s)"]
-    for r in fit[:top]:
-        comm = "; ".join(f"{k} {v['wire_bytes'] / 2**30:.2f} {v['link']} {v['time_s']:.3f}"
-                         for k, v in sorted(r["comm"].items()))
-        pp_mb = r["pipeline"].get("microbatches", "-")  # --pipeline.microbatches this row is priced at
-        lines.append(f"{r['mesh']:<{width}}{pp_mb:>6}{r['memory']['total'] / 2**30:>9.1f}"
-                     f"{r['t_step_s']:>9.3f}{100 * r['mfu']:>6.1f}%{100 * r['bubble']:>6.1f}%  {comm or '-'}")
-    if not fit and rows:
-        r = rows[0]
-        lines.append(f"nothing fits: the smallest is {r['mesh']} at {r['memory']['total'] / 2**30:.1f} GiB per device;"
-                     f" use more devices, full remat or a smaller batch")
-    return "\n".join(lines)
-
-
-# -- `python -m train plan` flags -----------------------------------------------------------------
-def add_args(parser) -> None:
-    g = parser.add_argument_group("cost model (--hardware) and mesh search (--search)")
-    g.add_argument("--hardware", metavar="NAME", default="",
-                   help="predict step time, MFU and goodput on: h100, h200, a100, tpu-v5p, cpu")
-    g.add_argument("--devices", type=int, default=0, metavar="N",
-                   help="with --hardware: predict --mesh on N devices from formulas, without compiling")
-    g.add_argument("--search", type=int, default=0, metavar="N",
-                   help="rank every valid mesh of N devices by predicted step time (with --hardware)")
-    g.add_argument("--top", type=int, default=10, metavar="K", help="--search: meshes shown")
-    g.add_argument("--cluster-size", type=int, default=0, metavar="N",
-                   help="devices whose failure stops the job, for goodput (0 = the mesh's devices)")
-    g.add_argument("--fail-rate", type=float, default=0.001, metavar="X",
-                   help="failures per device per day (default 0.1%%: 10 a day on 10,000 GPUs)")
-    g.add_argument("--restart-s", type=float, default=300.0, metavar="S",
-                   help="seconds to reschedule, restart and recompile after a failure (restore time is added)")
-    g.add_argument("--ckpt-write-gbps", type=float, default=0.0, metavar="X",
-                   help="GB/s per device to checkpoint storage (0 = the profile's)")
-
-
-def _hardware(ns, n_devices: int, cfg) -> Hardware:
-    from train import hardware
-    if not ns.hardware:
-        raise UserError(f"--search/--devices need --hardware NAME; valid: {', '.join(hardware.PROFILES)}")
-    for flag in ("search", "devices", "top", "cluster_size"):
-        if getattr(ns, flag) < 0:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(ns, flag)}")
-    return hardware.get(ns.hardware, n_devices, cfg.model.compute_dtype("cpu"))  # dtype: for the CPU profile
-
-
-def _goodput(ns, cfg, pred: dict, state_bytes: float, hw: Hardware) -> dict:
-    c = cfg.checkpoint
-    return cost.goodput(pred["t_step_s"], state_bytes, ns.cluster_size or pred["devices"], hw,
-                        ckpt_every=c.every, async_save=c.async_save, fail_rate=ns.fail_rate,
-                        restart_s=ns.restart_s, write_bw=ns.ckpt_write_gbps * 1e9 or None, steps=cfg.train.steps)
-
-
-def analytic(ns, cfg) -> tuple[dict, str]:
-    """`plan --search N` / `plan --devices N`: no compile. -> (JSON-able report, text)."""
-    from mesh.spec import resolve
-    t, p = cfg.train, cfg.parallelism
-    n = ns.search or ns.devices
-    hw = _hardware(ns, n, cfg)
-    rules = make_rules(p.rules)
-    if ns.search:
-        rows = search(cfg.model, n, hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules, train_cfg=t,
-                      comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline)
-        fit = [r for r in rows if r["fits"]]
-        text = render(rows, ns.top, hw, n)
-        report = {"devices": n, "hardware": hw.name, "valid": len(rows), "fit": len(fit), "top": fit[:ns.top]}
-        if fit:
-            best = fit[0]
-            report["goodput"] = _goodput(ns, cfg, best, best["memory"]["params"] + best["memory"]["optimizer"], hw)
-            text += f"\nbest mesh: {run_flags(best)}\n" + cost.render(best, report["goodput"])
-        return report, text
-    shape = resolve(p.mesh, n, p.mesh_dcn)
-    dcn = dict(zip(AXES, shape.dcn))
-    row = evaluate(cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules,
-                   train_cfg=t, dcn=dcn, comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline)
-    row["goodput"] = _goodput(ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw)
-    m = row["memory"]
-    text = (f"plan (formulas, not compiled): {run_flags(row)} on {n} x {hw.name}\n"
-            f"memory per device (estimate): params {m['params'] / 2**30:.2f} GiB, grads {m['grads'] / 2**30:.2f},"
-            f" optimizer {m['optimizer'] / 2**30:.2f}, activations {m['activations'] / 2**30:.2f},"
-            f" total {m['total'] / 2**30:.2f} GiB -> {'fits' if row['fits'] else 'does NOT fit'} in"
-            f" {hw.usable_memory * hw.hbm_bytes / 2**30:.0f} GiB\n" + cost.render(row, row["goodput"]))
-    return row, text
-
-
-def with_cost(report: dict, ns, cfg, mesh) -> str:
-    """Add report['cost'] (and report['goodput']) for a compiled plan; -> the text lines."""
-    t = cfg.train
-    sizes = {a: mesh.shape[a] for a in AXES}
-    hw = _hardware(ns, mesh.size, cfg)
-    from mesh.spec import resolve
-    dcn = dict(zip(AXES, resolve(cfg.parallelism.mesh, mesh.size, cfg.parallelism.mesh_dcn).dcn))
-    pred = cost.from_plan(report, hw, cfg.model, t.batch_size, t.seq_len, t.micro_batches, sizes, dcn)
-    mem = report["memory"]
-    good = _goodput(ns, cfg, pred, mem["params_bytes"] + mem["optimizer_bytes"], hw)
-    report["cost"], report["goodput"] = pred, good
-    return f"collectives from the {pred['comm_source']}\n" + cost.render(pred, good)
