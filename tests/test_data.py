@@ -1,5 +1,6 @@
 """train/data: `prepare` (shards, index, workers, bad inputs), tokenizers, sources and mixtures, and
-the step-indexed pipeline (exactly-once epochs across processes, exact resume, packing masks)."""
+the step-indexed pipeline (exactly-once epochs across processes, exact resume, eval batches); the
+rows themselves (packing masks): test_data_packing.py."""
 from __future__ import annotations
 
 import base64
@@ -8,50 +9,23 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.build import make_mesh
+from data_files import jsonl_file, memory_source, prepared_docs
 from errors import UserError
 from train.config import DataConfig
 from train.data import corpus
 from train.data import prepare
 from train.data import tokenizers
-from train.data.pipeline import Pipeline, abstract_batch, make_pipeline, mix, permute, proportions, _round_keys
-from train.data.sources import Source, Stream, load_prepared, parse_mixture
+from train.data.pipeline import Pipeline, make_pipeline, mix, permute, proportions, _round_keys
+from train.data.sources import load_prepared, parse_mixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [f"document {i}: " + " ".join(["alpha", "beta", "gamma", "délta"][(i * j) % 4] for j in range(i % 37 + 1))
          for i in range(300)]
-
-
-def _jsonl(path, texts, field="text"):
-    with open(path, "w") as f:
-        for t in texts:
-            f.write(json.dumps({field: t, "id": 0}) + "\n")
-    return str(path)
-
-
-def _docs(directory) -> list[np.ndarray]:
-    """Every document of a prepared dataset, in order, without its EOS."""
-    index = json.load(open(os.path.join(directory, prepare.INDEX)))
-    out = []
-    for sh in index["shards"]:
-        tokens = np.fromfile(os.path.join(directory, sh["tokens"]), index["dtype"])
-        off = np.load(os.path.join(directory, sh["offsets"]))
-        for a, b in zip(off[:-1], off[1:]):
-            assert tokens[b - 1] == index["eos_id"]
-            out.append(tokens[a:b - 1])
-    return out
-
-
-def _source(tokens, doc_starts, name="mem", eval_tokens=None) -> Source:
-    """An in-memory source whose token values identify their position (windows are recognisable)."""
-    ev = eval_tokens if eval_tokens is not None else np.zeros(0, np.uint32)
-    return Source(name, Stream.from_array(tokens, np.asarray(doc_starts)), Stream.from_array(ev, np.zeros(1, np.int64)),
-                  int(tokens.max()) + 1, {"kind": "byte", "id": "byte", "eos_id": corpus.EOS}, name, int(tokens.max()))
 
 
 # ------------------------------------------------------------------ prepare
@@ -59,7 +33,7 @@ def _source(tokens, doc_starts, name="mem", eval_tokens=None) -> Source:
 def test_prepare_cli_workers_shards_and_order(tmp_path):
     """Through `python -m train.data prepare` with 2 worker processes: several shards, documents in
     input order (JSONL split into byte ranges across tasks), checksums that match the files."""
-    a = _jsonl(tmp_path / "a.jsonl", TEXTS)
+    a = jsonl_file(tmp_path / "a.jsonl", TEXTS)
     (tmp_path / "txt").mkdir()
     for i in range(3):
         (tmp_path / "txt" / f"{i}.txt").write_text(f"plain text file {i}\n")
@@ -75,7 +49,7 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
     for sh in index["shards"]:
         assert tokenizers.file_sha256(out / sh["tokens"]) == sh["sha256"]["tokens"]
         assert sh["max_token"] == np.fromfile(out / sh["tokens"], index["dtype"]).max()
-    texts = [corpus.decode(d) for d in _docs(out)]
+    texts = [corpus.decode(d) for d in prepared_docs(out)]
     assert texts == TEXTS + [f"plain text file {i}\n" for i in range(3)]
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
@@ -83,10 +57,10 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
 def test_jsonl_split_into_tasks_keeps_every_line_once(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "TASK_BYTES", 257)  # many byte ranges that cut lines anywhere
     monkeypatch.setattr(prepare, "MIN_TASK_BYTES", 1)
-    a = _jsonl(tmp_path / "a.jsonl", TEXTS)
+    a = jsonl_file(tmp_path / "a.jsonl", TEXTS)
     assert len(prepare.make_tasks([a])) > 20
     prepare.prepare([a], str(tmp_path / "ds"), progress=False)
-    assert [corpus.decode(d) for d in _docs(tmp_path / "ds")] == TEXTS
+    assert [corpus.decode(d) for d in prepared_docs(tmp_path / "ds")] == TEXTS
 
 
 def test_token_dtype():
@@ -133,12 +107,12 @@ def test_tokenizer_round_trip_through_prepare(tmp_path, kind):
     tok = tokenizers.load(spec)
     assert tok.kind == kind and 0 <= tok.eos_id < tok.vocab_size
     out = tmp_path / "ds"
-    assert prepare.main([_jsonl(tmp_path / "a.jsonl", TEXTS[:60]), "--tokenizer", spec, "--out", str(out), "--workers", "1",
+    assert prepare.main([jsonl_file(tmp_path / "a.jsonl", TEXTS[:60]), "--tokenizer", spec, "--out", str(out), "--workers", "1",
                     "--no-progress"]) == 0
     index = json.load(open(out / "index.json"))
     assert index["tokenizer"]["kind"] == kind and index["vocab_size"] == tok.vocab_size
     assert index["tokenizer"]["id"] == (kind if kind == "byte" else f"{kind}:{tokenizers.file_sha256(spec)[:16]}")
-    docs = _docs(out)
+    docs = prepared_docs(out)
     assert [tok.decode(d) for d in docs] == TEXTS[:60]
     again = make_pipeline(DataConfig(source=str(out)), batch_size=2, seq_len=8, seed=0).tokenizer()
     assert again.kind == kind and again.decode(docs[3]) == TEXTS[3]  # found again from the index, for samples
@@ -158,7 +132,7 @@ def _fails(tmp_path, capsys, argv, match):
 
 
 def test_bad_inputs_to_prepare(tmp_path, capsys, monkeypatch):
-    good = _jsonl(tmp_path / "good.jsonl", TEXTS[:5])
+    good = jsonl_file(tmp_path / "good.jsonl", TEXTS[:5])
     (tmp_path / "empty").mkdir()
     _fails(tmp_path, capsys, [str(tmp_path / "empty")], "no input files")
     _fails(tmp_path, capsys, [str(tmp_path / "*.nothing")], "matches no file")
@@ -193,7 +167,7 @@ def test_bad_inputs_to_prepare(tmp_path, capsys, monkeypatch):
 
 def test_bad_datasets_at_train_time(tmp_path):
     ds = tmp_path / "ds"
-    prepare.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS)], str(ds), progress=False)
+    prepare.prepare([jsonl_file(tmp_path / "a.jsonl", TEXTS)], str(ds), progress=False)
     cfg = DataConfig(source=str(ds), eval_fraction=0.0)
     with pytest.raises(UserError, match=r"needs vocab_size >= 259 but model.vocab_size=256"):
         make_pipeline(cfg, batch_size=4, seq_len=16, seed=0, vocab_size=256)
@@ -219,7 +193,7 @@ def test_bad_datasets_at_train_time(tmp_path):
 
 def test_mixing_different_tokenizers_is_refused(tmp_path):
     spec = _tiktoken_file(tmp_path)
-    a = _jsonl(tmp_path / "a.jsonl", TEXTS)
+    a = jsonl_file(tmp_path / "a.jsonl", TEXTS)
     prepare.prepare([a], str(tmp_path / "b"), progress=False)
     prepare.prepare([a], str(tmp_path / "t"), spec, progress=False)
     with pytest.raises(UserError, match="different tokenizers"):
@@ -252,7 +226,7 @@ def test_mixture_matches_grain_and_its_weights():
 def test_mixture_weights_in_batches(tmp_path):
     """Two prepared datasets of distinguishable bytes mixed 0.8/0.2: the share of rows from each."""
     for name, ch in (("a", "a"), ("b", "z")):
-        prepare.prepare([_jsonl(tmp_path / f"{name}.jsonl", [ch * 500] * 20)], str(tmp_path / name), progress=False)
+        prepare.prepare([jsonl_file(tmp_path / f"{name}.jsonl", [ch * 500] * 20)], str(tmp_path / name), progress=False)
     p = make_pipeline(DataConfig(source=f"{tmp_path / 'a'}:0.8,{tmp_path / 'b'}:0.2", eval_fraction=0.0),
                       batch_size=16, seq_len=32, seed=5)
     rows = np.concatenate([p.global_batch(s)["inputs"] for s in range(100)])
@@ -273,7 +247,7 @@ def test_every_window_once_per_epoch_across_two_processes():
     T, B = 8, 6
     n_windows = 125
     tokens = np.arange(n_windows * T + 1, dtype=np.uint32)
-    p = Pipeline([(_source(tokens, [0]), 1.0)], batch_size=B, seq_len=T, seed=3)
+    p = Pipeline([(memory_source(tokens, [0]), 1.0)], batch_size=B, seq_len=T, seed=3)
     assert p.train[0].n == n_windows
     steps = -(-2 * n_windows // B)  # two epochs
     firsts = []
@@ -338,7 +312,7 @@ def test_resume_from_saved_state_is_exact():
 
 
 def test_eval_batches_fixed_and_held_out(tmp_path):
-    prepare.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS)], str(tmp_path / "ds"), progress=False)
+    prepare.prepare([jsonl_file(tmp_path / "a.jsonl", TEXTS)], str(tmp_path / "ds"), progress=False)
     mesh = make_mesh("data=8")
     p = make_pipeline(DataConfig(source=str(tmp_path / "ds"), eval_fraction=0.1), batch_size=8, seq_len=16, seed=0,
                       batch_sharding=NamedSharding(mesh, P("data", None)))
@@ -352,70 +326,3 @@ def test_eval_batches_fixed_and_held_out(tmp_path):
                for a, b in zip(src.train.doc_vstart[:-1], src.train.doc_vstart[1:])}
     assert held | trained == set(TEXTS) and not held & trained
     assert load_prepared(str(tmp_path / "ds"), 0.1, True).eval.n_tokens == src.eval.n_tokens  # same split again
-
-
-# ------------------------------------------------------------------ packing
-
-def test_packing_mask_segments_positions_weights():
-    lengths = [5, 3, 12, 4]  # documents (EOS included), end to end
-    tokens = np.arange(sum(lengths), dtype=np.uint32) + 1000
-    starts = np.cumsum([0] + lengths[:-1])
-    p = Pipeline([(_source(tokens, starts), 1.0)], batch_size=3, seq_len=6, seed=0, packing_mask=True)
-    rows = p.train[0].rows(np.array([0, 1, 2]), packing_mask=True)
-    # window 0 = virtual 0..6: doc0 (0-4), doc1 (5-7): inputs 0..5, targets 1..6
-    np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 1, 2])
-    np.testing.assert_array_equal(rows["positions"][0], [0, 1, 2, 3, 4, 0])
-    np.testing.assert_array_equal(rows["weights"][0], [1, 1, 1, 1, 0, 1])  # input 4 (doc0's EOS) -> doc1's first
-    # window 1 = virtual 6..12: doc1 (6, 7), doc2 (8..): a row that starts mid-document starts at position 0
-    np.testing.assert_array_equal(rows["segment_ids"][1], [1, 1, 2, 2, 2, 2])
-    np.testing.assert_array_equal(rows["positions"][1], [0, 1, 0, 1, 2, 3])
-    np.testing.assert_array_equal(rows["weights"][1], [1, 0, 1, 1, 1, 1])
-    np.testing.assert_array_equal(rows["inputs"][1], tokens[6:12])
-    plain = Pipeline([(_source(tokens, starts), 1.0)], batch_size=3, seq_len=6, seed=0).train[0].rows(np.array([0]), False)
-    assert set(plain) == {"inputs", "targets", "weights"} and plain["weights"].min() == 1.0
-
-
-def test_unpacked_rows_stay_in_one_document_and_pad():
-    lengths = [5, 3, 12, 4]
-    tokens = np.arange(sum(lengths), dtype=np.uint32) + 1000
-    p = Pipeline([(_source(tokens, np.cumsum([0] + lengths[:-1])), 1.0)], batch_size=4, seq_len=6, seed=0,
-                 packing=False, packing_mask=True)
-    win = p.train[0]
-    assert win.n == 1 + 1 + 2 + 1  # ceil((len - 1) / 6) chunks per document
-    rows = win.rows(np.arange(win.n), packing_mask=True)
-    np.testing.assert_array_equal(rows["inputs"][0, :4], tokens[:4])           # doc0: 4 targets, then padding
-    np.testing.assert_array_equal(rows["weights"][0], [1, 1, 1, 1, 0, 0])
-    np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 1, 0])
-    np.testing.assert_array_equal(rows["inputs"][3], tokens[14:20])             # doc2's second chunk
-    np.testing.assert_array_equal(rows["weights"][3], [1, 1, 1, 1, 1, 0])
-    assert (rows["segment_ids"] <= 1).all()
-    batch = p.global_batch(0)  # 4 of the 5 chunks, each once
-    match = [[np.array_equal(r, c) for c in rows["inputs"]] for r in batch["inputs"]]
-    assert np.array(match).sum(axis=1).tolist() == [1] * 4 and np.array(match).sum(axis=0).max() == 1
-
-
-def test_default_source_through_the_pipeline():
-    """The stdlib corpus is one more source: same tokens and split as corpus.py."""
-    p = make_pipeline(DataConfig(), batch_size=8, seq_len=64, seed=0, vocab_size=264)
-    c = corpus.load("default", 0.02, 0)
-    assert p.sources[0].train.n_tokens == len(c.train) and p.sources[0].eval.n_tokens == len(c.eval)
-    b = p.global_batch(3)
-    assert b["inputs"].dtype == np.int32 and b["inputs"].shape == (8, 64) and b["inputs"].max() < corpus.BYTE_VOCAB
-    windows = c.train[:p.train[0].n * 64].reshape(-1, 64).astype(np.int32)  # packed: window w = tokens[64w:][:65]
-    for row in b["inputs"]:
-        assert (windows == row).all(axis=1).any()
-    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
-    assert "stdlib" in p.describe() and "M train tokens" in p.describe()
-    spec = abstract_batch(DataConfig(packing_mask=True), 8, 64, None)
-    assert set(spec) == {"inputs", "targets", "weights", "segment_ids", "positions"}
-    assert spec["weights"].dtype == np.float32 and spec["positions"].shape == (8, 64)
-    assert jax.device_count() == 8
-
-
-def test_injected_nan_steps_poison_the_weights(monkeypatch):
-    """BRIGADE_INJECT_NAN_STEPS=3: the batch that produces step 3 (index 2) has NaN loss weights."""
-    monkeypatch.setenv("BRIGADE_INJECT_NAN_STEPS", "3")
-    p = make_pipeline(DataConfig(source="synthetic"), batch_size=8, seq_len=16, seed=0,
-                      batch_sharding=NamedSharding(make_mesh("data=8"), P("data", None)))
-    assert np.isnan(np.asarray(p.device_batch(2)["weights"])).all()
-    assert not np.isnan(np.asarray(p.device_batch(3)["weights"])).any()
