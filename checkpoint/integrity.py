@@ -35,6 +35,22 @@ class UnreadableCheckpoint(UserError):
         super().__init__(f"checkpoint {step_dir} is unreadable ({where}{reason})")
 
 
+# What a cross-process wait says when it fails (XLA:CPU's gloo collectives, jax.distributed's
+# barriers): the processes did not meet in time, which says nothing about the files.
+_CROSS_PROCESS = re.compile(r"Gloo|collective|AllGather|AllReduce|[Bb]arrier|DEADLINE_EXCEEDED|UNAVAILABLE")
+
+
+def cross_process_failure(err: BaseException) -> bool:
+    """Whether `err` (or an exception it wraps) is a failed cross-process wait: a JAX runtime
+    error of a collective or a barrier, not a damaged checkpoint file."""
+    e, seen = err, 0
+    while e is not None and seen < 8:
+        if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and _CROSS_PROCESS.search(str(e)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
 def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: " + (str(e).split("[tensorstore_spec=")[0].strip().splitlines() or [""])[0][:300]
 

@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from checkpoint.echoes import quiet_failed_read_echoes
-from checkpoint.integrity import StepNames, UnreadableCheckpoint, check_files, diagnose
+from checkpoint.integrity import StepNames, UnreadableCheckpoint, check_files, cross_process_failure, diagnose
 from checkpoint.layout import RUN_SUBDIR, check_meta, is_params_only  # noqa: F401  (RUN_SUBDIR: for callers)
 from errors import UserError
 from mesh.shard import path_names
@@ -169,6 +169,8 @@ class Checkpointer:
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001  (whatever a damaged file makes Orbax raise)
+            if cross_process_failure(e):  # the processes did not meet: the files may be fine, never set them aside
+                raise
             raise diagnose(self.step_dir(step), e, lambda: self.check_files(step)) from None
 
     def arrays(self, step: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:

@@ -142,6 +142,25 @@ def test_restore_reads_the_data_once(saved, tmp_path):
     np.testing.assert_array_equal(np.asarray(state["params"]["w"]), saved[1])
 
 
+def test_a_cross_process_timeout_is_not_a_damaged_checkpoint(saved, tmp_path, monkeypatch):
+    """A collective that timed out while processes read a step (a slow peer) says nothing about the
+    files: it reaches the caller as it is (the CLI names it and exits 5), and the step is never
+    called unreadable, so auto-resume cannot set an intact checkpoint aside. A real read failure
+    still is."""
+    d = copy(saved, tmp_path)
+    ck = Checkpointer(str(d), create=False)
+    timeout = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [unbound_buffer.cc:132] Timed out"
+                                         " waiting 10000ms for send operation to complete")
+    for err, caught in ((timeout, jax.errors.JaxRuntimeError), (ValueError("bad bytes"), UnreadableCheckpoint)):
+        def fail(*a, err=err, **k):
+            raise err
+        monkeypatch.setattr(ck._mngr, "restore", fail)
+        with pytest.raises(caught) as e:
+            ck.restore(4, abstract())
+        assert (e.value is timeout) == (caught is not UnreadableCheckpoint)
+    assert ck.all_steps() == [2, 4]
+
+
 def test_failed_read_echoes_are_dropped(monkeypatch):
     """A failed restore leaves reads in flight; they fail or complete after the one line that named
     the file, each with a traceback (Orbax's closed event loop, its read coroutines, asyncio's

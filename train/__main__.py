@@ -96,11 +96,17 @@ def _exit_if_peer_lost(e: Exception) -> None:
     import jax
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return
+    from checkpoint.integrity import cross_process_failure
     from train.watchdog import PEER_LOST_EXIT, PeerHeartbeat, end_process
     lost = PeerHeartbeat().lost()
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if not lost and cross_process_failure(e):  # every peer alive, but one came too late to a collective
+        end_process(f"error: process {jax.process_index()}: a cross-process wait timed out with every peer alive"
+                    f" ({first}): a peer is slower (compile, I/O, load) than --parallelism.peer_timeout allows;"
+                    f" raise it; exiting with status {PEER_LOST_EXIT}: restart every process to resume from the"
+                    f" last checkpoint", PEER_LOST_EXIT)
     if not lost:
         return
-    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
     end_process(f"error: process {jax.process_index()}: {lost}; the step failed ({first}); exiting with status"
                 f" {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint", PEER_LOST_EXIT)
 
