@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_env import cpu_env
 from checkpoint.manager import Checkpointer, open_checkpoint
 from errors import UserError
 from train.config import build, from_args
 from train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-           PYTHONUNBUFFERED="1")
+ENV = cpu_env(8, PYTHONUNBUFFERED="1")
 MESH = "data=4,model=2"
 BASE = {"model.preset": "tiny", "model.dtype": "float32", "train.batch_size": 8, "train.seq_len": 32,
         "train.steps": 8, "train.warmup_steps": 0, "train.min_lr_ratio": 1.0, "train.eval_every": 0,

@@ -17,14 +17,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cpu_env import cpu_env
 from checkpoint.__main__ import describe
 from checkpoint.echoes import _is_echo, quiet_failed_read_echoes
 from checkpoint.layout import check_meta
 from checkpoint.manager import Checkpointer, UnreadableCheckpoint, open_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-           PYTHONUNBUFFERED="1")
+ENV = cpu_env(8, PYTHONUNBUFFERED="1")
 N = 256  # the array's side: 256 KiB of random float32, so its data file dominates what a restore reads
 
 

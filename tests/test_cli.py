@@ -10,11 +10,12 @@ import sys
 import numpy as np
 import pytest
 
+from cpu_env import cpu_env
 from errors import UserError
 from train.config import build, from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = cpu_env(8)
 
 
 def popen(args):

@@ -14,13 +14,13 @@ import time
 
 import pytest
 
+from cpu_env import cpu_env
 from errors import UserError
 from train.config import build
 from train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-           PYTHONUNBUFFERED="1")
+ENV = cpu_env(8, PYTHONUNBUFFERED="1")
 STEPS, EVERY = 30, 3
 CMD = ["--model", "tiny", "--model.dtype", "float32", "--steps", str(STEPS), "--checkpoint.every", str(EVERY),
        "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 
+from cpu_env import cpu_env
 from errors import UserError  # noqa: E402
 from checkpoint import hf  # noqa: E402
 from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
@@ -21,7 +22,7 @@ from checkpoint.hf_files import INDEX, SAFETENSORS  # noqa: E402
 from models import hf as hf_tables  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = cpu_env(8)
 
 CASES = {  # n_kv_heads < n_heads is GQA (2 query heads per kv head); tied shares embed and lm_head
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cpu_env import cpu_env
 from plan.hlo import KINDS
 from plan.report import analyze, memory_traffic
 from train.config import build
@@ -105,7 +106,7 @@ def test_memory_scales_with_fsdp(reports):
 @pytest.mark.slow
 def test_plan_cli_json():
     # batch 16, seq 256: the same shapes as the in-process fsdp report
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(8)
     p = subprocess.run([sys.executable, "-m", "train", "plan", "--model", "tiny", "--mesh", "fsdp=8", "--json",
                         "--batch-size", "16", "--seq-len", "256"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from cpu_env import cpu_env
 from train.goodput import CATEGORIES, Goodput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-           PYTHONUNBUFFERED="1")
+ENV = cpu_env(1, PYTHONUNBUFFERED="1")
 CMD = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
        "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false"]
 

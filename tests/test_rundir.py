@@ -9,13 +9,13 @@ import time
 
 import pytest
 
+from cpu_env import cpu_env
 from errors import UserError
 from test_data_trust import _tree as listing
 from train.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-           PYTHONUNBUFFERED="1")
+ENV = cpu_env(1, PYTHONUNBUFFERED="1")
 CMD = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
        "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false"]
 
