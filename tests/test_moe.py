@@ -16,7 +16,7 @@ from errors import UserError
 from plan.hlo import parse_collectives
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model as model_lib
-from models import moe as MOE
+from models import moe
 from models.config import PRESETS
 from models.flops import active_param_count, matmul_param_count, param_count
 from train.config import build
@@ -39,8 +39,8 @@ def _layer_inputs(cfg, seed=0):
 
 
 def moe_layer(cfg, x, w, kernel=None):
-    idx, gate, stats = MOE.route(cfg, x, w["router"])
-    y, dropped = MOE.experts(cfg, x, idx, gate, w["wg"], w["wu"], w["wd"], kernel)
+    idx, gate, stats = moe.route(cfg, x, w["router"])
+    y, dropped = moe.experts(cfg, x, idx, gate, w["wg"], w["wu"], w["wd"], kernel)
     return y, dropped, stats
 
 
@@ -90,7 +90,7 @@ def test_capacity_large_equals_dropless_small_drops_what_routing_implies():
     small = dataclasses.replace(CFG, dispatch="capacity", capacity_factor=0.5)
     n, k, e = N_B * N_T, CFG.experts_per_token, CFG.n_experts
     cap = int(np.ceil(0.5 * n * k / e))
-    idx, _, _ = MOE.route(small, x, w["router"])
+    idx, _, _ = moe.route(small, x, w["router"])
     seen, expect_drop, kept = np.zeros(e, int), 0, set()
     for kk in range(k):
         for t, ex in enumerate(np.asarray(idx).reshape(n, k)[:, kk]):
@@ -169,10 +169,10 @@ def test_metrics_keys(runs):
     _, hist = runs("")
     m = hist[-1]
     assert {"loss", "grad_norm", "lr", "skipped_steps"} <= set(m)
-    moe = {k for k in m if k.startswith("moe/")}
-    assert moe == {"moe/load_max_over_mean", "moe/load_min_over_mean", "moe/dropped_fraction",
+    moe_keys = {k for k in m if k.startswith("moe/")}
+    assert moe_keys == {"moe/load_max_over_mean", "moe/load_min_over_mean", "moe/dropped_fraction",
                    "moe/aux_loss", "moe/z_loss"}
-    for k in moe:
+    for k in moe_keys:
         assert m[k].shape == () and m[k].dtype == np.float32, k
     assert m["moe/load_min_over_mean"] <= 1.0 <= m["moe/load_max_over_mean"]
     assert m["moe/dropped_fraction"] == 0.0 and m["moe/aux_loss"] >= 1.0 - 1e-5  # E sum f P >= 1 at uniform P
@@ -198,27 +198,27 @@ def test_aux_loss_evens_out_the_load():
     x, w = _skewed(cfg)
 
     def aux(router):
-        return MOE.route(cfg, x, router)[2]["aux"]
+        return moe.route(cfg, x, router)[2]["aux"]
 
     @jax.jit
     def step(router):
         return router - 0.05 * jax.grad(aux)(router)
-    before = _imbalance(MOE.route(cfg, x, w["router"])[2]["counts"])
+    before = _imbalance(moe.route(cfg, x, w["router"])[2]["counts"])
     router = w["router"]
     for _ in range(40):
         router = step(router)
-    after = _imbalance(MOE.route(cfg, x, router)[2]["counts"])
+    after = _imbalance(moe.route(cfg, x, router)[2]["counts"])
     assert before > 3.5 and after < 2.5, (before, after)  # 4 = every token on experts 0 and 1
 
 
 def test_bias_balancing_evens_out_the_load():
     cfg = dataclasses.replace(CFG, router="sigmoid", router_bias_rate=0.02)
     x, w = _skewed(cfg)
-    counts = jax.jit(lambda b: MOE.route(cfg, x, w["router"], b)[2]["counts"])
+    counts = jax.jit(lambda b: moe.route(cfg, x, w["router"], b)[2]["counts"])
     bias = jnp.zeros((cfg.n_experts,))
     before = _imbalance(counts(bias))
     for _ in range(60):
-        bias = MOE.bias_update(bias[None], counts(bias)[None], cfg.router_bias_rate)[0]
+        bias = moe.bias_update(bias[None], counts(bias)[None], cfg.router_bias_rate)[0]
     assert before > 3.5 and _imbalance(counts(bias)) < 2.5, (before, _imbalance(counts(bias)))
 
 
@@ -292,7 +292,7 @@ def test_ragged_all_to_all_emulation_follows_the_documented_example():
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
     args = [np.array(a, np.float32 if i < 2 else np.int32) for i, a in enumerate([
         [[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]]])]
-    body = lambda *a: MOE.ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="x")[None]
+    body = lambda *a: moe.ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="x")[None]
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))(*args)
     np.testing.assert_array_equal(out, [[1, 3, 0, 0], [2, 2, 4, 0]])
 
@@ -300,12 +300,12 @@ def test_ragged_all_to_all_emulation_follows_the_documented_example():
 def test_exchange_choice_per_backend():
     assert jax.default_backend() == "cpu"
     for asked, got in (("auto", "fixed"), ("fixed", "fixed"), ("ragged", "emulated")):
-        assert MOE.exchange_for(dataclasses.replace(CFG, ep_exchange=asked)) == got
+        assert moe.exchange_for(dataclasses.replace(CFG, ep_exchange=asked)) == got
 
 
 def _exchange_loss(x, w, cfg, exchange, kernel, probe):
-    idx, gate, _ = MOE.route(cfg, x, w["router"])
-    y, _ = MOE.experts(cfg, x, idx, gate, w["wg"], w["wu"], w["wd"], kernel, exchange)
+    idx, gate, _ = moe.route(cfg, x, w["router"])
+    y, _ = moe.experts(cfg, x, idx, gate, w["wg"], w["wu"], w["wd"], kernel, exchange)
     return jnp.sum(y * probe), y
 
 
@@ -327,13 +327,13 @@ def test_ragged_exchange_equals_fixed(mesh_spec):
     most rows (the static receive buffer must hold them)."""
     mesh, x, w, probe = _layer_on_mesh(mesh_spec)
     with jax.set_mesh(mesh), axis_rules(make_rules()):
-        x = jax.device_put(x, logical_to_spec(MOE.TOKENS_BT))
+        x = jax.device_put(x, logical_to_spec(moe.TOKENS_BT))
         out = {}
         for exchange, kernel in (("fixed", "blocks"), ("emulated", "blocks"), ("emulated", "ragged")):
             loss = functools.partial(_exchange_loss, cfg=CFG, exchange=exchange, kernel=kernel, probe=probe)
             out[exchange, kernel] = jax.device_get(
                 jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w))
-    idx = np.asarray(MOE.route(CFG, x, w["router"])[0])
+    idx = np.asarray(moe.route(CFG, x, w["router"])[0])
     n_dev = dict(zip(mesh.axis_names, mesh.devices.shape))["expert"]
     share0 = np.mean(idx // (CFG.n_experts // n_dev) == 0)
     assert share0 > 2.0 / n_dev, share0          # device 0 gets more than twice its fair share
@@ -350,7 +350,7 @@ def test_ragged_exchange_lowers_the_real_primitive():
     mesh, x, w, probe = _layer_on_mesh("data=2,expert=4")
     loss = functools.partial(_exchange_loss, cfg=CFG, exchange="ragged", kernel="ragged", probe=probe)
     with jax.set_mesh(mesh), axis_rules(make_rules()):
-        x = jax.device_put(x, logical_to_spec(MOE.TOKENS_BT))
+        x = jax.device_put(x, logical_to_spec(moe.TOKENS_BT))
         fwd = jax.jit(loss).lower(x, w).as_text()
         bwd = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True)).lower(x, w).as_text()
     call = re.compile(r"custom_call @ragged_all_to_all")
