@@ -171,7 +171,7 @@ def test_metrics_keys(runs):
     assert {"loss", "grad_norm", "lr", "skipped_steps"} <= set(m)
     moe_keys = {k for k in m if k.startswith("moe/")}
     assert moe_keys == {"moe/load_max_over_mean", "moe/load_min_over_mean", "moe/dropped_fraction",
-                   "moe/aux_loss", "moe/z_loss"}
+                        "moe/aux_loss", "moe/z_loss"}
     for k in moe_keys:
         assert m[k].shape == () and m[k].dtype == np.float32, k
     assert m["moe/load_min_over_mean"] <= 1.0 <= m["moe/load_max_over_mean"]
