@@ -210,7 +210,7 @@ def initial_state(run: RunSetup, abstract: TrainState, point: ResumePoint | None
 
 def init_from(run: RunSetup, abstract_params: Any, path: str) -> tuple[TrainState, str]:
     """--init-from PATH: step 0 with a fresh optimizer around the parameters of a checkpoint (full
-    or parameters-only, e.g. `python -m models.hf import`), read straight into this mesh's shardings."""
+    or parameters-only, e.g. `python -m checkpoint hf import`), read straight into this mesh's shardings."""
     src, step = open_checkpoint(path)
     hint = os.path.join(path, "model.yaml")
     try:
