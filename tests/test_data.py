@@ -3,7 +3,6 @@ the step-indexed pipeline (exactly-once epochs across processes, exact resume, e
 rows themselves (packing masks): test_data_packing.py."""
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh.build import make_mesh
-from data_files import jsonl_file, memory_source, prepared_docs
+from data_files import TEXTS, jsonl_file, memory_source, prepared_docs, tiktoken_file
 from errors import UserError
 from train.config import DataConfig
 from train.data import corpus
@@ -24,8 +23,6 @@ from train.data.pipeline import Pipeline, make_pipeline, mix, permute, proportio
 from train.data.sources import load_prepared, parse_mixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEXTS = [f"document {i}: " + " ".join(["alpha", "beta", "gamma", "délta"][(i * j) % 4] for j in range(i % 37 + 1))
-         for i in range(300)]
 
 
 # ------------------------------------------------------------------ prepare
@@ -92,18 +89,10 @@ def _sp_file(tmp_path):
     return prefix + ".model"
 
 
-def _tiktoken_file(tmp_path):
-    pytest.importorskip("tiktoken")
-    merges = [b"al", b"ph", b"pha", b"alpha", b"be", b"ta", b"beta", b"do", b"cu", b"ment"]
-    ranks = [bytes([i]) for i in range(256)] + merges
-    path = tmp_path / "tiny.tiktoken"
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
-    return str(path)
-
 
 @pytest.mark.parametrize("kind", ["byte", "hf", "sentencepiece", "tiktoken"])
 def test_tokenizer_round_trip_through_prepare(tmp_path, kind):
-    spec = {"byte": lambda p: "byte", "hf": _hf_file, "sentencepiece": _sp_file, "tiktoken": _tiktoken_file}[kind](tmp_path)
+    spec = {"byte": lambda p: "byte", "hf": _hf_file, "sentencepiece": _sp_file, "tiktoken": tiktoken_file}[kind](tmp_path)
     tok = tokenizers.load(spec)
     assert tok.kind == kind and 0 <= tok.eos_id < tok.vocab_size
     out = tmp_path / "ds"
@@ -192,7 +181,7 @@ def test_bad_datasets_at_train_time(tmp_path):
 
 
 def test_mixing_different_tokenizers_is_refused(tmp_path):
-    spec = _tiktoken_file(tmp_path)
+    spec = tiktoken_file(tmp_path)
     a = jsonl_file(tmp_path / "a.jsonl", TEXTS)
     prepare.prepare([a], str(tmp_path / "b"), progress=False)
     prepare.prepare([a], str(tmp_path / "t"), spec, progress=False)

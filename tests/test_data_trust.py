@@ -3,7 +3,6 @@
 the culprit, never a traceback, a Rust panic or a NaN loss."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,20 +13,11 @@ import numpy as np
 import pytest
 
 from errors import UserError
-from test_data import TEXTS, _jsonl, _tiktoken_file
+from data_files import TEXTS, file_hashes, jsonl_file, tiktoken_file
 from train.config import DataConfig
 from train.data import prepare
 from train.data.pipeline import make_pipeline
 
-
-def _tree(root) -> dict[str, str]:
-    """Every file under root: relative path -> sha256 of its contents."""
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            path = os.path.join(dirpath, n)
-            out[os.path.relpath(path, root)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return out
 
 
 def _prepare_cli(args: list[str], cwd, home) -> subprocess.CompletedProcess:
@@ -61,13 +51,13 @@ def test_prepare_refuses_an_out_it_would_destroy(tmp_path, inputs, out, words):
     """`prepare ... --out X --overwrite` in a real process: exit 2, one line, and not one file of
     tmp_path deleted or changed (before: `--out .` emptied the cwd, `--out INPUT` the corpus)."""
     _layout(tmp_path)
-    before = _tree(tmp_path)
+    before = file_hashes(tmp_path)
     out_arg = "." if out == "work" else str(tmp_path / out)  # the cwd as the user types it
     r = _prepare_cli([*(str(tmp_path / i) for i in inputs), "--out", out_arg, "--overwrite"], tmp_path / "work",
                      tmp_path / "home")
     err = r.stderr.strip()
     assert r.returncode == 2 and err.startswith("error: prepare: --out ") and "\n" not in err and words in err, err
-    assert _tree(tmp_path) == before
+    assert file_hashes(tmp_path) == before
 
 
 @pytest.mark.slow
@@ -191,12 +181,12 @@ def _yaml(tmp_path, text) -> str:
 
 def _truncated_tiktoken(tmp_path) -> None:
     """A rank file that loads but lacks bytes 0xb8-0xbf: tiktoken panics (in Rust) on "ÿ" (c3 bf)."""
-    path = _tiktoken_file(tmp_path)
+    path = tiktoken_file(tmp_path)
     with open(path) as f:
         lines = f.read().splitlines()
     with open(path, "w") as f:
         f.write("\n".join(lines[:0xb8] + lines[0xc0:]) + "\n")
-    prepare.prepare([_jsonl(tmp_path / "t.jsonl", ["ÿ"])], str(tmp_path / "out"), path, progress=False)
+    prepare.prepare([jsonl_file(tmp_path / "t.jsonl", ["ÿ"])], str(tmp_path / "out"), path, progress=False)
 
 
 def _prepare_over(tmp_path, name: str, make_dir: bool) -> None:
@@ -205,7 +195,7 @@ def _prepare_over(tmp_path, name: str, make_dir: bool) -> None:
     if make_dir:
         target.mkdir()
     (target / "notes.txt" if make_dir else target).write_text("the user's")
-    prepare.prepare([_jsonl(tmp_path / "a.jsonl", TEXTS[:2])], str(target), overwrite=True)
+    prepare.prepare([jsonl_file(tmp_path / "a.jsonl", TEXTS[:2])], str(target), overwrite=True)
 
 
 def _binary(path) -> str:
@@ -218,7 +208,7 @@ def _binary(path) -> str:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("pristine")
-    prepare.prepare([_jsonl(root / "a.jsonl", TEXTS)], str(root / "ds"), progress=False)
+    prepare.prepare([jsonl_file(root / "a.jsonl", TEXTS)], str(root / "ds"), progress=False)
     return str(root / "ds")
 
 

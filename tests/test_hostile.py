@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from test_data import _jsonl, _tiktoken_file
-from test_data_trust import _edit_index, _set, _tree as listing
+from data_files import jsonl_file, tiktoken_file
+from data_files import file_hashes as listing
+from test_data_trust import _edit_index, _set
 
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--train.sample_tokens",
         "0", "--logging.progress", "false", "--logging.tensorboard", "false", "--steps", "2"]
@@ -158,7 +159,7 @@ def prepare(out, inputs=("corpus",), overwrite=True, cwd=False):
 
 def _broken_tiktoken(ws) -> str:
     """A rank file that loads but lacks bytes 0xb8-0xbf (tiktoken panics in Rust on them)."""
-    path = _tiktoken_file(ws)
+    path = tiktoken_file(ws)
     lines = Path(path).read_text().splitlines()
     Path(path).write_text("\n".join(lines[:0xb8] + lines[0xc0:]) + "\n")
     return str(path)
@@ -227,7 +228,7 @@ CASES = [
     ("prepare-out-holds-input", "prepare", prepare(".", inputs=("corpus/0.txt",)), ["is or contains"]),
     ("prepare-out-not-dataset", "prepare", with_files({"mine/notes.txt": "x"}, prepare("mine")), ["mine"]),
     ("prepare-out-exists", "prepare", prepare("ds", overwrite=False), ["already exists"]),
-    ("prepare-tiktoken-panic", "prepare", lambda ws: [_jsonl(ws / "t.jsonl", ["\u00ff"]), "--tokenizer",
+    ("prepare-tiktoken-panic", "prepare", lambda ws: [jsonl_file(ws / "t.jsonl", ["\u00ff"]), "--tokenizer",
                                                       _broken_tiktoken(ws), "--out", str(ws / "o")], ["256 single bytes"]),
     ("prepare-input-missing", "prepare", lambda ws: [str(ws / "nope.txt"), "--out", str(ws / "o")], ["nope.txt"]),
     # -- checkpoints

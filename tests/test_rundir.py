@@ -11,7 +11,7 @@ import pytest
 
 from cpu_env import cpu_env
 from errors import UserError
-from test_data_trust import _tree as listing
+from data_files import file_hashes as listing
 from train.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
