@@ -27,10 +27,11 @@ def named(mesh: Mesh, names: tuple[str | None, ...], rules: Mapping[str, MeshAxe
 
 def tree_shardings(mesh: Mesh, axes_tree: Any, rules: Mapping[str, MeshAxes] | None = None) -> Any:
     """A tree of logical-name tuples -> the same tree of NamedShardings."""
-    return jax.tree.map(lambda names: named(mesh, names, rules), axes_tree, is_leaf=_is_names)
+    return jax.tree.map(lambda names: named(mesh, names, rules), axes_tree, is_leaf=is_axis_names)
 
 
-def _is_names(x) -> bool:
+def is_axis_names(x) -> bool:
+    """A leaf of a logical-axes tree: a tuple of axis names (or None), e.g. ("embed", "mlp")."""
     return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
 
@@ -72,7 +73,7 @@ def check_divisible(mesh: Mesh, shapes: Any, axes_tree: Any, rules: Mapping[str,
     """
     rules = current_rules() if rules is None else rules
     flat_shapes = _flatten_with_names(shapes, is_leaf=lambda s: hasattr(s, "shape"))
-    flat_axes = dict(_flatten_with_names(axes_tree, is_leaf=_is_names))
+    flat_axes = dict(_flatten_with_names(axes_tree, is_leaf=is_axis_names))
     for path, sds in flat_shapes:
         names = flat_axes[path]
         spec = logical_to_spec(names, rules)

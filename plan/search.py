@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 
 from errors import UserError
 from mesh.rules import logical_to_spec, make_rules
+from mesh.shard import is_axis_names
 from mesh.spec import AXES, mesh_text
 from models import model as model_lib
 from models.config import PipelineConfig
@@ -35,10 +36,6 @@ def factorizations(n: int, n_axes: int = len(AXES)) -> list[tuple[int, ...]]:
     if n_axes == 1:
         return [(n,)]
     return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, n_axes - 1)]
-
-
-def _is_names(x) -> bool:
-    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
 
 @functools.lru_cache(maxsize=16)
@@ -159,7 +156,7 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
     shards, pipe_m = batch_shards(mesh, rules), pc.microbatches_for(p)
     params_abs, axes = _model_arrays(stage)
     params = jax.tree.map(lambda s, names: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
-        mesh, logical_to_spec(names, {**rules, "layers": ()}))), params_abs, axes, is_leaf=_is_names)
+        mesh, logical_to_spec(names, {**rules, "layers": ()}))), params_abs, axes, is_leaf=is_axis_names)
     param_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
     run = RunSpec(model=stage, train=t, comm=comm_cfg or CommConfig(), pipeline=pc, sizes=sizes, rules=rules,
                   compute_dtype=dtype)

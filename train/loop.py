@@ -216,9 +216,10 @@ class Trainer:
         if note:
             recomputed = self.goodput.recomputed_steps if point else 0
             log.print(note + (f"; {recomputed} step(s) to recompute" if recomputed else ""))
+        config = cfg.to_dict()
         if point:
-            resume.warn_changed_settings(meta, cfg.to_dict(), data, log)
-        return _Run.start(self.setup, Saves(saver, every=cfg.checkpoint.every, mesh=self.mesh, config=cfg.to_dict(),
+            resume.warn_changed_settings(meta, config, data, log)
+        return _Run.start(self.setup, Saves(saver, every=cfg.checkpoint.every, mesh=self.mesh, config=config,
                                             seed=cfg.train.seed, data_position=data.state),
                           log, self.goodput, int(state.step), peak, self.on_log,
                           recover_from=lambda s, at: resume.recover(self.setup, self.abstract_state(), saver, s, at, log))
