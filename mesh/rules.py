@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Mapping
 
 from jax.sharding import PartitionSpec as P
@@ -26,6 +27,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "act_heads": ("model",),
     "act_kv_heads": ("model",),
     "act_vocab": ("model",),
+    "logits_batch": ("data", "fsdp", "expert"),  # the batch of the LM head's input and logits
     # parameters
     "embed": ("fsdp",),
     "mlp": ("model",),
@@ -33,6 +35,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "kv_heads": ("model",),
     "head_dim": (),
     "vocab": ("model",),
+    "vocab_embed": ("fsdp",),     # the d_model dim of the embedding table and the LM head (see vocab_parallel)
     "norm": (),
     "layers": ("pipeline",),      # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
     "experts": ("expert",),       # expert parallelism: each device holds n_experts / expert of them
@@ -43,6 +46,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
 
 # The config option that sets each parameter dim's size, so that a divisibility error names what to change.
 HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
+         "vocab_embed": "model.d_model",
          "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
          "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
 
@@ -81,6 +85,47 @@ def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
 
 def make_rules(overrides: str | Mapping | None = None) -> dict[str, MeshAxes]:
     return {**DEFAULT_RULES, **parse_overrides(overrides)}
+
+
+# The names vocab_parallel rewrites: a user override of any of them is kept as written under `auto`.
+VOCAB_NAMES = ("vocab", "vocab_embed", "act_vocab", "logits_batch")
+
+
+def vocab_parallel(rules: Mapping[str, MeshAxes]) -> dict[str, MeshAxes]:
+    """The embedding table and the LM head sharded on their vocabulary dim over the axes that
+    shard their d_model dim in `rules` (FSDP's): the head's input and the logits' batch are then
+    gathered over those axes, and the logits sharded on the vocabulary, as Megatron's
+    vocab-parallel head does over tensor parallelism.
+
+    Traffic per micro-batch, per device of an FSDP group of n: the classic layout all-gathers
+    the head's weights [D, V] and reduce-scatters their gradient (2 (n-1)/n x V D parameter
+    bytes); this one all-gathers the head's input, reduces its gradient and the embedding
+    lookup ([tokens of the group, D] each) and three [tokens] float32 reductions of the loss.
+    It wins while the group's tokens are fewer than the vocabulary (prefer_vocab_parallel)."""
+    moved = tuple(rules["vocab_embed"])
+    add = lambda axes: tuple(axes) + tuple(a for a in moved if a not in axes)  # noqa: E731
+    return {**rules, "vocab": add(rules["vocab"]), "vocab_embed": (), "act_vocab": add(rules["act_vocab"]),
+            "logits_batch": tuple(a for a in rules["logits_batch"] if a not in moved)}
+
+
+def head_layout(rules: Mapping[str, MeshAxes], mode: str, sizes: Mapping[str, int], *, vocab: int,
+                batch_tokens: int, act_bytes: int, param_bytes: int) -> dict:
+    """`rules` with the LM head's layout that --parallelism.vocab_parallel `mode` (auto|on|off)
+    picks on a mesh of these axis sizes. `batch_tokens`: tokens of one micro-batch of the global
+    batch. `auto` takes vocab_parallel where it moves
+    fewer bytes (~3 x the FSDP group's tokens x D activation bytes against ~2 x V x D parameter
+    bytes per micro-batch), and keeps a head layout the user wrote (a rule of VOCAB_NAMES
+    overridden) or a vocabulary the new axes would not divide."""
+    size = lambda axes: math.prod(sizes.get(a, 1) for a in axes)  # noqa: E731
+    if mode == "off" or size(rules["vocab_embed"]) == 1:
+        return dict(rules)
+    vp = vocab_parallel(rules)
+    if mode == "auto":
+        group_tokens = batch_tokens // size(vp["logits_batch"])
+        if (any(rules[n] != DEFAULT_RULES[n] for n in VOCAB_NAMES) or vocab % size(vp["vocab"])
+                or 3 * group_tokens * act_bytes >= 2 * vocab * param_bytes):
+            return dict(rules)
+    return vp
 
 
 @contextlib.contextmanager

@@ -86,7 +86,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
-        self.embed_VD = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt, std=cfg.init_std)
+        self.embed_VD = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "vocab_embed"), pdt, std=cfg.init_std)
         n_dense = cfg.n_layers - cfg.n_moe_layers
         if n_dense:
             self.blocks = _stack(cfg, n_dense, Block, self.dtype, pdt, rngs)
@@ -94,7 +94,7 @@ class Decoder(nnx.Module):
             self.moe_blocks = _stack(cfg, cfg.n_moe_layers, MoEBlock, self.dtype, pdt, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head_DV = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt, std=cfg.init_std)
+            self.lm_head_DV = param(rngs, (cfg.d_model, cfg.vocab_size), ("vocab_embed", "vocab"), pdt, std=cfg.init_std)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None, *,
@@ -167,11 +167,11 @@ class Decoder(nnx.Module):
         if cache is not None:
             cache = jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), caches)
 
-        x_BTD = self.final_norm(x_BTD)
+        x_BTD = constrain(self.final_norm(x_BTD), ("logits_batch", "seq", "act_embed"))
         head_DV = self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("batch", "seq", "act_vocab")), cache, stats
+        return constrain(logits_BTV, ("logits_batch", "seq", "act_vocab")), cache, stats
 
 
 def _pipeline_stages() -> int:

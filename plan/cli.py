@@ -101,7 +101,7 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     rules = make_rules(p.rules)
     if ns.search:
         rows = search.search(cfg.model, n, hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules, train_cfg=t,
-                             comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline)
+                             comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline, vocab_parallel=p.vocab_parallel)
         fit = [r for r in rows if r["fits"]]
         text = render_search(rows, ns.top, hw, n)
         report = {"devices": n, "hardware": hw.name, "valid": len(rows), "fit": len(fit), "top": fit[:ns.top]}
@@ -112,7 +112,8 @@ def analytic(ns, cfg) -> tuple[dict, str]:
         return report, text
     shape = resolve(p.mesh, n, p.mesh_dcn)
     row = search.evaluate(cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules,
-                          train_cfg=t, dcn=dict(zip(AXES, shape.dcn)), comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline)
+                          train_cfg=t, dcn=dict(zip(AXES, shape.dcn)), comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline,
+                          vocab_parallel=p.vocab_parallel)
     row["goodput"] = _goodput(ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw)
     return row, render_estimate(row, hw)
 

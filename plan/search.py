@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from errors import UserError
-from mesh.rules import logical_to_spec, make_rules
+from mesh.rules import head_layout, logical_to_spec, make_rules
 from mesh.shard import is_axis_names
 from mesh.spec import AXES, mesh_text
 from models import model as model_lib
@@ -135,17 +135,21 @@ def _train(train_cfg: TrainConfig | None, batch_size: int, seq_len: int, micro_b
 
 def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len: int, micro_batches: int = 1, *,
              rules=None, train_cfg: TrainConfig | None = None, dcn: dict[str, int] | None = None,
-             platform: str | None = None, comm_cfg=None, pipeline_cfg: PipelineConfig | None = None) -> dict:
+             platform: str | None = None, comm_cfg=None, pipeline_cfg: PipelineConfig | None = None,
+             vocab_parallel: str = "auto") -> dict:
     """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
     micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
-    comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync)."""
+    comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
+    vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh (head_layout)."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
-    rules = rules or make_rules()
     pc = pipeline_cfg or PipelineConfig()
     platform = platform or hw.platform
     dtype = cfg.compute_dtype(platform)
     act_bytes = np.dtype(dtype).itemsize
+    rules = head_layout(rules or make_rules(), vocab_parallel, sizes, vocab=cfg.vocab_size,
+                        batch_tokens=batch_size // micro_batches * seq_len, act_bytes=act_bytes,
+                        param_bytes=np.dtype(cfg.param_dtype).itemsize)
     t = _train(train_cfg, batch_size, seq_len, micro_batches)
     why = check(cfg, sizes, t, pc, rules)
     if why:
@@ -181,7 +185,7 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
 
 def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, micro_batches: int = 1, *,
            rules=None, train_cfg: TrainConfig | None = None, comm_cfg=None,
-           pipeline_cfg: PipelineConfig | None = None) -> list[dict]:
+           pipeline_cfg: PipelineConfig | None = None, vocab_parallel: str = "auto") -> list[dict]:
     """Every valid mesh of n_devices, best first: those that fit in memory by predicted step time,
     then those that do not, by memory. Validity is the run's own (validate_run). Pipeline meshes
     price the run's --pipeline settings; with --pipeline.microbatches unset, every micro-batch count
@@ -200,7 +204,7 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
             if check(cfg, sizes, t, choice, rules):
                 continue
             row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
-                           comm_cfg=comm_cfg, pipeline_cfg=choice)
+                           comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel)
             if best is None or (row["fits"], -row["t_step_s"]) > (best["fits"], -best["t_step_s"]):
                 best = row
         if best is not None:

@@ -110,6 +110,7 @@ def theory(run: RunSpec, params) -> dict:
 
     names = dict(path_names(model_lib.param_axes(m), is_leaf=lambda x: isinstance(x, tuple)))
     expert_axes = spec_axes(logical_to_spec(("experts",), rules))
+    vocab_axes = _vocab_parallel_axes(run)
     explicit_rs: dict[str, float] = defaultdict(float)
     uses, replicas = pipeline_uses(sizes, run.pipeline)
     for path, sds in path_names(params, is_leaf=lambda x: hasattr(x, "shape")):
@@ -118,7 +119,8 @@ def theory(run: RunSpec, params) -> dict:
         # expert axes (the tokens move by all-to-all instead, below)
         is_expert = "experts" in names[path]
         own = [a for a in batch_axes if not (is_expert and a in expert_axes)]
-        fsdp_axes = [a for a in own if a in used]
+        # a vocab-parallel head's weights never move: its input does (vocab_parallel_theory)
+        fsdp_axes = [a for a in own if a in used and not ("vocab" in names[path] and a in vocab_axes)]
         dp_axes = [a for a in own if a not in used]
         n_f = math.prod(sizes[a] for a in fsdp_axes)
         n_d = math.prod(sizes[a] for a in dp_axes)
@@ -142,8 +144,43 @@ def theory(run: RunSpec, params) -> dict:
     out.update(local_sgd(out, run.comm.sync_every, dp))
     if sizes["model"] > 1:
         out["all-reduce@model"] = tensor_parallel_theory(run)
+    for key, e in vocab_parallel_theory(run).items():
+        mine = out.setdefault(key, {"operand_bytes": 0.0, "wire_bytes": 0.0})
+        mine["operand_bytes"] += e["operand_bytes"]
+        mine["wire_bytes"] += e["wire_bytes"]
     out.update(all_to_all_theory(run))
     return out
+
+
+def _vocab_parallel_axes(run: RunSpec) -> list[str]:
+    """The batch axes the vocabulary dim is sharded on (mesh.rules.vocab_parallel), size > 1."""
+    batch = spec_axes(logical_to_spec(("batch",), run.rules))
+    return [a for a in spec_axes(logical_to_spec(("vocab",), run.rules)) if a in batch and run.sizes[a] > 1]
+
+
+def vocab_parallel_theory(run: RunSpec) -> dict:
+    """A vocab-parallel head (mesh.rules.vocab_parallel) over batch axes of n devices, per
+    micro-batch: the head's input [b, T, D] is all-gathered over them in the forward and again
+    for the backward's weight gradient, the targets [b, T] int32 once. Over every axis the
+    vocabulary is split on (those and 'model'): the embedding lookup (each device's rows of the
+    table, zero elsewhere: in the parameter dtype) and the head's input gradient reduce-scatter
+    back to the batch layout ([n b, T, D] operands), and the loss's max, sum-exp and target
+    logit are all-reduced ([n b, T] float32); tensor_parallel_theory counts these over 'model'
+    alone when the vocabulary is not split on a batch axis."""
+    axes = _vocab_parallel_axes(run)
+    n = math.prod(run.sizes[a] for a in axes)
+    if n <= 1:
+        return {}
+    m, mb = run.model, run.train.micro_batches
+    split = [a for a in spec_axes(logical_to_spec(("vocab",), run.rules)) if run.sizes[a] > 1]
+    n_split = math.prod(run.sizes[a] for a in split)
+    tokens, key, split_key = _tokens_per_device(run), _axes_key(axes), _axes_key(split)
+    gather = (2 * tokens * m.d_model * run.itemsize + tokens * 4) * mb
+    scatter = n * tokens * m.d_model * (jax.numpy.dtype(m.param_dtype).itemsize + run.itemsize) * mb
+    reduce = 3 * n * tokens * 4 * mb
+    return {f"all-gather@{key}": {"operand_bytes": gather, "wire_bytes": (n - 1) * gather},
+            f"reduce-scatter@{split_key}": {"operand_bytes": scatter, "wire_bytes": (n_split - 1) / n_split * scatter},
+            f"all-reduce@{split_key}": {"operand_bytes": reduce, "wire_bytes": 2 * (n_split - 1) / n_split * reduce}}
 
 
 def pipeline_uses(sizes: dict[str, int], pipeline_cfg: PipelineConfig) -> tuple[float, set[str]]:
@@ -211,8 +248,9 @@ def tensor_parallel_theory(run: RunSpec) -> dict:
             moe += 2 * act + m.experts_per_token * n * item
             moe_ops += 3
         b, ops = b + n_moe * moe, ops + n_moe * moe_ops
-    b += 2 * act + 3 * n * 4
-    ops += 5
+    if not _vocab_parallel_axes(run):  # else vocab_parallel_theory counts these over the batch axes and 'model'
+        b += 2 * act + 3 * n * 4
+        ops += 5
     return {"operand_bytes": float(b * t.micro_batches), "wire_bytes": 2 * (n_tp - 1) / n_tp * b * t.micro_batches,
             "count": ops * t.micro_batches,
             "note": "Megatron TP: per layer the attention output (fwd) and the fused q/k/v input gradient (bwd),"

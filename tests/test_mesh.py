@@ -274,7 +274,7 @@ def _abstract_params(cfg, mesh, rules):
 
 def test_warn_undersharded_names_replicated_array():
     cfg, mesh = _big_cfg(), make_mesh("fsdp=8")
-    params = _abstract_params(cfg, mesh, make_rules("embed=none"))
+    params = _abstract_params(cfg, mesh, make_rules("vocab_embed=none"))
     with pytest.warns(UserWarning) as rec:
         msgs = warn_undersharded(mesh, params)
     assert len(msgs) == 2 and len(rec) == 2

@@ -58,7 +58,7 @@ def test_params_layout(params):
     assert params["blocks"]["mlp"]["w_down_FD"].shape == (CFG.n_layers, CFG.d_ff, CFG.d_model)
     axes = model_lib.param_axes(CFG)
     assert axes["blocks"]["mlp"]["w_gate_DF"] == ("layers", "embed", "mlp")
-    assert axes["embed_VD"] == ("vocab", "embed") and axes["final_norm"]["scale"] == ("norm",)
+    assert axes["embed_VD"] == ("vocab", "vocab_embed") and axes["final_norm"]["scale"] == ("norm",)
     assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(params)
     # the abstract params match the real ones without allocating
     abstract = model_lib.abstract_params(CFG)

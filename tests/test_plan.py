@@ -215,3 +215,18 @@ def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedu
     assert f"pipeline bubble {100 * priced['bubble']:.1f}%" in render_cost(priced)
     # a GPU/TPU target prices the stage-to-stage sends plan counts (bubble ticks included)
     assert priced["comm"]["collective-permute@pipeline"]["wire_bytes"] == printed["permute_bytes_theory"]
+
+
+def test_vocab_parallel_head_matches_theory():
+    """Few tokens per FSDP group (8 x 16 = 128 < 264 rows): `auto` shards the head on the vocabulary,
+    so its weights never move; the head's input, the lookup and the loss's reductions do."""
+    r = analyze(Trainer(cfg("fsdp=8", **{"train.batch_size": 8, "train.seq_len": 16})).setup)
+    th = r["theory_on_backend_detail"]
+    head = next(row for row in r["sharding"] if row["name"] == "lm_head_DV")
+    assert head["local_shape"] == [64, 264 // 8]  # sharded on the vocabulary, not on d_model
+    for kind in ("all-gather", "all-reduce"):
+        assert measured(r, kind, "fsdp") == pytest.approx(th[f"{kind}@fsdp"]["operand_bytes"], rel=0.10), kind
+    # by hand: layer weights gathered twice (forward + remat), embedding and head never; the head's
+    # input [128 tokens, 64] twice and the targets once, each device sending its 16 tokens' share
+    layer_w = 2 * 12288 + 2 * 36864
+    assert th["all-gather@fsdp"]["operand_bytes"] == 2 * layer_w * 4 / 8 + 2 * 16 * 64 * 4 + 16 * 4

@@ -29,7 +29,11 @@ def model_overrides(mesh: str) -> dict:
 
 
 def make_cfg(mesh: str, run_dir, **over):
+    # the classic FSDP head everywhere (where `auto` would pick the vocab-parallel one, at 128 tokens
+    # per FSDP group on data=2,fsdp=2,model=2): tests/test_equivalence_head.py compares that layout
+    # per step and by its raw gradient, with the Adam settings that make such a comparison sharp
     d = {"model.preset": "tiny", "model.dtype": "float32", "parallelism.mesh": mesh,
+         "parallelism.vocab_parallel": "off",
          "train.batch_size": 8, "train.seq_len": 32, "train.steps": 5, "train.seed": 0,
          "train.eval_every": 0, "train.sample_tokens": 0,
          "logging.log_every": 1, "logging.progress": False, "logging.tensorboard": False,
