@@ -1,10 +1,11 @@
 """`python -m checkpoint inspect PATH [--json]`, `python -m checkpoint export PATH --params-only OUT`
 and `python -m checkpoint hf import|export` (HuggingFace <-> Brigade, checkpoint/hf.py).
 
-PATH is one step's directory (`runs/x/checkpoints/40`), a checkpoint directory (its latest step) or
-a run directory (its `checkpoints/`). `inspect` reads only metadata, never the arrays. `export`
-reads only the parameters (into host memory, no device needed) and writes them as a checkpoint of
-the same layout, `OUT/<step>/{state/, meta/}`, whose state is `{"params": ...}`.
+PATH is one step's directory (`runs/x/checkpoints/40`), a checkpoint directory (its latest step),
+a run directory (its `checkpoints/`) or a --checkpoint.local_dir (its first process's copy).
+`inspect` reads only metadata, never the arrays. `export` reads only the parameters (into host
+memory, no device needed) and writes them as a checkpoint of the same layout,
+`OUT/<step>/{state/, meta/}`, whose state is `{"params": ...}`.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def inspect_text(info: dict) -> str:
              f" {meta.get('processes', '?')} process{'' if meta.get('processes') == 1 else 'es'})",
              f"data: next step {data.get('next_step', '?')}, seed {data.get('seed', '?')},"
              f" source {data.get('source', '?')}",
+             *([f"local tier: process {meta['local']['process']}'s own copy (the shards it held of the mesh"
+                f" above; restores only onto that layout)"] if "local" in meta else []),
              f"saved: {meta.get('saved_at', '?')} with "
              + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()),
              "config:"]
@@ -89,7 +92,8 @@ def export_params(path: str, out: str) -> str:
         raise UserError(f"export: '{out}' already exists and is not empty; choose a new OUT directory")
     ck, step = open_checkpoint(path)
     params = ck.restore_params_to_host(step)
-    meta = {**ck.meta(step), "format": FORMAT_VERSION, "contents": PARAMS_ONLY, "exported_from": ck.step_dir(step)}
+    saved = {k: v for k, v in ck.meta(step).items() if k != "local"}  # an export is no local-tier copy
+    meta = {**saved, "format": FORMAT_VERSION, "contents": PARAMS_ONLY, "exported_from": ck.step_dir(step)}
     dst = Checkpointer(out, keep=0, async_save=False)
     dst.save(step, {"params": params}, meta)
     dst.close()

@@ -79,6 +79,7 @@ META_SCHEMA = {
              "loader": {"next_step": int, "sources": [dict]}},
     "model": dict, "config": {"*": dict, "comm": _COMM}, "versions": {"*": str},
     "saved_at": str, "contents": str, "exported_from": str, "imported_from": dict,
+    "local": {"process": int, "processes": int, "device_ids": [int]},  # a local-tier copy (checkpoint/tiers.py)
 }
 _REQUIRED_META = ("step",)
 _JSON_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",

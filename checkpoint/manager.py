@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 from typing import Any, Iterator
 
 import jax
@@ -36,7 +38,16 @@ class _QuietBackgroundSaveErrors(logging.Filter):
         return True
 
 
+class _QuietLocalSaves(logging.Filter):
+    """Orbax warns at every save of a process-local checkpoint (the local tier) that it logs no
+    global write speed for it: nothing to act on, once per save."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Global object size logging disabled" not in record.getMessage()
+
+
 logging.getLogger("absl").addFilter(_QuietBackgroundSaveErrors())
+logging.getLogger("absl").addFilter(_QuietLocalSaves())
 quiet_failed_read_echoes()
 
 
@@ -44,16 +55,21 @@ quiet_failed_read_echoes()
 _is_array = lambda x: hasattr(x, "shape")  # noqa: E731  (ShapeDtypeStruct, jax.Array, ArrayMetadata)
 
 
-def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+def _type_handlers(process_local: bool) -> ocp.type_handlers.TypeHandlerRegistry:
     """Orbax's standard handlers, with replica-parallel saving only where it can pay off.
 
     Replica-parallel saving splits the writing of a replicated shard over its replicas; that only
     helps when the replicas live on different hosts. On one host it buys nothing and costs an
     eager `lax.slice` per (array, replica) that XLA compiles on the first save: 3.7 s of blocked
-    loop for the tiny model on data=4,model=2 (measured; 0.05 s without)."""
+    loop for the tiny model on data=4,model=2 (measured; 0.05 s without).
+
+    process_local: every process writes every shard it holds (the replica of its first shard, not
+    replica 0, which may live on another process) and finalizes alone: the configuration of
+    Orbax's emergency (local) checkpoint manager."""
     th = ocp.type_handlers
     scalar = th.ScalarHandler()
-    array = th.ArrayHandler(use_replica_parallel=None if jax.process_count() > 1 else False)
+    array = (th.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False) if process_local
+             else th.ArrayHandler(use_replica_parallel=None if jax.process_count() > 1 else False))
     return th.create_type_handler_registry(
         (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
         (np.ndarray, th.NumpyHandler()), (jax.Array, array), (str, th.StringHandler()))
@@ -86,30 +102,45 @@ class Checkpointer:
     """One checkpoint directory: save (asynchronous), list, read metadata, restore onto any mesh."""
 
     def __init__(self, directory: str, *, keep: int = 3, keep_every: int = 0, async_save: bool = True,
-                 create: bool = True):
+                 create: bool = True, process_local: bool = False, flag: str = "--checkpoint.dir"):
+        """process_local: this process's own copy on host-local storage (the local tier,
+        checkpoint/tiers.py): it writes every shard it holds and commits without the other
+        processes, which do the same into their own directories. `flag`: the option named when
+        the directory cannot be created."""
         directory = os.path.abspath(directory)
+        owner = process_local or jax.process_index() == 0  # who creates, checks and tidies the directory
         if create:
             try:
-                if jax.process_index() == 0:
+                if owner:
                     os.makedirs(directory, exist_ok=True)
             except OSError as e:
-                raise UserError(f"--checkpoint.dir: cannot create '{directory}': {e.strerror}") from None
-            if jax.process_index() == 0 and not os.access(directory, os.W_OK):
-                raise UserError(f"--checkpoint.dir: '{directory}' is not writable")
+                raise UserError(f"{flag}: cannot create '{directory}': {e.strerror}") from None
+            if owner and not os.access(directory, os.W_OK):
+                raise UserError(f"{flag}: '{directory}' is not writable")
         elif not os.path.isdir(directory):
             raise UserError(f"'{directory}': no such checkpoint directory")
-        self.directory = directory
-        if create and jax.process_index() == 0:
+        self.directory, self.process_local = directory, process_local
+        self.companions: list = []  # savers of the same run closed with this one (the local tier)
+        if create and owner:
             self._set_aside_links()
         self._names = StepNames(skip_links=create)  # a reader never deletes: it may read through a link
+        alone = ocp.options.MultiprocessingOptions(  # no barrier with the other processes
+            primary_host=None, active_processes={jax.process_index()},
+            barrier_sync_key_prefix=f"brigade-local-{jax.process_index()}") if process_local else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep > 0 else None,
             keep_period=keep_every if keep_every > 0 else None,  # steps % keep_every == 0 are never deleted
-            enable_async_checkpointing=async_save, create=create,  # Orbax's create: a barrier for the other processes
-            step_name_format=self._names)
-        handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
-                    "meta": ocp.JsonCheckpointHandler()}
-        self._mngr = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+            enable_async_checkpointing=async_save,
+            create=create and not process_local,  # Orbax's create: a barrier for the other processes
+            step_name_format=self._names,
+            **(dict(multiprocessing_options=alone, save_root_metadata=False,
+                    enable_per_process_directory_creation=True) if alone else {}))
+        json_handler = ocp.JsonCheckpointHandler(**({"multiprocessing_options": alone} if alone else {}))
+        state_handler = ocp.PyTreeCheckpointHandler(
+            type_handler_registry=_type_handlers(process_local),
+            **({"multiprocessing_options": alone} if alone else {}))
+        self._mngr = ocp.CheckpointManager(directory, options=options,
+                                           item_handlers={"state": state_handler, "meta": json_handler})
 
     # -- listing and metadata (nothing is loaded) ------------------------------------------------
     def latest_step(self) -> int | None:
@@ -158,6 +189,19 @@ class Checkpointer:
             raise UnreadableCheckpoint(self.step_dir(step), "_CHECKPOINT_METADATA", self._names.unlisted[step])
         check_files(self.step_dir(step), check_meta)
 
+    def _check_whole(self, step: int) -> dict:
+        """check_files -> the step's meta; UserError for a local-tier copy of a multi-process run
+        read as an ordinary checkpoint (--resume PATH, --init-from, export): it holds only the
+        shards of the process that wrote it, and the others would read back as zeros."""
+        self.check_files(step)
+        meta = self.meta(step)
+        local = {} if self.process_local else meta.get("local", {})
+        if local.get("processes", 1) > 1:
+            raise UserError(f"checkpoint {self.step_dir(step)} is process {local.get('process')}'s local-tier copy"
+                            f" of a {local['processes']}-process run: it holds only that process's shards; use a"
+                            f" step of the run's --checkpoint.dir")
+        return meta
+
     @contextlib.contextmanager
     def _reading(self, step: int) -> Iterator[None]:
         """Turn any failure to read step `step` (Orbax, tensorstore, JSON, OS errors) into an
@@ -192,8 +236,7 @@ class Checkpointer:
         """Restore into `abstract_state` (ShapeDtypeStructs with shardings, on any mesh): each
         device reads only the slices of the saved arrays that its new shards cover. Nothing is
         read twice: damaged array data fails the restore itself, which then names the file."""
-        self.check_files(step)
-        meta = self.meta(step)
+        meta = self._check_whole(step)
         self.check_compatible(step, abstract_state, meta)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
         with self._reading(step):
@@ -206,18 +249,23 @@ class Checkpointer:
         run may save that step again); nothing is deleted. -> the new path."""
         src = self.step_dir(step)
         dst = f"{src}.unreadable"
-        if jax.process_index() == 0:
+        if self.process_local or jax.process_index() == 0:
             dst = _unused(dst)
             os.rename(src, dst)
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 and not self.process_local:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"brigade_set_aside_{step}")
         self._mngr.reload()
         return dst
 
+    def delete(self, step: int) -> None:
+        """Remove `step` from a local tier (this process's own copy: no other process is involved)."""
+        shutil.rmtree(self.step_dir(step))
+        self._mngr.reload()
+
     def restore_params_to_host(self, step: int) -> dict:
         """Only the `params` subtree, as numpy arrays in host memory (the optimizer state is not read)."""
-        self.check_files(step)
+        self._check_whole(step)
         with self._reading(step):
             saved = self._mngr.item_metadata(step)["state"]
         try:
@@ -236,7 +284,7 @@ class Checkpointer:
         """Only the `params` subtree, read straight into `abstract_params`' shardings (on any mesh;
         cast to their dtypes), from a full or a parameters-only checkpoint. UserError listing the
         arrays whose shapes differ."""
-        self.check_files(step)
+        self._check_whole(step)
         self._check_shapes(step, abstract_params, prefix="params/", what=" (parameters)")
         item = {"params": abstract_params}
         with self._reading(step):
@@ -268,14 +316,19 @@ class Checkpointer:
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+        """Commit what is in flight and close, the companions too (each one even if another failed)."""
+        with contextlib.ExitStack() as closing:
+            for other in self.companions:
+                closing.callback(other.close)
+            self._mngr.wait_until_finished()
+            self._mngr.close()
 
 
 def open_checkpoint(path: str) -> tuple[Checkpointer, int]:
     """PATH -> (its checkpoint directory, opened for reading; the step). PATH may be one step's
-    directory (`.../checkpoints/40`), a checkpoint directory (its latest committed step) or a
-    run directory (its `checkpoints/`)."""
+    directory (`.../checkpoints/40`), a checkpoint directory (its latest committed step), a
+    run directory (its `checkpoints/`) or a local tier's directory (the copy of its first process
+    that holds a step: `process-0/`, else the next)."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise UserError(f"'{path}': no such checkpoint directory")
@@ -285,11 +338,13 @@ def open_checkpoint(path: str) -> tuple[Checkpointer, int]:
         if int(base) not in ck.all_steps():
             raise UserError(f"'{path}' is not a committed checkpoint (its save never finished)")
         return ck, int(base)
-    for d in (path, os.path.join(path, RUN_SUBDIR)):
+    # a local tier's directory (checkpoint/tiers.py) holds one checkpoint directory per process
+    processes = sorted((n for n in os.listdir(path) if re.fullmatch(r"process-\d+", n)), key=lambda n: int(n[8:]))
+    for d in (path, os.path.join(path, RUN_SUBDIR), *(os.path.join(path, n) for n in processes)):
         if os.path.isdir(d):
             ck = Checkpointer(d, create=False)
             step = ck.latest_step()
             if step is not None:
                 return ck, step
     raise UserError(f"'{path}' holds no committed checkpoint (expected a step directory such as"
-                    f" checkpoints/40, a checkpoint directory or a run directory)")
+                    f" checkpoints/40, a checkpoint directory, a run directory or a --checkpoint.local_dir)")

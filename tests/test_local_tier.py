@@ -1,0 +1,152 @@
+"""The local checkpoint tier (--checkpoint.local_dir, checkpoint/tiers.py): saved every
+--checkpoint.local_every steps next to the persistent saves; resume takes the newest intact step
+across both tiers, bit-identical to an uninterrupted run; a damaged or lost local copy falls back
+to the persistent tier; with two processes they agree on one step, and a process whose local tier
+is gone makes them all resume from the persistent one.
+
+A run "crashes" after its last local save by deleting its final persistent step (the state a
+SIGKILL between the two saves leaves); the drill kills real processes. Constant learning rate
+(warmup 0, min_lr_ratio 1), as in tests/test_checkpoint.py.
+"""
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from checkpoint.__main__ import describe
+from checkpoint.tiers import process_dir
+from errors import UserError
+from test_multiprocess import FLAGS, TIMEOUT_S, Children, child_env, free_port, losses
+from train.config import build
+from train.loop import Trainer
+
+BASE = {"model.preset": "tiny", "model.dtype": "float32", "train.batch_size": 8, "train.seq_len": 32,
+        "train.steps": 8, "train.warmup_steps": 0, "train.min_lr_ratio": 1.0, "train.eval_every": 0,
+        "train.sample_tokens": 0, "logging.log_every": 1, "logging.progress": False,
+        "logging.tensorboard": False, "parallelism.mesh": "data=4,model=2",
+        "checkpoint.every": 4, "checkpoint.local_every": 3}
+
+
+def make_cfg(tmp_path, **over):
+    return build({**BASE, "logging.run_dir": str(tmp_path / "run"),
+                  "checkpoint.local_dir": str(tmp_path / "local"), **over})
+
+
+def committed(d) -> list[int]:
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def truncate_largest_data_file(step_dir) -> None:
+    d = os.path.join(step_dir, "state", "d")
+    path = max((os.path.join(d, n) for n in os.listdir(d)), key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def resume_after_crash(tmp_path, capsys) -> tuple[Trainer, dict, list[float], str]:
+    """Delete the final persistent step (a crash after step 7), run the same config again ->
+    (the trainer, its summary, its losses, what it printed)."""
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "8")
+    capsys.readouterr()
+    tr = Trainer(make_cfg(tmp_path))
+    summary = tr.fit()
+    return tr, summary, [r["loss"] for r in tr.history], capsys.readouterr().out
+
+
+def same_params(a: Trainer, b: Trainer) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(a.state.params)),
+                                                    jax.tree.leaves(jax.device_get(b.state.params)), strict=True))
+
+
+def test_local_tier_resume_is_exact_and_falls_back(tmp_path, capsys):
+    local = Path(process_dir(tmp_path / "local", 0))
+    ref = Trainer(make_cfg(tmp_path))
+    assert ref.fit()["exit_code"] == 0
+    ref_losses = [r["loss"] for r in ref.history]
+    # local every 3 (3, 6), persistent every 4 and at the end (4, 8): one tier per step
+    assert committed(tmp_path / "run" / "checkpoints") == [4, 8] and committed(local) == [3, 6]
+    info = describe(str(tmp_path / "local"))  # `python -m checkpoint inspect LOCAL_DIR`
+    assert info["path"] == str(local / "6") and info["meta"]["local"]["process"] == 0
+
+    # (1) the newest step is local: resumed from it, bit-identical losses and parameters
+    tr, summary, got, out = resume_after_crash(tmp_path, capsys)
+    assert summary["resumed_from"] == 6 and f"resumed from {local / '6'} (step 6" in out
+    assert got == ref_losses[6:] and same_params(tr, ref)
+    # (2) the local step is damaged: one warning, set aside, the persistent step 4 instead
+    truncate_largest_data_file(local / "6")
+    tr, summary, got, out = resume_after_crash(tmp_path, capsys)
+    assert summary["resumed_from"] == 4 and got == ref_losses[4:] and same_params(tr, ref)
+    assert f"checkpoint {local / '6'} is unreadable" in out and f"set aside as {local / '6.unreadable'}" in out
+    # (3) the local tier is gone (a lost disk): the persistent tier, again exact
+    shutil.rmtree(tmp_path / "local")
+    tr, summary, got, out = resume_after_crash(tmp_path, capsys)
+    assert summary["resumed_from"] == 4 and got == ref_losses[4:] and same_params(tr, ref)
+    assert committed(local) == [6]  # saved again, into a fresh local tier
+
+
+def test_bad_local_dir_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"^--checkpoint.local_every 0: must be >= 1 when --checkpoint.local_dir"):
+        make_cfg(tmp_path, **{"checkpoint.local_every": 0})
+    (tmp_path / "file").write_text("")
+    for local, why in ((tmp_path / "run" / "checkpoints" / "fast", "inside the persistent checkpoint directory"),
+                       (tmp_path / "file" / "local", "cannot create")):
+        tr = Trainer(make_cfg(tmp_path, **{"checkpoint.local_dir": str(local)}))
+        with pytest.raises(UserError) as e:
+            tr.resume_point(tr.open_checkpoints())  # where a run opens its tiers, before any step
+        assert str(e.value).startswith("--checkpoint.local_dir") and why in str(e.value)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_agree_on_the_local_step_or_the_persistent_one(tmp_path):
+    """2 processes x 4 devices, persistent saves every 4 steps, local every step. Both hang at
+    step 7 (after the local save of step 6) and are SIGKILLed. Then, at once: (A) the same run
+    restarts and resumes from local step 6; (B) a copy of it whose process 1 lost its local tier
+    resumes from persistent step 4. B's steps 5-6 equal the killed run's, and A's steps 7-10 equal
+    B's: both tiers restore exactly."""
+    def start(kids: Children, tag: str, run: str, env: dict) -> None:
+        port = free_port()
+        for i in range(2):
+            kids.start(f"{tag}{i}", FLAGS + [
+                "--mesh-dcn", "data=2", "--steps", "10", "--train.sample_tokens", "0", "--checkpoint.every", "4",
+                "--checkpoint.local_every", "1", "--run-dir", str(tmp_path / run),
+                "--checkpoint.local_dir", str(tmp_path / f"{run}-local"), "--coordinator", f"127.0.0.1:{port}",
+                "--num-processes", "2", "--process-id", str(i)], env)
+
+    env = child_env(4)  # LLVM level 0, as in tests/cpu_env.py (process 1 misses the compilation cache)
+    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    kids = Children(tmp_path)
+    start(kids, "first", "a", {**env, "BRIGADE_INJECT_HANG_STEPS": "7"})
+    held = [Path(process_dir(tmp_path / "a-local", i)) for i in range(2)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all(6 in committed(d) for d in held) and time.monotonic() < deadline \
+            and all(p.poll() is None for _, p, _, _ in kids.procs):
+        time.sleep(0.2)
+    for _, p, _, _ in reversed(kids.procs):  # process 1 first
+        p.send_signal(signal.SIGKILL)
+    kids.kill()
+    logs = kids.logs()
+    assert all(committed(d) == [5, 6] for d in held) and committed(tmp_path / "a" / "checkpoints") == [4], logs
+    killed = losses(tmp_path / "a", logs)
+    assert killed["step"] == [1, 2, 3, 4, 5, 6], logs
+
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.copytree(tmp_path / "a-local", tmp_path / "b-local")
+    shutil.rmtree(process_dir(tmp_path / "b-local", 1))  # process 1 lost its local disk
+    kids = Children(tmp_path)
+    start(kids, "A", "a", env)
+    start(kids, "B", "b", env)
+    kids.wait_all(2 * TIMEOUT_S)
+    logs = kids.logs()
+    out_a, out_b = (tmp_path / "A0.stdout").read_text(), (tmp_path / "B0.stdout").read_text()
+    assert f"resumed from {held[0] / '6'} (step 6" in out_a, logs
+    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / '4'} (step 4" in out_b, logs
+    a, b = losses(tmp_path / "a", logs), losses(tmp_path / "b", logs)
+    assert a["step"] == b["step"] == list(range(1, 11)), logs
+    assert b["loss"][4:6] == killed["loss"][4:6] and a["loss"][6:] == b["loss"][6:], logs
