@@ -101,3 +101,27 @@ def test_python_m_train_report(tmp_path):
     r = subprocess.run([sys.executable, "-m", "train", "report", str(tmp_path / "nope")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "not a directory" in r.stderr
+
+
+def test_step_split_stragglers_and_memory(tmp_path):
+    run = write_run(tmp_path / "run")
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
+    with open(run / "metrics.jsonl", "w") as f:
+        for r in recs:
+            if "loss" in r:
+                r.update(compute_s=0.08, host_s=0.01, step_time_max_over_median=1.1, slowest_process=1,
+                         host_rss_bytes=3 << 30)
+            f.write(json.dumps(r) + "\n")
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(predicted_peak_bytes=3 << 29, mem_peak_bytes=None, host_rss_bytes=3 << 30)
+    (run / "summary.json").write_text(json.dumps(summary))
+    out = run / "report"
+    report.report(str(run))
+    pngs = {p.name for p in out.iterdir() if p.suffix == ".png"}
+    assert {"step_split.png", "stragglers.png", "memory.png"} <= pngs, pngs
+    md = (out / "report.md").read_text()
+    assert "| device memory peak (measured / predicted) | unavailable / 1.50 GiB |" in md, md
+    assert "| host RSS (largest logged) | 3.00 GiB |" in md, md
+    x, y = report.series(recs, "host_rss_bytes")
+    assert y == [3.0] * len(x)  # bytes are drawn in GiB
+

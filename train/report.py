@@ -12,6 +12,7 @@ import os
 import sys
 
 from errors import ArgParser, UserError
+from train.device_memory import size_text
 from train.goodput import read_records
 
 # (file, title, y label, metric keys drawn on it, stacked); a key ending in '*' matches every key
@@ -21,12 +22,19 @@ PLOTS = (
     ("tokens_per_sec.png", "Throughput", "tokens/s", ("tokens_per_sec",), False),
     ("mfu.png", "Model FLOPs utilisation", "MFU (%)", ("mfu",), False),
     ("data_wait.png", "Data wait per step", "seconds", ("data_wait_s",), False),
+    ("step_split.png", "Step time on the devices and on the host", "seconds per step", ("compute_s", "host_s"),
+     False),
+    ("stragglers.png", "Slowest process's step time / the others' median", "ratio", ("step_time_max_over_median",),
+     False),
+    ("memory.png", "Memory (the fullest device; the host process)", "GiB",
+     ("mem_peak_bytes", "mem_bytes_in_use", "host_rss_bytes"), False),
     ("goodput.png", "Goodput (productive step time / wall time)", "goodput (%)", ("goodput*",), False),
     # the goodput breakdown: cumulative seconds per category, which add up to the wall time
     ("time.png", "Where the wall time went", "seconds (cumulative)", ("time_*",), True),
 )
 TOTALS = ("time_total_s",)  # drawn by the stack itself
 PERCENT = ("mfu", "goodput")  # stored as fractions, shown as percentages
+BYTES = ("mem_", "host_rss_")  # stored in bytes, shown in GiB
 
 
 def read_run(run_dir: str) -> tuple[list[dict], dict, dict]:
@@ -60,7 +68,7 @@ def _keys(records: list[dict], patterns: tuple[str, ...]) -> list[str]:
 
 def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     pts = [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
-    scale = 100.0 if key.startswith(PERCENT) else 1.0
+    scale = 100.0 if key.startswith(PERCENT) else 2.0**-30 if key.startswith(BYTES) else 1.0
     return [s for s, _ in pts], [v * scale for _, v in pts]
 
 
@@ -106,6 +114,14 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
+def _memory(summary: dict, *keys: str) -> str | None:
+    """'1.20 GiB / 1.50 GiB' from summary.json's byte counts; None when the run has none of them
+    (older runs); 'unavailable' for a figure the backend did not keep."""
+    if not any(k in summary for k in keys):
+        return None
+    return " / ".join(size_text(summary.get(k)) for k in keys)
+
+
 def markdown(run_dir: str, records: list[dict], config: dict, summary: dict, plots: list[tuple[str, str]]) -> str:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
@@ -118,6 +134,8 @@ def markdown(run_dir: str, records: list[dict], config: dict, summary: dict, plo
         ("tokens/s (median)", summary.get("tokens_per_sec")),
         ("MFU (median)", f"{100 * summary['mfu']:.2f}%" if "mfu" in summary else None),
         ("goodput", f"{100 * summary['goodput']:.1f}%" if isinstance(summary.get("goodput"), (int, float)) else None),
+        ("device memory peak (measured / predicted)", _memory(summary, "mem_peak_bytes", "predicted_peak_bytes")),
+        ("host RSS (largest logged)", _memory(summary, "host_rss_bytes")),
         ("compile (s)", summary.get("compile_s")),
         ("wall time (s)", summary.get("wall_s")),
         ("parameters", f"{summary['params'] / 1e6:.2f}M" if summary.get("params") else None),

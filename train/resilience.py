@@ -58,7 +58,7 @@ def exit_code(signum: int | None) -> int:
 
 
 class Diverged(RuntimeError):
-    """Too many non-finite steps in a row and no checkpoint to go back to (exit status 3)."""
+    """Too many skipped steps in a row (non-finite or spikes) and no checkpoint to go back to (exit status 3)."""
 
 
 DIVERGED_EXIT = 3
@@ -73,6 +73,20 @@ def injected_processes(fault: str) -> set[int]:
     """Fault injection for multi-process drills: BRIGADE_INJECT_<FAULT>_PROCESSES=1 -> {1}, the
     process indices that act out the fault (every process of a job may share one environment)."""
     return _numbers(f"BRIGADE_INJECT_{fault}_PROCESSES")
+
+
+def injected_delay(process: int) -> float:
+    """Fault injection for straggler drills: BRIGADE_INJECT_STEP_DELAY=PROCESS:SECONDS -> SECONDS
+    for that process (it sleeps that long after each step), 0.0 for every other."""
+    raw = os.environ.get("BRIGADE_INJECT_STEP_DELAY", "")
+    if not raw:
+        return 0.0
+    try:
+        target, seconds = raw.split(":")
+        return float(seconds) if int(target) == process else 0.0
+    except ValueError:
+        from errors import UserError
+        raise UserError(f"BRIGADE_INJECT_STEP_DELAY={raw!r}: expected PROCESS:SECONDS, e.g. 1:0.5") from None
 
 
 def _numbers(variable: str) -> set[int]:

@@ -20,6 +20,7 @@ from checkpoint.integrity import UnreadableCheckpoint
 from checkpoint.layout import replica_layout
 from checkpoint.manager import Checkpointer, open_checkpoint
 from checkpoint.saving import step_list
+from checkpoint.tiers import all_processes, drop_after, local_tier, saved_elsewhere, steps_everywhere
 from errors import UserError
 from mesh.spec import mesh_text
 from train import comm, optim, state as train_state
@@ -42,30 +43,64 @@ class ResumePoint:
 def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> ResumePoint | None:
     """Where --resume says to continue from, checked to be usable by this run, or None for a fresh
     start. A step at or past --steps, which nothing will restore, is checked against this run's
-    arrays (metadata only), so that a finished run still refuses a checkpoint it could not resume."""
-    resume = run.cfg.checkpoint.resume
-    if resume == "none":
+    arrays (metadata only), so that a finished run still refuses a checkpoint it could not resume.
+    With a local tier, `latest` looks there first, and each process's local steps after the
+    point are deleted (they belong to the trajectory this run replaces)."""
+    c = run.cfg.checkpoint
+    local = local_tier(saver, c.local_dir, keep=c.local_keep, async_save=c.async_save)
+    if c.resume == "none":
         if saver.all_steps():
             raise UserError(f"--resume none, but {saver.directory} already holds checkpoints (steps"
                             f" {step_list(saver.all_steps())}) that new saves would collide with; use another"
                             f" --run-dir or --checkpoint.dir, or delete them")
-        return None
-    if resume == "latest":
-        point = _latest_intact(run, abstract, saver)
+        point = None
+    elif c.resume == "latest":
+        point = (_newest_local(run, abstract, saver, local) if local else None) \
+            or _latest_intact(run, abstract, saver)
     else:
-        src, step = open_checkpoint(resume)
+        src, step = open_checkpoint(c.resume)
         if src.directory == saver.directory:
             src = saver
         saved_abstract(run, abstract, src, step)   # a layout that cannot be converted fails before anything runs
         newer = [s for s in saver.all_steps() if s > step]
         if newer:
-            raise UserError(f"--resume {resume}: step {step} is older than checkpoints already in"
+            raise UserError(f"--resume {c.resume}: step {step} is older than checkpoints already in"
                             f" {saver.directory} (steps {step_list(newer)}), which this run would collide with;"
                             f" use another --checkpoint.dir")
         point = ResumePoint(src, step)
+    if local:
+        drop_after(local, point.step if point else None)
     if point and point.step >= run.cfg.train.steps:
         point.src.check_compatible(point.step, saved_abstract(run, abstract, point.src, point.step))
     return point
+
+
+def _newest_local(run: RunSetup, abstract: TrainState, saver: Checkpointer, local: Checkpointer
+                  ) -> ResumePoint | None:
+    """--resume latest with a local tier: the newest step that every process holds in its local
+    tier and reads back whole, when it is newer than the persistent tier's newest step; else None
+    (the persistent tier decides). The processes decide together: a step that one of them lacks,
+    cannot read (set aside there as `<step>.unreadable`) or holds for another mesh layout is
+    skipped by all, each process reading only its own copy (no collective while they disagree)."""
+    newest_shared = saver.latest_step()
+    for step in steps_everywhere(local):
+        if newest_shared is not None and step <= newest_shared:
+            break
+        restored, why, damaged = None, "", False
+        try:
+            why = saved_elsewhere(local, step, run.mesh) or (
+                "" if saved_abstract(run, abstract, local, step) is abstract
+                else f"local step {step} was saved with other --comm settings")
+            restored = None if why else local.restore(step, abstract)
+        except UserError as e:  # damaged, or saved with other settings: the persistent tier decides
+            why, damaged = str(e), isinstance(e, UnreadableCheckpoint)
+        if all_processes(not why):
+            return ResumePoint(local, step, restored)
+        if why:  # every process names the reason of its own copy
+            moved = f"; set aside as {local.set_aside(step)}" if damaged else ""
+            print(f"warning: process {jax.process_index()}: {why}{moved}; not resuming from local step {step}",
+                  flush=True)
+    return None
 
 
 def _latest_intact(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> ResumePoint | None:
@@ -184,9 +219,17 @@ def restore(run: RunSetup, abstract: TrainState, src: Checkpointer, step: int) -
     that is unreadable (missing, truncated or corrupt files) raises UnreadableCheckpoint, a
     UserError naming the step directory and the file."""
     saved = saved_abstract(run, abstract, src, step)
+    comm_converted = saved is not abstract
+    held = any(name.startswith("spike/") for name, _, _ in src.arrays(step))
+    if held != (saved.spike is not None):  # --train.spike_factor turned on or off since this save
+        saved = train_state.with_loss_window(saved, 1.0, run.mesh) if held else saved.replace(spike=None)
     state, meta = src.restore(step, saved)
-    if saved is not abstract:
+    if comm_converted:
         state, meta["converted"] = _convert(run, abstract, state)
+    if held != (abstract.spike is not None):
+        state = train_state.with_loss_window(state.replace(spike=None), run.cfg.train.spike_factor, run.mesh)
+        note = "the loss-spike window starts empty" if not held else "the loss-spike window dropped"
+        meta["converted"] = "; ".join(filter(None, [meta.get("converted", ""), note]))
     return state, meta
 
 
@@ -225,7 +268,8 @@ def init_from(run: RunSetup, abstract_params: Any, path: str) -> tuple[TrainStat
 
 def recover(run: RunSetup, abstract: TrainState, saver: Checkpointer, state: TrainState, step: int,
             log) -> TrainState:
-    """--train.max_bad_steps non-finite steps in a row: reload the last committed checkpoint that
+    """--train.max_bad_steps skipped updates in a row (non-finite or, with --train.spike_factor,
+    loss spikes): reload the last committed checkpoint that
     reads back (`log`: the run's MetricsLogger, for the warnings and the recovery line).
 
     The state keeps the current step number, so training skips the data window that led here
@@ -235,11 +279,11 @@ def recover(run: RunSetup, abstract: TrainState, saver: Checkpointer, state: Tra
     found, _ = newest_readable(saver, lambda s: restore(run, abstract, saver, s)[0], log.print)
     max_bad = run.cfg.train.max_bad_steps
     if found is None:
-        raise Diverged(f"{max_bad} non-finite steps in a row at step {step} and no checkpoint to restore"
-                       f" in {saver.directory}" + (" that reads back" if saver.all_steps() else ""))
+        raise Diverged(f"{max_bad} skipped steps in a row (non-finite or spikes) at step {step} and no checkpoint"
+                       f" to restore in {saver.directory}" + (" that reads back" if saver.all_steps() else ""))
     last, restored = found
-    log.print(f"recovery: {max_bad} non-finite steps in a row at step {step}; restored the weights of step"
-              f" {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}")
+    log.print(f"recovery: {max_bad} skipped steps in a row (non-finite or spikes) at step {step}; restored the"
+              f" weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}")
     return restored.replace(step=state.step)
 
 

@@ -29,6 +29,60 @@ class TrainState:
     residual: Any = None   # error feedback: what the compressed gradient sync has not sent yet (float32)
     drift: Any = None      # DiLoCo: each replica's params minus the global params since the last sync
     outer_opt: Any = None  # DiLoCo: the outer optimizer's state (Nesterov momentum), like params
+    spike: Any = None      # --train.spike_factor > 0: the LossWindow the step compares each loss with
+
+
+# The loss-spike guard's window: the last LOSS_WINDOW losses of applied updates; no step is
+# judged until it holds SPIKE_WARMUP of them (the first steps' losses fall too fast to compare).
+LOSS_WINDOW, SPIKE_WARMUP = 32, 8
+
+
+@flax.struct.dataclass
+class LossWindow:
+    """--train.spike_factor: a ring of recent losses, kept in the state so that a checkpoint
+    carries it and a resumed run judges its next step exactly as the uninterrupted run would."""
+    losses: jax.Array    # [LOSS_WINDOW] float32, the ring; slot `seen % LOSS_WINDOW` is the next
+    seen: jax.Array      # int32: losses pushed so far (applied updates)
+    in_a_row: jax.Array  # int32: updates skipped as spikes since the last applied one
+    skipped: jax.Array   # int32: updates skipped as spikes in total
+    factor: float = flax.struct.field(pytree_node=False, default=0.0)  # the config's, never saved
+
+    def median(self) -> jax.Array:
+        """Median of the losses pushed so far (the last LOSS_WINDOW); +inf while empty."""
+        k = jnp.minimum(self.seen, LOSS_WINDOW)
+        held = jnp.sort(jnp.where(jnp.arange(LOSS_WINDOW) < k, self.losses, jnp.inf))
+        lo, hi = held[jnp.maximum(k - 1, 0) // 2], held[k // 2]
+        return jnp.where(k > 0, 0.5 * (lo + hi), jnp.inf)
+
+    def is_spike(self, loss: jax.Array) -> jax.Array:
+        """Whether `loss` exceeds factor x the running median, once the window is warm."""
+        return (self.seen >= SPIKE_WARMUP) & (loss > self.factor * self.median())
+
+    def after(self, loss: jax.Array, applied: jax.Array, spiked: jax.Array) -> "LossWindow":
+        """The window after a step: an applied update's loss pushed; a spike counted; a
+        non-finite step (neither) changes nothing."""
+        slot = self.seen % LOSS_WINDOW
+        return self.replace(
+            losses=jnp.where(applied, self.losses.at[slot].set(loss.astype(jnp.float32)), self.losses),
+            seen=self.seen + applied, in_a_row=jnp.where(applied, 0, self.in_a_row + spiked),
+            skipped=self.skipped + spiked)
+
+
+def with_loss_window(state: TrainState, factor: float, mesh: Mesh) -> TrainState:
+    """`state` with an empty LossWindow replicated on `mesh`, of the state's own kind (shardings,
+    abstract arrays or arrays, told by its `step`); unchanged when `factor` is 0 (the guard is
+    off) or the state has a window (restored from a checkpoint)."""
+    if not factor or state.spike is not None:
+        return state
+    sh = NamedSharding(mesh, P())
+    if isinstance(state.step, NamedSharding):
+        leaf = lambda shape, dtype: sh  # noqa: E731
+    elif isinstance(state.step, jax.ShapeDtypeStruct):
+        leaf = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
+    else:
+        leaf = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)()  # noqa: E731
+    return state.replace(spike=LossWindow(losses=leaf((LOSS_WINDOW,), jnp.float32), seen=leaf((), jnp.int32),
+                                          in_a_row=leaf((), jnp.int32), skipped=leaf((), jnp.int32), factor=factor))
 
 
 

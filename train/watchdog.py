@@ -64,6 +64,11 @@ def set_doing(what: str) -> None:
     _doing[0] = what
 
 
+def doing() -> str:
+    """What the main thread was last doing (set_doing, Watchdog.beat): for the line a failure ends with."""
+    return _doing[0]
+
+
 class Watchdog:
     """`beat(what)` after every unit of progress; if none comes for `timeout_s`, dump the stacks
     to `stacks_path` (and stderr) and exit. `describe_peers()` (if given) names lost processes."""
@@ -127,7 +132,7 @@ class Watchdog:
                     f" last checkpoint", WATCHDOG_EXIT, dump_stacks)
 
 
-def _client():
+def coordination_client():
     """The coordination-service client jax.distributed started, or None (single process)."""
     from jax._src import distributed
     return distributed.global_state.client
@@ -145,7 +150,7 @@ class PeerHeartbeat:
 
     def __init__(self, period_s: float = 1.0, timeout_s: float = 0.0):
         import jax
-        self.client = _client()
+        self.client = coordination_client()
         self.me, self.n, self.period_s, self.timeout_s = jax.process_index(), jax.process_count(), period_s, timeout_s
         self._owner = False
         self._stop = threading.Event()
@@ -233,7 +238,7 @@ class PeerHeartbeat:
 def end_job(line: str, code: int) -> None:
     """A final error (configuration or input: 2; diverged: 3) in this process: print `line`, tell
     the peers (their heartbeats end them with the same status) and leave."""
-    client = _client()
+    client = coordination_client()
     if client is None:
         end_process(line, code)
 
