@@ -1,5 +1,6 @@
-"""`python -m train.data prepare INPUTS... --tokenizer TOK --out DIR`: text files, globs, directories
-and JSONL -> memory-mapped token shards with document boundaries and a JSON index.
+"""`python -m train.data prepare INPUTS... --tokenizer TOK --out DIR`: text files, globs, directories,
+JSONL (plain, .gz, .zst), Parquet and HuggingFace `datasets` directories (train/data/formats.py)
+-> memory-mapped token shards with document boundaries and a JSON index.
 
 Layout of DIR:
   index.json                  tokenizer (kind, path, sha256, id), vocab_size, eos_id, dtype, token and
@@ -15,6 +16,7 @@ into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leav
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import glob
@@ -29,23 +31,28 @@ import tempfile
 import numpy as np
 
 from errors import ArgParser, UserError, one_line_errors
-from train.data import tokenizers
+from train.data import formats, tokenizers
+from train.data.formats import JSONL_SUFFIXES
 from train.data.index import FORMAT, INDEX, listed_files, read_index
+
 TASK_BYTES = 4 << 20          # input bytes per worker task at most: amortises the IPC, keeps the bar moving
 MIN_TASK_BYTES = 16 << 10     # ... and at least (small inputs are still spread over the workers)
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="python -m train.data prepare", allow_abbrev=False,
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                description="Tokenise text files, globs, directories and JSONL into memory-mapped token shards.")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text file, JSONL file (.jsonl), directory or glob")
+                description="Tokenise text files, globs, directories, JSONL, Parquet and HuggingFace datasets"
+                            " into memory-mapped token shards.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text file, JSONL file (.jsonl, .jsonl.gz, .jsonl.zst), Parquet file, HuggingFace datasets"
+                        " directory (save_to_disk), other directory, or glob")
     p.add_argument("--tokenizer", default="byte",
                    help="byte | hf:FILE.json | sentencepiece:FILE.model | tiktoken:FILE.tiktoken (kind from the suffix"
                         " if omitted)")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the document text")
+    p.add_argument("--text-field", default="text", help="JSONL field, or Parquet/datasets column, holding the"
+                                                        " document text")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes; 1 = in-process")
     p.add_argument("--on-bad-utf8", choices=("fail", "skip"), default="fail",
                    help="a document that is not UTF-8: stop with its name, or skip it and report the count")
@@ -63,7 +70,10 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     """Files in a stable order: each input in command-line order; a directory's or glob's files sorted."""
     files: list[str] = []
     for spec in inputs:
-        if os.path.isdir(spec):
+        shards = formats.dataset_files(spec) if os.path.isdir(spec) else None
+        if shards is not None:
+            files += shards
+        elif os.path.isdir(spec):
             for dirpath, dirnames, names in os.walk(spec):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                 files += [os.path.join(dirpath, n) for n in sorted(names) if not n.startswith(".")]
@@ -87,11 +97,16 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 def make_tasks(files: list[str], workers: int = 1) -> list[list[tuple[str, int, int]]]:
     """Work units of (path, start, end) byte ranges, about 8 per worker within [MIN_TASK_BYTES,
     TASK_BYTES]; JSONL files are split at arbitrary offsets (a line belongs to the range it starts
-    in), text files stay whole."""
+    in), text files stay whole, and a streamed file (formats.is_streamed) is a task of its own,
+    read in chunks by `chunked`."""
     sizes = [os.path.getsize(f) for f in files]
     task_bytes = min(TASK_BYTES, max(MIN_TASK_BYTES, sum(sizes) // (8 * workers)))
     tasks, current, size = [], [], 0
     for path, n in zip(files, sizes):
+        if formats.is_streamed(path):
+            tasks += [current] * bool(current) + [[(path, 0, n)]]
+            current, size = [], 0
+            continue
         step = task_bytes if path.endswith(JSONL_SUFFIXES) else max(n, 1)
         for start in range(0, max(n, 1), step):
             current.append((path, start, min(start + step, n)))
@@ -114,54 +129,38 @@ def _init_worker(spec: str, eos_token: str | None, pool: bool) -> None:
     _TOKENIZER = tokenizers.load(spec, eos_token)
 
 
-def _read_docs(path: str, start: int, end: int, text_field: str):
-    """-> [(where, raw bytes)] for the documents that start in [start, end)."""
-    try:
-        with open(path, "rb") as f:
-            if not path.endswith(JSONL_SUFFIXES):
-                return [(path, f.read())]
-            if start:
-                f.seek(start - 1)
-                f.readline()  # the line that straddles `start` belongs to the previous range
-            docs = []
-            while f.tell() < end:
-                pos, line = f.tell(), f.readline()
-                if not line:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    raise UserError(f"prepare: {path} (byte {pos}): not a JSON line; JSONL inputs need one"
-                                    f" object per line") from None
-                text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise UserError(f"prepare: {path} (byte {pos}): no string field '{text_field}'; set --text-field"
-                                    f" (fields here: {', '.join(record) if isinstance(record, dict) else 'none'})")
-                docs.append((f"{path} (byte {pos})", text))
-            return docs
-    except OSError as e:
-        raise UserError(f"prepare: cannot read input file '{path}': {e.strerror}") from None
+def chunked(tasks: list, text_field: str):
+    """The tasks, with each streamed file's task replaced by the Chunks of documents read from it
+    here, in the main process (a compressed stream cannot be split among workers)."""
+    for task in tasks:
+        path = task[0][0]
+        if formats.is_streamed(path):  # make_tasks gives such a file a task of its own
+            yield from formats.read_chunks(path, text_field, TASK_BYTES)
+        else:
+            yield task
 
 
 def _work(task, text_field: str, on_bad_utf8: str, dtype: str):
-    """-> (tokens [N] of dtype, doc lengths int64 [D], input bytes, skipped names). Documents end with EOS."""
-    texts, skipped, n_bytes = [], [], 0
-    for path, start, end in task:
-        n_bytes += end - start
-        for where, raw in _read_docs(path, start, end, text_field):
-            if isinstance(raw, bytes):
-                try:
-                    raw = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    if on_bad_utf8 == "fail":
-                        raise UserError(f"prepare: {where} is not UTF-8 text (byte {e.start}); pass --on-bad-utf8"
-                                        f" skip to skip such documents") from None
-                    skipped.append(where)
-                    continue
-            if raw:
-                texts.append(raw)
+    """-> (tokens [N] of dtype, doc lengths int64 [D], input bytes, skipped names). Documents end with EOS.
+    `task`: byte ranges of text/JSONL files to read, or a Chunk of documents already read."""
+    if isinstance(task, formats.Chunk):
+        docs, n_bytes = task.docs, task.n_bytes
+    else:
+        docs = [d for path, start, end in task for d in formats.read_range(path, start, end, text_field)]
+        n_bytes = sum(end - start for _, start, end in task)
+    texts, skipped = [], []
+    for where, raw in docs:
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if on_bad_utf8 == "fail":
+                    raise UserError(f"prepare: {where} is not UTF-8 text (byte {e.start}); pass --on-bad-utf8"
+                                    f" skip to skip such documents") from None
+                skipped.append(where)
+                continue
+        if raw:
+            texts.append(raw)
     ids = _TOKENIZER.encode(texts) if texts else []
     eos = np.array([_TOKENIZER.eos_id], np.int64)
     tokens = np.concatenate([x for t in ids for x in (t, eos)]) if ids else np.zeros(0, np.int64)
@@ -315,7 +314,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
         writer = _ShardWriter(tmp, dtype, shard_tokens)
         skipped: list[str] = []
         n_bytes = 0
-        with _results(tasks, tokenizer, eos_token, text_field, on_bad_utf8, dtype.name, workers) as results:
+        with _results(chunked(tasks, text_field), len(tasks), tokenizer, eos_token, text_field, on_bad_utf8,
+                      dtype.name, workers) as results:
             for tokens, lengths, nb, skip in results:
                 writer.add(tokens, lengths)
                 skipped += skip
@@ -347,12 +347,14 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
 
 class _results:
     """Task results in task order: in-process for one worker, else a pool of spawned processes
-    (fork is unsafe once JAX's or a tokenizer's threads exist; spawning costs ~1 s once)."""
+    (fork is unsafe once JAX's or a tokenizer's threads exist; spawning costs ~1 s once). The pool
+    is fed at most two tasks per worker ahead: `tasks` is a generator that reads streamed files
+    as it goes, so their documents are held a few chunks at a time."""
 
-    def __init__(self, tasks, spec, eos_token, text_field, on_bad_utf8, dtype, workers):
+    def __init__(self, tasks, n_tasks, spec, eos_token, text_field, on_bad_utf8, dtype, workers):
         self.tasks, self.spec, self.eos_token = tasks, spec, eos_token
         self.work = functools.partial(_work, text_field=text_field, on_bad_utf8=on_bad_utf8, dtype=dtype)
-        self.workers, self.pool = min(workers, len(tasks)), None
+        self.workers, self.pool = min(workers, n_tasks), None
 
     def __enter__(self):
         if self.workers <= 1:
@@ -360,7 +362,16 @@ class _results:
             return map(self.work, self.tasks)
         self.pool = mp.get_context("spawn").Pool(self.workers, initializer=_init_worker,
                                                 initargs=(self.spec, self.eos_token, True))
-        return self.pool.imap(self.work, self.tasks)
+        return self._in_order()
+
+    def _in_order(self):
+        pending = collections.deque()
+        for task in self.tasks:
+            pending.append(self.pool.apply_async(self.work, (task,)))
+            if len(pending) >= 2 * self.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
     def __exit__(self, *exc):
         if self.pool is not None:
