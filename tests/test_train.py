@@ -33,7 +33,9 @@ from train.goodput import CATEGORIES as GOODPUT_CATEGORIES  # noqa: E402
 STEP_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_device",
              "mfu", "data_wait_s", "skipped_steps",  # the keys + the NaN guard's count
              "steps_since_log", "goodput", "time", "restarts", "recomputed_steps",  # + goodput (train/goodput.py)
-             *(f"time_{c}_s" for c in GOODPUT_CATEGORIES), "time_other_s", "time_total_s"}
+             *(f"time_{c}_s" for c in GOODPUT_CATEGORIES), "time_other_s", "time_total_s",
+             "compute_s", "host_s", "step_time_max_over_median", "slowest_process",  # + the straggler check
+             "host_rss_bytes"}  # + runtime memory (device counters too where the backend keeps them: not on CPU)
 STEPS = 40
 
 
@@ -87,6 +89,11 @@ def test_metrics_jsonl(run):
         assert r["tokens_per_sec"] == pytest.approx(8 * 64 / r["step_time_s"], rel=1e-6)
         assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"] / 8, rel=1e-6)
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        # the step's split adds up to its time; one process: no straggler
+        assert r["compute_s"] + r["data_wait_s"] + r["host_s"] == pytest.approx(r["step_time_s"], rel=1e-6)
+        assert (r["step_time_max_over_median"], r["slowest_process"]) == (1.0, 0) and r["host_rss_bytes"] > 0
+        assert "mem_peak_bytes" not in r if jax.devices()[0].memory_stats() is None \
+            else r["mem_peak_bytes"] >= r["mem_bytes_in_use"] > 0
     assert steps == tr.history
     for r in steps:  # goodput: the categories add up to the total wall time
         parts = sum(r[f"time_{c}_s"] for c in (*GOODPUT_CATEGORIES, "other"))
@@ -139,6 +146,9 @@ def test_summary_and_sample(run):
     assert on_disk["sample"] == summary["sample"] and on_disk["steps"] == STEPS
     assert on_disk["params"] == 132416 and on_disk["mesh"] == "data=8"
     assert 0 < summary["mfu"] < 1 and summary["tokens_per_sec"] > 0
+    # memory: the compiled step's predicted peak per device beside the largest figures measured
+    assert summary["predicted_peak_bytes"] > 0 and summary["host_rss_bytes"] > 0
+    assert on_disk["predicted_peak_bytes"] == summary["predicted_peak_bytes"]
 
 
 # ------------------------------------------------------------------ data: placement on the mesh
@@ -319,7 +329,7 @@ def test_nan_steps_are_skipped_not_applied(tmp_path, monkeypatch):
 def test_too_many_nan_steps_reload_the_last_checkpoint(tmp_path, monkeypatch, capsys):
     tr = _nan_run(tmp_path, monkeypatch, "5,6,7")
     out = capsys.readouterr()
-    assert "recovery: 3 non-finite steps in a row at step 7" in out.out + out.err
+    assert "recovery: 3 skipped steps in a row (non-finite or spikes) at step 7" in out.out + out.err
     assert "weights of step 6" in out.out + out.err   # checkpoints every 3 steps: 3, 6
     steps = [r["step"] for r in tr.history]
     assert steps == list(range(1, 11))                 # the step count goes on (data window 7 skipped)

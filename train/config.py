@@ -41,8 +41,11 @@ class TrainConfig:
     grad_clip: float = ranged(1.0, ">=0", help="global-norm gradient clipping; 0 disables")
     seed: int = ranged(0, f"[0, {2**63 - 1}]", help="seed of the initial parameters, the data order and"
                                                     " sampling; jax.random.key takes a signed 64-bit seed")
-    max_bad_steps: int = ranged(5, ">=0", help="non-finite steps in a row (each skipped) before reloading the last"
-                                               " checkpoint; 0 = never")
+    max_bad_steps: int = ranged(5, ">=0", help="skipped steps in a row (non-finite gradients or loss spikes) before"
+                                               " reloading the last checkpoint; 0 = never")
+    spike_factor: float = ranged(0.0, ">=0", help="skip the update of a step whose loss exceeds this many times the"
+                                                  " median of the last 32 applied steps' losses (from 8 on); 0 = off,"
+                                                  " else >= 1")
     step_timeout: float = ranged(900.0, ">=0", help="watchdog: seconds without progress (after the first compile)"
                                                     " before exiting 4; 0 = off")
     max_restarts: int = ranged(0, ">=0", help="supervisor: restart a crashed run up to N times from its last"
@@ -64,7 +67,13 @@ class TrainConfig:
         if self.eval_every and not self.eval_batches:
             raise UserError(f"--train.eval_batches 0: must be >= 1 while --eval-every {self.eval_every} evaluates"
                             f" (--eval-every 0 turns evaluation off)")
+        if 0 < self.spike_factor < 1:
+            raise UserError(f"--train.spike_factor {self.spike_factor}: must be 0 (off) or >= 1 (every loss above the"
+                            f" running median would be a spike below 1)")
         return self
+
+
+VOCAB_PARALLEL = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +83,9 @@ class ParallelismConfig:
                            " devices on data")
     mesh_dcn: str = option("", "the part of each axis that spans hosts/slices, e.g. data=4")
     rules: str = option("", "logical-axis overrides of the rule table, e.g. embed=fsdp+model,vocab=none")
+    vocab_parallel: str = option("auto", "auto | on | off: shard the embedding and LM head on the vocabulary over"
+                                         " the FSDP axes and gather the head's input instead of its weights; auto:"
+                                         " where that moves fewer bytes (fewer tokens per FSDP group than vocab)")
     coordinator: str = option("", "HOST:PORT of process 0 (multi-process); empty = auto-detect")
     num_processes: int = ranged(1, ">=1", help="processes in the job")
     process_id: int = ranged(0, ">=0", help="this process's rank; below num_processes")
@@ -82,6 +94,8 @@ class ParallelismConfig:
 
     def validate(self) -> "ParallelismConfig":
         check_ranges(self, functools.partial(public_flag, "parallelism"))
+        if self.vocab_parallel not in VOCAB_PARALLEL:
+            raise UserError(f"--parallelism.vocab_parallel '{self.vocab_parallel}': valid: {', '.join(VOCAB_PARALLEL)}")
         if self.process_id >= self.num_processes:
             raise UserError(f"--process-id {self.process_id}: must be in [0, {self.num_processes - 1}]"
                             f" for --num-processes {self.num_processes}")
@@ -113,12 +127,22 @@ class LoggingConfig:
     run_dir: str = option("runs/latest", "where the run writes its config, metrics, logs and checkpoints")
     log_every: int = ranged(10, ">=1", help="steps between metric lines")
     tensorboard: bool = option(True, "also write TensorBoard event files")
-    progress: bool = option(True, "show a progress bar")
+    progress: str = option("auto", "auto | bar | lines | none: a tqdm bar, one plain line per logged step (for"
+                                   " cluster log files), or neither; auto = bar when stderr is a terminal, else"
+                                   " lines; true/false = auto/none")
+    wandb: str = option("", "PROJECT: also log to this Weights & Biases project (pip install 'brigade[wandb]');"
+                            " <run_dir>/wandb_id keeps the run id, so a resumed run continues it; empty = off")
     peak_tflops: float = ranged(0.0, ">=0", help="per-device peak TFLOP/s for MFU; 0 = from the device table"
                                                  " (measured on CPU)")
+    straggler_threshold: float = ranged(1.5, ">1", help="warn when the slowest process's step time stays above this"
+                                                        " many times the median of the others for 3 log intervals")
 
     def validate(self) -> "LoggingConfig":
         check_ranges(self, functools.partial(public_flag, "logging"))
+        from train.sinks import check_tracker, progress_mode
+        progress_mode(self.progress)
+        if self.wandb:
+            check_tracker("--logging.wandb", "wandb", "wandb")
         return self
 
 
@@ -134,11 +158,18 @@ class CheckpointConfig:
     resume: str = option("latest", "latest | none | PATH (a run dir, a checkpoint dir or one step's dir)")
     init_from: str = option("", "PATH: start a fresh run from these parameters (e.g. an HF import), with a fresh"
                                 " optimizer")
+    local_dir: str = option("", "host-local directory (fast disk, RAM disk) for frequent saves, each process"
+                                " its own copy in <local_dir>/process-<i>; empty = no local tier")
+    local_every: int = ranged(10, ">=0", help="steps between local-tier saves (>= 1 with local_dir)")
+    local_keep: int = ranged(2, ">=1", help="the latest K local-tier steps are kept on each process")
 
     def validate(self) -> "CheckpointConfig":
         check_ranges(self, functools.partial(public_flag, "checkpoint"))
         if not self.resume:
             raise UserError("--resume: expected latest, none or a checkpoint PATH, got ''")
+        if self.local_dir and self.local_every < 1:
+            raise UserError(f"--checkpoint.local_every {self.local_every}: must be >= 1 when"
+                            f" --checkpoint.local_dir is set (steps between local saves)")
         return self
 
 
@@ -247,6 +278,9 @@ class Config:
         if self.train.seq_len > self.model.max_seq_len:
             raise UserError(f"--seq-len {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         profile_window(self.profile.steps, self.train.steps)
+        if self.train.spike_factor and self.comm.sync_every > 1:
+            raise UserError(f"--train.spike_factor {self.train.spike_factor}: not with --comm.sync_every"
+                            f" {self.comm.sync_every} (DiLoCo replicas step alone); use one or the other")
         return self
 
 

@@ -1,23 +1,22 @@
-"""Throughput, MFU, step statistics, the metric sinks (progress bar, metrics.jsonl, TensorBoard)
-and the run's summary."""
+"""Throughput, MFU, step statistics, the logger that feeds the metric sinks (train/sinks.py) and
+the run's summary."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import signal
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from errors import UserError
 from mesh.spec import mesh_text
 from models.flops import param_count
+from train import sinks
 from train.config import profile_window
+from train.device_memory import size_text
 from train.goodput import Goodput, breakdown_text
 from train.resilience import exit_code
 
@@ -70,71 +69,38 @@ def peak_flops(dtype: str, override_tflops: float = 0.0, devices: list | None = 
     return 0.0, f"unknown device '{devices[0].device_kind}': pass --peak-tflops for MFU"
 
 
-def _summary_writer(log_dir: str):
-    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch only to
-    accept torch tensors (this logger passes floats), and that import costs ~3 s of every run's
-    start-up wherever torch is installed. A torch the process already imported is left as it is."""
-    hide_torch = "torch" not in sys.modules
-    if hide_torch:
-        sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX's fallback
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if hide_torch:
-            del sys.modules["torch"]
-    return SummaryWriter(log_dir, flush_secs=10)
-
-
 class MetricsLogger:
-    """Writes each logged step to metrics.jsonl, TensorBoard and the progress bar (process 0 only)."""
+    """Sends each logged record to the run's sinks (train/sinks.py: metrics.jsonl, TensorBoard, the
+    trackers its config.json turns on) and to the console (a bar, plain lines, or nothing);
+    process 0 only. `progress`: --logging.progress (auto | bar | lines | none)."""
 
     def __init__(self, run_dir: str, total_steps: int, first_step: int = 0, *, tensorboard: bool = True,
-                 progress: bool = True):
+                 progress: str = "auto"):
         self.main = jax.process_index() == 0
-        self._jsonl = self._tb = self._bar = None
+        self._sinks, self._console = [], None
         if not self.main:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        if tensorboard:
-            self._tb = _summary_writer(os.path.join(run_dir, "tb"))
-        if progress:
-            from tqdm.auto import tqdm
-            self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+        self._console = sinks.console(sinks.progress_mode(progress), total_steps, first_step)
+        self._sinks = [sinks.JsonlSink(run_dir, json_safe), *([sinks.TensorBoardSink(run_dir)] if tensorboard else []),
+                       *sinks.trackers(run_dir), self._console]
 
     def log(self, record: dict) -> None:
-        if not self.main:
-            return
-        try:
-            self._jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-            self._jsonl.flush()
-        except OSError as e:
-            raise UserError(f"--run-dir: cannot write {self._jsonl.name} ({e.strerror}); free space or"
-                            f" choose another --run-dir, then run the same command again to resume") from None
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, record["step"])
-        if self._bar is not None and "loss" in record:
-            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
-                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+        for sink in self._sinks:
+            sink.log(record)
 
     def advance(self, steps: int) -> None:
-        if self._bar is not None:
-            self._bar.update(steps)
+        if self._console is not None:
+            self._console.advance(steps)
 
     def print(self, msg: str) -> None:
-        if not self.main:
-            return
-        if self._bar is not None:
-            self._bar.write(msg)
-        else:
-            print(msg, flush=True)
+        if self._console is not None:
+            self._console.print(msg)
 
     def close(self) -> None:
-        for sink in (self._bar, self._tb, self._jsonl):
-            if sink is not None:
-                sink.close()
+        for sink in reversed(self._sinks):  # the console first: a tracker's closing lines go below the bar
+            sink.close()
+        self._sinks = []
 
 
 def json_safe(record: dict) -> dict:
@@ -182,15 +148,17 @@ class StepProfiler:
 
 
 class StepStats:
-    """Step time, throughput and MFU between logged steps. Time the loop spends on saves, evals
-    and recovery (`pause`) is not step time."""
+    """Step time, throughput and MFU between logged steps, and each step's split into compute
+    (`device_s`: the host blocked on the devices), data wait (`wait_s`) and host overhead (the
+    rest). Time the loop spends on saves, evals and recovery (`pause`) is not step time."""
 
-    _KNOWN = ("loss", "grad_norm", "lr", "skipped_steps", "bad_in_a_row")
+    _KNOWN = ("loss", "grad_norm", "lr", "skipped_steps", "bad_in_a_row", "spike_skipped_steps", "spike_in_a_row")
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float, n_devices: int, step: int):
         self.tokens, self.flops = tokens_per_step, flops_per_token * tokens_per_step
         self.peak, self.n_devices = peak, n_devices
         self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
+        self.device_s = 0.0
 
     def pause(self, since: float) -> float:
         """Count the time since `since` as not-stepping; -> its length."""
@@ -198,9 +166,9 @@ class StepStats:
         self.paused_s += dt
         return dt
 
-    def record(self, step: int, m: dict, gp: Goodput) -> tuple[dict, int]:
-        """The metrics.jsonl record for `step` from the fetched step metrics `m`, and the number
-        of non-finite steps in a row."""
+    def record(self, step: int, m: dict, gp: Goodput) -> tuple[dict, int, int]:
+        """The metrics.jsonl record for `step` from the fetched step metrics `m`, and the updates
+        skipped in a row up to it: for non-finite gradients, and as loss spikes."""
         now = time.perf_counter()
         n = step - self.last_step
         busy = max(now - self.t_last - self.paused_s, 1e-9)
@@ -211,19 +179,29 @@ class StepStats:
                "step_time_s": dt, "tokens_per_sec": self.tokens / dt,
                "tokens_per_sec_per_device": self.tokens / dt / self.n_devices,
                "mfu": self.flops / dt / self.peak if self.peak else 0.0, "data_wait_s": self.wait_s / n,
+               "compute_s": self.device_s / n, "host_s": max(busy - self.wait_s - self.device_s, 0.0) / n,
                "skipped_steps": int(m["skipped_steps"]), "steps_since_log": n}
+        if "spike_skipped_steps" in m:
+            rec["spike_skipped_steps"] = int(m["spike_skipped_steps"])
         # whatever else the step reports (e.g. MoE load balance): scalars, logged as they are
         rec.update({k: float(v) for k, v in m.items() if k not in self._KNOWN and np.ndim(v) == 0})
         rec.update(gp.totals())
         self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
-        return rec, int(m["bad_in_a_row"])
+        self.device_s = 0.0
+        return rec, int(m["bad_in_a_row"]), int(m.get("spike_in_a_row", 0))
 
 
 def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model_cfg, mesh, compile_s: float,
-            sample: str, resumed_from: int | None, checkpoint: str | None, stopped_by: int | None) -> dict:
+            sample: str, resumed_from: int | None, checkpoint: str | None, stopped_by: int | None,
+            predicted_peak_bytes: int | None = None) -> dict:
     """summary.json, from the logged records and the run's facts: medians of the steady steps
-    (the first, which includes warm-up, is left out when there are others), and where the time went."""
+    (the first, which includes warm-up, is left out when there are others), where the time went,
+    and memory: the largest figures logged beside the compiled step's predicted per-device peak."""
     steady = history[1:] or history
+
+    def largest(key):
+        values = [r[key] for r in history if isinstance(r.get(key), int)]
+        return max(values) if values else None
     return {
         "steps": history[-1]["step"] if history else (resumed_from or 0),
         "final_loss": history[-1]["loss"] if history else None,
@@ -236,6 +214,8 @@ def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model
         "resumed_from": resumed_from, "checkpoint": checkpoint,
         "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
         "exit_code": exit_code(stopped_by),
+        "predicted_peak_bytes": predicted_peak_bytes, "mem_peak_bytes": largest("mem_peak_bytes"),
+        "host_rss_bytes": largest("host_rss_bytes"),
         **gp.totals(),
     }
 
@@ -252,7 +232,10 @@ def summary_text(s: dict) -> str:
     lines = [f"done: {s['steps']} steps in {s['wall_s']:.1f}s (compile {s['compile_s']:.1f}s),"
              f" loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}"
              + (f", eval loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "")
-             + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%", breakdown_text(s)]
+             + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%", breakdown_text(s),
+             f"memory per device: peak {size_text(s.get('mem_peak_bytes'))} measured,"
+             f" {size_text(s.get('predicted_peak_bytes'))} predicted by the compiled step;"
+             f" host RSS {size_text(s.get('host_rss_bytes'))}"]
     if s["sample"]:
         lines += ["--- sample ---", s["sample"], "--------------"]
     return "\n".join(lines)

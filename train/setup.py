@@ -5,13 +5,14 @@ here, so what they compile is what a run compiles."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from mesh.rules import axis_rules, logical_to_spec, make_rules
+from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules
 from mesh.shard import data_parallel_axes, tree_shardings
 from models import model
 from train import comm, optim, state as train_state
@@ -42,9 +43,18 @@ class RunSetup:
         return self.cfg.model
 
 
+def run_rules(cfg: Config, sizes: Mapping[str, int], compute_dtype: str) -> dict:
+    """The rule table of a run on a mesh of these axis sizes: the defaults, the user's overrides,
+    and the LM head's layout that --parallelism.vocab_parallel picks (mesh.rules.head_layout)."""
+    p, m, t = cfg.parallelism, cfg.model, cfg.train
+    return head_layout(make_rules(p.rules), p.vocab_parallel, sizes, vocab=m.vocab_size,
+                       batch_tokens=t.batch_size // t.micro_batches * t.seq_len,
+                       act_bytes=jnp.dtype(compute_dtype).itemsize, param_bytes=jnp.dtype(m.param_dtype).itemsize)
+
+
 def setup(cfg: Config, mesh: Mesh) -> RunSetup:
     """Each value from the ones before it; one line (UserError) for shapes the mesh cannot split."""
-    rules = make_rules(cfg.parallelism.rules)
+    rules = run_rules(cfg, dict(mesh.shape), model.compute_dtype(cfg.model))
     validate_run(mesh, rules, cfg.model, cfg.train, cfg.pipeline)
     param_shardings = tree_shardings(mesh, model.param_axes(cfg.model), rules)
     dp_axes = data_parallel_axes(mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)])
@@ -53,7 +63,8 @@ def setup(cfg: Config, mesh: Mesh) -> RunSetup:
     return RunSetup(cfg=cfg, mesh=mesh, rules=rules,
                     batch_sharding=NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules)),
                     dp_axes=dp_axes, sync=sync, local_clip=local_clip, tx=tx, lr=optim.schedule(cfg.train),
-                    state_shardings=train_state.shardings(cfg.model, tx, mesh, rules, sync),
+                    state_shardings=train_state.with_loss_window(  # --train.spike_factor's window, if on
+                        train_state.shardings(cfg.model, tx, mesh, rules, sync), cfg.train.spike_factor, mesh),
                     compute_dtype=model.compute_dtype(cfg.model))
 
 

@@ -18,6 +18,19 @@ from train.state import TrainState
 BATCH_BT = ("batch", "seq")
 
 
+def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Cross-entropy per token [B,T], float32. The target's logit is picked by comparing an iota
+    with the target (a masked sum), not by a gather: with the vocabulary sharded (a vocab-parallel
+    head) the sum is local plus one small all-reduce over [B,T], and the gradient (softmax - one
+    hot) is elementwise, where a gather's gradient is a scatter into a [B,T,V] buffer."""
+    shift_BT1 = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1, keepdims=True))
+    shifted_BTV = logits_BTV - shift_BT1
+    lse_BT = jnp.log(jnp.sum(jnp.exp(shifted_BTV), axis=-1))
+    vocab_V = jax.lax.broadcasted_iota(targets_BT.dtype, logits_BTV.shape, logits_BTV.ndim - 1)
+    target_BT = jnp.sum(jnp.where(vocab_V == targets_BT[..., None], shifted_BTV, 0.0), axis=-1)
+    return lse_BT - target_BT
+
+
 def loss_terms(cfg: ModelConfig, params, batch, pipeline=None):
     """-> (objective sum, (cross-entropy sum, token count, MoE sums)), in float32.
 
@@ -27,7 +40,7 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None):
     (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
     logits_BTV, stats = model.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
                                   pipeline)
-    xent_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    xent_BT = token_xent(logits_BTV, batch["targets"])
     weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
     xent, n = jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
     if not stats:
@@ -47,10 +60,12 @@ def loss_sums(cfg: ModelConfig, params, batch, pipeline=None) -> tuple[jax.Array
 
 def replica_split(dp_axes: tuple[str, ...]) -> tuple[int, dict]:
     """(R, the rules inside one replica) on the mesh and rules in context: R = the product of the
-    data-parallel axes' sizes; inside a replica the batch is sharded over the other batch axes only."""
+    data-parallel axes' sizes; inside a replica the batch (and the LM head's) is sharded over the
+    other batch axes only."""
     n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes)
     rules = current_rules()
-    return n_dp, {**rules, "batch": tuple(a for a in rules["batch"] if a not in dp_axes)}
+    return n_dp, {**rules, **{name: tuple(a for a in rules[name] if a not in dp_axes)
+                              for name in ("batch", "logits_batch")}}
 
 
 def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
@@ -152,6 +167,12 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     ok = opt_state.notfinite_count == 0   # optax.apply_if_finite skipped nothing
     params = optax.apply_updates(state.params, updates)
+    window, spiked = state.spike, jnp.zeros((), bool)
+    if window is not None:  # --train.spike_factor: a finite update whose loss is a spike is undone
+        spiked = ok & window.is_spike(loss)
+        undo = lambda new, old: jnp.where(spiked, old, new)  # noqa: E731
+        params, opt_state = jax.tree.map(undo, params, state.params), jax.tree.map(undo, opt_state, state.opt_state)
+        window, ok = window.after(loss, applied=ok & ~spiked, spiked=spiked), ok & ~spiked
     if cfg.n_experts and cfg.router_bias_rate > 0:
         # aux-loss-free balancing: the router bias follows the loads, not the gradient (it has
         # none); it lives in params so that checkpoints and generation carry it
@@ -161,14 +182,19 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
             **moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])}}}  # a skipped step changes nothing
     # the rate this update applied: the optimizer's own count (it stops on skipped steps and
     # rewinds with a restored checkpoint), not the step number; 0 for a skipped step
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": applied_lr(lr_schedule, state.opt_state, opt_state),
+    metrics = {"loss": loss, "grad_norm": grad_norm,
+               "lr": jnp.where(spiked, 0.0, applied_lr(lr_schedule, state.opt_state, opt_state)),
                # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
                "bad_in_a_row": opt_state.notfinite_count, "skipped_steps": opt_state.total_notfinite}
+    if window is not None:  # neither count resets on the other kind's skip: their sum is the run of skips
+        metrics.update(spike_in_a_row=window.in_a_row, spike_skipped_steps=window.skipped,
+                       loss_running_median=window.median())
     if stats:
         metrics.update(moe_metrics(stats))
-    if residual is not None:  # a skipped (non-finite) step must not leave NaN in the residuals either
+    if residual is not None:  # a skipped step (non-finite, or a spike) must leave the residuals as they were
         residual = jax.tree.map(lambda new, old: jnp.where(ok, new, old), residual, state.residual)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, residual=residual), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, residual=residual,
+                      spike=window), metrics
 
 
 def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation,
