@@ -50,6 +50,19 @@ def make_trainer(mesh: str, tmp_path, one_device: bool = False, **over) -> Train
     return Trainer(build(d), devices=jax.devices()[:n])
 
 
+def trainer_cache(tmp_path_factory, **base):
+    """(mesh, one_device, overrides) -> make_trainer's Trainer with `base` and the overrides, each
+    built once (a fixture's cache: every build compiles)."""
+    cache = {}
+
+    def get(mesh: str, one_device: bool = False, **over):
+        key = (mesh, one_device, tuple(sorted(over.items())))
+        if key not in cache:
+            cache[key] = make_trainer(mesh, tmp_path_factory.mktemp("run"), one_device, **base, **over)
+        return cache[key]
+    return get
+
+
 def synthetic_batches(vocab: int, n: int = WARMUP + COMPARED, seed: int = 0) -> list[dict]:
     """A different batch every step, the same sequence on every mesh."""
     rng = np.random.default_rng(seed)

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from equivalence import (assert_runs_match, assert_trees_close, gradients, initial_params, make_trainer,
-                         run_steps, synthetic_batches)
+                         run_steps, synthetic_batches, trainer_cache)
 from errors import UserError
 from mesh.rules import head_layout, make_rules
 from train.step import token_xent
@@ -20,14 +20,7 @@ VOCAB = 264  # the tiny preset's: divisible by 8 (fsdp=8) and by 4 (fsdp=2 x mod
 @pytest.fixture(scope="module")
 def trainers(tmp_path_factory):
     """(mesh, one_device, overrides) -> Trainer, each built once."""
-    cache = {}
-
-    def get(mesh: str, one_device: bool = False, **over):
-        key = (mesh, one_device, tuple(sorted(over.items())))
-        if key not in cache:
-            cache[key] = make_trainer(mesh, tmp_path_factory.mktemp("head"), one_device, **over)
-        return cache[key]
-    return get
+    return trainer_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ constant factor; the direct comparison does not)."""
 import numpy as np
 import pytest
 
-from equivalence import (WARMUP, assert_runs_match, assert_trees_close, gradients, initial_params, make_trainer,
-                         run_steps, synthetic_batches)
+from equivalence import (WARMUP, assert_runs_match, assert_trees_close, gradients, initial_params,
+                         run_steps, synthetic_batches, trainer_cache)
 
 # The router's balance loss weighted 10x the default so that its gradient is a visible share of
 # the router's (a wrong aux-loss gradient must not hide under the cross-entropy's).
@@ -25,15 +25,8 @@ GRADIENT_CASES = [("data=2,expert=2,model=2", "dropless")]
 
 @pytest.fixture(scope="module")
 def trainers(tmp_path_factory):
-    """(mesh, one_device, overrides) -> Trainer, each built once."""
-    cache = {}
-
-    def get(mesh: str, one_device: bool = False, **over):
-        key = (mesh, one_device, tuple(sorted(over.items())))
-        if key not in cache:
-            cache[key] = make_trainer(mesh, tmp_path_factory.mktemp("moe"), one_device, **MOE, **over)
-        return cache[key]
-    return get
+    """(mesh, one_device, overrides) -> Trainer of the MoE model, each built once."""
+    return trainer_cache(tmp_path_factory, **MOE)
 
 
 @pytest.fixture(scope="module")

@@ -100,3 +100,17 @@ def test_spikes_in_the_loop_are_logged_counted_recovered_and_checkpointed(tmp_pa
     saved, _ = tr.restore(tr.open_checkpoints(), 16)  # what a resume reads back: the window with its count
     assert (int(saved.spike.skipped), int(saved.spike.seen)) == (1, 11 + 2)  # step 12's (1 spike), then 15, 16
     np.testing.assert_array_equal(np.asarray(saved.spike.losses), np.asarray(tr.state.spike.losses))
+
+
+def test_resume_across_a_spike_factor_toggle(tmp_path, capsys):
+    """A checkpoint saved without the guard resumes with it (an empty window), and the other way
+    round (the window dropped): the setting may change between attempts."""
+    def fit(steps: int, factor: float) -> dict:
+        cfg = build({**BASE, "train.steps": steps, "train.spike_factor": factor, "checkpoint.every": 2,
+                     "logging.run_dir": str(tmp_path / "run")})
+        return Trainer(cfg).fit()
+    fit(2, 0.0)
+    assert fit(4, 1.1)["resumed_from"] == 2
+    assert "the loss-spike window starts empty" in capsys.readouterr().out
+    assert fit(6, 0.0)["resumed_from"] == 4
+    assert "the loss-spike window dropped" in capsys.readouterr().out
