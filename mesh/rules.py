@@ -120,6 +120,11 @@ def head_layout(rules: Mapping[str, MeshAxes], mode: str, sizes: Mapping[str, in
     if mode == "off" or size(rules["vocab_embed"]) == 1:
         return dict(rules)
     vp = vocab_parallel(rules)
+    if mode == "on" and vocab % size(vp["vocab"]):
+        n, axes = size(vp["vocab"]), " x ".join(f"{a}={sizes.get(a, 1)}" for a in vp["vocab"])
+        raise UserError(f"--parallelism.vocab_parallel on: model.vocab_size={vocab} is not divisible by {axes} = {n}"
+                        f" devices; pad the vocabulary to a multiple of {n}, or use auto (which keeps the gathered"
+                        f" head here) or off")
     if mode == "auto":
         group_tokens = batch_tokens // size(vp["logits_batch"])
         if (any(rules[n] != DEFAULT_RULES[n] for n in VOCAB_NAMES) or vocab % size(vp["vocab"])

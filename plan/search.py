@@ -203,8 +203,11 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
         for choice in pipeline_choices(cfg, sizes, t, pc, rules):
             if check(cfg, sizes, t, choice, rules):
                 continue
-            row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
-                           comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel)
+            try:
+                row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
+                               comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel)
+            except UserError:  # --parallelism.vocab_parallel on, and this mesh does not divide the vocabulary
+                continue
             if best is None or (row["fits"], -row["t_step_s"]) > (best["fits"], -best["t_step_s"]):
                 best = row
         if best is not None:
