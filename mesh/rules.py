@@ -101,7 +101,7 @@ def vocab_parallel(rules: Mapping[str, MeshAxes]) -> dict[str, MeshAxes]:
     the head's weights [D, V] and reduce-scatters their gradient (2 (n-1)/n x V D parameter
     bytes); this one all-gathers the head's input, reduces its gradient and the embedding
     lookup ([tokens of the group, D] each) and three [tokens] float32 reductions of the loss.
-    It wins while the group's tokens are fewer than the vocabulary (prefer_vocab_parallel)."""
+    It wins while the group's tokens are fewer than the vocabulary (head_layout decides)."""
     moved = tuple(rules["vocab_embed"])
     add = lambda axes: tuple(axes) + tuple(a for a in moved if a not in axes)  # noqa: E731
     return {**rules, "vocab": add(rules["vocab"]), "vocab_embed": (), "act_vocab": add(rules["act_vocab"]),
@@ -112,9 +112,8 @@ def head_layout(rules: Mapping[str, MeshAxes], mode: str, sizes: Mapping[str, in
                 batch_tokens: int, act_bytes: int, param_bytes: int) -> dict:
     """`rules` with the LM head's layout that --parallelism.vocab_parallel `mode` (auto|on|off)
     picks on a mesh of these axis sizes. `batch_tokens`: tokens of one micro-batch of the global
-    batch. `auto` takes vocab_parallel where it moves
-    fewer bytes (~3 x the FSDP group's tokens x D activation bytes against ~2 x V x D parameter
-    bytes per micro-batch), and keeps a head layout the user wrote (a rule of VOCAB_NAMES
+    batch. `auto` takes vocab_parallel where it moves fewer bytes (~3 x the FSDP group's tokens x
+    D activation bytes against ~2 x V x D parameter bytes per micro-batch), and keeps a head layout the user wrote (a rule of VOCAB_NAMES
     overridden) or a vocabulary the new axes would not divide."""
     size = lambda axes: math.prod(sizes.get(a, 1) for a in axes)  # noqa: E731
     if mode == "off" or size(rules["vocab_embed"]) == 1:
