@@ -1,11 +1,12 @@
-"""HuggingFace Llama and Mixtral checkpoints <-> Brigade: `from_pretrained`, `save_pretrained`, and
-Brigade checkpoints to and from HF directories, with their CLI under `python -m checkpoint`:
+"""HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3) <-> Brigade: `from_pretrained`,
+`save_pretrained`, and Brigade checkpoints to and from HF directories, with their CLI under
+`python -m checkpoint`:
 
     python -m checkpoint hf import HF_DIR --out CKPT [--dtype float32]   # a params-only Brigade checkpoint
     python -m checkpoint hf export CKPT --out HF_DIR [--dtype bfloat16]  # any Brigade checkpoint -> HF layout
 
 What converts to what (the tables, config.json <-> ModelConfig) is models/hf.py's; the HF files
-are checkpoint/hf_files.py's; this module joins them to Brigade checkpoints.
+and their tensors are checkpoint/hf_files.py's; this module joins them to Brigade checkpoints.
 """
 from __future__ import annotations
 
@@ -18,11 +19,10 @@ import tempfile
 import typing
 from typing import Any
 
-from checkpoint.hf_files import load_params, read_config, write_files
+from checkpoint.hf_files import hf_tensors, load_params, read_config, write_files
 from errors import ArgParser, UserError
 from models.config import ModelConfig
-from models.hf import (ARCHITECTURES, DTYPES, Model, config_from_hf, config_to_hf, hf_tensors, is_int, is_number,
-                       short_json)
+from models.hf import ARCHITECTURES, DTYPES, Model, config_from_hf, config_to_hf, is_int, is_number, short_json
 
 
 # -- HF directories -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """A HuggingFace checkpoint directory on disk: config.json plus safetensors (one file, or shards and
-an index), read and written without torch or transformers.
+an index), read and written without torch or transformers; its tensors <-> Brigade params by the
+rows of models/hf.py's tables (`params_from_hf`, `hf_tensors`).
 
 Every file is untrusted input: a safetensors header is checked against its file, and an index's
 shard names against its directory, before a byte of tensor data is read; tensors are then read one
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
 from errors import UserError
 from models.config import ModelConfig
-from models.hf import is_int, params_from_hf, short_json
+from models.hf import IGNORED_SUFFIXES, LAYOUTS, ROWS, Model, Row, expected_shapes, is_int, short_json
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -158,6 +160,113 @@ def read_config(path: str) -> dict:
     if not os.path.exists(file):
         raise UserError(f"'{path}' has no config.json (expected a HuggingFace checkpoint directory)")
     return read_json(file)   # its types are checked by config_from_hf
+
+
+# -- HF tensors <-> params: the rows of models/hf.py's tables applied ------------------------------
+def _names(template: str, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
+    """Every (index into the Brigade array's stacked dims, HF name) of a row: the template's
+    placeholders, layer then expert, enumerate the leading dims of `shape`."""
+    keys = [k for k in ("l", "e") if "{" + k + "}" in template]
+    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[:len(keys)]))
+
+
+def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """np.ndindex, lazily: a config.json claiming a billion layers fails at the first missing tensor
+    (np.ndindex and itertools.product first build every range)."""
+    if not dims:
+        yield ()
+        return
+    for i in range(dims[0]):
+        for rest in _indices(dims[1:]):
+            yield (i, *rest)
+
+
+def _rows(model_type: str, cfg: ModelConfig) -> list[Row]:
+    return [r for r in ROWS[model_type] if not (cfg.tie_embeddings and r.brigade == "lm_head_DV")]
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _get(tree: dict, path: str):
+    for p in path.split("/"):
+        tree = tree[p]
+    return tree
+
+
+def _hf_shape(row: Row, shape: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
+    """The HF tensor shape of one slice of a Brigade array of `shape` (traced: nothing allocated)."""
+    import jax
+    stacked = sum("{" + k + "}" in row.hf for k in ("l", "e"))
+    piece = jax.ShapeDtypeStruct(shape[stacked:], np.int8)
+    return tuple(jax.eval_shape(lambda w: LAYOUTS[row.layout].to_hf(w, head_dim), piece).shape)
+
+
+def _plan(source: str, shapes: Mapping[str, tuple[int, ...]], model_type: str,
+          cfg: ModelConfig) -> list[tuple[Row, tuple, list]]:
+    """Every row with its Brigade shape and (index, HF name) pairs, each tensor checked present with
+    the shape config.json implies from the tensor shapes alone (a file's header): nothing is
+    allocated before the source is known to hold it."""
+    want = expected_shapes(cfg)
+    uncovered = sorted(set(want) - {r.brigade for r in _rows(model_type, cfg)})
+    if uncovered:  # a parameter the table does not fill would be left uninitialised
+        raise UserError(f"the {model_type} conversion has no HF tensor for Brigade parameters {', '.join(uncovered)}")
+    plan, used = [], set()
+    for row in _rows(model_type, cfg):
+        shape = want[row.brigade]
+        hf_shape, names = _hf_shape(row, shape, cfg.head_dim), []
+        for idx, name in _names(row.hf, shape):
+            if name not in shapes:
+                raise UserError(f"'{source}': tensor {name} is missing (needed for {row.brigade})")
+            if shapes[name] != hf_shape:
+                raise UserError(f"'{source}': tensor {name} has shape {shapes[name]},"
+                                f" config.json implies {hf_shape}")
+            names.append((idx, name))
+        used.update(name for _, name in names)
+        plan.append((row, shape, names))
+    extra = sorted(n for n in shapes if n not in used and not n.endswith(IGNORED_SUFFIXES)
+                   and not (cfg.tie_embeddings and n == "lm_head.weight"))
+    if extra:
+        raise UserError(f"'{source}': {len(extra)} tensors this {model_type} conversion does not know: "
+                        + ", ".join(map(short_json, extra[:5])) + (" ..." if len(extra) > 5 else ""))
+    return plan
+
+
+def params_from_hf(source: str, shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
+                   model_type: str, cfg: ModelConfig) -> dict:
+    """HF tensors -> Brigade params (numpy, cfg.param_dtype), checking every name and shape first.
+    `shapes`: every tensor `source` holds, {HF name: shape}; `read(name)` its data, called only after
+    all names and shapes passed (`source` names it in errors, e.g. the HF directory)."""
+    dtype = np.dtype(_np_dtype(cfg.param_dtype))
+    params = {}
+    for row, shape, names in _plan(source, shapes, model_type, cfg):
+        out = np.empty(shape, dtype)
+        for idx, name in names:
+            out[idx] = LAYOUTS[row.layout].to_brigade(read(name), cfg.head_dim).astype(dtype)
+        _set(params, row.brigade, out)
+    return params
+
+
+def _np_dtype(name: str):
+    import jax.numpy as jnp
+    return jnp.dtype(name)  # bfloat16 via ml_dtypes
+
+
+def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Brigade params -> {HF name: array} (host memory)."""
+    import jax
+    cfg = model.cfg
+    dt = np.dtype(_np_dtype(dtype or cfg.param_dtype))
+    out = {}
+    for row in _rows(model.model_type, cfg):
+        arr = np.asarray(jax.device_get(_get(model.params, row.brigade)))
+        for idx, name in _names(row.hf, arr.shape):
+            out[name] = np.ascontiguousarray(LAYOUTS[row.layout].to_hf(arr[idx], cfg.head_dim).astype(dt))
+    return out
 
 
 def load_params(path: str, model_type: str, cfg: ModelConfig) -> dict:

@@ -1,5 +1,6 @@
 """Parameter and FLOP counts (PaLM appendix B): 6N + 12*L*H*Q*T FLOPs per trained token, N counting
-only the active parameters of a Mixture-of-Experts (the experts_per_token chosen experts)."""
+only the active parameters of a Mixture-of-Experts (the experts_per_token chosen experts); the
+biases and norms (q/k/v biases and q/k norms included) are additions, not matmuls."""
 from __future__ import annotations
 
 import math
@@ -26,14 +27,17 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     lookup (no FLOPs) unless it is tied to the LM head, which is a matmul; the MoE router bias
     only shifts the expert choice."""
     n = active_param_count(cfg)
-    norms = cfg.d_model * (2 * cfg.n_layers + 1)
+    norms = cfg.d_model * (2 * cfg.n_layers + 1) + (2 * cfg.n_layers * cfg.head_dim if cfg.qk_norm else 0)
     embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
     bias = cfg.n_moe_layers * cfg.n_experts if cfg.router_bias_rate > 0 else 0
-    return n - norms - embed - bias
+    qkv_bias = cfg.n_layers * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
+    return n - norms - embed - bias - qkv_bias
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token, without remat recomputation (the MFU convention).
-    Attention: 12 * layers * heads * head_dim * seq_len (PaLM; causal masking not subtracted)."""
-    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    Attention: 12 * layers * heads * head_dim * keys (PaLM; causal masking not subtracted), keys =
+    seq_len, or the sliding window where it is shorter (each query scores at most that many keys)."""
+    keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
+    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * keys
     return 6 * matmul_param_count(cfg) + attn

@@ -1,11 +1,13 @@
-"""HuggingFace Llama and Mixtral <-> Brigade: the family tables and the tensor-name <-> params mapping.
+"""HuggingFace Llama, Mistral, Mixtral, Qwen2/2.5 and Qwen3 <-> Brigade: the family tables and
+config.json <-> ModelConfig.
 
 The conversion is a table per architecture (`ROWS`): each row names a Brigade parameter (its '/'
 path in the params dict), the HF tensor it comes from (a name template over layer `{l}`, and
 expert `{e}` for MoE layers) and the layout change between the two. A template's placeholders
 are the leading stacked dims of the Brigade array, in order ([L, ...] or [L, E, ...]), so adding
-an architecture is adding rows. `config_from_hf`/`config_to_hf` map config.json, `params_from_hf`/
-`hf_tensors` the tensors; the files and the CLI are checkpoint/hf.py's (`python -m checkpoint hf`).
+an architecture is adding rows. `config_from_hf`/`config_to_hf` map config.json; checkpoint/hf_files.py
+applies the rows to the tensors (`params_from_hf`/`hf_tensors`) and checkpoint/hf.py has the CLI
+(`python -m checkpoint hf`).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Callable, Iterator, Mapping, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -39,6 +41,7 @@ LAYOUTS = {
                        lambda w, h: w.reshape(w.shape[0], -1).T),
     "out_heads": Layout(lambda w, h: w.T.reshape(-1, h, w.shape[0]),                       # [D,N*H] <-> [N,H,D]
                         lambda w, h: w.reshape(-1, w.shape[-1]).T),
+    "heads": Layout(lambda w, h: w.reshape(-1, h), lambda w, h: w.reshape(-1)),            # [N*H] <-> [N,H]
 }
 
 
@@ -83,8 +86,33 @@ MIXTRAL_ROWS = _OUTER + _attention_rows("moe_blocks") + (
     Row("moe_blocks/moe/w_down_EFD", _MOE + "experts.{e}.w2.weight", "T"),
 )
 
-ROWS = {"llama": LLAMA_ROWS, "mixtral": MIXTRAL_ROWS}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+# Qwen2/2.5: Llama with biases on q/k/v (not o); Qwen3: Llama with an RMSNorm over each q and k head
+# before RoPE (one [H] scale each), no biases; Mistral: Llama with a sliding window (no tensors).
+_ATTN = _LAYER + "self_attn."
+QWEN2_ROWS = LLAMA_ROWS + (
+    Row("blocks/attn/bq_NH", _ATTN + "q_proj.bias", "heads"),
+    Row("blocks/attn/bk_KH", _ATTN + "k_proj.bias", "heads"),
+    Row("blocks/attn/bv_KH", _ATTN + "v_proj.bias", "heads"),
+)
+QWEN3_ROWS = LLAMA_ROWS + (
+    Row("blocks/attn/q_norm/scale", _ATTN + "q_norm.weight", "same"),
+    Row("blocks/attn/k_norm/scale", _ATTN + "k_norm.weight", "same"),
+)
+ROWS = {"llama": LLAMA_ROWS, "mistral": LLAMA_ROWS, "mixtral": MIXTRAL_ROWS, "qwen2": QWEN2_ROWS,
+        "qwen3": QWEN3_ROWS}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# config.json keys each family's HF model reads that add tensors Brigade has no place for (true refused)
+_BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+# families whose config.json may set head_dim apart from hidden_size / num_attention_heads
+_FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3")
+# Gemma 2/3 differ from the Llama block in ways the stacked decoder does not express: tanh soft-capping
+# of attention and final logits, norms after attention and MLP too (sandwich), RMSNorm scaled by
+# 1 + w, embeddings scaled by sqrt(hidden_size), GeGLU, and local/global layers alternating with
+# their own RoPE bases. Refused by name, with the keys that carry those differences.
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+_GEMMA_KEYS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_activation",
+               "sliding_window_pattern", "layer_types", "rope_local_base_freq")
 # Llama 3.1's "llama3" RoPE scaling, where this ModelConfig has its fields.
 _LLAMA3_ROPE = "rope_scaling_factor" in {f.name for f in dataclasses.fields(ModelConfig)}
 _LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -104,6 +132,8 @@ def is_number(v) -> bool:
 
 
 _KINDS = {"a positive integer": lambda v: is_int(v) and v > 0,
+          "a non-negative integer": lambda v: is_int(v) and v >= 0,
+          "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
           "a positive number": lambda v: is_number(v) and v > 0,
           "a non-negative number": lambda v: is_number(v) and v >= 0,
           "true or false": lambda v: isinstance(v, bool),
@@ -114,6 +144,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
 _KEY_KINDS = {
     **dict.fromkeys(_REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
                                  "num_local_experts", "num_experts_per_tok"), "a positive integer"),
+    "max_window_layers": "a non-negative integer", "layer_types": "a list of strings",
     "rope_theta": "a positive number", "rms_norm_eps": "a positive number",
     "router_aux_loss_coef": "a non-negative number",
     **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"), "true or false"),
@@ -143,28 +174,62 @@ def check_config_types(hf, where: str = "config.json") -> None:
             raise UserError(f"{where}: {key} must be {kind}, got {short_json(value)}")
 
 
+def _bad(where: str, key: str, value, supported: str):
+    raise UserError(f"{where}: {key}={json.dumps(value)} is not supported (supported: {supported})")
+
+
 def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json") -> tuple[str, ModelConfig]:
     """An HF config dict -> (model_type, ModelConfig). Anything Brigade would compute differently
     is refused with one line naming the key."""
-    def bad(key, value, supported):
-        raise UserError(f"{where}: {key}={json.dumps(value)} is not supported (supported: {supported})")
-
     check_config_types(hf, where)
     mtype = hf.get("model_type")
+    if mtype in _GEMMA_TYPES:
+        keys = [k for k in _GEMMA_KEYS if k in hf]
+        raise UserError(f"{where}: model_type={json.dumps(mtype)} is not supported: Brigade's decoder has no"
+                        f" soft-capping, sandwich norms, scaled embeddings, GeGLU or alternating local/global layers"
+                        + (f" (this config sets {', '.join(keys)})" if keys else "")
+                        + f"; supported model types: {', '.join(ROWS)}")
     if mtype not in ROWS:
-        bad("model_type", mtype, ", ".join(ROWS))
+        _bad(where, "model_type", mtype, ", ".join(ROWS))
     if dtype not in DTYPES:
         raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     if hf.get("hidden_act", "silu") != "silu":
-        bad("hidden_act", hf["hidden_act"], "silu")
-    for key in ("attention_bias", "mlp_bias"):
+        _bad(where, "hidden_act", hf["hidden_act"], "silu")
+    for key in _BIAS_KEYS.get(mtype, ()):
         if hf.get(key):
-            bad(key, hf[key], "false")
+            _bad(where, key, hf[key], "false")
     d, n = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, d // n) or d % n:
-        bad("head_dim", hf.get("head_dim"), f"hidden_size/num_attention_heads = {d / n:g}")
+    head_dim = hf.get("head_dim")
+    if mtype not in _FREE_HEAD_DIM and (head_dim not in (None, d // n) or d % n):
+        _bad(where, "head_dim", head_dim, f"hidden_size/num_attention_heads = {d / n:g}")
+    free_head_dim = head_dim is not None and (head_dim != d // n or d % n)
+    moe = {}
+    if mtype == "mixtral":
+        for key in ("num_local_experts", "num_experts_per_tok"):
+            if hf.get(key) is None:
+                raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
+        moe = dict(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+                   d_ff_expert=hf["intermediate_size"], moe_every=1, router="softmax", dispatch="dropless",
+                   aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)), z_loss_coef=0.0)
     rope = hf.get("rope_parameters") or {}   # transformers >= 5; older configs: rope_theta + rope_scaling
-    scaling = hf.get("rope_scaling") or rope
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n,
+        n_kv_heads=hf.get("num_key_value_heads") or n, d_ff=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_head_dim=head_dim if free_head_dim else 0, qkv_bias=mtype == "qwen2", qk_norm=mtype == "qwen3",
+        sliding_window=_sliding_window(hf, mtype, where), dtype=dtype, param_dtype=dtype, **moe,
+        **_rope_scaling(hf, where))
+    try:
+        return mtype, cfg.validate()
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _rope_scaling(hf: dict, where: str) -> dict:
+    """The ModelConfig fields of config.json's RoPE scaling: none, or Llama 3.1's "llama3"."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     where_rope = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope_fields = {}
@@ -174,38 +239,52 @@ def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json")
                 raise UserError(f"{where}: {where_rope}.{key} is missing or not a number (rope_type llama3 needs it)")
             rope_fields[field] = type(getattr(ModelConfig, field))(scaling[key])
     elif rope_type != "default":
-        bad(f"{where_rope}.rope_type", rope_type, "default (no scaling)" + (", llama3" if _LLAMA3_ROPE else ""))
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        bad("sliding_window", hf["sliding_window"], "null (full causal attention)")
-    moe = {}
-    if mtype == "mixtral":
-        for key in ("num_local_experts", "num_experts_per_tok"):
-            if hf.get(key) is None:
-                raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
-        moe = dict(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
-                   d_ff_expert=hf["intermediate_size"], moe_every=1, router="softmax", dispatch="dropless",
-                   aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)), z_loss_coef=0.0)
-    cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n,
-        n_kv_heads=hf.get("num_key_value_heads") or n, d_ff=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=dtype, param_dtype=dtype, **moe, **rope_fields)
-    try:
-        return mtype, cfg.validate()
-    except UserError as e:
-        raise UserError(f"{where}: {e}") from None
+        _bad(where, f"{where_rope}.rope_type", rope_type, "default (no scaling)" + (", llama3" if _LLAMA3_ROPE else ""))
+    return rope_fields
+
+
+def _sliding_window(hf: dict, mtype: str, where: str) -> int:
+    """The window every layer attends within (0: none), as each family's HF model reads config.json.
+    Mistral and Mixtral: `sliding_window` (null = none), every layer. Qwen2/3: only with
+    `use_sliding_window`, and only on the layers `layer_types` marks sliding (by default those from
+    `max_window_layers` on), so a mix of sliding and full layers is refused. Llama has none."""
+    window = hf.get("sliding_window")
+    if mtype in ("mistral", "mixtral"):
+        return window or 0
+    if window is None or not hf.get("use_sliding_window", mtype == "llama"):
+        return 0
+    if mtype == "llama":
+        _bad(where, "sliding_window", window, "null (full causal attention)")
+    layers = hf["num_hidden_layers"]
+    first_sliding = hf.get("max_window_layers", 28)   # transformers' default for Qwen2/3
+    kinds = hf.get("layer_types") or ["sliding_attention" if i >= first_sliding else "full_attention"
+                                      for i in range(layers)]
+    key = "layer_types" if hf.get("layer_types") else "max_window_layers"
+    if set(kinds) - {"sliding_attention", "full_attention"} or len(set(kinds)) > 1 or len(kinds) != layers:
+        _bad(where, key, hf.get(key, first_sliding), "every one of the num_hidden_layers layers the same kind:"
+             " all sliding_attention, or all full_attention")
+    return window if kinds[0] == "sliding_attention" else 0
 
 
 def model_type_of(cfg: ModelConfig) -> str:
-    """The HF architecture a Brigade config converts to; UserError naming the field it cannot express."""
-    if not cfg.n_experts:
-        return "llama"
-    for field, want in (("moe_every", 1), ("n_shared_experts", 0), ("router", "softmax"), ("router_bias_rate", 0)):
-        if getattr(cfg, field) != want:
-            raise UserError(f"model.{field}={getattr(cfg, field)} has no HuggingFace Mixtral equivalent (needs {want})")
-    return "mixtral"
+    """The HF architecture a Brigade config converts to; UserError naming the field it cannot express.
+    Qwen3 has the q/k norms, Qwen2 the q/k/v biases, Mistral a sliding window or a free head_dim
+    (Qwen2/3 carry those too); plain Llama what is left."""
+    if cfg.n_experts:
+        for field, want in (("moe_every", 1), ("n_shared_experts", 0), ("router", "softmax"), ("router_bias_rate", 0),
+                            ("qkv_bias", False), ("qk_norm", False), ("attn_head_dim", 0)):
+            if getattr(cfg, field) != want:
+                raise UserError(f"model.{field}={getattr(cfg, field)} has no HuggingFace Mixtral equivalent"
+                                f" (needs {want})")
+        return "mixtral"
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise UserError("model.qkv_bias=True with model.qk_norm=True has no HuggingFace equivalent (Qwen2 has the"
+                        " biases, Qwen3 the norms); set one of them false")
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window or cfg.attn_head_dim else "llama"
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
@@ -221,16 +300,23 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         # both spellings: transformers < 5 reads rope_theta (+ rope_scaling), >= 5 rope_parameters
         "rope_theta": cfg.rope_theta, "rope_parameters": rope,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": dtype, "dtype": dtype,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype, "dtype": dtype,
     }
+    out.update(dict.fromkeys(_BIAS_KEYS.get(model_type, ()), False))
     scaling = getattr(cfg, "rope_scaling", None)
     if scaling:
         out["rope_scaling"] = {"rope_type": "llama3", **dict(zip(_LLAMA3_KEYS, scaling))}
         rope.update(out["rope_scaling"])
+    window = cfg.sliding_window or None
+    if model_type in ("mistral", "mixtral"):
+        out["sliding_window"] = window
+    elif model_type in ("qwen2", "qwen3"):   # every layer alike: all sliding or all full
+        kind = "sliding_attention" if window else "full_attention"
+        out.update(use_sliding_window=bool(window), sliding_window=window, max_window_layers=0 if window else
+                   cfg.n_layers, layer_types=[kind] * cfg.n_layers)
     if model_type == "mixtral":
         out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-                   router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=None)
+                   router_aux_loss_coef=cfg.aux_loss_coef)
     return out
 
 
@@ -240,7 +326,7 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
     layouts reshape by the config's head counts, so a config that does not describe its arrays
     (n_heads 4 read as 2) would convert without complaint into a silently wrong model."""
     from mesh.shard import path_names
-    want = _expected_shapes(cfg)
+    want = expected_shapes(cfg)
     have = {n: tuple(a.shape) for n, a in path_names(params, is_leaf=lambda x: hasattr(x, "shape"))}
     for name in sorted(set(want) | set(have)):
         if want.get(name) != have.get(name):
@@ -251,8 +337,8 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
                             f" the config does not describe these arrays")
 
 
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "n_experts", "d_ff_expert",
-                 "tie_embeddings")
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "attn_head_dim", "d_ff", "n_experts",
+                 "d_ff_expert", "tie_embeddings", "qkv_bias", "qk_norm")
 
 
 class Model:
@@ -285,115 +371,8 @@ class Model:
                         max_new=max_new, temperature=temperature, top_k=top_k)
 
 
-# -- HF tensors <-> params ----------------------------------------------------------------------
-def _names(template: str, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
-    """Every (index into the Brigade array's stacked dims, HF name) of a row: the template's
-    placeholders, layer then expert, enumerate the leading dims of `shape`."""
-    keys = [k for k in ("l", "e") if "{" + k + "}" in template]
-    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[:len(keys)]))
-
-
-def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """np.ndindex, lazily: a config.json claiming a billion layers fails at the first missing tensor
-    (np.ndindex and itertools.product first build every range)."""
-    if not dims:
-        yield ()
-        return
-    for i in range(dims[0]):
-        for rest in _indices(dims[1:]):
-            yield (i, *rest)
-
-
-def _rows(model_type: str, cfg: ModelConfig) -> list[Row]:
-    return [r for r in ROWS[model_type] if not (cfg.tie_embeddings and r.brigade == "lm_head_DV")]
-
-
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     from mesh.shard import path_names
     from models import model as model_lib
     abstract = model_lib.abstract_params(cfg)
     return {n: tuple(s.shape) for n, s in path_names(abstract, is_leaf=lambda x: hasattr(x, "shape"))}
-
-
-def _set(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split("/")
-    for p in parents:
-        tree = tree.setdefault(p, {})
-    tree[leaf] = value
-
-
-def _get(tree: dict, path: str):
-    for p in path.split("/"):
-        tree = tree[p]
-    return tree
-
-
-def _hf_shape(row: Row, shape: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
-    """The HF tensor shape of one slice of a Brigade array of `shape` (traced: nothing allocated)."""
-    import jax
-    stacked = sum("{" + k + "}" in row.hf for k in ("l", "e"))
-    piece = jax.ShapeDtypeStruct(shape[stacked:], np.int8)
-    return tuple(jax.eval_shape(lambda w: LAYOUTS[row.layout].to_hf(w, head_dim), piece).shape)
-
-
-def _plan(source: str, shapes: Mapping[str, tuple[int, ...]], model_type: str,
-          cfg: ModelConfig) -> list[tuple[Row, tuple, list]]:
-    """Every row with its Brigade shape and (index, HF name) pairs, each tensor checked present with
-    the shape config.json implies from the tensor shapes alone (a file's header): nothing is
-    allocated before the source is known to hold it."""
-    want = _expected_shapes(cfg)
-    uncovered = sorted(set(want) - {r.brigade for r in _rows(model_type, cfg)})
-    if uncovered:  # a parameter the table does not fill would be left uninitialised
-        raise UserError(f"the {model_type} conversion has no HF tensor for Brigade parameters {', '.join(uncovered)}")
-    plan, used = [], set()
-    for row in _rows(model_type, cfg):
-        shape = want[row.brigade]
-        hf_shape, names = _hf_shape(row, shape, cfg.head_dim), []
-        for idx, name in _names(row.hf, shape):
-            if name not in shapes:
-                raise UserError(f"'{source}': tensor {name} is missing (needed for {row.brigade})")
-            if shapes[name] != hf_shape:
-                raise UserError(f"'{source}': tensor {name} has shape {shapes[name]},"
-                                f" config.json implies {hf_shape}")
-            names.append((idx, name))
-        used.update(name for _, name in names)
-        plan.append((row, shape, names))
-    extra = sorted(n for n in shapes if n not in used and not n.endswith(IGNORED_SUFFIXES)
-                   and not (cfg.tie_embeddings and n == "lm_head.weight"))
-    if extra:
-        raise UserError(f"'{source}': {len(extra)} tensors this {model_type} conversion does not know: "
-                        + ", ".join(map(short_json, extra[:5])) + (" ..." if len(extra) > 5 else ""))
-    return plan
-
-
-def params_from_hf(source: str, shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
-                   model_type: str, cfg: ModelConfig) -> dict:
-    """HF tensors -> Brigade params (numpy, cfg.param_dtype), checking every name and shape first.
-    `shapes`: every tensor `source` holds, {HF name: shape}; `read(name)` its data, called only after
-    all names and shapes passed (`source` names it in errors, e.g. the HF directory)."""
-    dtype = np.dtype(_np_dtype(cfg.param_dtype))
-    params = {}
-    for row, shape, names in _plan(source, shapes, model_type, cfg):
-        out = np.empty(shape, dtype)
-        for idx, name in names:
-            out[idx] = LAYOUTS[row.layout].to_brigade(read(name), cfg.head_dim).astype(dtype)
-        _set(params, row.brigade, out)
-    return params
-
-
-def _np_dtype(name: str):
-    import jax.numpy as jnp
-    return jnp.dtype(name)  # bfloat16 via ml_dtypes
-
-
-def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Brigade params -> {HF name: array} (host memory)."""
-    import jax
-    cfg = model.cfg
-    dt = np.dtype(_np_dtype(dtype or cfg.param_dtype))
-    out = {}
-    for row in _rows(model.model_type, cfg):
-        arr = np.asarray(jax.device_get(_get(model.params, row.brigade)))
-        for idx, name in _names(row.hf, arr.shape):
-            out[name] = np.ascontiguousarray(LAYOUTS[row.layout].to_hf(arr[idx], cfg.head_dim).astype(dt))
-    return out
