@@ -1,10 +1,15 @@
-"""Single-GPU throughput and MFU sweep: one H200, under 8 minutes, safe to run unattended.
+"""Single-GPU throughput and MFU sweep: one H200, under 10 minutes, safe to run unattended.
 
     python benchmarks/gpu.py                                   # 1b, bf16, batch 4, 8, 16 at seq 2048
     python benchmarks/gpu.py --presets 125m,1b --batch-sizes 8,16
     python benchmarks/gpu.py --dry-run                         # print the train commands, run nothing
     python benchmarks/gpu.py -- --checkpoint.every 0           # args after `--` go to every train run
     python benchmarks/gpu.py --presets '' --moe-variants dropless,dropless-blocks,capacity   # MoE only
+    python benchmarks/gpu.py --batch-sizes 8 --variants fp8,attention-cudnn --moe-variants ''
+
+After the dense sweep, the first preset runs once per --variants entry at --variant-batch: the XLA
+GPU preset, XLA vs cuDNN attention, FP8 matmuls; each row has the cost model's predicted step time
+and MFU (`python -m train plan --hardware h200 --devices 1`, analytic) next to the measured ones.
 
 The MoE case (after the dense presets) trains a Mixtral-shaped model small enough for one GPU
 (`--moe-preset mixtral-small`: 8 layers, d_model 1024, 8 experts of width 3584, top-2; 0.8B
@@ -67,6 +72,14 @@ MOE_VARIANTS = {
     "dropless-blocks": ["--model.dispatch", "dropless", "--model.dropless_kernel", "blocks"],
     "capacity": ["--model.dispatch", "capacity", "--model.capacity_factor", "1.25"],
 }
+# Settings compared on the first dense preset at --variant-batch, each against the plain run of
+# that preset and batch: the XLA GPU preset (mesh/xla.py), the attention implementation, FP8.
+VARIANTS = {
+    "xla-preset": ["--xla-preset", "gpu"],
+    "attention-xla": ["--model.attention", "xla"],
+    "attention-cudnn": ["--model.attention", "cudnn"],
+    "fp8": ["--model.matmul_precision", "fp8"],
+}
 
 
 def say(*a) -> None:
@@ -85,15 +98,20 @@ def parse_args():
     p.add_argument("--moe-preset", default="mixtral-small",
                    help=f"MoE shape: {', '.join(MOE_SHAPES)} or any registered MoE preset (e.g. moe-tiny)")
     p.add_argument("--moe-batch-sizes", default="8", help="comma-separated global batch sizes for the MoE case")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"settings compared on the first dense preset, from {', '.join(VARIANTS)}; '' = none")
+    p.add_argument("--variant-batch", type=int, default=8, help="global batch size of the variant runs")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="dense bf16 peak per device for MFU; 0 = the CLI's own table (H100/H200 SXM: 989)")
-    p.add_argument("--budget-s", type=float, default=430, help="wall-clock budget for the whole sweep")
+    p.add_argument("--budget-s", type=float, default=540, help="wall-clock budget for the whole sweep")
     p.add_argument("--run-timeout-s", type=float, default=300, help="limit for one config")
     p.add_argument("--min-run-s", type=float, default=75,
                    help="do not start a config with less budget left (start-up + compile alone take ~1 min)")
+    p.add_argument("--hardware", default="h200", help="cost-model profile whose prediction is put next to each run"
+                                                      " (python -m train plan --hardware); '' = none")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
     args.extra = extra
@@ -101,16 +119,21 @@ def parse_args():
     args.batch_sizes = sorted(int(s) for s in args.batch_sizes.split(",") if s)
     args.moe_variants = [s for s in args.moe_variants.split(",") if s]
     args.moe_batch_sizes = sorted(int(s) for s in args.moe_batch_sizes.split(",") if s)
-    bad = [v for v in args.moe_variants if v not in MOE_VARIANTS]
-    if bad:
-        p.error(f"--moe-variants: unknown {', '.join(bad)}; valid: {', '.join(MOE_VARIANTS)}")
+    args.variants = [s for s in args.variants.split(",") if s]
+    for flag, given, valid in (("--moe-variants", args.moe_variants, MOE_VARIANTS), ("--variants", args.variants, VARIANTS)):
+        bad = [v for v in given if v not in valid]
+        if bad:
+            p.error(f"{flag}: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
     return args
 
 
 def cases(args) -> list[dict]:
-    """What to run, in order: each dense preset, then the MoE shape once per dispatch variant.
-    name: the label in the results; preset + flags: the train command's model."""
+    """What to run, in order: each dense preset, the first one's variants, then the MoE shape once
+    per dispatch variant. name: the label in the results; preset + flags: the train command's model."""
     out = [{"name": p, "preset": p, "flags": [], "batch_sizes": args.batch_sizes} for p in args.presets]
+    if args.presets:
+        out += [{"name": f"{args.presets[0]}/{v}", "preset": args.presets[0], "flags": VARIANTS[v],
+                 "batch_sizes": [args.variant_batch]} for v in args.variants]
     preset, flags = MOE_SHAPES.get(args.moe_preset, (args.moe_preset, []))
     out += [{"name": f"{args.moe_preset}/{v}", "preset": preset, "flags": flags + MOE_VARIANTS[v],
              "batch_sizes": args.moe_batch_sizes} for v in args.moe_variants]
@@ -128,6 +151,26 @@ def train_cmd(args, case: dict, batch: int, run_dir: str) -> list[str]:
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
     return cmd + args.extra
+
+
+def predict(args, case: dict, batch: int) -> dict:
+    """The cost model's step time and MFU for this config on one device of --hardware (analytic,
+    no compile; run on the host CPU so it takes no GPU memory from the runs)."""
+    if not args.hardware:
+        return {}
+    model = train_cmd(args, case, batch, "unused")[3:]
+    model = [a for i, a in enumerate(model) if a != "--xla-preset" and (i == 0 or model[i - 1] != "--xla-preset")]
+    cmd = [sys.executable, "-m", "train", "plan", "--hardware", args.hardware, "--devices", "1", "--json", *model]
+    try:
+        out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                             text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"predicted_error": "plan timed out"}
+    try:
+        row = json.loads(out.stdout)
+        return {"predicted_step_time_s": round(row["t_step_s"], 4), "predicted_mfu": round(row["mfu"], 4)}
+    except (json.JSONDecodeError, KeyError):
+        return {"predicted_error": out.stderr.strip()[-300:]}
 
 
 def drop_unknown_xla_flags() -> None:
@@ -200,7 +243,7 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
     tag = preset.replace("/", "-")
     run_dir = Path(tempfile.mkdtemp(prefix=f"brigade-gpu-{tag}-b{batch}-"))
     cmd = train_cmd(args, case, batch, str(run_dir))
-    res.update(steps=args.steps, cmd=shlex.join(cmd), status="running")
+    res.update(steps=args.steps, cmd=shlex.join(cmd), status="running", **predict(args, case, batch))
     say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
     log_path, metrics_path = run_dir / "train.log", run_dir / "metrics.jsonl"
     t0, seen, proc = time.time(), 0, None
@@ -248,12 +291,13 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
 def table(runs: list[dict]) -> str:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
-    lines = ["| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | dropped | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | predicted step (s) | predicted MFU"
+             " | dropped | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['preset']} | {r['batch_size']} | {r['seq_len']} | {f(r.get('tokens_per_sec'), ',.0f')}"
                      f" | {f(r.get('tokens_per_sec_per_device'), ',.0f')} | {f(r.get('mfu'), '.1%')}"
-                     f" | {f(r.get('step_time_s'), '.3f')} | {f(r.get('moe/dropped_fraction'), '.2%')}"
+                     f" | {f(r.get('step_time_s'), '.3f')} | {f(r.get('predicted_step_time_s'), '.3f')}"
+                     f" | {f(r.get('predicted_mfu'), '.1%')} | {f(r.get('moe/dropped_fraction'), '.2%')}"
                      f" | {r['status']} |")
     return "\n".join(lines)
 

@@ -1,4 +1,5 @@
-"""Grouped-query causal self-attention with rotary embeddings and an optional KV cache."""
+"""Grouped-query causal self-attention with rotary embeddings and an optional KV cache; optional
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and a sliding window (Mistral)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -10,7 +11,8 @@ from flax import nnx
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, constrain
 from models.config import ModelConfig
-from models.layers import param, rope
+from models import fp8
+from models.layers import RMSNorm, param, rope
 
 
 class KVCache(NamedTuple):
@@ -37,8 +39,17 @@ class Attention(nnx.Module):
         self.wk_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
         self.wv_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
         self.wo_NHD = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype, fan_in=n * h)
+        if cfg.qkv_bias:  # sharded as the projections' output dims
+            self.bq_NH = param(rngs, (n, h), ("heads", "head_dim"), param_dtype, zeros=True)
+            self.bk_KH = param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros=True)
+            self.bv_KH = param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros=True)
+        if cfg.qk_norm:  # one scale per head feature, shared by all heads (Qwen3)
+            self.q_norm = RMSNorm(h, cfg.norm_eps, param_dtype, rngs=rngs)
+            self.k_norm = RMSNorm(h, cfg.norm_eps, param_dtype, rngs=rngs)
         self.rope_args = (cfg.rope_theta, cfg.rope_scaling)
-        self.dtype = dtype
+        self.qkv_bias, self.qk_norm, self.window = cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window
+        self.dtype, self.fp8 = dtype, cfg.matmul_precision == "fp8"
+        self.impl = cfg.attention_impl(jax.default_backend())
 
     def _qkv(self, x_BTD):
         """q, k, v from as few einsums as the sharding allows. Each einsum's input gradient is one
@@ -53,11 +64,11 @@ class Attention(nnx.Module):
         if fused_qkv(k, jax.sharding.get_abstract_mesh()):
             # Q = N / K query heads per KV group, then that group's k and v: Q + 2 along one dim
             w_DKQH = jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], axis=2)
-            qkv_BTKQH = jnp.einsum("btd,dkqh->btkqh", x_BTD, w_DKQH)
+            qkv_BTKQH = fp8.einsum("btd,dkqh->btkqh", x_BTD, w_DKQH, self.fp8)
             b, t = x_BTD.shape[:2]
             return qkv_BTKQH[..., :-2, :].reshape(b, t, n, h), qkv_BTKQH[..., -2, :], qkv_BTKQH[..., -1, :]
-        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, wq)
-        k_BTKH, v_BTKH = jnp.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]))
+        q_BTNH = fp8.einsum("btd,dnh->btnh", x_BTD, wq, self.fp8)
+        k_BTKH, v_BTKH = fp8.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]), self.fp8)
         return q_BTNH, k_BTKH, v_BTKH
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
@@ -65,26 +76,45 @@ class Attention(nnx.Module):
         """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own segment."""
         dt = self.dtype
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD)
+        if self.qkv_bias:
+            q_BTNH = q_BTNH + self.bq_NH[...].astype(dt)
+            k_BTKH = k_BTKH + self.bk_KH[...].astype(dt)
+            v_BTKH = v_BTKH + self.bv_KH[...].astype(dt)
+        if self.qk_norm:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         q_BTNH = constrain(rope(q_BTNH, positions_BT, *self.rope_args), ("batch", "seq", "act_heads", None))
         k_BTKH = constrain(rope(k_BTKH, positions_BT, *self.rope_args), ("batch", "seq", "act_kv_heads", None))
         v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
         if cache is None and segment_ids_BT is None:
             # On GPU this may dispatch to cuDNN flash attention; elsewhere the XLA implementation.
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+            # A window of W keys, the query's own included: W - 1 to the left, none to the right.
+            window = (self.window - 1, 0) if self.window else None
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, local_window_size=window,
+                                                    implementation=self.impl)
         elif cache is None:
             t = x_BTD.shape[1]
-            causal_TT = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+            # within a segment, index distance is position distance: the window applies to it alike
+            seen_TT = self._visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :])
             same_B1TT = segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & causal_TT)
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & seen_TT,
+                                                    implementation=self.impl)
         else:
             cache = KVCache(
                 jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0)),
                 jax.lax.dynamic_update_slice(cache.v, v_BTKH.astype(cache.v.dtype), (0, cache.index, 0, 0)),
                 cache.index + x_BTD.shape[1])
             s = cache.k.shape[1]
-            # A query at position p sees cached keys at positions <= p (slots past `index` are empty).
-            mask_B1TS = (jnp.arange(s)[None, None, None, :] <= positions_BT[:, None, :, None])
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS)
+            # Slot s holds the key of position s: a query at position p sees the cached keys at
+            # positions <= p (slots past `index` are empty), and with a window only the last W of them.
+            mask_B1TS = self._visible(positions_BT[:, None, :, None], jnp.arange(s)[None, None, None, :])
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS,
+                                                    implementation=self.impl)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "act_heads", None))
-        out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt))
+        out_BTD = fp8.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt), self.fp8)
         return out_BTD, cache
+
+    def _visible(self, query_pos, key_pos):
+        """Whether a query at `query_pos` attends to the key at `key_pos` (broadcasting): causal,
+        and within the sliding window when there is one."""
+        seen = key_pos <= query_pos
+        return seen & (key_pos > query_pos - self.window) if self.window else seen

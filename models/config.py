@@ -12,6 +12,8 @@ from typing import Any, Callable
 from errors import UserError
 
 REMAT_POLICIES = ("none", "full", "dots")
+MATMUL_PRECISIONS = ("default", "fp8")
+ATTENTIONS = ("auto", "xla", "cudnn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity")
@@ -103,7 +105,8 @@ class ModelConfig:
                                               " specials, padded to a multiple of 8 so that it shards on model <= 8")
     d_model: int = ranged(256, ">=1", help="width of the residual stream (D)")
     n_layers: int = ranged(4, ">=1", help="decoder layers (L)")
-    n_heads: int = ranged(4, ">=1", help="query heads (N); head_dim = d_model / n_heads, which must be even")
+    n_heads: int = ranged(4, ">=1", help="query heads (N); head_dim = d_model / n_heads (or attn_head_dim),"
+                                           " which must be even")
     n_kv_heads: int = ranged(2, ">=1", help="key/value heads (K) of grouped-query attention; must divide n_heads")
     d_ff: int = ranged(768, ">=1", help="hidden width of the dense MLP (F)")
     max_seq_len: int = ranged(1024, ">=1", help="the longest sequence the model takes; --seq-len must not exceed it")
@@ -119,12 +122,24 @@ class ModelConfig:
     rope_original_max_len: int = ranged(8192, ">=1", help="RoPE scaling: the context length the model was"
                                                           " trained at before scaling")
     norm_eps: float = ranged(1e-5, ">0", help="RMSNorm epsilon; > 0: an all-zero row would normalise to 0 * inf")
+    attn_head_dim: int = ranged(0, ">=0", help="width of each attention head (H) where it is not d_model / n_heads"
+                                               " (Qwen3, Mistral NeMo); 0 = d_model / n_heads")
+    qkv_bias: bool = option(False, "biases on the query, key and value projections (Qwen2), initialised to zero")
+    qk_norm: bool = option(False, "RMSNorm of each query and key head before the rotary embedding (Qwen3)")
+    sliding_window: int = ranged(0, ">=0", help="attention sees only the last sliding_window positions, the"
+                                                " query's own included (Mistral); 0 = the whole causal prefix")
     tie_embeddings: bool = option(False, "the output projection reuses the input embedding")
     dtype: str = option("auto", f"compute dtype: {' | '.join(DTYPES)}; auto = bfloat16 on GPU/TPU, float32 on"
                                 " CPU (measured faster there)")
     param_dtype: str = option("float32", f"dtype of the parameters and optimizer state: {' | '.join(DTYPES[1:])}")
     remat: str = option("full", "what the backward pass recomputes: none | full | dots (save matmul outputs,"
                                 " recompute the rest)")
+    matmul_precision: str = option("default", "default | fp8: attention projections and MLPs multiply FP8-rounded"
+                                              " operands (e4m3, per-tensor current scaling; e5m2 gradients): FP8"
+                                              " GEMMs on GPUs that have them")
+    attention: str = option("auto", "auto | xla | cudnn: the attention implementation of"
+                                    " jax.nn.dot_product_attention; auto = cuDNN flash attention on GPU where it"
+                                    " supports the case, else XLA's")
     scan_layers: bool = option(True, "lax.scan over the layer stack: compile time independent of depth")
     init_std: float = ranged(0.02, ">0", help="standard deviation of the normal initialisation of embeddings and"
                                               " weights")
@@ -156,7 +171,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
 
     @property
     def rope_scaling(self) -> tuple[float, float, float, int] | None:
@@ -180,15 +195,20 @@ class ModelConfig:
         def need(ok: bool, msg: str):
             if not ok:
                 raise UserError(f"model: {msg}")
-        need(self.d_model % self.n_heads == 0, f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        need(self.attn_head_dim or self.d_model % self.n_heads == 0,
+             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set attn_head_dim)")
         need(self.rope_high_freq_factor > self.rope_low_freq_factor,
              f"rope_high_freq_factor={self.rope_high_freq_factor}"
              f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}")
-        need(self.head_dim % 2 == 0, f"head_dim=d_model/n_heads={self.head_dim} must be even for rotary embeddings")
+        need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} (attn_head_dim, or d_model/n_heads) must be even for"
+                                     " rotary embeddings")
         need(self.n_heads % self.n_kv_heads == 0,
              f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (grouped-query attention);"
              f" valid n_kv_heads: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}")
         need(self.remat in REMAT_POLICIES, f"remat '{self.remat}' is not one of {', '.join(REMAT_POLICIES)}")
+        need(self.matmul_precision in MATMUL_PRECISIONS,
+             f"matmul_precision '{self.matmul_precision}' is not one of {', '.join(MATMUL_PRECISIONS)}")
+        need(self.attention in ATTENTIONS, f"attention '{self.attention}' is not one of {', '.join(ATTENTIONS)}")
         need(self.dtype in DTYPES, f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
         need(self.param_dtype in DTYPES[1:], f"param_dtype '{self.param_dtype}' is not one of {', '.join(DTYPES[1:])}")
         if self.n_experts:
@@ -208,6 +228,13 @@ class ModelConfig:
         need(self.ep_exchange in EXCHANGES, f"ep_exchange '{self.ep_exchange}' is not one of {', '.join(EXCHANGES)}")
         need(self.ep_exchange != "ragged" or self.dispatch == "dropless",
              f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'")
+
+    def attention_impl(self, platform: str) -> str | None:
+        """`implementation=` of jax.nn.dot_product_attention (None: JAX picks, cuDNN where it can)."""
+        if self.attention == "cudnn" and platform != "gpu":
+            raise UserError(f"model: attention 'cudnn' needs an NVIDIA GPU, this backend is {platform};"
+                            f" valid here: auto, xla")
+        return None if self.attention == "auto" else self.attention
 
     def compute_dtype(self, platform: str) -> str:
         if self.dtype == "float16" and platform == "cpu":

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mesh.shard import constrain
+from models import fp8
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, std: float | None = None,
@@ -60,17 +61,17 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float, scaling: tupl
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * (x W_up))."""
 
-    def __init__(self, d: int, f: int, dtype, param_dtype, *, rngs: nnx.Rngs):
+    def __init__(self, d: int, f: int, dtype, param_dtype, *, rngs: nnx.Rngs, fp8_matmuls: bool = False):
         self.w_gate_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
         self.w_up_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
         self.w_down_FD = param(rngs, (f, d), ("mlp", "embed"), param_dtype, fan_in=f)
-        self.dtype = dtype
+        self.dtype, self.fp8 = dtype, fp8_matmuls
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = self.dtype
         # one einsum for both projections: the backward's input gradient is then one dot, so
         # tensor parallelism all-reduces it once instead of once per projection
         w_ZDF = jnp.stack([self.w_gate_DF[...], self.w_up_DF[...]]).astype(dt)
-        gate_BTF, up_BTF = jnp.einsum("btd,zdf->zbtf", x_BTD, w_ZDF)
+        gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", h_BTF, self.w_down_FD[...].astype(dt))
+        return fp8.einsum("btf,fd->btd", h_BTF, self.w_down_FD[...].astype(dt), self.fp8)

@@ -366,7 +366,8 @@ class MoE(nnx.Module):
         self.w_up_EDF = param(rngs, (e, d, f), W_EDF, param_dtype, fan_in=d)
         self.w_down_EFD = param(rngs, (e, f, d), W_EFD, param_dtype, fan_in=f)
         if cfg.n_shared_experts:
-            self.shared = MLP(d, cfg.n_shared_experts * f, dtype, param_dtype, rngs=rngs)
+            self.shared = MLP(d, cfg.n_shared_experts * f, dtype, param_dtype, rngs=rngs,
+                              fp8_matmuls=cfg.matmul_precision == "fp8")
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x_BTD: jax.Array):

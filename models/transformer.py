@@ -36,7 +36,8 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
         self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, dtype, param_dtype, rngs=rngs)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, dtype, param_dtype, rngs=rngs,
+                       fp8_matmuls=cfg.matmul_precision == "fp8")
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None = None, segment_ids_BT=None):
         h_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache, segment_ids_BT)
