@@ -1,7 +1,8 @@
 """The functional face of the model: params are a plain nested dict of arrays.
 
-The trainer, checkpoints and converters only see `init`, `apply`, `param_axes` and
-`abstract_params`; the NNX module graph is rebuilt from the dict inside each trace (trace-time
+The trainer, checkpoints and converters only see `init`, `apply`, `forward`, `param_axes`,
+`abstract_params` and `init_cache`, which dispatch on the config (models/registry.py: the built-in
+decoder, or a registered model); the NNX module graph is rebuilt from the dict inside each trace (trace-time
 cost only), which keeps jitted steps on plain pytrees (the cheapest per-step path we measured).
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from errors import UserError
+from models import registry
 from models.attention import KVCache
 from models.config import ModelConfig
 from models.pipeline import PipelineConfig
@@ -40,23 +43,54 @@ def _module(cfg: ModelConfig, params: dict) -> Decoder:
     return nnx.merge(gdef, state)
 
 
-def init(cfg: ModelConfig, key: jax.Array) -> dict:
-    """Fresh parameters (call under jit with out_shardings to create them already sharded)."""
+def _init(cfg: ModelConfig, key: jax.Array) -> dict:
     module = Decoder(cfg, compute_dtype(cfg), rngs=nnx.Rngs(params=key))
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
+def _param_axes(cfg: ModelConfig) -> dict:
+    state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+
+def _apply(cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=None, segment_ids_BT=None):
+    logits_BTV, cache, _ = _module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
+    return logits_BTV, cache
+
+
+def _forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT, segment_ids_BT, pipeline):
+    logits_BTV, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline)
+    return logits_BTV, stats
+
+
+def _init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+    dtype = jnp.dtype(dtype or compute_dtype(cfg))
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((cfg.n_layers,), jnp.int32))
+
+
+DECODER = registry.Model(init=_init, apply=_apply, param_axes=_param_axes, init_cache=_init_cache, forward=_forward)
+
+
+# -- the one dispatch point: every caller (trainer, plan, checkpoints, sampling) goes through these
+
+def init(cfg: ModelConfig, key: jax.Array) -> dict:
+    """Fresh parameters (call under jit with out_shardings to create them already sharded)."""
+    return registry.lookup(cfg, DECODER).init(cfg, key)
+
+
 def abstract_params(cfg: ModelConfig) -> dict:
     """ShapeDtypeStructs of the params, without allocating anything."""
-    state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    if registry.lookup(cfg, DECODER) is DECODER:  # the cached module graph: no init trace
+        state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
+        return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
+    return jax.eval_shape(lambda: init(cfg, jax.random.key(0)))
 
 
 def param_axes(cfg: ModelConfig) -> dict:
     """The logical axis names of every parameter, same tree as the params."""
-    state = nnx.state(nnx.merge(*_graph(cfg, compute_dtype(cfg))), nnx.Param)
-    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    return registry.lookup(cfg, DECODER).param_axes(cfg)
 
 
 def apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
@@ -64,20 +98,29 @@ def apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: ja
     """tokens [B,T] -> (logits [B,T,V] float32, cache). With `segment_ids_BT` (packed sequences)
     a token attends only to earlier tokens of its own segment; positions then come from the batch
     (or restart at each segment when not given)."""
-    logits_BTV, cache, _ = _module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
-    return logits_BTV, cache
+    return registry.lookup(cfg, DECODER).apply(cfg, params, tokens_BT, positions_BT, cache, segment_ids_BT)
 
 
 def forward(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None, pipeline: PipelineConfig | None = None):
     """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if dense).
     `pipeline`: the schedule used when the mesh has a pipeline axis > 1."""
-    logits_BTV, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline)
-    return logits_BTV, stats
+    impl = registry.lookup(cfg, DECODER)
+    if impl.forward is None:
+        return registry.default_forward(impl, cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline)
+    return impl.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline)
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
-    """An empty stacked KV cache [L,B,S,K,H] for `length` positions."""
-    dtype = jnp.dtype(dtype or compute_dtype(cfg))
-    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((cfg.n_layers,), jnp.int32))
+def decodes(cfg: ModelConfig) -> bool:
+    """Whether the model can generate (has a decoding cache): a registered one may not."""
+    return registry.lookup(cfg, DECODER).init_cache is not None
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
+    """An empty decoding cache for `length` positions (the decoder's: a stacked KV cache
+    [L,B,S,K,H]); one line for a registered model that cannot decode."""
+    impl = registry.lookup(cfg, DECODER)
+    if impl.init_cache is None:
+        raise UserError(f"model '{cfg.arch}' cannot generate text: it was registered without init_cache"
+                        f" (models.register(..., init_cache=...)); train it with --train.sample_tokens 0")
+    return impl.init_cache(cfg, batch, length, dtype)

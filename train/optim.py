@@ -1,10 +1,14 @@
-"""AdamW with warm-up + cosine decay, global-norm clipping and a weight-decay mask."""
+"""AdamW with warm-up + cosine decay, global-norm clipping and a weight-decay mask; or any optax
+transformation in its place (Trainer(optimizer=...)), inside the same guards."""
 from __future__ import annotations
+
+import numbers
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from errors import UserError
 from train.config import TrainConfig
 
 
@@ -20,11 +24,11 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(params: dict, decay_embeddings: bool) -> dict:
-    """Decay matrices only: never norm scales or the MoE router bias (set by the train step, not by
-    gradients); embeddings only when asked (GPT-3/Llama practice)."""
+    """Decay matrices only: never norm scales, the q/k/v biases or the MoE router bias (set by the
+    train step, not by gradients); embeddings only when asked (GPT-3/Llama practice)."""
     def keep(path, _):
         names = [getattr(k, "key", "") for k in path]
-        if any("norm" in str(n) or str(n).startswith("router_bias") for n in names):
+        if any("norm" in str(n) or str(n).startswith(("router_bias", "bq_", "bk_", "bv_")) for n in names):
             return False
         if any(str(n).startswith("embed_") for n in names):
             return decay_embeddings
@@ -60,12 +64,41 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.GradientTransformation(init, update)
 
 
-def make(cfg: TrainConfig, clip: bool = True) -> optax.GradientTransformation:
+def as_schedule(lr) -> optax.Schedule:
+    """Trainer(schedule=...): a function of the update count, or a number (a constant rate)."""
+    if callable(lr):
+        return lr
+    if isinstance(lr, numbers.Real) and not isinstance(lr, bool):  # numpy scalars too
+        return optax.constant_schedule(float(lr))
+    raise UserError(f"schedule=: expected a number or a function of the update count (an optax schedule),"
+                    f" got {type(lr).__name__}")
+
+
+def check_optimizer(optimizer, lr) -> None:
+    """Trainer(optimizer=..., schedule=...): an optax transformation, and the rate it applies
+    (what the log reports: optax keeps a rate inside the transformation, out of Brigade's sight)."""
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise UserError(f"optimizer=: expected an optax.GradientTransformation (e.g. optax.lion(1e-4)), got"
+                        f" {type(optimizer).__name__}")
+    if lr is None:
+        raise UserError("optimizer=: also pass schedule= (a number, or the function of the update count the"
+                        " optimizer's learning rate follows), which the logged lr reports")
+
+
+def make(cfg: TrainConfig, clip: bool = True, lr: optax.Schedule | None = None,
+         optimizer: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
     """`clip` False: no clipping here; the train step clips each replica's gradient before a
-    compressed sync instead (clipping the synced sum would cut error feedback's bursts)."""
+    compressed sync instead (clipping the synced sum would cut error feedback's bursts).
+    `lr`: the schedule AdamW follows (default `schedule(cfg)`). `optimizer`: a transformation
+    that replaces AdamW; it runs inside the same guards as AdamW (float32, the non-finite skip,
+    --train.grad_clip before it), followed by a no-op scale whose count is the rate's clock
+    (`applied_lr`: it stops on skipped updates as AdamW's does)."""
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 and clip else []
-    parts.append(optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mask=lambda p: decay_mask(p, cfg.decay_embeddings)))
+    if optimizer is None:
+        parts.append(optax.adamw(lr or schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay, mask=lambda p: decay_mask(p, cfg.decay_embeddings)))
+    else:
+        parts += [optimizer, optax.scale_by_schedule(lambda count: 1.0)]
     # Non-finite gradients (an overflow, a bad batch) skip the update instead of poisoning the
     # weights; the counts live in the optimizer state (so in checkpoints) and reach the metrics.
     # The loop, not optax, decides when too many in a row mean "restore the last checkpoint".
@@ -84,7 +117,9 @@ def applied_lr(lr_schedule: optax.Schedule, opt_state_before, opt_state_after) -
     update does not advance it, and restoring a checkpoint's optimizer state rewinds it. A skipped
     update applied no rate at all, so it reports 0 (the next applied update uses the count this
     one left unchanged). With per-replica optimizer states (DiLoCo: a leading [R] dim, each
-    replica skipping on its own), the mean over replicas of the rate each applied."""
-    (before,) = _schedule_states(opt_state_before)
+    replica skipping on its own), the mean over replicas of the rate each applied. The last count
+    is Brigade's own (a user optimizer may keep schedule counts of its own before it: they advance
+    together)."""
+    before = _schedule_states(opt_state_before)[-1]
     applied = opt_state_after.notfinite_count == 0   # optax.apply_if_finite took the update
     return jnp.mean(jnp.where(applied, lr_schedule(before.count), 0.0))

@@ -5,7 +5,7 @@ here, so what they compile is what a run compiles."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +37,17 @@ class RunSetup:
     lr: optax.Schedule
     state_shardings: train_state.TrainState
     compute_dtype: Any
+    loss_fn: Callable | None = None    # Trainer(loss=): per-token loss replacing cross-entropy (train/step.py)
+    optimizer: optax.GradientTransformation | None = None  # Trainer(optimizer=): replaces AdamW inside `tx`
 
     @property
     def model_cfg(self):
         return self.cfg.model
+
+    def tx_with(self, clip: bool) -> optax.GradientTransformation:
+        """This run's optimizer with clipping in the chain or not (a checkpoint of another --comm
+        layout holds the other form)."""
+        return optim.make(self.cfg.train, clip=clip, lr=self.lr, optimizer=self.optimizer)
 
 
 def run_rules(cfg: Config, sizes: Mapping[str, int], compute_dtype: str) -> dict:
@@ -52,20 +59,31 @@ def run_rules(cfg: Config, sizes: Mapping[str, int], compute_dtype: str) -> dict
                        act_bytes=jnp.dtype(compute_dtype).itemsize, param_bytes=jnp.dtype(m.param_dtype).itemsize)
 
 
-def setup(cfg: Config, mesh: Mesh) -> RunSetup:
-    """Each value from the ones before it; one line (UserError) for shapes the mesh cannot split."""
+def setup(cfg: Config, mesh: Mesh, *, loss: Callable | None = None,
+          optimizer: optax.GradientTransformation | None = None, schedule: Any = None) -> RunSetup:
+    """Each value from the ones before it; one line (UserError) for shapes the mesh cannot split.
+    `loss`, `optimizer`, `schedule`: the Trainer's extension points (train/loop.py)."""
+    if optimizer is not None:
+        optim.check_optimizer(optimizer, schedule)
+    lr = optim.schedule(cfg.train) if schedule is None else optim.as_schedule(schedule)
     rules = run_rules(cfg, dict(mesh.shape), model.compute_dtype(cfg.model))
     validate_run(mesh, rules, cfg.model, cfg.train, cfg.pipeline)
     param_shardings = tree_shardings(mesh, model.param_axes(cfg.model), rules)
     dp_axes = data_parallel_axes(mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)])
     sync, local_clip = comm.sync_layout(cfg.comm, dp_axes, cfg.train.grad_clip)
-    tx = optim.make(cfg.train, clip=not local_clip)  # a compressed sync clips per replica instead
+    tx = optim.make(cfg.train, clip=not local_clip, lr=lr, optimizer=optimizer)  # a compressed sync clips per replica
     return RunSetup(cfg=cfg, mesh=mesh, rules=rules,
                     batch_sharding=NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules)),
-                    dp_axes=dp_axes, sync=sync, local_clip=local_clip, tx=tx, lr=optim.schedule(cfg.train),
+                    dp_axes=dp_axes, sync=sync, local_clip=local_clip, tx=tx, lr=lr,
                     state_shardings=train_state.with_loss_window(  # --train.spike_factor's window, if on
-                        train_state.shardings(cfg.model, tx, mesh, rules, sync), cfg.train.spike_factor, mesh),
-                    compute_dtype=model.compute_dtype(cfg.model))
+                        train_state.shardings(cfg.model, tx, mesh, rules, sync, warn=_say), cfg.train.spike_factor,
+                        mesh),
+                    compute_dtype=model.compute_dtype(cfg.model), loss_fn=loss, optimizer=optimizer)
+
+
+def _say(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def abstract_state(s: RunSetup) -> train_state.TrainState:
@@ -85,14 +103,14 @@ def jit_step(s: RunSetup):
     if s.sync.outer_tx is not None:  # local SGD / DiLoCo: replicas step alone, sync every H steps
         def step(state, batch):
             return local_sgd_step(cfg.model, s.tx, s.sync.outer_tx, s.lr, t.micro_batches, s.dp_axes,
-                                  cfg.comm.sync_every, state, batch, pipeline=cfg.pipeline)
+                                  cfg.comm.sync_every, state, batch, pipeline=cfg.pipeline, loss_fn=s.loss_fn)
     else:
         param_specs = jax.tree.map(lambda sh: sh.spec, s.state_shardings.params)
 
         def step(state, batch):
             return train_step(cfg.model, s.tx, s.lr, t.micro_batches, s.dp_axes, state, batch,
                               comm_cfg=cfg.comm, param_specs=param_specs, pipeline=cfg.pipeline,
-                              local_clip=s.local_clip)
+                              local_clip=s.local_clip, loss_fn=s.loss_fn)
     return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
                    out_shardings=(s.state_shardings, None), donate_argnums=(0,))
 

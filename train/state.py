@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from errors import UserError
 from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
 from models import model
@@ -86,27 +87,71 @@ def with_loss_window(state: TrainState, factor: float, mesh: Mesh) -> TrainState
 
 
 
-def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout()) -> TrainState:
-    """A TrainState of NamedShardings: params from the rules, optimizer moments like their params,
-    scalars (counts, step) replicated; per-replica state over the dp axes."""
-    param_sh = tree_shardings(mesh, model.param_axes(cfg), rules)
-    replicated = NamedSharding(mesh, P())
+# Optimizer state that matches no parameter is replicated when it has at most this many elements
+# (a per-tensor scale, a small table); a larger one would cost every device its full size.
+SMALL_STATE = 1 << 16
 
-    def like_params(t):
-        return optax.tree_map_params(t, lambda _, s: s, jax.eval_shape(t.init, model.abstract_params(cfg)), param_sh,
-                                     transform_non_params=lambda _: replicated,
-                                     is_leaf=lambda x: isinstance(x, NamedSharding))
+
+def like_params(tx: optax.GradientTransformation, abstract_params, param_sh, mesh: Mesh, warn=None):
+    """The shardings of `tx`'s state for these params, for any optax transformation. A leaf whose
+    key path ends with a parameter's path (optax keeps moments in the params' tree) and has its
+    shape is sharded like it; one with that shape less one dim (a factored second moment:
+    Adafactor's row and column statistics) like it without that dim; else one of another
+    parameter's shape like that parameter (same shape, same divisibility); scalars and leaves of
+    at most SMALL_STATE elements are replicated (`warn(line)` told of those that are not scalars);
+    anything larger is a one-line UserError."""
+    params = {tuple(path): (tuple(p.shape), sh) for (path, p), sh
+              in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(param_sh))}
+    by_shape = {}
+    for shape, sh in params.values():
+        by_shape.setdefault(shape, sh)
+    replicated, small = NamedSharding(mesh, P()), []
+
+    def pick(path, leaf):
+        shape = tuple(leaf.shape)
+        own = next((params[tuple(path[k:])] for k in range(len(path)) if tuple(path[k:]) in params), None)
+        if own is not None:
+            (p_shape, sh), spec = own, (*own[1].spec, *[None] * (len(own[0]) - len(own[1].spec)))
+            if shape == p_shape:
+                return sh
+            for dim in reversed(range(len(p_shape))):  # the last dim first: a row statistic drops it
+                if shape == p_shape[:dim] + p_shape[dim + 1:]:
+                    return NamedSharding(mesh, P(*spec[:dim], *spec[dim + 1:]))
+        if shape in by_shape:
+            return by_shape[shape]
+        if leaf.size > SMALL_STATE:
+            raise UserError(f"optimizer state {jax.tree_util.keystr(path)} {shape} matches no parameter's shape, so"
+                            f" it cannot be sharded like the parameters; Brigade replicates only optimizer state of"
+                            f" at most {SMALL_STATE} elements; keep per-parameter state in the params' tree")
+        if leaf.size > 1:
+            small.append(f"{jax.tree_util.keystr(path)} {shape}")
+        return replicated
+
+    out = jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, abstract_params))
+    if small and warn:
+        warn(f"warning: {len(small)} optimizer state array(s) match no parameter's shape and are replicated on every"
+             f" device (each at most {SMALL_STATE} elements): {', '.join(small[:3])}{', ...' * (len(small) > 3)}")
+    return out
+
+
+def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout(),
+              warn=None) -> TrainState:
+    """A TrainState of NamedShardings: params from the rules, optimizer state like its params
+    (`like_params`; `warn`: told of replicated non-scalar state), scalars (counts, step)
+    replicated; per-replica state over the dp axes."""
+    param_sh = tree_shardings(mesh, model.param_axes(cfg), rules)
+    abstract_params = model.abstract_params(cfg)
 
     def per_replica(tree):
         return jax.tree.map(lambda sh: NamedSharding(mesh, comm.replica_spec(sh.spec, sync.dp_axes)), tree)
 
-    opt_sh = like_params(tx)
-    out = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+    opt_sh = like_params(tx, abstract_params, param_sh, mesh, warn)
+    out = TrainState(step=NamedSharding(mesh, P()), params=param_sh, opt_state=opt_sh)
     if sync.error_feedback:
         out = out.replace(residual=per_replica(param_sh))
     if sync.outer_tx is not None:
         out = out.replace(opt_state=per_replica(opt_sh), drift=per_replica(param_sh),
-                          outer_opt=like_params(sync.outer_tx))
+                          outer_opt=like_params(sync.outer_tx, abstract_params, param_sh, mesh))
     return out
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from errors import UserError
 from mesh.rules import axis_rules, current_rules
 from models import model
 from models.config import ModelConfig
@@ -31,8 +32,26 @@ def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return lse_BT - target_BT
 
 
-def loss_terms(cfg: ModelConfig, params, batch, pipeline=None):
-    """-> (objective sum, (cross-entropy sum, token count, MoE sums)), in float32.
+def token_losses(loss_fn, logits_BTV: jax.Array, batch) -> jax.Array:
+    """The per-token loss [B,T] float32: cross-entropy, or `loss_fn(logits_BTV, batch)`, a custom
+    loss (Trainer(loss=...)). Per token, not a mean: the step weights and sums it, and divides by
+    the weight of the whole batch only once every micro-batch and data-parallel replica is summed,
+    so gradient accumulation and data parallelism give exactly one big batch's mean (a mean per
+    micro-batch would weigh a micro-batch of padding like a full one). Checked while tracing."""
+    if loss_fn is None:
+        return token_xent(logits_BTV, batch["targets"])
+    loss_BT = loss_fn(logits_BTV, batch)
+    want = tuple(batch["targets"].shape)
+    if tuple(getattr(loss_BT, "shape", ())) != want or not jnp.issubdtype(getattr(loss_BT, "dtype", int), jnp.floating):
+        got = f"{tuple(getattr(loss_BT, 'shape', ()))} {getattr(loss_BT, 'dtype', type(loss_BT).__name__)}"
+        raise UserError(f"loss=: returned {got}; expected per-token losses, a float array of the targets' shape [B,T]"
+                        f" = {want} (Brigade weights, sums and normalises them; return loss_BT, not its mean)")
+    return loss_BT.astype(jnp.float32)
+
+
+def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
+    """-> (objective sum, (loss sum, token count, MoE sums)), in float32; the loss is per-token
+    cross-entropy, or `loss_fn`'s (see `token_losses`).
 
     The objective adds the MoE balance losses (means over MoE layers) weighted by the token count,
     so that dividing by the total count gives mean cross-entropy + coefficient x loss, also across
@@ -40,7 +59,7 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None):
     (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
     logits_BTV, stats = model.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
                                   pipeline)
-    xent_BT = token_xent(logits_BTV, batch["targets"])
+    xent_BT = token_losses(loss_fn, logits_BTV, batch)
     weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
     xent, n = jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
     if not stats:
@@ -51,10 +70,10 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None):
     return xent + n * (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z), (xent, n, sums)
 
 
-def loss_sums(cfg: ModelConfig, params, batch, pipeline=None) -> tuple[jax.Array, jax.Array]:
-    """-> (sum of token cross-entropies, number of tokens), in float32. Summing (not averaging)
+def loss_sums(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None) -> tuple[jax.Array, jax.Array]:
+    """-> (sum of token losses, number of tokens), in float32. Summing (not averaging)
     per micro-batch makes gradient accumulation exactly equal to one big batch."""
-    _, (xent, n, _) = loss_terms(cfg, params, batch, pipeline)
+    _, (xent, n, _) = loss_terms(cfg, params, batch, pipeline, loss_fn)
     return xent, n
 
 
@@ -77,15 +96,15 @@ def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
 
 
 def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = (),
-                   pipeline=None):
+                   pipeline=None, loss_fn=None):
     """Mean loss over all tokens and its gradient (see `grads_loss_stats`)."""
-    loss, grads, _ = grads_loss_stats(cfg, params, batch, micro_batches, dp_axes, pipeline=pipeline)
+    loss, grads, _ = grads_loss_stats(cfg, params, batch, micro_batches, dp_axes, pipeline=pipeline, loss_fn=loss_fn)
     return loss, grads
 
 
 def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = (),
-                     per_replica: bool = False, pipeline=None):
-    """Mean cross-entropy over all tokens, the gradient of the objective (cross-entropy + MoE
+                     per_replica: bool = False, pipeline=None, loss_fn=None):
+    """Mean loss (cross-entropy, or `loss_fn`'s: see `token_losses`) over all tokens, the gradient of the objective (cross-entropy + MoE
     balance losses) and the MoE sums, accumulated over micro-batches in float32.
 
     `dp_axes`: the leading batch mesh axes that shard no parameter (plain data parallelism). With
@@ -97,7 +116,7 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
     keeps its [n_dp, ...] dim, each replica's share of the mean (their sum is the mean gradient).
     """
     def sums_and_grads(p, mb):
-        (_, (xent, n, sums)), g = jax.value_and_grad(loss_terms, argnums=1, has_aux=True)(cfg, p, mb, pipeline)
+        (_, (xent, n, sums)), g = jax.value_and_grad(loss_terms, argnums=1, has_aux=True)(cfg, p, mb, pipeline, loss_fn)
         return xent, n, sums, g
 
     if micro_batches == 1 and not (per_replica and dp_axes):
@@ -144,15 +163,16 @@ def moe_metrics(stats: dict) -> dict:
 
 def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
                dp_axes: tuple[str, ...], state: TrainState, batch, comm_cfg=None,
-               param_specs=None, pipeline=None, local_clip: float = 0.0) -> tuple[TrainState, dict]:
+               param_specs=None, pipeline=None, local_clip: float = 0.0, loss_fn=None) -> tuple[TrainState, dict]:
     """`comm_cfg` (train.config.CommConfig) with a compression other than none, and dp axes:
     the data-parallel gradient sync is train.comm.sync_grads (`param_specs`: the params'
     PartitionSpecs) instead of XLA's all-reduce; `local_clip` > 0 then clips each replica's
     gradient to that global norm before the sync (`tx` has no clipping of its own: it would clip
-    the error-feedback bursts). `pipeline`: the run's PipelineConfig."""
+    the error-feedback bursts). `pipeline`: the run's PipelineConfig. `loss_fn`: a custom per-token
+    loss (`token_losses`)."""
     compress = bool(dp_axes) and comm_cfg is not None and comm_cfg.compression != "none"
     loss, grads, stats = grads_loss_stats(cfg, state.params, batch, micro_batches, dp_axes, per_replica=compress,
-                                          pipeline=pipeline)
+                                          pipeline=pipeline, loss_fn=loss_fn)
     residual = state.residual
     if compress:
         norms_R = comm.replica_norms(grads)
@@ -199,7 +219,7 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
 
 def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation,
                    lr_schedule, micro_batches: int, dp_axes: tuple[str, ...], sync_every: int,
-                   state: TrainState, batch, pipeline=None) -> tuple[TrainState, dict]:
+                   state: TrainState, batch, pipeline=None, loss_fn=None) -> tuple[TrainState, dict]:
     """--comm.sync_every H > 1 (local SGD / DiLoCo): every data-parallel replica takes an inner
     optimizer step on its own rows of the batch with no data-parallel traffic; every H-th step the
     outer optimizer applies the replicas' mean drift to the global params (one all-reduce)."""
@@ -209,7 +229,7 @@ def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx:
 
     def grad_fn(params, b):
         with axis_rules(inner_rules):
-            loss, grads, _ = grads_loss_stats(cfg, params, b, micro_batches, pipeline=pipeline)
+            loss, grads, _ = grads_loss_stats(cfg, params, b, micro_batches, pipeline=pipeline, loss_fn=loss_fn)
         return (loss, optax.tree.norm(grads)), grads
 
     (loss_R, gnorm_R), drift, opt_state = comm.local_step(grad_fn, tx, state.params, state.drift,
@@ -224,6 +244,6 @@ def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx:
                          outer_opt=outer.opt_state), metrics
 
 
-def eval_step(cfg: ModelConfig, params, batch, pipeline=None) -> tuple[jax.Array, jax.Array]:
-    """-> (sum of cross-entropies, token count) for one held-out batch."""
-    return loss_sums(cfg, params, batch, pipeline)
+def eval_step(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None) -> tuple[jax.Array, jax.Array]:
+    """-> (sum of token losses, token count) for one held-out batch."""
+    return loss_sums(cfg, params, batch, pipeline, loss_fn)

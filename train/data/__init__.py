@@ -1,7 +1,9 @@
 """Data: sources and tokenizers, `python -m train.data prepare`, and the step-indexed pipeline.
 
 `make_pipeline` and `abstract_batch` live in train/data/pipeline.py (imported on first use, so that
-`prepare` and its worker processes never import JAX).
+`prepare` and its worker processes never import JAX). A user's own iterable of batches
+(`Trainer(cfg, data=...)`) goes through train/data/external.py's IterableData instead, which gives
+it the pipeline's interface.
 """
 
 
