@@ -4,7 +4,8 @@ A committed step is `<step>/{_CHECKPOINT_METADATA, state/{_METADATA, _sharding, 
 d/, ocdbt.process_<i>/d/}, meta/metadata}`. The small JSON files are checked whole before a step
 is used (present, valid JSON, the shape their reader expects); the array data is checked by
 reading it, once, in the restore itself: when that fails, `diagnose` turns the error into one line
-naming the step and the file.
+naming the step and the file. Paths go through checkpoint/storage.py (local or object store);
+the file named from tensorstore's error text is found for local steps, where its messages name it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import orbax.checkpoint as ocp
 
+from checkpoint import storage
 from errors import UserError
 
 # Files every committed step has, relative to its directory; the JSON ones must also parse.
@@ -83,7 +85,7 @@ def step_metadata_problem(step_path: str) -> str:
     """Why Orbax cannot read this step's `_CHECKPOINT_METADATA` although it parses as JSON ('' if it
     can, or if the file is missing or not JSON: Orbax then lists the step and check_files names it)."""
     try:
-        with open(os.path.join(step_path, "_CHECKPOINT_METADATA"), "rb") as f:
+        with storage.open_file(storage.join(step_path, "_CHECKPOINT_METADATA"), "rb") as f:
             raw = json.loads(f.read())
     except (OSError, ValueError):
         return ""
@@ -129,14 +131,14 @@ def check_files(step_dir: str, check_meta: Callable[[Any, str], Any]) -> None:
     JSON of the wrong shape (`check_meta(parsed, step_dir)` checks meta/metadata). Cheap: nothing
     but those small files is read."""
     for rel in REQUIRED:
-        if not os.path.isfile(os.path.join(step_dir, rel)):
+        if not storage.isfile(storage.join(step_dir, rel)):
             raise UnreadableCheckpoint(step_dir, rel, "missing")
     for rel in JSON_FILES:
-        path = os.path.join(step_dir, rel)
-        if not os.path.exists(path):
+        path = storage.join(step_dir, rel)
+        if not storage.exists(path):
             continue
         try:
-            with open(path, "rb") as f:
+            with storage.open_file(path, "rb") as f:
                 raw = json.loads(f.read())  # JSON only: nothing in a checkpoint is ever unpickled
         except (OSError, ValueError) as e:
             raise UnreadableCheckpoint(step_dir, rel, f"not valid JSON: {e}") from None
@@ -144,10 +146,10 @@ def check_files(step_dir: str, check_meta: Callable[[Any, str], Any]) -> None:
             check_meta(raw, step_dir)
         elif problem := shape_problem(rel, raw):
             raise UnreadableCheckpoint(step_dir, rel, problem)
-    data = os.path.join(step_dir, "state", "d")
-    if os.path.isdir(data):
-        for name in sorted(os.listdir(data)):
-            if os.path.getsize(os.path.join(data, name)) == 0:
+    data = storage.join(step_dir, "state", "d")
+    if storage.isdir(data):
+        for name in sorted(storage.listdir(data)):
+            if storage.getsize(storage.join(data, name)) == 0:
                 raise UnreadableCheckpoint(step_dir, f"state/d/{name}", "empty")
 
 
@@ -185,7 +187,8 @@ def value_file(state_dir: str, key: str) -> tuple[str, str] | None:
     the tree through tensorstore's node dump: a few small reads, done only after a failure."""
     import tensorstore as ts
     try:
-        base = ts.KvStore.open(f"file://{state_dir}/").result()
+        url = f"file://{state_dir}/" if storage.is_local(state_dir) else f"{state_dir.rstrip('/')}/"
+        base = ts.KvStore.open(url).result()
         location = ts.ocdbt.dump(base).result()["versions"][-1]["root"].get("location")
         prefix, target = b"", key.encode()
         while location:
@@ -208,9 +211,10 @@ def _stat_value(state_dir: str, location: str) -> tuple[str, str]:
     when its size shows it, else '')."""
     head, offset, length = location.rsplit(":", 2)
     _, base, rel = head.split(":", 2)
-    path = os.path.join(state_dir, base, rel)
-    rel_step = os.path.relpath(path, os.path.dirname(state_dir))
-    if not os.path.exists(path):
+    parts = [part.strip("/") for part in (base, rel) if part.strip("/")]
+    path = storage.join(state_dir, *parts)
+    rel_step = "/".join([storage.basename(state_dir), *parts])
+    if not storage.exists(path):
         return rel_step, "missing"
-    size, need = os.path.getsize(path), int(offset) + int(length)
+    size, need = storage.getsize(path), int(offset) + int(length)
     return rel_step, (f"truncated: {size} bytes, a stored value needs {need}" if size < need else "")

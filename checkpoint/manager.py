@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from checkpoint import storage
 from checkpoint.echoes import quiet_failed_read_echoes
 from checkpoint.integrity import StepNames, UnreadableCheckpoint, check_files, cross_process_failure, diagnose
 from checkpoint.layout import RUN_SUBDIR, check_meta, is_params_only  # noqa: F401  (RUN_SUBDIR: for callers)
@@ -78,7 +79,7 @@ def _type_handlers(process_local: bool) -> ocp.type_handlers.TypeHandlerRegistry
 def _unused(path: str) -> str:
     """`path`, or `path2`, `path3`, ... : the first that does not exist (nothing is overwritten)."""
     out, n = path, 1
-    while os.path.lexists(out):
+    while (os.path.lexists(out) if storage.is_local(out) else storage.exists(out)):
         n += 1
         out = f"{path}{n}"
     return out
@@ -87,7 +88,7 @@ def _unused(path: str) -> str:
 def shared_directory(path: str) -> str:
     """Process 0's absolute `path`, on every process: all processes must write one checkpoint,
     so the directory is the one process 0 was given (it must be on storage every host reaches)."""
-    path = os.path.abspath(path)
+    path = storage.absolute(path)
     if jax.process_count() == 1:
         return path
     from jax.experimental import multihost_utils
@@ -107,21 +108,22 @@ class Checkpointer:
         checkpoint/tiers.py): it writes every shard it holds and commits without the other
         processes, which do the same into their own directories. `flag`: the option named when
         the directory cannot be created."""
-        directory = os.path.abspath(directory)
+        directory = storage.absolute(directory)
         owner = process_local or jax.process_index() == 0  # who creates, checks and tidies the directory
         if create:
             try:
                 if owner:
-                    os.makedirs(directory, exist_ok=True)
+                    storage.makedirs(directory)
             except OSError as e:
-                raise UserError(f"{flag}: cannot create '{directory}': {e.strerror}") from None
-            if owner and not os.access(directory, os.W_OK):
+                raise UserError(f"{flag}: cannot create '{directory}': {e.strerror or e}") from None
+            # an object store says whether a write is allowed only when one is tried (the first save)
+            if owner and storage.is_local(directory) and not os.access(directory, os.W_OK):
                 raise UserError(f"{flag}: '{directory}' is not writable")
-        elif not os.path.isdir(directory):
+        elif not storage.isdir(directory):
             raise UserError(f"'{directory}': no such checkpoint directory")
         self.directory, self.process_local = directory, process_local
         self.companions: list = []  # savers of the same run closed with this one (the local tier)
-        if create and owner:
+        if create and owner and storage.is_local(directory):  # object stores have no symbolic links
             self._set_aside_links()
         self._names = StepNames(skip_links=create)  # a reader never deletes: it may read through a link
         alone = ocp.options.MultiprocessingOptions(  # no barrier with the other processes
@@ -153,7 +155,7 @@ class Checkpointer:
         return sorted(set(self._mngr.all_steps()) | set(self._names.unlisted))
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return storage.join(self.directory, str(step))
 
     def meta(self, step: int) -> dict:
         """The step's `meta` JSON; UnreadableCheckpoint naming the field when it is not of the shape
@@ -251,7 +253,7 @@ class Checkpointer:
         dst = f"{src}.unreadable"
         if self.process_local or jax.process_index() == 0:
             dst = _unused(dst)
-            os.rename(src, dst)
+            storage.rename(src, dst)
         if jax.process_count() > 1 and not self.process_local:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"brigade_set_aside_{step}")
@@ -329,19 +331,19 @@ def open_checkpoint(path: str) -> tuple[Checkpointer, int]:
     directory (`.../checkpoints/40`), a checkpoint directory (its latest committed step), a
     run directory (its `checkpoints/`) or a local tier's directory (the copy of its first process
     that holds a step: `process-0/`, else the next)."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
+    path = storage.absolute(path)
+    if not storage.isdir(path):
         raise UserError(f"'{path}': no such checkpoint directory")
-    base = os.path.basename(path)
-    if base.isdigit() and os.path.isdir(os.path.join(path, "state")):
-        ck = Checkpointer(os.path.dirname(path), create=False)
+    base = storage.basename(path)
+    if base.isdigit() and storage.isdir(storage.join(path, "state")):
+        ck = Checkpointer(storage.dirname(path), create=False)
         if int(base) not in ck.all_steps():
             raise UserError(f"'{path}' is not a committed checkpoint (its save never finished)")
         return ck, int(base)
     # a local tier's directory (checkpoint/tiers.py) holds one checkpoint directory per process
-    processes = sorted((n for n in os.listdir(path) if re.fullmatch(r"process-\d+", n)), key=lambda n: int(n[8:]))
-    for d in (path, os.path.join(path, RUN_SUBDIR), *(os.path.join(path, n) for n in processes)):
-        if os.path.isdir(d):
+    processes = sorted((n for n in storage.listdir(path) if re.fullmatch(r"process-\d+", n)), key=lambda n: int(n[8:]))
+    for d in (path, storage.join(path, RUN_SUBDIR), *(storage.join(path, n) for n in processes)):
+        if storage.isdir(d):
             ck = Checkpointer(d, create=False)
             step = ck.latest_step()
             if step is not None:

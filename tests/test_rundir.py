@@ -1,6 +1,9 @@
 """The run directory is the run's own: a second run on it, a directory Brigade did not create,
 and a full disk at the first write each end in one line and exit 2, with the user's files
-untouched; a SIGKILLed run never blocks its own restart."""
+untouched; a SIGKILLed run never blocks its own restart. Without --run-dir each run gets a fresh
+named directory, runs/latest links to the newest, and --resume latest continues it."""
+import datetime
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +15,9 @@ import pytest
 from cpu_env import cpu_env
 from errors import UserError
 from data_files import file_hashes as listing
-from train.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir
+from train.config import build, dump
+from train.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir, start_named_run
+from train.supervisor import Fresh, child_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(1, PYTHONUNBUFFERED="1")
@@ -130,3 +135,91 @@ def test_full_disk_at_the_first_write_is_one_line(small_disk):
     lines = error_lines(err)
     assert p.returncode == 2 and len(lines) == 1, err[-3000:]
     assert "No space left on device" in lines[0] and str(small_disk / "run") in lines[0], lines
+
+
+NOON = datetime.datetime(2026, 1, 2, 12, 0, 0)
+
+
+def test_runs_without_run_dir_get_fresh_names_and_latest_links_the_newest(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cfg = build({"model.preset": "tiny", "parallelism.mesh": "data=2,fsdp=-1"})
+    first = start_named_run(cfg, NOON)
+    second = start_named_run(cfg, NOON)  # the same second: a suffix keeps them apart
+    assert first.logging.run_dir == os.path.join("runs", "20260102-120000-tiny-data2.fsdpN")
+    assert second.logging.run_dir == first.logging.run_dir + "-2"
+    assert os.path.realpath("runs/latest") == os.path.realpath(second.logging.run_dir)
+    assert os.readlink("runs/latest") == "20260102-120000-tiny-data2.fsdpN-2"  # relative: the folder can move
+    assert sorted(os.listdir("runs")) == ["20260102-120000-tiny-data2.fsdpN", "20260102-120000-tiny-data2.fsdpN-2",
+                                          "latest"]  # no temporary link left behind
+    explicit = build({"logging.run_dir": str(tmp_path / "mine"), "checkpoint.resume": "latest"})
+    assert start_named_run(explicit, NOON) is explicit  # an explicit --run-dir is used as it is
+    assert "run directory: runs/20260102-120000-tiny-data2.fsdpN-2" in capsys.readouterr().out
+
+
+def test_an_older_real_runs_latest_is_left_alone(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "latest").mkdir(parents=True)
+    (tmp_path / "runs" / "latest" / "metrics.jsonl").write_text("{}\n")
+    before = listing(tmp_path / "runs" / "latest")
+    cfg = start_named_run(build({"model.preset": "tiny"}), NOON)
+    assert cfg.logging.run_dir == os.path.join("runs", "20260102-120000-tiny-dataN")
+    assert not os.path.islink("runs/latest") and listing(tmp_path / "runs" / "latest") == before
+    assert "no longer updated" in capsys.readouterr().err
+
+
+def test_a_cluster_job_needs_an_explicit_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with pytest.raises(UserError, match=r"^--run-dir: a multi-process or cluster job \(SLURM_JOB_ID is set\)"):
+        start_named_run(build({}), NOON)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_latest_checks_the_settings_of_the_run_it_continues(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    old = start_named_run(build({"model.preset": "tiny", "train.steps": 4, "checkpoint.resume": "latest"}), NOON)
+    assert old.checkpoint.resume == "auto"  # no earlier run: a fresh start
+    with open(os.path.join(old.logging.run_dir, "config.json"), "w") as f:
+        f.write(dump(old))
+    changed = build({"model.preset": "tiny", "train.steps": 6, "train.lr": 0.5, "checkpoint.resume": "latest",
+                     "parallelism.mesh": "fsdp=-1", "train.eval_every": 3})  # mesh and eval: no matter
+    with pytest.raises(UserError) as e:
+        start_named_run(changed, NOON)
+    assert "train.steps 4 -> 6" in str(e.value) and "train.lr" in str(e.value) and "eval_every" not in str(e.value)
+    assert f"--resume {old.logging.run_dir}" in str(e.value) and "\n" not in str(e.value)
+    same = start_named_run(build({"model.preset": "tiny", "train.steps": 4, "checkpoint.resume": "latest",
+                                  "parallelism.mesh": "fsdp=-1"}), NOON)
+    assert same.checkpoint.resume == old.logging.run_dir and same.logging.run_dir != old.logging.run_dir
+
+
+def test_the_supervisor_gives_every_restart_the_one_named_run():
+    argv = ["--model", "tiny", "--resume", "latest"]
+    fresh = Fresh("runs/20260102-120000-tiny-dataN", "runs/20260101-080000-tiny-dataN")
+    first, restart = child_argv(argv, fresh, None), child_argv(argv, fresh, 4)
+    assert first[-4:] == ["--run-dir", fresh.run_dir, "--resume", fresh.resume]
+    assert restart[-4:] == ["--run-dir", fresh.run_dir, "--resume", "auto"]  # its own checkpoint, once it has one
+    assert child_argv(argv, None, 4) == argv  # an explicit --run-dir: the command as it was
+
+
+def named_run(args, cwd, **env):
+    return subprocess.run([sys.executable, "-m", "train", *CMD, "--data", "synthetic", "--steps", "4",
+                           "--checkpoint.every", "2", "--checkpoint.async", "false", *args], cwd=cwd,
+                          env={**ENV, **env}, text=True, capture_output=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_resume_latest_continues_the_newest_run_from_the_command_line(tmp_path):
+    hung = named_run(["--train.step_timeout", "2"], tmp_path, BRIGADE_INJECT_HANG_STEPS="3")
+    assert hung.returncode == 4, hung.stderr[-3000:]  # the watchdog: step 2 is saved, 3 never ends
+    first = os.path.realpath(tmp_path / "runs" / "latest")
+    refused = named_run(["--resume", "latest", "--steps", "6"], tmp_path)
+    lines = error_lines(refused.stderr)
+    assert refused.returncode == 2 and len(lines) == 1 and "train.steps 4 -> 6" in lines[0], refused.stderr[-3000:]
+    resumed = named_run(["--resume", "latest"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    second = os.path.realpath(tmp_path / "runs" / "latest")
+    assert second != first and sorted(os.listdir(tmp_path / "runs")) == sorted(
+        ["latest", os.path.basename(first), os.path.basename(second)])
+    assert "checkpoints/2 (step 2," in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
+    with open(os.path.join(second, "summary.json")) as f:
+        assert json.load(f)["resumed_from"] == 2

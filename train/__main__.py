@@ -24,12 +24,16 @@ def main(argv: list[str] | None = None) -> int:
             return report_main(argv[1:])
         from train.config import from_args
         cfg, _ = from_args(argv)
+        from train.rundir import start_named_run
+        named = start_named_run(cfg)  # once, before any child: every restart continues this one directory
         if cfg.train.max_restarts and not os.environ.get("BRIGADE_SUPERVISED"):
-            from train.supervisor import supervise
-            c = cfg.checkpoint
-            return supervise(argv, cfg.train.max_restarts, cfg.logging.run_dir,
-                             c.dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
-        return _train(cfg)
+            from checkpoint import storage
+            from train.supervisor import Fresh, supervise
+            c = named.checkpoint
+            fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
+            return supervise(argv, cfg.train.max_restarts, named.logging.run_dir,
+                             c.dir or storage.join(named.logging.run_dir, "checkpoints"), fresh=fresh)
+        return _train(named)
     except UserError as e:
         return _final_error(f"error: {e}", 2, exit_now=getattr(e, "exit_now", False))
     except Exception as e:

@@ -16,6 +16,7 @@ from typing import Any
 
 from errors import ArgParser, UserError
 from mesh.xla import PRESETS as XLA_PRESETS
+from models import registry
 from models.config import PRESETS, ModelConfig, PipelineConfig, check_ranges, option, preset, ranged
 from train.cli import coerce, converter, help_line, load_yaml, parse_bool, typed_fields
 
@@ -124,7 +125,9 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """The `logging` section: the run directory and what is reported while training."""
-    run_dir: str = option("runs/latest", "where the run writes its config, metrics, logs and checkpoints")
+    run_dir: str = option("runs/latest", "where the run writes its config, metrics, logs and checkpoints; the"
+                                         " default gives each run a fresh runs/<YYYYmmdd-HHMMSS>-<model>-<mesh>"
+                                         " and makes runs/latest a link to it; gs:// and s3:// work too")
     log_every: int = ranged(10, ">=1", help="steps between metric lines")
     tensorboard: bool = option(True, "also write TensorBoard event files")
     progress: str = option("auto", "auto | bar | lines | none: a tqdm bar, one plain line per logged step (for"
@@ -155,7 +158,9 @@ class CheckpointConfig:
     keep_every: int = ranged(0, ">=0", help="steps divisible by this are kept forever (recovery points); 0 = none")
     # the option is `async` (flag and YAML): a Python keyword cannot be a field
     async_save: bool = option(True, "save in the background while training goes on")
-    resume: str = option("latest", "latest | none | PATH (a run dir, a checkpoint dir or one step's dir)")
+    resume: str = option("auto", "auto = the run dir's own newest intact checkpoint, if any | latest = continue"
+                                 " the newest run under runs/ (its settings must match; with an explicit --run-dir:"
+                                 " as auto) | none | PATH (a run dir, a checkpoint dir or one step's dir)")
     init_from: str = option("", "PATH: start a fresh run from these parameters (e.g. an HF import), with a fresh"
                                 " optimizer")
     local_dir: str = option("", "host-local directory (fast disk, RAM disk) for frequent saves, each process"
@@ -166,7 +171,7 @@ class CheckpointConfig:
     def validate(self) -> "CheckpointConfig":
         check_ranges(self, functools.partial(public_flag, "checkpoint"))
         if not self.resume:
-            raise UserError("--resume: expected latest, none or a checkpoint PATH, got ''")
+            raise UserError("--resume: expected auto, latest, none or a checkpoint PATH, got ''")
         if self.local_dir and self.local_every < 1:
             raise UserError(f"--checkpoint.local_every {self.local_every}: must be >= 1 when"
                             f" --checkpoint.local_dir is set (steps between local saves)")
@@ -361,7 +366,7 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Co
     preset_name = model_raw.pop("preset", "default")
     sections = {}
     for section, cls in SECTIONS.items():
-        base = preset(preset_name) if section == "model" else cls()
+        base = registry.config(preset_name, PRESETS) if section == "model" else cls()  # a preset or models.register's
         values = model_raw if section == "model" else raw[section]
         options = _options(section)
         for name in values:

@@ -14,8 +14,9 @@ time). goodput = productive / total.
 from __future__ import annotations
 
 import json
-import os
 import time
+
+from checkpoint import storage
 
 CATEGORIES = ("productive", "data_wait", "compile", "checkpoint", "restore", "eval", "lost")
 _PREFIX = "time_"
@@ -73,19 +74,18 @@ class Goodput:
 def read_records(run_dir: str) -> list[dict]:
     """metrics.jsonl's records: JSON objects with an integer step. Anything else (a line cut short
     by a kill, a line edited by hand) is skipped: the file is a log, never a reason to stop."""
-    path = os.path.join(run_dir, "metrics.jsonl")
     out = []
     try:
-        with open(path, errors="replace") as f:
-            for ln in f:
-                try:
-                    rec = json.loads(ln)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                    out.append(rec)
+        text = storage.read_text(storage.join(run_dir, "metrics.jsonl"))
     except FileNotFoundError:
-        pass
+        return out
+    for ln in text.splitlines():
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
     return out
 
 

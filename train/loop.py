@@ -7,6 +7,7 @@ pieces are computed once, in train/setup.py; what the loop reports to is train/r
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -22,17 +23,19 @@ from checkpoint.saving import committed_on_exit
 from mesh.build import start_mesh
 from mesh.rules import axis_rules
 from mesh.spec import mesh_text
+from models import model
 from models.sample import generate
 from train import resume, state as train_state
 from train.config import Config
 from train.data import make_pipeline
+from train.data.external import IterableData
 from train.data.tokenizers import ByteTokenizer
 from train.device_memory import out_of_memory_line
 from train.goodput import Goodput
 from train.memory import check_fits, step_bytes_per_device
 from train.metrics import summary
 from train.resilience import StopSignals, injected_steps
-from train.rundir import claim
+from train.rundir import claim, start_named_run
 from train.run import Run, open_run
 from train.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
 from train.step import eval_step
@@ -42,14 +45,23 @@ from train.watchdog import doing, set_doing
 class Trainer:
     """Build everything from a Config, then `fit()`. Usable from notebooks as well as the CLI."""
 
-    def __init__(self, cfg: Config, *, mesh: Mesh | None = None, devices: list | None = None, on_log=None):
+    def __init__(self, cfg: Config, *, mesh: Mesh | None = None, devices: list | None = None, on_log=None,
+                 data=None, eval_data=None, loss=None, optimizer=None, schedule=None):
         """`mesh`: the entry point's (else one is built from --mesh over `devices`, after starting
         the distributed runtime). `on_log(record)`: called with every metrics record as it is
-        logged (the dicts written to metrics.jsonl), e.g. for a live plot in a notebook."""
+        logged (the dicts written to metrics.jsonl), e.g. for a live plot in a notebook.
+
+        Extension points (docs/extending.md): `data`, `eval_data`: iterables of batches replacing
+        --data (train/data/external.py); `loss(logits_BTV, batch) -> loss_BT`: a per-token loss
+        replacing cross-entropy (train/step.py token_losses); `optimizer`: an optax transformation
+        replacing AdamW, `schedule`: its learning rate (a number or a function of the update
+        count; required with `optimizer`, what the log reports; without `optimizer`, AdamW's)."""
         self._started_at = time.time()  # goodput counts this attempt's wall time from here
         self.cfg = cfg
         self.on_log = on_log
-        self.setup = s = setup(cfg, mesh if mesh is not None else start_mesh(cfg.parallelism, devices))
+        self.data, self.eval_data = data, eval_data
+        self.setup = s = setup(cfg, mesh if mesh is not None else start_mesh(cfg.parallelism, devices),
+                               loss=loss, optimizer=optimizer, schedule=schedule)
         self.mesh, self.rules, self.model_cfg, self.compute_dtype = s.mesh, s.rules, cfg.model, s.compute_dtype
         self.tx, self.lr, self.sync, self.local_clip = s.tx, s.lr, s.sync, s.local_clip
         self.batch_sharding, self.state_shardings = s.batch_sharding, s.state_shardings
@@ -90,7 +102,8 @@ class Trainer:
     @functools.cached_property
     def _eval_fn(self):
         # one jitted function per Trainer: a fresh jax.jit per eval would retrace and recompile every time
-        return jax.jit(functools.partial(eval_step, self.model_cfg, pipeline=self.cfg.pipeline))
+        return jax.jit(functools.partial(eval_step, self.model_cfg, pipeline=self.cfg.pipeline,
+                                         loss_fn=self.setup.loss_fn))
 
     def eval_loss(self, params, batches) -> float:
         with jax.set_mesh(self.mesh), axis_rules(self.rules):
@@ -131,15 +144,33 @@ class Trainer:
         """Train to --steps, saving checkpoints; resume first if --resume finds one. The summary's
         `exit_code` is 0, or 128 + the signal number when SIGTERM/SIGINT stopped the run. The
         run directory is locked for the whole run (train/rundir.py): a second run on it exits."""
-        cfg, t = self.cfg, self.cfg.train
+        cfg = self._name_the_run()
         self.goodput = Goodput(self._started_at)
         with claim(cfg.logging.run_dir, cfg.checkpoint.dir), committed_on_exit(self.open_checkpoints()) as saver, \
                 StopSignals() as signals:  # from here on a signal stops the run cleanly, even mid-compile
             # -- setup: the data first (a bad --data is one line before the compile), then the step
-            data = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                                 batch_sharding=self.batch_sharding, vocab_size=self.model_cfg.vocab_size)
+            data = self._open_data()
             with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):
                 return self._compile_and_train(saver, signals, data)
+
+    def _name_the_run(self) -> Config:
+        """The default run dir made a fresh named one (train/rundir.py start_named_run) when a run
+        starts, not when the Trainer is built: a Trainer built for plan or analysis writes nothing.
+        The CLI has named it already (once per job, for the supervisor's restarts)."""
+        named = start_named_run(self.cfg)
+        if named is not self.cfg:
+            self.cfg, self.setup = named, dataclasses.replace(self.setup, cfg=named)
+        return self.cfg
+
+    def _open_data(self):
+        """The built-in pipeline of --data, or the Trainer's own iterable (train/data/external.py)."""
+        cfg, t = self.cfg, self.cfg.train
+        if self.data is not None:
+            return IterableData(self.data, self.eval_data, batch_size=t.batch_size, seq_len=t.seq_len,
+                                packing_mask=cfg.data.packing_mask, batch_sharding=self.batch_sharding,
+                                vocab_size=self.model_cfg.vocab_size)
+        return make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                             batch_sharding=self.batch_sharding, vocab_size=self.model_cfg.vocab_size)
 
     def _compile_and_train(self, saver, signals: StopSignals, data) -> dict:
         """fit() from the compile to the summary (an out-of-memory failure anywhere in it: one line)."""
@@ -154,7 +185,10 @@ class Trainer:
         state = self._windowed(state)  # --init-from's parameters come without the spike guard's window
         gp.add("restore" if point or cfg.checkpoint.init_from else "compile",  # a fresh init: mostly its compile
                time.perf_counter() - t0)
-        data.seek(step := int(state.step))
+        if isinstance(data, IterableData):  # a user iterable is restored from the checkpoint's position
+            data.seek(step := int(state.step), meta.get("data", {}).get("loader"))
+        else:  # the built-in pipeline's batches are a function of the step
+            data.seek(step := int(state.step))
         batch, _ = data.next()
         evals = data.eval_batches(t.eval_batches) if t.eval_every else []
         run = open_run(self.setup, self.abstract_state(), saver, data, point, state, self.goodput,
@@ -219,7 +253,7 @@ class Trainer:
         t, t0 = self.cfg.train, time.perf_counter()
         tokenizer = data.tokenizer()  # None when a prepared dataset's tokenizer file no longer loads
         text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed, tokenizer) \
-            if t.sample_tokens and tokenizer and not stopped_by else ""
+            if t.sample_tokens and tokenizer and model.decodes(self.model_cfg) and not stopped_by else ""
         self.goodput.add("eval", time.perf_counter() - t0)
         saved = run.saves.started
         out = summary(run.history, run.eval_history, self.goodput, model_cfg=self.model_cfg, mesh=self.mesh,

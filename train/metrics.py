@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import signal
 import time
 
@@ -12,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoint import storage
 from mesh.spec import mesh_text
 from models.flops import param_count
 from train import sinks
@@ -80,7 +80,7 @@ class MetricsLogger:
         self._sinks, self._console = [], None
         if not self.main:
             return
-        os.makedirs(run_dir, exist_ok=True)
+        storage.makedirs(run_dir)
         self._console = sinks.console(sinks.progress_mode(progress), total_steps, first_step)
         self._sinks = [sinks.JsonlSink(run_dir, json_safe), *([sinks.TensorBoardSink(run_dir)] if tensorboard else []),
                        *sinks.trackers(run_dir), self._console]
@@ -118,7 +118,7 @@ class StepProfiler:
 
     def __init__(self, spec: str, steps: int, run_dir: str):
         self.spec, self.window = spec, profile_window(spec, steps)
-        self.dir, self.active = os.path.join(run_dir, "profile"), False
+        self.dir, self.active = storage.join(run_dir, "profile"), False
 
     def step(self, step: int):
         """Context for running step `step` (1-based): starts the trace at A, annotates inside."""

@@ -8,9 +8,9 @@ eval loss with eval off) gets no plot rather than an empty one.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
+from checkpoint import storage
 from errors import ArgParser, UserError
 from train.device_memory import size_text
 from train.goodput import read_records
@@ -39,10 +39,10 @@ BYTES = ("mem_", "host_rss_")  # stored in bytes, shown in GiB
 
 def read_run(run_dir: str) -> tuple[list[dict], dict, dict]:
     """-> (metrics records in step order, config, summary); UserError naming the missing file."""
-    if not os.path.isdir(run_dir):
+    if not storage.isdir(run_dir):
         raise UserError(f"report: '{run_dir}' is not a directory (expected a run directory such as runs/latest)")
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    path = storage.join(run_dir, "metrics.jsonl")
+    if not storage.isfile(path):
         raise UserError(f"report: '{run_dir}' has no metrics.jsonl (is it a run directory? `python -m train"
                         f" --run-dir DIR` writes one)")
     records = read_records(run_dir)  # lines cut short by a kill, or not records, are skipped
@@ -51,8 +51,7 @@ def read_run(run_dir: str) -> tuple[list[dict], dict, dict]:
 
     def optional(name):
         try:
-            with open(os.path.join(run_dir, name)) as f:
-                return json.load(f)
+            return json.loads(storage.read_text(storage.join(run_dir, name)))
         except (OSError, json.JSONDecodeError):
             return {}
     return sorted(records, key=lambda r: r["step"]), optional("config.json"), optional("summary.json")
@@ -102,7 +101,8 @@ def plot(records: list[dict], out_dir: str) -> list[tuple[str, str]]:
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, name))
+        with storage.open_file(storage.join(out_dir, name), "wb") as f:  # a local or gs:// / s3:// folder
+            fig.savefig(f, format="png")
         plt.close(fig)
         made.append((title, name))
     return made
@@ -143,7 +143,7 @@ def markdown(run_dir: str, records: list[dict], config: dict, summary: dict, plo
         ("resumed from step", summary.get("resumed_from")),
         ("stopped by", summary.get("stopped_by")),
     ]
-    lines = [f"# Run report: `{os.path.abspath(run_dir)}`", "",
+    lines = [f"# Run report: `{storage.absolute(run_dir)}`", "",
              f"{len(train)} logged steps and {len(evals)} evals from `metrics.jsonl`"
              + ("" if summary else " (no summary.json: the run has not finished)") + ".", "",
              "## Final figures", "", "| | |", "|---|---|"]
@@ -163,15 +163,14 @@ def markdown(run_dir: str, records: list[dict], config: dict, summary: dict, plo
 def report(run_dir: str, out_dir: str | None = None) -> str:
     """Write the plots and report.md; -> the report's path."""
     records, config, summary = read_run(run_dir)
-    out_dir = out_dir or os.path.join(run_dir, "report")
+    out_dir = out_dir or storage.join(run_dir, "report")
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        storage.makedirs(out_dir)
     except OSError as e:
         raise UserError(f"report --out: cannot create '{out_dir}': {e.strerror}") from None
     plots = plot(records, out_dir)
-    path = os.path.join(out_dir, "report.md")
-    with open(path, "w") as f:
-        f.write(markdown(run_dir, records, config, summary, plots))
+    path = storage.join(out_dir, "report.md")
+    storage.write_text(path, markdown(run_dir, records, config, summary, plots))
     return path
 
 
@@ -182,7 +181,8 @@ def main(argv: list[str]) -> int:
                    " (default: RUN_DIR/report)")
     ns = p.parse_args(argv)
     path = report(ns.run_dir, ns.out)
-    print(f"report: {path} ({', '.join(sorted(f for f in os.listdir(os.path.dirname(path)) if f.endswith('.png')))})")
+    pngs = sorted(f for f in storage.listdir(storage.dirname(path)) if f.endswith(".png"))
+    print(f"report: {path} ({', '.join(pngs)})")
     return 0
 
 

@@ -23,9 +23,10 @@ from checkpoint.saving import step_list
 from checkpoint.tiers import all_processes, drop_after, local_tier, saved_elsewhere, steps_everywhere
 from errors import UserError
 from mesh.spec import mesh_text
-from train import comm, optim, state as train_state
+from train import comm, state as train_state
 from train.config import CommConfig
 from train.resilience import Diverged
+from train.rundir import changed_settings
 from train.setup import RunSetup
 from train.state import TrainState
 
@@ -33,7 +34,7 @@ from train.state import TrainState
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
     """The step a run continues from. `restored`: its (state, meta), when finding it meant reading
-    it whole (--resume latest verifies the step it picks that way); None when only its metadata
+    it whole (--resume auto verifies the step it picks that way); None when only its metadata
     was read."""
     src: Checkpointer
     step: int
@@ -54,7 +55,7 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
                             f" {step_list(saver.all_steps())}) that new saves would collide with; use another"
                             f" --run-dir or --checkpoint.dir, or delete them")
         point = None
-    elif c.resume == "latest":
+    elif c.resume in ("auto", "latest"):  # latest: train/rundir.py made it a PATH, unless --run-dir was given
         point = (_newest_local(run, abstract, saver, local) if local else None) \
             or _latest_intact(run, abstract, saver)
     else:
@@ -77,7 +78,7 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
 
 def _newest_local(run: RunSetup, abstract: TrainState, saver: Checkpointer, local: Checkpointer
                   ) -> ResumePoint | None:
-    """--resume latest with a local tier: the newest step that every process holds in its local
+    """--resume auto with a local tier: the newest step that every process holds in its local
     tier and reads back whole, when it is newer than the persistent tier's newest step; else None
     (the persistent tier decides). The processes decide together: a step that one of them lacks,
     cannot read (set aside there as `<step>.unreadable`) or holds for another mesh layout is
@@ -104,7 +105,7 @@ def _newest_local(run: RunSetup, abstract: TrainState, saver: Checkpointer, loca
 
 
 def _latest_intact(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> ResumePoint | None:
-    """--resume latest: the newest committed step that reads back completely. Unreadable newer
+    """--resume auto: the newest committed step that reads back completely. Unreadable newer
     steps are reported (one line each) and, once an intact one is found, renamed to
     `<step>.unreadable` so that this run can save those steps again; nothing is deleted. None
     when the directory holds no committed step; UserError when it holds only unreadable ones
@@ -177,7 +178,7 @@ def saved_abstract(run: RunSetup, abstract: TrainState, src: Checkpointer, step:
                f" this run's ({text(now)})")
         raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
                         f" resume with its settings and data-parallel size, or start a new --run-dir")
-    tx = optim.make(run.cfg.train, clip=not local_clip)
+    tx = run.tx_with(clip=not local_clip)
     out = train_state.abstract(run.model_cfg, tx, run.mesh, run.rules, sync)
     if n_saved is not None and (resized or out.residual is None):  # replicated here; `_convert` averages
         out = out.replace(residual=jax.tree.map(
@@ -287,30 +288,13 @@ def recover(run: RunSetup, abstract: TrainState, saver: Checkpointer, state: Tra
     return restored.replace(step=state.step)
 
 
-# Settings that change what a resumed run computes (the rest, e.g. eval or logging, do not).
-_RESUME_SENSITIVE = {"train": ("steps", "batch_size", "seq_len", "micro_batches", "lr", "min_lr_ratio", "warmup_steps",
-                               "weight_decay", "decay_embeddings", "b1", "b2", "eps", "grad_clip", "seed"),
-                     "data": ("source", "eval_fraction", "packing", "packing_mask"),
-                     "comm": ("compression", "topk_fraction", "error_feedback", "sync_every", "outer_lr", "outer_momentum")}
-
-
 def warn_changed_settings(meta: dict, config: dict, data, log) -> None:
     """One warning line listing the settings (`config`: this run's, as Config.to_dict()) and the
     data sources (`data`: the run's pipeline) that differ from the checkpoint's."""
-    changed = _changed_settings(meta.get("config", {}), config)
+    changed = changed_settings(meta.get("config", {}), config)
     if "loader" in meta.get("data", {}):  # the data itself (sources, windows) as well as the settings
         changed = list(dict.fromkeys(changed + data.check_state(meta["data"]["loader"])))
     if changed:
         log.print(f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
                   + (" (the learning-rate schedule spans train.steps)" if any(
                       c.startswith("train.steps ") for c in changed) else ""))
-
-
-def _changed_settings(saved: dict, now: dict) -> list[str]:
-    """'section.field old -> new' for every resume-sensitive setting that changed: the listed train,
-    data and comm fields, and every field of the model section (a changed param_dtype casts the
-    restored parameters, a changed rope_theta or router changes what they compute)."""
-    keys = {**_RESUME_SENSITIVE, "model": tuple(now.get("model", {}))}
-    out = [f"{sec}.{k} {saved[sec][k]} -> {now[sec][k]}" for sec, names in keys.items() for k in names
-           if isinstance(saved.get(sec), dict) and k in saved[sec] and saved[sec][k] != now[sec][k]]
-    return [c + (" (the restored parameters are cast)" if c.startswith("model.param_dtype ") else "") for c in out]

@@ -8,11 +8,13 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
 from typing import Callable
 
 import jax
 
+from checkpoint import storage
 from checkpoint.saving import Saves
 from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
@@ -58,7 +60,9 @@ class Run:
         """The reporters of a loop starting from `state`; its step timer starts now."""
         cfg, t, mesh, me = run_setup.cfg, run_setup.cfg.train, run_setup.mesh, jax.process_index()
         heartbeat = PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout)
-        stacks = os.path.join(cfg.logging.run_dir, f"watchdog-stacks.{me}.txt")
+        # faulthandler writes the stacks through a real file descriptor: a URL run dir gets them locally
+        stacks = os.path.join(cfg.logging.run_dir if storage.is_local(cfg.logging.run_dir) else tempfile.gettempdir(),
+                              f"watchdog-stacks.{me}.txt")
         return cls(log=log, goodput=goodput, on_log=on_log, saves=saves,
                    stats=StepStats(t.batch_size * t.seq_len, flops_per_token(cfg.model, t.seq_len), peak, mesh.size,
                                    int(state.step)),
@@ -170,8 +174,9 @@ class Run:
         self.log.print(summary_text(out))
         self.log.close()
         if jax.process_index() == 0:
-            with run_dir_writes(run_dir), open(os.path.join(run_dir, "summary.json"), "w") as f:
-                json.dump(json_safe(out), f, indent=2, allow_nan=False)
+            with run_dir_writes(run_dir):
+                storage.write_text(storage.join(run_dir, "summary.json"),
+                                   json.dumps(json_safe(out), indent=2, allow_nan=False))
 
 
 def open_run(run_setup: RunSetup, abstract, saver, data, point, state, goodput: Goodput, opening: tuple,

@@ -14,34 +14,46 @@ the same names. So a run
   it when the process dies, however it dies, so a SIGKILLed run never blocks its own restart. In
   a multi-process job process 0 holds it for the job. The lock file names the holder (host, pid,
   since when) for the one line a second run exits with. (flock works on local disks and NFS;
-  object-store mounts may not honour it.)
+  object-store mounts may not honour it.) A run directory on an object store (gs://, s3://) has
+  no such lock: the run says so in one line at its start, and keeping two runs apart is the
+  user's (checkpoint/storage.py).
+
+Without --run-dir (the default `runs/latest`) each run gets a fresh directory
+`runs/<YYYYmmdd-HHMMSS>-<model>-<mesh>` and `runs/latest` becomes a symbolic link to it
+(`start_named_run`); an explicit --run-dir is used as it is, and resumes its own checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import fcntl
 import json
 import os
 import socket
+import sys
 
+from checkpoint import storage
 from errors import UserError
+from mesh.spec import AXES, parse_spec
 from train.goodput import Goodput, read_records
 
 MARKER = "brigade-run.json"
 LOCK = ".brigade-lock"
 # Config sections of Brigade's config.json: a legacy run directory (no marker) is recognised by them.
 _SECTIONS = {"model", "train", "parallelism", "data", "logging", "checkpoint"}
+DEFAULT_RUN_DIR = os.path.join("runs", "latest")  # logging.run_dir's default: a fresh named run under runs/
+# The environments in which jax.distributed joins a multi-process job by itself (mesh/build.py).
+_CLUSTER_ENVS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
 
 
 def is_run_dir(path: str) -> bool:
     """A directory Brigade wrote: its marker, or a config.json holding Brigade's config sections."""
-    if os.path.isfile(os.path.join(path, MARKER)):
+    if storage.isfile(storage.join(path, MARKER)):
         return True
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = json.load(f)
+        cfg = json.loads(storage.read_text(storage.join(path, "config.json")))
     except (OSError, ValueError):
         return False
     return isinstance(cfg, dict) and _SECTIONS <= set(cfg)
@@ -49,14 +61,14 @@ def is_run_dir(path: str) -> bool:
 
 def check_writable_run_dir(path: str, flag: str = "--run-dir") -> None:
     """UserError unless `path` is new, empty, or a Brigade run directory. Nothing is written."""
-    if os.path.islink(path) and not os.path.isdir(path):
+    if storage.is_local(path) and os.path.islink(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path}: a broken symbolic link; point it at a directory or choose another path")
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise UserError(f"{flag} {path}: exists and is not a directory; choose a new or empty directory")
     # a lock alone is a run that died as it started
-    entries = sorted(e for e in os.listdir(path) if e != LOCK and not _is_job_log(path, e))
+    entries = sorted(e for e in storage.listdir(path) if e != LOCK and not _is_job_log(path, e))
     if not entries or is_run_dir(path):
         return
     shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
@@ -77,7 +89,7 @@ def claim(run_dir: str, checkpoint_dir: str = ""):
     if jax.process_index() == 0:
         try:
             stack.enter_context(RunDirLock(run_dir))
-            inside = os.path.abspath(checkpoint_dir or run_dir).startswith(os.path.abspath(run_dir) + os.sep)
+            inside = storage.absolute(checkpoint_dir or run_dir).startswith(storage.join(storage.absolute(run_dir), ""))
             if checkpoint_dir and not inside:  # its own layout (step directories): locked, not marked
                 stack.enter_context(RunDirLock(checkpoint_dir, "--checkpoint.dir", own=False))
         except UserError as e:
@@ -96,7 +108,7 @@ def claim(run_dir: str, checkpoint_dir: str = ""):
 def _is_job_log(path: str, name: str) -> bool:
     """A scheduler's log file (SLURM's --output, a shell's `> run/train.log`) exists before the run
     starts; Brigade writes no file of these suffixes, so it cannot be overwritten."""
-    return name.endswith((".log", ".out", ".err")) and os.path.isfile(os.path.join(path, name))
+    return name.endswith((".log", ".out", ".err")) and storage.isfile(storage.join(path, name))
 
 
 class RunDirLock:
@@ -105,7 +117,7 @@ class RunDirLock:
 
     def __init__(self, path: str, flag: str = "--run-dir", own: bool = True):
         """own: a run directory (checked and marked); False: only locked."""
-        self.path, self.flag, self.own, self._fd = os.path.abspath(path), flag, own, None
+        self.path, self.flag, self.own, self._fd = storage.absolute(path), flag, own, None
 
     def __enter__(self) -> "RunDirLock":
         self.acquire()
@@ -117,6 +129,9 @@ class RunDirLock:
     def acquire(self) -> None:
         if self.own:
             check_writable_run_dir(self.path, self.flag)
+        if not storage.is_local(self.path):
+            self._claim_unlocked()
+            return
         try:
             os.makedirs(self.path, exist_ok=True)
             fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
@@ -146,6 +161,20 @@ class RunDirLock:
             self.release()
             raise UserError(f"{self.flag} {self.path}: cannot write into it ({_reason(e)})") from None
 
+    def _claim_unlocked(self) -> None:
+        """An object store has no flock (and an object written as a lock would outlive a killed
+        run, blocking its restart): the directory is marked, not locked, and the run says so."""
+        print(f"note: {self.flag} {self.path} is on an object store: it is not locked against a second run;"
+              f" start one run at a time on it", flush=True)
+        try:
+            storage.makedirs(self.path)
+            if self.own and not storage.exists(storage.join(self.path, MARKER)):
+                since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+                storage.write_text(storage.join(self.path, MARKER),
+                                   json.dumps({"created_by": "brigade", "created_at": since}) + "\n")
+        except OSError as e:
+            raise UserError(f"{self.flag} {self.path}: cannot write into it ({_reason(e)})") from None
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
@@ -156,36 +185,29 @@ def prepare_run_dir(run_dir: str, config_text: str, resumed_step: int | None, go
     """A run's start in its directory: config.json (`config_text`); after a resume, one line more
     in resumes.jsonl, the goodput of the attempts before carried over from metrics.jsonl, and
     the records that the resumed checkpoint does not cover dropped; a fresh run starts a fresh log."""
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        f.write(config_text)
-    resumes = os.path.join(run_dir, "resumes.jsonl")   # one line per attempt that resumed
+    storage.makedirs(run_dir)
+    storage.write_text(storage.join(run_dir, "config.json"), config_text)
+    resumes = storage.join(run_dir, "resumes.jsonl")   # one line per attempt that resumed
     if resumed_step is not None:
-        with open(resumes, "a") as f:
-            f.write(json.dumps({"step": resumed_step, "time": goodput.started_at}) + "\n")
-        with open(resumes) as f:
-            n_resumes = sum(1 for ln in f if ln.strip())
+        storage.append_text(resumes, json.dumps({"step": resumed_step, "time": goodput.started_at}) + "\n")
+        n_resumes = sum(1 for ln in storage.read_text(resumes).splitlines() if ln.strip())
         goodput.resume(read_records(run_dir), resumed_step, restarts=n_resumes)
         drop_records_after(run_dir, resumed_step)  # logged after that save by the run that died
     else:
-        for path in (os.path.join(run_dir, "metrics.jsonl"), resumes):
-            if os.path.exists(path):
-                os.remove(path)
+        for path in (storage.join(run_dir, "metrics.jsonl"), resumes):
+            storage.remove(path)
 
 
 def drop_records_after(run_dir: str, step: int) -> None:
     """Keep only metrics.jsonl records up to `step`: a resumed run appends from there, so steps
     that a failed run logged after its last checkpoint (and that are now redone) appear once."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = storage.join(run_dir, "metrics.jsonl")
+    if not storage.exists(path):
         return
-    with open(path, errors="replace") as f:
-        n_lines = sum(1 for ln in f if ln.strip())
+    n_lines = sum(1 for ln in storage.read_text(path).splitlines() if ln.strip())
     keep = [rec for rec in read_records(run_dir) if rec["step"] <= step]
     if len(keep) != n_lines:  # records past `step`, or lines that are not records
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(rec) + "\n" for rec in keep)
-        os.replace(path + ".tmp", path)
+        storage.write_text(path, "".join(json.dumps(rec) + "\n" for rec in keep))
 
 
 @contextlib.contextmanager
@@ -209,3 +231,114 @@ def _read_holder(fd: int) -> str:
 
 def _reason(e: OSError) -> str:
     return (e.strerror or type(e).__name__) + (f": {e.filename}" if e.filename else "")
+
+
+def start_named_run(cfg, now: datetime.datetime | None = None):
+    """The default run directory (`runs/latest`) made concrete -> cfg with logging.run_dir set to a
+    fresh `runs/<YYYYmmdd-HHMMSS>-<model>-<mesh>` (a suffix -2, -3, ... when that exists) and
+    runs/latest linked to it, and --resume latest turned into the path of the run it continues.
+    Any other run directory is returned as it is: an explicit --run-dir resumes its own
+    checkpoints (supervisor restarts and scheduler requeues rely on that), and --resume latest
+    with it means the same as auto, as before. Called once per job, before any child or process
+    starts: the supervisor hands the name to every restart."""
+    if os.path.normpath(cfg.logging.run_dir) != DEFAULT_RUN_DIR:
+        return cfg
+    p = cfg.parallelism
+    cluster = [k for k in _CLUSTER_ENVS if k in os.environ]
+    if p.num_processes > 1 or p.coordinator or cluster:
+        # every process, and every requeue of the job, must write one directory: a name made of
+        # the start time would differ between them
+        why = f"{cluster[0]} is set" if cluster else "--num-processes/--coordinator"
+        raise UserError(f"--run-dir: a multi-process or cluster job ({why}) needs an explicit --run-dir, the"
+                        f" same for every process and every requeue, e.g. --run-dir runs/$SLURM_JOB_ID")
+    root = os.path.dirname(DEFAULT_RUN_DIR)
+    resume = cfg.checkpoint.resume
+    if resume == "latest":
+        resume = _run_to_continue(DEFAULT_RUN_DIR, cfg.to_dict())
+    run_dir = _make_unique_dir(root, run_name(cfg, now or datetime.datetime.now()))
+    _link_latest(DEFAULT_RUN_DIR, run_dir)
+    continued = resume if resume not in (cfg.checkpoint.resume, "auto") else ""
+    print(f"run directory: {run_dir}" + (f" (continues {continued})" if continued else ""), flush=True)
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=run_dir),
+                               checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
+
+
+def run_name(cfg, now: datetime.datetime) -> str:
+    """'20261202-031500-tiny-data2.fsdp4': the start time, the model preset and the --mesh axes
+    of size other than 1 ('N' for -1, the rest of the devices; 'dataN' for the default mesh)."""
+    sizes = parse_spec(cfg.parallelism.mesh)
+    mesh = ".".join(f"{axis}{'N' if sizes[axis] == -1 else sizes[axis]}" for axis in AXES
+                    if sizes.get(axis, 1) != 1) or "dataN"
+    return f"{now:%Y%m%d-%H%M%S}-{cfg.model_preset or 'custom'}-{mesh}"
+
+
+def _make_unique_dir(root: str, name: str) -> str:
+    """Create root/name, or root/name-2, -3, ... when it exists (os.mkdir is atomic: two runs
+    started in the same second get two directories) -> its path."""
+    os.makedirs(root, exist_ok=True)
+    for n in range(1, 1000):
+        path = os.path.join(root, name if n == 1 else f"{name}-{n}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise UserError(f"--run-dir: cannot create {path} ({_reason(e)})") from None
+    raise UserError(f"--run-dir: {os.path.join(root, name)} and 998 suffixed names exist; pass --run-dir DIR")
+
+
+def _link_latest(link: str, run_dir: str) -> None:
+    """Point `link` at `run_dir` atomically (a symlink under a temporary name renamed over it), so
+    a reader never finds it missing. A real directory there, from a Brigade that wrote runs into
+    runs/latest itself, is the user's data: it stays, and is no longer updated."""
+    if os.path.exists(link) and not os.path.islink(link):
+        print(f"note: {link} is a run directory of an earlier Brigade version: it is kept as it is and no"
+              f" longer updated (this run is {run_dir})", file=sys.stderr, flush=True)
+        return
+    tmp = f"{link}.{os.getpid()}.tmp"
+    try:
+        os.symlink(os.path.basename(run_dir), tmp)  # relative: the runs folder can be moved whole
+        os.replace(tmp, link)
+    except OSError as e:
+        raise UserError(f"--run-dir: cannot link {link} to {run_dir} ({_reason(e)})") from None
+
+
+def _run_to_continue(link: str, now: dict) -> str:
+    """--resume latest without --run-dir: the run `link` points at, when it was started with the
+    settings this run has in every field that changes the state layout or the math (else one
+    line naming the fields); -> its directory, which --resume PATH then reads, or auto (a fresh
+    start) when there is no earlier run."""
+    if not os.path.exists(link):  # the first run of a script that always says --resume latest
+        print(f"--resume latest: no earlier run to continue ({link} does not exist); starting a new one", flush=True)
+        return "auto"
+    prev = os.path.relpath(os.path.realpath(link)) if os.path.islink(link) else link
+    try:
+        with open(os.path.join(prev, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--resume latest: {prev} has no readable config.json ({e}); --resume PATH continues"
+                        f" from a checkpoint anyway") from None
+    changed = changed_settings(saved, now)
+    if changed:
+        raise UserError(f"--resume latest: {prev} was run with other settings: {', '.join(changed)}; run with its"
+                        f" settings, or pass --resume {prev} to continue from it with these")
+    return prev
+
+
+# Settings that change what a resumed run computes (the rest, e.g. eval or logging, do not).
+RESUME_SENSITIVE = {"train": ("steps", "batch_size", "seq_len", "micro_batches", "lr", "min_lr_ratio", "warmup_steps",
+                              "weight_decay", "decay_embeddings", "b1", "b2", "eps", "grad_clip", "seed"),
+                    "data": ("source", "eval_fraction", "packing", "packing_mask"),
+                    "comm": ("compression", "topk_fraction", "error_feedback", "sync_every", "outer_lr",
+                             "outer_momentum")}
+
+
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """'section.field old -> new' for every resume-sensitive setting that changed: the listed train,
+    data and comm fields, and every field of the model section (a changed param_dtype casts the
+    restored parameters, a changed rope_theta or router changes what they compute)."""
+    keys = {**RESUME_SENSITIVE, "model": tuple(now.get("model", {}))}
+    out = [f"{sec}.{k} {saved[sec][k]} -> {now[sec][k]}" for sec, names in keys.items() for k in names
+           if isinstance(saved.get(sec), dict) and k in saved[sec] and saved[sec][k] != now[sec][k]]
+    return [c + (" (the restored parameters are cast)" if c.startswith("model.param_dtype ") else "") for c in out]

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from typing import Callable, Protocol
 
+from checkpoint import storage
 from errors import UserError
 
 PROGRESS = ("auto", "bar", "lines", "none")
@@ -53,8 +54,7 @@ def check_tracker(flag: str, module: str, extra: str) -> None:
 def read_json(path: str) -> dict:
     """The JSON object in `path`; {} when there is none (a tracker runs without what it lacks)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(storage.read_text(path))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -62,7 +62,7 @@ def read_json(path: str) -> dict:
 
 def trackers(run_dir: str) -> list[Sink]:
     """The trackers the run's config.json turns on."""
-    config = read_json(os.path.join(run_dir, "config.json"))
+    config = read_json(storage.join(run_dir, "config.json"))
     project = config.get("logging", {}).get("wandb", "")
     return [WandbSink(run_dir, project, config)] if project else []
 
@@ -75,16 +75,16 @@ def numbers(record: dict) -> dict:
 # ------------------------------------------------------------------ files
 
 class JsonlSink:
-    """metrics.jsonl: one JSON object per record, flushed at once (a reader tails it). JSON has no
-    NaN: `encode` (train.metrics.json_safe, which summary.json shares) makes a record writable."""
+    """metrics.jsonl: one JSON object per record, flushed at once (a reader tails it; on an object
+    store: uploaded every half minute, see checkpoint/storage.py). JSON has no NaN: `encode`
+    (train.metrics.json_safe, which summary.json shares) makes a record writable."""
 
     def __init__(self, run_dir: str, encode: Callable[[dict], dict]):
-        self.f, self.encode = open(os.path.join(run_dir, "metrics.jsonl"), "a"), encode
+        self.f, self.encode = storage.AppendLog(storage.join(run_dir, "metrics.jsonl")), encode
 
     def log(self, record: dict) -> None:
         try:
             self.f.write(json.dumps(self.encode(record), allow_nan=False) + "\n")
-            self.f.flush()
         except OSError as e:
             raise UserError(f"--run-dir: cannot write {self.f.name} ({e.strerror}); free space or"
                             f" choose another --run-dir, then run the same command again to resume") from None
@@ -112,7 +112,7 @@ class TensorBoardSink:
     """<run_dir>/tb: every numeric value of a record as a scalar at its step."""
 
     def __init__(self, run_dir: str):
-        self.writer = _summary_writer(os.path.join(run_dir, "tb"))
+        self.writer = _summary_writer(storage.join(run_dir, "tb"))  # tensorboardX writes gs:// and s3:// itself
 
     def log(self, record: dict) -> None:
         for k, v in numbers(record).items():
@@ -135,19 +135,16 @@ class WandbSink:
         check_tracker("--logging.wandb", "wandb", "wandb")
         import wandb
         self.run_dir, self.wandb = run_dir, wandb
-        id_path = os.path.join(run_dir, WANDB_ID)
-        run_id = ""
-        if os.path.isfile(id_path):
-            with open(id_path) as f:
-                run_id = f.read().strip()
+        id_path = storage.join(run_dir, WANDB_ID)
+        run_id = storage.read_text(id_path).strip() if storage.isfile(id_path) else ""
         if not run_id:
             run_id = secrets.token_hex(6)  # W&B run ids: letters and digits
-            with open(id_path, "w") as f:
-                f.write(run_id + "\n")
-        plan = read_json(os.path.join(run_dir, "plan.json"))
+            storage.write_text(id_path, run_id + "\n")
+        plan = read_json(storage.join(run_dir, "plan.json"))
+        local_dir = run_dir if storage.is_local(run_dir) else None  # W&B's own files need a local disk
         try:
-            self.run = wandb.init(project=project, id=run_id, resume="allow", dir=os.environ.get("WANDB_DIR") or run_dir,
-                                  name=os.path.basename(os.path.abspath(run_dir)), allow_val_change=True,
+            self.run = wandb.init(project=project, id=run_id, resume="allow", dir=os.environ.get("WANDB_DIR") or local_dir,
+                                  name=storage.basename(storage.absolute(run_dir)), allow_val_change=True,
                                   config={**config, **({"plan": plan} if plan else {})})
         except wandb.errors.Error as e:  # not logged in, no network, a project name W&B refuses
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -222,7 +219,8 @@ def step_line(record: dict) -> str:
              f"data {100 * record['data_wait_s'] / max(record['step_time_s'], 1e-12):.1f}%"]
     if isinstance(record.get("mem_peak_bytes"), (int, float)):
         parts.append(f"mem {record['mem_peak_bytes'] / 2**30:.2f} GiB")
-    if isinstance(record.get("step_time_max_over_median"), (int, float)):
+    # a single process has nobody to compare with: its ratio is exactly 1 and says nothing
+    if isinstance(record.get("step_time_max_over_median"), (int, float)) and record["step_time_max_over_median"] != 1.0:
         parts.append(f"slowest {record['step_time_max_over_median']:.2f}x median")
     return " | ".join(parts)
 

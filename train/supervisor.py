@@ -7,6 +7,8 @@ supervision with that status. Any other exit (killed by a signal, a Python error
 4, a lost peer's 5) is a crash: the same command runs again and resumes from the last committed
 checkpoint, after a short back-off, up to N times. Each restart appends one line to
 <run_dir>/restarts.jsonl (exit status, last logged step, checkpoint step, steps lost, downtime).
+A run without --run-dir gets its fresh directory here, once (train/rundir.py): every child is
+given it as --run-dir, so a restart resumes that run rather than starting another.
 
 In a multi-process job every process runs its own supervisor; when one child dies its peers exit
 with status 5, every supervisor restarts its child, and they meet again at the coordinator. A
@@ -21,13 +23,31 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
+from checkpoint import storage
 from train.goodput import read_records
 
 FINAL = {0: "finished", 2: "configuration or environment error", 3: "diverged",
          130: "stopped by SIGINT", 143: "stopped by SIGTERM"}
 REASONS = {4: "watchdog: no progress", 5: "lost a peer process", 1: "Python error"}
 CHILD_ENV = "BRIGADE_SUPERVISED"  # set in the child: it must not supervise itself
+
+
+class Fresh(NamedTuple):
+    """A run directory the supervisor named (no --run-dir was given) and the --resume its first
+    child starts with (auto, none, or the path of the run that --resume latest continues)."""
+    run_dir: str
+    resume: str
+
+
+def child_argv(argv: list[str], fresh: Fresh | None, saved_step: int | None) -> list[str]:
+    """The command line of one child: the user's, and for a fresh run its directory, resumed
+    from its own checkpoints once it has one (the first child's --resume PATH or none would
+    collide with them). The last flag wins, so these override the user's."""
+    if fresh is None:
+        return argv
+    return [*argv, "--run-dir", fresh.run_dir, "--resume", "auto" if saved_step is not None else fresh.resume]
 
 
 def describe(code: int) -> str:
@@ -46,7 +66,7 @@ def _last_logged_step(run_dir: str) -> int | None:
 def _checkpoint_step(ckpt_dir: str) -> int | None:
     """The newest committed step (Orbax renames a step dir into place only once it is complete)."""
     try:
-        steps = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()]
+        steps = [int(d) for d in storage.listdir(ckpt_dir) if d.isdigit()]
     except OSError:
         return None
     return max(steps, default=None)
@@ -57,14 +77,14 @@ def _record(run_dir: str, restart: dict) -> None:
     directory: a file written into a directory the child never claimed (it died before, or it
     is the user's) would make the restarted child refuse that directory as not its own."""
     from train.rundir import is_run_dir
-    if os.path.isdir(run_dir) and is_run_dir(run_dir):
-        with open(os.path.join(run_dir, "restarts.jsonl"), "a") as f:
-            f.write(json.dumps(restart) + "\n")
+    if storage.isdir(run_dir) and is_run_dir(run_dir):
+        storage.append_text(storage.join(run_dir, "restarts.jsonl"), json.dumps(restart) + "\n")
 
 
 def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, backoff_s: float = 2.0,
-              program: list[str] | None = None) -> int:
-    """Run `python -m train argv` (or `program` argv) until it ends for good; -> its final exit status."""
+              program: list[str] | None = None, fresh: Fresh | None = None) -> int:
+    """Run `python -m train argv` (or `program` argv) until it ends for good; -> its final exit
+    status. `fresh`: the directory named for a run without --run-dir (see child_argv)."""
     program = program or [sys.executable, "-m", "train"]
     env = dict(os.environ, **{CHILD_ENV: "1"})
     stop = {"signal": None}
@@ -80,7 +100,8 @@ def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, b
     try:
         while True:
             started = time.time()
-            child = subprocess.Popen([*program, *argv], env=env)
+            saved = _checkpoint_step(ckpt_dir) if restarts else None
+            child = subprocess.Popen([*program, *child_argv(argv, fresh, saved)], env=env)
             print(f"supervisor: training started (pid {child.pid}, restart {restarts}/{max_restarts})", flush=True)
             code = child.wait()
             ended = time.time()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+from checkpoint import storage
 from errors import UserError
 from train.data.tokenizers import KINDS
 
@@ -95,10 +96,9 @@ def _check_shard(shard, where: str) -> None:
 
 def read_index(directory: str, context: str, hint: str) -> dict:
     """DIR/index.json, validated; any problem is UserError `CONTEXT: DIR/index.json: PROBLEM; HINT`."""
-    path = os.path.join(directory, INDEX)
+    path = storage.join(directory, INDEX)
     try:
-        with open(path) as f:
-            index = json.load(f)
+        index = json.loads(storage.read_text(path))
         return validate(index)
     except OSError as e:
         problem = e.strerror

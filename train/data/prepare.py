@@ -30,6 +30,7 @@ import tempfile
 
 import numpy as np
 
+from checkpoint import storage
 from errors import ArgParser, UserError, one_line_errors
 from train.data import formats, tokenizers
 from train.data.formats import JSONL_SUFFIXES
@@ -233,27 +234,28 @@ def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) ->
     one inside an input directory (the next run would read the dataset as input); an existing one
     without --overwrite; and, with it, anything but a directory that holds a prepared dataset and
     nothing else, so that the only files --overwrite deletes are ones `prepare` wrote."""
-    real = os.path.realpath(out)
-    if os.path.lexists(out):  # a new directory cannot hold anything yet
+    local = storage.is_local(out)  # an object store holds no input, no current or home directory
+    real = os.path.realpath(out) if local else out
+    if local and os.path.lexists(out):  # a new directory cannot hold anything yet
         guarded = {"the current directory": os.getcwd(), "the home directory": os.path.expanduser("~"), "/": os.sep}
         guarded |= {f"the input '{p}'": p for p in [*(i for i in inputs if os.path.exists(i)), *files]}
         for what, path in guarded.items():
             if _within(os.path.realpath(path), real):
                 raise UserError(f"prepare: --out '{out}' is or contains {what}; name a new directory for the dataset")
     for spec in inputs:
-        if os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
+        if local and os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
             raise UserError(f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are all"
                             f" read as input; name a directory outside it")
-    if not os.path.lexists(out):
+    if not (os.path.lexists(out) if local else storage.exists(out)):
         return
     if not overwrite:
         raise UserError(f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite")
     only = "--overwrite replaces only a directory that holds a prepared dataset and nothing else"
-    if os.path.islink(out) or not os.path.isdir(out):
+    if (local and os.path.islink(out)) or not storage.isdir(out):
         raise UserError(f"prepare: --out '{out}' is {'a symbolic link' if os.path.islink(out) else 'not a directory'};"
                         f" {only}")
     listed = listed_files(read_index(out, f"prepare: --out '{out}'", f"{only}; name a new directory"))
-    foreign = sorted(set(os.listdir(out)) - listed)
+    foreign = sorted(set(storage.listdir(out)) - listed)
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise UserError(f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write; {only}")
@@ -305,8 +307,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
     info = tok.describe()
     dtype = token_dtype(tok.vocab_size)
     tasks = make_tasks(files, workers)
-    out = os.path.abspath(out)
-    tmp = _make_tmp(out)
+    out = storage.absolute(out)
+    tmp = _make_tmp(out) if storage.is_local(out) else tempfile.mkdtemp(prefix="brigade-prepare-")  # then uploaded
     from tqdm import tqdm
     bar = tqdm(total=sum(e - s for t in tasks for _, s, e in t), unit="B", unit_scale=True, desc="prepare",
                disable=not progress, file=sys.stderr)
@@ -334,12 +336,16 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
                  "shards": writer.shards}
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
-        _replace(out, tmp)
+        if storage.is_local(out):
+            _replace(out, tmp)
+        else:
+            storage.upload_dir(tmp, out, last=INDEX)
     except BaseException:
         bar.leave = False  # the error line stands alone
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(tmp, ignore_errors=True)  # what an upload left behind (a local dataset was renamed away)
     if skipped:
         print(f"prepare: skipped {len(skipped)} documents that are not UTF-8 (first: {skipped[0]})", file=sys.stderr)
     return index

@@ -22,10 +22,10 @@ import os
 
 import numpy as np
 
+from checkpoint import storage
 from errors import UserError
 from train.data import corpus
 from train.data.index import INDEX, read_index
-from train.data.tokenizers import file_sha256
 
 SOURCE_CHOICES = "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
 
@@ -123,7 +123,7 @@ REPREPARE = "re-run `python -m train.data prepare`"
 def _scan(path: str, dtype: np.dtype) -> tuple[str, int]:
     """(sha256, largest value) of a token file, in one read."""
     h, top = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
         for block in iter(lambda: f.read(dtype.itemsize << 21), b""):
             h.update(block)
             top = max(top, int(np.frombuffer(block, dtype).max()))
@@ -135,11 +135,11 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
     checking its size (always), sha256 (when `verify`) and offsets; any problem is one line naming
     the file."""
     where = f"--data {directory}"
-    files = {"tokens": os.path.join(directory, sh["tokens"]), "offsets": os.path.join(directory, sh["offsets"])}
+    files = {"tokens": storage.join(directory, sh["tokens"]), "offsets": storage.join(directory, sh["offsets"])}
     for what, path in files.items():
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             raise UserError(f"{where}: shard file {sh[what]} listed in {INDEX} is missing; {REPREPARE}")
-    size = os.path.getsize(files["tokens"])
+    size = storage.getsize(files["tokens"])
     if size != sh["n_tokens"] * dtype.itemsize:
         raise UserError(f"{where}: {sh['tokens']} holds {size} bytes, its index says {sh['n_tokens']} {dtype.name}"
                         f" tokens (truncated or modified); {REPREPARE}")
@@ -148,7 +148,7 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
     max_token = sh.get("max_token")
     try:
         digest, found = _scan(files["tokens"], dtype) if verify or max_token is None else (None, None)
-        digests = {"tokens": digest, "offsets": file_sha256(files["offsets"]) if verify else None}
+        digests = {"tokens": digest, "offsets": _scan(files["offsets"], np.dtype(np.uint8))[0] if verify else None}
     except OSError as e:
         raise UserError(f"{where}: cannot read {sh['tokens']} or {sh['offsets']}: {e.strerror}") from None
     for what in files if verify else ():
@@ -159,7 +159,8 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
         raise UserError(f"{where}: {sh['tokens']} holds token ids up to {found} but {INDEX} says max_token"
                         f" {max_token}; {REPREPARE}")
     try:
-        off = np.load(files["offsets"])
+        with storage.open_file(files["offsets"], "rb") as f:
+            off = np.load(f)
     except OSError as e:
         raise UserError(f"{where}: cannot read {sh['offsets']}: {e.strerror}") from None
     except (ValueError, EOFError):  # not an array file, or a pickle (never loaded: it could run code)
@@ -168,8 +169,33 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
         and off[-1] == sh["n_tokens"] and bool((np.diff(off) > 0).all())
     if not ok:
         raise UserError(f"{where}: {sh['offsets']} does not match {sh['tokens']}; {REPREPARE}")
-    tokens = np.memmap(files["tokens"], dtype, mode="r", shape=(sh["n_tokens"],))
+    tokens = (np.memmap(storage.local_path(files["tokens"]), dtype, mode="r", shape=(sh["n_tokens"],))
+              if storage.is_local(files["tokens"]) else RangeReadShard(files["tokens"], dtype, sh["n_tokens"]))
     return tokens, off.astype(np.int64), found if max_token is None else max_token
+
+
+class RangeReadShard:
+    """A token file on an object store, indexed like its memory map would be: the positions of a
+    gather are grouped into runs of nearby tokens and each run is one ranged read (a batch's rows
+    are windows of seq_len + 1 tokens), so nothing reads the whole shard."""
+    GAP = 1 << 16  # positions closer than this many tokens share one read (fewer requests, a little more data)
+
+    def __init__(self, path: str, dtype: np.dtype, n_tokens: int):
+        self.path, self.dtype, self.n_tokens = path, dtype, n_tokens
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def __getitem__(self, positions) -> np.ndarray:
+        positions = np.asarray(positions, np.int64)
+        wanted = np.unique(positions)
+        values = np.empty(len(wanted), self.dtype)
+        bounds = [0, *(np.flatnonzero(np.diff(wanted) > self.GAP) + 1), len(wanted)]
+        for a, b in zip(bounds[:-1], bounds[1:]):  # one run of nearby positions: wanted[a:b]
+            lo, hi = int(wanted[a]), int(wanted[b - 1]) + 1
+            raw = storage.read_range(self.path, lo * self.dtype.itemsize, (hi - lo) * self.dtype.itemsize)
+            values[a:b] = np.frombuffer(raw, self.dtype)[wanted[a:b] - lo]
+        return values[np.searchsorted(wanted, positions)]
 
 
 def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
@@ -184,7 +210,7 @@ def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
     split = [_select(shards, offsets, [m[starts[i]:starts[i + 1]] for i in range(len(shards))])
              for m in (~held, held)]
     fingerprint = hashlib.sha256(json.dumps([s["sha256"] for s in index["shards"]]).encode()).hexdigest()[:16]
-    return Source(f"{os.path.basename(os.path.normpath(directory))} ({index['tokenizer']['id']})", split[0], split[1],
+    return Source(f"{storage.basename(directory)} ({index['tokenizer']['id']})", split[0], split[1],
                   index["vocab_size"], index["tokenizer"], fingerprint, max(o[2] for o in opened))
 
 
@@ -268,8 +294,11 @@ def load_source(spec: str, eval_fraction: float, seed: int, verify: bool = True)
         return from_corpus(corpus.stdlib_corpus(eval_fraction))
     if spec == "synthetic":
         return from_corpus(corpus.synthetic_corpus(seed), whole_docs=False)  # random bytes: one long document
-    if os.path.isfile(os.path.join(spec, INDEX)):
+    if storage.isfile(storage.join(spec, INDEX)):
         return load_prepared(spec, eval_fraction, verify)
+    if not storage.is_local(spec):  # text corpora are read from a local disk
+        raise UserError(f"--data: '{spec}' holds no prepared dataset ({INDEX}); on an object store --data takes"
+                        f" a prepared dataset (python -m train.data prepare); valid: {SOURCE_CHOICES}")
     if not os.path.exists(spec):
         raise UserError(f"--data: '{spec}' is not a file or directory; valid: {SOURCE_CHOICES}")
     return from_corpus(corpus.text_corpus(spec, eval_fraction))
