@@ -22,7 +22,7 @@ def sizes(**kw):
 
 def test_layout_decides_intra_vs_inter_node():
     h100 = hardware.get("h100")
-    # the seeds' 70B layout: tensor parallel inside the 8-GPU node, pipeline and data across nodes
+    # a 70B layout: tensor parallel inside the 8-GPU node, pipeline and data across nodes
     assert cost.placement(sizes(model=8, pipeline=4, data=32), h100) == {
         "model": "intra", "data": "inter", "pipeline": "inter"}
     # fsdp=4 outside model=4 spans 16 devices: two nodes

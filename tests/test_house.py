@@ -130,3 +130,24 @@ def test_the_readme_map_names_what_exists():
     missing = [f"{path}: {name} ({what})" for what, path, name in rows
                if not os.path.isfile(os.path.join(ROOT, path)) or not _defines(path, name)]
     assert not missing, missing
+
+
+# Phrases that point outside the repository: files it does not ship, or a tracker's numbering.
+OUTSIDE = re.compile(r"MISSION\.md|JAX_FACTS|DESIGN\.md|PEERS\.md|\bthe seeds\b|\bseeds'|\bissue \d+\b"
+                     r"|\bthe (pipeline|data|MoE|performance|architecture) issue\b", re.I)
+SHIPPED_TEXT = (".py", ".md", ".yaml", ".ipynb", ".sbatch", ".toml")
+
+
+def test_the_docs_and_code_speak_of_the_project_alone():
+    found = []
+    for top in ("README.md", "BENCHMARKS.md", "pyproject.toml", "errors.py", *PACKAGES,
+                "docs", "configs", "examples", "benchmarks", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)) if os.path.isdir(os.path.join(ROOT, top)) \
+                else [(ROOT, [], [top])]:
+            for f in files:
+                path = os.path.join(dirpath, f)
+                if f.endswith(SHIPPED_TEXT) and path != os.path.abspath(__file__):
+                    for n, line in enumerate(open(path, errors="replace"), 1):
+                        if OUTSIDE.search(line):
+                            found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
