@@ -119,8 +119,7 @@ def test_two_processes_agree_on_the_local_step_or_the_persistent_one(tmp_path):
                 "--checkpoint.local_dir", str(tmp_path / f"{run}-local"), "--coordinator", f"127.0.0.1:{port}",
                 "--num-processes", "2", "--process-id", str(i)], env)
 
-    env = child_env(4)  # LLVM level 0, as in tests/cpu_env.py (process 1 misses the compilation cache)
-    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    env = child_env(4)
     kids = Children(tmp_path)
     start(kids, "first", "a", {**env, "BRIGADE_INJECT_HANG_STEPS": "7"})
     held = [Path(process_dir(tmp_path / "a-local", i)) for i in range(2)]
