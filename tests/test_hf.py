@@ -111,22 +111,27 @@ def test_mixtral_on_an_expert_mesh(tmp_path):
         np.testing.assert_allclose(np.asarray(model(toks)), torch_logits(ref_model, toks), atol=1e-4, rtol=1e-4)
 
 
+def assert_export_is_exact(model, src, out):
+    """Export `model` (imported from the HF directory `src`) to `out`: re-importing it is bit-exact,
+    the files hold the same tensors as `src`, bit for bit -> the export loaded by transformers."""
+    hf.save_pretrained(model, str(out))
+    again = hf.from_pretrained(str(out))
+    assert again.cfg == model.cfg
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.params), jax.device_get(model.params))
+    from safetensors.numpy import load_file
+    theirs, ours = load_file(str(src / SAFETENSORS)), load_file(str(out / SAFETENSORS))
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+
+
 @pytest.mark.parametrize("case", ["gqa", "tied", "mixtral"])
 def test_export_reimport_exact_and_loads_in_transformers(tmp_path, case):
     make_hf(tmp_path / "hf", **CASES[case])
     model = hf.from_pretrained(str(tmp_path / "hf"))
-    hf.save_pretrained(model, str(tmp_path / "out"))
-    again = hf.from_pretrained(str(tmp_path / "out"))
-    assert again.cfg == model.cfg
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.params), jax.device_get(model.params))
-    # the original files and ours hold the same tensors, bit for bit
-    from safetensors.numpy import load_file
-    theirs, ours = load_file(str(tmp_path / "hf" / SAFETENSORS)), load_file(str(tmp_path / "out" / SAFETENSORS))
-    assert sorted(ours) == sorted(theirs)
-    for name in ours:
-        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    reloaded = assert_export_is_exact(model, tmp_path / "hf", tmp_path / "out")
     # and transformers reads our config.json the same way
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert reloaded.config.rope_parameters["rope_theta"] == model.cfg.rope_theta
     toks = tokens()
     np.testing.assert_allclose(torch_logits(reloaded, toks), np.asarray(model(toks)), atol=1e-4, rtol=1e-4)

@@ -17,12 +17,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from errors import UserError  # noqa: E402
 from checkpoint import hf  # noqa: E402
-from checkpoint.hf_files import SAFETENSORS  # noqa: E402
 from models import hf as hf_tables  # noqa: E402
 from models import flops  # noqa: E402
 from models import model as model_lib  # noqa: E402
 from models.config import preset  # noqa: E402
-from test_hf import tokens, torch_logits  # noqa: E402
+from test_hf import assert_export_is_exact, tokens, torch_logits  # noqa: E402
 
 CLASSES = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -71,16 +70,7 @@ def test_import_export_generate_match_transformers(tmp_path, family):
         full = hf_tables.Model(dataclasses.replace(model.cfg, sliding_window=0), model.params)
         assert np.abs(np.asarray(full(toks)) - ref).max() > 1e-2
 
-    hf.save_pretrained(model, str(tmp_path / "out"))
-    again = hf.from_pretrained(str(tmp_path / "out"))
-    assert again.cfg == model.cfg
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.params), jax.device_get(model.params))
-    from safetensors.numpy import load_file
-    theirs, ours = load_file(str(tmp_path / "hf" / SAFETENSORS)), load_file(str(tmp_path / "out" / SAFETENSORS))
-    assert sorted(ours) == sorted(theirs)
-    for name in ours:
-        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    reloaded = assert_export_is_exact(model, tmp_path / "hf", tmp_path / "out")
     assert type(reloaded) is type(ref_model)
     np.testing.assert_allclose(torch_logits(reloaded, toks), ref, atol=1e-4, rtol=1e-4)
 

@@ -175,12 +175,13 @@ class Trainer:
     def _compile_and_train(self, saver, signals: StopSignals, data) -> dict:
         """fit() from the compile to the summary (an out-of-memory failure anywhere in it: one line)."""
         cfg, t, gp = self.cfg, self.cfg.train, self.goodput
-        step_fn, compile_s = self._compile_checked()
-        # -- resume: the checkpoint --resume picks (read whole to verify it), or a fresh start
-        t0 = time.perf_counter()
+        # -- resume: the checkpoint --resume picks (its metadata only; nothing is allocated), found
+        # before the compile so that a run already at --steps does not compile for nothing
         point = resume.resume_point(self.setup, self.abstract_state(), saver)
         if point and point.step >= t.steps:
             return self._nothing_to_train(point)
+        step_fn, compile_s = self._compile_checked()
+        t0 = time.perf_counter()  # the restore (read whole to verify it), or a fresh start
         state, meta, note = resume.initial_state(self.setup, self.abstract_state(), point, self.create_state, t0)
         state = self._windowed(state)  # --init-from's parameters come without the spike guard's window
         gp.add("restore" if point or cfg.checkpoint.init_from else "compile",  # a fresh init: mostly its compile
