@@ -79,7 +79,7 @@ def _type_handlers(process_local: bool) -> ocp.type_handlers.TypeHandlerRegistry
 def _unused(path: str) -> str:
     """`path`, or `path2`, `path3`, ... : the first that does not exist (nothing is overwritten)."""
     out, n = path, 1
-    while (os.path.lexists(out) if storage.is_local(out) else storage.exists(out)):
+    while storage.lexists(out):
         n += 1
         out = f"{path}{n}"
     return out

@@ -65,6 +65,11 @@ def exists(p: str) -> bool:
     return os.path.exists(local_path(p)) if is_local(p) else path(p).exists()
 
 
+def lexists(p: str) -> bool:
+    """Whether anything is at `p`, a dangling symbolic link included (local); exists() for a URL."""
+    return os.path.lexists(local_path(p)) if is_local(p) else path(p).exists()
+
+
 def isdir(p: str) -> bool:
     return os.path.isdir(local_path(p)) if is_local(p) else path(p).is_dir()
 

@@ -246,7 +246,7 @@ def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) ->
         if local and os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
             raise UserError(f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are all"
                             f" read as input; name a directory outside it")
-    if not (os.path.lexists(out) if local else storage.exists(out)):
+    if not storage.lexists(out):
         return
     if not overwrite:
         raise UserError(f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite")

@@ -26,6 +26,7 @@ from checkpoint import storage
 from errors import UserError
 from train.data import corpus
 from train.data.index import INDEX, read_index
+from train.data.tokenizers import file_sha256
 
 SOURCE_CHOICES = "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
 
@@ -148,7 +149,7 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
     max_token = sh.get("max_token")
     try:
         digest, found = _scan(files["tokens"], dtype) if verify or max_token is None else (None, None)
-        digests = {"tokens": digest, "offsets": _scan(files["offsets"], np.dtype(np.uint8))[0] if verify else None}
+        digests = {"tokens": digest, "offsets": file_sha256(files["offsets"]) if verify else None}
     except OSError as e:
         raise UserError(f"{where}: cannot read {sh['tokens']} or {sh['offsets']}: {e.strerror}") from None
     for what in files if verify else ():

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from checkpoint import storage
 from errors import UserError
 from train.data import corpus
 
@@ -161,8 +162,9 @@ def load(spec: str, eos_token: str | None = None) -> Tokenizer:
 
 
 def file_sha256(path: str) -> str:
+    """A file's sha256, local or on an object store (checkpoint/storage.py), read in blocks."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
