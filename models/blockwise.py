@@ -1,0 +1,182 @@
+"""Attention whose memory is linear in the sequence: a `lax.scan` over blocks of keys with an
+online softmax (FlashAttention's recurrence, in pure JAX), and a backward pass that scans the key
+blocks again from the saved log-sum-exp instead of keeping the [T, S] probabilities.
+
+Visibility is decided by positions, never by index: query i sees key j iff k_pos[j] <= q_pos[i],
+its segment when segment ids are given, and q_pos[i] - k_pos[j] < W with a window of W keys. So
+the queries and keys may be laid out in any order (a zigzag layout of a sharded sequence), and the
+keys may be another device's block. The query dim is never looped or reshaped: it is treated like
+a batch dim, so GSPMD may shard it over mesh axes.
+
+Shape letters as everywhere (B batch, T queries, S keys, N query heads, K kv heads, H head dim,
+Q = N / K query heads per kv head); here C is keys per block and G the number of blocks.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+# The log-sum-exp of a query that sees no key at all (its output is 0). Finite, not -inf: callers
+# that combine partial results over several key blocks (ring attention) take
+# lse = logaddexp(lse_a, lse_b) and weigh each part by exp(lse_part - lse); with -inf on both sides
+# that is exp(-inf - (-inf)) = NaN in the forward and in autodiff, with this value it is
+# exp(0) * 0 = 0. It is below any real log-sum-exp by ~1e30, so it never shifts a real one.
+NO_KEYS_LSE = -1e30
+
+
+def blockwise_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
+                        k_pos_BS: jax.Array, q_seg_BT: jax.Array | None = None, k_seg_BS: jax.Array | None = None,
+                        *, window: int | None = None, block_k: int = 512, return_lse: bool = False):
+    """Grouped-query attention (query head n uses kv head n // (N / K)), scale 1/sqrt(H).
+
+    Returns out_BTNH in q's dtype, and with `return_lse` also lse_BTN (float32): the log-sum-exp
+    of the query's visible scaled scores, NO_KEYS_LSE where it sees none. Both are differentiable;
+    the gradient of lse lets a caller merge attention over several key blocks exactly. Scores,
+    softmax statistics and accumulators are float32 whatever the input dtype. Memory: one
+    [B, T, N, block_k] block of scores at a time, in the forward and in the backward.
+    """
+    b, t, n, h = q_BTNH.shape
+    s, kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
+    if k_BSKH.shape != v_BSKH.shape or (k_BSKH.shape[0], k_BSKH.shape[3]) != (b, h):
+        raise ValueError(f"k {k_BSKH.shape} and v {v_BSKH.shape} must both be [B, S, K, H] with B={b} and H={h} "
+                         f"as in q {q_BTNH.shape}")
+    if n % kv_heads:
+        raise ValueError(f"query heads N={n} must be a multiple of kv heads K={kv_heads}")
+    if q_pos_BT.shape != (b, t) or k_pos_BS.shape != (b, s):
+        raise ValueError(f"positions {q_pos_BT.shape}, {k_pos_BS.shape} must be [B, T]={b, t} and [B, S]={b, s}")
+    if (q_seg_BT is None) != (k_seg_BS is None) or (q_seg_BT is not None and
+                                                     (q_seg_BT.shape, k_seg_BS.shape) != ((b, t), (b, s))):
+        raise ValueError("segment ids: give both q_seg_BT [B, T] and k_seg_BS [B, S], or neither")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a window holds at least 1 key (the query's own), or None")
+    if block_k < 1:
+        raise ValueError(f"block_k={block_k}: must be at least 1")
+    # no padding beyond S when one block holds every key
+    out_BTNH, lse_BTN = _attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS,
+                                   window, min(block_k, s))
+    return (out_BTNH, lse_BTN) if return_lse else out_BTNH
+
+
+def _blocks(x_BS, c: int, fill=0):
+    """[B, S, ...] -> [G, B, C, ...] (G = S/C blocks), S padded up to a multiple of C with `fill`: the scan's xs."""
+    b, s = x_BS.shape[:2]
+    pad = -s % c
+    x_BS = jnp.pad(x_BS, [(0, 0), (0, pad)] + [(0, 0)] * (x_BS.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x_BS.reshape(b, (s + pad) // c, c, *x_BS.shape[2:]), 1, 0)
+
+
+def _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c: int):
+    """The scan's xs: k, v, positions, segments (None when absent) and whether each slot holds a
+    key (False in the padding), every one [G, B, C, ...]."""
+    real_BS = jnp.ones(k_pos_BS.shape, bool)
+    seg = None if k_seg_BS is None else _blocks(k_seg_BS, c)
+    return _blocks(k_BSKH, c), _blocks(v_BSKH, c), _blocks(k_pos_BS, c), seg, _blocks(real_BS, c, False)
+
+
+def _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window):
+    """Which keys of one block each query sees, broadcast over the head dims K and Q."""
+    q_pos, k_pos = q_pos_BT[:, :, None], k_pos_BC[:, None, :]
+    seen_BTC = (k_pos <= q_pos) & real_BC[:, None, :]
+    if q_seg_BT is not None:
+        seen_BTC &= q_seg_BT[:, :, None] == k_seg_BC[:, None, :]
+    if window is not None:
+        seen_BTC &= q_pos - k_pos < window
+    return seen_BTC[:, :, None, None, :]
+
+
+def _scores_BTKQC(q_BTKQH, k_BCKH, scale):
+    return jnp.einsum("btkqh,bckh->btkqc", q_BTKQH, k_BCKH, preferred_element_type=jnp.float32) * scale
+
+
+def _grouped(x_BTNH, kv_heads: int):
+    """[B, T, N, H] -> [B, T, K, Q, H]: query head n = k * Q + j uses kv head k."""
+    b, t, n, h = x_BTNH.shape
+    return x_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
+
+
+def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c):
+    b, t, n, h = q_BTNH.shape
+    kv_heads = k_BSKH.shape[2]
+    scale = 1.0 / math.sqrt(h)
+    q_BTKQH = _grouped(q_BTNH, kv_heads)
+
+    def step(carry, block):
+        # running max m, denominator l and unnormalised output acc of the keys seen so far
+        m_BTKQ, l_BTKQ, acc_BTKQH = carry
+        k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = block
+        seen = _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window)
+        s_BTKQC = jnp.where(seen, _scores_BTKQC(q_BTKQH, k_BCKH, scale), -jnp.inf)
+        m_new = jnp.maximum(m_BTKQ, s_BTKQC.max(-1))
+        # a query that has seen no key yet keeps m = -inf; shifting by 0 instead keeps exp() free
+        # of -inf - (-inf): its p and correction are exp(-inf) = 0
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p_BTKQC = jnp.exp(s_BTKQC - shift[..., None])
+        correction = jnp.exp(m_BTKQ - shift)
+        pv_BTKQH = jnp.einsum("btkqc,bckh->btkqh", p_BTKQC.astype(v_BCKH.dtype), v_BCKH,
+                              preferred_element_type=jnp.float32)
+        return (m_new, l_BTKQ * correction + p_BTKQC.sum(-1), acc_BTKQH * correction[..., None] + pv_BTKQH), None
+
+    btkq = q_BTKQH.shape[:-1]
+    init = (jnp.full(btkq, -jnp.inf), jnp.zeros(btkq), jnp.zeros(q_BTKQH.shape))
+    (m_BTKQ, l_BTKQ, acc_BTKQH), _ = jax.lax.scan(step, init, _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c))
+    seen_any = l_BTKQ > 0
+    out_BTKQH = acc_BTKQH / jnp.where(seen_any, l_BTKQ, 1.0)[..., None]  # acc is 0 where nothing was seen
+    lse_BTKQ = jnp.where(seen_any, m_BTKQ + jnp.log(jnp.where(seen_any, l_BTKQ, 1.0)), NO_KEYS_LSE)
+    return out_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype), lse_BTKQ.reshape(b, t, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c):
+    return _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c)
+
+
+def _attention_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c):
+    out_BTNH, lse_BTN = _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c)
+    # the residuals are O(T + S): no probabilities, the backward recomputes them from lse
+    return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN)
+
+
+def _attention_bwd(window, c, residuals, cotangents):
+    """FlashAttention-2's backward over key blocks: with p = softmax probabilities (exp(s - lse)),
+    dv = p^T dout, dp = dout v^T, ds = p * (dp - D) with D = rowsum(dout * out) - dlse (d lse/d s =
+    p, so the lse cotangent enters D), dq = ds k, dk = ds^T q, both times the scale."""
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN = residuals
+    dout_BTNH, dlse_BTN = cotangents
+    b, t, n, h = q_BTNH.shape
+    s, kv_heads = k_BSKH.shape[1:3]
+    scale, f32 = 1.0 / math.sqrt(h), jnp.float32
+    q_BTKQH, dout_BTKQH = _grouped(q_BTNH, kv_heads), _grouped(dout_BTNH, kv_heads)
+    lse_BTKQ = lse_BTN.reshape(b, t, kv_heads, n // kv_heads)
+    d_BTKQ = (jnp.einsum("btnh,btnh->btn", dout_BTNH.astype(f32), out_BTNH.astype(f32))
+              - dlse_BTN).reshape(lse_BTKQ.shape)
+
+    def step(dq_BTKQH, block):
+        k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = block
+        seen = _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window)
+        # hidden scores get exp(-inf) = 0; a query that sees nothing has lse = NO_KEYS_LSE and
+        # only hidden scores, so its p, ds and dq are 0
+        s_BTKQC = _scores_BTKQC(q_BTKQH, k_BCKH, scale)
+        p_BTKQC = jnp.exp(jnp.where(seen, s_BTKQC - lse_BTKQ[..., None], -jnp.inf))
+        dv_BCKH = jnp.einsum("btkqc,btkqh->bckh", p_BTKQC.astype(dout_BTKQH.dtype), dout_BTKQH,
+                             preferred_element_type=f32)
+        dp_BTKQC = jnp.einsum("btkqh,bckh->btkqc", dout_BTKQH, v_BCKH, preferred_element_type=f32)
+        ds_BTKQC = (p_BTKQC * (dp_BTKQC - d_BTKQ[..., None]) * scale).astype(q_BTKQH.dtype)
+        dq_BTKQH = dq_BTKQH + jnp.einsum("btkqc,bckh->btkqh", ds_BTKQC, k_BCKH, preferred_element_type=f32)
+        dk_BCKH = jnp.einsum("btkqc,btkqh->bckh", ds_BTKQC, q_BTKQH, preferred_element_type=f32)
+        return dq_BTKQH, (dk_BCKH.astype(k_BSKH.dtype), dv_BCKH.astype(v_BSKH.dtype))
+
+    blocks = _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c)
+    dq_BTKQH, (dk_GBCKH, dv_GBCKH) = jax.lax.scan(step, jnp.zeros(q_BTKQH.shape, f32), blocks)
+
+    def unblock(x_GBCKH):  # [G, B, C, K, H] -> [B, S, K, H], the padding dropped
+        return jnp.moveaxis(x_GBCKH, 0, 1).reshape(b, -1, kv_heads, h)[:, :s]
+
+    # positions and segment ids are integers: no cotangent
+    return (dq_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype), unblock(dk_GBCKH), unblock(dv_GBCKH),
+            None, None, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
