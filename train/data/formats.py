@@ -9,6 +9,9 @@
   .arrow                         the same, an Arrow IPC stream: the shards of a HuggingFace `datasets`
                                  directory (`save_to_disk`), which `dataset_files` lists in order
 
+`--format chat|prompt_completion` (train/data/chat.py) reads records instead of texts: `text_field`
+is then the tuple of the fields it needs, and a document is the dict of those a record holds.
+
 A compressed stream cannot be entered in the middle, and a Parquet or Arrow file is read by record
 batches, so these are read in the main process, streamed, and handed to the tokenising workers as
 `Chunk`s of documents (~`chunk_bytes` of text each): memory holds a few chunks, never a whole file.
@@ -22,6 +25,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from typing import Iterator
 
@@ -44,12 +48,33 @@ def is_streamed(path: str) -> bool:
     return path.endswith(STREAMED_SUFFIXES)
 
 
-def json_text(line: bytes, where: str, text_field: str) -> str:
-    """The text of one JSONL record; UserError naming `where` if the line is not a record with it."""
+def line_where(where: str) -> str:
+    """`PATH (byte N)` (a plain JSONL record) -> `PATH:LINE`, counting the lines before byte N; a
+    record's line number is worked out only for an error message, never while reading."""
+    found = re.fullmatch(r"(.*) \(byte (\d+)\)", where)
+    if not found:
+        return re.sub(r" \(line (\d+)\)$", r":\1", where)
+    path, pos, lines = found[1], int(found[2]), 1
+    with open(path, "rb") as f:
+        while pos > 0:
+            block = f.read(min(pos, 1 << 22))
+            if not block:
+                break
+            lines, pos = lines + block.count(b"\n"), pos - len(block)
+    return f"{path}:{lines}"
+
+
+def json_text(line: bytes, where: str, text_field: str | tuple[str, ...]) -> str | dict:
+    """The text of one JSONL record (or, for a tuple of fields, the dict of those it holds);
+    UserError naming `where` if the line is not a record with it."""
     try:
         record = json.loads(line)
     except ValueError:
         raise UserError(f"prepare: {where}: not a JSON line; JSONL inputs need one object per line") from None
+    if isinstance(text_field, tuple):  # chat.py checks the fields, naming the record's line
+        if not isinstance(record, dict):
+            raise UserError(f"prepare: {line_where(where)}: not a JSON object; JSONL inputs need one object per line")
+        return {k: record[k] for k in text_field if k in record}
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
         raise UserError(f"prepare: {where}: no string field '{text_field}'; set --text-field"
@@ -85,7 +110,7 @@ def read_chunks(path: str, text_field: str, chunk_bytes: int) -> Iterator[Chunk]
     docs, size, done = [], 0, 0
     for where, text, position in rows:
         docs.append((where, text))
-        size += len(text)
+        size += len(text) if isinstance(text, str) else len(str(text))
         if size >= chunk_bytes:
             yield Chunk(docs, position - done)
             docs, size, done = [], 0, position
@@ -128,6 +153,9 @@ def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
     try:
         with contextlib.ExitStack() as stack:
             schema, batches, position = (_parquet if parquet else _arrow)(path, text_field, stack)
+            if isinstance(text_field, tuple):  # a record format: rows as dicts of its fields (chat.py checks them)
+                yield from _rows(path, text_field, schema, batches, position)
+                return
             if text_field not in schema.names:
                 raise UserError(f"prepare: {path}: no column '{text_field}'; set --text-field (columns:"
                                 f" {', '.join(schema.names)})")
@@ -148,13 +176,28 @@ def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
                         f" ({str(e).splitlines()[0]})") from None
 
 
-def _parquet(path: str, text_field: str, stack: contextlib.ExitStack):
-    """-> (schema, the record batches of the text column, bytes read after n rows)."""
+def _rows(path: str, fields: tuple[str, ...], schema, batches, position) -> Iterator[tuple[str, dict, int]]:
+    """(where, the row's `fields` present in the file, bytes read so far) per row."""
+    present = [f for f in fields if f in schema.names]
+    if not present:
+        raise UserError(f"prepare: {path}: none of the record columns {', '.join(map(repr, fields))} (columns:"
+                        f" {', '.join(schema.names)})")
+    row = 0
+    for batch in batches():
+        records = batch.select(present).to_pylist()
+        for i, record in enumerate(records, row):
+            yield f"{path} (row {i})", {k: v for k, v in record.items() if v is not None}, position(i + 1)
+        row += len(records)
+
+
+def _parquet(path: str, text_field: str | tuple[str, ...], stack: contextlib.ExitStack):
+    """-> (schema, the record batches of the text column(s), bytes read after n rows)."""
     import pyarrow.parquet as pq
     f = stack.enter_context(pq.ParquetFile(path))
     total, size = max(f.metadata.num_rows, 1), os.path.getsize(path)
+    columns = [c for c in (text_field if isinstance(text_field, tuple) else (text_field,)) if c in f.schema_arrow.names]
     # small batches: a batch of rows is held whole (the reader's default is 65,536 rows)
-    return (f.schema_arrow, lambda: f.iter_batches(batch_size=1024, columns=[text_field]),
+    return (f.schema_arrow, lambda: f.iter_batches(batch_size=1024, columns=columns),
             lambda rows: size * rows // total)  # row groups hold about equal bytes per row
 
 

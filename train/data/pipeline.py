@@ -119,12 +119,15 @@ class Windows:
     def rows(self, w: np.ndarray, packing_mask: bool) -> dict[str, np.ndarray]:
         """Window ids [R] -> inputs, targets (int32), weights (float32) [R, T]; with packing_mask
         also segment_ids (1, 2, ... per document in the row; 0 = padding) and positions (0 at
-        each document's start and at the row's start)."""
+        each document's start and at the row's start). A target's weight is its loss mask (0 on
+        the prompt and user tokens of supervised data, else 1), and 0 past the valid tokens."""
         start, end = self.bounds(np.asarray(w, np.int64))
         v = start[:, None] + np.arange(self.T + 1)
         valid = v < end[:, None]
-        tokens = np.where(valid, self.stream.gather(np.where(valid, v, start[:, None])), self.eos_id)
-        out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": valid[:, 1:].astype(np.float32)}
+        inside = np.where(valid, v, start[:, None])
+        tokens = np.where(valid, self.stream.gather(inside), self.eos_id)
+        weights = valid[:, 1:] * self.stream.gather_mask(inside[:, 1:])
+        out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights.astype(np.float32)}
         if packing_mask:
             doc = self.stream.doc_of(v)
             out["weights"] *= doc[:, 1:] == doc[:, :-1]  # a target in the next document is not predictable

@@ -8,6 +8,8 @@ Layout of DIR:
                               token id (`max_token`); its schema is train/data/index.py
   shard-00000.bin             tokens, raw little-endian uint16 (vocabulary <= 65536) or uint32
   shard-00000.offsets.npy     int64 [n_documents + 1]: document d is tokens[offsets[d]:offsets[d+1]]
+  shard-00000.mask.bin        (--format chat|prompt_completion) uint8 per token: 1 = trained on
+                              (train/data/chat.py)
 Each document ends with the tokenizer's EOS id. Documents keep input order (files sorted inside a
 directory or glob; JSONL lines in file order), whatever the number of workers. Everything is written
 into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing behind.
@@ -20,7 +22,6 @@ import collections
 import datetime
 import functools
 import glob
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -32,9 +33,9 @@ import numpy as np
 
 from checkpoint import storage
 from errors import ArgParser, UserError, one_line_errors
-from train.data import formats, tokenizers
+from train.data import chat, formats, tokenizers
 from train.data.formats import JSONL_SUFFIXES
-from train.data.index import FORMAT, INDEX, listed_files, read_index
+from train.data.index import FORMAT, INDEX, MASKED_FORMAT, ShardWriter, listed_files, read_index, token_dtype
 
 TASK_BYTES = 4 << 20          # input bytes per worker task at most: amortises the IPC, keeps the bar moving
 MIN_TASK_BYTES = 16 << 10     # ... and at least (small inputs are still spread over the workers)
@@ -53,7 +54,11 @@ def make_parser() -> argparse.ArgumentParser:
                         " if omitted)")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     p.add_argument("--text-field", default="text", help="JSONL field, or Parquet/datasets column, holding the"
-                                                        " document text")
+                                                        " document text (--format text)")
+    p.add_argument("--format", dest="input_format", choices=chat.FORMATS, default="text",
+                   help="text: documents; prompt_completion: records {prompt, completion}, trained on the completion;"
+                        " chat: records {messages: [{role, content}, ...]} rendered with --tokenizer HF_MODEL_DIR's chat"
+                        " template, trained on the assistant turns")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes; 1 = in-process")
     p.add_argument("--on-bad-utf8", choices=("fail", "skip"), default="fail",
                    help="a document that is not UTF-8: stop with its name, or skip it and report the count")
@@ -141,14 +146,18 @@ def chunked(tasks: list, text_field: str):
             yield task
 
 
-def _work(task, text_field: str, on_bad_utf8: str, dtype: str):
-    """-> (tokens [N] of dtype, doc lengths int64 [D], input bytes, skipped names). Documents end with EOS.
-    `task`: byte ranges of text/JSONL files to read, or a Chunk of documents already read."""
+def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "text"):
+    """-> (tokens [N] of dtype, doc lengths int64 [D], input bytes, skipped names, loss mask uint8 [N]
+    or None for text). Documents end with EOS. `task`: byte ranges of text/JSONL files to read, or a
+    Chunk of documents already read; `text_field`: the records' fields for a record format."""
     if isinstance(task, formats.Chunk):
         docs, n_bytes = task.docs, task.n_bytes
     else:
         docs = [d for path, start, end in task for d in formats.read_range(path, start, end, text_field)]
         n_bytes = sum(end - start for _, start, end in task)
+    if input_format != "text":
+        tokens, lengths, mask = chat.encode_records(_TOKENIZER, input_format, docs)
+        return _checked(tokens).astype(dtype), lengths, n_bytes, [], mask
     texts, skipped = [], []
     for where, raw in docs:
         if isinstance(raw, bytes):
@@ -165,63 +174,17 @@ def _work(task, text_field: str, on_bad_utf8: str, dtype: str):
     ids = _TOKENIZER.encode(texts) if texts else []
     eos = np.array([_TOKENIZER.eos_id], np.int64)
     tokens = np.concatenate([x for t in ids for x in (t, eos)]) if ids else np.zeros(0, np.int64)
+    return _checked(tokens).astype(dtype), np.array([len(t) + 1 for t in ids], np.int64), n_bytes, skipped, None
+
+
+def _checked(tokens: np.ndarray) -> np.ndarray:
     if len(tokens) and int(tokens.max()) >= _TOKENIZER.vocab_size:
         raise UserError(f"prepare: the tokenizer produced id {int(tokens.max())} >= its vocab_size"
                         f" {_TOKENIZER.vocab_size}")
-    return tokens.astype(dtype), np.array([len(t) + 1 for t in ids], np.int64), n_bytes, skipped
+    return tokens
 
 
-# ------------------------------------------------------------------ writer
-
-class _ShardWriter:
-    def __init__(self, directory: str, dtype: np.dtype, shard_tokens: int):
-        self.directory, self.dtype, self.shard_tokens = directory, dtype, shard_tokens
-        self.shards: list[dict] = []
-        self._f = None
-
-    def _open(self) -> None:
-        name = f"shard-{len(self.shards):05d}"
-        self._name, self._hash, self._lengths, self._n, self._max = name, hashlib.sha256(), [], 0, 0
-        self._f = open(os.path.join(self.directory, f"{name}.bin"), "wb")
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Appends whole documents; a shard is closed once it holds shard_tokens or more."""
-        ends = np.cumsum(lengths)
-        lo = 0
-        while lo < len(lengths):
-            if self._f is None:
-                self._open()
-            room = self.shard_tokens - self._n
-            base = ends[lo - 1] if lo else 0
-            hi = max(lo + 1, int(np.searchsorted(ends, base + room, side="right")))  # at least one document
-            chunk = tokens[base:ends[hi - 1]]
-            self._max = max(self._max, int(chunk.max()))  # every document holds at least its EOS
-            data = chunk.astype(self.dtype).tobytes()
-            self._f.write(data)
-            self._hash.update(data)
-            self._lengths.append(lengths[lo:hi])
-            self._n += int(ends[hi - 1] - base)
-            lo = hi
-            if self._n >= self.shard_tokens:
-                self.close()
-
-    def close(self) -> None:
-        if self._f is None:
-            return
-        self._f.close()
-        offsets = np.concatenate([[0], np.cumsum(np.concatenate(self._lengths))]).astype(np.int64)
-        off_name = f"{self._name}.offsets.npy"
-        np.save(os.path.join(self.directory, off_name), offsets)
-        self.shards.append({"tokens": f"{self._name}.bin", "offsets": off_name, "n_tokens": int(offsets[-1]),
-                            "n_documents": len(offsets) - 1, "max_token": self._max,
-                            "sha256": {"tokens": self._hash.hexdigest(),
-                                       "offsets": tokenizers.file_sha256(os.path.join(self.directory, off_name))}})
-        self._f = None
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
+# ------------------------------------------------------------------ output directory
 
 def _within(path: str, directory: str) -> bool:
     """Whether `path` is `directory` or lies inside it (both already real paths)."""
@@ -297,13 +260,14 @@ def _make_tmp(out: str) -> str:
 
 def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field: str = "text", workers: int = 1,
             on_bad_utf8: str = "fail", eos_token: str | None = None, shard_tokens: int = 1 << 28,
-            overwrite: bool = False, progress: bool = True) -> dict:
+            overwrite: bool = False, progress: bool = True, input_format: str = "text") -> dict:
     """Tokenise `inputs` into `out`; returns the index. Raises UserError (nothing left on disk) on bad input."""
     if workers < 1 or shard_tokens < 1:
         raise UserError(f"prepare: --workers and --shard-tokens must be >= 1, got {workers} and {shard_tokens}")
     files = expand_inputs(inputs)
     check_out(out, inputs, files, overwrite)
     tok = tokenizers.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
+    fields = chat.check_options(tok, input_format, text_field)  # what the readers take from each record
     info = tok.describe()
     dtype = token_dtype(tok.vocab_size)
     tasks = make_tasks(files, workers)
@@ -313,13 +277,13 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
     bar = tqdm(total=sum(e - s for t in tasks for _, s, e in t), unit="B", unit_scale=True, desc="prepare",
                disable=not progress, file=sys.stderr)
     try:
-        writer = _ShardWriter(tmp, dtype, shard_tokens)
+        writer = ShardWriter(tmp, dtype, shard_tokens, masked=input_format != "text")
         skipped: list[str] = []
         n_bytes = 0
-        with _results(chunked(tasks, text_field), len(tasks), tokenizer, eos_token, text_field, on_bad_utf8,
-                      dtype.name, workers) as results:
-            for tokens, lengths, nb, skip in results:
-                writer.add(tokens, lengths)
+        with _results(chunked(tasks, fields), len(tasks), tokenizer, eos_token, fields, on_bad_utf8,
+                      dtype.name, workers, input_format) as results:
+            for tokens, lengths, nb, skip, mask in results:
+                writer.add(tokens, lengths, mask)
                 skipped += skip
                 n_bytes += nb
                 bar.update(nb)
@@ -329,7 +293,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
         if not n_docs:
             raise UserError(f"prepare: no non-empty documents in {' '.join(inputs)}"
                             + (f" ({len(skipped)} skipped as not UTF-8)" if skipped else ""))
-        index = {"format": FORMAT, "tokenizer": info, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        index = {"format": MASKED_FORMAT if writer.masked else FORMAT, "input_format": input_format,
+                 "tokenizer": info, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                  "dtype": dtype.name, "n_tokens": sum(s["n_tokens"] for s in writer.shards), "n_documents": n_docs,
                  "input_bytes": n_bytes, "skipped_not_utf8": len(skipped), "inputs": list(inputs),
                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -357,9 +322,10 @@ class _results:
     is fed at most two tasks per worker ahead: `tasks` is a generator that reads streamed files
     as it goes, so their documents are held a few chunks at a time."""
 
-    def __init__(self, tasks, n_tasks, spec, eos_token, text_field, on_bad_utf8, dtype, workers):
+    def __init__(self, tasks, n_tasks, spec, eos_token, text_field, on_bad_utf8, dtype, workers, input_format):
         self.tasks, self.spec, self.eos_token = tasks, spec, eos_token
-        self.work = functools.partial(_work, text_field=text_field, on_bad_utf8=on_bad_utf8, dtype=dtype)
+        self.work = functools.partial(_work, text_field=text_field, on_bad_utf8=on_bad_utf8, dtype=dtype,
+                                      input_format=input_format)
         self.workers, self.pool = min(workers, n_tasks), None
 
     def __enter__(self):
@@ -390,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     index = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, workers=args.workers,
                     on_bad_utf8=args.on_bad_utf8, eos_token=args.eos_token, shard_tokens=args.shard_tokens,
-                    overwrite=args.overwrite, progress=not args.no_progress)
-    print(f"{args.out}: {index['n_documents']} documents, {index['n_tokens']} tokens ({index['dtype']}) in"
-          f" {len(index['shards'])} shards, tokenizer {index['tokenizer']['id']} (vocab {index['vocab_size']})")
+                    overwrite=args.overwrite, progress=not args.no_progress, input_format=args.input_format)
+    print(f"{args.out}: {index['n_documents']} {'documents' if args.input_format == 'text' else 'records'},"
+          f" {index['n_tokens']} tokens ({index['dtype']}) in {len(index['shards'])} shards, tokenizer"
+          f" {index['tokenizer']['id']} (vocab {index['vocab_size']})")
     return 0

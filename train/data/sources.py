@@ -9,7 +9,8 @@ and `--data.source` is one source or a mixture: `A:0.7,B:0.3` (each entry `SOURC
 FILE.yaml holding a list of `{source: ..., weight: ...}`. Weights are relative.
 
 Each source becomes a `Stream` per split: its documents laid end to end (each ends with EOS) as one
-virtual token sequence over memory-mapped shards. A prepared dataset's eval split is a fixed
+virtual token sequence over memory-mapped shards, with the loss mask of each token where the
+dataset has one (`prepare --format chat|prompt_completion`). A prepared dataset's eval split is a fixed
 hash of the document index (like the default corpus's hash of file names): independent of the
 seed, the same on every process.
 """
@@ -25,7 +26,7 @@ import numpy as np
 from checkpoint import storage
 from errors import UserError
 from train.data import corpus
-from train.data.index import INDEX, read_index
+from train.data.index import INDEX, read_index, shard_files
 from train.data.tokenizers import file_sha256
 
 SOURCE_CHOICES = "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
@@ -40,6 +41,7 @@ class Stream:
     seg_start: np.ndarray     # int64 [S]
     seg_vstart: np.ndarray    # int64 [S+1]
     doc_vstart: np.ndarray    # int64 [D+1]
+    masks: list[np.ndarray] | None = None  # per shard its loss mask (uint8, 1 = trained on); None: all ones
 
     @property
     def n_tokens(self) -> int:
@@ -54,22 +56,31 @@ class Stream:
         return int(np.diff(self.doc_vstart).max()) if self.n_docs else 0
 
     @classmethod
-    def from_array(cls, tokens: np.ndarray, doc_starts: np.ndarray) -> "Stream":
+    def from_array(cls, tokens: np.ndarray, doc_starts: np.ndarray, mask: np.ndarray | None = None) -> "Stream":
         n = len(tokens)
         return cls([tokens], np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([0, n], np.int64),
-                   np.append(doc_starts, n).astype(np.int64))
+                   np.append(doc_starts, n).astype(np.int64), None if mask is None else [mask])
 
     def gather(self, v: np.ndarray) -> np.ndarray:
         """Tokens at virtual positions v (any shape, 0 <= v < n_tokens) -> int32, same shape."""
+        return self._gather(self.shards, v, np.int32)
+
+    def gather_mask(self, v: np.ndarray) -> np.ndarray:
+        """Loss mask at virtual positions v -> float32 0/1, same shape (any nonzero byte counts as 1)."""
+        if self.masks is None:
+            return np.ones(v.shape, np.float32)
+        return (self._gather(self.masks, v, np.uint8) != 0).astype(np.float32)
+
+    def _gather(self, arrays: list[np.ndarray], v: np.ndarray, dtype) -> np.ndarray:
         if len(self.seg_shard) == 1:
-            return self.shards[self.seg_shard[0]][v + self.seg_start[0]].astype(np.int32)
+            return arrays[self.seg_shard[0]][v + self.seg_start[0]].astype(dtype)
         seg = np.searchsorted(self.seg_vstart, v, side="right") - 1
         phys = self.seg_start[seg] + (v - self.seg_vstart[seg])
         shard = self.seg_shard[seg]
-        out = np.empty(v.shape, np.int32)
+        out = np.empty(v.shape, dtype)
         for s in np.unique(shard):
             mask = shard == s
-            out[mask] = self.shards[s][phys[mask]]
+            out[mask] = arrays[s][phys[mask]]
         return out
 
     def doc_of(self, v: np.ndarray) -> np.ndarray:
@@ -131,27 +142,29 @@ def _scan(path: str, dtype: np.dtype) -> tuple[str, int]:
     return h.hexdigest(), top
 
 
-def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    """One shard of a validated index -> (tokens memmap, document offsets, largest token id), after
-    checking its size (always), sha256 (when `verify`) and offsets; any problem is one line naming
-    the file."""
+def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tuple:
+    """One shard of a validated index -> (tokens memmap, document offsets, largest token id, loss
+    mask memmap or None), after checking its sizes (always), sha256 (when `verify`) and offsets;
+    any problem is one line naming the file."""
     where = f"--data {directory}"
-    files = {"tokens": storage.join(directory, sh["tokens"]), "offsets": storage.join(directory, sh["offsets"])}
+    files = {key: storage.join(directory, sh[key]) for key in shard_files(sh)}
     for what, path in files.items():
         if not storage.isfile(path):
             raise UserError(f"{where}: shard file {sh[what]} listed in {INDEX} is missing; {REPREPARE}")
-    size = storage.getsize(files["tokens"])
-    if size != sh["n_tokens"] * dtype.itemsize:
-        raise UserError(f"{where}: {sh['tokens']} holds {size} bytes, its index says {sh['n_tokens']} {dtype.name}"
-                        f" tokens (truncated or modified); {REPREPARE}")
+    kinds = {"tokens": dtype, "mask": np.dtype(np.uint8)}  # one value per token in each
+    for what in (k for k in kinds if k in files):
+        size = storage.getsize(files[what])
+        if size != sh["n_tokens"] * kinds[what].itemsize:
+            raise UserError(f"{where}: {sh[what]} holds {size} bytes, its index says {sh['n_tokens']}"
+                            f" {kinds[what].name} {what} (truncated or modified); {REPREPARE}")
     # Datasets prepared before `max_token` was recorded: the shard is scanned for it here (one read,
     # what --data.verify does anyway) rather than refused, so they stay usable without re-preparing.
     max_token = sh.get("max_token")
     try:
         digest, found = _scan(files["tokens"], dtype) if verify or max_token is None else (None, None)
-        digests = {"tokens": digest, "offsets": file_sha256(files["offsets"]) if verify else None}
+        digests = {"tokens": digest, **{k: file_sha256(files[k]) if verify else None for k in files if k != "tokens"}}
     except OSError as e:
-        raise UserError(f"{where}: cannot read {sh['tokens']} or {sh['offsets']}: {e.strerror}") from None
+        raise UserError(f"{where}: cannot read {', '.join(sh[k] for k in files)}: {e.strerror}") from None
     for what in files if verify else ():
         if digests[what] != sh["sha256"][what]:
             raise UserError(f"{where}: {sh[what]} does not match the sha256 in {INDEX} (corrupt or modified);"
@@ -170,9 +183,14 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
         and off[-1] == sh["n_tokens"] and bool((np.diff(off) > 0).all())
     if not ok:
         raise UserError(f"{where}: {sh['offsets']} does not match {sh['tokens']}; {REPREPARE}")
-    tokens = (np.memmap(storage.local_path(files["tokens"]), dtype, mode="r", shape=(sh["n_tokens"],))
-              if storage.is_local(files["tokens"]) else RangeReadShard(files["tokens"], dtype, sh["n_tokens"]))
-    return tokens, off.astype(np.int64), found if max_token is None else max_token
+    tokens, mask = (_map(files[k], kinds[k], sh["n_tokens"]) if k in files else None for k in kinds)
+    return tokens, off.astype(np.int64), found if max_token is None else max_token, mask
+
+
+def _map(path: str, dtype: np.dtype, n: int):
+    """A shard file as an array: memory-mapped, or read by ranges on an object store."""
+    return np.memmap(storage.local_path(path), dtype, mode="r", shape=(n,)) if storage.is_local(path) \
+        else RangeReadShard(path, dtype, n)
 
 
 class RangeReadShard:
@@ -205,17 +223,21 @@ def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
     dtype = np.dtype(index["dtype"])
     opened = [_open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
     shards, offsets = [o[0] for o in opened], [o[1] for o in opened]
+    # a shard without a mask in a dataset with masks (only by editing the index) weighs all its tokens
+    masks = [np.ones(len(o[0]), np.uint8) if o[3] is None else o[3] for o in opened] \
+        if any(o[3] is not None for o in opened) else None
     doc_counts = [len(o) - 1 for o in offsets]
     held = is_eval_doc(np.arange(sum(doc_counts)), eval_fraction)
     starts = np.cumsum([0] + doc_counts)
-    split = [_select(shards, offsets, [m[starts[i]:starts[i + 1]] for i in range(len(shards))])
+    split = [_select(shards, offsets, [m[starts[i]:starts[i + 1]] for i in range(len(shards))], masks)
              for m in (~held, held)]
     fingerprint = hashlib.sha256(json.dumps([s["sha256"] for s in index["shards"]]).encode()).hexdigest()[:16]
     return Source(f"{storage.basename(directory)} ({index['tokenizer']['id']})", split[0], split[1],
                   index["vocab_size"], index["tokenizer"], fingerprint, max(o[2] for o in opened))
 
 
-def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.ndarray]) -> Stream:
+def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.ndarray],
+            masks: list[np.ndarray] | None = None) -> Stream:
     """The kept documents of every shard, end to end; runs of consecutive kept documents become
     one segment, so a mostly-kept shard is a handful of segments."""
     seg_shard, seg_start, seg_len, doc_len = [], [], [], []
@@ -229,10 +251,11 @@ def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.n
         seg_len.append(off[last] - off[first])
         doc_len.append(np.diff(off)[k])
     if not seg_shard:
-        return Stream(shards, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+        return Stream(shards, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                      masks)
     cat = lambda xs: np.concatenate(xs).astype(np.int64)  # noqa: E731
     return Stream(shards, cat(seg_shard), cat(seg_start), np.concatenate([[0], np.cumsum(cat(seg_len))]),
-                  np.concatenate([[0], np.cumsum(cat(doc_len))]))
+                  np.concatenate([[0], np.cumsum(cat(doc_len))]), masks)
 
 
 # ------------------------------------------------------------------ --data.source
@@ -303,6 +326,18 @@ def load_source(spec: str, eval_fraction: float, seed: int, verify: bool = True)
     if not os.path.exists(spec):
         raise UserError(f"--data: '{spec}' is not a file or directory; valid: {SOURCE_CHOICES}")
     return from_corpus(corpus.text_corpus(spec, eval_fraction))
+
+
+def dataset_vocab(source: str) -> int | None:
+    """The vocab_size a model needs for the prepared datasets `--data.source` names (their indexes'
+    vocab_size, or a larger token id they hold), read from index.json alone; None when it names
+    none (the byte-level sources fit every preset). For a model whose vocab_size is not set."""
+    needs = []
+    for spec, _ in parse_mixture(source):
+        if spec not in ("default", "synthetic") and storage.isfile(storage.join(spec, INDEX)):
+            index = read_index(spec, f"--data {spec}", REPREPARE)
+            needs.append(max(index["vocab_size"], *(sh.get("max_token", 0) + 1 for sh in index["shards"])))
+    return max(needs) if needs else None
 
 
 def load_sources(source: str, eval_fraction: float, seed: int, verify: bool = True) -> list[tuple[Source, float]]:

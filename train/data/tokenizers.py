@@ -1,14 +1,18 @@
 """Tokenizers from local files: the built-in byte tokenizer, a HuggingFace `tokenizers` JSON,
 a SentencePiece `.model` and a tiktoken BPE rank file. Nothing is ever downloaded.
 
-A spec is `byte`, `KIND:PATH` (KIND one of hf, sentencepiece, tiktoken) or a PATH whose suffix
-says the kind (.json, .model, .tiktoken). Every tokenizer has an end-of-document id (`eos_id`):
-`prepare` appends it to each document, so packed windows keep document boundaries.
+A spec is `byte`, `KIND:PATH` (KIND one of hf, sentencepiece, tiktoken), a PATH whose suffix
+says the kind (.json, .model, .tiktoken), or a HuggingFace model directory (`hf:DIR` or DIR): its
+tokenizer.json, with the special tokens of its tokenizer_config.json (and special_tokens_map.json)
+and its chat template (chat_template.jinja, else tokenizer_config.json's `chat_template`, the order
+transformers reads them in). Every tokenizer has an end-of-document id (`eos_id`): `prepare`
+appends it to each document, so packed windows keep document boundaries.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -28,11 +32,18 @@ _PACKAGE = {"hf": "tokenizers", "sentencepiece": "sentencepiece", "tiktoken": "t
 
 
 class Tokenizer:
-    """encode(list[str]) -> list[np.ndarray]; decode(ids) -> str; ids < vocab_size."""
+    """encode(list[str]) -> list[np.ndarray]; decode(ids) -> str; ids < vocab_size. `path` is what
+    loads it again (the spec's path); `file` the file whose sha256 identifies its vocabulary."""
     kind: str
     path: str
     vocab_size: int
     eos_id: int
+    model_dir: str | None = None
+    chat_template: str | None = None   # a model directory's, for `prepare --format chat`
+
+    @property
+    def file(self) -> str:
+        return self.path
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         raise NotImplementedError
@@ -42,10 +53,13 @@ class Tokenizer:
 
     def describe(self) -> dict:
         """What the dataset index records; `id` decides whether two datasets can be mixed."""
-        digest = file_sha256(self.path) if self.path else ""
-        return {"kind": self.kind, "path": os.path.abspath(self.path) if self.path else "",
+        digest = file_sha256(self.file) if self.file else ""
+        info = {"kind": self.kind, "path": os.path.abspath(self.path) if self.path else "",
                 "sha256": digest, "id": f"{self.kind}:{digest[:16]}" if digest else self.kind,
                 "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+        if self.model_dir:  # the id stays the tokenizer.json's: the same vocabulary, however it was named
+            info["model_dir"] = os.path.basename(os.path.abspath(self.model_dir))
+        return info
 
 
 class ByteTokenizer(Tokenizer):
@@ -59,21 +73,40 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
+    """A tokenizer.json, or a model directory holding one (then `special` holds its special tokens
+    by name, e.g. bos_token, and the end of document is its eos_token unless --eos-token says)."""
     kind = "hf"
 
     def __init__(self, path: str, eos_token: str | None):
         from tokenizers import Tokenizer as HF
-        self.path, self._tok = path, HF.from_file(path)
+        self.path, self.special = path, {}
+        if os.path.isdir(path):
+            self.model_dir = path
+            if not os.path.isfile(self.file):
+                raise UserError(f"--tokenizer {path}: no tokenizer.json in this directory (a HuggingFace model"
+                                f" directory holds tokenizer.json and tokenizer_config.json)")
+            self.special, self.chat_template = model_dir_config(path)
+        self._tok = HF.from_file(self.file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        names = (eos_token,) if eos_token else EOS_CANDIDATES
+        default = (self.special["eos_token"],) if "eos_token" in self.special else EOS_CANDIDATES
+        names = (eos_token,) if eos_token else default
         ids = [i for i in (self._tok.token_to_id(n) for n in names) if i is not None]
         if not ids:
             raise UserError(f"--tokenizer {path}: no end-of-document token {' / '.join(names)} in its vocabulary;"
                             f" name one with --eos-token")
         self.eos_id = ids[0]
 
+    @property
+    def file(self) -> str:
+        return os.path.join(self.path, "tokenizer.json") if self.model_dir else self.path
+
     def encode(self, texts):
         return [np.asarray(e.ids, np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """-> (ids [N], character spans [N, 2] of `text` each token came from)."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, np.int64), np.asarray(e.offsets, np.int64).reshape(-1, 2)
 
     def decode(self, ids):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -128,18 +161,55 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.decode([int(i) for i in ids])
 
 
+def model_dir_config(directory: str) -> tuple[dict[str, str], str | None]:
+    """A HuggingFace model directory's special tokens (name -> text, e.g. bos_token -> '<s>') and
+    chat template (None if it has none), read as transformers reads them."""
+    config: dict = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins, as in transformers
+        path = os.path.join(directory, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise UserError(f"--tokenizer {directory}: cannot read {name} ({str(e).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"--tokenizer {directory}: {name} is not a JSON object")
+        config.update(loaded)
+    # a special token is its text, or an AddedToken object {"content": TEXT, ...} in older files
+    text = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
+    special = {k: text(v) for k, v in config.items() if k.endswith("_token") and isinstance(text(v), str)}
+    template_file = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(template_file):  # transformers 5 writes the template here; it takes priority
+        with open(template_file, encoding="utf-8") as f:
+            return special, f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates [{name, template}]: the default one is the chat's
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise UserError(f"--tokenizer {directory}: tokenizer_config.json has named chat templates"
+                            f" ({', '.join(map(str, named))}) but none named 'default'")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"--tokenizer {directory}: tokenizer_config.json's chat_template is not a string")
+    return special, template
+
+
 def parse_spec(spec: str) -> tuple[str, str]:
-    """'byte' | 'KIND:PATH' | PATH with a known suffix -> (kind, path)."""
+    """'byte' | 'KIND:PATH' | PATH with a known suffix | a model directory -> (kind, path)."""
     if spec == "byte":
         return "byte", ""
     kind, sep, path = spec.partition(":")
     if sep and kind in KINDS[1:]:
         return kind, path
+    if os.path.isdir(spec):
+        return "hf", spec
     suffix = os.path.splitext(spec)[1]
     if suffix in _SUFFIX:
         return _SUFFIX[suffix], spec
     raise UserError(f"--tokenizer {spec!r}: unknown kind; valid: byte, hf:PATH, sentencepiece:PATH, tiktoken:PATH,"
-                    f" or a PATH ending in {', '.join(_SUFFIX)}")
+                    f" a PATH ending in {', '.join(_SUFFIX)}, or a HuggingFace model directory")
 
 
 def load(spec: str, eos_token: str | None = None) -> Tokenizer:
@@ -147,7 +217,7 @@ def load(spec: str, eos_token: str | None = None) -> Tokenizer:
     kind, path = parse_spec(spec)
     if kind == "byte":
         return ByteTokenizer()
-    if not os.path.isfile(path):
+    if not (os.path.isfile(path) or kind == "hf" and os.path.isdir(path)):
         raise UserError(f"--tokenizer {spec}: no such file")
     cls = {"hf": HFTokenizer, "sentencepiece": SentencePieceTokenizer, "tiktoken": TiktokenTokenizer}[kind]
     try:
