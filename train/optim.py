@@ -1,4 +1,5 @@
-"""AdamW with warm-up + cosine decay, global-norm clipping and a weight-decay mask; or any optax
+"""The optimizer: optax's AdamW, Adafactor, Lion, SGD or Muon (--optim.name) with warm-up + cosine
+decay, global-norm clipping, decoupled weight decay under a mask and a non-finite skip; or any optax
 transformation in its place (Trainer(optimizer=...)), inside the same guards."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from errors import UserError
-from train.config import TrainConfig
+from train.config import OPTIMIZERS, TrainConfig
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -85,18 +86,73 @@ def check_optimizer(optimizer, lr) -> None:
                         " optimizer's learning rate follows), which the logged lr reports")
 
 
+def muon_dims(params) -> dict:
+    """Muon's view of each parameter as a matrix, read from the shape letters its name ends with:
+    the hidden projections (names starting with w: attention and MLP, dense or expert) map D to the
+    rest or the rest to D, with the stacked-layer dim and experts (E) as batch dims, orthogonalised
+    one matrix each. Everything else (embeddings, the LM head, norms, biases, the router, and
+    parameters named otherwise) gets None: optax's Muon updates those with its AdamW, as the Muon
+    authors prescribe for all but the hidden matrices."""
+    def dims(path, p):
+        head, _, axes = str(getattr(path[-1], "key", "")).rpartition("_")
+        if not (head.startswith("w") and axes.isalpha() and axes.isupper() and "D" in axes
+                and len(axes) <= p.ndim):
+            return None
+        lead = p.ndim - len(axes)   # the scanned layers' dim, not in the name
+        other = tuple(lead + i for i, a in enumerate(axes) if a not in "DE")
+        d = (lead + axes.index("D"),)
+        return optax.contrib.MuonDimensionNumbers(*((d, other) if axes.lstrip("E")[0] == "D" else (other, d)))
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def named(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+    """--optim.name's optimizer, optax's implementation, following the schedule `lr`.
+
+    Weight decay is decoupled for all (AdamW's form: each update also takes lr x weight_decay x
+    param off the parameters in the decay mask), so --train.weight_decay means one thing whatever
+    the optimizer: optax's AdamW and Lion do this themselves; Adafactor's rate is given the
+    schedule's shape; SGD (optax's has none) and Muon (optax's decays the matrices it
+    orthogonalises, and its AdamW part with no mask) decay after the update. b1 is each one's
+    momentum (AdamW, Lion, Muon and its AdamW; SGD's heavy ball, none at 0); b2 the second
+    moment's decay (Lion: the momentum's).
+    Adafactor keeps the paper's settings (no momentum, factored second moment with its own decay
+    1 - t^-0.8, update clipping, steps relative to the parameter's scale). Muon scales its
+    orthogonalised updates to AdamW's RMS (consistent_rms=0.2, Liu et al. 2025), so a rate tuned
+    for AdamW carries over; Lion wants one 3-10x smaller (Chen et al. 2023)."""
+    mask = lambda p: decay_mask(p, cfg.decay_embeddings)  # noqa: E731
+
+    def decayed(tx):  # tx's update holds the rate already: the decay follows it with -rate x weight_decay
+        return optax.chain(tx, optax.add_decayed_weights(lambda count: -cfg.weight_decay * lr(count), mask))
+
+    if cfg.optimizer == "adamw":
+        return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+    if cfg.optimizer == "lion":
+        return optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
+    if cfg.optimizer == "adafactor":
+        return optax.adafactor(lr, weight_decay_rate=lambda count: cfg.weight_decay * lr(count),
+                               weight_decay_mask=mask)
+    if cfg.optimizer == "sgd":
+        return decayed(optax.sgd(lr, momentum=cfg.b1 or None))
+    if cfg.optimizer == "muon":
+        return decayed(optax.contrib.muon(lr, beta=cfg.b1, eps=cfg.eps, adam_b1=cfg.b1, adam_b2=cfg.b2,
+                                          muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2))
+    raise UserError(f"--optim.name '{cfg.optimizer}': valid: {', '.join(OPTIMIZERS)}")
+
+
 def make(cfg: TrainConfig, clip: bool = True, lr: optax.Schedule | None = None,
          optimizer: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
     """`clip` False: no clipping here; the train step clips each replica's gradient before a
     compressed sync instead (clipping the synced sum would cut error feedback's bursts).
-    `lr`: the schedule AdamW follows (default `schedule(cfg)`). `optimizer`: a transformation
-    that replaces AdamW; it runs inside the same guards as AdamW (float32, the non-finite skip,
-    --train.grad_clip before it), followed by a no-op scale whose count is the rate's clock
-    (`applied_lr`: it stops on skipped updates as AdamW's does)."""
+    `lr`: the schedule the optimizer follows (default `schedule(cfg)`). `optimizer`: a
+    transformation that replaces --optim.name's; it runs inside the same guards (float32, the
+    non-finite skip, --train.grad_clip before it), followed by a no-op scale whose count is the
+    rate's clock (`applied_lr`: it stops on skipped updates as the named optimizers' do)."""
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 and clip else []
     if optimizer is None:
-        parts.append(optax.adamw(lr or schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay, mask=lambda p: decay_mask(p, cfg.decay_embeddings)))
+        parts.append(named(cfg, lr or schedule(cfg)))
+    elif cfg.optimizer != "adamw":  # two optimizers asked for: neither may be dropped in silence
+        raise UserError(f"optimizer=: replaces the configured optimizer; leave --optim.name at adamw (it is"
+                        f" '{cfg.optimizer}'), or drop optimizer=")
     else:
         parts += [optimizer, optax.scale_by_schedule(lambda count: 1.0)]
     # Non-finite gradients (an overflow, a bad batch) skip the update instead of poisoning the
