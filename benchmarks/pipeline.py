@@ -1,7 +1,11 @@
 """Pipeline parallelism: step time (forward + backward of a Block stack) and per-device memory for
-pipeline=1/2/4, gpipe and circular (repeats 2), M in {P, 2P, 4P}; measured vs predicted bubble.
+pipeline=1/2/4, gpipe, circular (repeats 2) and 1f1b, M in {P, 2P, 4P}; measured vs predicted bubble.
 
     python benchmarks/pipeline.py [--layers 8] [--d-model 128] [--batch 32] [--seq 64] [--steps 5] [--model-order]
+                                  [--schedules gpipe,circular,1f1b] [--fixed-micro-batch]
+
+`--fixed-micro-batch`: the batch grows with M (batch = M x batch/P rows), which is how 1F1B is used to
+shrink the bubble: its temp memory stays flat, GPipe's grows with M.
 
 Every configuration computes every tick on every stage (bubble ticks too: their results are
 masked), so on a CPU whose 8 fake devices share the same cores the step time is proportional to
@@ -22,6 +26,7 @@ from flax import nnx
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import pipeline as pipeline_lib
+from models import pipeline_1f1b
 from models.config import PRESETS
 from models.transformer import Block
 from plan.hlo import parse_collectives, summarize
@@ -47,6 +52,10 @@ def block_stack(n_layers, d_model, d_ff):
     return layer, nnx.to_pure_dict(state), axes
 
 
+def mean_square(stack):
+    return lambda p, x, pos: jnp.mean(stack(p, x, pos) ** 2)
+
+
 def run(args, P, M, R, schedule, layer, params, axes, rules):
     mesh = make_mesh(f"pipeline={P},data={8 // P}")
     remat = jax.checkpoint_policies.nothing_saveable
@@ -54,6 +63,12 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
         def stack(p, x, pos):
             body = jax.checkpoint(lambda x, lp: layer(x, lp, pos), policy=remat)
             return jax.lax.scan(lambda x, lp: (body(x, lp), None), x, p)[0]
+        loss = mean_square(stack)
+    elif schedule == "1f1b":  # the loss is part of the schedule: the stack's input and the loss ride in the batch
+        def loss(p, x, pos):
+            return pipeline_1f1b.loss(lambda _, mb: mb["x"], lambda x, lp, mb: layer(x, lp, mb["pos"]),
+                                      lambda _, y, mb: jnp.sum(jnp.square(y)) / x.size, {}, p, {"x": x, "pos": pos},
+                                      stages=P, microbatches=M, remat_policy=remat)[0]
     else:
         # circular: the layer stack stored in stage order, so each device's chunks are local
         ordered = R > 1 and not args.model_order
@@ -62,9 +77,10 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
         def stack(p, x, pos):
             return pipeline_lib.pipeline_apply(layer, p, x, pos, stages=P, microbatches=M, repeats=R, schedule=schedule,
                                      remat_policy=remat, stage_ordered=ordered)
-    loss = lambda p, x, pos: jnp.mean(stack(p, x, pos) ** 2)
-    x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.d_model))
-    pos = jnp.broadcast_to(jnp.arange(args.seq), (args.batch, args.seq))
+        loss = mean_square(stack)
+    batch = args.batch * M // P if args.fixed_micro_batch else args.batch
+    x = jax.random.normal(jax.random.key(1), (batch, args.seq, args.d_model))
+    pos = jnp.broadcast_to(jnp.arange(args.seq), (batch, args.seq))
     with jax.set_mesh(mesh), axis_rules(rules):
         shard = jax.tree.map(lambda n: jax.NamedSharding(mesh, logical_to_spec(n)), axes,
                              is_leaf=lambda t: isinstance(t, tuple))
@@ -76,7 +92,7 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
         jax.block_until_ready(step(p, *xs))
         mem = step.memory_analysis()
         cp = summarize(parse_collectives(step.as_text(), mesh))["collective-permute"]["by_axes"].get("pipeline", {})
-    theory = pipeline_lib.permute_bytes_theory(batch=args.batch, seq=args.seq, d_model=args.d_model, itemsize=4, stages=P,
+    theory = pipeline_lib.permute_bytes_theory(batch=batch, seq=args.seq, d_model=args.d_model, itemsize=4, stages=P,
                                      microbatches=M, repeats=R, batch_shards=8 // P)
     timed = lambda: jax.block_until_ready(step(p, *xs))
     return timed, {"P": P, "M": M, "R": R, "schedule": schedule if P > 1 else "-",
@@ -95,11 +111,14 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--model-order", action="store_true",
                     help="circular: keep the stack in model order (the weights are regrouped every step)")
+    ap.add_argument("--schedules", default="gpipe,circular,1f1b", help="comma-separated schedules to run")
+    ap.add_argument("--fixed-micro-batch", action="store_true", help="batch = M x batch/P: micro-batches of fixed size")
     args = ap.parse_args()
     layer, params, axes = block_stack(args.layers, args.d_model, 4 * args.d_model)
     rules = make_rules("layers=pipeline")
     configs = [(1, 1, 1, "gpipe")] + [(P, M, R, schedule) for P in (2, 4) for schedule, R in
-                                      (("gpipe", 1), ("circular", 2)) for M in (P, 2 * P, 4 * P)]
+                                      (("gpipe", 1), ("circular", 2), ("1f1b", 1)) for M in (P, 2 * P, 4 * P)
+                                      if schedule in args.schedules.split(",")]
     runs = [run(args, *c, layer, params, axes, rules) for c in configs]
     # Round-robin timing: on a shared CPU the load drifts, so every config sees the same drift.
     times = [[] for _ in runs]

@@ -17,6 +17,10 @@ re-enters stage 0 for its next repeat through the same roll. Micro-batches go ro
 of repeat r then comes back to stage 0 exactly one tick after leaving stage P-1, so no extra buffer
 is needed. Ticks per pass: R*M + P - 1, of which P - 1 are the bubble on each device.
 
+1F1B (models/pipeline_1f1b.py) writes its backward out instead of differentiating the scan;
+pipeline_apply with schedule '1f1b' runs the same forward ticks as gpipe (eval, inspection). The
+schedules' arithmetic and charts live in models/schedules.py.
+
 Letters: L layers, P stages, R repeats, J layers per stage chunk, M micro-batches, b micro-batch
 size, A data replicas, B batch, T sequence, D model.
 """
@@ -30,86 +34,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from errors import UserError
-from models.config import SCHEDULES, PipelineConfig  # noqa: F401  (re-exported: the config lives with the model's)
+from models.config import SCHEDULES, PipelineConfig
+from models.schedules import (bubble_fraction, iteration, n_ticks, permute_bytes_theory, plot_schedule,
+                              schedule_chart, schedule_table, stage_layers, validate)
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 from mesh.shard import entry_axes
 
-
+# The config lives with the model's, the schedules' arithmetic, charts and checks in
+# models/schedules.py; callers know both as pipeline.X.
+__all__ = ["FULL_REMAT", "SCHEDULES", "PipelineConfig", "bubble_fraction", "iteration", "n_ticks", "permute_bytes_theory",
+           "pipeline_apply", "plot_schedule", "schedule_chart", "schedule_table", "stage_layers", "to_model_order",
+           "to_stage_order", "validate"]
 
 FULL_REMAT = jax.checkpoint_policies.nothing_saveable
 _FREE = PartitionSpec.UNCONSTRAINED
 
 
-# ------------------------------------------------------------------------------ validation
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def validate(*, n_layers: int, batch: int, stages: int, microbatches: int, repeats: int = 1,
-             schedule: str = "gpipe", batch_shards: int = 1) -> None:
-    """Raise a one-line UserError for a pipeline config that cannot run; call it before compiling.
-    `batch` is the batch of one forward pass, `batch_shards` the mesh size its dim is split over."""
-    P, M, R = stages, microbatches, repeats
-    if schedule not in SCHEDULES:
-        raise UserError(f"--pipeline.schedule '{schedule}' is not one of {', '.join(SCHEDULES)}")
-    if R < 1:
-        raise UserError(f"--pipeline.repeats={R} must be >= 1")
-    if schedule == "gpipe" and R != 1:
-        raise UserError(f"--pipeline.repeats={R} needs --pipeline.schedule circular"
-                        f" (gpipe runs each stage's layers once)")
-    if P < 1:
-        raise UserError(f"--mesh pipeline={P} must be >= 1")
-    if M < P:
-        raise UserError(f"--pipeline.microbatches={M} is less than the {P} stages of --mesh pipeline={P};"
-                        f" use microbatches >= {P} (more shrinks the bubble)")
-    if schedule == "circular" and M % P:
-        raise UserError(f"--pipeline.microbatches={M} must be a multiple of --mesh pipeline={P} for the circular"
-                        f" schedule; valid: {', '.join(str(P * i) for i in range(1, 5))}, ...")
-    if n_layers % (P * R):
-        pipes = [p for p in _divisors(n_layers) if (n_layers // p) % R == 0]
-        reps = [r for r in _divisors(n_layers) if (n_layers // r) % P == 0]
-        raise UserError(f"model.n_layers={n_layers} is not divisible by --mesh pipeline={P} x --pipeline.repeats={R}"
-                        f" = {P * R}; with repeats={R} valid pipeline sizes are {pipes}, with pipeline={P} valid"
-                        f" repeats are {reps or 'none'}")
-    if batch % M:
-        ok = [m for m in _divisors(batch) if m >= P and (schedule == "gpipe" or m % P == 0)]
-        raise UserError(f"batch size {batch} (train.batch_size per forward pass) is not divisible by"
-                        f" --pipeline.microbatches={M}; valid microbatches: {ok}")
-    if (batch // M) % batch_shards:
-        ok = [m for m in _divisors(batch) if m >= P and (batch // m) % batch_shards == 0
-              and (schedule == "gpipe" or m % P == 0)]
-        raise UserError(f"micro-batch size {batch}/{M} = {batch // M} (train.batch_size / --pipeline.microbatches)"
-                        f" is not divisible by the {batch_shards} batch shards (mesh data x fsdp x expert);"
-                        f" valid microbatches: {ok}")
-
-
-# ------------------------------------------------------------------------------ the schedule
-
-def iteration(i, stages: int, microbatches: int, repeats: int):
-    """The i-th (micro-batch, repeat) pair a stage runs (stage s runs pair i at tick i + s).
-    Micro-batches go in groups of P through all R repeats before the next group starts; with R = 1
-    this is simply (i, 0). Works on ints and on jnp arrays."""
-    group, rest = i // (stages * repeats), i % (stages * repeats)
-    r, j = rest // stages, rest % stages
-    return group * stages + j, r
-
-
-def n_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
-    return repeats * microbatches + stages - 1
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """Idle share of each device's ticks: (P-1) / (R*M + P-1) (GPipe: R = 1)."""
-    return (stages - 1) / n_ticks(stages, microbatches, repeats)
-
-
-def stage_layers(stage: int, n_layers: int, stages: int, repeats: int = 1) -> list[range]:
-    """The layer ranges a pipeline device holds: chunks stage, stage + P, ... of J = L/(R*P) layers."""
-    k = n_layers // (stages * repeats)
-    return [range((r * stages + stage) * k, (r * stages + stage + 1) * k) for r in range(repeats)]
-
+# ------------------------------------------------------------------------------ layer order
 
 def to_stage_order(params: Any, stages: int, repeats: int) -> Any:
     """Reorder a [L, ...] layer stack so that each pipeline device's circular chunks are contiguous
@@ -127,88 +68,6 @@ def to_model_order(params: Any, stages: int, repeats: int) -> Any:
         k = a.shape[0] // (stages * repeats)
         return a.reshape(stages, repeats, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
     return jax.tree.map(f, params)
-
-
-def schedule_table(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[int, int] | None]]:
-    """[stage][tick] -> (micro-batch, repeat) run in the forward pass, or None (bubble)."""
-    P, M, R = stages, microbatches, repeats
-    return [[iteration(t - s, P, M, R) if 0 <= t - s < R * M else None for t in range(n_ticks(P, M, R))]
-            for s in range(P)]
-
-
-def schedule_chart(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe",
-                   n_layers: int | None = None) -> str:
-    """Text chart: one row per stage, one column per tick, forward (F<m>) then backward (B<m>),
-    `.` = idle; with repeats `F<m>.<r>`. The backward pass is the reverse scan of the forward ticks."""
-    validate(n_layers=n_layers or stages * repeats, batch=microbatches, stages=stages,
-             microbatches=microbatches, repeats=repeats, schedule=schedule)
-    table = schedule_table(stages, microbatches, repeats)
-    cell = lambda kind, c: "." if c is None else f"{kind}{c[0]}" + (f".{c[1]}" if repeats > 1 else "")
-    rows = [[cell("F", c) for c in row] + ["|"] + [cell("B", c) for c in reversed(row)] for row in table]
-    width = max(len(c) for row in rows for c in row)
-    def label(s):
-        if not n_layers:
-            return f"stage {s}"
-        return f"stage {s} (layers " + ", ".join(f"{r.start}-{r.stop - 1}" for r in
-                                                 stage_layers(s, n_layers, stages, repeats)) + ")"
-    lw = max(len(label(s)) for s in range(stages))
-    ticks = n_ticks(stages, microbatches, repeats)
-    title = (f"{schedule} schedule: {stages} stages x {microbatches} micro-batches x {repeats} repeats;"
-             f" {ticks} ticks forward + {ticks} backward; bubble (P-1)/(R*M+P-1) ="
-             f" {bubble_fraction(stages, microbatches, repeats):.1%}")
-    lines = [title]
-    lines += [label(s).ljust(lw) + "  " + " ".join(c.rjust(width) for c in row) for s, row in enumerate(rows)]
-    return "\n".join(lines)
-
-
-def plot_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe", *, path: str) -> str:
-    """Write the schedule chart as a PNG (needs matplotlib); returns the path."""
-    validate(n_layers=stages * repeats, batch=microbatches, stages=stages, microbatches=microbatches,
-             repeats=repeats, schedule=schedule)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
-    table = schedule_table(stages, microbatches, repeats)
-    ticks = n_ticks(stages, microbatches, repeats)
-    cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(max(6, 0.35 * 2 * ticks), 0.6 * stages + 1.2))
-    for s, row in enumerate(table):
-        for t, c in enumerate(row):
-            if c is None:
-                continue
-            for x, alpha, kind in ((t, 1.0, "F"), (2 * ticks - 1 - t, 0.55, "B")):
-                ax.add_patch(plt.Rectangle((x, s), 1, 1, color=cmap(c[0] % 20), alpha=alpha, ec="white"))
-                ax.text(x + 0.5, s + 0.5, f"{kind}{c[0]}" + (f".{c[1]}" if repeats > 1 else ""),
-                        ha="center", va="center", fontsize=7)
-    ax.axvline(ticks, color="black", lw=1)
-    ax.set_xlim(0, 2 * ticks)
-    ax.set_ylim(stages, 0)
-    ax.set_yticks([s + 0.5 for s in range(stages)], [f"stage {s}" for s in range(stages)])
-    ax.set_xlabel("tick (forward | backward)")
-    ax.set_title(f"{schedule}: P={stages}, M={microbatches}, R={repeats}, bubble "
-                 f"{bubble_fraction(stages, microbatches, repeats):.1%}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def permute_bytes_theory(*, batch: int, seq: int, d_model: int, itemsize: int, stages: int, microbatches: int,
-                         repeats: int = 1, batch_shards: int = 1) -> dict[str, int]:
-    """Collective-permute bytes per device per train step (forward + backward).
-
-    `useful`: activation bytes of the batch x R repeats x 2 directions (forward activations,
-    backward gradients), the issue's figure; `sent`: what the program really moves, one micro-batch
-    per tick including the P-1 bubble ticks (the roll is unconditional), which is what the
-    compiled HLO shows."""
-    if stages == 1:
-        return {"useful": 0, "sent": 0}
-    mb_bytes = (batch // microbatches // batch_shards) * seq * d_model * itemsize
-    return {"useful": 2 * mb_bytes * microbatches * repeats,
-            "sent": 2 * mb_bytes * n_ticks(stages, microbatches, repeats)}
 
 
 # ------------------------------------------------------------------------------ the pipeline

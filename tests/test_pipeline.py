@@ -342,7 +342,7 @@ def test_plan_reports_pipeline(tmp_path):
     (["--mesh", "pipeline=4,data=2", "--model.n_layers", "6"], "model.n_layers=6 is not divisible"),
     (["--mesh", "pipeline=2,data=4", "--model.n_layers", "6", "--pipeline.schedule", "circular",
       "--pipeline.repeats", "2"], "model.n_layers=6 is not divisible by --mesh pipeline=2 x --pipeline.repeats=2"),
-    (["--pipeline.schedule", "1f1b"], "--pipeline.schedule '1f1b' is not one of gpipe, circular"),
+    (["--pipeline.schedule", "pipedream"], "--pipeline.schedule 'pipedream' is not one of gpipe, circular, 1f1b"),
     (["--mesh", "pipeline=2,data=4", "--pipeline.microbatches", "3"],
      "batch size 8 (train.batch_size per forward pass) is not divisible by --pipeline.microbatches=3"),
 ])

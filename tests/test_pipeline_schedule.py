@@ -72,7 +72,7 @@ def test_plot_schedule_writes_png(tmp_path):
     ({"batch": 16, "microbatches": 8, "batch_shards": 4}, "micro-batch size 16/8 = 2"),
     ({"repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular"),
     ({"microbatches": 6, "schedule": "circular"}, "must be a multiple of --mesh pipeline=4"),
-    ({"schedule": "1f1b"}, "--pipeline.schedule '1f1b' is not one of gpipe, circular"),
+    ({"schedule": "pipedream"}, "--pipeline.schedule 'pipedream' is not one of gpipe, circular, 1f1b"),
 ])
 def test_bad_config_is_one_line(kw, culprit):
     args = {"n_layers": 8, "batch": 16, "stages": 4, "microbatches": 4, "repeats": 1, "schedule": "gpipe", **kw}

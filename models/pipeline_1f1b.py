@@ -1,0 +1,306 @@
+"""The 1F1B pipeline schedule: every stage alternates the forward of one micro-batch with the
+backward of another, so a stage keeps the inputs of a bounded number of micro-batches (at most
+2(P-1), whatever M) instead of all M as GPipe's autodiff of a forward scan does.
+
+Autodiff of a forward scan cannot start a micro-batch's backward before the whole forward ends,
+so the backward is written out: a program of ticks (`lax.scan`s; the timetable is
+models/schedules.py's `table_1f1b`), sharded over the stage dim exactly like GPipe's buffer
+(models/pipeline.py), in which each tick every stage may
+  - F: run the forward of micro-batch m = t - s and save its stage input in a ring of K slots;
+    stage 0 embeds the tokens itself, the last stage applies the head and loss at once and gets
+    the cotangent that starts m's backward in the same tick;
+  - B: run `jax.vjp` of its stage on the saved input of micro-batch t - 2(P-1) + s (the stage's
+    forward is recomputed inside: full-stage remat, which is what bounds memory) and add the weight
+    gradients into the carry.
+Activations roll one stage forward and activation gradients one stage back per tick (one
+collective-permute each). The ticks come in three scans: P-1 warm-up ticks (F only), M steady
+ticks (F and B), P-1 cool-down ticks (B only), so the program computes (M+P-1)(F+B) per device,
+GPipe's cost and bubble (P-1)/(M+P-1).
+
+Why 2(P-1) and not Megatron's P-s: all stages run the same program each tick (one F slot and one B
+slot), so an activation needs P-1-s ticks out to the last stage and as many back: stage s holds
+2(P-1-s) micro-batches. Megatron's per-stage timetables, where stage s runs a backward while s+1
+runs a forward, would compute both F and B on every stage every half tick in this SPMD form (1.5x
+the compute) for P-s in flight.
+
+`loss` wraps the schedule in a `jax.custom_vjp` whose forward runs it and keeps the gradients as
+residuals, so callers differentiate the objective with `jax.value_and_grad` as for any function.
+
+Letters as in models/pipeline.py; K ring slots (stage inputs kept per stage).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from errors import UserError
+from mesh.rules import axis_rules, logical_to_spec
+from mesh.shard import constrain, entry_axes
+from models.pipeline import _REPLICAS, FULL_REMAT, _act_names, _inner_rules, _mesh_size, _pin
+from models.schedules import backward_mb, forward_mb, phases_1f1b, ring_slots, validate
+
+SCHEDULE = "1f1b"
+
+
+# ------------------------------------------------------------------------------ the program
+
+def loss(embed_fn: Callable, layer_fn: Callable, head_fn: Callable, outer_params: Any, stack_params: Any,
+         batch: dict, aux_weights: dict | None = None, *, stages: int, microbatches: int,
+         remat_policy=FULL_REMAT, has_aux: bool = False, scan_layers: bool = True,
+         replica_axes: tuple[str, ...] = ("data",)):
+    """-> (objective, (head loss sum, aux)) of the whole batch through the 1F1B schedule; only the
+    objective carries a gradient (to `outer_params` and `stack_params`, never to `batch`).
+
+    embed_fn(outer_params, mb) -> x_bTD runs on stage 0, layer_fn(x_bTD, layer_params, mb) -> x_bTD
+    (with `has_aux`: (x_bTD, aux)) is one layer of the [L, ...] stack, head_fn(outer_params,
+    y_bTD, mb) -> loss sum (float32 scalar) runs on the last stage; `mb` is one piece of `batch`
+    (every leaf [B, ...] split into micro-batches as pipeline_apply splits x). The three must be
+    pure functions of their arguments (no traced values closed over). The objective is the sum of
+    the head's losses plus, with `has_aux`, sum over float aux leaves named in `aux_weights` of
+    weight x the leaf's per-layer values summed over layers, averaged over the batch pieces
+    (micro-batches x replicas) as pipeline_apply averages aux. `aux` is pipeline_apply's: [L, ...]
+    means over the pieces, or () without `has_aux`. Sharding and `replica_axes` as pipeline_apply's.
+    """
+    kw = dict(stages=stages, microbatches=microbatches, remat_policy=remat_policy, has_aux=has_aux,
+              scan_layers=scan_layers, replica_axes=replica_axes)
+    run = functools.partial(_schedule, embed_fn, layer_fn, head_fn, **kw)
+    aux_weights = {} if aux_weights is None else aux_weights
+    batch_zeros = jax.tree.map(lambda a: (a.shape, a.dtype), batch)
+
+    @jax.custom_vjp
+    def objective(outer, stack, batch, weights):
+        return run(outer, stack, batch, weights, backward=False)[0]
+
+    def fwd(outer, stack, batch, weights):  # the whole schedule; its gradients are the residuals
+        return run(outer, stack, batch, weights, backward=True)
+
+    def bwd(grads, ct):  # the objective is a sum: its cotangent scales the gradients
+        ct_objective = ct[0]
+        scaled = jax.tree.map(lambda g: (g * ct_objective).astype(g.dtype), grads)
+        zero = lambda sd: np.zeros(sd[0], jax.dtypes.float0 if not jnp.issubdtype(sd[1], jnp.inexact) else sd[1])
+        return (*scaled, jax.tree.map(zero, batch_zeros, is_leaf=lambda x: isinstance(x, tuple)),
+                jax.tree.map(jnp.zeros_like, aux_weights))
+
+    objective.defvjp(fwd, bwd)
+    return objective(outer_params, stack_params, batch, aux_weights)
+
+
+def _schedule(embed_fn, layer_fn, head_fn, outer, stack, batch, aux_weights, *, stages, microbatches, remat_policy,
+              has_aux, scan_layers, replica_axes, backward):
+    """-> ((objective, (head loss, aux)), (d_outer, d_stack) or None)."""
+    L, B = jax.tree.leaves(stack)[0].shape[0], jax.tree.leaves(batch)[0].shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_axes = entry_axes(logical_to_spec(("stages", "batch"))[1]) if not mesh.empty else ()
+    replicas = tuple(a for a in batch_axes if a in replica_axes and mesh.shape[a] > 1)
+    with axis_rules(_inner_rules(replicas)):
+        validate(n_layers=L, batch=B, stages=stages, microbatches=microbatches, schedule=SCHEDULE,
+                 batch_shards=_mesh_size(batch_axes))
+        return _Program(embed_fn, layer_fn, head_fn, stages, microbatches, _mesh_size(replicas), L, remat_policy,
+                        has_aux, scan_layers).run(outer, stack, batch, aux_weights, backward)
+
+
+class _Program:
+    """The tick program for one shape (P, M, A, J): the vmapped stage pieces and the tick body."""
+
+    def __init__(self, embed_fn, layer_fn, head_fn, P, M, A, L, remat_policy, has_aux, scan_layers):
+        self.embed_fn, self.head_fn, self.P, self.M, self.A, self.L = embed_fn, head_fn, P, M, A, L
+        self.J, self.K = L // P, ring_slots(P, M)
+        mesh_empty = jax.sharding.get_abstract_mesh().empty
+        self.stage_axis = None if mesh_empty else logical_to_spec(("stages",))[0]
+        self.replica_axis = logical_to_spec((_REPLICAS,))[0] if A > 1 else None
+
+        def layer_at(x_bTD, p_J, k, mb):
+            # the layer's weights are picked inside the remat region (as in pipeline_apply)
+            out = layer_fn(x_bTD, jax.tree.map(lambda a: a[k], p_J), mb)
+            return out if has_aux else (out, ())
+        layer = layer_at if remat_policy is None else jax.checkpoint(layer_at, policy=remat_policy)
+        self.stage = lambda x_bTD, p_J, mb: jax.lax.scan(lambda x, k: layer(x, p_J, k, mb), x_bTD,
+                                                         jnp.arange(self.J), unroll=1 if scan_layers else self.J)
+
+    def vmapped(self, fn, in_axes):
+        """fn over one piece -> over [P, A, ...]: replicas inside, stages outside, as pipeline_apply."""
+        inner = jax.vmap(fn, in_axes=in_axes, spmd_axis_name=self.replica_axis)
+        return jax.vmap(inner, in_axes=in_axes, spmd_axis_name=self.stage_axis)
+
+    def aux_objective(self, aux_J, weights):
+        """The stage's aux term of the objective for one piece (see `loss`)."""
+        terms = [jnp.sum(aux_J[k]) * w / (self.M * self.A) for k, w in weights.items()
+                 if isinstance(aux_J, dict) and k in aux_J]
+        return sum(terms, jnp.zeros((), jnp.float32))
+
+    def forward(self, x_in, p_J, outer, mb, first, weights):  # one piece -> (y, aux_J, aux objective)
+        x = jnp.where(first, self.embed_fn(outer, mb).astype(x_in.dtype), x_in)
+        y, aux_J = self.stage(x, p_J, mb)
+        return y, aux_J, self.aux_objective(aux_J, weights)
+
+    def backward(self, x_in, p_J, outer, mb, first, weights, ct_y):  # -> (d x_in, d p_J, d outer)
+        def f(x_in, p_J, outer):
+            y, _, aux_obj = self.forward(x_in, p_J, outer, mb, first, weights)
+            return y, aux_obj
+        _, vjp = jax.vjp(f, x_in, p_J, outer)
+        return vjp((ct_y, jnp.ones((), jnp.float32)))
+
+    def head(self, outer, y, mb, backward):  # -> (loss, d outer, d y) or (loss, None, None)
+        if not backward:
+            return self.head_fn(outer, y, mb), None, None
+        value, vjp = jax.vjp(lambda o, y: self.head_fn(o, y, mb), outer, y)
+        return (value, *vjp(jnp.ones_like(value)))
+
+    def run(self, outer, stack, batch, weights, backward):
+        # One function on purpose (~85 lines): the tick body and its masks are closures over the
+        # same shapes, names and vmapped pieces; split, each piece would take them all.
+        P, M, A, J, K = self.P, self.M, self.A, self.J, self.K
+        stage_P = jnp.arange(P)
+        first_PA, last_P = jnp.broadcast_to((stage_P == 0)[:, None], (P, A)), stage_P == P - 1
+        mask = lambda ok_P, a: jnp.where(ok_P.reshape(P, *[1] * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
+        add = lambda acc, ok_P, g: jax.tree.map(lambda s, x: s + mask(ok_P, x.astype(s.dtype)), acc, g)
+        # [L, ...] -> [P, A, J, ...]: the A copies are views of one stage's weights, one per replica,
+        # so that each replica's gradient stays local until the one reduction at the end
+        stack_PAJ = jax.tree.map(lambda a: _pin(jnp.broadcast_to(a.reshape(P, 1, J, *a.shape[1:]),
+                                                                 (P, A, J, *a.shape[1:])), ("stages", _REPLICAS), 2),
+                                 stack)
+        b = jax.tree.leaves(batch)[0].shape[0] // M
+        batch_M = jax.tree.map(lambda a: _pin(a.reshape(A, b // A, M, *a.shape[1:]).transpose(
+            2, 0, 1, *range(3, a.ndim + 2)), (None, _REPLICAS) + _act_names(a.ndim)), batch)
+        pick = lambda m_P: jax.tree.map(lambda a: _pin(a[jnp.clip(m_P, 0, M - 1)], ("stages", _REPLICAS) +
+                                                       _act_names(a.ndim - 2)), batch_M)
+        x_shape = jax.eval_shape(self.embed_fn, outer, jax.tree.map(lambda a: a[0, 0], batch_M))
+        state_names = ("stages", _REPLICAS) + _act_names(len(x_shape.shape))
+        zeros = lambda *lead, dt=x_shape.dtype: jnp.zeros((*lead, *x_shape.shape), dt)
+        f32 = lambda tree, *lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), jnp.float32), tree)
+        run_fwd = self.vmapped(self.forward, (0, 0, None, 0, 0, None))
+        run_bwd = self.vmapped(self.backward, (0, 0, None, 0, 0, None, 0))
+        run_head = self.vmapped(lambda o, y, mb: self.head(o, y, mb, backward), (None, 0, 0))
+        per_stage = lambda fn: jax.vmap(fn, spmd_axis_name=self.stage_axis)
+
+        def tick(c, t, do_f, do_head, do_b):
+            m_f, m_b = forward_mb(t, stage_P, P), backward_mb(t, stage_P, P)
+            ok_f, ok_b = (m_f >= 0) & (m_f < M), (m_b >= 0) & (m_b < M)
+            c = dict(c)
+            if do_f:
+                mb_f = pick(m_f)
+                y, aux_J, aux_obj = run_fwd(c["fwd"], stack_PAJ, outer, mb_f, first_PA, weights)
+                c["loss"] = c["loss"] + mask(ok_f, aux_obj)
+                c["aux"] = add(c["aux"], ok_f, jax.tree.map(lambda a: a / (M * A), aux_J))
+            if do_head:  # the last stage turns micro-batch m_f into its loss and the cotangent of y
+                value, d_outer, dy = run_head(outer, y, mb_f)
+                c["head"] = c["head"] + mask(ok_f & last_P, value)
+            if do_b:  # read the ring before this tick's forward reuses the slot
+                saved = per_stage(lambda r, i: r[i])(c["ring"], m_b % K)
+                if do_head:  # the last stage's backward is of this tick's forward: its input, the head's cotangent
+                    is_last = last_P.reshape(P, *[1] * (saved.ndim - 1))
+                    x_b, ct = jnp.where(is_last, c["fwd"], saved), jnp.where(is_last, dy, c["bwd"])
+                else:
+                    x_b, ct = saved, c["bwd"]
+                dx, dp, d_o = run_bwd(_pin(x_b, state_names), stack_PAJ, outer, pick(m_b), first_PA, weights,
+                                      _pin(ct, state_names))
+                c["d_stack"], c["d_outer"] = add(c["d_stack"], ok_b, dp), add(c["d_outer"], ok_b, d_o)
+                if do_head:
+                    c["d_outer"] = add(c["d_outer"], ok_f & last_P, d_outer)
+                c["bwd"] = _pin(jnp.roll(dx, -1, axis=0), state_names)   # stage s's input gradient -> s-1
+            if do_f and backward:
+                write = lambda r, x, i, ok: jax.lax.dynamic_update_index_in_dim(r, jnp.where(ok, x, r[i]), i, 0)
+                c["ring"] = per_stage(write)(c["ring"], c["fwd"], m_f % K, ok_f)
+            if do_f:
+                c["fwd"] = _pin(jnp.roll(y, 1, axis=0), state_names)     # stage s's output -> s+1
+            return c, None
+
+        aux_shape = jax.eval_shape(lambda: self.stage(zeros(), jax.tree.map(lambda a: a[0, 0], stack_PAJ),
+                                                      jax.tree.map(lambda a: a[0, 0], batch_M))[1])
+        c = {"fwd": _pin(zeros(P, A), state_names), "loss": jnp.zeros((P, A)), "head": jnp.zeros((P, A)),
+             "aux": f32(aux_shape, P, A)}
+        if backward:
+            ring = _pin(zeros(P, K, A), ("stages", None, _REPLICAS) + _act_names(len(x_shape.shape)))
+            c |= {"bwd": _pin(zeros(P, A), state_names), "ring": ring, "d_outer": f32(outer, P, A),
+                  "d_stack": jax.tree.map(lambda a: jnp.zeros((P, A, J, *a.shape[1:]), jnp.float32), stack)}
+        flags = {"warm-up": (True, False, False), "steady": (True, True, backward), "cool-down": (False, False, True)}
+        for name, start, count in phases_1f1b(P, M):
+            if count and (backward or name != "cool-down"):
+                body = functools.partial(tick, **dict(zip(("do_f", "do_head", "do_b"), flags[name])))
+                c, _ = jax.lax.scan(body, c, jnp.arange(start, start + count))
+        aux = jax.tree.map(lambda a: a.sum(axis=1).reshape(self.L, *a.shape[3:]), c["aux"])
+        head_sum = c["head"].sum()
+        out = (c["loss"].sum() + head_sum, (head_sum, aux))
+        if not backward:
+            return out, None
+        d_stack = jax.tree.map(lambda g, p: g.sum(axis=1).reshape(p.shape).astype(p.dtype), c["d_stack"], stack)
+        d_outer = jax.tree.map(lambda g, p: g.sum(axis=(0, 1)).astype(p.dtype), c["d_outer"], outer)
+        return out, (d_outer, d_stack)
+
+
+# ------------------------------------------------------------------------------ the decoder
+
+def runs(cfg, pipeline) -> bool:
+    """Whether the train step's objective goes through `decoder_loss`: --pipeline.schedule 1f1b on
+    a mesh whose pipeline axis is > 1 (elsewhere the schedule is moot)."""
+    from models import transformer  # imported here: it imports the pipeline
+    if pipeline is None or pipeline.schedule != SCHEDULE or transformer._pipeline_stages() < 2:
+        return False
+    if getattr(cfg, "arch", ""):
+        raise UserError(f"--pipeline.schedule 1f1b runs the built-in decoder only, not the registered model"
+                        f" '{cfg.arch}'; valid schedules for it: gpipe, circular")
+    if cfg.n_experts:
+        # decoder_loss carries the MoE losses and stats (its gradient matches GPipe's), but the whole
+        # train step of an MoE model through it deadlocked on XLA:CPU (devices at different collectives)
+        raise UserError(f"--pipeline.schedule 1f1b does not run MoE models yet (model.n_experts={cfg.n_experts});"
+                        f" valid schedules for MoE: gpipe, circular")
+    return True
+
+
+def decoder_loss(cfg, params: dict, batch: dict, pipeline, token_loss: Callable, stat_weights: dict):
+    """The built-in decoder's objective through the 1F1B schedule -> (objective, loss sum, MoE stats
+    as Decoder returns them, {} when dense). `token_loss(logits_bTV, mb) -> loss_bT` is the
+    per-token loss; the objective is sum(loss_BT x weights) + sum over `stat_weights` of weight x
+    the stat's mean over MoE layers. Call it on a mesh with pipeline > 1."""
+    from models import model as model_lib, transformer  # imported here: both import the pipeline
+    module = model_lib._module(cfg, params)
+    dtype, stages = module.dtype, transformer._pipeline_stages()
+    per_group = cfg.moe_every if cfg.n_experts else 1
+    n_groups, n_dense = cfg.n_layers // per_group, (per_group - 1 if cfg.n_experts else 1)
+    dense_gdef, dense = nnx.split(module.blocks) if n_dense else (None, None)
+    moe_gdef, moe = nnx.split(module.moe_blocks) if cfg.n_experts else (None, None)
+    dense = jax.tree.map(lambda a: a.reshape(n_groups, n_dense, *a.shape[1:]), dense) if n_dense else None
+    norm_gdef, norm = nnx.split(module.final_norm)
+    outer = {"embed_VD": module.embed_VD[...], "norm": norm,
+             "head_DV": None if cfg.tie_embeddings else module.lm_head_DV[...]}
+    tokens_BT = batch["inputs"]
+    positions_BT = batch.get("positions")
+    if positions_BT is None:
+        positions_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+                        if batch.get("segment_ids") is None else transformer.segment_positions(batch["segment_ids"]))
+    mbatch = {**batch, "positions": positions_BT}
+    mbatch.setdefault("weights", jnp.ones(tokens_BT.shape, jnp.float32))
+
+    def embed(o, mb):
+        return constrain(jnp.take(o["embed_VD"], mb["inputs"], axis=0).astype(dtype), transformer.ACT_BTD)
+
+    def group(x_bTD, xs, mb):  # one group of layers, as the Decoder runs it
+        dense_g, moe_g = xs
+        stats = {}
+        for j in range(per_group):
+            if j < n_dense:
+                layer = nnx.merge(dense_gdef, jax.tree.map(lambda a: a[j], dense_g))
+                x_bTD, _ = layer(x_bTD, mb["positions"], None, mb.get("segment_ids"))
+            else:
+                x_bTD, _, stats = nnx.merge(moe_gdef, moe_g)(x_bTD, mb["positions"], None, mb.get("segment_ids"))
+        return x_bTD, stats
+
+    def head(o, y_bTD, mb):
+        x_bTD = constrain(nnx.merge(norm_gdef, o["norm"])(y_bTD), ("logits_batch", "seq", "act_embed"))
+        head_DV = o["embed_VD"].T if o["head_DV"] is None else o["head_DV"]
+        logits_bTV = constrain(jnp.einsum("btd,dv->btv", x_bTD, head_DV.astype(dtype),
+                                          preferred_element_type=jnp.float32), ("logits_batch", "seq", "act_vocab"))
+        return jnp.sum(token_loss(logits_bTV, mb) * mb["weights"])
+
+    M = pipeline.microbatches_for(stages)
+    objective, (loss_sum, stats) = loss(embed, group, head, outer, (dense, moe), mbatch,
+                                    {k: w / n_groups for k, w in stat_weights.items()}, stages=stages, microbatches=M,
+                                    remat_policy=transformer.REMAT[cfg.remat], has_aux=True,
+                                    scan_layers=cfg.scan_layers, replica_axes=pipeline.replica_axes)
+    return objective, loss_sum, transformer._sum_counts(stats, M * transformer._replicas(pipeline.replica_axes))

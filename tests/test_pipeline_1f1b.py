@@ -1,0 +1,237 @@
+"""The 1F1B pipeline schedule (models/pipeline_1f1b.py, models/schedules.py): its timetable, chart
+and memory bound, the same loss and gradients as the sequential stack, the plain model and GPipe,
+and bad settings in one line."""
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from errors import UserError
+from mesh.build import make_mesh
+from mesh.rules import axis_rules, make_rules
+from models import model
+from models import pipeline as pipeline_lib
+from models import pipeline_1f1b, schedules
+from models.config import PRESETS, PipelineConfig
+from plan.hlo import parse_collectives
+
+RULES = make_rules("layers=pipeline")
+
+
+# ------------------------------------------------------------------ the timetable
+
+@pytest.mark.parametrize("P, M", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8)])
+def test_timetable_is_one_forward_one_backward(P, M):
+    """Each stage runs every micro-batch forward then backward in order; a micro-batch moves one
+    stage per tick (forward out, backward back, the last stage's backward in its forward's tick);
+    after a warm-up of 2(P-1-s) forward-only ticks stage s runs one forward and one backward per
+    tick, then as many backward-only ticks; s idle ticks at each end; never more than 2(P-1) inputs
+    kept."""
+    table = schedules.table_1f1b(P, M)
+    assert all(len(row) == M + 2 * (P - 1) for row in table)
+    f_tick = [{f: t for t, (f, _) in enumerate(row) if f is not None} for row in table]
+    b_tick = [{b: t for t, (_, b) in enumerate(row) if b is not None} for row in table]
+    for s in range(P):
+        assert list(f_tick[s]) == list(range(M)) and list(b_tick[s]) == list(range(M))
+        for m in range(M):
+            assert b_tick[s][m] == (f_tick[s][m] if s == P - 1 else b_tick[s + 1][m] + 1)
+            assert s == 0 or f_tick[s][m] == f_tick[s - 1][m] + 1
+        # X: a forward and a backward in one tick; with M < 2(P-1-s) the warm-up runs out first (idle gap)
+        kinds = "".join("X" if f is not None and b is not None else "F" if f is not None else "B" if b is not None
+                        else "." for f, b in table[s])
+        warm, gap = min(M, 2 * (P - 1 - s)), max(0, 2 * (P - 1 - s) - M)
+        assert kinds == "." * s + "F" * warm + "X" * (M - warm) + "." * gap + "B" * warm + "." * s
+    assert schedules.in_flight_1f1b(P, M) == [min(M, 2 * (P - 1 - s)) for s in range(P)]
+    assert max(schedules.in_flight_1f1b(P, M)) <= schedules.ring_slots(P, M) <= 2 * (P - 1)
+
+
+def test_chart_and_plot(tmp_path):
+    chart = pipeline_lib.schedule_chart(2, 3, schedule="1f1b", n_layers=4).splitlines()
+    assert "5 ticks (1 forward-only, 3 forward+backward, 1 backward-only)" in chart[0]
+    assert "at most 2 micro-batches in flight" in chart[0] and "bubble (P-1)/(M+P-1) = 25.0%" in chart[0]
+    assert chart[1].split() == ["stage", "0", "(layers", "0-1)", "F0", "F1", "F2B0", "B1", "B2"]
+    assert chart[2].split() == ["stage", "1", "(layers", "2-3)", ".", "F0B0", "F1B1", "F2B2", "."]
+    pytest.importorskip("matplotlib")
+    path = pipeline_lib.plot_schedule(4, 8, schedule="1f1b", path=str(tmp_path / "s.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("kw, culprit", [
+    ({"microbatches": 2}, "--pipeline.microbatches=2 is less than the 4 stages of --mesh pipeline=4; use"
+                          " microbatches >= 4"),
+    ({"repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular (1f1b runs each stage's layers once)"),
+    ({"batch": 12, "microbatches": 8}, "valid microbatches: [4, 6, 12]"),
+])
+def test_bad_config_is_one_line(kw, culprit):
+    args = {"n_layers": 8, "batch": 16, "stages": 4, "microbatches": 4, "schedule": "1f1b", **kw}
+    with pytest.raises(UserError) as e:
+        pipeline_lib.validate(**args)
+    assert culprit in str(e.value) and "\n" not in str(e.value)
+    assert PipelineConfig(schedule="1f1b").validate().schedule == "1f1b"
+
+
+def test_train_step_routing():
+    """The train step runs 1F1B only for --pipeline.schedule 1f1b on a pipeline mesh, and refuses
+    MoE models in one line."""
+    pc = PipelineConfig(schedule="1f1b")
+    assert not pipeline_1f1b.runs(PRESETS["tiny"], pc)  # no mesh
+    with jax.set_mesh(make_mesh("pipeline=2,data=4")):
+        assert pipeline_1f1b.runs(PRESETS["tiny"], pc) and not pipeline_1f1b.runs(PRESETS["tiny"], PipelineConfig())
+        with pytest.raises(UserError) as e:
+            pipeline_1f1b.runs(PRESETS["moe-tiny"], pc)
+    assert "does not run MoE models yet (model.n_experts=8); valid schedules for MoE: gpipe, circular" in str(e.value)
+
+
+def test_loss_validates_before_tracing():
+    stack, outer, batch = toy()
+    with pytest.raises(UserError, match=r"not divisible by --pipeline.microbatches=5; valid microbatches: \[2, 4, 8"):
+        pipeline_1f1b.loss(embed, layer, head, outer, stack, batch, stages=2, microbatches=5)
+
+
+# ------------------------------------------------------------------ equivalence: a toy model
+
+L, D, F, V, B, T = 8, 8, 16, 11, 16, 4
+
+
+def toy():
+    k = jax.random.split(jax.random.key(0), 5)
+    stack = {"w_DF": jax.random.normal(k[0], (L, D, F)) * 0.3, "w_FD": jax.random.normal(k[1], (L, F, D)) * 0.3}
+    outer = {"emb_VD": jax.random.normal(k[2], (V, D)), "head_DV": jax.random.normal(k[3], (D, V)) * 0.3}
+    tokens = jax.random.randint(k[4], (B, T), 0, V)
+    # weights differ per row: a micro-batch's loss or gradient in the wrong place would show
+    batch = {"tokens": tokens, "targets": (tokens + 1) % V, "w": 1.0 + jnp.arange(B)[:, None] % 3 * jnp.ones((B, T))}
+    return stack, outer, batch
+
+
+def embed(o, mb):
+    return o["emb_VD"][mb["tokens"]]
+
+
+def layer(x_bTD, p, mb):
+    y = x_bTD + jnp.tanh(x_bTD @ p["w_DF"]) @ p["w_FD"] + 0.01 * mb["tokens"][..., None]
+    return y, {"aux": jnp.mean(y ** 2), "count": jnp.sum(y > 0)}
+
+
+def head(o, y_bTD, mb):
+    logits = y_bTD @ o["head_DV"]
+    target = jnp.take_along_axis(logits, mb["targets"][..., None], -1)[..., 0]
+    return jnp.sum((jax.nn.logsumexp(logits, -1) - target) * mb["w"])
+
+
+AUX_WEIGHT = 0.3
+
+
+def sequential(o, stack, batch, M):
+    """The plain stack with the same objective: head loss + AUX_WEIGHT x the per-layer aux summed
+    over layers, averaged over M micro-batches (rows m, m+M, ...)."""
+    y, aux_L = jax.lax.scan(lambda x, p: layer(x, p, batch), embed(o, batch), stack)
+    micro = [jax.tree.map(lambda a: a[m::M], batch) for m in range(M)]
+    per_mb = [jax.lax.scan(lambda x, p, mb=mb: layer(x, p, mb), embed(o, mb), stack)[1]["aux"] for mb in micro]
+    return head(o, y, batch) + AUX_WEIGHT * sum(jnp.sum(a) for a in per_mb) / M, aux_L
+
+
+CASES = [  # (mesh, P, M): M = P, 2P and 4P; data and fsdp axes; the layers scanned in each stage
+    ("", 2, 2), ("pipeline=2,data=2,fsdp=2", 2, 4), ("pipeline=4,data=2", 4, 4), ("pipeline=4,fsdp=2", 4, 8),
+    ("pipeline=4,model=2", 4, 16)]
+
+
+@pytest.mark.parametrize("mesh, P, M", CASES, ids=[f"{m or 'no-mesh'}-P{p}-M{n}" for m, p, n in CASES])
+def test_matches_sequential_stack(mesh, P, M):
+    """Objective, gradient norm and every gradient (embedding, head, each layer) to 1e-5, and the
+    forward-only program (no gradient) gives the same objective and aux."""
+    stack, outer, batch = toy()
+    (want, aux_L), want_g = jax.jit(jax.value_and_grad(sequential, argnums=(0, 1), has_aux=True),
+                                    static_argnums=3)(outer, stack, batch, M)
+
+    def f(o, s, b):
+        obj, (loss_sum, aux) = pipeline_1f1b.loss(embed, layer, head, o, s, b, {"aux": AUX_WEIGHT}, stages=P,
+                                                  microbatches=M, has_aux=True)
+        return obj, (loss_sum, aux)
+    with (jax.set_mesh(make_mesh(mesh)) if mesh else contextlib.nullcontext()), axis_rules(RULES):
+        compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True)).lower(outer, stack, batch).compile()
+        (got, (_, aux)), got_g = compiled(outer, stack, batch)
+        forward_only = jax.jit(f)(outer, stack, batch)[0] if mesh.startswith("pipeline=4,data") else got
+    if mesh.startswith("pipeline=4,data"):  # one micro-batch forward and one back per tick that has them
+        permutes = [c for c in parse_collectives(compiled.as_text(), make_mesh(mesh))
+                    if c.kind == "collective-permute" and c.axes == ("pipeline",)]
+        theory = pipeline_lib.permute_bytes_theory(batch=B, seq=T, d_model=D, itemsize=4, stages=P, microbatches=M,
+                                                   batch_shards=2)
+        assert sum(c.operand_bytes * c.count for c in permutes) == theory["sent"], permutes
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(forward_only, want, rtol=1e-5)
+    np.testing.assert_allclose(optax_norm(got_g), optax_norm(want_g), rtol=1e-5)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.abs(w).max()), err_msg=jax.tree_util.keystr(path))
+    # aux: per-layer means over the batch pieces, M micro-batches x A data replicas (counts / (M x A))
+    replicas = dict(part.split("=") for part in mesh.split(",") if part).get("data", "1")
+    np.testing.assert_allclose(aux["aux"], aux_L["aux"], rtol=1e-5)
+    np.testing.assert_allclose(aux["count"] * M * int(replicas), aux_L["count"])
+
+
+def optax_norm(tree):
+    return float(jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(tree))))
+
+
+# ------------------------------------------------------------------ equivalence: the decoder
+
+@pytest.mark.slow
+def test_decoder_matches_plain_model_and_gpipe():
+    """The tiny decoder (float32): the train step's objective (train.step.loss_terms) and its
+    gradient on one device-group without pipeline, with GPipe, and through 1F1B
+    (pipeline_1f1b.decoder_loss), pipeline=2 with data and fsdp axes, M = 2P."""
+    from train.step import loss_terms, token_losses
+    cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
+    params = model.init(cfg, jax.random.key(0))
+    model.abstract_params(cfg)  # the module graph, built outside any mesh (it is cached)
+    tok = np.random.default_rng(0).integers(0, 256, (16, 17)).astype(np.int32)
+    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:], "weights": np.ones((16, 16), np.float32)}
+    pc = PipelineConfig(microbatches=4)
+    rules = make_rules("")
+
+    def run(mesh, fn):
+        with jax.set_mesh(make_mesh(mesh)), axis_rules(rules):
+            return jax.jit(jax.value_and_grad(fn))(params, batch)
+    plain = run("data=8", lambda p, b: loss_terms(cfg, p, b)[0])
+    gpipe = run("pipeline=2,data=2,fsdp=2", lambda p, b: loss_terms(cfg, p, b, pc)[0])
+    one_f = run("pipeline=2,data=2,fsdp=2", lambda p, b: pipeline_1f1b.decoder_loss(
+        cfg, p, b, dataclasses.replace(pc, schedule="1f1b"), lambda lg, mb: token_losses(None, lg, mb), {})[0])
+    for want in (plain, gpipe):
+        np.testing.assert_allclose(one_f[0], want[0], rtol=1e-5)
+        np.testing.assert_allclose(optax_norm(one_f[1]), optax_norm(want[1]), rtol=1e-5)
+        for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(one_f[1]), jax.tree.leaves(want[1])):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(np.abs(w).max()),
+                                       err_msg=jax.tree_util.keystr(path))
+
+
+# ------------------------------------------------------------------ memory
+
+@pytest.mark.slow
+def test_temp_memory_is_flat_in_microbatches():
+    """Compiled temp memory of the gradient at P=4 with micro-batches of fixed size, M = 4, 8, 16:
+    1F1B keeps at most 2(P-1) = 6 stage inputs whatever M (4 at M = 4); GPipe keeps every tick's."""
+    stack, outer, _ = toy()
+    stack = jax.tree.map(lambda a: a[:4], stack)
+
+    def temp(schedule, M):
+        batch = {k: jnp.zeros((2 * M, 32), dt) for k, dt in (("tokens", jnp.int32), ("targets", jnp.int32),
+                                                               ("w", jnp.float32))}
+        if schedule == "1f1b":
+            f = lambda o, s, b: pipeline_1f1b.loss(embed, layer, head, o, s, b, stages=4, microbatches=M,
+                                                   has_aux=True)[0]
+        else:
+            f = lambda o, s, b: head(o, pipeline_lib.pipeline_apply(lambda x, p, tok: layer(x, p, {"tokens": tok})[0],
+                                                                     s, embed(o, b), b["tokens"], stages=4,
+                                                                     microbatches=M), b)
+        with jax.set_mesh(make_mesh("pipeline=4,data=2")), axis_rules(RULES):
+            compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(outer, stack, batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+    one_f = {M: temp("1f1b", M) for M in (4, 8, 16)}
+    gpipe = {M: temp("gpipe", M) for M in (4, 16)}
+    assert one_f[4] <= one_f[8] and one_f[16] <= 1.2 * one_f[8], one_f
+    assert gpipe[16] > 2.5 * gpipe[4] and one_f[16] < gpipe[16] / 3, (one_f, gpipe)
