@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import math
 import os
 import shutil
@@ -20,6 +21,7 @@ import typing
 from typing import Any
 
 from checkpoint.hf_files import hf_tensors, load_params, read_config, write_files
+from checkpoint.layout import fingerprint, lora_base, merged
 from errors import ArgParser, UserError
 from models.config import ModelConfig
 from models.hf import ARCHITECTURES, DTYPES, Model, config_from_hf, config_to_hf, is_int, is_number, short_json
@@ -77,8 +79,10 @@ def import_checkpoint(hf_dir: str, out: str, dtype: str = "float32") -> str:
     # The model section as the training config writes it (its preset, then every field), so that
     # `--config out/model.yaml` rebuilds exactly this ModelConfig.
     model_section = {"preset": "default", **dataclasses.asdict(cfg)}
+    tokenizer = _tokenizer_record(hf_dir)
     meta = params_only_meta(0, {"model": model_section},
-                            imported_from={"path": os.path.abspath(hf_dir), "model_type": model_type})
+                            imported_from={"path": os.path.abspath(hf_dir), "model_type": model_type},
+                            **({"tokenizer": tokenizer} if tokenizer else {}))
     ck = Checkpointer(out, keep=0, async_save=False)
     ck.save(0, {"params": params}, meta)
     ck.close()
@@ -87,13 +91,47 @@ def import_checkpoint(hf_dir: str, out: str, dtype: str = "float32") -> str:
     return ck.step_dir(0)
 
 
+def _tokenizer_record(hf_dir: str) -> dict | None:
+    """The model directory's tokenizer.json as `prepare --tokenizer HF_DIR` records it in a dataset's
+    index (train/data/tokenizers.py describe: the same `id`, kind and the file's sha256), so that
+    --init-from and `eval` can tell data of another tokenizer; None without a tokenizer.json."""
+    path = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"kind": "hf", "path": os.path.abspath(hf_dir), "sha256": digest, "id": f"hf:{digest[:16]}",
+            "model_dir": os.path.basename(os.path.abspath(hf_dir))}
+
+
 def load_checkpoint(path: str) -> Model:
-    """The params of any Brigade checkpoint (a run, a step, an export) as a Model in host memory."""
+    """The params of any Brigade checkpoint (a run, a step, an export) as a Model in host memory;
+    a LoRA run's adapters merged into its base (W + alpha/r A B): a plain model."""
     from checkpoint.manager import open_checkpoint
     ck, step = open_checkpoint(path)
     source = f"checkpoint '{ck.step_dir(step)}'"
-    cfg = config_from_meta(ck.meta(step), source)
-    return Model(cfg, ck.restore_params_to_host(step), source)
+    meta = ck.meta(step)
+    cfg = config_from_meta(meta, source)
+    params = ck.restore_params_to_host(step)
+    lora = lora_base(meta)
+    return Model(cfg, params if lora is None else _lora_merged(cfg, params, lora, source), source)
+
+
+def _lora_merged(cfg: ModelConfig, adapters: dict, lora: dict, source: str) -> dict:
+    """A LoRA checkpoint's adapters merged into the base its meta points at, which must still have
+    the fingerprint the run recorded (one line otherwise), in the model's param_dtype."""
+    import jax
+    import numpy as np
+    from checkpoint.manager import open_checkpoint
+    if not lora["path"]:
+        raise UserError(f"{source}: a LoRA run on a random base (--lora.allow_random_base), which was never saved;"
+                        f" nothing to merge its adapters into")
+    ck, step = open_checkpoint(lora["path"])
+    base = jax.tree.map(lambda x: np.asarray(x, cfg.param_dtype), ck.restore_params_to_host(step))
+    if fingerprint(base) != lora["fingerprint"]:
+        raise UserError(f"{source}: its LoRA base {ck.step_dir(step)} changed since the run (fingerprint"
+                        f" {fingerprint(base)}, recorded {lora['fingerprint']}); export needs the original base")
+    return jax.tree.map(np.asarray, merged(base, adapters, lora["scale"], dtype=cfg.param_dtype))
 
 
 def config_from_meta(meta: Any, source: str) -> ModelConfig:

@@ -9,6 +9,7 @@ A checkpoint directory holds one directory per committed step:
                           sync layout, `residual` (error feedback) or `drift` + `outer_opt` (DiLoCo);
                           those per-replica arrays carry a leading [R] dim (R data-parallel replicas).
                           A parameters-only checkpoint (export, HF import) holds `{"params": ...}`.
+                          A LoRA run's (--lora.rank > 0) `params` are its adapters only (`lora_base`).
     <dir>/<step>/meta/    META_ITEM: JSON (META_SCHEMA): the format version, the resolved config, the
                           model section, the mesh, the data position, the library versions.
 
@@ -20,11 +21,14 @@ loader's record of its sources, checked on resume).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from checkpoint.integrity import UnreadableCheckpoint
 from errors import UserError
@@ -73,12 +77,14 @@ def make_meta(step: int, config: dict, mesh: jax.sharding.Mesh, seed: int) -> di
 # them; fields that are only compared (the rest of the config and of the loader) may hold anything.
 _COMM = {"compression": str, "topk_fraction": float, "error_feedback": str, "sync_every": int,
          "outer_lr": float, "outer_momentum": float}
+_LORA = {"rank": int, "alpha": float, "targets": str, "base_fingerprint": str}
 META_SCHEMA = {
     "format": int, "step": int, "seed": int, "devices": int, "processes": int, "mesh": {"*": int},
     "data": {"next_step": int, "seed": int, "source": (str, None),
              "loader": {"next_step": int, "sources": [dict]}},
-    "model": dict, "config": {"*": dict, "comm": _COMM}, "versions": {"*": str},
+    "model": dict, "config": {"*": dict, "comm": _COMM, "lora": _LORA}, "versions": {"*": str},
     "saved_at": str, "contents": str, "exported_from": str, "imported_from": dict,
+    "tokenizer": {"kind": str, "path": str, "sha256": str, "id": str},  # an HF import's (tokenizer_record)
     "local": {"process": int, "processes": int, "device_ids": [int]},  # a local-tier copy (checkpoint/tiers.py)
 }
 _REQUIRED_META = ("step",)
@@ -95,6 +101,74 @@ def params_only_meta(step: int, config: dict, **origin) -> dict:
 
 def is_params_only(meta: dict) -> bool:
     return meta.get("contents") == PARAMS_ONLY
+
+
+# -- LoRA: a run's checkpoint holds its adapters; the frozen base is a pointer -----------------------
+def lora_base(meta: dict) -> dict | None:
+    """A LoRA run's base, from its step's meta: {"path": the --init-from checkpoint ("" for a random
+    base), "fingerprint": `fingerprint` of its parameters, "scale": alpha / rank}; None when the
+    step is no LoRA run's."""
+    config = meta.get("config", {})
+    lora = config.get("lora", {})
+    if not lora.get("rank"):
+        return None
+    return {"path": config.get("checkpoint", {}).get("init_from", ""), "fingerprint": lora.get("base_fingerprint", ""),
+            "scale": lora["alpha"] / lora["rank"]}
+
+
+def _bit_sums(x: jax.Array) -> jax.Array:
+    """[2] uint32: the sum of `x`'s bit patterns and their sum weighted by (2 x flat index + 1),
+    modulo 2^32. Integer sums are exact in any order, so they do not depend on the sharding."""
+    width = {2: jnp.uint16, 1: jnp.uint8}.get(x.dtype.itemsize, jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
+    weight = 2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
+
+
+_tree_bit_sums = jax.jit(lambda tree: jax.tree.map(_bit_sums, tree))
+
+
+def fingerprint(params) -> str:
+    """A short hex digest of a parameter tree's names, shapes, dtypes and values, computed where
+    the arrays are (sharded device arrays on any mesh and process count, or host arrays) with the
+    same result; what a LoRA checkpoint records of its base."""
+    sums = _tree_bit_sums(params)
+    digest = hashlib.sha256()
+    for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(sums)):
+        held = np.asarray(s.addressable_data(0))  # replicated: every process holds it whole
+        name = jax.tree_util.keystr(path)
+        digest.update(f"{name} {tuple(x.shape)} {np.dtype(x.dtype).name} {held.tolist()};".encode())
+    return digest.hexdigest()[:16]
+
+
+def merged(base, adapters, scale: float, dtype=None):
+    """`base` with each adapted weight W replaced by W + scale x A B: `adapters` mirrors the base's
+    tree down to the weights it adapts, each a {"lora_a": A [lead..., in..., r], "lora_b": B [lead...,
+    r, out...]} (lead: the dims W shares with both, the layer stack). In float32, then `dtype`
+    (default: W's). Jittable; the HF export calls it on host (numpy) arrays."""
+    def walk(node, adapter):
+        if isinstance(adapter, dict) and set(adapter) == {"lora_a", "lora_b"}:
+            a, b = adapter["lora_a"], adapter["lora_b"]
+            lead = a.ndim + b.ndim - 2 - node.ndim
+            letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank
+            n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
+            lead_s, in_s, out_s = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + n_out]
+            delta = jnp.einsum(f"{lead_s}{in_s}r,{lead_s}r{out_s}->{lead_s}{in_s}{out_s}",
+                               jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+            return (jnp.asarray(node, jnp.float32) + scale * delta).astype(dtype or node.dtype)
+        return {k: walk(v, adapter[k]) if k in adapter else v for k, v in node.items()}
+    return walk(base, adapters)
+
+
+def tokenizer_record(meta: dict) -> dict | None:
+    """The tokenizer a checkpoint's parameters were trained with or imported with, as a prepared
+    dataset's index records it (kind, path, sha256, `id`: what must match): an HF import's
+    `tokenizer`, else the data loader's; None when the checkpoint records none (older ones)."""
+    loader = meta.get("data", {}).get("loader", {}) if isinstance(meta.get("data"), dict) else {}
+    for record in (meta.get("tokenizer"), loader.get("tokenizer") if isinstance(loader, dict) else None):
+        if isinstance(record, dict) and isinstance(record.get("id"), str):
+            return record
+    return None
 
 
 def replica_layout(arrays: list[tuple[str, tuple, str]]) -> tuple[int | None, bool]:

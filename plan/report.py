@@ -18,6 +18,7 @@ from models.flops import active_param_count, flops_per_token, param_count
 from plan.hardware import Hardware
 from plan.hlo import KINDS, parse_collectives, summarize
 from plan.theory import local_bytes, on_backend, rows_per_shard, run_spec, theory
+from train import lora
 from train.setup import RunSetup, abstract_batch, abstract_state, compile_step, setup
 from train.shapes import batch_shards
 
@@ -75,7 +76,8 @@ def analyze(s: RunSetup) -> dict:
     mem = compiled.memory_analysis()
     cost = _cost_analysis(compiled)
     measured = summarize(parse_collectives(compiled.as_text(), s.mesh))
-    th = theory(run_spec(s), state.params)
+    # LoRA: the frozen base's weights are the ones that move (its adapters are tiny and replicated)
+    th = theory(run_spec(s), state.params if s.base_shardings is None else lora.abstract_base(s.cfg, s.base_shardings))
     th_backend = on_backend(th, jax.default_backend(), dict(s.mesh.shape))
     params_b = sum(local_bytes(x) for x in jax.tree.leaves(state.params))
     opt_b = sum(local_bytes(x) for x in jax.tree.leaves(state.opt_state))

@@ -1,5 +1,7 @@
 """`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only;
-`python -m train report RUN_DIR` renders a run's plots and summary."""
+`python -m train report RUN_DIR` renders a run's plots and summary; `python -m train eval CKPT
+--data DIR` evaluates a checkpoint (train/evaluate.py); `python -m train sample CKPT --prompt TEXT`
+generates with it (train/sample_cli.py)."""
 from __future__ import annotations
 
 import os
@@ -22,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "report":
             from train.report import main as report_main
             return report_main(argv[1:])
+        if argv and argv[0] == "eval":
+            from train.evaluate import main as eval_main
+            return eval_main(argv[1:])
+        if argv and argv[0] == "sample":
+            from train.sample_cli import main as sample_main
+            return sample_main(argv[1:])
         from train.config import from_args
         cfg, _ = from_args(argv)
         from train.rundir import start_named_run

@@ -17,14 +17,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from checkpoint.integrity import UnreadableCheckpoint
-from checkpoint.layout import replica_layout
+from checkpoint import storage
+from checkpoint.layout import replica_layout, tokenizer_record
 from checkpoint.manager import Checkpointer, open_checkpoint
 from checkpoint.saving import step_list
 from checkpoint.tiers import all_processes, drop_after, local_tier, saved_elsewhere, steps_everywhere
 from errors import UserError
 from mesh.spec import mesh_text
-from train import comm, state as train_state
+from train import comm, lora, state as train_state
 from train.config import CommConfig
+from train.data.index import INDEX, read_index
+from train.data.sources import REPREPARE, parse_mixture
 from train.resilience import Diverged
 from train.rundir import changed_settings
 from train.setup import RunSetup
@@ -179,7 +182,7 @@ def saved_abstract(run: RunSetup, abstract: TrainState, src: Checkpointer, step:
         raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
                         f" resume with its settings and data-parallel size, or start a new --run-dir")
     tx = run.tx_with(clip=not local_clip)
-    out = train_state.abstract(run.model_cfg, tx, run.mesh, run.rules, sync)
+    out = train_state.abstract(run.model_cfg, tx, run.mesh, run.rules, sync, lora_cfg=run.cfg.lora)
     if n_saved is not None and (resized or out.residual is None):  # replicated here; `_convert` averages
         out = out.replace(residual=jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct((n_saved, *a.shape), jnp.float32,
@@ -246,7 +249,7 @@ def initial_state(run: RunSetup, abstract: TrainState, point: ResumePoint | None
                              f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - since:.1f}s"
                              + (f"; converted to this run's --comm settings: {meta['converted']}"
                                 if meta.get("converted") else ""))
-    if run.cfg.checkpoint.init_from:
+    if run.cfg.checkpoint.init_from and not lora.enabled(run.cfg.lora):  # LoRA's is the base (train/lora.py)
         state, note = init_from(run, abstract.params, run.cfg.checkpoint.init_from)
         return state, {}, note
     return create(), {}, ""
@@ -265,6 +268,50 @@ def init_from(run: RunSetup, abstract_params: Any, path: str) -> tuple[TrainStat
         raise
     state = train_state.from_params(run.model_cfg, run.tx, run.mesh, run.rules, params, run.sync)
     return state, f"initialised the parameters from {src.step_dir(step)} (fresh optimizer)"
+
+
+def saved_tokenizer(meta: dict) -> dict | None:
+    """The tokenizer record of a checkpoint (checkpoint.layout.tokenizer_record); for one that
+    predates the record, that of the data its config names: the prepared dataset's index (the
+    first source: a mixture shares one tokenizer) while it still exists, the byte-level record for
+    the stdlib, synthetic and text sources; None when nothing tells (an older HF import)."""
+    record = tokenizer_record(meta)
+    data = meta.get("config", {}).get("data") if isinstance(meta.get("config"), dict) else None
+    if record or not isinstance(data, dict) or not isinstance(data.get("source"), str):
+        return record
+    try:
+        first = parse_mixture(data["source"])[0][0]
+        if storage.isfile(storage.join(first, INDEX)):
+            return read_index(first, f"the checkpoint's --data {first}", REPREPARE)["tokenizer"]
+    except UserError:  # a mixture or index that no longer reads: nothing to compare against
+        return None
+    return {"kind": "byte", "id": "byte"} if first in ("default", "synthetic") or os.path.exists(first) else None
+
+
+def check_tokenizer(meta: dict, data_tokenizer: dict, allow: bool, what: str) -> None:
+    """UserError (one line naming both) when data prepared with `data_tokenizer` (a dataset's
+    record) meets a checkpoint (`meta`) that records another tokenizer: its ids would be other
+    tokens to the model. `allow`: --data.allow_tokenizer_mismatch. A checkpoint recording none passes."""
+    saved = saved_tokenizer(meta)
+    if allow or saved is None or saved["id"] == data_tokenizer.get("id"):
+        return
+    named = lambda r: r["id"] + (f" ({r['path']})" if r.get("path") else "")  # noqa: E731
+    raise UserError(f"{what}: the checkpoint's tokenizer is {named(saved)} but the data's is {named(data_tokenizer)},"
+                    f" so its token ids would be other tokens to the model; prepare the data with"
+                    f" `python -m train.data prepare --tokenizer {saved.get('path') or saved['kind']}`, or pass"
+                    f" --data.allow_tokenizer_mismatch true")
+
+
+def check_init_tokenizer(run: RunSetup, data) -> None:
+    """--init-from PATH meeting data of another tokenizer: one line (check_tokenizer), before the
+    compile. `data`: the run's opened pipeline; a user's iterable (Trainer(data=...)) has no
+    recorded tokenizer to compare."""
+    path, sources = run.cfg.checkpoint.init_from, getattr(data, "sources", None)
+    if not path or not sources:
+        return
+    src, step = open_checkpoint(path)
+    check_tokenizer(src.meta(step), sources[0].tokenizer, run.cfg.data.allow_tokenizer_mismatch,
+                    f"--init-from {path}")
 
 
 def recover(run: RunSetup, abstract: TrainState, saver: Checkpointer, state: TrainState, step: int,

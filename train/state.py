@@ -14,7 +14,7 @@ from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
 from models import model
 from models.config import ModelConfig
-from train import comm
+from train import comm, lora
 from train.comm import SyncLayout
 
 
@@ -22,7 +22,8 @@ from train.comm import SyncLayout
 class TrainState:
     step: jax.Array      # int32 scalar: train steps taken so far, skipped (non-finite) ones too; the
                          # learning-rate schedule runs on the optimizer's own count, in opt_state
-    params: Any          # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params)
+    params: Any          # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params;
+                         # LoRA: the adapters only, the frozen base is the step's own argument: train/lora.py)
     opt_state: Any       # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...]),
                          # float32 whatever the param dtype (train/optim.py in_float32)
     # The data-parallel sync's own state (train/comm.py), [R, ...] per param and sharded over the
@@ -134,13 +135,21 @@ def like_params(tx: optax.GradientTransformation, abstract_params, param_sh, mes
     return out
 
 
+def trainable(cfg: ModelConfig, lora_cfg=None) -> tuple[dict, dict]:
+    """(logical axes, ShapeDtypeStructs) of what trains: the model's params, or with `lora_cfg` (a
+    LoraConfig with rank > 0) the adapters."""
+    if lora.enabled(lora_cfg):
+        return lora.adapter_axes(cfg, lora_cfg), lora.abstract_adapters(cfg, lora_cfg)
+    return model.param_axes(cfg), model.abstract_params(cfg)
+
+
 def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout(),
-              warn=None) -> TrainState:
+              warn=None, lora_cfg=None) -> TrainState:
     """A TrainState of NamedShardings: params from the rules, optimizer state like its params
     (`like_params`; `warn`: told of replicated non-scalar state), scalars (counts, step)
-    replicated; per-replica state over the dp axes."""
-    param_sh = tree_shardings(mesh, model.param_axes(cfg), rules)
-    abstract_params = model.abstract_params(cfg)
+    replicated; per-replica state over the dp axes. `lora_cfg`: the params are its adapters."""
+    axes, abstract_params = trainable(cfg, lora_cfg)
+    param_sh = tree_shardings(mesh, axes, rules)
 
     def per_replica(tree):
         return jax.tree.map(lambda sh: NamedSharding(mesh, comm.replica_spec(sh.spec, sync.dp_axes)), tree)
@@ -155,15 +164,17 @@ def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, ru
     return out
 
 
-def abstract(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout()) -> TrainState:
+def abstract(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout(),
+             lora_cfg=None) -> TrainState:
     """ShapeDtypeStructs with shardings: what `plan` compiles against, without allocating."""
-    sh = shardings(cfg, tx, mesh, rules, sync)
-    shapes = jax.eval_shape(lambda: _fresh(cfg, tx, jax.random.key(0), sync, sync.replicas(mesh)))
+    sh = shardings(cfg, tx, mesh, rules, sync, lora_cfg=lora_cfg)
+    shapes = jax.eval_shape(lambda: _fresh(cfg, tx, jax.random.key(0), sync, sync.replicas(mesh), lora_cfg))
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
 
 
-def _fresh(cfg: ModelConfig, tx, key, sync: SyncLayout = SyncLayout(), n_dp: int = 1) -> TrainState:
-    return _around(model.init(cfg, key), tx, sync, n_dp)
+def _fresh(cfg: ModelConfig, tx, key, sync: SyncLayout = SyncLayout(), n_dp: int = 1, lora_cfg=None) -> TrainState:
+    params = lora.init_adapters(cfg, lora_cfg, key) if lora.enabled(lora_cfg) else model.init(cfg, key)
+    return _around(params, tx, sync, n_dp)
 
 
 def _around(params, tx, sync: SyncLayout, n_dp: int) -> TrainState:
@@ -178,11 +189,13 @@ def _around(params, tx, sync: SyncLayout, n_dp: int) -> TrainState:
 
 
 def create(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, seed: int,
-           sync: SyncLayout = SyncLayout()) -> TrainState:
-    """Initialise under jit with output shardings: every device only ever holds its own shards."""
-    sh = shardings(cfg, tx, mesh, rules, sync)
+           sync: SyncLayout = SyncLayout(), lora_cfg=None) -> TrainState:
+    """Initialise under jit with output shardings: every device only ever holds its own shards.
+    `lora_cfg`: fresh adapters (the base is loaded apart: train/lora.py)."""
+    sh = shardings(cfg, tx, mesh, rules, sync, lora_cfg=lora_cfg)
     with jax.set_mesh(mesh), axis_rules(rules):
-        return jax.jit(lambda k: _fresh(cfg, tx, k, sync, sync.replicas(mesh)), out_shardings=sh)(jax.random.key(seed))
+        return jax.jit(lambda k: _fresh(cfg, tx, k, sync, sync.replicas(mesh), lora_cfg),
+                       out_shardings=sh)(jax.random.key(seed))
 
 
 def from_params(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, params,

@@ -1,0 +1,188 @@
+"""`python -m train eval CKPT --data [NAME=]DIR ... [flags]`: the mean loss and perplexity of a
+checkpoint's parameters on prepared datasets, one line per set (or one JSON object with --json).
+
+CKPT is resolved as --resume PATH and --init-from resolve it (a run directory, a checkpoint
+directory, one step's directory, an HF import), and the model is the one its metadata records.
+Every run flag applies (--mesh, --batch-size, --seq-len, --model.dtype, --data.eval_fraction, ...);
+where the checkpoint's run set the batch size, sequence length, seed, eval fraction and packing,
+those are the defaults, so that the run's own eval batches are the ones evaluated here.
+
+Each set is evaluated over its eval split (`--split eval`, the default: the documents a run with
+the same --data.eval_fraction holds out) or over all its documents (`--split all`): every window
+of --seq-len tokens once, in batches of --batch-size, or only the first --eval-batches N batches.
+The loss is Trainer.eval_loss (train/step.py eval_step): token losses weighted by the dataset's
+loss mask, so a chat dataset's loss is over the assistant turns only. A set prepared with another
+tokenizer than the checkpoint's is refused, like --init-from (--data.allow_tokenizer_mismatch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import numpy as np
+
+from checkpoint import storage
+from checkpoint.hf import config_from_meta
+from checkpoint.manager import Checkpointer, open_checkpoint
+from errors import ArgParser, UserError, one_line_errors
+from mesh.build import start_mesh
+from models.config import ModelConfig
+from train import resume
+from train.config import Config, build, make_parser
+from train.data.index import INDEX
+from train.data.pipeline import Pipeline
+from train.data.sources import load_source
+from train.loop import Trainer
+
+SPLITS = ("eval", "all")
+# The run settings an evaluation takes from the checkpoint's own run unless a flag says otherwise:
+# they decide which windows and batches its held-out documents make.
+EVAL_SETTINGS = ("train.batch_size", "train.seq_len", "train.seed", "data.eval_fraction", "data.packing",
+                 "data.packing_mask")
+
+
+@dataclasses.dataclass
+class Opened:
+    """A checkpoint's step, its metadata and the run config to use it with."""
+    cfg: Config
+    src: Checkpointer
+    step: int
+    meta: dict
+
+    def trainer(self) -> Trainer:
+        """A Trainer on --mesh: the eval step, the sampler and the parameters' shardings (nothing allocated)."""
+        return Trainer(self.cfg, mesh=start_mesh(self.cfg.parallelism))
+
+    def params(self, trainer: Trainer):
+        """The parameters alone (no optimizer state), read straight into the trainer's shardings."""
+        return self.src.restore_params(self.step, trainer.abstract_state().params)
+
+
+def command_parser(prog: str, description: str) -> ArgParser:
+    """Every run flag (train/config.py) plus the checkpoint to use."""
+    parser = make_parser(prog, description)
+    parser.add_argument("ckpt", metavar="CKPT", help="a run directory, a checkpoint directory, one step's directory"
+                                                     " or an HF import (as --resume PATH)")
+    return parser
+
+
+def open_model(ckpt: str, ns, carried: tuple[str, ...] = ()) -> Opened:
+    """The checkpoint at `ckpt` and the Config to run its model with: the model section of its
+    metadata, then the `carried` settings of its run, then the flags in `ns` (any --section.field)."""
+    src, step = open_checkpoint(ckpt)
+    meta = src.meta(step)
+    model_cfg = config_from_meta(meta, f"checkpoint '{src.step_dir(step)}'")  # every field type-checked
+    saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    run = {key: saved[section][name] for key in carried for section, _, name in [key.partition(".")]
+           if isinstance(saved.get(section), dict) and name in saved[section]}
+    preset = meta["model"].get("preset")
+    model = {"model.preset": preset if isinstance(preset, str) else "default",
+             **{f"model.{f.name}": getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)}}
+    flags = {k: v for k, v in vars(ns).items() if "." in k}
+    return Opened(build({**run, **model, **flags}, getattr(ns, "config", None)), src, step, meta)
+
+
+def parse_sets(specs: list[str] | None) -> list[tuple[str, str]]:
+    """--data [NAME=]DIR, repeated -> [(name, DIR)]; the name defaults to DIR's base name."""
+    if not specs:
+        raise UserError("eval: no --data; name the sets to evaluate with --data DIR or --data NAME=DIR (repeatable)")
+    sets = []
+    for spec in specs:
+        name, sep, directory = spec.partition("=")
+        if not sep:
+            name, directory = storage.basename(spec.rstrip("/")), spec
+        if not name or not directory:
+            raise UserError(f"eval: --data {spec!r}: expected DIR or NAME=DIR (a prepared dataset)")
+        if name in (n for n, _ in sets):
+            raise UserError(f"eval: --data {spec!r}: the set name '{name}' is given twice; name each set once"
+                            f" with --data NAME=DIR")
+        if not storage.isfile(storage.join(directory, INDEX)):
+            raise UserError(f"eval: --data {spec!r}: '{directory}' is not a prepared dataset (no {INDEX}); make one"
+                            f" with `python -m train.data prepare INPUTS --tokenizer TOK --out DIR`")
+        sets.append((name, directory))
+    return sets
+
+
+def set_pipeline(opened: Opened, name: str, directory: str, split: str, sharding) -> Pipeline:
+    """The dataset as a pipeline whose eval windows are the split to evaluate: its held-out
+    documents, or (`all`) every document, read as one stream with nothing held out."""
+    cfg, d, t = opened.cfg, opened.cfg.data, opened.cfg.train
+    src = load_source(directory, d.eval_fraction if split == "eval" else 0.0, t.seed, d.verify)
+    resume.check_tokenizer(opened.meta, src.tokenizer, d.allow_tokenizer_mismatch, f"eval: --data {name}={directory}")
+    if split == "all":
+        src = dataclasses.replace(src, eval=src.train)
+    pipeline = Pipeline([(src, 1.0)], batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, packing=d.packing,
+                        packing_mask=d.packing_mask, batch_sharding=sharding, vocab_size=cfg.model.vocab_size)
+    if not pipeline.eval[0].n:
+        raise UserError(f"eval: --data {name}={directory}: its eval split holds {src.eval.n_tokens} tokens, not one"
+                        f" window of --seq-len {t.seq_len} + 1; use --split all, a larger --data.eval_fraction"
+                        f" (now {d.eval_fraction}) or a shorter --seq-len")
+    return pipeline
+
+
+def split_batches(pipeline: Pipeline, limit: int, sharding) -> tuple[list[dict], int]:
+    """-> (the batches covering every eval window once, or the first `limit` of them; the windows
+    they hold). Row g of the eval rows is window g of a permutation while g < windows, then they
+    wrap round: those rows of the last batch weigh 0, so no window counts twice."""
+    windows, rows_per_batch = pipeline.eval[0].n, pipeline.B
+    n = -(-windows // rows_per_batch)
+    n = min(n, limit) if limit else n
+    batches = []
+    for i in range(n):
+        rows = pipeline.eval_rows(i)
+        fresh_B = np.arange(i * rows_per_batch, (i + 1) * rows_per_batch) < windows
+        rows["weights"] = rows["weights"] * fresh_B[:, None]
+        batches.append({k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+                        for k, v in rows.items()})
+    return batches, min(n * rows_per_batch, windows)
+
+
+def make_eval_parser() -> ArgParser:
+    parser = command_parser("python -m train eval", "Mean loss and perplexity of a checkpoint on prepared datasets.")
+    # --data names a set here (repeatable), not --data.source: this --data takes the run flag's alias
+    # (a group copies its parser's conflict handler when it is made)
+    parser.conflict_handler = "resolve"
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--data", action="append", metavar="[NAME=]DIR",
+                   help="a prepared dataset to evaluate on, named NAME (default: DIR's base name); repeatable")
+    g.add_argument("--split", choices=SPLITS, default="eval",
+                   help="eval: the held-out documents (--data.eval_fraction); all: every document")
+    g.add_argument("--eval-batches", type=int, default=0, metavar="N",
+                   help="evaluate at most N batches of --batch-size windows per set; 0 = every window")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+@one_line_errors
+def main(argv: list[str]) -> int:
+    ns = make_eval_parser().parse_args(argv)
+    if ns.eval_batches < 0:
+        raise UserError(f"eval: --eval-batches {ns.eval_batches}: must be >= 0 (0 = every window)")
+    if "data.source" in vars(ns):
+        raise UserError("eval: --data.source is the training data; name the sets to evaluate with --data [NAME=]DIR")
+    sets = parse_sets(ns.data)
+    opened = open_model(ns.ckpt, ns, EVAL_SETTINGS)
+    trainer = opened.trainer()
+    pipelines = [set_pipeline(opened, name, d, ns.split, trainer.batch_sharding) for name, d in sets]  # all checked
+    params = opened.params(trainer)
+    t, results = opened.cfg.train, {}
+    for (name, directory), pipeline in zip(sets, pipelines):
+        batches, windows = split_batches(pipeline, ns.eval_batches, trainer.batch_sharding)
+        loss = trainer.eval_loss(params, batches)
+        results[name] = {"data": os.path.abspath(directory), "loss": loss, "perplexity": math.exp(min(loss, 709.0)),
+                         "windows": windows, "of_windows": pipeline.eval[0].n, "batches": len(batches)}
+    if jax.process_index() == 0:
+        print(json.dumps({"checkpoint": opened.src.step_dir(opened.step), "step": opened.step, "split": ns.split,
+                          "batch_size": t.batch_size, "seq_len": t.seq_len, "sets": results}) if ns.json
+              else "\n".join(_line(name, r, ns.split, t.seq_len) for name, r in results.items()), flush=True)
+    return 0
+
+
+def _line(name: str, r: dict, split: str, seq_len: int) -> str:
+    part = f"{r['windows']}" if r["windows"] == r["of_windows"] else f"{r['windows']} of {r['of_windows']}"
+    what = "eval split" if split == "eval" else "all documents"
+    return (f"{name}: loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} ({what} of {r['data']}: {part}"
+            f" windows of {seq_len} tokens, {r['batches']} batches)")
