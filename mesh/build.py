@@ -76,7 +76,7 @@ def _cluster_detected() -> bool:
 
 def make_mesh(spec: str | dict | None = None, dcn_spec: str | dict | None = None,
               devices: list | None = None) -> Mesh:
-    """A Mesh over AXES (all five always present, unused ones size 1), Auto axis types.
+    """A Mesh over AXES (all six always present, unused ones size 1), Auto axis types.
 
     With `dcn_spec` the mesh is hybrid: each axis = dcn part (across hosts/slices) x ici part,
     built so that ici neighbours share a host/slice.

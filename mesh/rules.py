@@ -21,7 +21,8 @@ MeshAxes = tuple[str, ...]  # () = replicated
 DEFAULT_RULES: dict[str, MeshAxes] = {
     # activations
     "batch": ("data", "fsdp", "expert"),  # the expert axis acts as data parallel outside MoE layers
-    "seq": (),
+    "seq": ("context",),          # context parallelism: every activation's sequence dim
+    "res_seq": ("context",),      # the residual stream's sequence dim between blocks (+ model: sequence parallelism)
     "act_embed": (),
     "act_mlp": ("model",),
     "act_heads": ("model",),
@@ -29,13 +30,13 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "act_vocab": ("model",),
     "logits_batch": ("data", "fsdp", "expert"),  # the batch of the LM head's input and logits
     # parameters
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "context"),  # the context axis shards weights as FSDP does: its devices hold distinct tokens
     "mlp": ("model",),
     "heads": ("model",),
     "kv_heads": ("model",),
     "head_dim": (),
     "vocab": ("model",),
-    "vocab_embed": ("fsdp",),     # the d_model dim of the embedding table and the LM head (see vocab_parallel)
+    "vocab_embed": ("fsdp", "context"),  # the d_model dim of the embedding table and the LM head (see vocab_parallel)
     "norm": (),
     "layers": ("pipeline",),      # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
     "experts": ("expert",),       # expert parallelism: each device holds n_experts / expert of them

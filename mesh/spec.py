@@ -9,10 +9,10 @@ import math
 
 from errors import UserError
 
-# Outermost first. The most talkative axis (model, then expert) is innermost so that it lands
-# on the closest devices (same NVLink island / ICI neighbours); data and pipeline go outermost,
-# across hosts (DCN).
-AXES = ("pipeline", "data", "fsdp", "expert", "model")
+# Outermost first. The most talkative axis (model, then expert, then context) is innermost so that
+# it lands on the closest devices (same NVLink island / ICI neighbours); data and pipeline go
+# outermost, across hosts (DCN). `context` shards the sequence: its K/V exchange runs every layer.
+AXES = ("pipeline", "data", "fsdp", "context", "expert", "model")
 
 
 def parse_spec(spec: str | dict | None, flag: str = "--mesh") -> dict[str, int]:

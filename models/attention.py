@@ -2,6 +2,7 @@
 q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and a sliding window (Mistral)."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,8 @@ from flax import nnx
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, constrain
 from models.config import ModelConfig
-from models import fp8
+from models import context, fp8
+from models.context import context_size
 from models.layers import RMSNorm, param, rope
 
 
@@ -49,7 +51,8 @@ class Attention(nnx.Module):
         self.rope_args = (cfg.rope_theta, cfg.rope_scaling)
         self.qkv_bias, self.qk_norm, self.window = cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window
         self.dtype, self.fp8 = dtype, cfg.matmul_precision == "fp8"
-        self.impl = cfg.attention_impl(jax.default_backend())
+        self.kind = functools.partial(cfg.attention_kind, jax.default_backend())
+        self.kind(cfg.max_seq_len)  # an attention this backend lacks: one line when the model is built
 
     def _qkv(self, x_BTD):
         """q, k, v from as few einsums as the sharding allows. Each einsum's input gradient is one
@@ -85,19 +88,12 @@ class Attention(nnx.Module):
         q_BTNH = constrain(rope(q_BTNH, positions_BT, *self.rope_args), ("batch", "seq", "act_heads", None))
         k_BTKH = constrain(rope(k_BTKH, positions_BT, *self.rope_args), ("batch", "seq", "act_kv_heads", None))
         v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
-        if cache is None and segment_ids_BT is None:
-            # On GPU this may dispatch to cuDNN flash attention; elsewhere the XLA implementation.
-            # A window of W keys, the query's own included: W - 1 to the left, none to the right.
-            window = (self.window - 1, 0) if self.window else None
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, local_window_size=window,
-                                                    implementation=self.impl)
-        elif cache is None:
-            t = x_BTD.shape[1]
-            # within a segment, index distance is position distance: the window applies to it alike
-            seen_TT = self._visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :])
-            same_B1TT = segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & seen_TT,
-                                                    implementation=self.impl)
+        kind = self.kind(x_BTD.shape[1], segment_ids_BT is not None)
+        if cache is None and kind != "blockwise" and context_size() == 1:
+            out_BTNH = self._by_index(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind)
+        elif cache is None:  # the sequence is sharded (and permuted), or blockwise: masks from positions
+            out_BTNH = context.attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=self.window,
+                                      kind="dense" if kind == "dense" else "blockwise")  # no cuDNN mask by positions
         else:
             cache = KVCache(
                 jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0)),
@@ -107,11 +103,25 @@ class Attention(nnx.Module):
             # Slot s holds the key of position s: a query at position p sees the cached keys at
             # positions <= p (slots past `index` are empty), and with a window only the last W of them.
             mask_B1TS = self._visible(positions_BT[:, None, :, None], jnp.arange(s)[None, None, None, :])
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS,
-                                                    implementation=self.impl)
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "act_heads", None))
         out_BTD = fp8.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt), self.fp8)
         return out_BTD, cache
+
+    def _by_index(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind: str):
+        """Attention on an unsharded sequence in index order: causal by index (the masks XLA and
+        cuDNN build themselves), packed segments by a [B,1,T,T] mask."""
+        impl = {"dense": "xla", "cudnn": "cudnn", "jax": None}[kind]
+        if segment_ids_BT is None:
+            # A window of W keys, the query's own included: W - 1 to the left, none to the right.
+            window = (self.window - 1, 0) if self.window else None
+            return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, local_window_size=window,
+                                                implementation=impl)
+        t = q_BTNH.shape[1]
+        # within a segment, index distance is position distance: the window applies to it alike
+        seen_TT = self._visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :])
+        same_B1TT = segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
+        return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & seen_TT, implementation=impl)
 
     def _visible(self, query_pos, key_pos):
         """Whether a query at `query_pos` attends to the key at `key_pos` (broadcasting): causal,

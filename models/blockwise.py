@@ -25,11 +25,12 @@ import jax.numpy as jnp
 # that is exp(-inf - (-inf)) = NaN in the forward and in autodiff, with this value it is
 # exp(0) * 0 = 0. It is below any real log-sum-exp by ~1e30, so it never shifts a real one.
 NO_KEYS_LSE = -1e30
+BLOCK_K = 512  # keys per block: scores of [B, T, N, 512] float32 at a time; a multiple of 128 for GPU/TPU tiles
 
 
 def blockwise_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
                         k_pos_BS: jax.Array, q_seg_BT: jax.Array | None = None, k_seg_BS: jax.Array | None = None,
-                        *, window: int | None = None, block_k: int = 512, return_lse: bool = False):
+                        *, window: int | None = None, block_k: int = BLOCK_K, return_lse: bool = False):
     """Grouped-query attention (query head n uses kv head n // (N / K)), scale 1/sqrt(H).
 
     Returns out_BTNH in q's dtype, and with `return_lse` also lse_BTN (float32): the log-sum-exp
@@ -76,6 +77,14 @@ def _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c: int):
     return _blocks(k_BSKH, c), _blocks(v_BSKH, c), _blocks(k_pos_BS, c), seg, _blocks(real_BS, c, False)
 
 
+def _tied(block):
+    """A key block with its positions, segments and padding flags behind one optimisation barrier
+    with the keys. The visibility mask depends on integers alone; under autodiff with remat JAX's
+    partial evaluation would compute it for every block ahead of the loop and stack it as a
+    residual, a [G, B, T, K, Q, C] = T x S x N boolean. Tied to the keys, it stays inside the loop."""
+    return jax.lax.optimization_barrier(block)
+
+
 def _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window):
     """Which keys of one block each query sees, broadcast over the head dims K and Q."""
     q_pos, k_pos = q_pos_BT[:, :, None], k_pos_BC[:, None, :]
@@ -106,7 +115,7 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, win
     def step(carry, block):
         # running max m, denominator l and unnormalised output acc of the keys seen so far
         m_BTKQ, l_BTKQ, acc_BTKQH = carry
-        k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = block
+        k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = _tied(block)
         seen = _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window)
         s_BTKQC = jnp.where(seen, _scores_BTKQC(q_BTKQH, k_BCKH, scale), -jnp.inf)
         m_new = jnp.maximum(m_BTKQ, s_BTKQC.max(-1))
@@ -154,7 +163,7 @@ def _attention_bwd(window, c, residuals, cotangents):
               - dlse_BTN).reshape(lse_BTKQ.shape)
 
     def step(dq_BTKQH, block):
-        k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = block
+        k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = _tied(block)
         seen = _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window)
         # hidden scores get exp(-inf) = 0; a query that sees nothing has lse = NO_KEYS_LSE and
         # only hidden scores, so its p, ds and dq are 0

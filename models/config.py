@@ -13,7 +13,13 @@ from errors import UserError
 
 REMAT_POLICIES = ("none", "full", "dots")
 MATMUL_PRECISIONS = ("default", "fp8")
-ATTENTIONS = ("auto", "xla", "cudnn")
+ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
+# `--model.attention auto` turns to memory-linear attention from this sequence length: below it the
+# dense [T,T] scores are small and XLA's fused dense attention is faster (BENCHMARKS.md, attention)
+BLOCKWISE_FROM = 2048
+# --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is chunked
+LOSS_CHUNK, LOSS_CHUNK_FROM = 1024, 256 << 20
+CONTEXT_STRATEGIES = ("all_gather", "ring")   # --parallelism.context_strategy (models/context.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity")
@@ -132,14 +138,21 @@ class ModelConfig:
     dtype: str = option("auto", f"compute dtype: {' | '.join(DTYPES)}; auto = bfloat16 on GPU/TPU, float32 on"
                                 " CPU (measured faster there)")
     param_dtype: str = option("float32", f"dtype of the parameters and optimizer state: {' | '.join(DTYPES[1:])}")
+    loss_chunk: int = ranged(0, ">=0", help="tokens per chunk of the LM head + cross-entropy, whose [B,T,V] float32"
+                                            " logits then never exist at once (exact gradients); 0 = auto: chunks of"
+                                            f" {LOSS_CHUNK} tokens where one device's logits would exceed"
+                                            f" {LOSS_CHUNK_FROM >> 20} MiB, else the whole sequence at once")
     remat: str = option("full", "what the backward pass recomputes: none | full | dots (save matmul outputs,"
                                 " recompute the rest)")
     matmul_precision: str = option("default", "default | fp8: attention projections and MLPs multiply FP8-rounded"
                                               " operands (e4m3, per-tensor current scaling; e5m2 gradients): FP8"
                                               " GEMMs on GPUs that have them")
-    attention: str = option("auto", "auto | xla | cudnn: the attention implementation of"
-                                    " jax.nn.dot_product_attention; auto = cuDNN flash attention on GPU where it"
-                                    " supports the case, else XLA's")
+    attention: str = option("auto", "auto | dense | blockwise | cudnn: dense = XLA's [T,T] scores; blockwise ="
+                                    " memory-linear flash-style attention in JAX (packed documents by segment ids,"
+                                    " no T x T mask); cudnn = cuDNN flash attention (GPU); auto = on GPU what"
+                                    " jax.nn.dot_product_attention picks (cuDNN where it can), blockwise for packed"
+                                    f" sequences from {BLOCKWISE_FROM} tokens; elsewhere dense below"
+                                    f" {BLOCKWISE_FROM} tokens, blockwise from there")
     scan_layers: bool = option(True, "lax.scan over the layer stack: compile time independent of depth")
     init_std: float = ranged(0.02, ">0", help="standard deviation of the normal initialisation of embeddings and"
                                               " weights")
@@ -229,12 +242,17 @@ class ModelConfig:
         need(self.ep_exchange != "ragged" or self.dispatch == "dropless",
              f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'")
 
-    def attention_impl(self, platform: str) -> str | None:
-        """`implementation=` of jax.nn.dot_product_attention (None: JAX picks, cuDNN where it can)."""
+    def attention_kind(self, platform: str, seq_len: int, packed: bool = False) -> str:
+        """What attention runs at this sequence length (`packed`: with segment ids): dense, blockwise,
+        cudnn, or jax (jax.nn.dot_product_attention's own choice: cuDNN where it supports the case)."""
         if self.attention == "cudnn" and platform != "gpu":
             raise UserError(f"model: attention 'cudnn' needs an NVIDIA GPU, this backend is {platform};"
-                            f" valid here: auto, xla")
-        return None if self.attention == "auto" else self.attention
+                            f" valid here: auto, dense, blockwise")
+        if self.attention != "auto":
+            return self.attention
+        if platform == "gpu":
+            return "blockwise" if packed and seq_len >= BLOCKWISE_FROM else "jax"
+        return "blockwise" if seq_len >= BLOCKWISE_FROM else "dense"
 
     def compute_dtype(self, platform: str) -> str:
         if self.dtype == "float16" and platform == "cpu":
@@ -245,7 +263,7 @@ class ModelConfig:
         return "float32" if platform == "cpu" else "bfloat16"
 
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +273,8 @@ class PipelineConfig:
     microbatches: int = ranged(0, ">=0", help="microbatches per step; 0 = as many as stages; more shrinks the"
                                               " bubble (P-1)/(R*M+P-1)")
     repeats: int = ranged(1, ">=1", help="circular schedule: layer chunks per device (virtual stages per device)")
-    schedule: str = option("gpipe", f"pipeline schedule: {' | '.join(SCHEDULES)}")
+    schedule: str = option("gpipe", f"pipeline schedule: {' | '.join(SCHEDULES)} (1f1b: each stage alternates"
+                                    f" forward and backward, keeping at most 2(P-1) micro-batches, not M)")
     remat_stage: bool = option(False, "also recompute each stage in the backward pass (less memory)")
     gather_once: bool = option(False, "fsdp: all-gather each stage's weights once per step, not every tick")
 

@@ -111,6 +111,17 @@ def forward(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: 
     return impl.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline)
 
 
+def hidden(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+           segment_ids_BT: jax.Array | None = None, pipeline: PipelineConfig | None = None):
+    """The training forward up to the LM head -> ((hidden states [B,T,D], head [D,V]), MoE stats),
+    or None for a registered model (its forward returns logits only)."""
+    if registry.lookup(cfg, DECODER) is not DECODER:
+        return None
+    head, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline,
+                                          logits=False)
+    return head, stats
+
+
 def decodes(cfg: ModelConfig) -> bool:
     """Whether the model can generate (has a decoding cache): a registered one may not."""
     return registry.lookup(cfg, DECODER).init_cache is not None

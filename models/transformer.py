@@ -21,7 +21,8 @@ from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, param
 from models.moe import MoE
 
-ACT_BTD = ("batch", "seq", "act_embed")
+# the residual stream between blocks: its sequence dim is also split over `model` with sequence parallelism
+ACT_BTD = ("batch", "res_seq", "act_embed")
 
 REMAT = {
     "none": None,
@@ -70,6 +71,11 @@ def _stack(cfg: ModelConfig, n: int, cls, dtype, pdt, rngs):
     return make(rngs)
 
 
+def default_positions(segment_ids_BT: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
+    """Positions where the batch has none: 0..T-1, restarting at each segment when packed."""
+    return jnp.broadcast_to(jnp.arange(shape[1]), shape) if segment_ids_BT is None else segment_positions(segment_ids_BT)
+
+
 def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
     """Positions restarting at 0 where the segment id changes (packed sequences)."""
     t = segment_ids_BT.shape[1]
@@ -99,17 +105,18 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None, *,
-                 pipeline: pipeline_lib.PipelineConfig | None = None):
+                 pipeline: pipeline_lib.PipelineConfig | None = None, logits: bool = True):
         """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
         `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
         On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
-        models/pipeline.py with `pipeline`'s schedule (default: PipelineConfig())."""
+        models/pipeline.py with `pipeline`'s schedule (default: PipelineConfig()). `logits=False`:
+        ((the final-normed hidden states [B,T,D], the LM head [D,V] in the compute dtype), cache,
+        stats) instead, for a loss that applies the head chunk by chunk (models/loss.py)."""
         # ~75 lines on purpose: `group` (one layer group) is shared by the three ways of running the
         # stack (pipeline, scan, unrolled), which read best side by side with it.
         cfg = self.cfg
         if positions_BT is None:
-            positions_BT = (jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-                            if segment_ids_BT is None else segment_positions(segment_ids_BT))
+            positions_BT = default_positions(segment_ids_BT, tokens_BT.shape)
         x_BTD = constrain(jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.dtype), ACT_BTD)
 
         per_group = cfg.moe_every if cfg.n_experts else 1
@@ -169,9 +176,10 @@ class Decoder(nnx.Module):
             cache = jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), caches)
 
         x_BTD = constrain(self.final_norm(x_BTD), ("logits_batch", "seq", "act_embed"))
-        head_DV = self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+        head_DV = (self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]).astype(self.dtype)
+        if not logits:
+            return (x_BTD, head_DV), cache, stats
+        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("logits_batch", "seq", "act_vocab")), cache, stats
 
 

@@ -22,10 +22,11 @@ from mesh.rules import head_layout, logical_to_spec, make_rules
 from mesh.shard import is_axis_names
 from mesh.spec import AXES, mesh_text
 from models import model as model_lib
-from models.config import PipelineConfig
+from models.blockwise import BLOCK_K
+from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, PipelineConfig
 from plan import cost
 from plan.hardware import Hardware
-from plan.theory import RunSpec, abstract_mesh, rows_per_shard, theory
+from plan.theory import RunSpec, abstract_mesh, rows_per_shard, seq_shards, theory
 from train import optim
 from train.config import CommConfig, TrainConfig
 from train.shapes import batch_shards, validate_batch, validate_run
@@ -102,30 +103,49 @@ def _quick_reject(cfg, sizes: dict[str, int], batch_size: int, rules) -> bool:
 
 
 def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, micro_batches: int,
-                     act_bytes: int, fused_attention: bool, *, shards: int, pipeline_microbatches: int = 1) -> float:
+                     act_bytes: int, attention: str, *, shards: int, seq_shards: int = 1,
+                     pipeline_microbatches: int = 1) -> float:
     """Per-device activation memory estimate for the remat policy.
 
     Per token and layer the forward pass makes: 4 [D] (input, two norm outputs, residual), q/k/v
     before and after rotary, the attention output, two [D] projections, 4 [F] (gate, up, silu,
-    product) with the head and F dims split by `model`; plus [N,T] scores and probabilities unless
-    attention is fused (flash). `full` remat keeps only each layer's input, `dots` the matmul
-    outputs; the backward pass of one layer needs its full set once more; the LM head's float32
-    logits, softmax and gradient ([T,V/model] each) come on top. One forward pass holds
-    batch / micro_batches rows split over `shards` (the rules' batch axes); gradient accumulation
-    keeps one pass. A pipeline cuts the pass into `pipeline_microbatches` and keeps every one's
-    saved activations until its backward pass (GPipe), so the saved set is still the whole pass's
-    while a layer's backward works on one micro-batch; the LM head runs after the pipeline, on the
-    whole pass."""
+    product) with the head and F dims split by `model`; plus, by `attention` (the kind the run
+    picks, models.config.attention_kind): dense, [N,T] scores and probabilities; blockwise, one key
+    block's scores, probabilities and their gradients ([N,512] x 4, float32); cuDNN or JAX's
+    choice on GPU, none (fused flash attention). With the sequence split over `seq_shards`
+    (context parallelism) a device holds T/seq_shards tokens and, while a layer runs, the K/V of
+    the others (all-gathered, or a ring's blocks kept for the backward). `full` remat keeps only
+    each layer's input, `dots` the matmul outputs; the backward pass of one layer needs its full
+    set once more; the LM head's float32 logits, softmax and gradient ([T,V/model] each) come on
+    top, or one chunk's where the loss is chunked (train.step.loss_chunk's rule). One forward
+    pass holds batch / micro_batches rows split over `shards` (the rules' batch axes); gradient
+    accumulation keeps one pass. A pipeline cuts the pass into `pipeline_microbatches` and keeps
+    every one's saved activations until its backward pass (GPipe), so the saved set is still the
+    whole pass's while a layer's backward works on one micro-batch; the LM head runs after the
+    pipeline, on the whole pass."""
     tp, p = sizes["model"], sizes["pipeline"]
     d, f, n, k, h, v = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-    pass_tokens = rows_per_shard(batch_size, micro_batches, shards) * seq_len
+    rows = rows_per_shard(batch_size, micro_batches, shards)
+    pass_tokens = rows * seq_len // seq_shards
     tokens = pass_tokens // (pipeline_microbatches if p > 1 else 1)
     every = 4 * d + (2 * n * h + 4 * k * h + n * h) / tp + 2 * d + 4 * f / tp
-    if not fused_attention:
-        every += 2 * n / tp * seq_len
+    every += (seq_shards - 1) * 2 * k * h / tp  # the other shards' K/V, in the layer under way
+    scores = {"dense": 2 * n / tp * seq_len, "blockwise": 4 * 4 / act_bytes * n / tp * min(BLOCK_K, seq_len)}
+    every += scores.get(attention, 0.0)
     saved = {"none": every, "dots": d + (n * h + 2 * k * h) / tp + 2 * d + 2 * f / tp, "full": d}[cfg.remat]
     layers = cfg.n_layers // p
-    return act_bytes * (saved * layers * pass_tokens + every * tokens) + 3 * 4 * pass_tokens * v / tp
+    head_tokens = pass_tokens
+    chunk = cfg.loss_chunk or (LOSS_CHUNK if 4 * pass_tokens * v / tp > LOSS_CHUNK_FROM else 0)
+    if chunk:
+        head_tokens = min(pass_tokens, rows * chunk)
+    return act_bytes * (saved * layers * pass_tokens + every * tokens) + 3 * 4 * head_tokens * v / tp
+
+
+def attention_on(cfg, hw: Hardware, seq_len: int) -> str:
+    """The attention a run of `cfg` does on this hardware: its own choice (attention_kind), where
+    the hardware has no fused flash attention the JAX choice is XLA's dense one."""
+    kind = cfg.attention if cfg.attention != "auto" else cfg.attention_kind(hw.platform, seq_len)
+    return "dense" if kind == "jax" and not hw.fused_attention else kind
 
 
 def _train(train_cfg: TrainConfig | None, batch_size: int, seq_len: int, micro_batches: int) -> TrainConfig:
@@ -170,7 +190,8 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
 
     memory = {"params": param_bytes, "grads": param_bytes, "optimizer": param_bytes * _optimizer_ratio(cfg, t),
               "activations": activation_bytes(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes,
-                                              hw.fused_attention, shards=shards, pipeline_microbatches=pipe_m)}
+                                              attention_on(cfg, hw, seq_len), shards=shards,
+                                              seq_shards=seq_shards(mesh, rules), pipeline_microbatches=pipe_m)}
     memory["total"] = sum(memory.values())
     n = math.prod(sizes.values())
     pred = cost.predict(model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),

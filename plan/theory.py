@@ -41,6 +41,8 @@ class RunSpec:
     sizes: dict[str, int]
     rules: dict
     compute_dtype: str
+    context_strategy: str = "all_gather"   # --parallelism.context_strategy
+    packed: bool = False                   # segment ids in the batch (--data.packing_mask)
 
     @property
     def mesh(self) -> AbstractMesh:
@@ -57,7 +59,8 @@ def run_spec(s: RunSetup) -> RunSpec:
     """The spec of a run set up on a real mesh (train.setup.setup)."""
     c = s.cfg
     return RunSpec(model=c.model, train=c.train, comm=c.comm, pipeline=c.pipeline, sizes=dict(s.mesh.shape),
-                   rules=s.rules, compute_dtype=s.compute_dtype)
+                   rules=s.rules, compute_dtype=s.compute_dtype, context_strategy=c.parallelism.context_strategy,
+                   packed=c.data.packing_mask)
 
 
 def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
@@ -77,10 +80,16 @@ def rows_per_shard(batch_size: int, micro_batches: int, shards: int) -> int:
     return batch_size // micro_batches // shards
 
 
+def seq_shards(mesh, rules) -> int:
+    """Devices the sequence is split over (context parallelism)."""
+    return axes_size(mesh, logical_to_spec(("batch", "seq"), rules)[1])
+
+
 def _tokens_per_device(run: RunSpec) -> int:
     """Tokens of one micro-batch on one device."""
     t = run.train
-    return rows_per_shard(t.batch_size, t.micro_batches, batch_shards(run.mesh, run.rules)) * t.seq_len
+    rows = rows_per_shard(t.batch_size, t.micro_batches, batch_shards(run.mesh, run.rules))
+    return rows * t.seq_len // seq_shards(run.mesh, run.rules)
 
 
 def _axes_key(axes) -> str:
@@ -98,7 +107,9 @@ def theory(run: RunSpec, params) -> dict:
     traffic repeats on every tick (pipeline_uses).
     """
     sizes, rules, t, m = run.sizes, run.rules, run.train, run.model
-    batch_axes = [a for a in spec_axes(logical_to_spec(("batch",), rules)) if sizes[a] > 1]
+    # the axes that split the tokens: the batch's and the sequence's (context parallelism); over
+    # those a weight is either sharded (FSDP traffic) or replicated (a data-parallel all-reduce)
+    batch_axes = [a for a in spec_axes(logical_to_spec(("batch", "seq"), rules)) if sizes[a] > 1]
     entries: dict[tuple[str, str], dict] = defaultdict(lambda: {"operand_bytes": 0.0, "wire_bytes": 0.0})
 
     def add(kind, axes, operand, n, wire_factor):
@@ -144,10 +155,12 @@ def theory(run: RunSpec, params) -> dict:
     out.update(local_sgd(out, run.comm.sync_every, dp))
     if sizes["model"] > 1:
         out["all-reduce@model"] = tensor_parallel_theory(run)
-    for key, e in vocab_parallel_theory(run).items():
+    for key, e in (*vocab_parallel_theory(run).items(), *context_theory(run).items()):
         mine = out.setdefault(key, {"operand_bytes": 0.0, "wire_bytes": 0.0})
         mine["operand_bytes"] += e["operand_bytes"]
         mine["wire_bytes"] += e["wire_bytes"]
+        if "note" in e:
+            mine["note"] = "; ".join(filter(None, (mine.get("note"), e["note"])))
     out.update(all_to_all_theory(run))
     return out
 
@@ -320,3 +333,36 @@ def on_backend(th: dict, platform: str, sizes: dict[str, int]) -> dict:
             e["operand_bytes"] += v["operand_bytes"] - explicit
             e["wire_bytes"] += 2 * (n - 1) / n * (v["operand_bytes"] - explicit)
     return out
+
+
+def context_theory(run: RunSpec) -> dict:
+    """K/V traffic of context parallelism (models/context.py) per device per step, over the n
+    devices that split the sequence. Per layer and micro-batch, with kv = the local K and V
+    ([b, T/n, K/model, H] each) and p = the local positions ([b, T/n] int32):
+      all_gather: forward all-gather of K, V and p (operand kv + p, (n-1)x on the wire), again for
+        the remat recompute; backward reduce-scatter of the gathered K/V gradients (operand n kv).
+      ring: n - 1 collective-permutes of K, V and p forward (and again under remat), n - 1 of the
+        K/V gradients backward (autodiff transposes each permute into the reverse one).
+    Packed sequences move their segment ids alongside p. p's gathers and hops are the same in every
+    layer: XLA may merge some (the compiled step moves up to ~1% fewer bytes than this bound at
+    the tiny preset)."""
+    n = seq_shards(run.mesh, run.rules)
+    if n <= 1:
+        return {}
+    m, t = run.model, run.train
+    heads = axes_size(run.mesh, logical_to_spec(("act_kv_heads",), run.rules)[0])
+    tokens = _tokens_per_device(run)
+    kv = 2 * tokens * m.n_kv_heads // heads * m.head_dim * run.itemsize
+    ids = tokens * 4 * (2 if run.packed else 1)
+    forwards = 2 if m.remat == "full" else 1
+    layers, key = m.n_layers * t.micro_batches, _axes_key(spec_axes(logical_to_spec(("seq",), run.rules)))
+    if run.context_strategy == "ring":
+        permuted = layers * (n - 1) * (forwards * (kv + ids) + kv)
+        return {f"collective-permute@{key}": {"operand_bytes": float(permuted), "wire_bytes": float(permuted),
+                                              "note": f"ring attention: {n - 1} K/V hops per layer each way"}}
+    gathered = layers * forwards * (kv + ids)
+    scattered = layers * n * kv
+    return {f"all-gather@{key}": {"operand_bytes": float(gathered), "wire_bytes": (n - 1) * gathered,
+                                  "note": "context all_gather: K, V and positions gathered every layer"},
+            f"reduce-scatter@{key}": {"operand_bytes": float(scattered), "wire_bytes": (n - 1) / n * scattered,
+                                      "note": "the gathered K/V gradients back to their shards"}}

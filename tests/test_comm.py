@@ -239,7 +239,8 @@ def test_validate():
 
 
 def test_error_feedback_auto_is_on_for_quantisers_off_for_topk():
-    from train.config import build, error_feedback_on, from_args
+    from train.config import build, from_args
+    from train.sections import error_feedback_on
     assert [error_feedback_on(c, "auto") for c in ("none", "int8", "int4", "topk")] == [False, True, True, False]
     assert error_feedback_on("topk", "true") and not error_feedback_on("int8", "off")
     assert not error_feedback_on("none", "true")   # nothing is compressed, so nothing is kept
@@ -295,5 +296,5 @@ def test_train_step_with_compression_and_diloco(tmp_path):
 
 def test_config_knows_every_compression():
     from mesh.collectives import METHODS
-    from train.config import COMPRESSIONS
+    from train.sections import COMPRESSIONS
     assert COMPRESSIONS == ("none", *METHODS)  # config keeps its own copy so that parsing flags imports no JAX

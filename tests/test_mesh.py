@@ -30,7 +30,7 @@ def sizes(shape):
 # ------------------------------------------------------------------ parse_spec / resolve
 
 def test_axes_order():
-    assert AXES == ("pipeline", "data", "fsdp", "expert", "model")
+    assert AXES == ("pipeline", "data", "fsdp", "context", "expert", "model")
 
 
 def test_parse_spec_basic():
@@ -42,32 +42,32 @@ def test_parse_spec_basic():
 
 def test_resolve_fills_minus_one():
     s = resolve("data=2,fsdp=-1,model=2", 8)
-    assert sizes(s) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "model": 2}
-    assert s.sizes == (1, 2, 2, 1, 2) and s.size == 8 and s["fsdp"] == 2
-    assert s.dcn == (1,) * 5 and s.ici == s.sizes
+    assert sizes(s) == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "model": 2}
+    assert s.sizes == (1, 2, 2, 1, 1, 2) and s.size == 8 and s["fsdp"] == 2
+    assert s.dcn == (1,) * 6 and s.ici == s.sizes
 
 
 def test_resolve_minus_one_alone_and_unnamed_axes():
-    assert sizes(resolve("model=-1", 8)) == {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "model": 8}
-    assert sizes(resolve("fsdp=4,model=2", 8)) == {"pipeline": 1, "data": 1, "fsdp": 4, "expert": 1, "model": 2}
+    assert sizes(resolve("model=-1", 8)) == {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "expert": 1, "model": 8}
+    assert sizes(resolve("fsdp=4,model=2", 8)) == {"pipeline": 1, "data": 1, "fsdp": 4, "context": 1, "expert": 1, "model": 2}
     assert sizes(resolve("pipeline=2,expert=-1", 8))["expert"] == 4
 
 
 @pytest.mark.parametrize("spec", ["", None, {}])
 def test_resolve_empty_is_all_data(spec):
-    assert sizes(resolve(spec, 8)) == {"pipeline": 1, "data": 8, "fsdp": 1, "expert": 1, "model": 1}
+    assert sizes(resolve(spec, 8)) == {"pipeline": 1, "data": 8, "fsdp": 1, "context": 1, "expert": 1, "model": 1}
     assert sizes(resolve(spec, 1))["data"] == 1
 
 
 def test_resolve_dcn():
     s = resolve("data=4,model=2", 8, "data=2")
-    assert s.dcn == (1, 2, 1, 1, 1) and s.ici == (1, 2, 1, 1, 2)
+    assert s.dcn == (1, 2, 1, 1, 1, 1) and s.ici == (1, 2, 1, 1, 1, 2)
 
 
 # Every bad input: UserError (a ValueError), message names the culprit and the valid choices.
 BAD = [
     # (spec, n_devices, dcn, substrings that must all be in the message)
-    ("date=8", 8, None, ["'date'", "valid axes: pipeline, data, fsdp, expert, model"]),
+    ("date=8", 8, None, ["'date'", "valid axes: pipeline, data, fsdp, context, expert, model"]),
     ("data=2,model=2", 8, None, ["multiply to 4", "8 devices", "-1"]),
     ("data=3", 8, None, ["multiply to 3", "8 devices"]),
     ("data=-1,fsdp=-1", 8, None, ["only one axis may be -1", "data", "fsdp"]),
@@ -105,7 +105,7 @@ def ids(mesh):
 def test_make_mesh_axes_and_model_innermost():
     m = make_mesh("data=2,fsdp=2,model=2")
     assert m.axis_names == AXES
-    assert dict(m.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "model": 2}
+    assert dict(m.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "model": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
     flat = ids(m).reshape(-1, 2)  # rows: model pairs
     # consecutive devices along model, then fsdp, then data
@@ -138,24 +138,24 @@ def test_make_mesh_bad_spec_and_dcn():
 # ------------------------------------------------------------------ logical rules
 
 GOLDEN = [
-    (("batch", "seq", "act_embed"), P(("data", "fsdp", "expert"), None, None)),
-    (("embed", "mlp"), P("fsdp", "model")),
-    (("mlp", "embed"), P("model", "fsdp")),
-    (("vocab", "embed"), P("model", "fsdp")),
-    (("embed", "vocab"), P("fsdp", "model")),
-    (("embed", "heads", "head_dim"), P("fsdp", "model", None)),
-    (("embed", "kv_heads", "head_dim"), P("fsdp", "model", None)),
-    (("heads", "head_dim", "embed"), P("model", None, "fsdp")),
-    (("layers", "embed", "mlp"), P("pipeline", "fsdp", "model")),
+    (("batch", "seq", "act_embed"), P(("data", "fsdp", "expert"), "context", None)),
+    (("embed", "mlp"), P(("fsdp", "context"), "model")),
+    (("mlp", "embed"), P("model", ("fsdp", "context"))),
+    (("vocab", "embed"), P("model", ("fsdp", "context"))),
+    (("embed", "vocab"), P(("fsdp", "context"), "model")),
+    (("embed", "heads", "head_dim"), P(("fsdp", "context"), "model", None)),
+    (("embed", "kv_heads", "head_dim"), P(("fsdp", "context"), "model", None)),
+    (("heads", "head_dim", "embed"), P("model", None, ("fsdp", "context"))),
+    (("layers", "embed", "mlp"), P("pipeline", ("fsdp", "context"), "model")),
     (("norm",), P(None)),
     (("layers", "norm"), P("pipeline", None)),
-    (("batch", "seq"), P(("data", "fsdp", "expert"), None)),
-    (("batch", "seq", "act_mlp"), P(("data", "fsdp", "expert"), None, "model")),
-    (("batch", "seq", "act_heads", None), P(("data", "fsdp", "expert"), None, "model", None)),
-    (("batch", "seq", "act_vocab"), P(("data", "fsdp", "expert"), None, "model")),
-    (("experts", "embed", "mlp"), P("expert", "fsdp", "model")),
-    (("stages", "layers", "embed"), P("pipeline", None, "fsdp")),
-    ((None, "embed"), P(None, "fsdp")),
+    (("batch", "seq"), P(("data", "fsdp", "expert"), "context")),
+    (("batch", "seq", "act_mlp"), P(("data", "fsdp", "expert"), "context", "model")),
+    (("batch", "seq", "act_heads", None), P(("data", "fsdp", "expert"), "context", "model", None)),
+    (("batch", "seq", "act_vocab"), P(("data", "fsdp", "expert"), "context", "model")),
+    (("experts", "embed", "mlp"), P("expert", ("fsdp", "context"), "model")),
+    (("stages", "layers", "embed"), P("pipeline", None, ("fsdp", "context"))),
+    ((None, "embed"), P(None, ("fsdp", "context"))),
 ]
 
 
@@ -175,8 +175,8 @@ def _used_axes(spec):
 
 def test_mesh_axis_never_used_twice():
     # batch takes fsdp first, so embed (-> fsdp) stays replicated; heads and mlp both want model
-    assert logical_to_spec(("batch", "embed")) == P(("data", "fsdp", "expert"), None)
-    assert logical_to_spec(("embed", "batch")) == P("fsdp", ("data", "expert"))
+    assert logical_to_spec(("batch", "embed")) == P(("data", "fsdp", "expert"), "context")
+    assert logical_to_spec(("embed", "batch")) == P(("fsdp", "context"), ("data", "expert"))
     assert logical_to_spec(("heads", "mlp")) == P("model", None)
     rules = make_rules("embed=fsdp+model")
     assert logical_to_spec(("embed", "mlp"), rules) == P(("fsdp", "model"), None)
@@ -199,12 +199,12 @@ def test_parse_overrides():
     rules = make_rules("embed=fsdp+model,vocab=none")
     assert rules["embed"] == ("fsdp", "model") and rules["vocab"] == () and rules["mlp"] == ("model",)
     assert logical_to_spec(("vocab", "embed"), rules) == P(None, ("fsdp", "model"))
-    assert DEFAULT_RULES["embed"] == ("fsdp",)  # make_rules does not mutate the default table
+    assert DEFAULT_RULES["embed"] == ("fsdp", "context")  # make_rules does not mutate the default table
 
 
 @pytest.mark.parametrize("spec,needles", [
     ("embd=fsdp", ["'embd'", "valid:", "embed", "vocab"]),
-    ("embed=fsdpp", ["'embed'", "'fsdpp'", "valid: pipeline, data, fsdp, expert, model"]),
+    ("embed=fsdpp", ["'embed'", "'fsdpp'", "valid: pipeline, data, fsdp, context, expert, model"]),
     ("embed=fsdp+tensor", ["'tensor'", "valid:"]),
     ("embed", ["'embed'", "name=axis"]),
     ({"bogus": "data"}, ["'bogus'", "valid:"]),

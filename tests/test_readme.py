@@ -66,8 +66,13 @@ SHORTEN = {
         devices=8, prelude="import numpy as np\nfrom mesh.build import make_mesh\n"
                            "tokens = prompt_tokens = np.array([[1, 2, 3, 4]], np.int32)\npath = 'path/to/Llama-3.2-1B'\n"),
     "python -m train --config ckpt/hf/model.yaml": Shorten(
-        "the fine-tune of the imported (tiny) model, on the 8 devices its --mesh names",
+        "the fine-tune of the imported (tiny) model on the prepared chats, on the 8 devices its --mesh names",
         f"{TINY} --run-dir runs/latest", devices=8),
+    "python -m train --config ckpt/hf/model.yaml --config configs/finetune.yaml --init-from ckpt/hf --data data/chats"
+    " --lora.rank": Shorten("the LoRA fine-tune of the imported (tiny) model, on the 8 devices of the fine-tune above",
+                            TINY, devices=8),
+    "python -m train eval": Shorten("an evaluation runs as written: the fine-tune above, or the import, on one device"),
+    "python -m train sample": Shorten("sampling runs as written: 128 tokens of the fine-tuned tiny model"),
     "python -m train --steps 1000": Shorten(
         "two steps, so the final checkpoint is step 2 (the export below reads it)",
         "--model tiny --steps 2 --seq-len 32 --batch-size 8 --eval-every 0 --train.sample_tokens 0"),
@@ -80,6 +85,9 @@ SHORTEN = {
         f"--model moe-tiny {TINY} --run-dir runs/moe-expert"),
     "python -m train --model moe-default --mesh data=2,expert=4": Shorten(
         "the same, capacity dispatch; its own run directory", f"--model moe-tiny {TINY} --run-dir runs/moe-capacity"),
+    "python -m train --model tiny --model.max_seq_len 32768": Shorten(
+        "the 32k-token context=8 run at 64 tokens (tests/test_context.py trains the 32k one)",
+        f"{TINY.replace('--seq-len 32', '--seq-len 64')} --run-dir runs/context"),
     "brigade train": Shorten("the 1B run on 8 GPUs, tiny, on 8 fake CPU devices", f"--model tiny {TINY}", devices=8),
 }
 # Command prefix (or a Python block's first line) -> why it cannot run here.
@@ -90,10 +98,13 @@ SKIP = {
                             " examples/extensions.ipynb runs them in full, executed by tests/test_notebook.py",
 }
 # Section -> the earlier section whose directory it continues (it reads a run made there).
-CONTINUES = {"Run reports": "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)"}
+CONTINUES = {"Run reports": "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)",
+             "Fine-tuning, evaluation and sampling: `configs/finetune.yaml`, `eval`, `sample`":
+                 "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)"}
 
 
 def _hf_model(path: Path) -> None:
+    """A tiny HF model directory: config.json, safetensors, a tokenizer of the tiny vocabulary and a chat template."""
     import jax
 
     from checkpoint.hf import save_pretrained
@@ -102,6 +113,20 @@ def _hf_model(path: Path) -> None:
     from models.hf import Model
     cfg = preset("tiny")
     save_pretrained(Model(cfg, jax.device_get(model_lib.init(cfg, jax.random.key(0)))), str(path))
+    _tokenizer(path / "tokenizer.json")
+    template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": template}))
+
+
+def _chats(path: Path) -> None:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+                            + "\n" for q, a in zip(TEXTS[::2], TEXTS[1::2])))
+
+
+def _finetune_config(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text((REPO / "configs" / "finetune.yaml").read_text())
 
 
 def _corpus(path: Path) -> None:
@@ -124,7 +149,8 @@ def _tokenizer(path: Path) -> None:
 # The inputs a README command assumes the reader has, made tiny in the section's directory before
 # the first command that names them: path -> maker.
 INPUTS = {"path/to/hf_model": _hf_model, "path/to/Llama-3.2-1B": _hf_model,
-          "corpus/docs.jsonl.zst": _corpus, "tokenizer.json": _tokenizer}
+          "corpus/docs.jsonl.zst": _corpus, "tokenizer.json": _tokenizer, "chats.jsonl": _chats,
+          "configs/finetune.yaml": _finetune_config}
 # What a command leaves behind, where the README says so: command prefix -> paths, relative to its directory.
 LEAVES = {"python -m checkpoint hf import": ["ckpt/hf/model.yaml"],
           "python -m train report runs/latest": ["runs/latest/report/report.md"],

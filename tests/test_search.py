@@ -19,9 +19,9 @@ from train.loop import Trainer
 
 def test_factorizations():
     f = search.factorizations(8)
-    assert len(f) == 35 and len(set(f)) == 35  # 2^3 over 5 axes: C(3+4, 4)
-    assert all(math.prod(x) == 8 and len(x) == 5 for x in f)
-    assert len(search.factorizations(4096)) == math.comb(12 + 4, 4)
+    assert len(f) == 56 and len(set(f)) == 56  # 2^3 over 6 axes: C(3+5, 5)
+    assert all(math.prod(x) == 8 and len(x) == 6 for x in f)
+    assert len(search.factorizations(4096)) == math.comb(12 + 5, 5)
 
 
 def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():

@@ -1,7 +1,7 @@
 """Typed config sections meet the command line and YAML: a field's `--help` line read from the field
 itself (its default, valid range and help text), values coerced to the field's type without ever
-truncating, a YAML file read as a mapping of sections. Dataclasses only: which sections and flags a
-run has is train/config.py's table."""
+truncating, a YAML file read as a mapping of sections. Dataclasses only: which sections a
+run has is train/config.py's table; the flags' names (short aliases, public names) are here."""
 from __future__ import annotations
 
 import argparse
@@ -80,3 +80,29 @@ def load_yaml(path: str, sections: Iterable[str]) -> dict[str, dict]:
         if not isinstance(values, dict):
             raise UserError(f"--config {path}: section '{section}' must be a mapping")
     return data
+
+
+# Option names that differ from their dataclass field: "section.field" -> public name.
+PUBLIC_NAMES = {"checkpoint.async_save": "async"}
+# Defaults that --help describes rather than prints.
+SHOWN_DEFAULTS = {"checkpoint.dir": "<run_dir>/checkpoints"}
+
+# The stable short flags (README) and the field each one sets.
+ALIASES = {
+    "--model": "model.preset", "--mesh": "parallelism.mesh", "--mesh-dcn": "parallelism.mesh_dcn",
+    "--steps": "train.steps", "--batch-size": "train.batch_size", "--seq-len": "train.seq_len",
+    "--micro-batches": "train.micro_batches", "--lr": "train.lr", "--seed": "train.seed",
+    "--eval-every": "train.eval_every", "--data": "data.source", "--run-dir": "logging.run_dir",
+    "--log-every": "logging.log_every", "--peak-tflops": "logging.peak_tflops",
+    "--coordinator": "parallelism.coordinator", "--num-processes": "parallelism.num_processes",
+    "--process-id": "parallelism.process_id", "--resume": "checkpoint.resume",
+    "--max-restarts": "train.max_restarts", "--init-from": "checkpoint.init_from", "--optim.name": "train.optimizer",
+}
+SHORT = {key: alias for alias, key in ALIASES.items()}
+
+
+def public_flag(section: str, field: str) -> str:
+    """How a user types the option of a dataclass field: its short alias (--lr) where there is one,
+    else --section.name (with its public name: --checkpoint.async)."""
+    key = f"{section}.{PUBLIC_NAMES.get(f'{section}.{field}', field)}"
+    return SHORT.get(key, f"--{key}")

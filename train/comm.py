@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh.collectives import compressed_psum
 from errors import UserError
-from train.config import COMPRESSIONS, error_feedback_on, validate_comm as validate  # noqa: F401  (jax-free: flag parsing uses it)
+from train.sections import COMPRESSIONS, error_feedback_on, validate_comm as validate  # noqa: F401  (jax-free: flag parsing uses it)
 from mesh.shard import spec_axes
 
 

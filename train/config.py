@@ -17,8 +17,14 @@ from typing import Any
 from errors import ArgParser, UserError
 from mesh.xla import PRESETS as XLA_PRESETS
 from models import registry
-from models.config import PRESETS, ModelConfig, PipelineConfig, check_ranges, option, preset, ranged
-from train.cli import coerce, converter, help_line, load_yaml, parse_bool, typed_fields
+from models.config import CONTEXT_STRATEGIES, PRESETS, ModelConfig, PipelineConfig, check_ranges, option, preset, ranged
+from train.cli import (ALIASES, PUBLIC_NAMES, SHORT, SHOWN_DEFAULTS, coerce, converter, help_line, load_yaml,
+                       public_flag, typed_fields)
+from train.sections import CommConfig, LoraConfig, ProfileConfig, profile_window
+
+
+# train/optim.py builds each from optax; named here so that parsing flags needs no JAX
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +39,14 @@ class TrainConfig:
     min_lr_ratio: float = ranged(0.1, "[0, 1]", help="the cosine decays to lr * min_lr_ratio")
     warmup_steps: int = ranged(12, ">=0", help="steps of linear warmup; more than --steps is allowed (short smoke"
                                                " runs keep the default): the warmup is cut to steps - 1")
-    weight_decay: float = ranged(0.1, ">=0", help="AdamW weight decay")
+    optimizer: str = option("adamw", f"{' | '.join(OPTIMIZERS)} (flag --optim.name): optax's optimizer of that"
+                                     " name, inside the same guards (train/optim.py); adafactor's --lr is relative"
+                                     " to each weight's RMS, lion's 3-10x below adamw's")
+    weight_decay: float = ranged(0.1, ">=0", help="decoupled weight decay (AdamW's), whatever the optimizer")
     decay_embeddings: bool = option(False, "weight decay on the embeddings too (norms never decay)")
-    b1: float = ranged(0.9, "[0, 1)", help="AdamW decay of the gradient's running mean")
-    b2: float = ranged(0.95, "[0, 1)", help="AdamW decay of the squared gradient's running mean")
-    eps: float = ranged(1e-8, ">0", help="AdamW epsilon; > 0: a parameter whose gradients are all zero would"
-                                         " divide 0 by 0")
+    b1: float = ranged(0.9, "[0, 1)", help="decay of the gradient's running mean: the momentum (sgd: 0 = none)")
+    b2: float = ranged(0.95, "[0, 1)", help="decay of the squared gradient's running mean (lion: of the momentum)")
+    eps: float = ranged(1e-8, ">0", help="AdamW/Muon epsilon; > 0: all-zero gradients would divide 0 by 0")
     grad_clip: float = ranged(1.0, ">=0", help="global-norm gradient clipping; 0 disables")
     seed: int = ranged(0, f"[0, {2**63 - 1}]", help="seed of the initial parameters, the data order and"
                                                     " sampling; jax.random.key takes a signed 64-bit seed")
@@ -68,6 +76,8 @@ class TrainConfig:
         if self.eval_every and not self.eval_batches:
             raise UserError(f"--train.eval_batches 0: must be >= 1 while --eval-every {self.eval_every} evaluates"
                             f" (--eval-every 0 turns evaluation off)")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optim.name '{self.optimizer}': valid: {', '.join(OPTIMIZERS)}")
         if 0 < self.spike_factor < 1:
             raise UserError(f"--train.spike_factor {self.spike_factor}: must be 0 (off) or >= 1 (every loss above the"
                             f" running median would be a spike below 1)")
@@ -87,6 +97,13 @@ class ParallelismConfig:
     vocab_parallel: str = option("auto", "auto | on | off: shard the embedding and LM head on the vocabulary over"
                                          " the FSDP axes and gather the head's input instead of its weights; auto:"
                                          " where that moves fewer bytes (fewer tokens per FSDP group than vocab)")
+    context_strategy: str = option("all_gather", "all_gather | ring: how attention reaches the keys of other"
+                                                 " sequence shards on the context axis: K/V gathered over it, or"
+                                                 " passed round a ring of collective-permutes, one block at a time")
+    sequence_parallel: bool = option(False, "split the residual stream's sequence over the model axis between"
+                                            " blocks (Megatron sequence parallelism): each tensor-parallel"
+                                            " all-reduce becomes a reduce-scatter + all-gather, and norms and"
+                                            " residuals take 1/model of the memory")
     coordinator: str = option("", "HOST:PORT of process 0 (multi-process); empty = auto-detect")
     num_processes: int = ranged(1, ">=1", help="processes in the job")
     process_id: int = ranged(0, ">=0", help="this process's rank; below num_processes")
@@ -97,6 +114,9 @@ class ParallelismConfig:
         check_ranges(self, functools.partial(public_flag, "parallelism"))
         if self.vocab_parallel not in VOCAB_PARALLEL:
             raise UserError(f"--parallelism.vocab_parallel '{self.vocab_parallel}': valid: {', '.join(VOCAB_PARALLEL)}")
+        if self.context_strategy not in CONTEXT_STRATEGIES:
+            raise UserError(f"--parallelism.context_strategy '{self.context_strategy}': valid:"
+                            f" {', '.join(CONTEXT_STRATEGIES)}")
         if self.process_id >= self.num_processes:
             raise UserError(f"--process-id {self.process_id}: must be in [0, {self.num_processes - 1}]"
                             f" for --num-processes {self.num_processes}")
@@ -116,6 +136,9 @@ class DataConfig:
                                  " padded")
     packing_mask: bool = option(False, "also segment_ids/positions so that attention stays inside a document")
     verify: bool = option(True, "check every shard's sha256 against the prepared dataset's index at start")
+    allow_tokenizer_mismatch: bool = option(False, "use data prepared with another tokenizer than the one the"
+                                                   " --init-from (or evaluated) checkpoint records; refused"
+                                                   " otherwise: its token ids would mean other text")
 
     def validate(self) -> "DataConfig":
         check_ranges(self, functools.partial(public_flag, "data"))
@@ -179,84 +202,6 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ProfileConfig:
-    """The `profile` section: which steps jax.profiler traces."""
-    steps: str = option("", "A:B = trace steps A..B-1 with jax.profiler into <run_dir>/profile; empty = off")
-
-    def validate(self) -> "ProfileConfig":
-        # no numeric options; the window is checked against --steps in Config.validate
-        check_ranges(self, functools.partial(public_flag, "profile"))
-        return self
-
-
-def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
-    """--profile.steps 'A:B' -> (A, B): trace steps A..B-1; '' -> None."""
-    if not spec:
-        return None
-    try:
-        a, b = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise UserError(f"--profile.steps '{spec}': expected START:STOP, e.g. 10:15 (steps 10 to 14)") from None
-    if not 1 <= a < b <= steps + 1:
-        raise UserError(f"--profile.steps '{spec}': need 1 <= START < STOP <= --steps + 1 = {steps + 1}")
-    return a, b
-
-
-# mesh/collectives.py METHODS plus the plain all-reduce; kept here so that parsing flags needs no JAX
-COMPRESSIONS = ("none", "int8", "int4", "topk")
-
-
-@dataclasses.dataclass(frozen=True)
-class CommConfig:
-    """The `comm` section: how data-parallel replicas sync (compression, error feedback, DiLoCo);
-    `error_feedback_on` and `validate_comm` below apply its policy to values outside a section."""
-    compression: str = option("none", "data-parallel gradient sync: none (XLA's float32 all-reduce) | int8 |"
-                                      " int4 | topk")
-    topk_fraction: float = ranged(0.01, "(0, 1]", help="topk: the share of each replica's gradient sent per"
-                                                       " step (values + int32 indices)")
-    error_feedback: str = option("auto", "auto | true | false: keep what compression did not send (per replica,"
-                                         " checkpointed) and add it to the next step; auto = on for int8/int4,"
-                                         " off for topk (under AdamW it made top-k worse: BENCHMARKS.md)")
-    sync_every: int = ranged(1, ">=1", help="local SGD / DiLoCo: local steps between data-parallel syncs;"
-                                            " 1 = synchronous")
-    outer_lr: float = ranged(0.7, ">0", help="DiLoCo outer SGD learning rate (Douillard et al. 2023)")
-    outer_momentum: float = ranged(0.9, "[0, 1)", help="DiLoCo outer Nesterov momentum; 0 = plain SGD on the"
-                                                       " averaged deltas")
-
-    def validate(self) -> "CommConfig":
-        check_ranges(self, functools.partial(public_flag, "comm"))
-        if self.compression not in COMPRESSIONS:
-            raise UserError(f"--comm.compression: '{self.compression}' is not one of {', '.join(COMPRESSIONS)}")
-        error_feedback_on("int8", self.error_feedback)   # a valid value, whatever the compression
-        if self.sync_every > 1 and self.compression != "none":
-            raise UserError(f"--comm.compression {self.compression} compresses the every-step gradient sync; with"
-                            f" --comm.sync_every {self.sync_every} (DiLoCo) use --comm.compression none")
-        return self
-
-
-def error_feedback_on(compression: str, error_feedback: str | bool) -> bool:
-    """Whether `--comm.error_feedback` (auto | true | false) keeps residuals for `compression`.
-    auto: on for the quantisers, off for top-k, as measured under AdamW (BENCHMARKS.md: top-k's
-    error-feedback bursts are stale many-step sums that Adam's normalisation turns into the wrong
-    step; top-k 10% on the default model: +12% eval loss with, +1.3% without)."""
-    if compression == "none":
-        return False
-    if str(error_feedback).strip().lower() == "auto":
-        return compression != "topk"
-    try:
-        return parse_bool(error_feedback)
-    except argparse.ArgumentTypeError:
-        raise UserError(f"--comm.error_feedback: '{error_feedback}' is not one of auto, true, false") from None
-
-
-def validate_comm(compression: str, topk_fraction: float, sync_every: int, outer_lr: float,
-                  outer_momentum: float, error_feedback: str | bool = "auto") -> None:
-    """UserError naming the `comm.*` option that is out of range (CommConfig.validate, for callers
-    that hold the values rather than a section)."""
-    CommConfig(compression, topk_fraction, error_feedback, sync_every, outer_lr, outer_momentum).validate()
-
-
-@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=lambda: preset("default"))
     model_preset: str = "default"
@@ -268,6 +213,7 @@ class Config:
     comm: CommConfig = CommConfig()
     profile: ProfileConfig = ProfileConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    lora: LoraConfig = LoraConfig()
 
     def to_dict(self) -> dict:
         """Sections of public option names (what YAML and --section.field accept)."""
@@ -291,33 +237,7 @@ class Config:
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallelism": ParallelismConfig,
             "data": DataConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig, "comm": CommConfig,
-            "profile": ProfileConfig, "pipeline": PipelineConfig}
-
-# Option names that differ from their dataclass field: "section.field" -> public name.
-PUBLIC_NAMES = {"checkpoint.async_save": "async"}
-# Defaults that --help describes rather than prints.
-SHOWN_DEFAULTS = {"checkpoint.dir": "<run_dir>/checkpoints"}
-
-# The stable short flags (README) and the field each one sets.
-ALIASES = {
-    "--model": "model.preset", "--mesh": "parallelism.mesh", "--mesh-dcn": "parallelism.mesh_dcn",
-    "--steps": "train.steps", "--batch-size": "train.batch_size", "--seq-len": "train.seq_len",
-    "--micro-batches": "train.micro_batches", "--lr": "train.lr", "--seed": "train.seed",
-    "--eval-every": "train.eval_every", "--data": "data.source", "--run-dir": "logging.run_dir",
-    "--log-every": "logging.log_every", "--peak-tflops": "logging.peak_tflops",
-    "--coordinator": "parallelism.coordinator", "--num-processes": "parallelism.num_processes",
-    "--process-id": "parallelism.process_id", "--resume": "checkpoint.resume",
-    "--max-restarts": "train.max_restarts", "--init-from": "checkpoint.init_from",
-}
-_SHORT = {key: alias for alias, key in ALIASES.items()}
-
-
-def public_flag(section: str, field: str) -> str:
-    """How a user types the option of a dataclass field: its short alias (--lr) where there is one,
-    else --section.name (with its public name: --checkpoint.async)."""
-    key = f"{section}.{PUBLIC_NAMES.get(f'{section}.{field}', field)}"
-    return _SHORT.get(key, f"--{key}")
-
+            "profile": ProfileConfig, "pipeline": PipelineConfig, "lora": LoraConfig}
 
 def _options(section: str) -> dict[str, tuple[dataclasses.Field, type]]:
     """public option name -> (dataclass field, its type) for one section."""
@@ -335,7 +255,8 @@ def _unknown_option(flag: str) -> str:
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Every field as --section.field, plus the stable short aliases; each flag's help is its field's."""
-    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="YAML file with config sections")
+    parser.add_argument("--config", action="append", default=argparse.SUPPRESS, metavar="FILE",
+                        help="YAML file with config sections; repeatable: a later file's values win")
     # Acted on by train/__main__.py before jax is imported (mesh/xla.py); declared here for --help.
     parser.add_argument("--xla-preset", choices=list(XLA_PRESETS), default=argparse.SUPPRESS,
                         help="recommended XLA flags for the backend, merged into XLA_FLAGS / LIBTPU_INIT_ARGS"
@@ -347,16 +268,18 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         for name, (field, tp) in _options(section).items():
             key = f"{section}.{name}"
             shown = "from the preset" if section == "model" else SHOWN_DEFAULTS.get(key, field.default)
-            group.add_argument(f"--{key}", *([_SHORT[key]] if key in _SHORT else []), dest=key, type=converter(tp),
+            group.add_argument(f"--{key}", *([SHORT[key]] if key in SHORT else []), dest=key, type=converter(tp),
                                default=argparse.SUPPRESS, metavar=tp.__name__.upper(),
                                help=help_line(key, field, shown))
 
 
-def build(cli: dict[str, Any] | None = None, yaml_path: str | None = None) -> Config:
-    """Resolve a Config from an optional YAML file and `{section.field: value}` overrides."""
+def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None = None) -> Config:
+    """Resolve a Config from optional YAML files (a later file's values win) and `{section.field:
+    value}` overrides."""
     raw: dict[str, dict] = {s: {} for s in SECTIONS}
-    for section, values in (load_yaml(yaml_path, SECTIONS) if yaml_path else {}).items():
-        raw[section].update(values)
+    for path in [yaml_path] if isinstance(yaml_path, str) else yaml_path or []:
+        for section, values in load_yaml(path, SECTIONS).items():
+            raw[section].update(values)
     for key, value in (cli or {}).items():
         section, _, name = key.partition(".")
         if section not in SECTIONS:

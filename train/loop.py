@@ -23,9 +23,9 @@ from checkpoint.saving import committed_on_exit
 from mesh.build import start_mesh
 from mesh.rules import axis_rules
 from mesh.spec import mesh_text
-from models import model
+from models import context, model
 from models.sample import generate
-from train import resume, state as train_state
+from train import lora, resume, state as train_state
 from train.config import Config
 from train.data import make_pipeline
 from train.data.external import IterableData
@@ -67,11 +67,32 @@ class Trainer:
         self.batch_sharding, self.state_shardings = s.batch_sharding, s.state_shardings
         self.local_devices = [d for d in s.mesh.devices.flat if d.process_index == jax.process_index()]
         self.predicted_peak: int | None = None  # per device, from the compiled step's memory analysis
+        self.base = None  # --lora.rank > 0: the frozen base (train/lora.py), loaded when the run starts
 
     # -- building blocks --------------------------------------------------------------------
     def create_state(self) -> train_state.TrainState:
         return self._windowed(train_state.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed,
-                                                 self.sync))
+                                                 self.sync, lora_cfg=self.cfg.lora))
+
+    def model_params(self, state) -> dict:
+        """What the model computes with: `state.params`, or a LoRA run's base with its adapters merged."""
+        return state.params if self.base is None else self._merge(self.base, state.params)
+
+    @functools.cached_property
+    def _merge(self):
+        return jax.jit(functools.partial(lora.model_params, self.cfg), out_shardings=self.setup.base_shardings)
+
+    def load_lora_base(self, meta: dict) -> str:
+        """--lora.rank > 0: the frozen base loaded into `self.base` (from --init-from, or the pointer
+        in a resumed checkpoint's `meta`) and its fingerprint recorded in the config every save
+        carries, with its step directory as --init-from (the pointer a resume or an export follows)
+        -> the line for the log."""
+        cfg = self.cfg
+        self.base, found, pointer, note = lora.load_base(cfg, self.mesh, self.rules, self.setup.base_shardings, meta)
+        self.cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_fingerprint=found),
+                                       checkpoint=dataclasses.replace(cfg.checkpoint, init_from=pointer))
+        self.setup = dataclasses.replace(self.setup, cfg=self.cfg)
+        return note
 
     def _windowed(self, state) -> train_state.TrainState:
         """`state` (abstract or real) with the --train.spike_factor window when it is on."""
@@ -106,7 +127,7 @@ class Trainer:
                                          loss_fn=self.setup.loss_fn))
 
     def eval_loss(self, params, batches) -> float:
-        with jax.set_mesh(self.mesh), axis_rules(self.rules):
+        with jax.set_mesh(self.mesh), axis_rules(self.rules), context.strategy(self.cfg.parallelism.context_strategy):
             sums = [self._eval_fn(params, b) for b in batches]
         total, count = np.sum([jax.device_get(s) for s in sums], axis=0)
         return float(total / max(count, 1.0))
@@ -178,12 +199,19 @@ class Trainer:
         # -- resume: the checkpoint --resume picks (its metadata only; nothing is allocated), found
         # before the compile so that a run already at --steps does not compile for nothing
         point = resume.resume_point(self.setup, self.abstract_state(), saver)
+        if not point:  # a fresh run: --init-from's parameters must speak the data's tokenizer
+            resume.check_init_tokenizer(self.setup, data)
         if point and point.step >= t.steps:
             return self._nothing_to_train(point)
+        lora.check_start(cfg, resuming=point is not None)
         step_fn, compile_s = self._compile_checked()
         t0 = time.perf_counter()  # the restore (read whole to verify it), or a fresh start
         state, meta, note = resume.initial_state(self.setup, self.abstract_state(), point, self.create_state, t0)
         state = self._windowed(state)  # --init-from's parameters come without the spike guard's window
+        if lora.enabled(cfg.lora):  # the step's third argument: the frozen base
+            note = "; ".join(filter(None, [note, self.load_lora_base(meta)]))
+            step_fn = functools.partial(lambda compiled, base, state, batch: compiled(state, batch, base),
+                                        step_fn, self.base)
         gp.add("restore" if point or cfg.checkpoint.init_from else "compile",  # a fresh init: mostly its compile
                time.perf_counter() - t0)
         if isinstance(data, IterableData):  # a user iterable is restored from the checkpoint's position
@@ -218,7 +246,7 @@ class Trainer:
                     if stopped_by:
                         break
                     if evals and (step % t.eval_every == 0 or step == t.steps):
-                        run.evaluate(step, lambda: self.eval_loss(state.params, evals))
+                        run.evaluate(step, lambda: self.eval_loss(self.model_params(state), evals))
                 run.commit_last_save()
         finally:
             data.close()
@@ -253,7 +281,7 @@ class Trainer:
         and the records kept (`.state`, `.history`, `.eval_history`)."""
         t, t0 = self.cfg.train, time.perf_counter()
         tokenizer = data.tokenizer()  # None when a prepared dataset's tokenizer file no longer loads
-        text = self.sample(state.params, t.prompt, t.sample_tokens, t.seed, tokenizer) \
+        text = self.sample(self.model_params(state), t.prompt, t.sample_tokens, t.seed, tokenizer) \
             if t.sample_tokens and tokenizer and model.decodes(self.model_cfg) and not stopped_by else ""
         self.goodput.add("eval", time.perf_counter() - t0)
         saved = run.saves.started

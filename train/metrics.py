@@ -15,7 +15,7 @@ from checkpoint import storage
 from mesh.spec import mesh_text
 from models.flops import param_count
 from train import sinks
-from train.config import profile_window
+from train.sections import profile_window
 from train.device_memory import size_text
 from train.goodput import Goodput, breakdown_text
 from train.resilience import exit_code

@@ -16,8 +16,10 @@ import jax
 
 from checkpoint import storage
 from checkpoint.saving import Saves
-from mesh.shard import warn_undersharded
+from mesh.rules import logical_to_spec
+from mesh.shard import axes_size, warn_undersharded
 from mesh.spec import mesh_text
+from models import context
 from models.flops import flops_per_token, param_count
 from train import resume
 from train.config import dump
@@ -179,6 +181,16 @@ class Run:
                                    json.dumps(json_safe(out), indent=2, allow_nan=False))
 
 
+def attention(s: RunSetup) -> str:
+    """What attention the run's step does at its sequence length (models/config.attention_kind)."""
+    c = s.cfg
+    n = axes_size(s.mesh, logical_to_spec(("seq",), s.rules)[0])
+    kind = c.model.attention_kind(jax.default_backend(), c.train.seq_len, c.data.packing_mask)
+    if n > 1 and kind != "dense":  # a sharded, permuted sequence is masked by positions: blockwise
+        kind = "blockwise"
+    return context.describe(kind, n, c.parallelism.context_strategy)
+
+
 def open_run(run_setup: RunSetup, abstract, saver, data, point, state, goodput: Goodput, opening: tuple,
              on_log) -> Run:
     """The run directory's files, the logger and the opening lines (`opening`: the compile's
@@ -193,7 +205,7 @@ def open_run(run_setup: RunSetup, abstract, saver, data, point, state, goodput: 
         log.print(f"warning: {msg}")
     peak, peak_src = peak_flops(run_setup.compute_dtype, cfg.logging.peak_tflops, mesh.devices.flat)
     log.print(f"brigade: {param_count(cfg.model) / 1e6:.2f}M params, mesh {mesh_text(mesh.shape)}"
-              f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute,"
+              f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute, {attention(run_setup)},"
               f" {data.describe()}, step compiled in {compile_s:.1f}s; peak: {peak_src}")
     if note:
         recomputed = goodput.recomputed_steps if point else 0

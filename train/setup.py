@@ -14,8 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules
 from mesh.shard import data_parallel_axes, tree_shardings
-from models import model
-from train import comm, optim, state as train_state
+from models import context, model
+from train import comm, lora, optim, state as train_state
 from train.comm import SyncLayout
 from train.config import Config
 from train.data import abstract_batch as data_abstract_batch
@@ -39,6 +39,7 @@ class RunSetup:
     compute_dtype: Any
     loss_fn: Callable | None = None    # Trainer(loss=): per-token loss replacing cross-entropy (train/step.py)
     optimizer: optax.GradientTransformation | None = None  # Trainer(optimizer=): replaces AdamW inside `tx`
+    base_shardings: Any = None         # --lora.rank > 0: the frozen base's, the step's third argument (train/lora.py)
 
     @property
     def model_cfg(self):
@@ -54,7 +55,10 @@ def run_rules(cfg: Config, sizes: Mapping[str, int], compute_dtype: str) -> dict
     """The rule table of a run on a mesh of these axis sizes: the defaults, the user's overrides,
     and the LM head's layout that --parallelism.vocab_parallel picks (mesh.rules.head_layout)."""
     p, m, t = cfg.parallelism, cfg.model, cfg.train
-    return head_layout(make_rules(p.rules), p.vocab_parallel, sizes, vocab=m.vocab_size,
+    rules = make_rules(p.rules)
+    if p.sequence_parallel and "model" not in rules["res_seq"]:  # Megatron's: the residual split over model too
+        rules["res_seq"] = (*rules["res_seq"], "model")
+    return head_layout(rules, p.vocab_parallel, sizes, vocab=m.vocab_size,
                        batch_tokens=t.batch_size // t.micro_batches * t.seq_len,
                        act_bytes=jnp.dtype(compute_dtype).itemsize, param_bytes=jnp.dtype(m.param_dtype).itemsize)
 
@@ -68,6 +72,7 @@ def setup(cfg: Config, mesh: Mesh, *, loss: Callable | None = None,
     lr = optim.schedule(cfg.train) if schedule is None else optim.as_schedule(schedule)
     rules = run_rules(cfg, dict(mesh.shape), model.compute_dtype(cfg.model))
     validate_run(mesh, rules, cfg.model, cfg.train, cfg.pipeline)
+    lora.check_run(cfg)
     param_shardings = tree_shardings(mesh, model.param_axes(cfg.model), rules)
     dp_axes = data_parallel_axes(mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)])
     sync, local_clip = comm.sync_layout(cfg.comm, dp_axes, cfg.train.grad_clip)
@@ -76,9 +81,10 @@ def setup(cfg: Config, mesh: Mesh, *, loss: Callable | None = None,
                     batch_sharding=NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules)),
                     dp_axes=dp_axes, sync=sync, local_clip=local_clip, tx=tx, lr=lr,
                     state_shardings=train_state.with_loss_window(  # --train.spike_factor's window, if on
-                        train_state.shardings(cfg.model, tx, mesh, rules, sync, warn=_say), cfg.train.spike_factor,
-                        mesh),
-                    compute_dtype=model.compute_dtype(cfg.model), loss_fn=loss, optimizer=optimizer)
+                        train_state.shardings(cfg.model, tx, mesh, rules, sync, warn=_say, lora_cfg=cfg.lora),
+                        cfg.train.spike_factor, mesh),
+                    compute_dtype=model.compute_dtype(cfg.model), loss_fn=loss, optimizer=optimizer,
+                    base_shardings=lora.base_shardings(cfg, mesh, rules) if lora.enabled(cfg.lora) else None)
 
 
 def _say(line: str) -> None:
@@ -88,7 +94,7 @@ def _say(line: str) -> None:
 
 def abstract_state(s: RunSetup) -> train_state.TrainState:
     """ShapeDtypeStructs with shardings of the run's state: what compiles and restores use."""
-    return train_state.abstract(s.cfg.model, s.tx, s.mesh, s.rules, s.sync)
+    return train_state.abstract(s.cfg.model, s.tx, s.mesh, s.rules, s.sync, lora_cfg=s.cfg.lora)
 
 
 def abstract_batch(s: RunSetup) -> dict:
@@ -98,25 +104,31 @@ def abstract_batch(s: RunSetup) -> dict:
 
 def jit_step(s: RunSetup):
     """The train step, jitted with the state's shardings: (state, batch) -> (state, metrics). The
-    state is donated: its buffers become the new state's."""
+    state is donated: its buffers become the new state's. A LoRA run's takes the frozen base as
+    well: (state, batch, base) -> (state, metrics)."""
     cfg, t = s.cfg, s.cfg.train
     if s.sync.outer_tx is not None:  # local SGD / DiLoCo: replicas step alone, sync every H steps
         def step(state, batch):
-            return local_sgd_step(cfg.model, s.tx, s.sync.outer_tx, s.lr, t.micro_batches, s.dp_axes,
-                                  cfg.comm.sync_every, state, batch, pipeline=cfg.pipeline, loss_fn=s.loss_fn)
+            with context.strategy(cfg.parallelism.context_strategy):
+                return local_sgd_step(cfg.model, s.tx, s.sync.outer_tx, s.lr, t.micro_batches, s.dp_axes,
+                                      cfg.comm.sync_every, state, batch, pipeline=cfg.pipeline, loss_fn=s.loss_fn)
     else:
         param_specs = jax.tree.map(lambda sh: sh.spec, s.state_shardings.params)
 
-        def step(state, batch):
-            return train_step(cfg.model, s.tx, s.lr, t.micro_batches, s.dp_axes, state, batch,
-                              comm_cfg=cfg.comm, param_specs=param_specs, pipeline=cfg.pipeline,
-                              local_clip=s.local_clip, loss_fn=s.loss_fn)
-    return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding),
+        def step(state, batch, *base):  # base: a LoRA run's frozen base, merged with the adapters in the loss
+            merge = (lambda adapters: lora.model_params(cfg, base[0], adapters)) if base else None
+            with context.strategy(cfg.parallelism.context_strategy):  # read while tracing
+                return train_step(cfg.model, s.tx, s.lr, t.micro_batches, s.dp_axes, state, batch,
+                                  comm_cfg=cfg.comm, param_specs=param_specs, pipeline=cfg.pipeline,
+                                  local_clip=s.local_clip, loss_fn=s.loss_fn, param_fn=merge)
+    base_sharding = () if s.base_shardings is None else (s.base_shardings,)
+    return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding, *base_sharding),
                    out_shardings=(s.state_shardings, None), donate_argnums=(0,))
 
 
 def compile_step(s: RunSetup, state=None, batch=None):
     """The step compiled for `state` and `batch` (abstract ones by default: nothing allocated)."""
     with jax.set_mesh(s.mesh), axis_rules(s.rules):
+        base = () if s.base_shardings is None else (lora.abstract_base(s.cfg, s.base_shardings),)
         return jit_step(s).lower(abstract_state(s) if state is None else state,
-                                 abstract_batch(s) if batch is None else batch).compile()
+                                 abstract_batch(s) if batch is None else batch, *base).compile()

@@ -3,6 +3,8 @@ training run and the mesh search (`plan --search`) both apply, so that a mesh th
 is one the run accepts."""
 from __future__ import annotations
 
+import math
+
 from errors import UserError
 from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
@@ -38,9 +40,24 @@ def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg:
                     batch_shards=n)
 
 
+def validate_sequence(mesh, rules, train_cfg: TrainConfig) -> None:
+    """--seq-len split over the axes that shard the sequence: 2 x context chunks (the zigzag layout
+    of models/context.py), and the residual stream's shards (sequence parallelism) too."""
+    t = train_cfg.seq_len
+    n_ctx = axes_size(mesh, logical_to_spec(("seq",), rules)[0])
+    n_res = axes_size(mesh, logical_to_spec(("res_seq",), rules)[0])
+    need = max(2 * n_ctx if n_ctx > 1 else 1, n_res)
+    need = need * n_res // math.gcd(need, n_res)
+    if t % need:
+        why = [f"context {n_ctx} x 2 zigzag chunks"] if n_ctx > 1 else []
+        why += [f"the residual stream's {n_res} sequence shards"] if n_res > n_ctx else []
+        raise UserError(f"--seq-len {t} is not divisible by {need} ({' and '.join(why)}); use a multiple of {need}")
+
+
 def validate_run(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig) -> None:
     """Raise a one-line UserError for a config `mesh` cannot run, before anything is built or
     compiled: the one set of checks a training run and the mesh search both apply (parameter dims
     by their mesh axes, then the batch and the pipeline schedule)."""
     check_divisible(mesh, model.abstract_params(model_cfg), model.param_axes(model_cfg), rules, HINTS)
     validate_batch(mesh, rules, model_cfg, train_cfg, pipeline_cfg)
+    validate_sequence(mesh, rules, train_cfg)

@@ -8,28 +8,18 @@ import jax.numpy as jnp
 import optax
 
 from errors import UserError
-from mesh.rules import axis_rules, current_rules
-from models import model
-from models.config import ModelConfig
+from mesh.rules import axis_rules, current_rules, logical_to_spec
+from mesh.shard import axes_size
+from models import context, model, pipeline_1f1b
+from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, ModelConfig
+from models.loss import chunked_token_xent, token_xent
 from models.moe import bias_update
+from models.transformer import default_positions
 from train import comm
 from train.optim import applied_lr
 from train.state import TrainState
 
 BATCH_BT = ("batch", "seq")
-
-
-def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Cross-entropy per token [B,T], float32. The target's logit is picked by comparing an iota
-    with the target (a masked sum), not by a gather: with the vocabulary sharded (a vocab-parallel
-    head) the sum is local plus one small all-reduce over [B,T], and the gradient (softmax - one
-    hot) is elementwise, where a gather's gradient is a scatter into a [B,T,V] buffer."""
-    shift_BT1 = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1, keepdims=True))
-    shifted_BTV = logits_BTV - shift_BT1
-    lse_BT = jnp.log(jnp.sum(jnp.exp(shifted_BTV), axis=-1))
-    vocab_V = jax.lax.broadcasted_iota(targets_BT.dtype, logits_BTV.shape, logits_BTV.ndim - 1)
-    target_BT = jnp.sum(jnp.where(vocab_V == targets_BT[..., None], shifted_BTV, 0.0), axis=-1)
-    return lse_BT - target_BT
 
 
 def token_losses(loss_fn, logits_BTV: jax.Array, batch) -> jax.Array:
@@ -57,9 +47,23 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     so that dividing by the total count gives mean cross-entropy + coefficient x loss, also across
     micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
     (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
-    logits_BTV, stats = model.forward(cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
-                                  pipeline)
-    xent_BT = token_losses(loss_fn, logits_BTV, batch)
+    # context parallelism: the batch in the zigzag order its sequence shards hold (models/context.py)
+    batch = context.to_layout(batch, context.context_size(), default_positions)
+    if pipeline_1f1b.runs(cfg, pipeline):  # the loss is computed per micro-batch inside the schedule
+        n = jnp.sum(batch["weights"]) if "weights" in batch else jnp.float32(batch["targets"].size)
+        objective, xent, _ = pipeline_1f1b.decoder_loss(
+            cfg, params, batch, pipeline, lambda logits_bTV, mb: token_losses(loss_fn, logits_bTV, mb), {})
+        return objective, (xent, n, {})
+    args = (cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"), pipeline)
+    chunk = loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0  # a custom loss reads logits
+    hidden = model.hidden(*args) if chunk else None
+    if hidden is not None:
+        (x_BTD, head_DV), stats = hidden
+        xent_BT = chunked_token_xent(x_BTD, head_DV, batch["targets"], chunk_tokens=chunk,
+                                     seq_shards=context.context_size())
+    else:
+        logits_BTV, stats = model.forward(*args)
+        xent_BT = token_losses(loss_fn, logits_BTV, batch)
     weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
     xent, n = jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
     if not stats:
@@ -68,6 +72,19 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     sums = {"aux": aux * n, "z": z * n, "counts": stats["counts"], "dropped": stats["dropped"],
             "assigned": stats["assigned"]}
     return xent + n * (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z), (xent, n, sums)
+
+
+def loss_chunk(cfg: ModelConfig, shape_BT: tuple[int, int]) -> int:
+    """Tokens per chunk of the LM head + cross-entropy (models.loss.chunked_token_xent), 0 = whole:
+    --model.loss_chunk, or under auto (0) LOSS_CHUNK where one device's float32 logits of this
+    batch would exceed LOSS_CHUNK_FROM bytes (the rules in context say how they are split)."""
+    if cfg.loss_chunk:
+        return cfg.loss_chunk
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else math.prod(
+        axes_size(mesh, e) for e in logical_to_spec(("logits_batch", "seq", "act_vocab")))
+    logit_bytes = shape_BT[0] * shape_BT[1] * cfg.vocab_size * 4 / shards
+    return LOSS_CHUNK if logit_bytes > LOSS_CHUNK_FROM else 0
 
 
 def loss_sums(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None) -> tuple[jax.Array, jax.Array]:
@@ -103,7 +120,7 @@ def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes:
 
 
 def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = (),
-                     per_replica: bool = False, pipeline=None, loss_fn=None):
+                     per_replica: bool = False, pipeline=None, loss_fn=None, param_fn=None):
     """Mean loss (cross-entropy, or `loss_fn`'s: see `token_losses`) over all tokens, the gradient of the objective (cross-entropy + MoE
     balance losses) and the MoE sums, accumulated over micro-batches in float32.
 
@@ -114,9 +131,14 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
     (fsdp) reduce-scatter every micro-batch, as ZeRO-3 does, to keep gradients sharded.
     `per_replica`: leave that reduction to the caller (train.comm.sync_grads): the gradient
     keeps its [n_dp, ...] dim, each replica's share of the mean (their sum is the mean gradient).
+    `param_fn`: the model's params as a function of `params`, which are then what is differentiated
+    (LoRA: the adapters, merged into the frozen base inside the traced loss: train/lora.py).
     """
+    def objective(p, mb):
+        return loss_terms(cfg, p if param_fn is None else param_fn(p), mb, pipeline, loss_fn)
+
     def sums_and_grads(p, mb):
-        (_, (xent, n, sums)), g = jax.value_and_grad(loss_terms, argnums=1, has_aux=True)(cfg, p, mb, pipeline, loss_fn)
+        (_, (xent, n, sums)), g = jax.value_and_grad(objective, has_aux=True)(p, mb)
         return xent, n, sums, g
 
     if micro_batches == 1 and not (per_replica and dp_axes):
@@ -163,16 +185,18 @@ def moe_metrics(stats: dict) -> dict:
 
 def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
                dp_axes: tuple[str, ...], state: TrainState, batch, comm_cfg=None,
-               param_specs=None, pipeline=None, local_clip: float = 0.0, loss_fn=None) -> tuple[TrainState, dict]:
+               param_specs=None, pipeline=None, local_clip: float = 0.0, loss_fn=None,
+               param_fn=None) -> tuple[TrainState, dict]:
     """`comm_cfg` (train.config.CommConfig) with a compression other than none, and dp axes:
     the data-parallel gradient sync is train.comm.sync_grads (`param_specs`: the params'
     PartitionSpecs) instead of XLA's all-reduce; `local_clip` > 0 then clips each replica's
     gradient to that global norm before the sync (`tx` has no clipping of its own: it would clip
     the error-feedback bursts). `pipeline`: the run's PipelineConfig. `loss_fn`: a custom per-token
-    loss (`token_losses`)."""
+    loss (`token_losses`). `param_fn`: the model's params from `state.params` (LoRA's merge:
+    `grads_loss_stats`)."""
     compress = bool(dp_axes) and comm_cfg is not None and comm_cfg.compression != "none"
     loss, grads, stats = grads_loss_stats(cfg, state.params, batch, micro_batches, dp_axes, per_replica=compress,
-                                          pipeline=pipeline, loss_fn=loss_fn)
+                                          pipeline=pipeline, loss_fn=loss_fn, param_fn=param_fn)
     residual = state.residual
     if compress:
         norms_R = comm.replica_norms(grads)
