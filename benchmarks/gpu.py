@@ -76,7 +76,8 @@ MOE_VARIANTS = {
 # that preset and batch: the XLA GPU preset (mesh/xla.py), the attention implementation, FP8.
 VARIANTS = {
     "xla-preset": ["--xla-preset", "gpu"],
-    "attention-xla": ["--model.attention", "xla"],
+    "attention-dense": ["--model.attention", "dense"],
+    "attention-blockwise": ["--model.attention", "blockwise"],
     "attention-cudnn": ["--model.attention", "cudnn"],
     "fp8": ["--model.matmul_precision", "fp8"],
 }
