@@ -262,3 +262,12 @@ def test_text_datasets_carry_no_mask_and_mix_with_chat(chat_ds, model_dir, tmp_p
     assert p.train[0].rows(np.arange(4), packing_mask=False)["weights"].min() == 1.0
     assert p.train[1].rows(np.arange(4), packing_mask=False)["weights"].min() == 0.0
     assert dataset_vocab(f"{tmp_path / 'text'}:1,{chat_ds[0]}:1") == 320 and dataset_vocab("default") is None
+
+
+def test_a_model_without_a_vocab_size_takes_the_datasets(chat_ds):
+    """320 ids in the dataset, 264 in the tiny preset: the model grows to 320 padded to 128; a
+    vocab_size the user sets is kept (a dataset beyond it is refused when the data opens)."""
+    from train.config import build
+    assert build({"data.source": str(chat_ds[0]), "model.preset": "tiny"}).model.vocab_size == 384
+    assert build({"data.source": str(chat_ds[0]), "model.preset": "tiny", "model.vocab_size": 512}).model.vocab_size == 512
+    assert build({"model.preset": "tiny"}).model.vocab_size == 264

@@ -297,6 +297,11 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None =
                 raise UserError(f"unknown option '{section}.{name}'; valid {section} options: {', '.join(options)}")
         sections[section] = dataclasses.replace(base, **{options[n][0].name: coerce(f"{section}.{n}", options[n][1], v)
                                                          for n, v in values.items()})
+    if "vocab_size" not in model_raw:  # unset: the model takes the prepared data's vocabulary where it needs more
+        from train.data.sources import dataset_vocab
+        need = dataset_vocab(sections["data"].source)
+        if need is not None and need > sections["model"].vocab_size:  # padded to 128 so that mesh axes split it
+            sections["model"] = dataclasses.replace(sections["model"], vocab_size=-(-need // 128) * 128)
     return Config(model_preset=preset_name, **sections).validate()
 
 
