@@ -14,8 +14,9 @@ from errors import UserError
 REMAT_POLICIES = ("none", "full", "dots")
 MATMUL_PRECISIONS = ("default", "fp8")
 ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
-# `--model.attention auto` turns to memory-linear attention from this sequence length: below it the
-# dense [T,T] scores are small and XLA's fused dense attention is faster (BENCHMARKS.md, attention)
+# `--model.attention auto` turns to memory-linear attention from this sequence length: XLA's dense
+# attention is 1.5-1.8x faster on CPU, but from here its [T,T] scores take 3x the memory and grow x4
+# per doubling (BENCHMARKS.md, Long context)
 BLOCKWISE_FROM = 2048
 # --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is chunked
 LOSS_CHUNK, LOSS_CHUNK_FROM = 1024, 256 << 20
