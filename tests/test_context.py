@@ -80,6 +80,16 @@ def test_context_parallel_step_matches_one_device(trainers, reference, mesh, str
     assert_runs_match(run_steps(tr, batches, p0), want, f"{mesh} {strategy}{' packed' * packed} {over}")
 
 
+@pytest.mark.slow
+def test_context_parallel_moe_matches_one_device(trainers):
+    """MoE (routed experts inside shard_map) with the sequence over `context` and experts over `expert`."""
+    over = {"model.preset": "moe-tiny"}
+    ref = trainers("", True, **over)
+    p0, batches = initial_params(ref), synthetic_batches(VOCAB)
+    tr = trainers("context=2,expert=2,fsdp=2", **{"parallelism.context_strategy": "ring", **over})
+    assert_runs_match(run_steps(tr, batches, p0), run_steps(ref, batches, p0), "moe-tiny context=2,expert=2 ring")
+
+
 # ------------------------------------------------------------------ the pieces, on their own
 
 def test_zigzag_gives_each_shard_an_early_and_a_late_chunk():
