@@ -88,6 +88,14 @@ def make_rules(overrides: str | Mapping | None = None) -> dict[str, MeshAxes]:
     return {**DEFAULT_RULES, **parse_overrides(overrides)}
 
 
+def sequence_parallel(rules: Mapping[str, MeshAxes]) -> dict[str, MeshAxes]:
+    """`rules` with the residual stream's sequence dim (`res_seq`) also split over `model`
+    (Megatron's sequence parallelism: the tensor-parallel all-reduces become reduce-scatters and
+    all-gathers, and residuals and norms take 1/model of the memory)."""
+    res = tuple(rules["res_seq"])
+    return {**rules, "res_seq": res if "model" in res else (*res, "model")}
+
+
 # The names vocab_parallel rewrites: a user override of any of them is kept as written under `auto`.
 VOCAB_NAMES = ("vocab", "vocab_embed", "act_vocab", "logits_batch")
 

@@ -113,7 +113,7 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     shape = resolve(p.mesh, n, p.mesh_dcn)
     row = search.evaluate(cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules,
                           train_cfg=t, dcn=dict(zip(AXES, shape.dcn)), comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline,
-                          vocab_parallel=p.vocab_parallel)
+                          vocab_parallel=p.vocab_parallel, sequence_parallel=p.sequence_parallel)
     row["goodput"] = _goodput(ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw)
     return row, render_estimate(row, hw)
 

@@ -186,6 +186,8 @@ def run_flags(row: dict) -> str:
     """The flags that run `row`'s layout as priced: the gradient accumulation and, on a pipeline
     mesh, the pipeline schedule (its micro-batch count, repeats and schedule set the bubble)."""
     out = f"--mesh {row['mesh']} --micro-batches {row['micro_batches']}"
+    if row.get("sequence_parallel"):
+        out += " --parallelism.sequence_parallel true"
     pp = row["pipeline"]
     if pp:
         out += (f" --pipeline.microbatches {pp['microbatches']} --pipeline.repeats {pp['repeats']}"
@@ -197,7 +199,7 @@ def render_search(rows: list[dict], top: int, hw: Hardware, n_devices: int) -> s
     """The mesh search's table (plan.search.search rows, best first): the `top` that fit."""
     fit = [r for r in rows if r["fits"]]
     usable = hw.usable_memory * hw.hbm_bytes / 2**30
-    width = max([36] + [len(r["mesh"]) + 2 for r in fit[:top]])
+    width = max([36] + [len(r["mesh"]) + 6 for r in fit[:top]])
     lines = [f"search: {len(rows)} valid meshes of {n_devices} x {hw.name}, {len(fit)} fit in {usable:.0f} GiB"
              f" per device; best {min(top, len(fit))} by predicted step time:",
              f"{'mesh':<{width}}{'pp-mb':>6}{'mem GiB':>9}{'step s':>9}{'MFU':>7}{'bubble':>7}"
@@ -206,7 +208,8 @@ def render_search(rows: list[dict], top: int, hw: Hardware, n_devices: int) -> s
         comm = "; ".join(f"{k} {v['wire_bytes'] / 2**30:.2f} {v['link']} {v['time_s']:.3f}"
                          for k, v in sorted(r["comm"].items()))
         pp_mb = r["pipeline"].get("microbatches", "-")  # --pipeline.microbatches this row is priced at
-        lines.append(f"{r['mesh']:<{width}}{pp_mb:>6}{r['memory']['total'] / 2**30:>9.1f}"
+        mesh = r["mesh"] + (" +sp" if r.get("sequence_parallel") else "")  # sequence parallelism
+        lines.append(f"{mesh:<{width}}{pp_mb:>6}{r['memory']['total'] / 2**30:>9.1f}"
                      f"{r['t_step_s']:>9.3f}{100 * r['mfu']:>6.1f}%{100 * r['bubble']:>6.1f}%  {comm or '-'}")
     if not fit and rows:
         r = rows[0]

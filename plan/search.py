@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 
 from errors import UserError
 from mesh.rules import head_layout, logical_to_spec, make_rules
+from mesh.rules import sequence_parallel as sequence_parallel_rules
 from mesh.shard import is_axis_names
 from mesh.spec import AXES, mesh_text
 from models import model as model_lib
@@ -104,7 +105,7 @@ def _quick_reject(cfg, sizes: dict[str, int], batch_size: int, rules) -> bool:
 
 def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, micro_batches: int,
                      act_bytes: int, attention: str, *, shards: int, seq_shards: int = 1,
-                     pipeline_microbatches: int = 1) -> float:
+                     sequence_parallel: bool = False, pipeline_microbatches: int = 1) -> float:
     """Per-device activation memory estimate for the remat policy.
 
     Per token and layer the forward pass makes: 4 [D] (input, two norm outputs, residual), q/k/v
@@ -114,7 +115,8 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     block's scores, probabilities and their gradients ([N,512] x 4, float32); cuDNN or JAX's
     choice on GPU, none (fused flash attention). With the sequence split over `seq_shards`
     (context parallelism) a device holds T/seq_shards tokens and, while a layer runs, the K/V of
-    the others (all-gathered, or a ring's blocks kept for the backward). `full` remat keeps only
+    the others (all-gathered, or a ring's blocks kept for the backward); `sequence_parallel` splits
+    the residual stream's [D] terms (input, norms, residual, the projections' reduced outputs) by `model`. `full` remat keeps only
     each layer's input, `dots` the matmul outputs; the backward pass of one layer needs its full
     set once more; the LM head's float32 logits, softmax and gradient ([T,V/model] each) come on
     top, or one chunk's where the loss is chunked (train.step.loss_chunk's rule). One forward
@@ -128,11 +130,12 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     rows = rows_per_shard(batch_size, micro_batches, shards)
     pass_tokens = rows * seq_len // seq_shards
     tokens = pass_tokens // (pipeline_microbatches if p > 1 else 1)
-    every = 4 * d + (2 * n * h + 4 * k * h + n * h) / tp + 2 * d + 4 * f / tp
+    res = d / tp if sequence_parallel else d  # one [D] of the residual stream
+    every = 4 * res + (2 * n * h + 4 * k * h + n * h) / tp + 2 * res + 4 * f / tp
     every += (seq_shards - 1) * 2 * k * h / tp  # the other shards' K/V, in the layer under way
     scores = {"dense": 2 * n / tp * seq_len, "blockwise": 4 * 4 / act_bytes * n / tp * min(BLOCK_K, seq_len)}
     every += scores.get(attention, 0.0)
-    saved = {"none": every, "dots": d + (n * h + 2 * k * h) / tp + 2 * d + 2 * f / tp, "full": d}[cfg.remat]
+    saved = {"none": every, "dots": res + (n * h + 2 * k * h) / tp + 2 * res + 2 * f / tp, "full": res}[cfg.remat]
     layers = cfg.n_layers // p
     head_tokens = pass_tokens
     chunk = cfg.loss_chunk or (LOSS_CHUNK if 4 * pass_tokens * v / tp > LOSS_CHUNK_FROM else 0)
@@ -156,7 +159,7 @@ def _train(train_cfg: TrainConfig | None, batch_size: int, seq_len: int, micro_b
 def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len: int, micro_batches: int = 1, *,
              rules=None, train_cfg: TrainConfig | None = None, dcn: dict[str, int] | None = None,
              platform: str | None = None, comm_cfg=None, pipeline_cfg: PipelineConfig | None = None,
-             vocab_parallel: str = "auto") -> dict:
+             vocab_parallel: str = "auto", sequence_parallel: bool = False) -> dict:
     """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
     micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
@@ -167,7 +170,9 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
     platform = platform or hw.platform
     dtype = cfg.compute_dtype(platform)
     act_bytes = np.dtype(dtype).itemsize
-    rules = head_layout(rules or make_rules(), vocab_parallel, sizes, vocab=cfg.vocab_size,
+    rules = rules or make_rules()
+    rules = head_layout(sequence_parallel_rules(rules) if sequence_parallel else rules, vocab_parallel, sizes,
+                        vocab=cfg.vocab_size,
                         batch_tokens=batch_size // micro_batches * seq_len, act_bytes=act_bytes,
                         param_bytes=np.dtype(cfg.param_dtype).itemsize)
     t = _train(train_cfg, batch_size, seq_len, micro_batches)
@@ -191,7 +196,8 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
     memory = {"params": param_bytes, "grads": param_bytes, "optimizer": param_bytes * _optimizer_ratio(cfg, t),
               "activations": activation_bytes(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes,
                                               attention_on(cfg, hw, seq_len), shards=shards,
-                                              seq_shards=seq_shards(mesh, rules), pipeline_microbatches=pipe_m)}
+                                              seq_shards=seq_shards(mesh, rules), sequence_parallel=sequence_parallel,
+                                              pipeline_microbatches=pipe_m)}
     memory["total"] = sum(memory.values())
     n = math.prod(sizes.values())
     pred = cost.predict(model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),
@@ -201,6 +207,7 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
                         tokens_per_step=batch_size * seq_len)
     pipeline = {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule} if p > 1 else {}
     return {"mesh": mesh_text(sizes), "sizes": sizes, "micro_batches": micro_batches, "pipeline": pipeline,
+            "sequence_parallel": sequence_parallel,
             "memory": memory, "fits": memory["total"] <= hw.hbm_bytes * hw.usable_memory, "theory": comm, **pred}
 
 
@@ -227,6 +234,13 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
             try:
                 row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
                                comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel)
+                # sequence parallelism moves the same bytes and saves activation memory: worth it
+                # where the mesh does not fit without it
+                if not row["fits"] and sizes["model"] > 1 and not check(cfg, sizes, t, choice,
+                                                                       sequence_parallel_rules(rules)):
+                    row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
+                                   comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel,
+                                   sequence_parallel=True)
             except UserError:  # --parallelism.vocab_parallel on, and this mesh does not divide the vocabulary
                 continue
             if best is None or (row["fits"], -row["t_step_s"]) > (best["fits"], -best["t_step_s"]):

@@ -11,7 +11,7 @@ from errors import UserError
 from mesh.rules import make_rules
 from models.config import PipelineConfig, preset
 from plan import cli, hardware, search
-from plan.report import analyze
+from plan.report import analyze, run_flags
 from plan.theory import on_backend, run_spec, theory
 from train.config import TrainConfig, build
 from train.loop import Trainer
@@ -205,3 +205,28 @@ def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
     if "sync_every" in over:
         assert row["theory"]["all-reduce@data"]["sync_every"] == 4
         assert row["comm"]["all-reduce@data"]["sync_every"] == 4
+
+
+def test_sequence_parallelism_saves_activations_and_moves_the_same_bytes():
+    """70B on fsdp=8,model=8,data=2 at 8k tokens: the residual stream's [D] terms split by model
+    (full remat keeps only each layer's input, so most of the saved set), and the wire bytes are
+    Megatron's: a reduce-scatter plus an all-gather per all-reduce."""
+    m70, hw, sizes = preset("70b"), hardware.get("h100"), {"fsdp": 8, "model": 8, "data": 2}
+    plain = search.evaluate(m70, sizes, hw, 16, 8192)
+    sp = search.evaluate(m70, sizes, hw, 16, 8192, sequence_parallel=True)
+    assert sp["sequence_parallel"] and not plain["sequence_parallel"]
+    assert sp["memory"]["activations"] < plain["memory"]["activations"] / 4
+    assert sp["t_comm_s"] == pytest.approx(plain["t_comm_s"])
+    assert "--parallelism.sequence_parallel true" in run_flags(sp) and "sequence" not in run_flags(plain)
+
+
+def test_context_axis_is_priced_as_a_token_axis():
+    """context=4 at 1 x 32k tokens against fsdp=4 at 4 x 8k: the same tokens per device and the same
+    weight sharding, so the same parameter memory and weight traffic; context adds the K/V
+    all-gather and, while a layer runs, the other shards' K/V."""
+    m7, hw = preset("7b"), hardware.get("h100")
+    ctx = search.evaluate(m7, {"context": 4, "model": 2}, hw, 1, 32768)
+    fsdp = search.evaluate(m7, {"fsdp": 4, "model": 2}, hw, 4, 8192)
+    assert ctx["memory"]["params"] == pytest.approx(fsdp["memory"]["params"])
+    assert ctx["theory"]["all-gather@context"]["operand_bytes"] > fsdp["theory"]["all-gather@fsdp"]["operand_bytes"]
+    assert fsdp["memory"]["activations"] < ctx["memory"]["activations"] < 2 * fsdp["memory"]["activations"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules
+from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules, sequence_parallel
 from mesh.shard import data_parallel_axes, tree_shardings
 from models import context, model
 from train import comm, lora, optim, state as train_state
@@ -55,9 +55,7 @@ def run_rules(cfg: Config, sizes: Mapping[str, int], compute_dtype: str) -> dict
     """The rule table of a run on a mesh of these axis sizes: the defaults, the user's overrides,
     and the LM head's layout that --parallelism.vocab_parallel picks (mesh.rules.head_layout)."""
     p, m, t = cfg.parallelism, cfg.model, cfg.train
-    rules = make_rules(p.rules)
-    if p.sequence_parallel and "model" not in rules["res_seq"]:  # Megatron's: the residual split over model too
-        rules["res_seq"] = (*rules["res_seq"], "model")
+    rules = sequence_parallel(make_rules(p.rules)) if p.sequence_parallel else make_rules(p.rules)
     return head_layout(rules, p.vocab_parallel, sizes, vocab=m.vocab_size,
                        batch_tokens=t.batch_size // t.micro_batches * t.seq_len,
                        act_bytes=jnp.dtype(compute_dtype).itemsize, param_bytes=jnp.dtype(m.param_dtype).itemsize)
