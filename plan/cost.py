@@ -70,6 +70,12 @@ def split_key(key: str) -> tuple[str, tuple[str, ...]]:
 
 
 def overlappable(kind: str, axes: tuple[str, ...]) -> bool:
+    """Whether a collective can hide behind compute: the data/FSDP/context reductions and gathers
+    (issued ahead of the layer that needs them), and the ring attention's K/V hops, each of which
+    runs beside the attention of the block in hand; not tensor parallelism's (on the critical path
+    of every layer) nor the pipeline's permutes (a stage waits for its input)."""
+    if kind == "collective-permute":
+        return axes == ("context",)
     return kind in ("all-reduce", "all-gather", "reduce-scatter") and "model" not in axes
 
 

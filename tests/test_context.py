@@ -237,3 +237,10 @@ def test_memory_is_linear_in_the_sequence_and_32k_tokens_train(tmp_path):
     summary = trainer(32768, "blockwise", **{"model.n_layers": 1, "model.n_heads": 1, "model.n_kv_heads": 1,
                                               "model.d_model": 16, "model.d_ff": 32, "model.remat": "none"}).fit()
     assert summary["exit_code"] == 0 and summary["steps"] == 3 and np.isfinite(summary["final_loss"]), summary
+
+
+def test_ring_hops_hide_behind_attention_in_the_cost_model():
+    """The ring's K/V permutes run beside the block in hand's attention; the pipeline's do not."""
+    from plan.cost import overlappable
+    assert overlappable("collective-permute", ("context",)) and overlappable("all-gather", ("context",))
+    assert not overlappable("collective-permute", ("pipeline",)) and not overlappable("all-reduce", ("model",))
