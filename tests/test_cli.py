@@ -71,7 +71,7 @@ def test_help_lists_section_flags_with_defaults(help_text):
 TINY = ["--model", "tiny"]
 # (id, args, substrings the single stderr line must contain)
 BAD = [
-    ("unknown-axis", ["--mesh", "date=8"], ["'date'", "valid axes: pipeline, data, fsdp, expert, model"]),
+    ("unknown-axis", ["--mesh", "date=8"], ["'date'", "valid axes: pipeline, data, fsdp, context, expert, model"]),
     ("product", ["--mesh", "data=2,model=2"], ["multiply to 4", "8 devices"]),
     ("two-minus-one", ["--mesh", "data=-1,fsdp=-1"], ["only one axis may be -1", "data, fsdp"]),
     ("mesh-size-not-int", ["--mesh", "data=x"], ["'data'", "integer", "'x'"]),

@@ -88,8 +88,10 @@ def test_fp8_training_on_a_mesh_tracks_the_plain_run(tmp_path):
     assert any(float(r["loss"]) != float(p["loss"]) for p, r in zip(runs["default"], runs["fp8"]))
 
 
-def test_cudnn_attention_off_a_gpu_is_one_line():
-    cfg = ModelConfig(attention="cudnn")
-    assert cfg.attention_impl("gpu") == "cudnn" and ModelConfig().attention_impl("cpu") is None
-    with pytest.raises(UserError, match="attention 'cudnn' needs an NVIDIA GPU.*valid here: auto, xla"):
-        cfg.attention_impl("cpu")
+def test_attention_kind_by_backend_and_length_and_cudnn_off_a_gpu_is_one_line():
+    cfg, auto = ModelConfig(attention="cudnn"), ModelConfig()
+    assert cfg.attention_kind("gpu", 1024) == "cudnn"
+    assert auto.attention_kind("cpu", 1024) == "dense" and auto.attention_kind("cpu", 2048) == "blockwise"
+    assert auto.attention_kind("gpu", 8192) == "jax" and auto.attention_kind("gpu", 8192, packed=True) == "blockwise"
+    with pytest.raises(UserError, match="attention 'cudnn' needs an NVIDIA GPU.*valid here: auto, dense, blockwise"):
+        cfg.attention_kind("cpu", 1024)
