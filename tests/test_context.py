@@ -244,3 +244,16 @@ def test_ring_hops_hide_behind_attention_in_the_cost_model():
     from plan.cost import overlappable
     assert overlappable("collective-permute", ("context",)) and overlappable("all-gather", ("context",))
     assert not overlappable("collective-permute", ("pipeline",)) and not overlappable("all-reduce", ("model",))
+
+
+@pytest.mark.slow
+def test_sequence_parallel_gradients_equal_the_plain_tensor_parallel_ones(trainers):
+    """The same mesh with and without the residual stream split over `model`: loss and every
+    gradient, 1e-6 (only the order of the partial sums' reduction changes)."""
+    batch = synthetic_batches(VOCAB, 1, seed=9)[0]
+    plain = trainers("fsdp=4,model=2")
+    params = initial_params(plain)
+    want_loss, want = gradients(plain, params, batch)
+    got_loss, got = gradients(trainers("fsdp=4,model=2", **{"parallelism.sequence_parallel": True}), params, batch)
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    assert_trees_close(got, want, "sequence parallel", rtol=1e-6)
