@@ -75,7 +75,7 @@ def test_token_xent_matches_optax():
     np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
 
 
-SIZES = {"data": 1, "fsdp": 8, "model": 1, "expert": 1, "pipeline": 1}
+SIZES = {"data": 1, "fsdp": 8, "context": 1, "model": 1, "expert": 1, "pipeline": 1}
 
 
 def choose(rules=None, mode="auto", vocab=32000, tokens=1024, sizes=SIZES):
@@ -84,13 +84,13 @@ def choose(rules=None, mode="auto", vocab=32000, tokens=1024, sizes=SIZES):
 
 
 def test_auto_picks_the_layout_that_moves_fewer_bytes():
-    assert choose()["vocab"] == ("model", "fsdp")                 # 1,024 tokens per FSDP group < 32,000 rows
+    assert choose()["vocab"] == ("model", "fsdp", "context")      # 1,024 tokens per FSDP group < 32,000 rows
     assert choose(tokens=1 << 20)["vocab"] == ("model",)         # a million tokens: gather the weights
     assert choose(vocab=32001)["vocab"] == ("model",)            # 8 does not divide the vocabulary
     assert choose(sizes={**SIZES, "fsdp": 1, "data": 8})["vocab"] == ("model",)  # no FSDP: nothing to move
     written = make_rules("vocab_embed=fsdp+data")
     assert choose(written) == written                           # auto keeps a head layout the user wrote
-    assert choose(mode="on", tokens=1 << 20)["vocab"] == ("model", "fsdp")
+    assert choose(mode="on", tokens=1 << 20)["vocab"] == ("model", "fsdp", "context")
     assert choose(mode="off")["vocab"] == ("model",)
 
 
