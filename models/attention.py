@@ -13,6 +13,7 @@ from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, constrain
 from models.config import ModelConfig
 from models import context, fp8
+from models.blockwise import visible
 from models.context import context_size
 from models.layers import RMSNorm, param, rope
 
@@ -93,7 +94,7 @@ class Attention(nnx.Module):
             out_BTNH = self._by_index(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind)
         elif cache is None:  # the sequence is sharded (and permuted), or blockwise: masks from positions
             out_BTNH = context.attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=self.window,
-                                      kind="dense" if kind == "dense" else "blockwise")  # no cuDNN mask by positions
+                                      kind=context.by_positions(kind))
         else:
             cache = KVCache(
                 jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0)),
@@ -102,7 +103,7 @@ class Attention(nnx.Module):
             s = cache.k.shape[1]
             # Slot s holds the key of position s: a query at position p sees the cached keys at
             # positions <= p (slots past `index` are empty), and with a window only the last W of them.
-            mask_B1TS = self._visible(positions_BT[:, None, :, None], jnp.arange(s)[None, None, None, :])
+            mask_B1TS = visible(positions_BT[:, None, :, None], jnp.arange(s)[None, None, None, :], None, None, self.window)
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS)
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "act_heads", None))
         out_BTD = fp8.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt), self.fp8)
@@ -119,12 +120,7 @@ class Attention(nnx.Module):
                                                 implementation=impl)
         t = q_BTNH.shape[1]
         # within a segment, index distance is position distance: the window applies to it alike
-        seen_TT = self._visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :])
+        seen_TT = visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :], None, None, self.window)
         same_B1TT = segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
         return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & seen_TT, implementation=impl)
 
-    def _visible(self, query_pos, key_pos):
-        """Whether a query at `query_pos` attends to the key at `key_pos` (broadcasting): causal,
-        and within the sliding window when there is one."""
-        seen = key_pos <= query_pos
-        return seen & (key_pos > query_pos - self.window) if self.window else seen

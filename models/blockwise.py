@@ -85,14 +85,22 @@ def _tied(block):
     return jax.lax.optimization_barrier(block)
 
 
+def visible(q_pos, k_pos, q_seg, k_seg, window: int | None):
+    """Whether a query sees a key (broadcasting): at an earlier or equal position, of the same
+    segment (segment ids None: one segment), within a window of `window` keys (0 or None: none).
+    The one visibility rule of every attention path (models/attention.py, models/context.py)."""
+    seen = k_pos <= q_pos
+    if window:
+        seen &= k_pos > q_pos - window
+    if q_seg is not None:
+        seen &= q_seg == k_seg
+    return seen
+
+
 def _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window):
     """Which keys of one block each query sees, broadcast over the head dims K and Q."""
-    q_pos, k_pos = q_pos_BT[:, :, None], k_pos_BC[:, None, :]
-    seen_BTC = (k_pos <= q_pos) & real_BC[:, None, :]
-    if q_seg_BT is not None:
-        seen_BTC &= q_seg_BT[:, :, None] == k_seg_BC[:, None, :]
-    if window is not None:
-        seen_BTC &= q_pos - k_pos < window
+    seg = (None, None) if q_seg_BT is None else (q_seg_BT[:, :, None], k_seg_BC[:, None, :])
+    seen_BTC = visible(q_pos_BT[:, :, None], k_pos_BC[:, None, :], *seg, window) & real_BC[:, None, :]
     return seen_BTC[:, :, None, None, :]
 
 

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from errors import UserError
 from mesh.rules import current_rules, logical_to_spec
 from mesh.shard import constrain, entry_axes
-from models.blockwise import NO_KEYS_LSE, blockwise_attention
+from models.blockwise import NO_KEYS_LSE, blockwise_attention, visible
 from models.config import CONTEXT_STRATEGIES
 
 _STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar("context_strategy", default="all_gather")
@@ -66,6 +66,12 @@ def context_axes() -> tuple[str, ...]:
 def context_size() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     return math.prod(mesh.shape[a] for a in context_axes())
+
+
+def by_positions(kind: str) -> str:
+    """The attention that runs where masks come from positions (a sharded, permuted sequence, or
+    blockwise asked for): dense stays dense; no fused kernel takes such a mask, so the rest is blockwise."""
+    return "dense" if kind == "dense" else "blockwise"
 
 
 def describe(kind: str, n: int, strategy: str) -> str:
@@ -103,17 +109,6 @@ def to_layout(batch: dict, n: int, positions_of) -> dict:
 
 
 # ------------------------------------------------------------------ attention by positions
-
-def visible(q_pos, k_pos, q_seg, k_seg, window: int):
-    """Whether a query sees a key (broadcasting): at an earlier or equal position, of the same
-    segment, within the window (0 = none)."""
-    seen = k_pos <= q_pos
-    if window:
-        seen &= k_pos > q_pos - window
-    if q_seg is not None:
-        seen &= q_seg == k_seg
-    return seen
-
 
 def local_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, *, window: int, kind: str,
                     return_lse: bool = False):

@@ -27,10 +27,10 @@ from models.blockwise import BLOCK_K
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, PipelineConfig
 from plan import cost
 from plan.hardware import Hardware
-from plan.theory import RunSpec, abstract_mesh, rows_per_shard, seq_shards, theory
+from plan.theory import RunSpec, abstract_mesh, rows_per_shard, theory
 from train import optim
 from train.config import CommConfig, TrainConfig
-from train.shapes import batch_shards, validate_batch, validate_run
+from train.shapes import batch_shards, seq_shards, validate_batch, validate_run
 
 
 def factorizations(n: int, n_axes: int = len(AXES)) -> list[tuple[int, ...]]:

@@ -25,7 +25,7 @@ from models.attention import fused_qkv
 from models.config import ModelConfig, PipelineConfig
 from models.moe import exchange_for
 from train.config import CommConfig, TrainConfig
-from train.shapes import batch_shards
+from train.shapes import batch_shards, seq_shards
 
 if TYPE_CHECKING:
     from train.setup import RunSetup
@@ -78,11 +78,6 @@ def rows_per_shard(batch_size: int, micro_batches: int, shards: int) -> int:
     """Rows of one forward pass (the batch over --micro-batches) on one of the `shards` devices the
     rules split the batch over: the leading dim of a device's activations, before a pipeline cuts it."""
     return batch_size // micro_batches // shards
-
-
-def seq_shards(mesh, rules) -> int:
-    """Devices the sequence is split over (context parallelism)."""
-    return axes_size(mesh, logical_to_spec(("batch", "seq"), rules)[1])
 
 
 def _tokens_per_device(run: RunSpec) -> int:

@@ -257,3 +257,16 @@ def test_sequence_parallel_gradients_equal_the_plain_tensor_parallel_ones(traine
     got_loss, got = gradients(trainers("fsdp=4,model=2", **{"parallelism.sequence_parallel": True}), params, batch)
     assert got_loss == pytest.approx(want_loss, rel=1e-6)
     assert_trees_close(got, want, "sequence parallel", rtol=1e-6)
+
+
+def test_sequence_check_needs_both_the_zigzag_chunks_and_the_residual_shards():
+    """context=2 x model=3 with sequence parallelism: 4 zigzag chunks and 6 residual shards, so
+    --seq-len must be a multiple of 12 (30 has 6 shards but not 4 chunks)."""
+    from mesh.rules import make_rules, sequence_parallel
+    from plan.theory import abstract_mesh
+    from train.config import TrainConfig
+    from train.shapes import validate_sequence
+    mesh, rules = abstract_mesh({"context": 2, "model": 3}), sequence_parallel(make_rules())
+    validate_sequence(mesh, rules, TrainConfig(seq_len=36))
+    with pytest.raises(UserError, match="--seq-len 30 is not divisible by 12"):
+        validate_sequence(mesh, rules, TrainConfig(seq_len=30))

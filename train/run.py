@@ -16,8 +16,7 @@ import jax
 
 from checkpoint import storage
 from checkpoint.saving import Saves
-from mesh.rules import logical_to_spec
-from mesh.shard import axes_size, warn_undersharded
+from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
 from models import context
 from models.flops import flops_per_token, param_count
@@ -29,6 +28,7 @@ from train.metrics import MetricsLogger, StepProfiler, StepStats, json_safe, pea
 from train.resilience import Diverged, injected_delay, injected_steps
 from train.rundir import prepare_run_dir, run_dir_writes
 from train.setup import RunSetup
+from train.shapes import seq_shards
 from train.stragglers import Stragglers
 from train.watchdog import PeerHeartbeat, Watchdog
 
@@ -184,11 +184,9 @@ class Run:
 def attention(s: RunSetup) -> str:
     """What attention the run's step does at its sequence length (models/config.attention_kind)."""
     c = s.cfg
-    n = axes_size(s.mesh, logical_to_spec(("seq",), s.rules)[0])
+    n = seq_shards(s.mesh, s.rules)
     kind = c.model.attention_kind(jax.default_backend(), c.train.seq_len, c.data.packing_mask)
-    if n > 1 and kind != "dense":  # a sharded, permuted sequence is masked by positions: blockwise
-        kind = "blockwise"
-    return context.describe(kind, n, c.parallelism.context_strategy)
+    return context.describe(context.by_positions(kind) if n > 1 else kind, n, c.parallelism.context_strategy)
 
 
 def open_run(run_setup: RunSetup, abstract, saver, data, point, state, goodput: Goodput, opening: tuple,

@@ -40,14 +40,18 @@ def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg:
                     batch_shards=n)
 
 
+def seq_shards(mesh, rules, name: str = "seq") -> int:
+    """Devices the sequence of a [B, T, ...] activation is split over (context parallelism; with
+    name="res_seq", the residual stream's, which sequence parallelism also splits over model)."""
+    return axes_size(mesh, logical_to_spec(("batch", name), rules)[1])
+
+
 def validate_sequence(mesh, rules, train_cfg: TrainConfig) -> None:
     """--seq-len split over the axes that shard the sequence: 2 x context chunks (the zigzag layout
     of models/context.py), and the residual stream's shards (sequence parallelism) too."""
     t = train_cfg.seq_len
-    n_ctx = axes_size(mesh, logical_to_spec(("seq",), rules)[0])
-    n_res = axes_size(mesh, logical_to_spec(("res_seq",), rules)[0])
-    need = max(2 * n_ctx if n_ctx > 1 else 1, n_res)
-    need = need * n_res // math.gcd(need, n_res)
+    n_ctx, n_res = seq_shards(mesh, rules), seq_shards(mesh, rules, "res_seq")
+    need = math.lcm(2 * n_ctx if n_ctx > 1 else 1, n_res)
     if t % need:
         why = [f"context {n_ctx} x 2 zigzag chunks"] if n_ctx > 1 else []
         why += [f"the residual stream's {n_res} sequence shards"] if n_res > n_ctx else []

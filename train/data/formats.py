@@ -163,14 +163,10 @@ def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
                 raise UserError(f"prepare: {path}: column '{text_field}' holds {kind}, not text; set --text-field"
                                 f" to a string column")
-            row = 0
-            for batch in batches():
-                column = batch.column(text_field).to_pylist()
-                for i, text in enumerate(column, row):
-                    if text is None:
-                        raise UserError(f"prepare: {path} (row {i}): no text in column '{text_field}' (null)")
-                    yield f"{path} (row {i})", text, position(i + 1)
-                row += len(column)
+            for i, text in _numbered(batches, lambda batch: batch.column(text_field).to_pylist()):
+                if text is None:
+                    raise UserError(f"prepare: {path} (row {i}): no text in column '{text_field}' (null)")
+                yield f"{path} (row {i})", text, position(i + 1)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"prepare: {path}: not a readable {'Parquet' if parquet else 'Arrow IPC stream'} file"
                         f" ({str(e).splitlines()[0]})") from None
@@ -182,12 +178,17 @@ def _rows(path: str, fields: tuple[str, ...], schema, batches, position) -> Iter
     if not present:
         raise UserError(f"prepare: {path}: none of the record columns {', '.join(map(repr, fields))} (columns:"
                         f" {', '.join(schema.names)})")
+    for i, record in _numbered(batches, lambda batch: batch.select(present).to_pylist()):
+        yield f"{path} (row {i})", {k: v for k, v in record.items() if v is not None}, position(i + 1)
+
+
+def _numbered(batches, read) -> Iterator[tuple[int, object]]:
+    """(row number in the file, value) for every value `read(batch)` lists, batch after batch."""
     row = 0
     for batch in batches():
-        records = batch.select(present).to_pylist()
-        for i, record in enumerate(records, row):
-            yield f"{path} (row {i})", {k: v for k, v in record.items() if v is not None}, position(i + 1)
-        row += len(records)
+        values = read(batch)
+        yield from enumerate(values, row)
+        row += len(values)
 
 
 def _parquet(path: str, text_field: str | tuple[str, ...], stack: contextlib.ExitStack):
