@@ -264,7 +264,7 @@ class ModelConfig:
         return "float32" if platform == "cpu" else "bfloat16"
 
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +273,11 @@ class PipelineConfig:
     pipeline axis (`--mesh pipeline=P`)."""
     microbatches: int = ranged(0, ">=0", help="microbatches per step; 0 = as many as stages; more shrinks the"
                                               " bubble (P-1)/(R*M+P-1)")
-    repeats: int = ranged(1, ">=1", help="circular schedule: layer chunks per device (virtual stages per device)")
+    repeats: int = ranged(1, ">=1", help="circular and interleaved_1f1b: layer chunks per device (virtual stages"
+                                         " per device)")
     schedule: str = option("gpipe", f"pipeline schedule: {' | '.join(SCHEDULES)} (1f1b: each stage alternates"
-                                    f" forward and backward, keeping at most 2(P-1) micro-batches, not M)")
+                                    f" forward and backward, keeping at most 2(P-1) micro-batches, not M;"
+                                    f" interleaved_1f1b: the same over R chunks per device, bubble / R)")
     remat_stage: bool = option(False, "also recompute each stage in the backward pass (less memory)")
     gather_once: bool = option(False, "fsdp: all-gather each stage's weights once per step, not every tick")
 

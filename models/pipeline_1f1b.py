@@ -43,15 +43,13 @@ from errors import UserError
 from mesh.rules import axis_rules, logical_to_spec
 from mesh.shard import constrain, entry_axes
 from models.pipeline import _REPLICAS, FULL_REMAT, _act_names, _inner_rules, _mesh_size, _pin
-from models.schedules import backward_mb, forward_mb, phases_1f1b, ring_slots, validate
-
-SCHEDULE = "1f1b"
+from models.schedules import EXPLICIT, backward_item, forward_item, phases_1f1b, ring_slots, validate
 
 
 # ------------------------------------------------------------------------------ the program
 
 def loss(embed_fn: Callable, layer_fn: Callable, head_fn: Callable, outer_params: Any, stack_params: Any,
-         batch: dict, aux_weights: dict | None = None, *, stages: int, microbatches: int,
+         batch: dict, aux_weights: dict | None = None, *, stages: int, microbatches: int, repeats: int = 1,
          remat_policy=FULL_REMAT, has_aux: bool = False, scan_layers: bool = True,
          replica_axes: tuple[str, ...] = ("data",)):
     """-> (objective, (head loss sum, aux)) of the whole batch through the 1F1B schedule; only the
@@ -66,8 +64,10 @@ def loss(embed_fn: Callable, layer_fn: Callable, head_fn: Callable, outer_params
     weight x the leaf's per-layer values summed over layers, averaged over the batch pieces
     (micro-batches x replicas) as pipeline_apply averages aux. `aux` is pipeline_apply's: [L, ...]
     means over the pieces, or () without `has_aux`. Sharding and `replica_axes` as pipeline_apply's.
+    `repeats` R > 1 runs interleaved 1F1B: device s holds the layer chunks s, s+P, ... (as the
+    circular schedule does, models/pipeline.py) and M must be a multiple of P.
     """
-    kw = dict(stages=stages, microbatches=microbatches, remat_policy=remat_policy, has_aux=has_aux,
+    kw = dict(stages=stages, microbatches=microbatches, repeats=repeats, remat_policy=remat_policy, has_aux=has_aux,
               scan_layers=scan_layers, replica_axes=replica_axes)
     run = functools.partial(_schedule, embed_fn, layer_fn, head_fn, **kw)
     aux_weights = {} if aux_weights is None else aux_weights
@@ -91,26 +91,26 @@ def loss(embed_fn: Callable, layer_fn: Callable, head_fn: Callable, outer_params
     return objective(outer_params, stack_params, batch, aux_weights)
 
 
-def _schedule(embed_fn, layer_fn, head_fn, outer, stack, batch, aux_weights, *, stages, microbatches, remat_policy,
-              has_aux, scan_layers, replica_axes, backward):
+def _schedule(embed_fn, layer_fn, head_fn, outer, stack, batch, aux_weights, *, stages, microbatches, repeats,
+              remat_policy, has_aux, scan_layers, replica_axes, backward):
     """-> ((objective, (head loss, aux)), (d_outer, d_stack) or None)."""
     L, B = jax.tree.leaves(stack)[0].shape[0], jax.tree.leaves(batch)[0].shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     batch_axes = entry_axes(logical_to_spec(("stages", "batch"))[1]) if not mesh.empty else ()
     replicas = tuple(a for a in batch_axes if a in replica_axes and mesh.shape[a] > 1)
     with axis_rules(_inner_rules(replicas)):
-        validate(n_layers=L, batch=B, stages=stages, microbatches=microbatches, schedule=SCHEDULE,
-                 batch_shards=_mesh_size(batch_axes))
-        return _Program(embed_fn, layer_fn, head_fn, stages, microbatches, _mesh_size(replicas), L, remat_policy,
-                        has_aux, scan_layers).run(outer, stack, batch, aux_weights, backward)
+        validate(n_layers=L, batch=B, stages=stages, microbatches=microbatches, repeats=repeats,
+                 schedule=EXPLICIT[repeats > 1], batch_shards=_mesh_size(batch_axes))
+        return _Program(embed_fn, layer_fn, head_fn, stages, microbatches, repeats, _mesh_size(replicas), L,
+                        remat_policy, has_aux, scan_layers).run(outer, stack, batch, aux_weights, backward)
 
 
 class _Program:
-    """The tick program for one shape (P, M, A, J): the vmapped stage pieces and the tick body."""
+    """The tick program for one shape (P, M, R, A, J): the vmapped stage pieces and the tick body."""
 
-    def __init__(self, embed_fn, layer_fn, head_fn, P, M, A, L, remat_policy, has_aux, scan_layers):
-        self.embed_fn, self.head_fn, self.P, self.M, self.A, self.L = embed_fn, head_fn, P, M, A, L
-        self.J, self.K = L // P, ring_slots(P, M)
+    def __init__(self, embed_fn, layer_fn, head_fn, P, M, R, A, L, remat_policy, has_aux, scan_layers):
+        self.embed_fn, self.head_fn, self.P, self.M, self.R, self.A, self.L = embed_fn, head_fn, P, M, R, A, L
+        self.J, self.K = L // (P * R), ring_slots(P, M, R)
         mesh_empty = jax.sharding.get_abstract_mesh().empty
         self.stage_axis = None if mesh_empty else logical_to_spec(("stages",))[0]
         self.replica_axis = logical_to_spec((_REPLICAS,))[0] if A > 1 else None
@@ -153,18 +153,27 @@ class _Program:
         return (value, *vjp(jnp.ones_like(value)))
 
     def run(self, outer, stack, batch, weights, backward):
-        # One function on purpose (~85 lines): the tick body and its masks are closures over the
+        # One function on purpose (~95 lines): the tick body and its masks are closures over the
         # same shapes, names and vmapped pieces; split, each piece would take them all.
-        P, M, A, J, K = self.P, self.M, self.A, self.J, self.K
-        stage_P = jnp.arange(P)
-        first_PA, last_P = jnp.broadcast_to((stage_P == 0)[:, None], (P, A)), stage_P == P - 1
+        P, M, R, A, J, K = self.P, self.M, self.R, self.A, self.J, self.K
+        stage_P, last_P = jnp.arange(P), jnp.arange(P) == P - 1
         mask = lambda ok_P, a: jnp.where(ok_P.reshape(P, *[1] * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
         add = lambda acc, ok_P, g: jax.tree.map(lambda s, x: s + mask(ok_P, x.astype(s.dtype)), acc, g)
-        # [L, ...] -> [P, A, J, ...]: the A copies are views of one stage's weights, one per replica,
-        # so that each replica's gradient stays local until the one reduction at the end
-        stack_PAJ = jax.tree.map(lambda a: _pin(jnp.broadcast_to(a.reshape(P, 1, J, *a.shape[1:]),
-                                                                 (P, A, J, *a.shape[1:])), ("stages", _REPLICAS), 2),
-                                 stack)
+        per_stage = lambda fn: jax.vmap(fn, spmd_axis_name=self.stage_axis)
+        by_replica = lambda ok_P: jnp.broadcast_to(ok_P[:, None], (P, A))
+
+        def add_at(acc, ok_P, r_P, g):  # g [P, A, J, ...] into acc [P, A, R, J, ...] at each stage's chunk r
+            hit_PR = (jnp.arange(R) == r_P[:, None]) & ok_P[:, None]
+            return jax.tree.map(lambda s, x: s + jnp.where(hit_PR.reshape(P, 1, R, *[1] * (x.ndim - 2)),
+                                                           x[:, :, None].astype(s.dtype), 0), acc, g)
+        # [L, ...] -> [P, A, R, J, ...]: layer (r*P + s)*J + k sits at [s, :, r, k]; the A copies are
+        # views of one stage's weights, one per replica, so that each replica's gradient stays local
+        # until the one reduction at the end
+        stack_PARJ = jax.tree.map(lambda a: _pin(jnp.broadcast_to(
+            jnp.moveaxis(a.reshape(R, P, J, *a.shape[1:]), 1, 0)[:, None], (P, A, R, J, *a.shape[1:])),
+            ("stages", _REPLICAS), 2), stack)
+        chunk = lambda r_P: jax.tree.map(lambda a: _pin(per_stage(lambda a_ARJ, r: a_ARJ[:, r])(a, r_P) if R > 1
+                                                        else a[:, :, 0], ("stages", _REPLICAS), 2), stack_PARJ)
         b = jax.tree.leaves(batch)[0].shape[0] // M
         batch_M = jax.tree.map(lambda a: _pin(a.reshape(A, b // A, M, *a.shape[1:]).transpose(
             2, 0, 1, *range(3, a.ndim + 2)), (None, _REPLICAS) + _act_names(a.ndim)), batch)
@@ -177,59 +186,62 @@ class _Program:
         run_fwd = self.vmapped(self.forward, (0, 0, None, 0, 0, None))
         run_bwd = self.vmapped(self.backward, (0, 0, None, 0, 0, None, 0))
         run_head = self.vmapped(lambda o, y, mb: self.head(o, y, mb, backward), (None, 0, 0))
-        per_stage = lambda fn: jax.vmap(fn, spmd_axis_name=self.stage_axis)
 
         def tick(c, t, do_f, do_head, do_b):
-            m_f, m_b = forward_mb(t, stage_P, P), backward_mb(t, stage_P, P)
-            ok_f, ok_b = (m_f >= 0) & (m_f < M), (m_b >= 0) & (m_b < M)
+            m_f, r_f, i_f, ok_f = forward_item(t, stage_P, P, M, R)
+            m_b, r_b, i_b, ok_b = backward_item(t, stage_P, P, M, R)
+            head_P = last_P & (r_f == R - 1)     # the last virtual stage: the head runs after it
             c = dict(c)
-            if do_f:
+            if do_f:  # stage 0 embeds the tokens on its first chunk, else runs what was rolled in
                 mb_f = pick(m_f)
-                y, aux_J, aux_obj = run_fwd(c["fwd"], stack_PAJ, outer, mb_f, first_PA, weights)
+                y, aux_J, aux_obj = run_fwd(c["fwd"], chunk(r_f), outer, mb_f,
+                                            by_replica((stage_P == 0) & (r_f == 0)), weights)
                 c["loss"] = c["loss"] + mask(ok_f, aux_obj)
-                c["aux"] = add(c["aux"], ok_f, jax.tree.map(lambda a: a / (M * A), aux_J))
-            if do_head:  # the last stage turns micro-batch m_f into its loss and the cotangent of y
+                c["aux"] = add_at(c["aux"], ok_f, r_f, jax.tree.map(lambda a: a / (M * A), aux_J))
+            if do_head:  # the last virtual stage turns micro-batch m_f into its loss and the cotangent of y
                 value, d_outer, dy = run_head(outer, y, mb_f)
-                c["head"] = c["head"] + mask(ok_f & last_P, value)
-            if do_b:  # read the ring before this tick's forward reuses the slot
-                saved = per_stage(lambda r, i: r[i])(c["ring"], m_b % K)
-                if do_head:  # the last stage's backward is of this tick's forward: its input, the head's cotangent
-                    is_last = last_P.reshape(P, *[1] * (saved.ndim - 1))
-                    x_b, ct = jnp.where(is_last, c["fwd"], saved), jnp.where(is_last, dy, c["bwd"])
+                c["head"] = c["head"] + mask(ok_f & head_P, value)
+            if do_b:
+                saved = per_stage(lambda r, i: r[i])(c["ring"], i_b % K)  # read before this tick's forward reuses the slot
+                if do_head:  # the last virtual stage's backward is of this tick's forward: its input, the head's cotangent
+                    at_head = (last_P & (r_b == R - 1)).reshape(P, *[1] * (saved.ndim - 1))
+                    x_b, ct = jnp.where(at_head, c["fwd"], saved), jnp.where(at_head, dy, c["bwd"])
                 else:
                     x_b, ct = saved, c["bwd"]
-                dx, dp, d_o = run_bwd(_pin(x_b, state_names), stack_PAJ, outer, pick(m_b), first_PA, weights,
-                                      _pin(ct, state_names))
-                c["d_stack"], c["d_outer"] = add(c["d_stack"], ok_b, dp), add(c["d_outer"], ok_b, d_o)
+                dx, dp, d_o = run_bwd(_pin(x_b, state_names), chunk(r_b), outer, pick(m_b),
+                                      by_replica((stage_P == 0) & (r_b == 0)), weights, _pin(ct, state_names))
+                c["d_stack"], c["d_outer"] = add_at(c["d_stack"], ok_b, r_b, dp), add(c["d_outer"], ok_b, d_o)
                 if do_head:
-                    c["d_outer"] = add(c["d_outer"], ok_f & last_P, d_outer)
-                c["bwd"] = _pin(jnp.roll(dx, -1, axis=0), state_names)   # stage s's input gradient -> s-1
+                    c["d_outer"] = add(c["d_outer"], ok_f & head_P, d_outer)
+                c["bwd"] = _pin(jnp.roll(dx, -1, axis=0), state_names)   # stage s's input gradient -> s-1 (0 -> P-1)
             if do_f and backward:
                 write = lambda r, x, i, ok: jax.lax.dynamic_update_index_in_dim(r, jnp.where(ok, x, r[i]), i, 0)
-                c["ring"] = per_stage(write)(c["ring"], c["fwd"], m_f % K, ok_f)
+                c["ring"] = per_stage(write)(c["ring"], c["fwd"], i_f % K, ok_f)
             if do_f:
-                c["fwd"] = _pin(jnp.roll(y, 1, axis=0), state_names)     # stage s's output -> s+1
+                c["fwd"] = _pin(jnp.roll(y, 1, axis=0), state_names)     # stage s's output -> s+1 (P-1 -> 0)
             return c, None
 
-        aux_shape = jax.eval_shape(lambda: self.stage(zeros(), jax.tree.map(lambda a: a[0, 0], stack_PAJ),
+        aux_shape = jax.eval_shape(lambda: self.stage(zeros(), jax.tree.map(lambda a: a[0, 0, 0], stack_PARJ),
                                                       jax.tree.map(lambda a: a[0, 0], batch_M))[1])
         c = {"fwd": _pin(zeros(P, A), state_names), "loss": jnp.zeros((P, A)), "head": jnp.zeros((P, A)),
-             "aux": f32(aux_shape, P, A)}
+             "aux": f32(aux_shape, P, A, R)}
         if backward:
             ring = _pin(zeros(P, K, A), ("stages", None, _REPLICAS) + _act_names(len(x_shape.shape)))
             c |= {"bwd": _pin(zeros(P, A), state_names), "ring": ring, "d_outer": f32(outer, P, A),
-                  "d_stack": jax.tree.map(lambda a: jnp.zeros((P, A, J, *a.shape[1:]), jnp.float32), stack)}
+                  "d_stack": jax.tree.map(lambda a: jnp.zeros((P, A, R, J, *a.shape[1:]), jnp.float32), stack)}
         flags = {"warm-up": (True, False, False), "steady": (True, True, backward), "cool-down": (False, False, True)}
-        for name, start, count in phases_1f1b(P, M):
+        for name, start, count in phases_1f1b(P, M, R):
             if count and (backward or name != "cool-down"):
                 body = functools.partial(tick, **dict(zip(("do_f", "do_head", "do_b"), flags[name])))
                 c, _ = jax.lax.scan(body, c, jnp.arange(start, start + count))
-        aux = jax.tree.map(lambda a: a.sum(axis=1).reshape(self.L, *a.shape[3:]), c["aux"])
+        # [P, R, J] -> [R, P, J]: layer order
+        in_layer_order = lambda a: jnp.swapaxes(a.sum(axis=1), 0, 1).reshape(self.L, *a.shape[4:])
+        aux = jax.tree.map(in_layer_order, c["aux"])
         head_sum = c["head"].sum()
         out = (c["loss"].sum() + head_sum, (head_sum, aux))
         if not backward:
             return out, None
-        d_stack = jax.tree.map(lambda g, p: g.sum(axis=1).reshape(p.shape).astype(p.dtype), c["d_stack"], stack)
+        d_stack = jax.tree.map(lambda g, p: in_layer_order(g).astype(p.dtype), c["d_stack"], stack)
         d_outer = jax.tree.map(lambda g, p: g.sum(axis=(0, 1)).astype(p.dtype), c["d_outer"], outer)
         return out, (d_outer, d_stack)
 
@@ -237,18 +249,18 @@ class _Program:
 # ------------------------------------------------------------------------------ the decoder
 
 def runs(cfg, pipeline) -> bool:
-    """Whether the train step's objective goes through `decoder_loss`: --pipeline.schedule 1f1b on
-    a mesh whose pipeline axis is > 1 (elsewhere the schedule is moot)."""
+    """Whether the train step's objective goes through `decoder_loss`: --pipeline.schedule 1f1b or
+    interleaved_1f1b on a mesh whose pipeline axis is > 1 (elsewhere the schedule is moot)."""
     from models import transformer  # imported here: it imports the pipeline
-    if pipeline is None or pipeline.schedule != SCHEDULE or transformer._pipeline_stages() < 2:
+    if pipeline is None or pipeline.schedule not in EXPLICIT or transformer._pipeline_stages() < 2:
         return False
     if getattr(cfg, "arch", ""):
-        raise UserError(f"--pipeline.schedule 1f1b runs the built-in decoder only, not the registered model"
-                        f" '{cfg.arch}'; valid schedules for it: gpipe, circular")
+        raise UserError(f"--pipeline.schedule {pipeline.schedule} runs the built-in decoder only, not the registered"
+                        f" model '{cfg.arch}'; valid schedules for it: gpipe, circular")
     if cfg.n_experts:
         # decoder_loss carries the MoE losses and stats (its gradient matches GPipe's), but the whole
         # train step of an MoE model through it deadlocked on XLA:CPU (devices at different collectives)
-        raise UserError(f"--pipeline.schedule 1f1b does not run MoE models yet (model.n_experts={cfg.n_experts});"
+        raise UserError(f"--pipeline.schedule {pipeline.schedule} does not run MoE models yet (model.n_experts={cfg.n_experts});"
                         f" valid schedules for MoE: gpipe, circular")
     return True
 
@@ -301,6 +313,7 @@ def decoder_loss(cfg, params: dict, batch: dict, pipeline, token_loss: Callable,
     M = pipeline.microbatches_for(stages)
     objective, (loss_sum, stats) = loss(embed, group, head, outer, (dense, moe), mbatch,
                                     {k: w / n_groups for k, w in stat_weights.items()}, stages=stages, microbatches=M,
+                                    repeats=pipeline.repeats,
                                     remat_policy=transformer.REMAT[cfg.remat], has_aux=True,
                                     scan_layers=cfg.scan_layers, replica_axes=pipeline.replica_axes)
     return objective, loss_sum, transformer._sum_counts(stats, M * transformer._replicas(pipeline.replica_axes))

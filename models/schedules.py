@@ -1,5 +1,5 @@
 """Pipeline schedules as arithmetic, without arrays: which micro-batch each stage runs at each tick
-(GPipe, circular, 1F1B), the bubble, the chart and its plot, the collective-permute bytes they
+(GPipe, circular, 1F1B, interleaved 1F1B), the bubble, the chart and its plot, the collective-permute bytes they
 imply, and the one-line check of a schedule setting. models/pipeline.py and models/pipeline_1f1b.py
 run them; `plan` reports them.
 
@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from errors import UserError
 from models.config import SCHEDULES
+
+# the schedules whose backward is written out tick by tick (models/pipeline_1f1b.py)
+EXPLICIT = ("1f1b", "interleaved_1f1b")
+# the schedules that run R > 1 layer chunks per device
+CHUNKED = ("circular", "interleaved_1f1b")
 
 
 # ------------------------------------------------------------------------------ validation
@@ -26,16 +31,19 @@ def validate(*, n_layers: int, batch: int, stages: int, microbatches: int, repea
         raise UserError(f"--pipeline.schedule '{schedule}' is not one of {', '.join(SCHEDULES)}")
     if R < 1:
         raise UserError(f"--pipeline.repeats={R} must be >= 1")
-    if schedule != "circular" and R != 1:
-        raise UserError(f"--pipeline.repeats={R} needs --pipeline.schedule circular"
+    if schedule not in CHUNKED and R != 1:
+        raise UserError(f"--pipeline.repeats={R} needs --pipeline.schedule circular or interleaved_1f1b"
                         f" ({schedule} runs each stage's layers once)")
+    if schedule == "interleaved_1f1b" and R < 2:
+        raise UserError(f"--pipeline.schedule interleaved_1f1b needs --pipeline.repeats >= 2 (layer chunks per"
+                        f" device); with repeats={R} it is 1f1b")
     if P < 1:
         raise UserError(f"--mesh pipeline={P} must be >= 1")
     if M < P:
         raise UserError(f"--pipeline.microbatches={M} is less than the {P} stages of --mesh pipeline={P};"
                         f" use microbatches >= {P} (more shrinks the bubble)")
-    if schedule == "circular" and M % P:
-        raise UserError(f"--pipeline.microbatches={M} must be a multiple of --mesh pipeline={P} for the circular"
+    if schedule in CHUNKED and M % P:
+        raise UserError(f"--pipeline.microbatches={M} must be a multiple of --mesh pipeline={P} for the {schedule}"
                         f" schedule; valid: {', '.join(str(P * i) for i in range(1, 5))}, ...")
     if n_layers % (P * R):
         pipes = [p for p in _divisors(n_layers) if (n_layers // p) % R == 0]
@@ -44,12 +52,12 @@ def validate(*, n_layers: int, batch: int, stages: int, microbatches: int, repea
                         f" = {P * R}; with repeats={R} valid pipeline sizes are {pipes}, with pipeline={P} valid"
                         f" repeats are {reps or 'none'}")
     if batch % M:
-        ok = [m for m in _divisors(batch) if m >= P and (schedule != "circular" or m % P == 0)]
+        ok = [m for m in _divisors(batch) if m >= P and (schedule not in CHUNKED or m % P == 0)]
         raise UserError(f"batch size {batch} (train.batch_size per forward pass) is not divisible by"
                         f" --pipeline.microbatches={M}; valid microbatches: {ok}")
     if (batch // M) % batch_shards:
         ok = [m for m in _divisors(batch) if m >= P and (batch // m) % batch_shards == 0
-              and (schedule != "circular" or m % P == 0)]
+              and (schedule not in CHUNKED or m % P == 0)]
         raise UserError(f"micro-batch size {batch}/{M} = {batch // M} (train.batch_size / --pipeline.microbatches)"
                         f" is not divisible by the {batch_shards} batch shards (mesh data x fsdp x expert);"
                         f" valid microbatches: {ok}")
@@ -95,8 +103,8 @@ def schedule_chart(stages: int, microbatches: int, repeats: int = 1, schedule: s
     (1f1b: `chart_1f1b`, forward and backward in the same ticks)."""
     validate(n_layers=n_layers or stages * repeats, batch=microbatches, stages=stages,
              microbatches=microbatches, repeats=repeats, schedule=schedule)
-    if schedule == "1f1b":
-        return chart_1f1b(stages, microbatches, n_layers)
+    if schedule in EXPLICIT:
+        return chart_1f1b(stages, microbatches, n_layers, repeats, schedule)
     table = schedule_table(stages, microbatches, repeats)
     cell = lambda kind, c: "." if c is None else f"{kind}{c[0]}" + (f".{c[1]}" if repeats > 1 else "")
     rows = [[cell("F", c) for c in row] + ["|"] + [cell("B", c) for c in reversed(row)] for row in table]
@@ -127,9 +135,10 @@ def plot_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: st
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from None
     ticks = n_ticks(stages, microbatches, repeats)
-    if schedule == "1f1b":  # forward and backward share the ticks: each tick is an F column and a B column
-        cells = [(s, x, kind, f"{kind}{m}", m) for s, x, kind, m in cells_1f1b(stages, microbatches)]
-        ticks = ticks_1f1b(stages, microbatches)
+    if schedule in EXPLICIT:  # forward and backward share the ticks: each tick is an F column and a B column
+        cells = [(s, x, kind, f"{kind}{m}" + (f".{r}" if repeats > 1 else ""), m)
+                 for s, x, kind, m, r in cells_1f1b(stages, microbatches, repeats)]
+        ticks = ticks_1f1b(stages, microbatches, repeats)
     else:  # the backward pass is the forward ticks reversed, right of the line
         cells = [(s, x, kind, f"{kind}{c[0]}" + (f".{c[1]}" if repeats > 1 else ""), c[0])
                  for s, row in enumerate(schedule_table(stages, microbatches, repeats)) for t, c in enumerate(row)
@@ -139,12 +148,12 @@ def plot_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: st
     for s, x, kind, text, m in cells:
         ax.add_patch(plt.Rectangle((x, s), 1, 1, color=cmap(m % 20), alpha=1.0 if kind == "F" else 0.55, ec="white"))
         ax.text(x + 0.5, s + 0.5, text, ha="center", va="center", fontsize=7)
-    if schedule != "1f1b":
+    if schedule not in EXPLICIT:
         ax.axvline(ticks, color="black", lw=1)
     ax.set_xlim(0, 2 * ticks)
     ax.set_ylim(stages, 0)
     ax.set_yticks([s + 0.5 for s in range(stages)], [f"stage {s}" for s in range(stages)])
-    ax.set_xlabel("tick (forward F, backward B)" if schedule == "1f1b" else "tick (forward | backward)")
+    ax.set_xlabel("tick (forward F, backward B)" if schedule in EXPLICIT else "tick (forward | backward)")
     ax.set_title(f"{schedule}: P={stages}, M={microbatches}, R={repeats}, bubble "
                  f"{bubble_fraction(stages, microbatches, repeats):.1%}")
     fig.tight_layout()
@@ -169,44 +178,62 @@ def permute_bytes_theory(*, batch: int, seq: int, d_model: int, itemsize: int, s
 
 
 # ------------------------------------------------------------------------------ 1F1B (models/pipeline_1f1b.py)
+# The 1F1B timetable with R chunks per device (R = 1: 1F1B; R > 1: interleaved 1F1B). Virtual stage
+# v = r*P + s holds chunk r of device s; micro-batches go round in groups of P as in the circular
+# forward (`iteration`), so micro-batch m = g*P + j meets virtual stage v forward at tick
+# g*P*R + j + v and backward at tick g*P*R + j + 2(V-1) - v (V = R*P): the last virtual stage runs
+# a micro-batch's backward in its forward's tick, and each backward step goes one virtual stage
+# back per tick. Per device that is at most one forward and one backward per tick.
 
-def ring_slots(stages: int, microbatches: int) -> int:
-    """K: stage inputs each stage keeps; stage s holds at most 2(P-1-s) at once."""
-    return max(1, min(microbatches, 2 * (stages - 1)))
+def ring_slots(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """K: stage inputs each device keeps; virtual stage v holds one for 2(V-1-v) ticks."""
+    return max(1, min(repeats * microbatches, 2 * (repeats * stages - 1)))
 
 
-def phases_1f1b(stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+def phases_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[tuple[str, int, int]]:
     """[(name, first tick, tick count)]: warm-up (F only), steady (F and B), cool-down (B only)."""
-    P, M = stages, microbatches
-    return [("warm-up", 0, P - 1), ("steady", P - 1, M), ("cool-down", M + P - 1, P - 1)]
+    P, M, R = stages, microbatches, repeats
+    return [("warm-up", 0, R * P - 1), ("steady", R * P - 1, R * (M - P) + P), ("cool-down", R * M + P - 1, R * P - 1)]
 
 
-def ticks_1f1b(stages: int, microbatches: int) -> int:
-    return microbatches + 2 * (stages - 1)
+def ticks_1f1b(stages: int, microbatches: int, repeats: int = 1) -> int:
+    return repeats * (microbatches + stages) + stages - 2
 
 
-def forward_mb(t, stage, stages):
-    """The micro-batch stage `stage` runs forward at tick t (valid when in [0, M)); ints or arrays."""
-    return t - stage
+def forward_item(t, stage, stages: int, microbatches: int, repeats: int = 1):
+    """-> (m, r, i, valid): at tick t device `stage` runs forward micro-batch m through its chunk r,
+    the i-th pair of its order (valid when 0 <= i < R*M). Ints or arrays."""
+    i = t - stage
+    m, r = iteration(i, stages, microbatches, repeats)
+    return m, r, i, (i >= 0) & (i < repeats * microbatches)
 
 
-def backward_mb(t, stage, stages):
-    """The micro-batch whose backward stage `stage` runs at tick t (valid when in [0, M))."""
-    return t - 2 * (stages - 1) + stage
+def backward_item(t, stage, stages: int, microbatches: int, repeats: int = 1):
+    """-> (m, r, i, valid): at tick t device `stage` runs the backward of micro-batch m through its
+    chunk r, whose forward was its i-th pair (see the timetable above). Ints or arrays."""
+    P, R = stages, repeats
+    u = t - 2 * (R * P - 1) + stage          # = g*P*R - r*P + j
+    j, q = u % P, u // P                     # q = g*R - r, 0 <= r < R
+    g = -((-q) // R)
+    r = g * R - q
+    m = g * P + j
+    return m, r, (g * R + r) * P + j, (m >= 0) & (m < microbatches)
 
 
-def table_1f1b(stages: int, microbatches: int) -> list[list[tuple[int | None, int | None]]]:
-    """[stage][tick] -> (micro-batch run forward or None, micro-batch run backward or None)."""
-    ok = lambda m: m if 0 <= m < microbatches else None
-    return [[(ok(forward_mb(t, s, stages)), ok(backward_mb(t, s, stages))) for t in range(ticks_1f1b(stages, microbatches))]
+def table_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[tuple | None, tuple | None]]]:
+    """[stage][tick] -> ((m, r) run forward or None, (m, r) run backward or None)."""
+    def item(fn, t, s):
+        m, r, _, ok = fn(t, s, stages, microbatches, repeats)
+        return (m, r) if ok else None
+    return [[(item(forward_item, t, s), item(backward_item, t, s)) for t in range(ticks_1f1b(stages, microbatches, repeats))]
             for s in range(stages)]
 
 
-def in_flight_1f1b(stages: int, microbatches: int) -> list[int]:
-    """Per stage, the most micro-batches whose forward ran and whose backward had not (the saved
-    stage inputs), counted after each tick's backward and before its forward."""
+def in_flight_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[int]:
+    """Per device, the most (micro-batch, chunk) stage inputs whose forward ran and whose backward
+    had not, counted after each tick's backward and before its forward."""
     most = []
-    for row in table_1f1b(stages, microbatches):
+    for row in table_1f1b(stages, microbatches, repeats):
         started = done = peak = 0
         for f, b in row:
             done += b is not None
@@ -216,25 +243,28 @@ def in_flight_1f1b(stages: int, microbatches: int) -> list[int]:
     return most
 
 
-def chart_1f1b(stages: int, microbatches: int, n_layers: int | None = None) -> str:
+def chart_1f1b(stages: int, microbatches: int, n_layers: int | None = None, repeats: int = 1,
+               schedule: str = "1f1b") -> str:
     """Text chart: one row per stage, one column per tick: `F<m>` forward, `B<m>` backward,
-    `F<m>B<n>` both, `.` idle."""
-    P, M = stages, microbatches
-    validate(n_layers=n_layers or P, batch=M, stages=P, microbatches=M, schedule="1f1b")
-    cell = lambda f, b: ("" if f is None else f"F{f}") + ("" if b is None else f"B{b}") or "."
-    rows = [[cell(f, b) for f, b in row] for row in table_1f1b(P, M)]
+    `F<m>B<n>` both, `.` idle; with chunks (R > 1) `F<m>.<r>`."""
+    P, M, R = stages, microbatches, repeats
+    validate(n_layers=n_layers or P * R, batch=M, stages=P, microbatches=M, repeats=R, schedule=schedule)
+    name = lambda kind, c: "" if c is None else f"{kind}{c[0]}" + (f".{c[1]}" if R > 1 else "")
+    rows = [[name("F", f) + name("B", b) or "." for f, b in row] for row in table_1f1b(P, M, R)]
     width = max(len(c) for row in rows for c in row)
-    label = lambda s: f"stage {s}" + ("" if not n_layers else " (layers {0.start}-{1})".format(
-        r := stage_layers(s, n_layers, P)[0], r.stop - 1))
+    label = lambda s: f"stage {s}" + ("" if not n_layers else " (layers " + ", ".join(
+        f"{r.start}-{r.stop - 1}" for r in stage_layers(s, n_layers, P, R)) + ")")
     lw = max(len(label(s)) for s in range(P))
-    title = (f"1f1b schedule: {P} stages x {M} micro-batches; {ticks_1f1b(P, M)} ticks ({P - 1} forward-only,"
-             f" {M} forward+backward, {P - 1} backward-only); at most {max(in_flight_1f1b(P, M))} micro-batches in"
-             f" flight per stage; bubble (P-1)/(M+P-1) = {bubble_fraction(P, M):.1%}")
+    (_, _, warm), (_, _, steady), (_, _, cool) = phases_1f1b(P, M, R)
+    title = (f"{schedule} schedule: {P} stages x {M} micro-batches" + (f" x {R} chunks" if R > 1 else "") +
+             f"; {ticks_1f1b(P, M, R)} ticks ({warm} forward-only, {steady} forward+backward, {cool} backward-only);"
+             f" at most {max(in_flight_1f1b(P, M, R))} stage inputs in flight per device; bubble"
+             f" (P-1)/({'R*' if R > 1 else ''}M+P-1) = {bubble_fraction(P, M, R):.1%}")
     return "\n".join([title] + [label(s).ljust(lw) + "  " + " ".join(c.rjust(width) for c in row)
                                 for s, row in enumerate(rows)])
 
 
-def cells_1f1b(stages: int, microbatches: int):
-    """(stage, x, kind, micro-batch) per drawn cell: a tick is two columns, F then B."""
-    return [(s, 2 * t + (kind == "B"), kind, m) for s, row in enumerate(table_1f1b(stages, microbatches))
-            for t, fb in enumerate(row) for kind, m in zip("FB", fb) if m is not None]
+def cells_1f1b(stages: int, microbatches: int, repeats: int = 1):
+    """(stage, x, kind, micro-batch, chunk) per drawn cell: a tick is two columns, F then B."""
+    return [(s, 2 * t + (kind == "B"), kind, c[0], c[1]) for s, row in enumerate(table_1f1b(stages, microbatches, repeats))
+            for t, fb in enumerate(row) for kind, c in zip("FB", fb) if c is not None]

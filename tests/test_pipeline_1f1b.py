@@ -30,7 +30,7 @@ def test_timetable_is_one_forward_one_backward(P, M):
     after a warm-up of 2(P-1-s) forward-only ticks stage s runs one forward and one backward per
     tick, then as many backward-only ticks; s idle ticks at each end; never more than 2(P-1) inputs
     kept."""
-    table = schedules.table_1f1b(P, M)
+    table = [[tuple(None if c is None else c[0] for c in fb) for fb in row] for row in schedules.table_1f1b(P, M)]
     assert all(len(row) == M + 2 * (P - 1) for row in table)
     f_tick = [{f: t for t, (f, _) in enumerate(row) if f is not None} for row in table]
     b_tick = [{b: t for t, (_, b) in enumerate(row) if b is not None} for row in table]
@@ -51,7 +51,7 @@ def test_timetable_is_one_forward_one_backward(P, M):
 def test_chart_and_plot(tmp_path):
     chart = pipeline_lib.schedule_chart(2, 3, schedule="1f1b", n_layers=4).splitlines()
     assert "5 ticks (1 forward-only, 3 forward+backward, 1 backward-only)" in chart[0]
-    assert "at most 2 micro-batches in flight" in chart[0] and "bubble (P-1)/(M+P-1) = 25.0%" in chart[0]
+    assert "at most 2 stage inputs in flight" in chart[0] and "bubble (P-1)/(M+P-1) = 25.0%" in chart[0]
     assert chart[1].split() == ["stage", "0", "(layers", "0-1)", "F0", "F1", "F2B0", "B1", "B2"]
     assert chart[2].split() == ["stage", "1", "(layers", "2-3)", ".", "F0B0", "F1B1", "F2B2", "."]
     pytest.importorskip("matplotlib")
@@ -65,7 +65,13 @@ def test_chart_and_plot(tmp_path):
 @pytest.mark.parametrize("kw, culprit", [
     ({"microbatches": 2}, "--pipeline.microbatches=2 is less than the 4 stages of --mesh pipeline=4; use"
                           " microbatches >= 4"),
-    ({"repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular (1f1b runs each stage's layers once)"),
+    ({"repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular or interleaved_1f1b (1f1b runs each"
+                     " stage's layers once)"),
+    ({"schedule": "interleaved_1f1b"}, "interleaved_1f1b needs --pipeline.repeats >= 2 (layer chunks per device)"),
+    ({"schedule": "interleaved_1f1b", "repeats": 2, "microbatches": 6, "batch": 12},
+     "--pipeline.microbatches=6 must be a multiple of --mesh pipeline=4 for the interleaved_1f1b schedule"),
+    ({"schedule": "interleaved_1f1b", "repeats": 4}, "model.n_layers=8 is not divisible by --mesh pipeline=4 x"
+                                                     " --pipeline.repeats=4 = 16"),
     ({"batch": 12, "microbatches": 8}, "valid microbatches: [4, 6, 12]"),
 ])
 def test_bad_config_is_one_line(kw, culprit):
@@ -136,13 +142,14 @@ def sequential(o, stack, batch, M):
     return head(o, y, batch) + AUX_WEIGHT * sum(jnp.sum(a) for a in per_mb) / M, aux_L
 
 
-CASES = [  # (mesh, P, M): M = P, 2P and 4P; data and fsdp axes; the layers scanned in each stage
-    ("", 2, 2), ("pipeline=2,data=2,fsdp=2", 2, 4), ("pipeline=4,data=2", 4, 4), ("pipeline=4,fsdp=2", 4, 8),
-    ("pipeline=4,model=2", 4, 16)]
+CASES = [  # (mesh, P, M, R): M = P, 2P and 4P; data, fsdp and model axes; R > 1: interleaved 1F1B
+    ("", 2, 2, 1), ("pipeline=2,data=2,fsdp=2", 2, 4, 1), ("pipeline=4,data=2", 4, 4, 1), ("pipeline=4,fsdp=2", 4, 8, 1),
+    ("pipeline=4,model=2", 4, 16, 1), ("", 2, 2, 2), ("pipeline=2,data=2,fsdp=2", 2, 4, 4),
+    ("pipeline=4,data=2", 4, 8, 2), ("pipeline=2,fsdp=2,model=2", 2, 8, 2)]
 
 
-@pytest.mark.parametrize("mesh, P, M", CASES, ids=[f"{m or 'no-mesh'}-P{p}-M{n}" for m, p, n in CASES])
-def test_matches_sequential_stack(mesh, P, M):
+@pytest.mark.parametrize("mesh, P, M, R", CASES, ids=[f"{m or 'no-mesh'}-P{p}-M{n}-R{r}" for m, p, n, r in CASES])
+def test_matches_sequential_stack(mesh, P, M, R):
     """Objective, gradient norm and every gradient (embedding, head, each layer) to 1e-5, and the
     forward-only program (no gradient) gives the same objective and aux."""
     stack, outer, batch = toy()
@@ -151,7 +158,7 @@ def test_matches_sequential_stack(mesh, P, M):
 
     def f(o, s, b):
         obj, (loss_sum, aux) = pipeline_1f1b.loss(embed, layer, head, o, s, b, {"aux": AUX_WEIGHT}, stages=P,
-                                                  microbatches=M, has_aux=True)
+                                                  microbatches=M, repeats=R, has_aux=True)
         return obj, (loss_sum, aux)
     with (jax.set_mesh(make_mesh(mesh)) if mesh else contextlib.nullcontext()), axis_rules(RULES):
         compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True)).lower(outer, stack, batch).compile()
@@ -161,7 +168,7 @@ def test_matches_sequential_stack(mesh, P, M):
         permutes = [c for c in parse_collectives(compiled.as_text(), make_mesh(mesh))
                     if c.kind == "collective-permute" and c.axes == ("pipeline",)]
         theory = pipeline_lib.permute_bytes_theory(batch=B, seq=T, d_model=D, itemsize=4, stages=P, microbatches=M,
-                                                   batch_shards=2)
+                                                   repeats=R, batch_shards=2)
         assert sum(c.operand_bytes * c.count for c in permutes) == theory["sent"], permutes
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(forward_only, want, rtol=1e-5)
