@@ -83,6 +83,20 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / n_ticks(stages, microbatches, repeats)
 
 
+def bubble_counted(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle share of the program's slots, counted in its timetable: every tick that runs a
+    forward (backward) runs it on all stages, masked where a stage has none (the SPMD program), so
+    each such tick is P forward (backward) slots; the busy ones are those the table fills."""
+    P, M, R = stages, microbatches, repeats
+    if schedule in EXPLICIT:
+        table = table_1f1b(P, M, R)
+        ticks = [{t for row in table for t, fb in enumerate(row) if fb[k] is not None} for k in (0, 1)]
+        busy = sum(c is not None for row in table for fb in row for c in fb)
+        return 1 - busy / (P * (len(ticks[0]) + len(ticks[1])))
+    table = schedule_table(P, M, R)  # the backward pass runs the forward's ticks in reverse
+    return 1 - sum(c is not None for row in table for c in row) / (P * len(table[0]))
+
+
 def stage_layers(stage: int, n_layers: int, stages: int, repeats: int = 1) -> list[range]:
     """The layer ranges a pipeline device holds: chunks stage, stage + P, ... of J = L/(R*P) layers."""
     k = n_layers // (stages * repeats)

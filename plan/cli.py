@@ -115,7 +115,14 @@ def analytic(ns, cfg) -> tuple[dict, str]:
                           train_cfg=t, dcn=dict(zip(AXES, shape.dcn)), comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline,
                           vocab_parallel=p.vocab_parallel, sequence_parallel=p.sequence_parallel)
     row["goodput"] = _goodput(ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw)
-    return row, render_estimate(row, hw)
+    text = render_estimate(row, hw)
+    if shape.as_dict().get("pipeline", 1) > 1:
+        row["schedules"] = search.compare_schedules(
+            cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules, train_cfg=t,
+            dcn=dict(zip(AXES, shape.dcn)), comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline,
+            vocab_parallel=p.vocab_parallel, sequence_parallel=p.sequence_parallel)
+        text += "\n" + search.render_schedules(row["schedules"])
+    return row, text
 
 
 def with_cost(report: dict, ns, cfg, mesh) -> str:

@@ -25,6 +25,8 @@ from mesh.spec import AXES, mesh_text
 from models import model as model_lib
 from models.blockwise import BLOCK_K
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, PipelineConfig
+from models.schedules import CHUNKED, EXPLICIT, bubble_counted, in_flight_1f1b, ring_slots
+from models.schedules import bubble_fraction as pipeline_bubble
 from plan import cost
 from plan.hardware import Hardware
 from plan.theory import RunSpec, abstract_mesh, rows_per_shard, theory
@@ -94,6 +96,19 @@ def pipeline_choices(cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipelin
     return out
 
 
+def schedule_choices(cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipeline_cfg: PipelineConfig,
+                     rules) -> list[PipelineConfig]:
+    """`pipeline_cfg` under every other schedule the run accepts at its micro-batch count: gpipe,
+    1f1b, and circular and interleaved_1f1b at 2 and 4 chunks per device where the layers divide.
+    Their bubbles and activation memory differ, the rest of the step does not."""
+    out = []
+    for schedule, repeats in [("gpipe", 1), ("1f1b", 1)] + [(s, r) for s in CHUNKED for r in (2, 4)]:
+        pc = dataclasses.replace(pipeline_cfg, schedule=schedule, repeats=repeats)
+        if pc != pipeline_cfg and not check(cfg, sizes, train_cfg, pc, rules):
+            out.append(pc)
+    return out
+
+
 def _quick_reject(cfg, sizes: dict[str, int], batch_size: int, rules) -> bool:
     """Cheap integer tests that prune most of the factorisations before check(): necessary
     conditions under the default rules (heads, d_ff and vocab by model, d_model by fsdp)."""
@@ -105,7 +120,8 @@ def _quick_reject(cfg, sizes: dict[str, int], batch_size: int, rules) -> bool:
 
 def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, micro_batches: int,
                      act_bytes: int, attention: str, *, shards: int, seq_shards: int = 1,
-                     sequence_parallel: bool = False, pipeline_microbatches: int = 1) -> float:
+                     sequence_parallel: bool = False, pipeline_microbatches: int = 1, schedule: str = "gpipe",
+                     repeats: int = 1) -> float:
     """Per-device activation memory estimate for the remat policy.
 
     Per token and layer the forward pass makes: 4 [D] (input, two norm outputs, residual), q/k/v
@@ -121,10 +137,13 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     set once more; the LM head's float32 logits, softmax and gradient ([T,V/model] each) come on
     top, or one chunk's where the loss is chunked (train.step.loss_chunk's rule). One forward
     pass holds batch / micro_batches rows split over `shards` (the rules' batch axes); gradient
-    accumulation keeps one pass. A pipeline cuts the pass into `pipeline_microbatches` and keeps
-    every one's saved activations until its backward pass (GPipe), so the saved set is still the
-    whole pass's while a layer's backward works on one micro-batch; the LM head runs after the
-    pipeline, on the whole pass."""
+    accumulation keeps one pass. A pipeline cuts the pass into `pipeline_microbatches` and, with
+    `schedule` gpipe or circular, keeps every one's saved activations until its backward pass, so
+    the saved set is still the whole pass's while a layer's backward works on one micro-batch; the
+    LM head runs after the pipeline, on the whole pass. 1f1b and interleaved_1f1b keep only the
+    stage inputs of the micro-batches in flight (the ring of models.schedules.ring_slots, one [D]
+    per token each), recompute one chunk's layers per backward (one micro-batch's saved set of
+    L/(P x repeats) layers) and run the head per micro-batch."""
     tp, p = sizes["model"], sizes["pipeline"]
     d, f, n, k, h, v = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
     rows = rows_per_shard(batch_size, micro_batches, shards)
@@ -138,10 +157,16 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     saved = {"none": every, "dots": res + (n * h + 2 * k * h) / tp + 2 * res + 2 * f / tp, "full": res}[cfg.remat]
     layers = cfg.n_layers // p
     head_tokens = pass_tokens
-    chunk = cfg.loss_chunk or (LOSS_CHUNK if 4 * pass_tokens * v / tp > LOSS_CHUNK_FROM else 0)
+    if p > 1 and schedule in EXPLICIT:
+        kept = ring_slots(p, pipeline_microbatches, repeats) * res * tokens
+        held = kept + saved * (layers // repeats) * tokens
+        head_tokens = tokens
+    else:
+        held = saved * layers * pass_tokens
+    chunk = cfg.loss_chunk or (LOSS_CHUNK if 4 * head_tokens * v / tp > LOSS_CHUNK_FROM else 0)
     if chunk:
-        head_tokens = min(pass_tokens, rows * chunk)
-    return act_bytes * (saved * layers * pass_tokens + every * tokens) + 3 * 4 * head_tokens * v / tp
+        head_tokens = min(head_tokens, rows * chunk)
+    return act_bytes * (held + every * tokens) + 3 * 4 * head_tokens * v / tp
 
 
 def attention_on(cfg, hw: Hardware, seq_len: int) -> str:
@@ -197,7 +222,7 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
               "activations": activation_bytes(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes,
                                               attention_on(cfg, hw, seq_len), shards=shards,
                                               seq_shards=seq_shards(mesh, rules), sequence_parallel=sequence_parallel,
-                                              pipeline_microbatches=pipe_m)}
+                                              pipeline_microbatches=pipe_m, schedule=pc.schedule, repeats=pc.repeats)}
     memory["total"] = sum(memory.values())
     n = math.prod(sizes.values())
     pred = cost.predict(model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),
@@ -211,13 +236,37 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
             "memory": memory, "fits": memory["total"] <= hw.hbm_bytes * hw.usable_memory, "theory": comm, **pred}
 
 
+def _price(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cfg, choice, vocab_parallel) -> dict | None:
+    """evaluate() of one choice (None where the mesh cannot take the run's head layout); sequence
+    parallelism moves the same bytes and saves activation memory: worth it where the mesh does not
+    fit without it."""
+    try:
+        row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
+                       comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel)
+        if not row["fits"] and sizes["model"] > 1 and not check(cfg, sizes, t, choice, sequence_parallel_rules(rules)):
+            row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
+                           comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel,
+                           sequence_parallel=True)
+    except UserError:  # --parallelism.vocab_parallel on, and this mesh does not divide the vocabulary
+        return None
+    return row
+
+
+def _better(best: dict | None, row: dict | None) -> dict | None:
+    """The faster row of those that fit, else the one that fits."""
+    if row is None or (best is not None and (best["fits"], -best["t_step_s"]) >= (row["fits"], -row["t_step_s"])):
+        return best
+    return row
+
+
 def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, micro_batches: int = 1, *,
            rules=None, train_cfg: TrainConfig | None = None, comm_cfg=None,
            pipeline_cfg: PipelineConfig | None = None, vocab_parallel: str = "auto") -> list[dict]:
     """Every valid mesh of n_devices, best first: those that fit in memory by predicted step time,
     then those that do not, by memory. Validity is the run's own (validate_run). Pipeline meshes
-    price the run's --pipeline settings; with --pipeline.microbatches unset, every micro-batch count
-    the run would accept, keeping the fastest (the row says which)."""
+    price every schedule (gpipe, 1f1b, circular and interleaved_1f1b at 2 and 4 chunks) at the
+    run's --pipeline.microbatches, or with it unset at every micro-batch count the run would
+    accept, keeping the fastest that fits (the row says which, and its flags)."""
     rules = rules or make_rules()
     pc = pipeline_cfg or PipelineConfig()
     t = _train(train_cfg, batch_size, seq_len, micro_batches)
@@ -228,25 +277,53 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
         if default_rules and _quick_reject(cfg, sizes, batch_size, rules):
             continue
         best = None
+        price = lambda choice: _price(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cfg,
+                                      choice, vocab_parallel)
         for choice in pipeline_choices(cfg, sizes, t, pc, rules):
-            if check(cfg, sizes, t, choice, rules):
-                continue
-            try:
-                row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
-                               comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel)
-                # sequence parallelism moves the same bytes and saves activation memory: worth it
-                # where the mesh does not fit without it
-                if not row["fits"] and sizes["model"] > 1 and not check(cfg, sizes, t, choice,
-                                                                       sequence_parallel_rules(rules)):
-                    row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules=rules, train_cfg=t,
-                                   comm_cfg=comm_cfg, pipeline_cfg=choice, vocab_parallel=vocab_parallel,
-                                   sequence_parallel=True)
-            except UserError:  # --parallelism.vocab_parallel on, and this mesh does not divide the vocabulary
-                continue
-            if best is None or (row["fits"], -row["t_step_s"]) > (best["fits"], -best["t_step_s"]):
-                best = row
+            if not check(cfg, sizes, t, choice, rules):
+                best = _better(best, price(choice))
+        if best is not None and sizes["pipeline"] > 1:
+            # then the other schedules at the count that won: more micro-batches shrink every
+            # schedule's bubble and grow no schedule's memory, so the same count wins under each
+            won = dataclasses.replace(pc, **{k: best["pipeline"][k] for k in ("microbatches", "repeats", "schedule")})
+            for other in schedule_choices(cfg, sizes, t, won, rules):
+                best = _better(best, price(other))
         if best is not None:
             rows.append(best)
     # ties (compute-bound meshes whose traffic all hides) go to less traffic, then less memory
     return sorted(rows, key=lambda r: (not r["fits"], r["t_step_s"] if r["fits"] else r["memory"]["total"],
                                        r["t_comm_s"], r["memory"]["total"]))
+
+
+def compare_schedules(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len: int, micro_batches: int = 1,
+                      **kw) -> list[dict]:
+    """The run's pipeline settings under each schedule the run accepts at its micro-batch count
+    (schedule_choices): per device, activations, total memory, fit, predicted step time, and the
+    bubble by its formula and counted in the schedule's timetable. `kw`: evaluate's."""
+    pc, P = kw.get("pipeline_cfg") or PipelineConfig(), sizes.get("pipeline", 1)
+    pc = dataclasses.replace(pc, microbatches=pc.microbatches_for(P))
+    rules, t = kw.get("rules") or make_rules(), _train(kw.get("train_cfg"), batch_size, seq_len, micro_batches)
+    out = []
+    for choice in [pc] + schedule_choices(cfg, {a: sizes.get(a, 1) for a in AXES}, t, pc, rules):
+        row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, **{**kw, "pipeline_cfg": choice})
+        M, R = choice.microbatches, choice.repeats
+        out.append({"schedule": choice.schedule, "repeats": R, "microbatches": M,
+                    "bubble_formula": pipeline_bubble(P, M, R), "bubble_counted": bubble_counted(choice.schedule, P, M, R),
+                    "in_flight": max(in_flight_1f1b(P, M, R)) if choice.schedule in EXPLICIT else M * R,
+                    "activations": row["memory"]["activations"], "total": row["memory"]["total"],
+                    "fits": row["fits"], "t_step_s": row["t_step_s"]})
+    return out
+
+
+def render_schedules(rows: list[dict]) -> str:
+    gib = 2 ** 30
+    lines = ["pipeline schedules at this micro-batch count (per device; in flight: the most micro-batch passes a"
+             " device holds between their forward and backward):",
+             f"  {'schedule':<22} {'bubble':>7} {'counted':>8} {'in flight':>9} {'activations':>12}"
+             f" {'total':>10}  fits  step"]
+    for r in rows:
+        name = r["schedule"] + (f" x{r['repeats']}" if r["repeats"] > 1 else "")
+        lines.append(f"  {name:<22} {r['bubble_formula']:>7.1%} {r['bubble_counted']:>8.1%} {r['in_flight']:>9}"
+                     f" {r['activations'] / gib:>8.2f} GiB {r['total'] / gib:>6.2f} GiB  {'yes' if r['fits'] else 'no ':<4}"
+                     f"  {r['t_step_s']:.3f} s")
+    return "\n".join(lines)

@@ -8,7 +8,8 @@ import math
 from errors import UserError
 from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
-from models import model, pipeline
+from models import model, pipeline, pipeline_1f1b
+from models.schedules import EXPLICIT
 from models.config import PipelineConfig
 from train.config import TrainConfig
 
@@ -38,6 +39,8 @@ def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg:
         pipeline.validate(n_layers=m.n_layers // per_group, batch=per_micro, stages=stages,
                     microbatches=pc.microbatches_for(stages), repeats=pc.repeats, schedule=pc.schedule,
                     batch_shards=n)
+        if pc.schedule in EXPLICIT:
+            pipeline_1f1b.check_model(m, pc.schedule)
 
 
 def seq_shards(mesh, rules, name: str = "seq") -> int:
