@@ -94,6 +94,8 @@ SHORTEN = {
 SKIP = {
     "pip install": "changes the environment this suite runs in (the accelerator extras need CUDA or a TPU VM)",
     "pytest": "the whole suite, which this test is part of",
+    "python -m train.harness": "needs the user's task directory; tests/test_harness.py runs the launcher on local"
+                               " tasks it writes",
     "import models, optax": "a sketch of the four extension points (the reader brings init, apply, batches);"
                             " examples/extensions.ipynb runs them in full, executed by tests/test_notebook.py",
 }

@@ -30,6 +30,11 @@ def _prepare(argv: list[str]) -> int:
     return main(["prepare", *argv])
 
 
+def _harness(argv: list[str]) -> int:
+    from train.harness import main
+    return main(argv)
+
+
 def _checkpoint(command: str):
     def run(argv: list[str]) -> int:
         from checkpoint.__main__ import main
@@ -47,6 +52,8 @@ COMMANDS = {
              lambda a: _train(["eval", *a])),
     "sample": ("generate text from a checkpoint (--chat: the model's chat template)", "python -m train sample",
                lambda a: _train(["sample", *a])),
+    "harness": ("lm-evaluation-harness tasks on a checkpoint (lm_eval's flags)", "python -m train.harness",
+                _harness),
     "prepare": ("tokenise text, JSONL, Parquet or a HuggingFace dataset into shards",
                 "python -m train.data prepare", _prepare),
     "hf": ("import a HuggingFace checkpoint, or export one: hf import|export ...", "python -m checkpoint hf",

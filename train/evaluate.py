@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from checkpoint import storage
-from checkpoint.hf import config_from_meta
+from checkpoint.hf import config_from_meta, load_checkpoint
+from checkpoint.layout import lora_base
 from checkpoint.manager import Checkpointer, open_checkpoint
 from errors import ArgParser, UserError, one_line_errors
 from mesh.build import start_mesh
@@ -57,8 +58,13 @@ class Opened:
         return Trainer(self.cfg, mesh=start_mesh(self.cfg.parallelism))
 
     def params(self, trainer: Trainer):
-        """The parameters alone (no optimizer state), read straight into the trainer's shardings."""
-        return self.src.restore_params(self.step, trainer.abstract_state().params)
+        """The parameters alone (no optimizer state), read straight into the trainer's shardings. A
+        LoRA run's step holds adapters only: they are merged into the base its metadata points at
+        (on the host, as `hf export` merges), which is the model that run trained."""
+        if lora_base(self.meta) is None:
+            return self.src.restore_params(self.step, trainer.abstract_state().params)
+        merged = load_checkpoint(self.src.step_dir(self.step)).params
+        return jax.device_put(merged, trainer.state_shardings.params)
 
 
 def command_parser(prog: str, description: str) -> ArgParser:
