@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from errors import UserError
 
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "dots_offload")
 MATMUL_PRECISIONS = ("default", "fp8")
 ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
 # `--model.attention auto` turns to memory-linear attention from this sequence length: XLA's dense
@@ -144,7 +144,8 @@ class ModelConfig:
                                             f" {LOSS_CHUNK} tokens where one device's logits would exceed"
                                             f" {LOSS_CHUNK_FROM >> 20} MiB, else the whole sequence at once")
     remat: str = option("full", "what the backward pass recomputes: none | full | dots (save matmul outputs,"
-                                " recompute the rest)")
+                                " recompute the rest) | dots_offload (the same outputs, kept in host memory"
+                                " between the forward and the backward)")
     matmul_precision: str = option("default", "default | fp8: attention projections and MLPs multiply FP8-rounded"
                                               " operands (e4m3, per-tensor current scaling; e5m2 gradients): FP8"
                                               " GEMMs on GPUs that have them")

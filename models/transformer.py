@@ -29,6 +29,9 @@ REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # save projection outputs (dots without batch dims); recompute attention scores, norms, activations
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the same outputs, moved to pinned host memory after the forward and back for the backward
+    # (XLA's host offloading; device memory then holds one layer's at a time)
+    "dots_offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 

@@ -63,6 +63,10 @@ def placement(sizes: dict[str, int], hw: Hardware, dcn: dict[str, int] | None = 
     return out
 
 
+# the row of the saved activations an offloading remat policy copies to host memory and back
+HOST_OFFLOAD = "host-offload"
+
+
 def split_key(key: str) -> tuple[str, tuple[str, ...]]:
     """'all-gather@data,fsdp' -> ('all-gather', ('data', 'fsdp'))."""
     kind, _, axes = key.partition("@")
@@ -76,12 +80,17 @@ def overlappable(kind: str, axes: tuple[str, ...]) -> bool:
     of every layer) nor the pipeline's permutes (a stage waits for its input)."""
     if kind == "collective-permute":
         return axes == ("context",)
+    if kind == HOST_OFFLOAD:  # DMA copies of saved activations, issued beside the layers' compute
+        return True
     return kind in ("all-reduce", "all-gather", "reduce-scatter") and "model" not in axes
 
 
 def comm_time(kind: str, axes: tuple[str, ...], wire_bytes: float, count: float, sizes: dict[str, int],
               where: dict[str, str], hw: Hardware) -> tuple[float, str]:
-    """-> (seconds, 'intra'|'inter'). Axes unknown (()) are charged as the slowest link in use."""
+    """-> (seconds, 'intra'|'inter'|'host'). Axes unknown (()) are charged as the slowest link in use;
+    host offload copies go over the host link (PCIe, hw.host_bw)."""
+    if kind == HOST_OFFLOAD:
+        return wire_bytes / hw.host_bw, "host"
     inter = any(where.get(a) == "inter" for a in axes) if axes else "inter" in where.values()
     bw = (hw.inter_bw if inter else hw.intra_bw) * hw.link_efficiency
     lat = hw.inter_latency_s if inter else hw.intra_latency_s
@@ -101,7 +110,7 @@ def hardware_flops_per_step(cfg, batch_size: int, seq_len: int) -> float:
     tokens = batch_size * seq_len
     attn_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
     blocks_fwd = 2 * (matmul_param_count(cfg) - cfg.vocab_size * cfg.d_model)
-    recompute = {"none": 0.0, "dots": attn_fwd, "full": blocks_fwd + attn_fwd}[cfg.remat]
+    recompute = {"none": 0.0, "dots": attn_fwd, "dots_offload": attn_fwd, "full": blocks_fwd + attn_fwd}[cfg.remat]
     return model_flops_per_step(cfg, batch_size, seq_len) + recompute * tokens
 
 

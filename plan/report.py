@@ -81,12 +81,16 @@ def analyze(s: RunSetup) -> dict:
     th_backend = on_backend(th, jax.default_backend(), dict(s.mesh.shape))
     params_b = sum(local_bytes(x) for x in jax.tree.leaves(state.params))
     opt_b = sum(local_bytes(x) for x in jax.tree.leaves(state.opt_state))
+    # LoRA: `params` (and so gradients and optimizer state) are the adapters; the frozen base is the
+    # step's third argument and takes memory of its own, which `params_bytes` would otherwise hide
+    base_b = 0 if s.base_shardings is None else sum(
+        local_bytes(x) for x in jax.tree.leaves(lora.abstract_base(s.cfg, s.base_shardings)))
     return {
         "mesh": mesh_text(s.mesh.shape), "devices": s.mesh.size, "backend": jax.default_backend(),
         "params": param_count(m),
         "active_params": active_param_count(m),
         "memory": {
-            "params_bytes": params_b, "optimizer_bytes": opt_b, "gradient_bytes": params_b,
+            "params_bytes": params_b, "optimizer_bytes": opt_b, "gradient_bytes": params_b, "base_bytes": base_b,
             "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
             "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
             "peak_bytes": getattr(mem, "peak_memory_in_bytes", 0),
@@ -148,6 +152,8 @@ def render(r: dict, show_sharding: bool) -> str:
     for k in ("params_bytes", "optimizer_bytes", "gradient_bytes", "argument_bytes", "output_bytes", "temp_bytes",
               "peak_bytes"):
         lines.append(f"  {k[:-6]:<12}{_mib(m[k])}")
+        if k == "gradient_bytes" and m.get("base_bytes"):
+            lines.append(f"  {'base':<12}{_mib(m['base_bytes'])} (the LoRA run's frozen base; params above: its adapters)")
     lines.append(f"model FLOPs per step: {r['flops_per_step']:.3e} (compiler, per device:"
                  f" {r['flops_per_step_per_device_compiled']:.3e})")
     lines.append("collectives per step, per device (measured from the compiled HLO | theory as this backend lowers it):")
@@ -225,7 +231,9 @@ def render_estimate(row: dict, hw: Hardware) -> str:
             f"memory per device (estimate): params {m['params'] / gib:.2f} GiB, grads {m['grads'] / gib:.2f},"
             f" optimizer {m['optimizer'] / gib:.2f}, activations {m['activations'] / gib:.2f},"
             f" total {m['total'] / gib:.2f} GiB -> {'fits' if row['fits'] else 'does NOT fit'} in"
-            f" {hw.usable_memory * hw.hbm_bytes / gib:.0f} GiB\n" + render_cost(row, row["goodput"]))
+            f" {hw.usable_memory * hw.hbm_bytes / gib:.0f} GiB\n"
+            + (f"host memory per device (estimate): offloaded activations {m['host_activations'] / gib:.2f} GiB\n"
+               if m.get("host_activations") else "") + render_cost(row, row["goodput"]))
 
 
 def render_cost(pred: dict, good: dict | None = None) -> str:

@@ -121,8 +121,9 @@ def _quick_reject(cfg, sizes: dict[str, int], batch_size: int, rules) -> bool:
 def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, micro_batches: int,
                      act_bytes: int, attention: str, *, shards: int, seq_shards: int = 1,
                      sequence_parallel: bool = False, pipeline_microbatches: int = 1, schedule: str = "gpipe",
-                     repeats: int = 1) -> float:
-    """Per-device activation memory estimate for the remat policy.
+                     repeats: int = 1) -> tuple[float, float]:
+    """Per-device activation memory estimate for the remat policy: (device bytes, host bytes; the
+    saved set of an offloading policy, dots_offload, is in host memory between the passes).
 
     Per token and layer the forward pass makes: 4 [D] (input, two norm outputs, residual), q/k/v
     before and after rotary, the attention output, two [D] projections, 4 [F] (gate, up, silu,
@@ -154,9 +155,11 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     every += (seq_shards - 1) * 2 * k * h / tp  # the other shards' K/V, in the layer under way
     scores = {"dense": 2 * n / tp * seq_len, "blockwise": 4 * 4 / act_bytes * n / tp * min(BLOCK_K, seq_len)}
     every += scores.get(attention, 0.0)
-    saved = {"none": every, "dots": res + (n * h + 2 * k * h) / tp + 2 * res + 2 * f / tp, "full": res}[cfg.remat]
+    dots = res + (n * h + 2 * k * h) / tp + 2 * res + 2 * f / tp
+    saved = {"none": every, "dots": dots, "dots_offload": dots, "full": res}[cfg.remat]
     layers = cfg.n_layers // p
     head_tokens = pass_tokens
+    kept = 0
     if p > 1 and schedule in EXPLICIT:
         kept = ring_slots(p, pipeline_microbatches, repeats) * res * tokens
         held = kept + saved * (layers // repeats) * tokens
@@ -166,7 +169,11 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     chunk = cfg.loss_chunk or (LOSS_CHUNK if 4 * head_tokens * v / tp > LOSS_CHUNK_FROM else 0)
     if chunk:
         head_tokens = min(head_tokens, rows * chunk)
-    return act_bytes * (held + every * tokens) + 3 * 4 * head_tokens * v / tp
+    device = act_bytes * every * tokens + 3 * 4 * head_tokens * v / tp
+    if cfg.remat.endswith("_offload"):  # the saved set lives in host memory; a pipeline's ring does not
+        kept = kept if p > 1 and schedule in EXPLICIT else 0
+        return device + act_bytes * kept, act_bytes * (held - kept)
+    return device + act_bytes * held, 0.0
 
 
 def attention_on(cfg, hw: Hardware, seq_len: int) -> str:
@@ -218,12 +225,16 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
     comm.update(cost.pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes,
                                    pipeline_microbatches=pipe_m, repeats=pc.repeats, batch_shards=shards))
 
+    on_device, on_host = activation_bytes(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes,
+                                          attention_on(cfg, hw, seq_len), shards=shards,
+                                          seq_shards=seq_shards(mesh, rules), sequence_parallel=sequence_parallel,
+                                          pipeline_microbatches=pipe_m, schedule=pc.schedule, repeats=pc.repeats)
     memory = {"params": param_bytes, "grads": param_bytes, "optimizer": param_bytes * _optimizer_ratio(cfg, t),
-              "activations": activation_bytes(cfg, sizes, batch_size, seq_len, micro_batches, act_bytes,
-                                              attention_on(cfg, hw, seq_len), shards=shards,
-                                              seq_shards=seq_shards(mesh, rules), sequence_parallel=sequence_parallel,
-                                              pipeline_microbatches=pipe_m, schedule=pc.schedule, repeats=pc.repeats)}
-    memory["total"] = sum(memory.values())
+              "activations": on_device}
+    memory["total"] = sum(memory.values())   # device memory; what is offloaded to the host is apart
+    memory["host_activations"] = on_host
+    if on_host:  # out to the host after the forward, back for the backward
+        comm[cost.HOST_OFFLOAD] = {"operand_bytes": 2 * on_host, "wire_bytes": 2 * on_host, "count": 0}
     n = math.prod(sizes.values())
     pred = cost.predict(model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),
                         device_flops=cost.hardware_flops_per_step(cfg, batch_size, seq_len) / n,

@@ -69,3 +69,18 @@ def check_fits(compiled, devices: list, mesh_text: str) -> None:
         f" each device has ({what}); shard the state over more devices (--mesh fsdp=N), recompute"
         f" activations (--model.remat full), use a smaller --batch-size or more --micro-batches, or pass"
         f" --train.skip_memory_check true to try anyway")
+
+
+HOST_KIND = "pinned_host"  # the memory kind XLA offloads saved activations to
+
+
+def check_host_offload(remat: str, devices: list) -> None:
+    """One line for an offloading remat policy on devices without host memory to offload to."""
+    if not remat.endswith("_offload"):
+        return
+    kinds = {m.kind for m in devices[0].addressable_memories()}
+    if HOST_KIND not in kinds:
+        raise UserError(f"--model.remat {remat} keeps saved activations in '{HOST_KIND}' memory, which these"
+                        f" {devices[0].platform} devices do not have (theirs: {', '.join(sorted(kinds))}); valid"
+                        f" here: none, full, dots")
+

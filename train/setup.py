@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules, sequence_parallel
 from mesh.shard import data_parallel_axes, tree_shardings
 from models import context, model
-from train import comm, lora, optim, state as train_state
+from train import comm, lora, memory, optim, state as train_state
 from train.comm import SyncLayout
 from train.config import Config
 from train.data import abstract_batch as data_abstract_batch
@@ -70,6 +70,7 @@ def setup(cfg: Config, mesh: Mesh, *, loss: Callable | None = None,
     lr = optim.schedule(cfg.train) if schedule is None else optim.as_schedule(schedule)
     rules = run_rules(cfg, dict(mesh.shape), model.compute_dtype(cfg.model))
     validate_run(mesh, rules, cfg.model, cfg.train, cfg.pipeline)
+    memory.check_host_offload(cfg.model.remat, list(mesh.devices.flat))
     lora.check_run(cfg)
     param_shardings = tree_shardings(mesh, model.param_axes(cfg.model), rules)
     dp_axes = data_parallel_axes(mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)])
