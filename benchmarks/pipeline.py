@@ -1,8 +1,9 @@
 """Pipeline parallelism: step time (forward + backward of a Block stack) and per-device memory for
-pipeline=1/2/4, gpipe, circular (repeats 2) and 1f1b, M in {P, 2P, 4P}; measured vs predicted bubble.
+pipeline=1/2/4, gpipe, circular (repeats 2), 1f1b and interleaved_1f1b (repeats 2), M in {P, 2P, 4P};
+measured vs predicted bubble.
 
     python benchmarks/pipeline.py [--layers 8] [--d-model 128] [--batch 32] [--seq 64] [--steps 5] [--model-order]
-                                  [--schedules gpipe,circular,1f1b] [--fixed-micro-batch]
+                                  [--schedules gpipe,circular,1f1b,interleaved_1f1b] [--fixed-micro-batch]
 
 `--fixed-micro-batch`: the batch grows with M (batch = M x batch/P rows), which is how 1F1B is used to
 shrink the bubble: its temp memory stays flat, GPipe's grows with M.
@@ -28,6 +29,7 @@ from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import pipeline as pipeline_lib
 from models import pipeline_1f1b
 from models.config import PRESETS
+from models.schedules import EXPLICIT, ticks_1f1b
 from models.transformer import Block
 from plan.hlo import parse_collectives, summarize
 
@@ -64,11 +66,11 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
             body = jax.checkpoint(lambda x, lp: layer(x, lp, pos), policy=remat)
             return jax.lax.scan(lambda x, lp: (body(x, lp), None), x, p)[0]
         loss = mean_square(stack)
-    elif schedule == "1f1b":  # the loss is part of the schedule: the stack's input and the loss ride in the batch
+    elif schedule in EXPLICIT:  # the loss is part of the schedule: the stack's input and the loss ride in the batch
         def loss(p, x, pos):
             return pipeline_1f1b.loss(lambda _, mb: mb["x"], lambda x, lp, mb: layer(x, lp, mb["pos"]),
                                       lambda _, y, mb: jnp.sum(jnp.square(y)) / x.size, {}, p, {"x": x, "pos": pos},
-                                      stages=P, microbatches=M, remat_policy=remat)[0]
+                                      stages=P, microbatches=M, repeats=R, remat_policy=remat)[0]
     else:
         # circular: the layer stack stored in stage order, so each device's chunks are local
         ordered = R > 1 and not args.model_order
@@ -111,13 +113,14 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--model-order", action="store_true",
                     help="circular: keep the stack in model order (the weights are regrouped every step)")
-    ap.add_argument("--schedules", default="gpipe,circular,1f1b", help="comma-separated schedules to run")
+    ap.add_argument("--schedules", default="gpipe,circular,1f1b,interleaved_1f1b", help="comma-separated schedules to run")
     ap.add_argument("--fixed-micro-batch", action="store_true", help="batch = M x batch/P: micro-batches of fixed size")
     args = ap.parse_args()
     layer, params, axes = block_stack(args.layers, args.d_model, 4 * args.d_model)
     rules = make_rules("layers=pipeline")
     configs = [(1, 1, 1, "gpipe")] + [(P, M, R, schedule) for P in (2, 4) for schedule, R in
-                                      (("gpipe", 1), ("circular", 2), ("1f1b", 1)) for M in (P, 2 * P, 4 * P)
+                                      (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2))
+                                      for M in (P, 2 * P, 4 * P)
                                       if schedule in args.schedules.split(",")]
     runs = [run(args, *c, layer, params, axes, rules) for c in configs]
     # Round-robin timing: on a shared CPU the load drifts, so every config sees the same drift.
@@ -137,7 +140,7 @@ def main():
           " args MiB/dev | temp MiB/dev | permute KiB/dev HLO (theory) | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ticks = pipeline_lib.n_ticks(r["P"], r["M"], r["R"])
+        ticks = (ticks_1f1b if r["schedule"] in EXPLICIT else pipeline_lib.n_ticks)(r["P"], r["M"], r["R"])
         measured = 1 - base / r["step_s"]
         print(f"| {r['P']} | {r['schedule']} | {r['R']} | {r['M']} | {ticks} | {r['step_s']:.3f} | "
               f"{1000 * r['step_s'] / ticks:.0f} | {measured:.1%} | {r['bubble_pred']:.1%} | "

@@ -48,14 +48,53 @@ def test_timetable_is_one_forward_one_backward(P, M):
     assert max(schedules.in_flight_1f1b(P, M)) <= schedules.ring_slots(P, M) <= 2 * (P - 1)
 
 
+@pytest.mark.parametrize("P, M, R", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 3), (3, 6, 2), (2, 4, 4)])
+def test_interleaved_timetable(P, M, R):
+    """Interleaved 1F1B: every (micro-batch, virtual stage v = r*P + s) runs forward once and
+    backward once; a micro-batch moves one virtual stage per tick forward and one back (the last
+    virtual stage's backward in its forward's tick); per device at most one forward and one
+    backward per tick (the table's cells); a ring of ring_slots never overwrites a stage input
+    before its backward reads it; the phases cover exactly the ticks with forwards / backwards."""
+    V, table = R * P, schedules.table_1f1b(P, M, R)
+    fwd, bwd = {}, {}
+    for s, row in enumerate(table):
+        for t, (f, b) in enumerate(row):
+            for got, c in ((fwd, f), (bwd, b)):
+                if c is not None:
+                    assert (c[0], c[1] * P + s) not in got
+                    got[c[0], c[1] * P + s] = t
+    assert len(fwd) == len(bwd) == M * V
+    for m in range(M):
+        assert all(fwd[m, v] == fwd[m, v - 1] + 1 for v in range(1, V))
+        assert all(bwd[m, v] == bwd[m, v + 1] + 1 for v in range(V - 1)) and bwd[m, V - 1] == fwd[m, V - 1]
+    (_, _, warm), (_, start, steady), (_, end, cool) = schedules.phases_1f1b(P, M, R)
+    assert warm + steady + cool == schedules.ticks_1f1b(P, M, R) == len(table[0])
+    assert min(bwd.values()) == start and max(fwd.values()) == end - 1
+    K = schedules.ring_slots(P, M, R)
+    for s, row in enumerate(table):
+        ring = {}
+        for t, (f, b) in enumerate(row):
+            if b is not None and not (s == P - 1 and b[1] == R - 1):  # the head's backward reads this tick's input
+                assert ring[schedules.backward_item(t, s, P, M, R)[2] % K] == b
+            if f is not None:
+                ring[schedules.forward_item(t, s, P, M, R)[2] % K] = f
+    assert max(schedules.in_flight_1f1b(P, M, R)) <= K
+
+
 def test_chart_and_plot(tmp_path):
     chart = pipeline_lib.schedule_chart(2, 3, schedule="1f1b", n_layers=4).splitlines()
     assert "5 ticks (1 forward-only, 3 forward+backward, 1 backward-only)" in chart[0]
     assert "at most 2 stage inputs in flight" in chart[0] and "bubble (P-1)/(M+P-1) = 25.0%" in chart[0]
     assert chart[1].split() == ["stage", "0", "(layers", "0-1)", "F0", "F1", "F2B0", "B1", "B2"]
     assert chart[2].split() == ["stage", "1", "(layers", "2-3)", ".", "F0B0", "F1B1", "F2B2", "."]
+    chart = pipeline_lib.schedule_chart(2, 4, 2, "interleaved_1f1b", n_layers=8).splitlines()
+    assert "2 stages x 4 micro-batches x 2 chunks; 12 ticks (3 forward-only, 6 forward+backward, 3" in chart[0]
+    assert "bubble (P-1)/(R*M+P-1) = 11.1%" in chart[0]
+    assert chart[1].split()[:9] == ["stage", "0", "(layers", "0-1,", "4-5)", "F0.0", "F1.0", "F0.1", "F1.1"]
+    assert chart[2].split()[5:9] == [".", "F0.0", "F1.0", "F0.1B0.1"]
     pytest.importorskip("matplotlib")
     path = pipeline_lib.plot_schedule(4, 8, schedule="1f1b", path=str(tmp_path / "s.png"))
+    pipeline_lib.plot_schedule(2, 4, 2, "interleaved_1f1b", path=str(tmp_path / "i.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
