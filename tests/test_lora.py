@@ -199,6 +199,9 @@ def test_bad_runs():
     lora.check_start(build({"model.preset": "tiny", "lora.rank": 4, "lora.allow_random_base": True}), resuming=False)
     with pytest.raises(UserError, match="sync_every"):
         lora.check_run(build({"model.preset": "tiny", "lora.rank": 4, "comm.sync_every": 2}))
+    with pytest.raises(UserError, match=r"--lora.rank 128 is larger than attn/wk_DKH's smaller dim \(64 in, 32 out\);"
+                                        r" use a rank <= 32"):
+        lora.check_run(build({"model.preset": "tiny", "lora.rank": 128, "lora.targets": "k"}))
     moe = build({"model.preset": "moe-tiny", "lora.rank": 4, "lora.targets": "q,gate"})
     with pytest.raises(UserError, match="'gate' adapts mlp/w_gate_DF.*valid here: q, k, v, o"):
         lora.adapter_axes(moe.model, moe.lora)

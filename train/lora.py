@@ -137,7 +137,8 @@ def model_params(cfg: Config, base: dict, adapters: dict) -> dict:
 
 def check_run(cfg: Config) -> None:
     """One line for a LoRA run that cannot work: with DiLoCo (replicas keep whole-model drift),
-    with the MoE router bias that the step updates in the (frozen) base, with a registered model."""
+    with the MoE router bias that the step updates in the (frozen) base, with a registered model,
+    with a rank larger than a targeted weight's input or output size."""
     if not enabled(cfg.lora):
         return
     if cfg.comm.sync_every > 1:
@@ -149,6 +150,14 @@ def check_run(cfg: Config) -> None:
     if getattr(cfg.model, "arch", ""):  # only a registered model's config has the field
         raise UserError(f"--lora.rank {cfg.lora.rank}: LoRA adapts the built-in decoder's projections; model"
                         f" '{cfg.model.arch}' is a registered one")
+    base = model.abstract_params(cfg.model)
+    for path, _, n_in in _targets(cfg.model, cfg.lora):  # a rank above min(in, out) adds no expressiveness
+        shape = _at(base, path).shape
+        fan_in, fan_out = math.prod(shape[1:1 + n_in]), math.prod(shape[1 + n_in:])
+        if cfg.lora.rank > min(fan_in, fan_out):
+            raise UserError(f"--lora.rank {cfg.lora.rank} is larger than {'/'.join(path[1:])}'s smaller dim"
+                            f" ({fan_in} in, {fan_out} out); use a rank <= {min(fan_in, fan_out)}, or drop that"
+                            f" target from --lora.targets")
 
 
 def check_start(cfg: Config, resuming: bool) -> None:
