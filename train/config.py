@@ -139,9 +139,16 @@ class DataConfig:
     allow_tokenizer_mismatch: bool = option(False, "use data prepared with another tokenizer than the one the"
                                                    " --init-from (or evaluated) checkpoint records; refused"
                                                    " otherwise: its token ids would mean other text")
+    eval_source: str = option("", "[NAME=]DIR[,[NAME=]DIR ...]: prepared datasets also evaluated at every eval"
+                                  " (--eval-every), each on its eval split (--data.eval_fraction) for"
+                                  " --train.eval_batches batches, logged as eval/NAME/loss and eval/NAME/perplexity;"
+                                  " NAME defaults to DIR's base name; empty = none")
 
     def validate(self) -> "DataConfig":
         check_ranges(self, functools.partial(public_flag, "data"))
+        if self.eval_source:  # the syntax here; the directories are opened (and checked) when a run starts
+            from train.data.evalsets import parse_source
+            parse_source(self.eval_source)
         return self
 
 

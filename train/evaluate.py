@@ -22,9 +22,7 @@ import math
 import os
 
 import jax
-import numpy as np
 
-from checkpoint import storage
 from checkpoint.hf import config_from_meta, load_checkpoint
 from checkpoint.layout import lora_base
 from checkpoint.manager import Checkpointer, open_checkpoint
@@ -33,12 +31,10 @@ from mesh.build import start_mesh
 from models.config import ModelConfig
 from train import resume
 from train.config import Config, build, make_parser
-from train.data.index import INDEX
-from train.data.pipeline import Pipeline
-from train.data.sources import load_source
+from train.data import evalsets
 from train.loop import Trainer
 
-SPLITS = ("eval", "all")
+SPLITS = evalsets.SPLITS
 # The run settings an evaluation takes from the checkpoint's own run unless a flag says otherwise:
 # they decide which windows and batches its held-out documents make.
 EVAL_SETTINGS = ("train.batch_size", "train.seq_len", "train.seed", "data.eval_fraction", "data.packing",
@@ -95,55 +91,22 @@ def parse_sets(specs: list[str] | None) -> list[tuple[str, str]]:
     """--data [NAME=]DIR, repeated -> [(name, DIR)]; the name defaults to DIR's base name."""
     if not specs:
         raise UserError("eval: no --data; name the sets to evaluate with --data DIR or --data NAME=DIR (repeatable)")
-    sets = []
-    for spec in specs:
-        name, sep, directory = spec.partition("=")
-        if not sep:
-            name, directory = storage.basename(spec.rstrip("/")), spec
-        if not name or not directory:
-            raise UserError(f"eval: --data {spec!r}: expected DIR or NAME=DIR (a prepared dataset)")
-        if name in (n for n, _ in sets):
-            raise UserError(f"eval: --data {spec!r}: the set name '{name}' is given twice; name each set once"
-                            f" with --data NAME=DIR")
-        if not storage.isfile(storage.join(directory, INDEX)):
-            raise UserError(f"eval: --data {spec!r}: '{directory}' is not a prepared dataset (no {INDEX}); make one"
-                            f" with `python -m train.data prepare INPUTS --tokenizer TOK --out DIR`")
-        sets.append((name, directory))
+    sets = evalsets.parse_specs(specs, "eval: --data")
+    evalsets.check_prepared(sets, "eval: --data")
     return sets
 
 
-def set_pipeline(opened: Opened, name: str, directory: str, split: str, sharding) -> Pipeline:
-    """The dataset as a pipeline whose eval windows are the split to evaluate: its held-out
-    documents, or (`all`) every document, read as one stream with nothing held out."""
+def set_pipeline(opened: Opened, name: str, directory: str, split: str, sharding):
+    """The dataset as a pipeline whose eval windows are the split to evaluate (train/data/evalsets.py),
+    checked against the checkpoint's tokenizer and vocabulary."""
     cfg, d, t = opened.cfg, opened.cfg.data, opened.cfg.train
-    src = load_source(directory, d.eval_fraction if split == "eval" else 0.0, t.seed, d.verify)
-    resume.check_tokenizer(opened.meta, src.tokenizer, d.allow_tokenizer_mismatch, f"eval: --data {name}={directory}")
-    if split == "all":
-        src = dataclasses.replace(src, eval=src.train)
-    pipeline = Pipeline([(src, 1.0)], batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, packing=d.packing,
-                        packing_mask=d.packing_mask, batch_sharding=sharding, vocab_size=cfg.model.vocab_size)
-    if not pipeline.eval[0].n:
-        raise UserError(f"eval: --data {name}={directory}: its eval split holds {src.eval.n_tokens} tokens, not one"
-                        f" window of --seq-len {t.seq_len} + 1; use --split all, a larger --data.eval_fraction"
-                        f" (now {d.eval_fraction}) or a shorter --seq-len")
-    return pipeline
 
-
-def split_batches(pipeline: Pipeline, limit: int, sharding) -> tuple[list[dict], int]:
-    """-> (the batches covering every eval window once, or the first `limit` of them; the windows
-    they hold). Row g of the eval rows is window g of a permutation while g < windows, then they
-    wrap round: those rows of the last batch weigh 0, so no window counts twice."""
-    windows, rows_per_batch = pipeline.eval[0].n, pipeline.B
-    n = -(-windows // rows_per_batch)
-    n = min(n, limit) if limit else n
-    batches = []
-    for i in range(n):
-        rows = pipeline.eval_rows(i)
-        fresh_B = np.arange(i * rows_per_batch, (i + 1) * rows_per_batch) < windows
-        rows["weights"] = rows["weights"] * fresh_B[:, None]
-        batches.append({k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-                        for k, v in rows.items()})
-    return batches, min(n * rows_per_batch, windows)
+    def check_tokenizer(record: dict, where: str) -> None:
+        resume.check_tokenizer(opened.meta, record, d.allow_tokenizer_mismatch, where)
+    return evalsets.open_set(name, directory, split=split, data_cfg=d, batch_size=t.batch_size, seq_len=t.seq_len,
+                             seed=t.seed, vocab_size=cfg.model.vocab_size, sharding=sharding,
+                             where=f"eval: --data {name}={directory}", check_tokenizer=check_tokenizer,
+                             other_split_hint="--split all, " if split == "eval" else "")
 
 
 def make_eval_parser() -> ArgParser:
@@ -176,7 +139,7 @@ def main(argv: list[str]) -> int:
     params = opened.params(trainer)
     t, results = opened.cfg.train, {}
     for (name, directory), pipeline in zip(sets, pipelines):
-        batches, windows = split_batches(pipeline, ns.eval_batches, trainer.batch_sharding)
+        batches, windows = evalsets.split_batches(pipeline, ns.eval_batches, trainer.batch_sharding)
         loss = trainer.eval_loss(params, batches)
         results[name] = {"data": os.path.abspath(directory), "loss": loss, "perplexity": math.exp(min(loss, 709.0)),
                          "windows": windows, "of_windows": pipeline.eval[0].n, "batches": len(batches)}

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoint.layout import RUN_SUBDIR
-from checkpoint.manager import Checkpointer, shared_directory
+from checkpoint.manager import Checkpointer, open_checkpoint, shared_directory
 from checkpoint.saving import committed_on_exit
 from mesh.build import start_mesh
 from mesh.rules import axis_rules
@@ -28,6 +28,7 @@ from models.sample import generate
 from train import lora, resume, state as train_state
 from train.config import Config
 from train.data import make_pipeline
+from train.data.evalsets import EvalSet, describe as describe_sets, open_eval_source
 from train.data.external import IterableData
 from train.data.tokenizers import ByteTokenizer
 from train.device_memory import out_of_memory_line
@@ -204,6 +205,7 @@ class Trainer:
         if point and point.step >= t.steps:
             return self._nothing_to_train(point)
         lora.check_start(cfg, resuming=point is not None)
+        sets = self._open_eval_sets(data) if t.eval_every else []  # a bad --data.eval_source: before the compile
         step_fn, compile_s = self._compile_checked()
         t0 = time.perf_counter()  # the restore (read whole to verify it), or a fresh start
         state, meta, note = resume.initial_state(self.setup, self.abstract_state(), point, self.create_state, t0)
@@ -222,6 +224,8 @@ class Trainer:
         evals = data.eval_batches(t.eval_batches) if t.eval_every else []
         run = open_run(self.setup, self.abstract_state(), saver, data, point, state, self.goodput,
                        opening=(compile_s, note, meta), on_log=self.on_log)
+        if sets:
+            run.log.print(describe_sets(sets, t.seq_len))
         # -- the loop
         stopped_by, hang_at = signals.received, injected_steps("HANG")  # a signal already: nothing to save
         try:
@@ -245,14 +249,42 @@ class Trainer:
                         run.checkpoint(step, state, final)
                     if stopped_by:
                         break
-                    if evals and (step % t.eval_every == 0 or step == t.steps):
-                        run.evaluate(step, lambda: self.eval_loss(self.model_params(state), evals))
+                    if (evals or sets) and (step % t.eval_every == 0 or step == t.steps):
+                        run.evaluate(step, functools.partial(self._eval_losses, state, evals, sets))
                 run.commit_last_save()
         finally:
             data.close()
             run.profiler.close()
         # -- summary
         return self._finish(run, data, state, point, compile_s, stopped_by)
+
+    def _open_eval_sets(self, data) -> list[EvalSet]:
+        """--data.eval_source, opened and checked against the model's vocabulary and tokenizer: the
+        training data's (the ids the model learns), or for a user's iterable, which records none,
+        the --init-from checkpoint's; with neither there is nothing to compare."""
+        cfg, t = self.cfg, self.cfg.train
+        if not cfg.data.eval_source:
+            return []
+        sources = getattr(data, "sources", None)
+        if sources:
+            meta, whose = {"tokenizer": sources[0].tokenizer}, "the training data's"
+        elif cfg.checkpoint.init_from:
+            src, at = open_checkpoint(cfg.checkpoint.init_from)
+            meta, whose = src.meta(at), "the --init-from checkpoint's"
+        else:
+            meta, whose = {}, ""
+
+        def check_tokenizer(record: dict, where: str) -> None:
+            resume.check_tokenizer(meta, record, cfg.data.allow_tokenizer_mismatch, where, whose)
+        return open_eval_source(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                                eval_batches=t.eval_batches, vocab_size=self.model_cfg.vocab_size,
+                                sharding=self.batch_sharding, check_tokenizer=check_tokenizer)
+
+    def _eval_losses(self, state, evals: list[dict], sets: list[EvalSet]) -> tuple[float | None, dict[str, float]]:
+        """-> (the loss on the training data's held-out batches, None without them; each eval set's loss)."""
+        params = self.model_params(state)  # a LoRA run's merge, once for every set
+        return (self.eval_loss(params, evals) if evals else None,
+                {s.name: self.eval_loss(params, s.batches) for s in sets})
 
     def _compile_checked(self):
         """-> (the step compiled from the abstract state, seconds). Compiled before any state exists,

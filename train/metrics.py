@@ -198,6 +198,7 @@ def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model
     (the first, which includes warm-up, is left out when there are others), where the time went,
     and memory: the largest figures logged beside the compiled step's predicted per-device peak."""
     steady = history[1:] or history
+    held_out = [r for r in eval_history if "eval_loss" in r]  # none when the training data holds none out
 
     def largest(key):
         values = [r[key] for r in history if isinstance(r.get(key), int)]
@@ -206,7 +207,9 @@ def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model
         "steps": history[-1]["step"] if history else (resumed_from or 0),
         "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
-        "eval_loss": eval_history[-1]["eval_loss"] if eval_history else None,
+        "eval_loss": held_out[-1]["eval_loss"] if held_out else None,
+        # the last eval's figures on each --data.eval_source set, named as in metrics.jsonl
+        **({k: v for k, v in eval_history[-1].items() if k.startswith("eval/")} if eval_history else {}),
         "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])) if steady else 0.0,
         "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
         "compile_s": compile_s, "wall_s": time.time() - gp.started_at,
@@ -220,6 +223,17 @@ def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model
     }
 
 
+def eval_text(s: dict) -> str:
+    """', eval loss 2.345 (chat 1.876, web 2.912)' from a summary: the held-out split's loss, then
+    each eval set's; '' without evals."""
+    sets = [f"{k.split('/')[1]} {v:.3f}" for k, v in s.items()
+            if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)]
+    held_out = f" {s['eval_loss']:.3f}" if s.get("eval_loss") is not None else ""
+    if not held_out and not sets:
+        return ""
+    return ", eval loss" + held_out + (f" ({', '.join(sets)})" if sets else "")
+
+
 def summary_text(s: dict) -> str:
     """The lines the run ends with, from `summary`'s dict."""
     if s["stopped_by"]:
@@ -231,7 +245,7 @@ def summary_text(s: dict) -> str:
         return head + f"\nloss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in {s['wall_s']:.1f}s"
     lines = [f"done: {s['steps']} steps in {s['wall_s']:.1f}s (compile {s['compile_s']:.1f}s),"
              f" loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}"
-             + (f", eval loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "")
+             + eval_text(s)
              + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%", breakdown_text(s),
              f"memory per device: peak {size_text(s.get('mem_peak_bytes'))} measured,"
              f" {size_text(s.get('predicted_peak_bytes'))} predicted by the compiled step;"

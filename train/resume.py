@@ -288,15 +288,17 @@ def saved_tokenizer(meta: dict) -> dict | None:
     return {"kind": "byte", "id": "byte"} if first in ("default", "synthetic") or os.path.exists(first) else None
 
 
-def check_tokenizer(meta: dict, data_tokenizer: dict, allow: bool, what: str) -> None:
+def check_tokenizer(meta: dict, data_tokenizer: dict, allow: bool, what: str,
+                    whose: str = "the checkpoint's") -> None:
     """UserError (one line naming both) when data prepared with `data_tokenizer` (a dataset's
     record) meets a checkpoint (`meta`) that records another tokenizer: its ids would be other
-    tokens to the model. `allow`: --data.allow_tokenizer_mismatch. A checkpoint recording none passes."""
+    tokens to the model. `allow`: --data.allow_tokenizer_mismatch. A checkpoint recording none passes.
+    `whose`: what the line calls `meta`'s tokenizer (a run's eval sets compare with its training data's)."""
     saved = saved_tokenizer(meta)
     if allow or saved is None or saved["id"] == data_tokenizer.get("id"):
         return
     named = lambda r: r["id"] + (f" ({r['path']})" if r.get("path") else "")  # noqa: E731
-    raise UserError(f"{what}: the checkpoint's tokenizer is {named(saved)} but the data's is {named(data_tokenizer)},"
+    raise UserError(f"{what}: {whose} tokenizer is {named(saved)} but the data's is {named(data_tokenizer)},"
                     f" so its token ids would be other tokens to the model; prepare the data with"
                     f" `python -m train.data prepare --tokenizer {saved.get('path') or saved['kind']}`, or pass"
                     f" --data.allow_tokenizer_mismatch true")

@@ -152,11 +152,13 @@ class Run:
         self.goodput.add("checkpoint", self.stats.pause(t0))
         self.watchdog.beat(f"saving step {step}")
 
-    def evaluate(self, step: int, eval_loss: Callable[[], float]) -> None:
+    def evaluate(self, step: int, eval_losses: Callable[[], tuple[float | None, dict[str, float]]]) -> None:
+        """Log the eval record of `step`: `eval_losses()` -> (the loss on the training data's held-out
+        batches, or None when it holds none out; the loss on each --data.eval_source set, by name)."""
         t0 = time.perf_counter()
-        ev = eval_loss()
+        ev, sets = eval_losses()
         self.goodput.add("eval", self.stats.pause(t0))
-        self._emit({"step": step, "eval_loss": ev, "eval_ppl": math.exp(min(ev, 50.0))}, self.eval_history)
+        self._emit(eval_record(step, ev, sets), self.eval_history)
         self.watchdog.beat(f"eval at step {step}")
 
     def commit_last_save(self) -> None:
@@ -179,6 +181,21 @@ class Run:
             with run_dir_writes(run_dir):
                 storage.write_text(storage.join(run_dir, "summary.json"),
                                    json.dumps(json_safe(out), indent=2, allow_nan=False))
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: an untrained model's perplexity would flatten every plot
+
+
+def eval_record(step: int, loss: float | None, sets: dict[str, float]) -> dict:
+    """The metrics record of an eval: `eval_loss`/`eval_ppl` (the training data's held-out split)
+    and `eval/NAME/loss`/`eval/NAME/perplexity` per --data.eval_source set."""
+    rec: dict = {"step": step}
+    if loss is not None:
+        rec.update(eval_loss=loss, eval_ppl=perplexity(loss))
+    for name, value in sets.items():
+        rec.update({f"eval/{name}/loss": value, f"eval/{name}/perplexity": perplexity(value)})
+    return rec
 
 
 def attention(s: RunSetup) -> str:

@@ -212,8 +212,13 @@ class ProgressLines:
 def step_line(record: dict) -> str:
     """A record as one line: a step's loss, throughput, MFU and data wait (then its peak device
     memory and the slowest process's step time over the median, when it has them), or an eval."""
-    if "eval_loss" in record:
-        return f"step {record['step']} | eval loss {record['eval_loss']:.3f} | ppl {record['eval_ppl']:.2f}"
+    sets = [f"{k.split('/')[1]} {v:.3f}" for k, v in record.items()  # --data.eval_source: eval/NAME/loss
+            if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)]
+    if "eval_loss" in record or sets:
+        parts = [f"step {record['step']}"]
+        if "eval_loss" in record:
+            parts += [f"eval loss {record['eval_loss']:.3f}", f"ppl {record['eval_ppl']:.2f}"]
+        return " | ".join(parts + [f"eval {s}" for s in sets])
     parts = [f"step {record['step']}", f"loss {record['loss']:.3f}", f"{record['tokens_per_sec']:,.0f} tok/s",
              f"mfu {100 * record['mfu']:.1f}%",
              f"data {100 * record['data_wait_s'] / max(record['step_time_s'], 1e-12):.1f}%"]
