@@ -232,8 +232,9 @@ def render_estimate(row: dict, hw: Hardware) -> str:
             f" optimizer {m['optimizer'] / gib:.2f}, activations {m['activations'] / gib:.2f},"
             f" total {m['total'] / gib:.2f} GiB -> {'fits' if row['fits'] else 'does NOT fit'} in"
             f" {hw.usable_memory * hw.hbm_bytes / gib:.0f} GiB\n"
-            + (f"host memory per device (estimate): offloaded activations {m['host_activations'] / gib:.2f} GiB\n"
-               if m.get("host_activations") else "") + render_cost(row, row["goodput"]))
+            + (f"host memory per device (estimate): offloaded activations {m['host_activations'] / gib:.2f} GiB,"
+               f" optimizer state {m['host_optimizer'] / gib:.2f} GiB\n"
+               if m.get("host_activations") or m.get("host_optimizer") else "") + render_cost(row, row["goodput"]))
 
 
 def render_cost(pred: dict, good: dict | None = None) -> str:

@@ -229,12 +229,18 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
                                           attention_on(cfg, hw, seq_len), shards=shards,
                                           seq_shards=seq_shards(mesh, rules), sequence_parallel=sequence_parallel,
                                           pipeline_microbatches=pipe_m, schedule=pc.schedule, repeats=pc.repeats)
-    memory = {"params": param_bytes, "grads": param_bytes, "optimizer": param_bytes * _optimizer_ratio(cfg, t),
-              "activations": on_device}
+    ratio = _optimizer_ratio(cfg, t)
+    optimizer = param_bytes * ratio
+    host_optimizer = 0.0
+    if t.offload_optimizer:  # in host memory; the update holds about one parameter's state at a time
+        largest = max(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+        optimizer, host_optimizer = largest * ratio, optimizer
+    memory = {"params": param_bytes, "grads": param_bytes, "optimizer": optimizer, "activations": on_device}
     memory["total"] = sum(memory.values())   # device memory; what is offloaded to the host is apart
-    memory["host_activations"] = on_host
-    if on_host:  # out to the host after the forward, back for the backward
-        comm[cost.HOST_OFFLOAD] = {"operand_bytes": 2 * on_host, "wire_bytes": 2 * on_host, "count": 0}
+    memory["host_activations"], memory["host_optimizer"] = on_host, host_optimizer
+    if on_host or host_optimizer:  # activations out and back; the optimizer state in for the update and out
+        moved = 2 * (on_host + host_optimizer)
+        comm[cost.HOST_OFFLOAD] = {"operand_bytes": moved, "wire_bytes": moved, "count": 0}
     n = math.prod(sizes.values())
     pred = cost.predict(model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),
                         device_flops=cost.hardware_flops_per_step(cfg, batch_size, seq_len) / n,

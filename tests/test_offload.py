@@ -1,10 +1,14 @@
-"""Activation offloading (`--model.remat dots_offload`: the projections' outputs that `dots` saves,
-kept in pinned host memory between the forward and the backward pass; models/transformer.py REMAT).
+"""Host offloading. Activations: `--model.remat dots_offload` (the projections' outputs that `dots`
+saves, kept in pinned host memory between the forward and the backward pass; models/transformer.py
+REMAT). Optimizer state: `--train.offload_optimizer true` (the state lives in pinned host memory
+between steps; the step brings it to the device for the update and back; train/setup.py).
 
-On CPU the device memory is the host's: XLA:CPU compiles the policy to the same program as `dots`
-(no host copies), so what is tested here is that the run accepts it and computes the same
+On CPU the device memory is the host's: XLA:CPU compiles the remat policy to the same program as
+`dots` (no host copies), so what is tested there is that the run accepts it and computes the same
 gradient, that devices without a host memory kind refuse it in one line, and `plan`'s accounting:
-device and host bytes apart, and the copies priced on the host link."""
+device and host bytes apart, and the copies priced on the host link. The optimizer state really is
+placed in `pinned_host` arrays on CPU: the run equals the same run without offloading step by step,
+and its checkpoint restores into host memory."""
 import dataclasses
 import types
 
@@ -12,11 +16,17 @@ import jax
 import numpy as np
 import pytest
 
-from equivalence import assert_trees_close, gradients, initial_params, make_trainer, synthetic_batches
+from checkpoint.layout import make_meta
+from checkpoint.manager import Checkpointer
+from equivalence import (assert_runs_match, assert_trees_close, gradients, initial_params, make_trainer, run_steps,
+                         synthetic_batches)
 from errors import UserError
 from models.config import PipelineConfig, preset
 from plan import cost, hardware, search
+from train import resume
+from train.config import build
 from train.memory import check_host_offload
+from train.setup import abstract_state
 
 
 def test_offload_runs_and_equals_dots_on_cpu(tmp_path):
@@ -33,11 +43,48 @@ def test_offload_runs_and_equals_dots_on_cpu(tmp_path):
 def test_devices_without_host_memory_refuse_it():
     device = types.SimpleNamespace(platform="tpu", addressable_memories=lambda: [types.SimpleNamespace(kind="device")])
     with pytest.raises(UserError) as e:
-        check_host_offload("dots_offload", [device])
-    assert str(e.value) == ("--model.remat dots_offload keeps saved activations in 'pinned_host' memory, which these"
-                            " tpu devices do not have (theirs: device); valid here: none, full, dots")
-    check_host_offload("dots", [device])  # nothing to offload
-    check_host_offload("dots_offload", jax.devices()[:1])  # the CPU backend has pinned_host
+        check_host_offload(build({"model.remat": "dots_offload", "train.offload_optimizer": True}), [device])
+    assert str(e.value) == ("--model.remat dots_offload and --train.offload_optimizer true keeps arrays in"
+                            " 'pinned_host' memory, which these tpu devices do not have (theirs: device); valid"
+                            " here: --model.remat none|full|dots, --train.offload_optimizer false")
+    check_host_offload(build({"model.remat": "dots"}), [device])  # nothing to offload
+    check_host_offload(build({"model.remat": "dots_offload"}), jax.devices()[:1])  # the CPU backend has pinned_host
+    with pytest.raises(UserError, match="--train.offload_optimizer true: not with --comm.sync_every 4 .DiLoCo."):
+        check_host_offload(build({"train.offload_optimizer": True, "comm.sync_every": 4}), jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory):
+    """The same 5 steps on fsdp=4,model=2 with the optimizer state on the device and in host memory."""
+    out = {}
+    for offload in (False, True):
+        tr = make_trainer("fsdp=4,model=2", tmp_path_factory.mktemp(f"offload{offload}"),
+                          **{"model.preset": "tiny", "train.offload_optimizer": offload})
+        params0 = initial_params(tr) if not out else out[False][2]
+        out[offload] = (tr, run_steps(tr, synthetic_batches(264), params0), params0)
+    return out
+
+
+@pytest.mark.slow
+def test_optimizer_in_host_memory_trains_the_same(optimizer_runs):
+    (_, want, _), (tr, got, _) = optimizer_runs[False], optimizer_runs[True]
+    assert_runs_match(got, want, "offload_optimizer")
+    kinds = {a.sharding.memory_kind for a in jax.tree.leaves(got["state"].opt_state)}
+    assert kinds == {"pinned_host"}, kinds
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(got["state"].params)} == {"device"}
+
+
+@pytest.mark.slow
+def test_optimizer_in_host_memory_restores_into_host_memory(optimizer_runs, tmp_path):
+    tr, got, _ = optimizer_runs[True]
+    state = got["state"]
+    saver = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    saver.save(5, state, make_meta(5, tr.cfg.to_dict(), tr.mesh, seed=0))
+    restored, _ = resume.restore(tr.setup, abstract_state(tr.setup), saver, 5)
+    saver.close()
+    for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state.opt_state)):
+        assert a.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -59,3 +106,17 @@ def test_plan_counts_host_and_device_bytes_apart(schedule):
     assert row["time_s"] == pytest.approx(row["wire_bytes"] / hw.host_bw) and row["link"] == "host"
     assert cost.HOST_OFFLOAD not in rows["dots"]["comm"]
 
+
+
+def test_plan_counts_the_optimizer_state_in_host_memory():
+    """--train.offload_optimizer: the state's bytes move from the device total to the host line; the
+    device keeps about one parameter's state (the update streams it leaf by leaf); the copies in
+    and out are a host-link row."""
+    cfg, hw = preset("7b"), hardware.get("h100")
+    rows = {off: search.evaluate(cfg, {"fsdp": 8}, hw, 8, 4096, train_cfg=build({"train.offload_optimizer": off}).train)
+            for off in (False, True)}
+    on, off = rows[False]["memory"], rows[True]["memory"]
+    assert off["host_optimizer"] == pytest.approx(on["optimizer"]) and on["host_optimizer"] == 0
+    assert 0 < off["optimizer"] < on["optimizer"] / 4  # the largest of 12 leaves (a stacked [L, ...] one)
+    assert off["total"] == pytest.approx(on["total"] - on["optimizer"] + off["optimizer"])
+    assert rows[True]["comm"][cost.HOST_OFFLOAD]["wire_bytes"] == pytest.approx(2 * off["host_optimizer"])

@@ -48,6 +48,9 @@ class TrainConfig:
     b2: float = ranged(0.95, "[0, 1)", help="decay of the squared gradient's running mean (lion: of the momentum)")
     eps: float = ranged(1e-8, ">0", help="AdamW/Muon epsilon; > 0: all-zero gradients would divide 0 by 0")
     grad_clip: float = ranged(1.0, ">=0", help="global-norm gradient clipping; 0 disables")
+    offload_optimizer: bool = option(False, "keep the optimizer state in pinned host memory between steps; the"
+                                            " step brings it to the device for the update and back (saves device"
+                                            " memory, costs host-link traffic each step)")
     seed: int = ranged(0, f"[0, {2**63 - 1}]", help="seed of the initial parameters, the data order and"
                                                     " sampling; jax.random.key takes a signed 64-bit seed")
     max_bad_steps: int = ranged(5, ">=0", help="skipped steps in a row (non-finite gradients or loss spikes) before"

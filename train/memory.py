@@ -74,13 +74,18 @@ def check_fits(compiled, devices: list, mesh_text: str) -> None:
 HOST_KIND = "pinned_host"  # the memory kind XLA offloads saved activations to
 
 
-def check_host_offload(remat: str, devices: list) -> None:
-    """One line for an offloading remat policy on devices without host memory to offload to."""
-    if not remat.endswith("_offload"):
-        return
+def check_host_offload(cfg, devices: list) -> None:
+    """One line for what would keep arrays in host memory on devices without one to keep them in:
+    an offloading remat policy, --train.offload_optimizer; and the optimizer offload with DiLoCo
+    (its per-replica state and outer optimizer do not go through the one update the step moves)."""
+    wants = [f"--model.remat {cfg.model.remat}"] if cfg.model.remat.endswith("_offload") else []
+    if cfg.train.offload_optimizer:
+        if cfg.comm.sync_every > 1:
+            raise UserError(f"--train.offload_optimizer true: not with --comm.sync_every {cfg.comm.sync_every}"
+                            f" (DiLoCo); use --comm.sync_every 1 or --train.offload_optimizer false")
+        wants.append("--train.offload_optimizer true")
     kinds = {m.kind for m in devices[0].addressable_memories()}
-    if HOST_KIND not in kinds:
-        raise UserError(f"--model.remat {remat} keeps saved activations in '{HOST_KIND}' memory, which these"
+    if wants and HOST_KIND not in kinds:
+        raise UserError(f"{' and '.join(wants)} keeps arrays in '{HOST_KIND}' memory, which these"
                         f" {devices[0].platform} devices do not have (theirs: {', '.join(sorted(kinds))}); valid"
-                        f" here: none, full, dots")
-
+                        f" here: --model.remat none|full|dots, --train.offload_optimizer false")

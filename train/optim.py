@@ -158,7 +158,14 @@ def make(cfg: TrainConfig, clip: bool = True, lr: optax.Schedule | None = None,
     # Non-finite gradients (an overflow, a bad batch) skip the update instead of poisoning the
     # weights; the counts live in the optimizer state (so in checkpoints) and reach the metrics.
     # The loop, not optax, decides when too many in a row mean "restore the last checkpoint".
-    return in_float32(optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=2**30))
+    tx = in_float32(optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=2**30))
+    return HostResident(tx.init, tx.update) if cfg.offload_optimizer else tx
+
+
+class HostResident(optax.GradientTransformation):
+    """A transformation whose state is kept in pinned host memory between steps
+    (--train.offload_optimizer): train/state.py gives that state host shardings, and the jitted
+    step (train/setup.py) brings it to the device before the update and back after it."""
 
 
 def _schedule_states(opt_state) -> list[optax.ScaleByScheduleState]:

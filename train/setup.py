@@ -70,7 +70,7 @@ def setup(cfg: Config, mesh: Mesh, *, loss: Callable | None = None,
     lr = optim.schedule(cfg.train) if schedule is None else optim.as_schedule(schedule)
     rules = run_rules(cfg, dict(mesh.shape), model.compute_dtype(cfg.model))
     validate_run(mesh, rules, cfg.model, cfg.train, cfg.pipeline)
-    memory.check_host_offload(cfg.model.remat, list(mesh.devices.flat))
+    memory.check_host_offload(cfg, list(mesh.devices.flat))
     lora.check_run(cfg)
     param_shardings = tree_shardings(mesh, model.param_axes(cfg.model), rules)
     dp_axes = data_parallel_axes(mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)])
@@ -116,10 +116,15 @@ def jit_step(s: RunSetup):
 
         def step(state, batch, *base):  # base: a LoRA run's frozen base, merged with the adapters in the loss
             merge = (lambda adapters: lora.model_params(cfg, base[0], adapters)) if base else None
+            if t.offload_optimizer:  # host -> device for the update (the copies overlap the forward)
+                state = state.replace(opt_state=jax.device_put(state.opt_state, jax.memory.Space.Device))
             with context.strategy(cfg.parallelism.context_strategy):  # read while tracing
-                return train_step(cfg.model, s.tx, s.lr, t.micro_batches, s.dp_axes, state, batch,
-                                  comm_cfg=cfg.comm, param_specs=param_specs, pipeline=cfg.pipeline,
-                                  local_clip=s.local_clip, loss_fn=s.loss_fn, param_fn=merge)
+                state, metrics = train_step(cfg.model, s.tx, s.lr, t.micro_batches, s.dp_axes, state, batch,
+                                            comm_cfg=cfg.comm, param_specs=param_specs, pipeline=cfg.pipeline,
+                                            local_clip=s.local_clip, loss_fn=s.loss_fn, param_fn=merge)
+            if t.offload_optimizer:
+                state = state.replace(opt_state=jax.device_put(state.opt_state, jax.memory.Space.Host))
+            return state, metrics
     base_sharding = () if s.base_shardings is None else (s.base_shardings,)
     return jax.jit(step, in_shardings=(s.state_shardings, s.batch_sharding, *base_sharding),
                    out_shardings=(s.state_shardings, None), donate_argnums=(0,))

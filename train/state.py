@@ -14,7 +14,8 @@ from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
 from models import model
 from models.config import ModelConfig
-from train import comm, lora
+from train import comm, lora, optim
+from train.memory import HOST_KIND
 from train.comm import SyncLayout
 
 
@@ -155,6 +156,8 @@ def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, ru
         return jax.tree.map(lambda sh: NamedSharding(mesh, comm.replica_spec(sh.spec, sync.dp_axes)), tree)
 
     opt_sh = like_params(tx, abstract_params, param_sh, mesh, warn)
+    if isinstance(tx, optim.HostResident):  # --train.offload_optimizer: the state lives in host memory
+        opt_sh = jax.tree.map(lambda sh: sh.with_memory_kind(HOST_KIND), opt_sh)
     out = TrainState(step=NamedSharding(mesh, P()), params=param_sh, opt_state=opt_sh)
     if sync.error_feedback:
         out = out.replace(residual=per_replica(param_sh))
