@@ -194,6 +194,8 @@ def run_flags(row: dict) -> str:
     out = f"--mesh {row['mesh']} --micro-batches {row['micro_batches']}"
     if row.get("sequence_parallel"):
         out += " --parallelism.sequence_parallel true"
+    for flag, value in row.get("offload", {}).items():  # what the search added to make the mesh fit
+        out += f" {flag} {value}"
     pp = row["pipeline"]
     if pp:
         out += (f" --pipeline.microbatches {pp['microbatches']} --pipeline.repeats {pp['repeats']}"
@@ -214,7 +216,7 @@ def render_search(rows: list[dict], top: int, hw: Hardware, n_devices: int) -> s
         comm = "; ".join(f"{k} {v['wire_bytes'] / 2**30:.2f} {v['link']} {v['time_s']:.3f}"
                          for k, v in sorted(r["comm"].items()))
         pp_mb = r["pipeline"].get("microbatches", "-")  # --pipeline.microbatches this row is priced at
-        mesh = r["mesh"] + (" +sp" if r.get("sequence_parallel") else "")  # sequence parallelism
+        mesh = r["mesh"] + (" +sp" if r.get("sequence_parallel") else "") + (" +offload" if r.get("offload") else "")
         lines.append(f"{mesh:<{width}}{pp_mb:>6}{r['memory']['total'] / 2**30:>9.1f}"
                      f"{r['t_step_s']:>9.3f}{100 * r['mfu']:>6.1f}%{100 * r['bubble']:>6.1f}%  {comm or '-'}")
     if not fit and rows:

@@ -269,6 +269,26 @@ def _price(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cf
     return row
 
 
+# What the search may add to a mesh that does not fit, cheapest first: the optimizer state in host
+# memory (copies once per step), then the saved activations too (copies every layer)
+OFFLOADS = ({"--train.offload_optimizer": "true"},
+            {"--train.offload_optimizer": "true", "--model.remat": "dots_offload"})
+
+
+def _offloaded(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cfg, row, pc,
+               vocab_parallel) -> dict | None:
+    """`row`'s layout priced with each of OFFLOADS until one fits (None if none does); the row's
+    `offload` says which flags it took."""
+    choice = dataclasses.replace(pc, **row["pipeline"]) if row["pipeline"] else pc
+    for flags in OFFLOADS:
+        c = dataclasses.replace(cfg, remat=flags.get("--model.remat", cfg.remat))
+        out = _price(c, sizes, hw, batch_size, seq_len, micro_batches, rules,
+                     dataclasses.replace(t, offload_optimizer=True), comm_cfg, choice, vocab_parallel)
+        if out is not None and out["fits"]:
+            return {**out, "offload": flags}
+    return None
+
+
 def _better(best: dict | None, row: dict | None) -> dict | None:
     """The faster row of those that fit, else the one that fits."""
     if row is None or (best is not None and (best["fits"], -best["t_step_s"]) >= (row["fits"], -row["t_step_s"])):
@@ -305,6 +325,9 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
             won = dataclasses.replace(pc, **{k: best["pipeline"][k] for k in ("microbatches", "repeats", "schedule")})
             for other in schedule_choices(cfg, sizes, t, won, rules):
                 best = _better(best, price(other))
+        if best is not None and not best["fits"]:
+            best = _better(best, _offloaded(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cfg,
+                                            best, pc, vocab_parallel))
         if best is not None:
             rows.append(best)
     # ties (compute-bound meshes whose traffic all hides) go to less traffic, then less memory

@@ -120,3 +120,16 @@ def test_plan_counts_the_optimizer_state_in_host_memory():
     assert 0 < off["optimizer"] < on["optimizer"] / 4  # the largest of 12 leaves (a stacked [L, ...] one)
     assert off["total"] == pytest.approx(on["total"] - on["optimizer"] + off["optimizer"])
     assert rows[True]["comm"][cost.HOST_OFFLOAD]["wire_bytes"] == pytest.approx(2 * off["host_optimizer"])
+
+
+def test_search_offloads_only_a_mesh_that_does_not_fit():
+    """7B on one H100: its state (~100 GiB) does not fit in 80 GB; the search offers the layout with
+    the optimizer state in host memory, and says so in its flags. On 8 H100s sharding fits without."""
+    from plan.report import run_flags
+    hw = hardware.get("h100")
+    (row,) = search.search(preset("7b"), 1, hw, batch_size=1, seq_len=4096)
+    assert row["fits"] and row["offload"] == {"--train.offload_optimizer": "true"}
+    assert run_flags(row).endswith("--train.offload_optimizer true") and row["memory"]["host_optimizer"] > 40 * 2**30
+    assert cost.HOST_OFFLOAD in row["comm"]
+    best = search.search(preset("7b"), 8, hw, batch_size=8, seq_len=4096)[0]
+    assert best["fits"] and "offload" not in best
