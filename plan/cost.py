@@ -37,6 +37,7 @@ import numpy as np
 from mesh.spec import AXES
 from models import pipeline
 from models.flops import flops_per_token, matmul_param_count
+from models.schedules import EXPLICIT
 from plan.hardware import Hardware
 from plan.theory import rows_per_shard
 
@@ -103,14 +104,19 @@ def model_flops_per_step(cfg, batch_size: int, seq_len: int) -> float:
     return flops_per_token(cfg, seq_len) * batch_size * seq_len
 
 
-def hardware_flops_per_step(cfg, batch_size: int, seq_len: int) -> float:
+def hardware_flops_per_step(cfg, batch_size: int, seq_len: int, schedule: str = "gpipe") -> float:
     """Model FLOPs (6N + attention, PaLM) plus what remat recomputes: the forward pass of every
     layer for `full`, the attention-score einsums for `dots` (they have batch dims, so the policy
-    does not save them). The LM head sits outside the remat'd layers and is never recomputed."""
+    does not save them). The LM head sits outside the remat'd layers and is never recomputed. The
+    explicit pipeline schedules (1f1b, interleaved_1f1b; pass `schedule` on a pipeline mesh) also
+    recompute each stage's forward in its backward, from the saved stage input: one more forward of
+    every layer."""
     tokens = batch_size * seq_len
     attn_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
     blocks_fwd = 2 * (matmul_param_count(cfg) - cfg.vocab_size * cfg.d_model)
     recompute = {"none": 0.0, "dots": attn_fwd, "dots_offload": attn_fwd, "full": blocks_fwd + attn_fwd}[cfg.remat]
+    if schedule in EXPLICIT:
+        recompute += blocks_fwd + attn_fwd
     return model_flops_per_step(cfg, batch_size, seq_len) + recompute * tokens
 
 
@@ -261,7 +267,8 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
     # only, BENCHMARKS.md)
     traffic = report.get("memory_traffic", {}) if same else {}
     out = predict(model_flops=report["flops_per_step"],
-                  device_flops=hardware_flops_per_step(cfg, batch_size, seq_len) / n, comm=comm, sizes=sizes,
+                  device_flops=hardware_flops_per_step(cfg, batch_size, seq_len, pp.get("schedule", "gpipe")) / n,
+                  comm=comm, sizes=sizes,
                   hw=hw, dtype=dtype, pipeline_microbatches=pp["microbatches"], repeats=pp["repeats"], dcn=dcn,
                   tokens_per_step=batch_size * seq_len,
                   device_bytes=traffic.get("bytes_accessed", 0.0))

@@ -243,7 +243,8 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
         comm[cost.HOST_OFFLOAD] = {"operand_bytes": moved, "wire_bytes": moved, "count": 0}
     n = math.prod(sizes.values())
     pred = cost.predict(model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),
-                        device_flops=cost.hardware_flops_per_step(cfg, batch_size, seq_len) / n,
+                        device_flops=cost.hardware_flops_per_step(cfg, batch_size, seq_len,
+                                                                  pc.schedule if p > 1 else "gpipe") / n,
                         comm=cost.ragged_all_to_all(comm, platform), sizes=sizes, hw=hw, dtype=dtype,
                         pipeline_microbatches=pipe_m, repeats=pc.repeats, dcn=dcn,
                         tokens_per_step=batch_size * seq_len)

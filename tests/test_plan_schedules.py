@@ -89,3 +89,17 @@ def test_schedule_choices_follow_the_runs_checks():
     moe = search.schedule_choices(preset("moe-tiny"), {**dict.fromkeys(search.AXES, 1), "pipeline": 2}, t,
                                   PipelineConfig(microbatches=2), search.make_rules())
     assert {c.schedule for c in moe} <= {"circular"}
+
+
+def test_explicit_schedules_price_the_stage_recompute():
+    """1f1b's backward recomputes the stage forward from its saved input: one more forward of every
+    layer than GPipe, in the FLOPs the cost model times (BENCHMARKS.md measures ~1.4x on CPU)."""
+    from plan import cost
+    cfg = preset("7b")
+    gpipe, one_f = (cost.hardware_flops_per_step(cfg, 8, 4096, s) for s in ("gpipe", "1f1b"))
+    blocks_fwd = 2 * (cost.matmul_param_count(cfg) - cfg.vocab_size * cfg.d_model)
+    attn_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4096
+    assert one_f - gpipe == (blocks_fwd + attn_fwd) * 8 * 4096
+    rows = {r["schedule"]: r for r in search.compare_schedules(preset("70b"), MESH_70B, hardware.get("h100"), 1024,
+                                                               4096, pipeline_cfg=PipelineConfig(microbatches=32))}
+    assert rows["1f1b"]["t_step_s"] > rows["gpipe"]["t_step_s"]
