@@ -37,9 +37,9 @@ from errors import UserError, one_line_errors
 from mesh.rules import axis_rules
 from models import model
 from models.sample import _pick
-from train import resume
 from train.data import chat, tokenizers
 from train.evaluate import open_model
+from train.sample_cli import checkpoint_tokenizer
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -106,20 +106,7 @@ def _int_arg(name: str, value, low: int) -> int:
 
 def _tokenizer(spec, meta: dict) -> tokenizers.Tokenizer:
     """tokenizer=SPEC, else the checkpoint's own (as `sample` reads it); refused when it records none."""
-    if spec:
-        return tokenizers.load(str(spec))
-    record = resume.saved_tokenizer(meta)
-    if record is None:
-        raise UserError("harness: the checkpoint records no tokenizer (an HF import without tokenizer.json, or"
-                        " an older run); give one with model arg tokenizer=SPEC (byte, an HF model directory,"
-                        " KIND:PATH)")
-    if record["kind"] == "byte":
-        return tokenizers.ByteTokenizer()
-    try:
-        return tokenizers.load(f"{record['kind']}:{record.get('path', '')}")
-    except UserError as e:
-        raise UserError(f"harness: the checkpoint's tokenizer {record['id']} does not load ({e}); give one with"
-                        f" model arg tokenizer=SPEC") from None
+    return checkpoint_tokenizer(spec, meta, who="harness", how="model arg tokenizer=SPEC", required=True)
 
 
 class BrigadeLM(TemplateLM):

@@ -25,18 +25,23 @@ from train.data import chat, tokenizers
 from train.evaluate import command_parser, open_model
 
 
-def checkpoint_tokenizer(spec: str, meta: dict) -> tokenizers.Tokenizer:
-    """--tokenizer SPEC, else the tokenizer the checkpoint records, else the byte tokenizer."""
+def checkpoint_tokenizer(spec: str, meta: dict, who: str = "sample", how: str = "--tokenizer SPEC",
+                         required: bool = False) -> tokenizers.Tokenizer:
+    """SPEC, else the tokenizer the checkpoint records, else the byte tokenizer (`required`: one
+    line instead). `who` and `how` name the command and its option in the messages."""
     if spec:
-        return tokenizers.load(spec)
+        return tokenizers.load(str(spec))
     record = resume.saved_tokenizer(meta)
+    if record is None and required:
+        raise UserError(f"{who}: the checkpoint records no tokenizer (an HF import without tokenizer.json, or"
+                        f" an older run); give one with {how} (byte, an HF model directory, KIND:PATH)")
     if record is None or record["kind"] == "byte":
         return tokenizers.ByteTokenizer()
     try:
         return tokenizers.load(f"{record['kind']}:{record.get('path', '')}")
     except UserError as e:
-        raise UserError(f"sample: the checkpoint's tokenizer {record['id']} does not load ({e}); give one with"
-                        f" --tokenizer SPEC") from None
+        raise UserError(f"{who}: the checkpoint's tokenizer {record['id']} does not load ({e}); give one with"
+                        f" {how}") from None
 
 
 def prompt_ids(tok: tokenizers.Tokenizer, prompt: str, as_chat: bool) -> np.ndarray:
