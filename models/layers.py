@@ -75,3 +75,32 @@ class MLP(nnx.Module):
         gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
         return fp8.einsum("btf,fd->btd", h_BTF, self.w_down_FD[...].astype(dt), self.fp8)
+
+
+@jax.custom_vjp
+def head_logits(x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
+    """The LM head: einsum("...d,dv->...v", x, head) [..., V] float32 (any leading dims).
+
+    Autodiff's backward is the same, except for how it writes the weight gradient: it contracts
+    (cotangent, x) into [V, D] and transposes, which XLA:CPU lowers by materialising the [tokens,
+    V] cotangent a second time, transposed, and feeding it to a strided matmul. Contracting
+    (x, cotangent) into [D, V] directly is one plain matmul on the cotangent as it lies (measured
+    on the peer shape: the head's backward ~15-20% fewer CPU seconds). Same dots, same dtypes:
+    float32 accumulation, gradients cast to each input's dtype."""
+    return jnp.einsum("...d,dv->...v", x_BTD, head_DV, preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(x_BTD, head_DV):
+    return head_logits(x_BTD, head_DV), (x_BTD, head_DV)
+
+
+def _head_logits_bwd(res, g_BTV):
+    x_BTD, head_DV = res
+    lead = tuple(range(x_BTD.ndim - 1))
+    dx_BTD = jax.lax.dot_general(g_BTV, head_DV, (((x_BTD.ndim - 1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    dhead_DV = jax.lax.dot_general(x_BTD, g_BTV, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    return dx_BTD.astype(x_BTD.dtype), dhead_DV.astype(head_DV.dtype)
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)

@@ -5,18 +5,44 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.layers import head_logits
+
 
 def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Cross-entropy per token [B,T], float32. The target's logit is picked by comparing an iota
-    with the target (a masked sum), not by a gather: with the vocabulary sharded (a vocab-parallel
-    head) the sum is local plus one small all-reduce over [B,T], and the gradient (softmax - one
-    hot) is elementwise, where a gather's gradient is a scatter into a [B,T,V] buffer."""
+    """Cross-entropy per token [B,T], float32. The target's logit is read by a gather (`_pick`)
+    whose gradient is a masked select (an iota compared with the target), not a gather's scatter
+    into a [B,T,V] buffer: the select fuses into the softmax's gradient, so the backward makes one
+    pass over the logits. With the vocabulary sharded (a vocab-parallel head) the gather is local
+    plus one small all-reduce over [B,T]."""
     shift_BT1 = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1, keepdims=True))
     shifted_BTV = logits_BTV - shift_BT1
     lse_BT = jnp.log(jnp.sum(jnp.exp(shifted_BTV), axis=-1))
-    vocab_V = jax.lax.broadcasted_iota(targets_BT.dtype, logits_BTV.shape, logits_BTV.ndim - 1)
-    target_BT = jnp.sum(jnp.where(vocab_V == targets_BT[..., None], shifted_BTV, 0.0), axis=-1)
-    return lse_BT - target_BT
+    return lse_BT - _pick(shifted_BTV, targets_BT)
+
+
+@jax.custom_vjp
+def _pick(x_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """x[b, t, targets[b, t]] [B,T]; 0 where a target is outside [0, V), as a masked sum gives.
+    The masked sum `sum(where(iota == target, x, 0))` is a pass over [B,T,V] that XLA:CPU
+    materialises before reducing it; the gather reads B x T values (measured on the peer shape:
+    ~7% fewer CPU seconds per step)."""
+    v = x_BTV.shape[-1]
+    inside_BT = (targets_BT >= 0) & (targets_BT < v)
+    idx_BT1 = jnp.clip(targets_BT, 0, v - 1)[..., None]
+    return jnp.where(inside_BT, jnp.take_along_axis(x_BTV, idx_BT1, axis=-1)[..., 0], 0).astype(x_BTV.dtype)
+
+
+def _pick_fwd(x_BTV, targets_BT):
+    return _pick(x_BTV, targets_BT), (targets_BT, jax.ShapeDtypeStruct(x_BTV.shape, x_BTV.dtype))
+
+
+def _pick_bwd(res, g_BT):
+    targets_BT, x = res
+    vocab_V = jax.lax.broadcasted_iota(targets_BT.dtype, x.shape, len(x.shape) - 1)
+    return jnp.where(vocab_V == targets_BT[..., None], g_BT[..., None], 0).astype(x.dtype), None
+
+
+_pick.defvjp(_pick_fwd, _pick_bwd)
 
 
 def chunked_token_xent(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, chunk_tokens: int,
@@ -57,7 +83,7 @@ def chunked_token_xent(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Arr
 
     def chunk_xent(carry, xs):
         x_BSCD, targets_BSC = xs
-        logits_BSCV = jnp.einsum("bscd,dv->bscv", x_BSCD, head_DV, preferred_element_type=jnp.float32)
+        logits_BSCV = head_logits(x_BSCD, head_DV)
         return carry, token_xent(logits_BSCV, targets_BSC)
 
     # Saves nothing of the body: the backward recomputes the chunk's logits. prevent_cse=False: a

@@ -18,7 +18,7 @@ from mesh.shard import constrain
 from models import pipeline as pipeline_lib
 from models.attention import Attention, KVCache
 from models.config import ModelConfig
-from models.layers import MLP, RMSNorm, param
+from models.layers import MLP, RMSNorm, head_logits, param
 from models.moe import MoE
 
 # the residual stream between blocks: its sequence dim is also split over `model` with sequence parallelism
@@ -182,7 +182,7 @@ class Decoder(nnx.Module):
         head_DV = (self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]).astype(self.dtype)
         if not logits:
             return (x_BTD, head_DV), cache, stats
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
+        logits_BTV = head_logits(x_BTD, head_DV)
         return constrain(logits_BTV, ("logits_batch", "seq", "act_vocab")), cache, stats
 
 

@@ -1,7 +1,8 @@
 """The LM head's two layouts (mesh.rules.vocab_parallel): the vocab-parallel head, which gathers
 the head's input instead of its weights, against one device and against the classic FSDP head,
 per step after the warm-up in float32 (loss, gradient norm, every parameter) and through the raw
-gradient leaf by leaf; the masked-sum cross-entropy against optax's; the `auto` choice."""
+gradient leaf by leaf; the cross-entropy (gathered target logit, masked-select gradient) against
+optax's; the `auto` choice."""
 import jax
 import jax.numpy as jnp
 import numpy as np
