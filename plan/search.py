@@ -280,6 +280,9 @@ def _offloaded(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, com
                vocab_parallel) -> dict | None:
     """`row`'s layout priced with each of OFFLOADS until one fits (None if none does); the row's
     `offload` says which flags it took."""
+    m, limit = row["memory"], hw.hbm_bytes * hw.usable_memory
+    if m["total"] - m["optimizer"] - m["activations"] > limit:  # params and gradients alone do not fit
+        return None
     choice = dataclasses.replace(pc, **row["pipeline"]) if row["pipeline"] else pc
     for flags in OFFLOADS:
         c = dataclasses.replace(cfg, remat=flags.get("--model.remat", cfg.remat))
@@ -322,9 +325,17 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
                 best = _better(best, price(choice))
         if best is not None and sizes["pipeline"] > 1:
             # then the other schedules at the count that won: more micro-batches shrink every
-            # schedule's bubble and grow no schedule's memory, so the same count wins under each
+            # schedule's bubble and grow no schedule's memory, so the same count wins under each.
+            # Only those that can win: where the run's schedule fits, the smaller bubbles of more
+            # chunks (circular, else interleaved where circular's memory does not fit); where it does
+            # not, the schedules whose memory is bounded (1f1b, interleaved)
             won = dataclasses.replace(pc, **{k: best["pipeline"][k] for k in ("microbatches", "repeats", "schedule")})
-            for other in schedule_choices(cfg, sizes, t, won, rules):
+            others = schedule_choices(cfg, sizes, t, won, rules)
+            fits = best["fits"]
+            for other in [o for o in others if o.schedule == ("circular" if fits else "1f1b")]:
+                best = _better(best, price(other))
+            for other in [o for o in others if o.schedule == "interleaved_1f1b" and (not fits or not best["fits"]
+                                                                                   or o.repeats > best["pipeline"]["repeats"])]:
                 best = _better(best, price(other))
         if best is not None and not best["fits"]:
             best = _better(best, _offloaded(cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cfg,

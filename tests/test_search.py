@@ -94,7 +94,8 @@ def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
     m70 = preset("70b")
     for name in ("h100", "h200"):
         rows = search.search(m70, 8, hardware.get(name), batch_size=8, seq_len=4096)
-        assert rows and not any(r["fits"] for r in rows)  # 70B x 16 bytes of state > 8 x 141 GB
+        # 70B x 16 bytes of state > 8 x 141 GB: only with the optimizer state in host memory
+        assert rows and all("offload" in r for r in rows if r["fits"])
     rows = search.search(m70, 512, hardware.get("h100"), batch_size=512, seq_len=4096)
     by_mesh = {r["mesh"]: r for r in rows}
     assert not by_mesh["data=512"]["fits"]  # a full replica per device
@@ -107,7 +108,7 @@ def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
 def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
     rows = search.search(preset("7b"), 8, hardware.get("h100"), batch_size=8, seq_len=4096)
     by_mesh = {r["mesh"]: r for r in rows}
-    assert not by_mesh["data=8"]["fits"]  # 7B x (4 + 4 + 8) bytes = 108 GB > 80 GB
+    assert "offload" in by_mesh["data=8"]  # 7B x (4 + 4 + 8) bytes = 108 GB > 80 GB: fits only offloaded
     best = rows[0]
     assert best["fits"] and (best["sizes"]["fsdp"] > 1 or best["sizes"]["model"] > 1)
     assert all(link == "intra" for link in best["placement"].values())  # one node: NVLink only
