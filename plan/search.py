@@ -171,7 +171,6 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
         head_tokens = min(head_tokens, rows * chunk)
     device = act_bytes * every * tokens + 3 * 4 * head_tokens * v / tp
     if cfg.remat.endswith("_offload"):  # the saved set lives in host memory; a pipeline's ring does not
-        kept = kept if p > 1 and schedule in EXPLICIT else 0
         return device + act_bytes * kept, act_bytes * (held - kept)
     return device + act_bytes * held, 0.0
 

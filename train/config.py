@@ -242,6 +242,9 @@ class Config:
         if self.train.spike_factor and self.comm.sync_every > 1:
             raise UserError(f"--train.spike_factor {self.train.spike_factor}: not with --comm.sync_every"
                             f" {self.comm.sync_every} (DiLoCo replicas step alone); use one or the other")
+        if self.train.offload_optimizer and self.comm.sync_every > 1:  # per-replica state, the outer optimizer
+            raise UserError(f"--train.offload_optimizer true: not with --comm.sync_every {self.comm.sync_every}"
+                            f" (DiLoCo); use --comm.sync_every 1 or --train.offload_optimizer false")
         return self
 
 

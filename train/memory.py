@@ -71,18 +71,14 @@ def check_fits(compiled, devices: list, mesh_text: str) -> None:
         f" --train.skip_memory_check true to try anyway")
 
 
-HOST_KIND = "pinned_host"  # the memory kind XLA offloads saved activations to
+HOST_KIND = "pinned_host"  # the memory kind offloaded activations and optimizer state live in
 
 
 def check_host_offload(cfg, devices: list) -> None:
-    """One line for what would keep arrays in host memory on devices without one to keep them in:
-    an offloading remat policy, --train.offload_optimizer; and the optimizer offload with DiLoCo
-    (its per-replica state and outer optimizer do not go through the one update the step moves)."""
+    """One line for what would keep arrays in host memory (an offloading remat policy,
+    --train.offload_optimizer) on devices without one to keep them in."""
     wants = [f"--model.remat {cfg.model.remat}"] if cfg.model.remat.endswith("_offload") else []
     if cfg.train.offload_optimizer:
-        if cfg.comm.sync_every > 1:
-            raise UserError(f"--train.offload_optimizer true: not with --comm.sync_every {cfg.comm.sync_every}"
-                            f" (DiLoCo); use --comm.sync_every 1 or --train.offload_optimizer false")
         wants.append("--train.offload_optimizer true")
     kinds = {m.kind for m in devices[0].addressable_memories()}
     if wants and HOST_KIND not in kinds:

@@ -116,7 +116,7 @@ def jit_step(s: RunSetup):
 
         def step(state, batch, *base):  # base: a LoRA run's frozen base, merged with the adapters in the loss
             merge = (lambda adapters: lora.model_params(cfg, base[0], adapters)) if base else None
-            if t.offload_optimizer:  # host -> device for the update (the copies overlap the forward)
+            if t.offload_optimizer:  # host -> device for the update; XLA schedules the copies
                 state = state.replace(opt_state=jax.device_put(state.opt_state, jax.memory.Space.Device))
             with context.strategy(cfg.parallelism.context_strategy):  # read while tracing
                 state, metrics = train_step(cfg.model, s.tx, s.lr, t.micro_batches, s.dp_axes, state, batch,
