@@ -3,7 +3,7 @@ frameworks' runs interleaved (MaxText, Brigade, MaxText, ...) so that both see t
 with its own defaults, synthetic data, 8 fake CPU devices. Median step time of steps >= 3 per run,
 then the median over reps; the throughput ratio is MaxText's time / Brigade's.
 
-    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp] [--reps 2] [--steps 16]
+    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp,moe] [--reps 2] [--steps 16]
 
 PATH is the python of an environment with MaxText installed (`pip install maxtext==0.2.5` needs
 Python >= 3.12); also read from $MAXTEXT_PYTHON.
@@ -17,25 +17,34 @@ import subprocess
 import sys
 import tempfile
 
-# name -> (d_model, layers, heads, d_ff, vocab, seq, global batch, {axis: size})
+# name -> (d_model, layers, heads, d_ff, vocab, seq, global batch, {axis: size}[, (experts, top-k)]);
+# for an MoE shape d_ff is each expert's width
 SHAPES = {
     "peer": (256, 2, 4, 1024, 32000, 128, 8, {"fsdp": 8}),
     "larger": (512, 4, 8, 2048, 32000, 256, 8, {"fsdp": 8}),
     "tp": (256, 2, 4, 1024, 32000, 128, 8, {"fsdp": 4, "model": 2}),
     "dp_fsdp": (256, 2, 4, 1024, 32000, 128, 8, {"data": 2, "fsdp": 4}),
+    # 8 experts of width 512, top-2 (the active FFN width of the dense shapes), dropless, experts
+    # split over expert=2 and fsdp=4
+    "moe": (256, 2, 4, 512, 32000, 128, 8, {"fsdp": 4, "expert": 2}, (8, 2)),
 }
-MAXTEXT_AXES = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism", "model": "ici_tensor_parallelism"}
+MAXTEXT_AXES = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism", "model": "ici_tensor_parallelism",
+                "expert": "ici_expert_parallelism"}
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
 def maxtext(py: str, shape, steps: int, out: str) -> float:
-    d, layers, heads, ff, vocab, seq, batch, mesh = shape
+    d, layers, heads, ff, vocab, seq, batch, mesh, *moe = shape
+    # MaxText's dropless MoE: sparse_matmul with capacity_factor -1; megablox is a TPU (Pallas)
+    # kernel, so off here, which takes jax.lax.ragged_dot
+    experts = [f"num_experts={moe[0][0]}", f"num_experts_per_tok={moe[0][1]}", "sparse_matmul=True",
+               "megablox=False", "capacity_factor=-1"] if moe else []
     args = [py, "-m", "maxtext.trainers.pre_train.train", f"run_name=r", f"base_output_directory={out}",
             "dataset_type=synthetic", f"steps={steps}", "hardware=cpu", "skip_jax_distributed_system=True",
             f"base_emb_dim={d}", f"base_num_decoder_layers={layers}", f"base_num_query_heads={heads}",
             f"base_num_kv_heads={heads}", f"base_mlp_dim={ff}", f"head_dim={d // heads}", f"vocab_size={vocab}",
             f"per_device_batch_size={batch / 8:g}", f"max_target_length={seq}", "enable_checkpointing=false",
-            "attention=dot_product", *[f"{MAXTEXT_AXES[a]}={n}" for a, n in mesh.items()]]
+            "attention=dot_product", *experts, *[f"{MAXTEXT_AXES[a]}={n}" for a, n in mesh.items()]]
     log = subprocess.run(args, cwd=out, env=ENV, capture_output=True, text=True, timeout=1800)
     times = [float(t) for s, t in re.findall(r"completed step: (\d+), seconds: ([\d.]+)", log.stdout + log.stderr)
              if int(s) >= 3]
@@ -45,13 +54,15 @@ def maxtext(py: str, shape, steps: int, out: str) -> float:
 
 
 def brigade(shape, steps: int, out: str, extra: list[str]) -> float:
-    d, layers, heads, ff, vocab, seq, batch, mesh = shape
+    d, layers, heads, ff, vocab, seq, batch, mesh, *moe = shape
+    experts = ["--model.n_experts", str(moe[0][0]), "--model.experts_per_token", str(moe[0][1]),
+               "--model.d_ff_expert", str(ff)] if moe else []
     args = [sys.executable, "-m", "train", "--model", "tiny", "--model.vocab_size", str(vocab), "--model.d_model",
             str(d), "--model.n_layers", str(layers), "--model.n_heads", str(heads), "--model.n_kv_heads", str(heads),
             "--model.d_ff", str(ff), "--model.max_seq_len", str(seq), "--seq-len", str(seq), "--batch-size",
             str(batch), "--mesh", ",".join(f"{a}={n}" for a, n in mesh.items()), "--steps", str(steps),
             "--data", "synthetic", "--log-every", "1", "--eval-every", "0", "--train.sample_tokens", "0",
-            "--checkpoint.every", "0", "--logging.progress", "lines", "--run-dir", out, *extra]
+            "--checkpoint.every", "0", "--logging.progress", "lines", "--run-dir", out, *experts, *extra]
     run = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=1800)
     if run.returncode:
         sys.exit(f"Brigade run failed: {run.stderr.strip().splitlines()[-1:]}")

@@ -5,15 +5,19 @@ import re
 
 # Replace any device count the caller set: the tests are written for exactly 8 devices.
 _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-# LLVM optimisation level 1 in the test processes: 15% less XLA:CPU compile time than the default
-# (level 2). Level 0 saves another 20-28% of CPU on the compile-heavy files, but the fitted runs that
-# tests/test_sharding.py compares across meshes then drifted one parameter of 4,096 past its
-# tolerance (Adam amplifies rounding where a gradient is near zero). The training processes that
-# drills start use level 0 (tests/cpu_env.py, tests/test_multiprocess.py): a drill compares runs
-# that were compiled alike. A level the caller set in XLA_FLAGS is kept.
+# XLA:CPU compile options for the test processes and the training processes they start
+# (tests/cpu_env.py), measured on the tiny model's sharded step (data=2,fsdp=2,model=2; fsdp=8):
+#   default (LLVM level 2)                         11-15 s compile,  85-110 ms/step
+#   --xla_backend_optimization_level=0              9-10 s compile, 215-230 ms/step
+#   level 0 + --xla_cpu_use_fusion_emitters=false   3-5 s compile,  175-180 ms/step
+# Nearly all of a test is compilation, so the last: the fusions are then emitted by the older
+# elemental IR emitter instead of the MLIR fusion pipeline. Same programs, same losses to 1e-6. A
+# comparison test compiles both of its sides in one process, alike. Options the caller set in
+# XLA_FLAGS are kept.
 _flags += " --xla_force_host_platform_device_count=8"
-if "--xla_backend_optimization_level=" not in _flags:
-    _flags += " --xla_backend_optimization_level=1"
+for _option, _value in (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")):
+    if f"--{_option}=" not in _flags:
+        _flags += f" --{_option}={_value}"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most of a tiny training run is XLA compilation (about 80% of a 3-step run on CPU), and the suite

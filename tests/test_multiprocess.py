@@ -48,15 +48,15 @@ def free_port() -> int:
 
 def child_env(n_devices: int) -> dict[str, str]:
     """The parent's environment with exactly `n_devices` fake CPU devices (conftest sets 8 in
-    XLA_FLAGS for the pytest process; the child must not inherit that), LLVM optimisation level 0
-    as in tests/cpu_env.py (every process of a drill is compiled alike, and process 1 compiles
+    XLA_FLAGS for the pytest process; the child must not inherit that), the compile options
+    of tests/cpu_env.py (every process of a drill is compiled alike, and process 1 compiles
     everything itself: JAX writes the compilation cache from process 0 only) and no cluster variables."""
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith(("--xla_force_host_platform_device_count=", "--xla_backend_optimization_level=",
-                                  "--ignored="))]
+                                  "--xla_cpu_use_fusion_emitters=", "--ignored="))]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_devices}",
-                                         "--xla_backend_optimization_level=0"])
+                                         "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # stacks on SIGABRT (see Children.kill)
