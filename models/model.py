@@ -28,7 +28,11 @@ flax.config.update("flax_always_shard_variable", False)
 
 @functools.lru_cache(maxsize=32)
 def _graph(cfg: ModelConfig, dtype: str):
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype, rngs=nnx.Rngs(0)))
+    # Built without the caller's mesh: under one, nnx.eval_shape would turn each variable's logical
+    # axis names into a sharding of that mesh (and fail on names that are not mesh axes). A step
+    # traced under its mesh reaches here whenever this config's entry is new or was evicted.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)
 
 

@@ -327,3 +327,16 @@ def test_fused_qkv_equals_separate_projections(kv_rule):
         got = jax.jit(attn._qkv)(x)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_config_first_seen_under_a_mesh_builds():
+    """The module graph of a config that is new (or was evicted from the cache) is built inside a
+    traced step under its mesh: the logical axis names must not be taken for mesh axes there."""
+    from mesh.build import make_mesh
+    from mesh.rules import axis_rules, make_rules
+    cfg = dataclasses.replace(preset("tiny"), n_layers=3)  # no other test builds this shape
+    tok = jnp.zeros((8, 16), jnp.int32)
+    with jax.set_mesh(make_mesh("data=8")), axis_rules(make_rules()):
+        params = jax.jit(lambda k: model_lib.init(cfg, k))(jax.random.key(0))
+        logits, _ = jax.jit(lambda p, t: model_lib.forward(cfg, p, t))(params, tok)
+    assert logits.shape == (8, 16, cfg.vocab_size)
