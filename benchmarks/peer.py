@@ -37,8 +37,8 @@ def maxtext(py: str, shape, steps: int, out: str) -> float:
     d, layers, heads, ff, vocab, seq, batch, mesh, *moe = shape
     # MaxText's dropless MoE: sparse_matmul with capacity_factor -1; megablox is a TPU (Pallas)
     # kernel, so off here, which takes jax.lax.ragged_dot
-    experts = [f"num_experts={moe[0][0]}", f"num_experts_per_tok={moe[0][1]}", "sparse_matmul=True",
-               "megablox=False", "capacity_factor=-1"] if moe else []
+    experts = [f"num_experts={moe[0][0]}", f"num_experts_per_tok={moe[0][1]}", f"base_moe_mlp_dim={ff}",
+               "sparse_matmul=True", "megablox=False", "capacity_factor=-1"] if moe else []
     args = [py, "-m", "maxtext.trainers.pre_train.train", f"run_name=r", f"base_output_directory={out}",
             "dataset_type=synthetic", f"steps={steps}", "hardware=cpu", "skip_jax_distributed_system=True",
             f"base_emb_dim={d}", f"base_num_decoder_layers={layers}", f"base_num_query_heads={heads}",

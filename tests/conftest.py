@@ -33,3 +33,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+
+
+# The longest files first: pytest-xdist's --dist loadfile hands files to the workers in collection
+# order, so a long file collected last (the README commands, ~300 s) ran alone at the end while the
+# other worker idled.
+_FIRST = ("test_readme.py", "test_context.py", "test_multiprocess.py", "test_crash.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: the rest keep their order
