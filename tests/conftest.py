@@ -1,24 +1,12 @@
 """Test setup: 8 fake CPU devices for every test, set before JAX initialises, and one persistent
 compilation cache shared by the test processes and the training subprocesses they start."""
 import os
-import re
 
-# Replace any device count the caller set: the tests are written for exactly 8 devices.
-_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-# XLA:CPU compile options for the test processes and the training processes they start
-# (tests/cpu_env.py), measured on the tiny model's sharded step (data=2,fsdp=2,model=2; fsdp=8):
-#   default (LLVM level 2)                         11-15 s compile,  85-110 ms/step
-#   --xla_backend_optimization_level=0              9-10 s compile, 215-230 ms/step
-#   level 0 + --xla_cpu_use_fusion_emitters=false   3-5 s compile,  175-180 ms/step
-# Nearly all of a test is compilation, so the last: the fusions are then emitted by the older
-# elemental IR emitter instead of the MLIR fusion pipeline. Same programs, same losses to 1e-6. A
-# comparison test compiles both of its sides in one process, alike. Options the caller set in
-# XLA_FLAGS are kept.
-_flags += " --xla_force_host_platform_device_count=8"
-for _option, _value in (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")):
-    if f"--{_option}=" not in _flags:
-        _flags += f" --{_option}={_value}"
-os.environ["XLA_FLAGS"] = _flags.strip()
+from cpu_env import xla_flags
+
+# Exactly 8 fake devices, replacing any count the caller set: the tests are written for 8. The
+# suite's compile options (tests/cpu_env.py, 3x faster compiles); ones the caller set are kept.
+os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), 8, keep_set=True)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most of a tiny training run is XLA compilation (about 80% of a 3-step run on CPU), and the suite
 # compiles the same programs many times: in both workers and in every `python -m train` subprocess

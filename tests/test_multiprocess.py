@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cpu_env import xla_flags
+
 REPO = Path(__file__).resolve().parent.parent
 
 FLAGS = ["--model", "tiny", "--model.dtype", "float32", "--mesh", "data=2,fsdp=2,model=2",
@@ -52,11 +54,8 @@ def child_env(n_devices: int) -> dict[str, str]:
     of tests/cpu_env.py (every process of a drill is compiled alike, and process 1 compiles
     everything itself: JAX writes the compilation cache from process 0 only) and no cluster variables."""
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith(("--xla_force_host_platform_device_count=", "--xla_backend_optimization_level=",
-                                  "--xla_cpu_use_fusion_emitters=", "--ignored="))]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_devices}",
-                                         "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"])
+    env["XLA_FLAGS"] = xla_flags(" ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--ignored=")),
+                                 n_devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # stacks on SIGABRT (see Children.kill)
