@@ -1,15 +1,16 @@
 """Brigade against MaxText side by side: the same decoder shape, mesh and machine, the two
 frameworks' runs interleaved (MaxText, Brigade, MaxText, ...) so that both see the same load; each
-with its own defaults, synthetic data, 8 fake CPU devices. Median step time of steps >= 3 per run,
+with its own defaults, synthetic data, one fake CPU device per device of the mesh (8, or 1 for peer1). Median step time of steps >= 3 per run,
 then the median over reps; the throughput ratio is MaxText's time / Brigade's.
 
-    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp,moe] [--reps 2] [--steps 16]
+    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp,moe,peer1] [--reps 2] [--steps 16]
 
 PATH is the python of an environment with MaxText installed (`pip install maxtext==0.2.5` needs
 Python >= 3.12); also read from $MAXTEXT_PYTHON.
 """
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -24,13 +25,20 @@ SHAPES = {
     "larger": (512, 4, 8, 2048, 32000, 256, 8, {"fsdp": 8}),
     "tp": (256, 2, 4, 1024, 32000, 128, 8, {"fsdp": 4, "model": 2}),
     "dp_fsdp": (256, 2, 4, 1024, 32000, 128, 8, {"data": 2, "fsdp": 4}),
+    # the peer shape on one device (one fake CPU device, all host threads): the 1 -> 8 devices scaling
+    "peer1": (256, 2, 4, 1024, 32000, 128, 8, {"data": 1}),
     # 8 experts of width 512, top-2 (the active FFN width of the dense shapes), dropless, experts
     # split over expert=2 and fsdp=4
     "moe": (256, 2, 4, 512, 32000, 128, 8, {"fsdp": 4, "expert": 2}, (8, 2)),
 }
 MAXTEXT_AXES = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism", "model": "ici_tensor_parallelism",
                 "expert": "ici_expert_parallelism"}
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+def env(mesh) -> dict:
+    """One fake CPU device per device of the mesh."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={math.prod(mesh.values())}"}
 
 
 def maxtext(py: str, shape, steps: int, out: str) -> float:
@@ -43,9 +51,9 @@ def maxtext(py: str, shape, steps: int, out: str) -> float:
             "dataset_type=synthetic", f"steps={steps}", "hardware=cpu", "skip_jax_distributed_system=True",
             f"base_emb_dim={d}", f"base_num_decoder_layers={layers}", f"base_num_query_heads={heads}",
             f"base_num_kv_heads={heads}", f"base_mlp_dim={ff}", f"head_dim={d // heads}", f"vocab_size={vocab}",
-            f"per_device_batch_size={batch / 8:g}", f"max_target_length={seq}", "enable_checkpointing=false",
+            f"per_device_batch_size={batch / math.prod(mesh.values()):g}", f"max_target_length={seq}", "enable_checkpointing=false",
             "attention=dot_product", *experts, *[f"{MAXTEXT_AXES[a]}={n}" for a, n in mesh.items()]]
-    log = subprocess.run(args, cwd=out, env=ENV, capture_output=True, text=True, timeout=1800)
+    log = subprocess.run(args, cwd=out, env=env(mesh), capture_output=True, text=True, timeout=1800)
     times = [float(t) for s, t in re.findall(r"completed step: (\d+), seconds: ([\d.]+)", log.stdout + log.stderr)
              if int(s) >= 3]
     if not times:
@@ -63,7 +71,7 @@ def brigade(shape, steps: int, out: str, extra: list[str]) -> float:
             str(batch), "--mesh", ",".join(f"{a}={n}" for a, n in mesh.items()), "--steps", str(steps),
             "--data", "synthetic", "--log-every", "1", "--eval-every", "0", "--train.sample_tokens", "0",
             "--checkpoint.every", "0", "--logging.progress", "lines", "--run-dir", out, *experts, *extra]
-    run = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=1800)
+    run = subprocess.run(args, env=env(mesh), capture_output=True, text=True, timeout=1800)
     if run.returncode:
         sys.exit(f"Brigade run failed: {run.stderr.strip().splitlines()[-1:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -30,24 +30,27 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "act_vocab": ("model",),
     "logits_batch": ("data", "fsdp", "expert"),  # the batch of the LM head's input and logits
     # parameters
-    "embed": ("fsdp", "context"),  # the context axis shards weights as FSDP does: its devices hold distinct tokens
+    # the context and expert axes shard the weights as FSDP does: their devices hold distinct tokens
+    # (outside the MoE layers the expert axis is one more FSDP axis, as in MaxText)
+    "embed": ("fsdp", "context", "expert"),
     "mlp": ("model",),
     "heads": ("model",),
     "kv_heads": ("model",),
     "head_dim": (),
     "vocab": ("model",),
-    "vocab_embed": ("fsdp", "context"),  # the d_model dim of the embedding table and the LM head (see vocab_parallel)
+    "vocab_embed": ("fsdp", "context", "expert"),  # the d_model dim of the embedding table and the LM head (see vocab_parallel)
     "norm": (),
     "layers": ("pipeline",),      # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
     "experts": ("expert",),       # expert parallelism: each device holds n_experts / expert of them
     "expert_mlp": ("model",),     # tensor parallelism inside each expert
+    "expert_embed": ("fsdp", "context"),  # the experts' d_model dim: `expert` already shards their `experts` dim
     "router_experts": (),         # the router's expert dim: every device routes its own tokens to all experts
     "stages": ("pipeline",),
 }
 
 # The config option that sets each parameter dim's size, so that a divisibility error names what to change.
 HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
-         "vocab_embed": "model.d_model",
+         "vocab_embed": "model.d_model", "expert_embed": "model.d_model",
          "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
          "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
 

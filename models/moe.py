@@ -28,9 +28,10 @@ from mesh.rules import logical_to_spec
 from mesh.shard import entry_axes, spec_axes
 from models.config import ModelConfig
 from models.layers import MLP, param
+from models.moe_kernels import batched_like, block_size, gmm_blocks, gmm_ragged, gmm_sorted, rank_in_group
 
-W_EDF = ("experts", "embed", "expert_mlp")
-W_EFD = ("experts", "expert_mlp", "embed")
+W_EDF = ("experts", "expert_embed", "expert_mlp")
+W_EFD = ("experts", "expert_mlp", "expert_embed")
 TOKENS_BT = ("batch", "seq", None)
 
 
@@ -58,7 +59,7 @@ def route(cfg: ModelConfig, x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.
                             precision=lax.Precision.HIGHEST)
     probs_BTE = jax.nn.softmax(logits_BTE, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
     select_BTE = probs_BTE if bias_E is None else probs_BTE + lax.stop_gradient(bias_E.astype(jnp.float32))
-    _, idx_BTJ = lax.top_k(select_BTE, k)
+    idx_BTJ = _top_k(select_BTE, k)
     gate_BTJ = jnp.take_along_axis(probs_BTE, idx_BTJ, axis=-1)
     if k > 1:
         gate_BTJ = gate_BTJ / jnp.sum(gate_BTJ, -1, keepdims=True)
@@ -71,6 +72,17 @@ def route(cfg: ModelConfig, x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.
     return idx_BTJ.astype(jnp.int32), gate_BTJ, stats
 
 
+def _top_k(s_BTE: jax.Array, k: int) -> jax.Array:
+    """The k largest entries' indices, largest first, ties to the lower index (as lax.top_k), by k
+    argmaxes: GSPMD all-gathers lax.top_k's operand over the batch (every device then ranks every
+    token), while an argmax stays on each device's own tokens. k is a handful."""
+    picks = []
+    for _ in range(k):
+        picks.append(jnp.argmax(s_BTE, -1).astype(jnp.int32))
+        s_BTE = jnp.where(jax.nn.one_hot(picks[-1], s_BTE.shape[-1], dtype=jnp.bool_), -jnp.inf, s_BTE)
+    return jnp.stack(picks, -1)
+
+
 def bias_update(bias_LE: jax.Array, counts_LE: jax.Array, rate: float) -> jax.Array:
     """DeepSeek-V3 aux-loss-free balancing: raise the bias of under-loaded experts, lower the
     over-loaded ones, by a fixed step (the sign of the load error)."""
@@ -79,91 +91,6 @@ def bias_update(bias_LE: jax.Array, counts_LE: jax.Array, rate: float) -> jax.Ar
 
 
 # ------------------------------------------------------------------ per-device expert compute
-
-def _ffn(x_RD, wg_DF, wu_DF, wd_FD):
-    return (jax.nn.silu(x_RD @ wg_DF) * (x_RD @ wu_DF)) @ wd_FD
-
-
-def _rank_in_group(g_A: jax.Array, n_groups: int):
-    """Rank of each element among those with the same group id, in order (stable) -> (rank_A, sizes_G).
-    Ids >= n_groups (padding) are not counted."""
-    # (no jnp.searchsorted: it fails on shard_map-varying arrays in jax 0.10)
-    order = jnp.argsort(g_A, stable=True)
-    sorted_g = g_A[order]
-    sizes_G = jnp.zeros((n_groups,), jnp.int32).at[g_A].add(1, mode="drop")
-    start_G = jnp.cumsum(sizes_G) - sizes_G
-    rank_sorted = jnp.arange(g_A.shape[0]) - start_G.at[jnp.minimum(sorted_g, n_groups - 1)].get()
-    rank_A = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
-    return rank_A, sizes_G
-
-
-def _gmm_sorted(xs_RD, sizes_X, wg_XDF, wu_XDF, wd_XFD):
-    """Rows already sorted by expert, sizes_X rows each, through lax.ragged_dot; rows past
-    sum(sizes_X) (padding) come out 0."""
-    h_RF = jax.nn.silu(lax.ragged_dot(xs_RD, wg_XDF, sizes_X)) * lax.ragged_dot(xs_RD, wu_XDF, sizes_X)
-    return lax.ragged_dot(h_RF, wd_XFD, sizes_X)
-
-
-def _batched_like(x_RD, *ws):
-    """Under a vmap (data-parallel micro-batches, train/step.py) jax 0.10 batches ragged_dot only
-    when every operand is batched; adding a zero computed from the rows makes the weights follow
-    the rows' batching (the group sizes come from the routing, already batched). That dim is sharded over the data axes, so each device
-    still holds one copy. Only used under that vmap: elsewhere the adds would cost a pass over
-    the weights."""
-    v = x_RD.reshape(-1)[0]
-    zero = jnp.where(jnp.isfinite(v), v, 0) * 0   # 0 even for an inf/NaN row
-    return tuple(w + zero.astype(w.dtype) for w in ws)
-
-
-def _gmm_ragged(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD):
-    """Rows grouped by expert id g (== X: padding, comes out 0) through lax.ragged_dot."""
-    x_count = wg_XDF.shape[0]
-    order = jnp.argsort(g_R, stable=True)
-    sizes_X = jnp.sum(jax.nn.one_hot(g_R, x_count, dtype=jnp.int32), axis=0)
-    return _gmm_sorted(x_RD[order], sizes_X, wg_XDF, wu_XDF, wd_XFD)[jnp.argsort(order)]
-
-
-def _gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int):
-    """Rows grouped by expert id (== X: padding), each expert's rows padded to whole blocks
-    (MegaBlocks); a scan over blocks runs one [block,D] x [D,F] matmul per block and skips the
-    empty ones, so the cost follows the real rows, not the buffer size."""
-    x_count, (r, d) = wg_XDF.shape[0], x_RD.shape
-    rank_R, sizes_X = _rank_in_group(g_R, x_count)
-    padded_X = -(-sizes_X // block) * block
-    end_X = jnp.cumsum(padded_X)
-    start_X = end_X - padded_X
-    n_blocks = -(-(r + x_count * (block - 1)) // block)
-    valid_R = g_R < x_count
-    dest_R = jnp.where(valid_R, start_X.at[jnp.minimum(g_R, x_count - 1)].get() + rank_R, n_blocks * block)
-    xb_GbD = jnp.zeros((n_blocks * block, d), x_RD.dtype).at[dest_R].set(x_RD, mode="drop")
-    xb_GbD = xb_GbD.reshape(n_blocks, block, d)
-    group_G = jnp.sum(jnp.arange(n_blocks)[:, None] * block >= end_X[None, :], axis=1)  # X: unused block
-    # Each block's expert weights go in as scan inputs, not indexed inside the body: the gradient of
-    # an in-body dynamic index is a full [X,D,F] update per block, which made the backward pass
-    # 4x slower; this way the gradient leaves per block and is summed by one scatter-add. With one
-    # expert per device (the usual expert-parallel case) every block uses the same weights.
-    fixed = [w[0] for w in (wg_XDF, wu_XDF, wd_XFD)] if x_count == 1 else None
-    w_G = [] if fixed else [w[jnp.minimum(group_G, x_count - 1)] for w in (wg_XDF, wu_XDF, wd_XFD)]
-    # under shard_map both cond branches must vary over the same mesh axes
-    vma = tuple(set().union(*(jax.typeof(a).manual_axis_type.varying for a in (x_RD, *(fixed or w_G)))))
-
-    def body(_, xs):
-        xb_bD, g, *ws = xs
-        ws = fixed or ws
-        skip = lambda: lax.pcast(jnp.zeros((block, d), x_RD.dtype), vma, to="varying") if vma else \
-            jnp.zeros((block, d), x_RD.dtype)
-        return None, lax.cond(g < x_count, lambda: _ffn(xb_bD, *ws), skip)
-
-    _, yb_GbD = lax.scan(body, None, (xb_GbD, group_G, *w_G))
-    return yb_GbD.reshape(-1, d).at[dest_R].get(mode="fill", fill_value=0)
-
-
-def _block_size(rows_expected: int, x_count: int) -> int:
-    """About 4 blocks per expert at a balanced load (padding wastes under a quarter of the rows),
-    but at least 64 rows: on CPU, 16-row blocks ran 3x slower than 64-128 (benchmarks/moe.py)."""
-    per_expert = max(rows_expected // max(x_count, 1), 1)
-    return int(min(256, max(64, 2 ** math.floor(math.log2(max(per_expert // 4, 1))))))
-
 
 def exchange_for(cfg: ModelConfig) -> str:
     """How dropless dispatch moves rows over the expert axis: "fixed" (worst-case buffers, plain
@@ -260,15 +187,15 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
 
         def ffn(x_RD, sizes_X):
             if kernel == "ragged":
-                return _gmm_sorted(x_RD, sizes_X, *(_batched_like(x_RD, *ws) if vmapped else ws))
+                return gmm_sorted(x_RD, sizes_X, *(batched_like(x_RD, *ws) if vmapped else ws))
             group_R = jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1)  # X: padding
-            return _gmm_blocks(x_RD, group_R, *ws, _block_size(n * k, x_count))
+            return gmm_blocks(x_RD, group_R, *ws, block_size(n * k, x_count))
         y_AD = _ragged_dispatch(x_UD, e_A, tok_A, ffn, rows=rows, x_count=x_count, ep=ep, ep_axes=ep_axes,
                                 exchange=exchange)
         return _combine(y_AD.reshape(k, n, d), gate_A, tp_axes).reshape(b, t, d), jnp.float32(0.0)
     if mode == "capacity":
         cap = max(1, math.ceil(capacity_factor * n * k / n_experts))
-        rank_A, _ = _rank_in_group(e_A, n_experts)
+        rank_A, _ = rank_in_group(e_A, n_experts)
         keep_A = rank_A < cap
         slot_A = jnp.where(keep_A, e_A * cap + rank_A, n_experts * cap)  # rows per device: X * cap
         per_dest = x_count * cap
@@ -276,7 +203,7 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
     else:
         # a token sends at most min(J, X) rows to one device: buffers that size never overflow
         per_dest = n * min(k, x_count) if ep > 1 else n * k
-        rank_A, _ = _rank_in_group(dest_A, ep)
+        rank_A, _ = rank_in_group(dest_A, ep)
         slot_A = dest_A * per_dest + rank_A
         dropped = jnp.float32(0.0)
     rows = ep * per_dest
@@ -295,15 +222,39 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
             group_R = lax.all_to_all(group_R, ep_axes, 0, 0, tiled=True)
         if kernel == "ragged":
             ws = (wg_XDF, wu_XDF, wd_XFD)
-            y_RD = _gmm_ragged(send_RD, group_R, *(_batched_like(send_RD, *ws) if vmapped else ws))
+            y_RD = gmm_ragged(send_RD, group_R, *(batched_like(send_RD, *ws) if vmapped else ws))
         else:
-            y_RD = _gmm_blocks(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD, _block_size(n * k, x_count))
+            y_RD = gmm_blocks(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD, block_size(n * k, x_count))
     if ep > 1:
         y_RD = lax.all_to_all(y_RD, ep_axes, 0, 0, tiled=True)
     y_JUD = y_RD.at[slot_A].get(mode="fill", fill_value=0).reshape(k, n, d)  # dropped rows: 0
     if token_axes:
         dropped = lax.psum(dropped, token_axes)
     return _combine(y_JUD, gate_A, tp_axes).reshape(b, t, d), dropped
+
+
+def _gather_experts(wg_XDF, wu_XDF, wd_XFD, axes):
+    """The three expert weights' FSDP shards in one all-gather, [X, D/n, 3F] -> [X, D, 3F], split
+    again: one rendezvous instead of three (XLA:CPU does not combine all-gathers), and one
+    reduce-scatter of the gradients in the backward."""
+    f = wg_XDF.shape[2]
+    w_XD3F = lax.all_gather(jnp.concatenate([wg_XDF, wu_XDF, jnp.swapaxes(wd_XFD, 1, 2)], axis=2), axes,
+                            axis=1, tiled=True)
+    return w_XD3F[..., :f], w_XD3F[..., f:2 * f], jnp.swapaxes(w_XD3F[..., 2 * f:], 1, 2)
+
+
+def _exchange_with_ids(send_RD, group_R, ep_axes):
+    """The rows and their expert ids in one all_to_all: the ids ride in an extra column, bit-cast,
+    their bits offset by those of 1.0 so that the column holds normal floats (nothing can flush
+    them as denormals). Dtypes without an integer of their width send the ids separately."""
+    int_t = {4: jnp.int32, 2: jnp.int16}.get(send_RD.dtype.itemsize)
+    if int_t is None:
+        return (lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True),
+                lax.all_to_all(group_R, ep_axes, 0, 0, tiled=True))
+    one = lax.bitcast_convert_type(jnp.ones((), send_RD.dtype), int_t)
+    ids_R = lax.bitcast_convert_type(group_R.astype(int_t) + one, send_RD.dtype)
+    both_RD = lax.all_to_all(jnp.concatenate([send_RD, ids_R[:, None]], 1), ep_axes, 0, 0, tiled=True)
+    return both_RD[:, :-1], (lax.bitcast_convert_type(both_RD[:, -1], int_t) - one).astype(jnp.int32)
 
 
 def _combine(y_JUD, gate_A, tp_axes):

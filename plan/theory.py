@@ -141,6 +141,12 @@ def theory(run: RunSpec, params) -> dict:
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
         # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
         gathers = 2 if in_stack and m.remat != "none" else 1
+        if path.endswith("embed_VD") and not m.tie_embeddings and n_f > 1:
+            # XLA's partitioner looks up a table sharded on D without gathering it: each device takes
+            # its D-columns for all the group's tokens, and an all-to-all hands every token its row
+            # (forward; its transpose in the backward). Measured in the HLO, CPU.
+            gathers, lookup = 0, 2 * _tokens_per_device(run) * m.d_model * sds.dtype.itemsize * t.micro_batches
+            add("all-to-all", fsdp_axes, lookup, n_f, (n_f - 1) / n_f)
         for _ in range(gathers * t.micro_batches):
             add("all-gather", fsdp_axes, full / n_f * per_pass, n_f, n_f - 1)  # operand = own shard, receive n-1
     for axes, b in explicit_rs.items():
@@ -150,13 +156,15 @@ def theory(run: RunSpec, params) -> dict:
     out.update(local_sgd(out, run.comm.sync_every, dp))
     if sizes["model"] > 1:
         out["all-reduce@model"] = tensor_parallel_theory(run)
-    for key, e in (*vocab_parallel_theory(run).items(), *context_theory(run).items()):
+    for key, e in (*vocab_parallel_theory(run).items(), *context_theory(run).items(),
+                   *all_to_all_theory(run).items()):
         mine = out.setdefault(key, {"operand_bytes": 0.0, "wire_bytes": 0.0})
+        if "ideal_bytes" in e:   # what moves besides the MoE exchange moves in the ideal too
+            mine["ideal_bytes"] = mine["operand_bytes"] + e["ideal_bytes"]
         mine["operand_bytes"] += e["operand_bytes"]
         mine["wire_bytes"] += e["wire_bytes"]
         if "note" in e:
             mine["note"] = "; ".join(filter(None, (mine.get("note"), e["note"])))
-    out.update(all_to_all_theory(run))
     return out
 
 

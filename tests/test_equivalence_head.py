@@ -57,7 +57,7 @@ def test_vocab_parallel_gradient_matches_classic_head(trainers):
     batch = synthetic_batches(VOCAB, 1, seed=7)[0]
     vp = trainers("fsdp=8", **{"parallelism.vocab_parallel": "on"})
     classic = trainers("fsdp=8", **{"parallelism.vocab_parallel": "off"})
-    assert classic.rules["vocab_embed"] == ("fsdp", "context")
+    assert classic.rules["vocab_embed"] == ("fsdp", "context", "expert")
     params = initial_params(classic)
     loss_vp, g_vp = gradients(vp, params, batch)
     loss_c, g_c = gradients(classic, params, batch)
@@ -85,13 +85,13 @@ def choose(rules=None, mode="auto", vocab=32000, tokens=1024, sizes=SIZES):
 
 
 def test_auto_picks_the_layout_that_moves_fewer_bytes():
-    assert choose()["vocab"] == ("model", "fsdp", "context")      # 1,024 tokens per FSDP group < 32,000 rows
+    assert choose()["vocab"] == ("model", "fsdp", "context", "expert")      # 1,024 tokens per FSDP group < 32,000 rows
     assert choose(tokens=1 << 20)["vocab"] == ("model",)         # a million tokens: gather the weights
     assert choose(vocab=32001)["vocab"] == ("model",)            # 8 does not divide the vocabulary
     assert choose(sizes={**SIZES, "fsdp": 1, "data": 8})["vocab"] == ("model",)  # no FSDP: nothing to move
     written = make_rules("vocab_embed=fsdp+data")
     assert choose(written) == written                           # auto keeps a head layout the user wrote
-    assert choose(mode="on", tokens=1 << 20)["vocab"] == ("model", "fsdp", "context")
+    assert choose(mode="on", tokens=1 << 20)["vocab"] == ("model", "fsdp", "context", "expert")
     assert choose(mode="off")["vocab"] == ("model",)
 
 

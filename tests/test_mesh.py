@@ -139,23 +139,23 @@ def test_make_mesh_bad_spec_and_dcn():
 
 GOLDEN = [
     (("batch", "seq", "act_embed"), P(("data", "fsdp", "expert"), "context", None)),
-    (("embed", "mlp"), P(("fsdp", "context"), "model")),
-    (("mlp", "embed"), P("model", ("fsdp", "context"))),
-    (("vocab", "embed"), P("model", ("fsdp", "context"))),
-    (("embed", "vocab"), P(("fsdp", "context"), "model")),
-    (("embed", "heads", "head_dim"), P(("fsdp", "context"), "model", None)),
-    (("embed", "kv_heads", "head_dim"), P(("fsdp", "context"), "model", None)),
-    (("heads", "head_dim", "embed"), P("model", None, ("fsdp", "context"))),
-    (("layers", "embed", "mlp"), P("pipeline", ("fsdp", "context"), "model")),
+    (("embed", "mlp"), P(("fsdp", "context", "expert"), "model")),
+    (("mlp", "embed"), P("model", ("fsdp", "context", "expert"))),
+    (("vocab", "embed"), P("model", ("fsdp", "context", "expert"))),
+    (("embed", "vocab"), P(("fsdp", "context", "expert"), "model")),
+    (("embed", "heads", "head_dim"), P(("fsdp", "context", "expert"), "model", None)),
+    (("embed", "kv_heads", "head_dim"), P(("fsdp", "context", "expert"), "model", None)),
+    (("heads", "head_dim", "embed"), P("model", None, ("fsdp", "context", "expert"))),
+    (("layers", "embed", "mlp"), P("pipeline", ("fsdp", "context", "expert"), "model")),
     (("norm",), P(None)),
     (("layers", "norm"), P("pipeline", None)),
     (("batch", "seq"), P(("data", "fsdp", "expert"), "context")),
     (("batch", "seq", "act_mlp"), P(("data", "fsdp", "expert"), "context", "model")),
     (("batch", "seq", "act_heads", None), P(("data", "fsdp", "expert"), "context", "model", None)),
     (("batch", "seq", "act_vocab"), P(("data", "fsdp", "expert"), "context", "model")),
-    (("experts", "embed", "mlp"), P("expert", ("fsdp", "context"), "model")),
-    (("stages", "layers", "embed"), P("pipeline", None, ("fsdp", "context"))),
-    ((None, "embed"), P(None, ("fsdp", "context"))),
+    (("experts", "expert_embed", "expert_mlp"), P("expert", ("fsdp", "context"), "model")),
+    (("stages", "layers", "embed"), P("pipeline", None, ("fsdp", "context", "expert"))),
+    ((None, "embed"), P(None, ("fsdp", "context", "expert"))),
 ]
 
 
@@ -176,7 +176,7 @@ def _used_axes(spec):
 def test_mesh_axis_never_used_twice():
     # batch takes fsdp first, so embed (-> fsdp) stays replicated; heads and mlp both want model
     assert logical_to_spec(("batch", "embed")) == P(("data", "fsdp", "expert"), "context")
-    assert logical_to_spec(("embed", "batch")) == P(("fsdp", "context"), ("data", "expert"))
+    assert logical_to_spec(("embed", "batch")) == P(("fsdp", "context", "expert"), "data")
     assert logical_to_spec(("heads", "mlp")) == P("model", None)
     rules = make_rules("embed=fsdp+model")
     assert logical_to_spec(("embed", "mlp"), rules) == P(("fsdp", "model"), None)
@@ -199,7 +199,7 @@ def test_parse_overrides():
     rules = make_rules("embed=fsdp+model,vocab=none")
     assert rules["embed"] == ("fsdp", "model") and rules["vocab"] == () and rules["mlp"] == ("model",)
     assert logical_to_spec(("vocab", "embed"), rules) == P(None, ("fsdp", "model"))
-    assert DEFAULT_RULES["embed"] == ("fsdp", "context")  # make_rules does not mutate the default table
+    assert DEFAULT_RULES["embed"] == ("fsdp", "context", "expert")  # make_rules does not mutate the default table
 
 
 @pytest.mark.parametrize("spec,needles", [

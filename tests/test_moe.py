@@ -246,7 +246,7 @@ def test_moe_every_groups_and_shared_experts():
     assert p["blocks"]["mlp"]["w_gate_DF"].shape[0] == 2 and p["moe_blocks"]["moe"]["w_gate_EDF"].shape[:2] == (2, 8)
     assert p["moe_blocks"]["moe"]["shared"]["w_up_DF"].shape == (2, cfg.d_model, cfg.expert_width)
     axes = model_lib.param_axes(cfg)
-    assert axes["moe_blocks"]["moe"]["w_down_EFD"] == ("layers", "experts", "expert_mlp", "embed")
+    assert axes["moe_blocks"]["moe"]["w_down_EFD"] == ("layers", "experts", "expert_mlp", "expert_embed")
     tok = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
     scan, stats = jax.jit(lambda p, t: model_lib.forward(cfg, p, t))(p, tok)
     unrolled, _ = jax.jit(lambda p, t: model_lib.forward(dataclasses.replace(cfg, scan_layers=False), p, t))(p, tok)
