@@ -3,7 +3,7 @@ frameworks' runs interleaved (MaxText, Brigade, MaxText, ...) so that both see t
 with its own defaults, synthetic data, one fake CPU device per device of the mesh (8, or 1 for peer1). Median step time of steps >= 3 per run,
 then the median over reps; the throughput ratio is MaxText's time / Brigade's.
 
-    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp,moe,peer1] [--reps 2] [--steps 16]
+    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp,moe,moe_ep8,peer1] [--reps 2] [--steps 16]
 
 PATH is the python of an environment with MaxText installed (`pip install maxtext==0.2.5` needs
 Python >= 3.12); also read from $MAXTEXT_PYTHON.
@@ -30,6 +30,8 @@ SHAPES = {
     # 8 experts of width 512, top-2 (the active FFN width of the dense shapes), dropless, experts
     # split over expert=2 and fsdp=4
     "moe": (256, 2, 4, 512, 32000, 128, 8, {"fsdp": 4, "expert": 2}, (8, 2)),
+    # the same MoE with one expert per device
+    "moe_ep8": (256, 2, 4, 512, 32000, 128, 8, {"expert": 8}, (8, 2)),
 }
 MAXTEXT_AXES = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism", "model": "ici_tensor_parallelism",
                 "expert": "ici_expert_parallelism"}

@@ -20,7 +20,7 @@ MeshAxes = tuple[str, ...]  # () = replicated
 
 DEFAULT_RULES: dict[str, MeshAxes] = {
     # activations
-    "batch": ("data", "fsdp", "expert"),  # the expert axis acts as data parallel outside MoE layers
+    "batch": ("data", "fsdp", "expert"),  # outside the MoE layers the expert axis acts as FSDP (see "embed")
     "seq": ("context",),          # context parallelism: every activation's sequence dim
     "res_seq": ("context",),      # the residual stream's sequence dim between blocks (+ model: sequence parallelism)
     "act_embed": (),

@@ -133,20 +133,16 @@ def theory(run: RunSpec, params) -> dict:
         full = local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
         in_stack = path.startswith(("blocks/", "moe_blocks/"))
         per_pass = uses if in_stack and not set(fsdp_axes) <= replicas else 1
-        for _ in range(t.micro_batches):  # ZeRO-3 reduce-scatters every micro-batch's gradient
+        lookup = _lookup_bytes(run, path, sds, n_f)
+        add("all-to-all", fsdp_axes, lookup, n_f, (n_f - 1) / n_f)
+        for _ in range(0 if lookup else t.micro_batches):  # ZeRO-3 reduce-scatters every micro-batch's gradient
             add("reduce-scatter", fsdp_axes, full * per_pass, n_f, (n_f - 1) / n_f)
             if is_expert and n_f > 1:  # models/moe.py gathers them inside shard_map: an explicit psum_scatter
                 explicit_rs[_axes_key(fsdp_axes)] += full * per_pass
         add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
         # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
-        gathers = 2 if in_stack and m.remat != "none" else 1
-        if path.endswith("embed_VD") and not m.tie_embeddings and n_f > 1:
-            # XLA's partitioner looks up a table sharded on D without gathering it: each device takes
-            # its D-columns for all the group's tokens, and an all-to-all hands every token its row
-            # (forward; its transpose in the backward). Measured in the HLO, CPU.
-            gathers, lookup = 0, 2 * _tokens_per_device(run) * m.d_model * sds.dtype.itemsize * t.micro_batches
-            add("all-to-all", fsdp_axes, lookup, n_f, (n_f - 1) / n_f)
+        gathers = 0 if lookup else 2 if in_stack and m.remat != "none" else 1
         for _ in range(gathers * t.micro_batches):
             add("all-gather", fsdp_axes, full / n_f * per_pass, n_f, n_f - 1)  # operand = own shard, receive n-1
     for axes, b in explicit_rs.items():
@@ -272,6 +268,18 @@ def tensor_parallel_theory(run: RunSpec) -> dict:
             "note": "Megatron TP: per layer the attention output (fwd) and the fused q/k/v input gradient (bwd),"
                     " the FFN output (fwd) and the fused gate/up input gradient (bwd) or the MoE expert psums,"
                     " the attention output again under full remat; + vocab-parallel embedding, LM head and loss"}
+
+
+def _lookup_bytes(run: RunSpec, path: str, sds, n_fsdp: int) -> float:
+    """All-to-all bytes of the embedding lookup when the table is FSDP-sharded on D and not tied to
+    the head: XLA's partitioner then never gathers the table. Each device looks up its D-columns for
+    all the group's tokens and an all-to-all hands every token its row (forward; its transpose in
+    the backward sends the rows' gradients back, which each device scatter-adds into its own
+    columns: no reduce-scatter either). 0 for every other weight. Seen in the HLO (CPU)."""
+    m = run.model
+    if not path.endswith("embed_VD") or m.tie_embeddings or n_fsdp <= 1:
+        return 0.0
+    return 2.0 * _tokens_per_device(run) * m.d_model * sds.dtype.itemsize * run.train.micro_batches
 
 
 def all_to_all_theory(run: RunSpec) -> dict:
