@@ -271,15 +271,19 @@ def tensor_parallel_theory(run: RunSpec) -> dict:
 
 
 def _lookup_bytes(run: RunSpec, path: str, sds, n_fsdp: int) -> float:
-    """All-to-all bytes of the embedding lookup when the table is FSDP-sharded on D and not tied to
-    the head: XLA's partitioner then never gathers the table. Each device looks up its D-columns for
-    all the group's tokens and an all-to-all hands every token its row (forward; its transpose in
-    the backward sends the rows' gradients back, which each device scatter-adds into its own
-    columns: no reduce-scatter either). 0 for every other weight. Seen in the HLO (CPU)."""
+    """All-to-all bytes of the embedding lookup when XLA's partitioner does not gather the table:
+    the table FSDP-sharded on D, not tied to the head, and a device's tokens fewer than the
+    vocabulary rows (its looked-up rows then weigh less than the gathered table). Each device looks
+    up its D-columns for all the group's tokens and an all-to-all hands every token its row
+    (forward; its transpose in the backward sends the rows' gradients back, and each device
+    scatter-adds them into its own columns: no reduce-scatter either). 0 for every other weight.
+    Seen in the HLO (CPU): tiny on fsdp=8, 128 tokens per device and 264 rows: all-to-all; 512
+    tokens: the table is gathered."""
     m = run.model
-    if not path.endswith("embed_VD") or m.tie_embeddings or n_fsdp <= 1:
+    tokens = _tokens_per_device(run)
+    if not path.endswith("embed_VD") or m.tie_embeddings or n_fsdp <= 1 or tokens >= m.vocab_size:
         return 0.0
-    return 2.0 * _tokens_per_device(run) * m.d_model * sds.dtype.itemsize * run.train.micro_batches
+    return 2.0 * tokens * m.d_model * sds.dtype.itemsize * run.train.micro_batches
 
 
 def all_to_all_theory(run: RunSpec) -> dict:

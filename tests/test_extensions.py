@@ -152,7 +152,7 @@ def test_registered_model_trains_resumes_and_plans(tmp_path):
     cfg = _cfg(tmp_path, 3, preset="mlp-lm", **{"checkpoint.every": 2})
     tr = Trainer(cfg, mesh=make_mesh(MESH))
     first = tr.fit()
-    assert first["steps"] == 3 and tr.state.params["layers"]["0"]["up_DF"].sharding.spec == jax.P(("fsdp", "context"), "model")
+    assert first["steps"] == 3 and tr.state.params["layers"]["0"]["up_DF"].sharding.spec == jax.P(("fsdp", "context", "expert"), "model")
     again = Trainer(_cfg(tmp_path, 5, preset="mlp-lm"), mesh=make_mesh(MESH))
     out = again.fit()
     assert out["resumed_from"] == 3 and [r["step"] for r in again.history] == [4, 5]

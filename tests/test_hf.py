@@ -87,7 +87,7 @@ def test_sharded_placement_and_sharded_files(tmp_path):
     mesh = make_mesh("fsdp=4,model=2")
     model = hf.from_pretrained(str(tmp_path / "hf"), mesh=mesh)
     spec = model.params["blocks"]["attn"]["wq_DNH"].sharding.spec  # [L, D, N, H]: D over fsdp, N over model
-    assert tuple(spec)[1:] == (("fsdp", "context"), "model", None)  # context: size 1 here, named all the same
+    assert tuple(spec)[1:] == (("fsdp", "context", "expert"), "model", None)  # context, expert: size 1 here, named all the same
     assert spec[0] is None or mesh.shape[spec[0]] == 1  # layers: over pipeline, size 1 here
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(np.asarray(model(toks)), torch_logits(ref_model, toks), atol=1e-4, rtol=1e-4)

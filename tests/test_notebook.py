@@ -53,7 +53,7 @@ def test_extensions_notebook_runs():
     _, text = _run(os.path.join(EXAMPLES, "extensions.ipynb"))
     assert "8 devices" in text
     assert "registered mlp-lm: d_model 64" in text
-    assert re.search(r"layers/0/up_DF +\(\('fsdp', 'context'\), 'model'\)", text)       # the registered model's axes, sharded
+    assert re.search(r"layers/0/up_DF +\(\('fsdp', 'context', 'expert'\), 'model'\)", text)       # the registered model's axes, sharded
     assert "momentum sharded like its parameter: True" in text            # the optax optimizer's state
     assert "resumed from step 4; losses:" in text                          # the iterable's position restored
     assert "params; collectives:" in text                                  # plan compiled it
