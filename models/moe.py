@@ -233,30 +233,6 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
     return _combine(y_JUD, gate_A, tp_axes).reshape(b, t, d), dropped
 
 
-def _gather_experts(wg_XDF, wu_XDF, wd_XFD, axes):
-    """The three expert weights' FSDP shards in one all-gather, [X, D/n, 3F] -> [X, D, 3F], split
-    again: one rendezvous instead of three (XLA:CPU does not combine all-gathers), and one
-    reduce-scatter of the gradients in the backward."""
-    f = wg_XDF.shape[2]
-    w_XD3F = lax.all_gather(jnp.concatenate([wg_XDF, wu_XDF, jnp.swapaxes(wd_XFD, 1, 2)], axis=2), axes,
-                            axis=1, tiled=True)
-    return w_XD3F[..., :f], w_XD3F[..., f:2 * f], jnp.swapaxes(w_XD3F[..., 2 * f:], 1, 2)
-
-
-def _exchange_with_ids(send_RD, group_R, ep_axes):
-    """The rows and their expert ids in one all_to_all: the ids ride in an extra column, bit-cast,
-    their bits offset by those of 1.0 so that the column holds normal floats (nothing can flush
-    them as denormals). Dtypes without an integer of their width send the ids separately."""
-    int_t = {4: jnp.int32, 2: jnp.int16}.get(send_RD.dtype.itemsize)
-    if int_t is None:
-        return (lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True),
-                lax.all_to_all(group_R, ep_axes, 0, 0, tiled=True))
-    one = lax.bitcast_convert_type(jnp.ones((), send_RD.dtype), int_t)
-    ids_R = lax.bitcast_convert_type(group_R.astype(int_t) + one, send_RD.dtype)
-    both_RD = lax.all_to_all(jnp.concatenate([send_RD, ids_R[:, None]], 1), ep_axes, 0, 0, tiled=True)
-    return both_RD[:, :-1], (lax.bitcast_convert_type(both_RD[:, -1], int_t) - one).astype(jnp.int32)
-
-
 def _combine(y_JUD, gate_A, tp_axes):
     """Each token's expert outputs weighted by its gates -> [U,D], summed over tensor-parallel shards."""
     k, n, _ = y_JUD.shape

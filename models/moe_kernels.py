@@ -20,10 +20,6 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def ffn(x_RD, wg_DF, wu_DF, wd_FD):
-    return (jax.nn.silu(x_RD @ wg_DF) * (x_RD @ wu_DF)) @ wd_FD
-
-
 def rank_in_group(g_A: jax.Array, n_groups: int):
     """Rank of each element among those with the same group id, in order (stable) -> (rank_A, sizes_G).
     Ids >= n_groups (padding) are not counted."""

@@ -14,7 +14,7 @@ from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import moe
 from models.config import PRESETS
-from models.moe_kernels import ffn, gmm_blocks
+from models.moe_kernels import gmm_blocks
 
 D, F = 16, 24
 
@@ -23,6 +23,10 @@ def _weights(x_count, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
     return (jax.random.normal(ks[0], (x_count, D, F)) / D ** 0.5, jax.random.normal(ks[1], (x_count, D, F)) / D ** 0.5,
             jax.random.normal(ks[2], (x_count, F, D)) / F ** 0.5)
+
+
+def ffn(x_RD, wg_DF, wu_DF, wd_FD):
+    return (jax.nn.silu(x_RD @ wg_DF) * (x_RD @ wu_DF)) @ wd_FD
 
 
 def _per_row(x_RD, g_R, wg, wu, wd):
