@@ -265,7 +265,7 @@ class ModelConfig:
         return "float32" if platform == "cpu" else "bfloat16"
 
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +278,8 @@ class PipelineConfig:
                                          " per device)")
     schedule: str = option("gpipe", f"pipeline schedule: {' | '.join(SCHEDULES)} (1f1b: each stage alternates"
                                     f" forward and backward, keeping at most 2(P-1) micro-batches, not M;"
-                                    f" interleaved_1f1b: the same over R chunks per device, bubble / R)")
+                                    f" interleaved_1f1b: the same over R chunks per device, bubble / R;"
+                                    f" zb_h1: 1f1b with each backward split, the weight gradients deferred)")
     remat_stage: bool = option(False, "also recompute each stage in the backward pass (less memory)")
     gather_once: bool = option(False, "fsdp: all-gather each stage's weights once per step, not every tick")
 

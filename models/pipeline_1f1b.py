@@ -43,7 +43,8 @@ from errors import UserError
 from mesh.rules import axis_rules, logical_to_spec
 from mesh.shard import constrain, entry_axes
 from models.pipeline import _REPLICAS, FULL_REMAT, _act_names, _inner_rules, _mesh_size, _pin
-from models.schedules import EXPLICIT, backward_item, forward_item, phases_1f1b, ring_slots, validate
+from models.schedules import EXPLICIT, backward_item, forward_item, phases, ring_slots, validate, w_slots, weight_item
+from models.split_backward import Split
 
 
 # ------------------------------------------------------------------------------ the program
@@ -51,7 +52,7 @@ from models.schedules import EXPLICIT, backward_item, forward_item, phases_1f1b,
 def loss(embed_fn: Callable, layer_fn: Callable, head_fn: Callable, outer_params: Any, stack_params: Any,
          batch: dict, aux_weights: dict | None = None, *, stages: int, microbatches: int, repeats: int = 1,
          remat_policy=FULL_REMAT, has_aux: bool = False, scan_layers: bool = True,
-         replica_axes: tuple[str, ...] = ("data",)):
+         replica_axes: tuple[str, ...] = ("data",), zero_bubble: bool = False):
     """-> (objective, (head loss sum, aux)) of the whole batch through the 1F1B schedule; only the
     objective carries a gradient (to `outer_params` and `stack_params`, never to `batch`).
 
@@ -65,10 +66,12 @@ def loss(embed_fn: Callable, layer_fn: Callable, head_fn: Callable, outer_params
     (micro-batches x replicas) as pipeline_apply averages aux. `aux` is pipeline_apply's: [L, ...]
     means over the pieces, or () without `has_aux`. Sharding and `replica_axes` as pipeline_apply's.
     `repeats` R > 1 runs interleaved 1F1B: device s holds the layer chunks s, s+P, ... (as the
-    circular schedule does, models/pipeline.py) and M must be a multiple of P.
+    circular schedule does, models/pipeline.py) and M must be a multiple of P. `zero_bubble` runs
+    ZB-H1 (R = 1): each backward split into its input gradient and its weight gradients, the latter
+    deferred (models/schedules.py `table_zb`).
     """
     kw = dict(stages=stages, microbatches=microbatches, repeats=repeats, remat_policy=remat_policy, has_aux=has_aux,
-              scan_layers=scan_layers, replica_axes=replica_axes)
+              scan_layers=scan_layers, replica_axes=replica_axes, zero_bubble=zero_bubble)
     run = functools.partial(_schedule, embed_fn, layer_fn, head_fn, **kw)
     aux_weights = {} if aux_weights is None else aux_weights
     batch_zeros = jax.tree.map(lambda a: (a.shape, a.dtype), batch)
@@ -92,24 +95,26 @@ def loss(embed_fn: Callable, layer_fn: Callable, head_fn: Callable, outer_params
 
 
 def _schedule(embed_fn, layer_fn, head_fn, outer, stack, batch, aux_weights, *, stages, microbatches, repeats,
-              remat_policy, has_aux, scan_layers, replica_axes, backward):
+              remat_policy, has_aux, scan_layers, replica_axes, zero_bubble, backward):
     """-> ((objective, (head loss, aux)), (d_outer, d_stack) or None)."""
     L, B = jax.tree.leaves(stack)[0].shape[0], jax.tree.leaves(batch)[0].shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     batch_axes = entry_axes(logical_to_spec(("stages", "batch"))[1]) if not mesh.empty else ()
     replicas = tuple(a for a in batch_axes if a in replica_axes and mesh.shape[a] > 1)
     with axis_rules(_inner_rules(replicas)):
+        schedule = "zb_h1" if zero_bubble else EXPLICIT[repeats > 1]
         validate(n_layers=L, batch=B, stages=stages, microbatches=microbatches, repeats=repeats,
-                 schedule=EXPLICIT[repeats > 1], batch_shards=_mesh_size(batch_axes))
+                 schedule=schedule, batch_shards=_mesh_size(batch_axes))
         return _Program(embed_fn, layer_fn, head_fn, stages, microbatches, repeats, _mesh_size(replicas), L,
-                        remat_policy, has_aux, scan_layers).run(outer, stack, batch, aux_weights, backward)
+                        remat_policy, has_aux, scan_layers, schedule).run(outer, stack, batch, aux_weights, backward)
 
 
 class _Program:
     """The tick program for one shape (P, M, R, A, J): the vmapped stage pieces and the tick body."""
 
-    def __init__(self, embed_fn, layer_fn, head_fn, P, M, R, A, L, remat_policy, has_aux, scan_layers):
+    def __init__(self, embed_fn, layer_fn, head_fn, P, M, R, A, L, remat_policy, has_aux, scan_layers, schedule):
         self.embed_fn, self.head_fn, self.P, self.M, self.R, self.A, self.L = embed_fn, head_fn, P, M, R, A, L
+        self.schedule, self.KW = schedule, w_slots(P, M)
         self.J, self.K = L // (P * R), ring_slots(P, M, R)
         mesh_empty = jax.sharding.get_abstract_mesh().empty
         self.stage_axis = None if mesh_empty else logical_to_spec(("stages",))[0]
@@ -145,6 +150,27 @@ class _Program:
             return y, aux_obj
         _, vjp = jax.vjp(f, x_in, p_J, outer)
         return vjp((ct_y, jnp.ones((), jnp.float32)))
+
+    def split_backward(self, run_bwd, args: tuple) -> tuple[Split, list[int]]:
+        """The vmapped `backward` split (models/split_backward.py) -> (split, stage dims):
+        split.b(x_in, p_J, outer, mb, first, weights, ct_y) -> (d x_in, saved) and
+        split.w(saved, p_J, outer, mb, first, weights) -> (d p_J, d outer), all [P, A, ...] but
+        outer and weights; stage dims: where each saved value has its stage dim. The split is of
+        the batched program (a shard_map inside, such as the MoE experts', is batched by vmap before
+        autodiff, as in `backward`), so the stage dim is found by a second, abstract trace with
+        twice the stages: the one dim that doubles."""
+        fn = lambda *a: (lambda dx, dp, do: (dx, (dp, do)))(*run_bwd(*a))
+        split = Split(fn, args, keep_argnums=(1, 2, 3, 4, 5))
+        twice = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0], *a.shape[1:]), a.dtype), t)
+        probe_args = tuple(twice(a) if i not in (2, 5) else a for i, a in enumerate(args))
+        probe = Split(fn, probe_args, keep_argnums=(1, 2, 3, 4, 5))
+        one, two = jax.eval_shape(split.b, *args)[1], jax.eval_shape(probe.b, *probe_args)[1]
+        dims = []
+        for a, b in zip(one, two, strict=True):  # None: the same for every stage and micro-batch (an iota, say)
+            grown = [d for d, (n, m) in enumerate(zip(a.shape, b.shape)) if m != n]
+            assert not grown or (len(grown) == 1 and b.shape[grown[0]] == 2 * a.shape[grown[0]]), (a.shape, b.shape)
+            dims.append(grown[0] if grown else None)
+        return split, dims
 
     def head(self, outer, y, mb, backward):  # -> (loss, d outer, d y) or (loss, None, None)
         if not backward:
@@ -186,8 +212,18 @@ class _Program:
         run_fwd = self.vmapped(self.forward, (0, 0, None, 0, 0, None))
         run_bwd = self.vmapped(self.backward, (0, 0, None, 0, 0, None, 0))
         run_head = self.vmapped(lambda o, y, mb: self.head(o, y, mb, backward), (None, 0, 0))
+        zb = backward and self.schedule == "zb_h1"
+        if zb:  # the backward in two: B (input gradient) now, W (weight gradients) s ticks later
+            shapes = jax.eval_shape(lambda: (pick(stage_P), chunk(stage_P * 0)))
+            x_PA = jax.ShapeDtypeStruct((P, A, *x_shape.shape), x_shape.dtype)
+            split, stage_dims = self.split_backward(run_bwd, (x_PA, shapes[1], outer, shapes[0],
+                                                              jax.ShapeDtypeStruct((P, A), jnp.bool_), weights, x_PA))
+            saved_shapes = jax.eval_shape(split.b, x_PA, shapes[1], outer, shapes[0],
+                                          jax.ShapeDtypeStruct((P, A), jnp.bool_), weights, x_PA)[1]
 
-        def tick(c, t, do_f, do_head, do_b):
+        def tick(c, t, slots):
+            do_f, do_head, do_b, do_w = ("F" in slots, "H" in slots, "B" in slots and backward,
+                                         "W" in slots and backward)
             m_f, r_f, i_f, ok_f = forward_item(t, stage_P, P, M, R)
             m_b, r_b, i_b, ok_b = backward_item(t, stage_P, P, M, R)
             head_P = last_P & (r_f == R - 1)     # the last virtual stage: the head runs after it
@@ -208,12 +244,28 @@ class _Program:
                     x_b, ct = jnp.where(at_head, c["fwd"], saved), jnp.where(at_head, dy, c["bwd"])
                 else:
                     x_b, ct = saved, c["bwd"]
-                dx, dp, d_o = run_bwd(_pin(x_b, state_names), chunk(r_b), outer, pick(m_b),
-                                      by_replica((stage_P == 0) & (r_b == 0)), weights, _pin(ct, state_names))
-                c["d_stack"], c["d_outer"] = add_at(c["d_stack"], ok_b, r_b, dp), add(c["d_outer"], ok_b, d_o)
+                args = (_pin(x_b, state_names), chunk(r_b), outer, pick(m_b), by_replica((stage_P == 0) & (r_b == 0)),
+                        weights, _pin(ct, state_names))
+                if zb:  # keep what W reads in its slot until tick m + 2(P-1), stage dim first
+                    dx, saved = split.b(*args)
+                    write = lambda r, x, i, ok: jax.lax.dynamic_update_index_in_dim(r, jnp.where(ok, x, r[i]), i, 0)
+                    c["w_ring"] = [x if d is None else _pin(per_stage(write)(r, jnp.moveaxis(x, d, 0), m_b % self.KW, ok_b),
+                                                            ("stages",), 1)
+                                   for r, x, d in zip(c["w_ring"], saved, stage_dims)]
+                else:
+                    dx, dp, d_o = run_bwd(*args)
+                    c["d_stack"], c["d_outer"] = add_at(c["d_stack"], ok_b, r_b, dp), add(c["d_outer"], ok_b, d_o)
                 if do_head:
                     c["d_outer"] = add(c["d_outer"], ok_f & head_P, d_outer)
                 c["bwd"] = _pin(jnp.roll(dx, -1, axis=0), state_names)   # stage s's input gradient -> s-1 (0 -> P-1)
+            if do_w:  # every stage: the weight gradients of micro-batch t - 2(P-1)
+                m_w, ok_w = weight_item(t, P, M)
+                m_P, ok_P = jnp.full((P,), m_w), jnp.broadcast_to(ok_w, (P,))
+                saved = [r if d is None else jnp.moveaxis(r[:, m_w % self.KW], 0, d) for r, d in zip(c["w_ring"], stage_dims)]
+                dp, d_o = split.w(saved, chunk(jnp.zeros((P,), jnp.int32)), outer, pick(m_P), by_replica(stage_P == 0),
+                                  weights)
+                c["d_stack"] = add_at(c["d_stack"], ok_P, jnp.zeros((P,), jnp.int32), dp)
+                c["d_outer"] = add(c["d_outer"], ok_P, d_o)
             if do_f and backward:
                 write = lambda r, x, i, ok: jax.lax.dynamic_update_index_in_dim(r, jnp.where(ok, x, r[i]), i, 0)
                 c["ring"] = per_stage(write)(c["ring"], c["fwd"], i_f % K, ok_f)
@@ -229,11 +281,13 @@ class _Program:
             ring = _pin(zeros(P, K, A), ("stages", None, _REPLICAS) + _act_names(len(x_shape.shape)))
             c |= {"bwd": _pin(zeros(P, A), state_names), "ring": ring, "d_outer": f32(outer, P, A),
                   "d_stack": jax.tree.map(lambda a: jnp.zeros((P, A, R, J, *a.shape[1:]), jnp.float32), stack)}
-        flags = {"warm-up": (True, False, False), "steady": (True, True, backward), "cool-down": (False, False, True)}
-        for name, start, count in phases_1f1b(P, M, R):
-            if count and (backward or name != "cool-down"):
-                body = functools.partial(tick, **dict(zip(("do_f", "do_head", "do_b"), flags[name])))
-                c, _ = jax.lax.scan(body, c, jnp.arange(start, start + count))
+        if zb:
+            c["w_ring"] = [jnp.zeros(sd.shape, sd.dtype) if d is None else
+                           _pin(jnp.zeros((P, self.KW, *np.delete(sd.shape, d)), sd.dtype), ("stages",), 1)
+                           for sd, d in zip(saved_shapes, stage_dims)]
+        for _, start, count, slots in phases(self.schedule, P, M, R):
+            if count and (backward or "F" in slots):
+                c, _ = jax.lax.scan(functools.partial(tick, slots=slots), c, jnp.arange(start, start + count))
         # [P, R, J] -> [R, P, J]: layer order
         in_layer_order = lambda a: jnp.swapaxes(a.sum(axis=1), 0, 1).reshape(self.L, *a.shape[4:])
         aux = jax.tree.map(in_layer_order, c["aux"])
@@ -263,12 +317,15 @@ def check_model(cfg, schedule: str) -> None:
     if getattr(cfg, "arch", ""):
         raise UserError(f"--pipeline.schedule {schedule} runs the built-in decoder only, not the registered"
                         f" model '{cfg.arch}'; valid schedules for it: gpipe, circular")
-    if cfg.n_experts:
-        # decoder_loss carries the MoE losses and stats (its gradient matches GPipe's), but the whole
-        # train step of an MoE model through it deadlocks on XLA:CPU's in-process collectives (devices
-        # waiting at different collectives), so it cannot be tested here
-        raise UserError(f"--pipeline.schedule {schedule} does not run MoE models yet (model.n_experts={cfg.n_experts});"
-                        f" valid schedules for MoE: gpipe, circular")
+    if cfg.n_experts and jax.default_backend() == "cpu":
+        # The MoE objective through these schedules (balance and z losses per micro-batch, router
+        # stats) gives GPipe's loss and gradient, but XLA:CPU runs a tick's forward and backward
+        # layer loops at once, and the in-process collectives of the fake devices then meet in
+        # different orders on different devices (an all-reduce over `model` of the forward's
+        # attention output on one, of the backward's q/k/v gradient on its pair) and stop.
+        raise UserError(f"--pipeline.schedule {schedule} does not run MoE models on CPU (model.n_experts="
+                        f"{cfg.n_experts}): XLA:CPU's in-process collectives stop on it; valid schedules for MoE"
+                        f" on CPU: gpipe, circular")
 
 
 def decoder_loss(cfg, params: dict, batch: dict, pipeline, token_loss: Callable, stat_weights: dict):
@@ -321,5 +378,6 @@ def decoder_loss(cfg, params: dict, batch: dict, pipeline, token_loss: Callable,
                                     {k: w / n_groups for k, w in stat_weights.items()}, stages=stages, microbatches=M,
                                     repeats=pipeline.repeats,
                                     remat_policy=transformer.REMAT[cfg.remat], has_aux=True,
-                                    scan_layers=cfg.scan_layers, replica_axes=pipeline.replica_axes)
+                                    scan_layers=cfg.scan_layers, replica_axes=pipeline.replica_axes,
+                                    zero_bubble=pipeline.schedule == "zb_h1")
     return objective, loss_sum, transformer._sum_counts(stats, M * transformer._replicas(pipeline.replica_axes))

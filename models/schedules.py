@@ -11,7 +11,7 @@ from errors import UserError
 from models.config import SCHEDULES
 
 # the schedules whose backward is written out tick by tick (models/pipeline_1f1b.py)
-EXPLICIT = ("1f1b", "interleaved_1f1b")
+EXPLICIT = ("1f1b", "interleaved_1f1b", "zb_h1")
 # the schedules that run R > 1 layer chunks per device
 CHUNKED = ("circular", "interleaved_1f1b")
 
@@ -83,16 +83,29 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / n_ticks(stages, microbatches, repeats)
 
 
+def schedule_bubble(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The bubble by its formula: (P-1)/(R*M+P-1); zb_h1: 2(P-1)/(3M+2(P-1)), with a forward, an
+    input-gradient backward and a weight-gradient backward taking the same time (see `table_zb`)."""
+    if schedule == "zb_h1":
+        return 2 * (stages - 1) / (3 * microbatches + 2 * (stages - 1))
+    return bubble_fraction(stages, microbatches, repeats)
+
+
 def bubble_counted(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
     """The idle share of the program's slots, counted in its timetable: every tick that runs a
-    forward (backward) runs it on all stages, masked where a stage has none (the SPMD program), so
-    each such tick is P forward (backward) slots; the busy ones are those the table fills."""
+    forward (backward, weight gradient) runs it on all stages, masked where a stage has none (the SPMD
+    program), so each such tick is P slots; the busy ones are those the table fills. A forward, an
+    input-gradient and a weight-gradient pass count one unit each, so 1f1b's backward (both
+    gradients) counts two."""
     P, M, R = stages, microbatches, repeats
     if schedule in EXPLICIT:
-        table = table_1f1b(P, M, R)
-        ticks = [{t for row in table for t, fb in enumerate(row) if fb[k] is not None} for k in (0, 1)]
-        busy = sum(c is not None for row in table for fb in row for c in fb)
-        return 1 - busy / (P * (len(ticks[0]) + len(ticks[1])))
+        if schedule == "zb_h1":
+            table, units = table_zb(P, M), (1, 1, 1)
+        else:
+            table, units = [[(f, b, None) for f, b in row] for row in table_1f1b(P, M, R)], (1, 2, 0)
+        ticks = [{t for row in table for t, c in enumerate(row) if c[k] is not None} for k in range(3)]
+        busy = sum(u for row in table for c in row for x, u in zip(c, units) if x is not None)
+        return 1 - busy / (P * sum(len(tk) * u for tk, u in zip(ticks, units)))
     table = schedule_table(P, M, R)  # the backward pass runs the forward's ticks in reverse
     return 1 - sum(c is not None for row in table for c in row) / (P * len(table[0]))
 
@@ -149,27 +162,30 @@ def plot_schedule(stages: int, microbatches: int, repeats: int = 1, schedule: st
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from None
     ticks = n_ticks(stages, microbatches, repeats)
-    if schedule in EXPLICIT:  # forward and backward share the ticks: each tick is an F column and a B column
+    columns = 2
+    if schedule in EXPLICIT:  # forward and backward share the ticks: each tick is an F column and a B (and W) column
         cells = [(s, x, kind, f"{kind}{m}" + (f".{r}" if repeats > 1 else ""), m)
-                 for s, x, kind, m, r in cells_1f1b(stages, microbatches, repeats)]
-        ticks = ticks_1f1b(stages, microbatches, repeats)
+                 for s, x, kind, m, r in cells_1f1b(stages, microbatches, repeats, schedule)]
+        ticks, columns = ticks_1f1b(stages, microbatches, repeats), 3 if schedule == "zb_h1" else 2
     else:  # the backward pass is the forward ticks reversed, right of the line
         cells = [(s, x, kind, f"{kind}{c[0]}" + (f".{c[1]}" if repeats > 1 else ""), c[0])
                  for s, row in enumerate(schedule_table(stages, microbatches, repeats)) for t, c in enumerate(row)
                  if c is not None for x, kind in ((t, "F"), (2 * ticks - 1 - t, "B"))]
     cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(max(6, 0.35 * 2 * ticks), 0.6 * stages + 1.2))
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * columns * ticks), 0.6 * stages + 1.2))
     for s, x, kind, text, m in cells:
-        ax.add_patch(plt.Rectangle((x, s), 1, 1, color=cmap(m % 20), alpha=1.0 if kind == "F" else 0.55, ec="white"))
+        alpha = {"F": 1.0, "B": 0.55, "W": 0.3}[kind]
+        ax.add_patch(plt.Rectangle((x, s), 1, 1, color=cmap(m % 20), alpha=alpha, ec="white"))
         ax.text(x + 0.5, s + 0.5, text, ha="center", va="center", fontsize=7)
     if schedule not in EXPLICIT:
         ax.axvline(ticks, color="black", lw=1)
-    ax.set_xlim(0, 2 * ticks)
+    ax.set_xlim(0, columns * ticks)
     ax.set_ylim(stages, 0)
     ax.set_yticks([s + 0.5 for s in range(stages)], [f"stage {s}" for s in range(stages)])
-    ax.set_xlabel("tick (forward F, backward B)" if schedule in EXPLICIT else "tick (forward | backward)")
+    ax.set_xlabel({"zb_h1": "tick (forward F, input gradient B, weight gradients W)"}.get(
+        schedule, "tick (forward F, backward B)" if schedule in EXPLICIT else "tick (forward | backward)"))
     ax.set_title(f"{schedule}: P={stages}, M={microbatches}, R={repeats}, bubble "
-                 f"{bubble_fraction(stages, microbatches, repeats):.1%}")
+                 f"{schedule_bubble(schedule, stages, microbatches, repeats):.1%}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -260,25 +276,86 @@ def in_flight_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[int
 def chart_1f1b(stages: int, microbatches: int, n_layers: int | None = None, repeats: int = 1,
                schedule: str = "1f1b") -> str:
     """Text chart: one row per stage, one column per tick: `F<m>` forward, `B<m>` backward,
-    `F<m>B<n>` both, `.` idle; with chunks (R > 1) `F<m>.<r>`."""
+    `F<m>B<n>` both, `.` idle; with chunks (R > 1) `F<m>.<r>`; zb_h1 adds `W<m>` (weight gradients)."""
     P, M, R = stages, microbatches, repeats
     validate(n_layers=n_layers or P * R, batch=M, stages=P, microbatches=M, repeats=R, schedule=schedule)
     name = lambda kind, c: "" if c is None else f"{kind}{c[0]}" + (f".{c[1]}" if R > 1 else "")
-    rows = [[name("F", f) + name("B", b) or "." for f, b in row] for row in table_1f1b(P, M, R)]
+    table = table_zb(P, M) if schedule == "zb_h1" else [[(f, b, None) for f, b in row] for row in table_1f1b(P, M, R)]
+    rows = [[name("F", f) + name("B", b) + name("W", w) or "." for f, b, w in row] for row in table]
     width = max(len(c) for row in rows for c in row)
     label = lambda s: f"stage {s}" + ("" if not n_layers else " (layers " + ", ".join(
         f"{r.start}-{r.stop - 1}" for r in stage_layers(s, n_layers, P, R)) + ")")
     lw = max(len(label(s)) for s in range(P))
-    (_, _, warm), (_, _, steady), (_, _, cool) = phases_1f1b(P, M, R)
+    kinds = lambda slots: [SLOT_NAMES[k] for k in slots if k != "H"]
+    runs = ", ".join(f"{count} {'+'.join(kinds(slots))}{'-only' if len(kinds(slots)) == 1 else ''}"
+                     for _, _, count, slots in phases(schedule, P, M, R))
+    formula = "2(P-1)/(3M+2(P-1))" if schedule == "zb_h1" else f"(P-1)/({'R*' if R > 1 else ''}M+P-1)"
     title = (f"{schedule} schedule: {P} stages x {M} micro-batches" + (f" x {R} chunks" if R > 1 else "") +
-             f"; {ticks_1f1b(P, M, R)} ticks ({warm} forward-only, {steady} forward+backward, {cool} backward-only);"
-             f" at most {max(in_flight_1f1b(P, M, R))} stage inputs in flight per device; bubble"
-             f" (P-1)/({'R*' if R > 1 else ''}M+P-1) = {bubble_fraction(P, M, R):.1%}")
+             f"; {ticks_1f1b(P, M, R)} ticks ({runs}); at most {max(in_flight_1f1b(P, M, R))} stage inputs in flight"
+             f" per device" + (f", {max(w_in_flight(P, M))} W inputs" if schedule == "zb_h1" else "") +
+             f"; bubble {formula} = {schedule_bubble(schedule, P, M, R):.1%}")
     return "\n".join([title] + [label(s).ljust(lw) + "  " + " ".join(c.rjust(width) for c in row)
                                 for s, row in enumerate(rows)])
 
 
-def cells_1f1b(stages: int, microbatches: int, repeats: int = 1):
-    """(stage, x, kind, micro-batch, chunk) per drawn cell: a tick is two columns, F then B."""
-    return [(s, 2 * t + (kind == "B"), kind, c[0], c[1]) for s, row in enumerate(table_1f1b(stages, microbatches, repeats))
-            for t, fb in enumerate(row) for kind, c in zip("FB", fb) if c is not None]
+SLOT_NAMES = {"F": "forward", "B": "backward", "W": "weight-gradient"}
+
+
+def cells_1f1b(stages: int, microbatches: int, repeats: int = 1, schedule: str = "1f1b"):
+    """(stage, x, kind, micro-batch, chunk) per drawn cell: a tick is a column per slot kind (F, B[, W])."""
+    if schedule == "zb_h1":
+        table, kinds = table_zb(stages, microbatches), "FBW"
+    else:
+        table, kinds = table_1f1b(stages, microbatches, repeats), "FB"
+    return [(s, len(kinds) * t + kinds.index(kind), kind, c[0], c[1]) for s, row in enumerate(table)
+            for t, cs in enumerate(row) for kind, c in zip(kinds, cs) if c is not None]
+
+
+# ------------------------------------------------------------------------------ zero bubble (ZB-H1)
+# 1F1B's timetable with each backward split in two (models/split_backward.py): B, the input
+# gradient, runs in 1F1B's backward slot; W, the weight gradients, waits. Stage s defers micro-batch
+# m's W by s ticks, to tick m + 2(P-1), the tick in which stage 0 runs m's B, so every stage runs its
+# W of m in the same tick and the W slot exists in M ticks instead of 1F1B's M+P-1: the P-1 weight
+# gradient slots of the cool-down and the warm-up's first backwards are gone. Per device a tick runs
+# at most one F, one B and one W; stage s keeps the W inputs of s+1 micro-batches (`w_slots`).
+
+def weight_item(t, stages: int, microbatches: int):
+    """-> (m, valid): at tick t every stage runs the weight gradients of micro-batch m."""
+    m = t - 2 * (stages - 1)
+    return m, (m >= 0) & (m < microbatches)
+
+
+def w_slots(stages: int, microbatches: int) -> int:
+    """Micro-batches whose W inputs a device keeps between their B and their W."""
+    return min(stages, microbatches)
+
+
+def phases(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> list[tuple[str, int, int, str]]:
+    """[(name, first tick, tick count, slots)]: the explicit schedule's ticks in runs of the same
+    slots: F forward, H the head (last stage), B backward (zb_h1: input gradient only), W weight gradients."""
+    P, M = stages, microbatches
+    if schedule != "zb_h1":
+        return [(n, a, c, k) for (n, a, c), k in zip(phases_1f1b(P, M, repeats), ("F", "FHB", "B"))]
+    return [("warm-up", 0, P - 1, "F"), ("steady", P - 1, P - 1, "FHB"), ("steady+W", 2 * P - 2, M - P + 1, "FHBW"),
+            ("cool-down", M + P - 1, P - 1, "BW")]
+
+
+def table_zb(stages: int, microbatches: int) -> list[list[tuple[tuple | None, tuple | None, tuple | None]]]:
+    """[stage][tick] -> ((m, 0) forward or None, (m, 0) input gradient or None, (m, 0) weight gradients or None)."""
+    def w(t):
+        m, ok = weight_item(t, stages, microbatches)
+        return (m, 0) if ok else None
+    return [[(f, b, w(t)) for t, (f, b) in enumerate(row)] for row in table_1f1b(stages, microbatches)]
+
+
+def w_in_flight(stages: int, microbatches: int) -> list[int]:
+    """Per device, the most micro-batches whose B ran and whose W had not (counted after a tick's B)."""
+    most = []
+    for row in table_zb(stages, microbatches):
+        b = w = peak = 0
+        for _, bi, wi in row:
+            b += bi is not None
+            peak = max(peak, b - w)
+            w += wi is not None
+        most.append(peak)
+    return most

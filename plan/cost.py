@@ -37,7 +37,7 @@ import numpy as np
 from mesh.spec import AXES
 from models import pipeline
 from models.flops import flops_per_token, matmul_param_count
-from models.schedules import EXPLICIT
+from models.schedules import EXPLICIT, schedule_bubble
 from plan.hardware import Hardware
 from plan.theory import rows_per_shard
 
@@ -152,21 +152,21 @@ def ragged_all_to_all(comm: dict, platform: str) -> dict:
 
 def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[str, int], hw: Hardware,
             dtype: str, pipeline_microbatches: int = 0, repeats: int = 1, dcn: dict[str, int] | None = None,
-            tokens_per_step: int = 0, device_bytes: float = 0.0) -> dict:
+            tokens_per_step: int = 0, device_bytes: float = 0.0, schedule: str = "gpipe") -> dict:
     """Step time and MFU for one mesh.
 
     model_flops: per step, all devices (the MFU numerator). device_flops: per device per step,
     including recomputation. device_bytes: memory traffic per device per step (0: unknown, compute
     only). comm: {"kind@axes": {"wire_bytes": B, "count": C (optional)}} per device per step, as in
     `plan`'s theory_detail or measured collectives. pipeline_microbatches, repeats: the pipeline
-    schedule's M (0: as many as stages, the run's default) and R, which set the bubble."""
+    schedule's M (0: as many as stages, the run's default), R and `schedule`, which set the bubble."""
     n_dev = math.prod(sizes.get(a, 1) for a in AXES)
     peak = hw.peak_flops(dtype)
     t_flops = device_flops / (peak * hw.compute_efficiency)
     t_memory = device_bytes / (hw.hbm_bw * hw.memory_efficiency)
     t_compute = max(t_flops, t_memory) if hw.memory_overlap else t_flops + t_memory
     p = sizes.get("pipeline", 1)
-    bubble = pipeline.bubble_fraction(p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
+    bubble = schedule_bubble(schedule, p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
     t_busy = t_compute / (1 - bubble)
     where = placement(sizes, hw, dcn)
     rows, t_overlappable, t_exposed = {}, 0.0, 0.0
@@ -270,7 +270,7 @@ def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, mi
                   device_flops=hardware_flops_per_step(cfg, batch_size, seq_len, pp.get("schedule", "gpipe")) / n,
                   comm=comm, sizes=sizes,
                   hw=hw, dtype=dtype, pipeline_microbatches=pp["microbatches"], repeats=pp["repeats"], dcn=dcn,
-                  tokens_per_step=batch_size * seq_len,
+                  tokens_per_step=batch_size * seq_len, schedule=pp.get("schedule", "gpipe"),
                   device_bytes=traffic.get("bytes_accessed", 0.0))
     out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
     out["bytes_source"] = traffic.get("source", "")

@@ -14,6 +14,7 @@ import jax
 from mesh.shard import path_names
 from mesh.spec import mesh_text
 from models import pipeline as pipeline_lib
+from models.schedules import schedule_bubble
 from models.flops import active_param_count, flops_per_token, param_count
 from plan.hardware import Hardware
 from plan.hlo import KINDS, parse_collectives, summarize
@@ -125,7 +126,7 @@ def pipeline_report(s: RunSetup, measured: dict) -> dict:
                                            microbatches=M_, repeats=R)
     hlo = measured["collective-permute"]["by_axes"].get("pipeline", {"operand_bytes": 0})["operand_bytes"]
     return {"stages": P, "microbatches": M_, "repeats": R, "schedule": pc.schedule, "batch_shards": shards,
-            "bubble": pipeline_lib.bubble_fraction(P, M_, R), "permute_bytes_hlo": hlo,
+            "bubble": schedule_bubble(pc.schedule, P, M_, R), "permute_bytes_hlo": hlo,
             "permute_bytes_theory": th["sent"] * t.micro_batches,
             "permute_bytes_useful": th["useful"] * t.micro_batches,
             "chart": pipeline_lib.schedule_chart(P, M_, R, pc.schedule, n_layers=n_groups)}

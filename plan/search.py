@@ -25,8 +25,7 @@ from mesh.spec import AXES, mesh_text
 from models import model as model_lib
 from models.blockwise import BLOCK_K
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, PipelineConfig
-from models.schedules import CHUNKED, EXPLICIT, bubble_counted, in_flight_1f1b, ring_slots
-from models.schedules import bubble_fraction as pipeline_bubble
+from models.schedules import CHUNKED, EXPLICIT, bubble_counted, in_flight_1f1b, ring_slots, schedule_bubble, w_slots
 from plan import cost
 from plan.hardware import Hardware
 from plan.theory import RunSpec, abstract_mesh, rows_per_shard, theory
@@ -99,10 +98,10 @@ def pipeline_choices(cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipelin
 def schedule_choices(cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipeline_cfg: PipelineConfig,
                      rules) -> list[PipelineConfig]:
     """`pipeline_cfg` under every other schedule the run accepts at its micro-batch count: gpipe,
-    1f1b, and circular and interleaved_1f1b at 2 and 4 chunks per device where the layers divide.
+    1f1b, zb_h1, and circular and interleaved_1f1b at 2 and 4 chunks per device where the layers divide.
     Their bubbles and activation memory differ, the rest of the step does not."""
     out = []
-    for schedule, repeats in [("gpipe", 1), ("1f1b", 1)] + [(s, r) for s in CHUNKED for r in (2, 4)]:
+    for schedule, repeats in [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1)] + [(s, r) for s in CHUNKED for r in (2, 4)]:
         pc = dataclasses.replace(pipeline_cfg, schedule=schedule, repeats=repeats)
         if pc != pipeline_cfg and not check(cfg, sizes, train_cfg, pc, rules):
             out.append(pc)
@@ -141,7 +140,9 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     accumulation keeps one pass. A pipeline cuts the pass into `pipeline_microbatches` and, with
     `schedule` gpipe or circular, keeps every one's saved activations until its backward pass, so
     the saved set is still the whole pass's while a layer's backward works on one micro-batch; the
-    LM head runs after the pipeline, on the whole pass. 1f1b and interleaved_1f1b keep only the
+    LM head runs after the pipeline, on the whole pass. zb_h1 also keeps, for up to P micro-batches,
+    what its deferred weight gradients read (each projection's input and output gradient, the norms'
+    input and gradient). 1f1b and interleaved_1f1b keep only the
     stage inputs of the micro-batches in flight (the ring of models.schedules.ring_slots, one [D]
     per token each), recompute one chunk's layers per backward (one micro-batch's saved set of
     L/(P x repeats) layers) and run the head per micro-batch."""
@@ -162,6 +163,9 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     kept = 0
     if p > 1 and schedule in EXPLICIT:
         kept = ring_slots(p, pipeline_microbatches, repeats) * res * tokens
+        if schedule == "zb_h1":  # the W inputs of w_slots micro-batches: each projection's input and output gradient
+            w_in = 6 * res + (3 * n * h + 2 * k * h + 3 * f) / tp
+            kept += w_slots(p, pipeline_microbatches) * w_in * layers * tokens
         held = kept + saved * (layers // repeats) * tokens
         head_tokens = tokens
     else:
@@ -246,7 +250,7 @@ def evaluate(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int, seq_len:
                                                                   pc.schedule if p > 1 else "gpipe") / n,
                         comm=cost.ragged_all_to_all(comm, platform), sizes=sizes, hw=hw, dtype=dtype,
                         pipeline_microbatches=pipe_m, repeats=pc.repeats, dcn=dcn,
-                        tokens_per_step=batch_size * seq_len)
+                        tokens_per_step=batch_size * seq_len, schedule=pc.schedule)
     pipeline = {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule} if p > 1 else {}
     return {"mesh": mesh_text(sizes), "sizes": sizes, "micro_batches": micro_batches, "pipeline": pipeline,
             "sequence_parallel": sequence_parallel,
@@ -327,11 +331,14 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
             # schedule's bubble and grow no schedule's memory, so the same count wins under each.
             # Only those that can win: where the run's schedule fits, the smaller bubbles of more
             # chunks (circular, else interleaved where circular's memory does not fit); where it does
-            # not, the schedules whose memory is bounded (1f1b, interleaved)
+            # not, the schedules whose memory is bounded (1f1b, zb_h1, interleaved); zb_h1's smaller
+            # bubble for its W inputs' memory is priced wherever the run's schedule is bounded or does not fit
             won = dataclasses.replace(pc, **{k: best["pipeline"][k] for k in ("microbatches", "repeats", "schedule")})
             others = schedule_choices(cfg, sizes, t, won, rules)
             fits = best["fits"]
-            for other in [o for o in others if o.schedule == ("circular" if fits else "1f1b")]:
+            wanted = ("circular",) if fits else ("1f1b",)
+            wanted += ("zb_h1",) if not fits or won.schedule in EXPLICIT else ()
+            for other in [o for o in others if o.schedule in wanted]:
                 best = _better(best, price(other))
             for other in [o for o in others if o.schedule == "interleaved_1f1b" and (not fits or not best["fits"]
                                                                                    or o.repeats > best["pipeline"]["repeats"])]:
@@ -359,7 +366,8 @@ def compare_schedules(cfg, sizes: dict[str, int], hw: Hardware, batch_size: int,
         row = evaluate(cfg, sizes, hw, batch_size, seq_len, micro_batches, **{**kw, "pipeline_cfg": choice})
         M, R = choice.microbatches, choice.repeats
         out.append({"schedule": choice.schedule, "repeats": R, "microbatches": M,
-                    "bubble_formula": pipeline_bubble(P, M, R), "bubble_counted": bubble_counted(choice.schedule, P, M, R),
+                    "bubble_formula": schedule_bubble(choice.schedule, P, M, R),
+                    "bubble_counted": bubble_counted(choice.schedule, P, M, R),
                     "in_flight": max(in_flight_1f1b(P, M, R)) if choice.schedule in EXPLICIT else M * R,
                     "activations": row["memory"]["activations"], "total": row["memory"]["total"],
                     "fits": row["fits"], "t_step_s": row["t_step_s"]})

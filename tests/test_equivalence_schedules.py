@@ -1,11 +1,11 @@
-"""The explicit pipeline schedules (1f1b, interleaved_1f1b; models/pipeline_1f1b.py) against one
+"""The explicit pipeline schedules (1f1b, interleaved_1f1b, zb_h1; models/pipeline_1f1b.py) against one
 device through the Trainer's real train step: a float32 dense model of 8 layers, compared per step
 after the warm-up (loss, gradient norm, every parameter; tests/equivalence.py), on pipeline=2 and
 4 with data, fsdp and model axes, M = P, 2P and 4P, the layers scanned and unrolled in a stage.
 
 A dense model's loss is a mean over the batch's tokens whatever the micro-batching, so the one-device
 reference needs no gradient accumulation (the MoE comparison in test_equivalence_pipeline.py
-does). MoE models are refused by these schedules (models/pipeline_1f1b.py `runs`)."""
+does, for MoE through every schedule). zb_h1 also runs with gradient accumulation (train.micro_batches)."""
 import pytest
 
 from equivalence import assert_runs_match, initial_params, make_trainer, run_steps, synthetic_batches
@@ -18,6 +18,10 @@ CASES = [
     ("pipeline=2,fsdp=2,model=2", "interleaved_1f1b", 2, 4, {}),                          # 2P
     ("pipeline=4,data=2", "interleaved_1f1b", 2, 4, {}),                                  # P, one layer per chunk
     ("pipeline=2,model=2", "interleaved_1f1b", 4, 8, {"model.scan_layers": False}),       # 4P, unrolled
+    ("pipeline=2,data=2,fsdp=2", "zb_h1", 1, 2, {}),                                      # P
+    ("pipeline=4,model=2", "zb_h1", 1, 8, {"model.scan_layers": False}),                  # 2P, unrolled
+    ("pipeline=2,model=2", "zb_h1", 1, 8, {}),                                            # 4P
+    ("pipeline=2,model=2", "zb_h1", 1, 2, {"train.micro_batches": 2}),                   # P, accumulating
 ]
 
 

@@ -81,6 +81,30 @@ def test_interleaved_timetable(P, M, R):
     assert max(schedules.in_flight_1f1b(P, M, R)) <= K
 
 
+@pytest.mark.parametrize("P, M", [(2, 2), (2, 5), (4, 4), (4, 8), (4, 16)])
+def test_zero_bubble_timetable(P, M):
+    """zb_h1: 1F1B's forward and input-gradient ticks; every stage runs micro-batch m's weight
+    gradients once, at tick m + 2(P-1), after its input gradient (stage s holds its W inputs s
+    ticks: at most s + 1 micro-batches); the W slot runs in M ticks, 1F1B's backward in M + P - 1;
+    the bubble counted in the table (F, B, W one unit each) is the formula's and below 1F1B's."""
+    zb, one_f = schedules.table_zb(P, M), schedules.table_1f1b(P, M)
+    assert [[(f, b) for f, b, _ in row] for row in zb] == one_f
+    for s, row in enumerate(zb):
+        b_tick = {c[0]: t for t, (_, c, _) in enumerate(row) if c is not None}
+        w_tick = {c[0]: t for t, (_, _, c) in enumerate(row) if c is not None}
+        assert sorted(w_tick) == list(range(M)) and all(w_tick[m] == m + 2 * (P - 1) >= b_tick[m] for m in range(M))
+    assert schedules.w_in_flight(P, M) == [min(s + 1, M) for s in range(P)]
+    assert max(schedules.w_in_flight(P, M)) <= schedules.w_slots(P, M)
+    w_ticks = {t for row in zb for t, (_, _, c) in enumerate(row) if c is not None}
+    b_ticks = {t for row in one_f for t, (_, c) in enumerate(row) if c is not None}
+    assert len(w_ticks) == M and len(b_ticks) == M + P - 1
+    counted = schedules.bubble_counted("zb_h1", P, M)
+    assert counted == pytest.approx(schedules.schedule_bubble("zb_h1", P, M)) == pytest.approx(2 * (P - 1) / (3 * M + 2 * (P - 1)))
+    assert counted < schedules.bubble_counted("1f1b", P, M) == pytest.approx(schedules.bubble_fraction(P, M))
+    phases = schedules.phases("zb_h1", P, M)
+    assert sum(c for _, _, c, _ in phases) == len(zb[0]) and sum(c for _, _, c, k in phases if "W" in k) == M
+
+
 def test_chart_and_plot(tmp_path):
     chart = pipeline_lib.schedule_chart(2, 3, schedule="1f1b", n_layers=4).splitlines()
     assert "5 ticks (1 forward-only, 3 forward+backward, 1 backward-only)" in chart[0]
@@ -92,9 +116,15 @@ def test_chart_and_plot(tmp_path):
     assert "bubble (P-1)/(R*M+P-1) = 11.1%" in chart[0]
     assert chart[1].split()[:9] == ["stage", "0", "(layers", "0-1,", "4-5)", "F0.0", "F1.0", "F0.1", "F1.1"]
     assert chart[2].split()[5:9] == [".", "F0.0", "F1.0", "F0.1B0.1"]
+    chart = pipeline_lib.schedule_chart(2, 4, schedule="zb_h1", n_layers=4).splitlines()
+    assert ("6 ticks (1 forward-only, 1 forward+backward, 3 forward+backward+weight-gradient, 1 backward+weight-gradient)"
+            in chart[0] and "2 W inputs; bubble 2(P-1)/(3M+2(P-1)) = 14.3%" in chart[0])
+    assert chart[1].split()[4:] == ["F0", "F1", "F2B0W0", "F3B1W1", "B2W2", "B3W3"]
+    assert chart[2].split()[4:] == [".", "F0B0", "F1B1W0", "F2B2W1", "F3B3W2", "W3"]
     pytest.importorskip("matplotlib")
     path = pipeline_lib.plot_schedule(4, 8, schedule="1f1b", path=str(tmp_path / "s.png"))
     pipeline_lib.plot_schedule(2, 4, 2, "interleaved_1f1b", path=str(tmp_path / "i.png"))
+    pipeline_lib.plot_schedule(4, 8, schedule="zb_h1", path=str(tmp_path / "z.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -112,6 +142,9 @@ def test_chart_and_plot(tmp_path):
     ({"schedule": "interleaved_1f1b", "repeats": 4}, "model.n_layers=8 is not divisible by --mesh pipeline=4 x"
                                                      " --pipeline.repeats=4 = 16"),
     ({"batch": 12, "microbatches": 8}, "valid microbatches: [4, 6, 12]"),
+    ({"schedule": "zb_h1", "repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular or"
+                                          " interleaved_1f1b (zb_h1 runs each stage's layers once)"),
+    ({"schedule": "zb_h1", "microbatches": 3}, "--pipeline.microbatches=3 is less than the 4 stages"),
 ])
 def test_bad_config_is_one_line(kw, culprit):
     args = {"n_layers": 8, "batch": 16, "stages": 4, "microbatches": 4, "schedule": "1f1b", **kw}
@@ -122,15 +155,17 @@ def test_bad_config_is_one_line(kw, culprit):
 
 
 def test_train_step_routing():
-    """The train step runs 1F1B only for --pipeline.schedule 1f1b on a pipeline mesh, and refuses
-    MoE models in one line."""
-    pc = PipelineConfig(schedule="1f1b")
-    assert not pipeline_1f1b.runs(PRESETS["tiny"], pc)  # no mesh
-    with jax.set_mesh(make_mesh("pipeline=2,data=4")):
-        assert pipeline_1f1b.runs(PRESETS["tiny"], pc) and not pipeline_1f1b.runs(PRESETS["tiny"], PipelineConfig())
-        with pytest.raises(UserError) as e:
-            pipeline_1f1b.runs(PRESETS["moe-tiny"], pc)
-    assert "does not run MoE models yet (model.n_experts=8); valid schedules for MoE: gpipe, circular" in str(e.value)
+    """The train step runs the explicit schedules (1f1b, zb_h1) only on a pipeline mesh, and on
+    CPU refuses MoE models in one line."""
+    for schedule in ("1f1b", "zb_h1"):
+        pc = PipelineConfig(schedule=schedule)
+        assert not pipeline_1f1b.runs(PRESETS["tiny"], pc)  # no mesh
+        with jax.set_mesh(make_mesh("pipeline=2,data=4")):
+            assert pipeline_1f1b.runs(PRESETS["tiny"], pc) and not pipeline_1f1b.runs(PRESETS["tiny"], PipelineConfig())
+            with pytest.raises(UserError) as e:
+                pipeline_1f1b.runs(PRESETS["moe-tiny"], pc)
+        assert (f"--pipeline.schedule {schedule} does not run MoE models on CPU (model.n_experts=8)" in str(e.value)
+                and "valid schedules for MoE on CPU: gpipe, circular" in str(e.value) and "\n" not in str(e.value))
 
 
 def test_loss_validates_before_tracing():
@@ -181,9 +216,11 @@ def sequential(o, stack, batch, M):
     return head(o, y, batch) + AUX_WEIGHT * sum(jnp.sum(a) for a in per_mb) / M, aux_L
 
 
-CASES = [  # (mesh, P, M, R): M = P, 2P and 4P; data, fsdp and model axes; R > 1: interleaved 1F1B
+CASES = [  # (mesh, P, M, R): M = P, 2P and 4P; data, fsdp and model axes; R > 1: interleaved 1F1B;
+    # R = 0: zb_h1 (1F1B's ticks, each backward split, the weight gradients deferred)
     ("", 2, 2, 1), ("pipeline=4,data=2", 4, 4, 1), ("pipeline=4,model=2", 4, 16, 1), ("", 2, 2, 2),
-    ("pipeline=2,data=2,fsdp=2", 2, 4, 4), ("pipeline=4,data=2", 4, 8, 2), ("pipeline=2,fsdp=2,model=2", 2, 8, 2)]
+    ("pipeline=2,data=2,fsdp=2", 2, 4, 4), ("pipeline=4,data=2", 4, 8, 2), ("pipeline=2,fsdp=2,model=2", 2, 8, 2),
+    ("", 2, 2, 0), ("pipeline=4,data=2", 4, 8, 0), ("pipeline=2,fsdp=2,model=2", 2, 8, 0)]
 
 
 @pytest.mark.parametrize("mesh, P, M, R", CASES, ids=[f"{m or 'no-mesh'}-P{p}-M{n}-R{r}" for m, p, n, r in CASES])
@@ -196,7 +233,7 @@ def test_matches_sequential_stack(mesh, P, M, R):
 
     def f(o, s, b):
         obj, (loss_sum, aux) = pipeline_1f1b.loss(embed, layer, head, o, s, b, {"aux": AUX_WEIGHT}, stages=P,
-                                                  microbatches=M, repeats=R, has_aux=True)
+                                                  microbatches=M, repeats=max(R, 1), has_aux=True, zero_bubble=R == 0)
         return obj, (loss_sum, aux)
     with (jax.set_mesh(make_mesh(mesh)) if mesh else contextlib.nullcontext()), axis_rules(RULES):
         compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True)).lower(outer, stack, batch).compile()
@@ -206,7 +243,7 @@ def test_matches_sequential_stack(mesh, P, M, R):
         permutes = [c for c in parse_collectives(compiled.as_text(), make_mesh(mesh))
                     if c.kind == "collective-permute" and c.axes == ("pipeline",)]
         theory = pipeline_lib.permute_bytes_theory(batch=B, seq=T, d_model=D, itemsize=4, stages=P, microbatches=M,
-                                                   repeats=R, batch_shards=2)
+                                                   repeats=max(R, 1), batch_shards=2)
         assert sum(c.operand_bytes * c.count for c in permutes) == theory["sent"], permutes
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(forward_only, want, rtol=1e-5)
@@ -259,16 +296,17 @@ def test_decoder_matches_plain_model_and_gpipe():
 @pytest.mark.slow
 def test_temp_memory_is_flat_in_microbatches():
     """Compiled temp memory of the gradient at P=4 with micro-batches of fixed size, M = 4, 8, 16:
-    1F1B keeps at most 2(P-1) = 6 stage inputs whatever M (4 at M = 4); GPipe keeps every tick's."""
+    1F1B keeps at most 2(P-1) = 6 stage inputs whatever M (4 at M = 4), zb_h1 as many plus the W
+    inputs of P micro-batches; GPipe keeps every tick's."""
     stack, outer, _ = toy()
     stack = jax.tree.map(lambda a: a[:4], stack)
 
     def temp(schedule, M):
         batch = {k: jnp.zeros((2 * M, 32), dt) for k, dt in (("tokens", jnp.int32), ("targets", jnp.int32),
                                                                ("w", jnp.float32))}
-        if schedule == "1f1b":
+        if schedule != "gpipe":
             f = lambda o, s, b: pipeline_1f1b.loss(embed, layer, head, o, s, b, stages=4, microbatches=M,
-                                                   has_aux=True)[0]
+                                                   has_aux=True, zero_bubble=schedule == "zb_h1")[0]
         else:
             f = lambda o, s, b: head(o, pipeline_lib.pipeline_apply(lambda x, p, tok: layer(x, p, {"tokens": tok})[0],
                                                                      s, embed(o, b), b["tokens"], stages=4,
@@ -277,6 +315,9 @@ def test_temp_memory_is_flat_in_microbatches():
             compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(outer, stack, batch).compile()
         return compiled.memory_analysis().temp_size_in_bytes
     one_f = {M: temp("1f1b", M) for M in (4, 8, 16)}
+    zb = {M: temp("zb_h1", M) for M in (4, 8, 16)}
     gpipe = {M: temp("gpipe", M) for M in (4, 16)}
     assert one_f[4] <= one_f[8] and one_f[16] <= 1.2 * one_f[8], one_f
     assert gpipe[16] > 2.5 * gpipe[4] and one_f[16] < gpipe[16] / 3, (one_f, gpipe)
+    # zb_h1 keeps 1F1B's ring and the W inputs of at most P micro-batches: flat in M too
+    assert zb[16] <= 1.2 * zb[8] and zb[16] < gpipe[16], (zb, gpipe)

@@ -49,6 +49,10 @@ def test_70b_example_fits_with_1f1b_where_gpipe_does_not():
     assert by["1f1b", 1]["bubble_formula"] == by["gpipe", 1]["bubble_formula"]
     assert by["interleaved_1f1b", 2]["bubble_formula"] < by["1f1b", 1]["bubble_formula"]
     assert by["1f1b", 1]["in_flight"] == 2 * (4 - 1) and by["gpipe", 1]["in_flight"] == 32
+    # zb_h1: a smaller bubble for the weight gradients' inputs of up to P micro-batches
+    zb = by["zb_h1", 1]
+    assert zb["bubble_formula"] < by["1f1b", 1]["bubble_formula"] and zb["t_step_s"] < by["1f1b", 1]["t_step_s"]
+    assert zb["activations"] > 4 * by["1f1b", 1]["activations"]
     for r in rows:
         assert r["bubble_counted"] == pytest.approx(r["bubble_formula"])
 
@@ -60,7 +64,7 @@ def test_search_ranks_schedules_and_places_70b_on_a_layout_that_fits():
     rows = search.search(m70, 1024, hw, batch_size=1024, seq_len=4096,
                          pipeline_cfg=PipelineConfig(microbatches=32))
     piped = [r for r in rows if r["sizes"]["pipeline"] > 1 and r["fits"]]
-    assert piped and {r["pipeline"]["schedule"] for r in piped} <= {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
+    assert piped and {r["pipeline"]["schedule"] for r in piped} <= {"gpipe", "circular", "1f1b", "zb_h1", "interleaved_1f1b"}
     mesh = next(r for r in rows if r["sizes"] == {**dict.fromkeys(r["sizes"], 1), **MESH_70B})
     # it fits on a schedule that bounds the in-flight activations, or with sequence parallelism
     assert mesh["fits"] and (mesh["pipeline"]["schedule"] in ("1f1b", "interleaved_1f1b") or mesh["sequence_parallel"])
@@ -76,8 +80,8 @@ def test_plan_devices_prints_the_schedule_table():
     row, out = cli.analytic(parser.parse_args(["--devices", "1024", "--hardware", "h100"]), cfg)
     table = out[out.index("pipeline schedules at this micro-batch count"):].splitlines()
     names = [line.split()[0] for line in table[2:]]
-    assert names == ["gpipe", "1f1b", "circular", "circular", "interleaved_1f1b", "interleaved_1f1b"]
-    assert " no " in table[2] and "yes" in table[3] and len(row["schedules"]) == 6
+    assert names == ["gpipe", "1f1b", "zb_h1", "circular", "circular", "interleaved_1f1b", "interleaved_1f1b"]
+    assert " no " in table[2] and "yes" in table[3] and len(row["schedules"]) == 7
 
 
 def test_schedule_choices_follow_the_runs_checks():
@@ -85,7 +89,8 @@ def test_schedule_choices_follow_the_runs_checks():
     t = search._train(None, 64, 128, 1)
     choices = search.schedule_choices(dataclasses.replace(preset("7b"), n_layers=8), {**dict.fromkeys(search.AXES, 1), "pipeline": 4}, t,
                                       PipelineConfig(microbatches=8), search.make_rules())
-    assert {(c.schedule, c.repeats) for c in choices} == {("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)}
+    assert {(c.schedule, c.repeats) for c in choices} == {("1f1b", 1), ("zb_h1", 1), ("circular", 2),
+                                                          ("interleaved_1f1b", 2)}
     moe = search.schedule_choices(preset("moe-tiny"), {**dict.fromkeys(search.AXES, 1), "pipeline": 2}, t,
                                   PipelineConfig(microbatches=2), search.make_rules())
     assert {c.schedule for c in moe} <= {"circular"}

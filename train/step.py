@@ -51,9 +51,10 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     batch = context.to_layout(batch, context.context_size(), default_positions)
     if pipeline_1f1b.runs(cfg, pipeline):  # the loss is computed per micro-batch inside the schedule
         n = jnp.sum(batch["weights"]) if "weights" in batch else jnp.float32(batch["targets"].size)
-        objective, xent, _ = pipeline_1f1b.decoder_loss(
-            cfg, params, batch, pipeline, lambda logits_bTV, mb: token_losses(loss_fn, logits_bTV, mb), {})
-        return objective, (xent, n, {})
+        weights = {"aux": n * cfg.aux_loss_coef, "z": n * cfg.z_loss_coef} if cfg.n_experts else {}
+        objective, xent, stats = pipeline_1f1b.decoder_loss(
+            cfg, params, batch, pipeline, lambda logits_bTV, mb: token_losses(loss_fn, logits_bTV, mb), weights)
+        return objective, (xent, n, _moe_sums(stats, n))
     args = (cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"), pipeline)
     chunk = loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0  # a custom loss reads logits
     hidden = model.hidden(*args) if chunk else None
@@ -68,10 +69,17 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     xent, n = jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
     if not stats:
         return xent, (xent, n, {})
-    aux, z = jnp.mean(stats["aux"]), jnp.mean(stats["z"])
-    sums = {"aux": aux * n, "z": z * n, "counts": stats["counts"], "dropped": stats["dropped"],
-            "assigned": stats["assigned"]}
-    return xent + n * (cfg.aux_loss_coef * aux + cfg.z_loss_coef * z), (xent, n, sums)
+    sums = _moe_sums(stats, n)
+    return xent + cfg.aux_loss_coef * sums["aux"] + cfg.z_loss_coef * sums["z"], (xent, n, sums)
+
+
+def _moe_sums(stats: dict, n) -> dict:
+    """The MoE layers' stats (per layer) as sums over the tokens: the balance losses' means over
+    layers x the token count (additive over micro-batches), the token counts as they are."""
+    if not stats:
+        return {}
+    return {"aux": jnp.mean(stats["aux"]) * n, "z": jnp.mean(stats["z"]) * n, "counts": stats["counts"],
+            "dropped": stats["dropped"], "assigned": stats["assigned"]}
 
 
 def loss_chunk(cfg: ModelConfig, shape_BT: tuple[int, int]) -> int:
