@@ -1,9 +1,9 @@
 """Pipeline parallelism: step time (forward + backward of a Block stack) and per-device memory for
-pipeline=1/2/4, gpipe, circular (repeats 2), 1f1b and interleaved_1f1b (repeats 2), M in {P, 2P, 4P};
+pipeline=1/2/4, gpipe, circular (repeats 2), 1f1b, zb_h1 and interleaved_1f1b (repeats 2), M in {P, 2P, 4P};
 measured vs predicted bubble.
 
     python benchmarks/pipeline.py [--layers 8] [--d-model 128] [--batch 32] [--seq 64] [--steps 5] [--model-order]
-                                  [--schedules gpipe,circular,1f1b,interleaved_1f1b] [--fixed-micro-batch]
+                                  [--schedules gpipe,circular,1f1b,zb_h1,interleaved_1f1b] [--fixed-micro-batch]
 
 `--fixed-micro-batch`: the batch grows with M (batch = M x batch/P rows), which is how 1F1B is used to
 shrink the bubble: its temp memory stays flat, GPipe's grows with M.
@@ -29,7 +29,7 @@ from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import pipeline as pipeline_lib
 from models import pipeline_1f1b
 from models.config import PRESETS
-from models.schedules import EXPLICIT, ticks_1f1b
+from models.schedules import EXPLICIT, schedule_bubble, ticks_1f1b
 from models.transformer import Block
 from plan.hlo import parse_collectives, summarize
 
@@ -70,7 +70,8 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
         def loss(p, x, pos):
             return pipeline_1f1b.loss(lambda _, mb: mb["x"], lambda x, lp, mb: layer(x, lp, mb["pos"]),
                                       lambda _, y, mb: jnp.sum(jnp.square(y)) / x.size, {}, p, {"x": x, "pos": pos},
-                                      stages=P, microbatches=M, repeats=R, remat_policy=remat)[0]
+                                      stages=P, microbatches=M, repeats=R, remat_policy=remat,
+                                      zero_bubble=schedule == "zb_h1")[0]
     else:
         # circular: the layer stack stored in stage order, so each device's chunks are local
         ordered = R > 1 and not args.model_order
@@ -101,7 +102,7 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
             "compile_s": compile_s, "params_MiB": mem.argument_size_in_bytes / 2**20,
             "temp_MiB": mem.temp_size_in_bytes / 2**20, "permute_hlo_KiB": cp.get("operand_bytes", 0) / 1024,
             "permute_theory_KiB": theory["sent"] / 1024,
-            "bubble_pred": pipeline_lib.bubble_fraction(P, M, R) if P > 1 else 0.0}
+            "bubble_pred": schedule_bubble(schedule, P, M, R) if P > 1 else 0.0}
 
 
 def main():
@@ -113,13 +114,14 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--model-order", action="store_true",
                     help="circular: keep the stack in model order (the weights are regrouped every step)")
-    ap.add_argument("--schedules", default="gpipe,circular,1f1b,interleaved_1f1b", help="comma-separated schedules to run")
+    ap.add_argument("--schedules", default="gpipe,circular,1f1b,zb_h1,interleaved_1f1b",
+                    help="comma-separated schedules to run")
     ap.add_argument("--fixed-micro-batch", action="store_true", help="batch = M x batch/P: micro-batches of fixed size")
     args = ap.parse_args()
     layer, params, axes = block_stack(args.layers, args.d_model, 4 * args.d_model)
     rules = make_rules("layers=pipeline")
     configs = [(1, 1, 1, "gpipe")] + [(P, M, R, schedule) for P in (2, 4) for schedule, R in
-                                      (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2))
+                                      (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2))
                                       for M in (P, 2 * P, 4 * P)
                                       if schedule in args.schedules.split(",")]
     runs = [run(args, *c, layer, params, axes, rules) for c in configs]

@@ -18,7 +18,7 @@ of repeat r then comes back to stage 0 exactly one tick after leaving stage P-1,
 is needed. Ticks per pass: R*M + P - 1, of which P - 1 are the bubble on each device.
 
 1F1B (models/pipeline_1f1b.py) writes its backward out instead of differentiating the scan;
-pipeline_apply with schedule '1f1b' runs the same forward ticks as gpipe (eval, inspection). The
+pipeline_apply with schedule '1f1b' or 'zb_h1' runs the same forward ticks as gpipe (eval, inspection). The
 schedules' arithmetic and charts live in models/schedules.py.
 
 Letters: L layers, P stages, R repeats, J layers per stage chunk, M micro-batches, b micro-batch

@@ -130,18 +130,18 @@ class _Plan:
         self.reads_b += [v for v, k in zip(jaxpr.outvars, b_out) if k and isinstance(v, core.Var) and v not in self.reads_b]
 
     def run_b(self, env: _Env):
-        for kind, x in self.b:
-            if kind == "eqn":
-                env.write(x.outvars, _bind(x, [env.read(v) for v in x.invars]))
-            else:
-                x.run_b(env)
+        self._run(self.b, env)
 
     def run_w(self, env: _Env):
-        for kind, x in self.w:
+        self._run(self.w, env)
+
+    @staticmethod
+    def _run(items, env: _Env):
+        for kind, x in items:
             if kind == "eqn":
                 env.write(x.outvars, _bind(x, [env.read(v) for v in x.invars]))
             else:
-                x.run_w(env)
+                (x.run_b if kind == "scan-b" else x.run_w)(env)
 
 
 def _ordered(groups):

@@ -308,7 +308,7 @@ def search(cfg, n_devices: int, hw: Hardware, batch_size: int, seq_len: int, mic
            pipeline_cfg: PipelineConfig | None = None, vocab_parallel: str = "auto") -> list[dict]:
     """Every valid mesh of n_devices, best first: those that fit in memory by predicted step time,
     then those that do not, by memory. Validity is the run's own (validate_run). Pipeline meshes
-    price every schedule (gpipe, 1f1b, circular and interleaved_1f1b at 2 and 4 chunks) at the
+    price every schedule (gpipe, 1f1b, zb_h1, circular and interleaved_1f1b at 2 and 4 chunks) at the
     run's --pipeline.microbatches, or with it unset at every micro-batch count the run would
     accept, keeping the fastest that fits (the row says which, and its flags)."""
     rules = rules or make_rules()
