@@ -166,11 +166,22 @@ class _Program:
         probe = Split(fn, probe_args, keep_argnums=(1, 2, 3, 4, 5))
         one, two = jax.eval_shape(split.b, *args)[1], jax.eval_shape(probe.b, *probe_args)[1]
         dims = []
-        for a, b in zip(one, two, strict=True):  # None: the same for every stage and micro-batch (an iota, say)
+        for a, b in zip(one, two, strict=True):  # None: no stage dim (an iota, the zeros of a select's transpose)
             grown = [d for d, (n, m) in enumerate(zip(a.shape, b.shape)) if m != n]
             assert not grown or (len(grown) == 1 and b.shape[grown[0]] == 2 * a.shape[grown[0]]), (a.shape, b.shape)
             dims.append(grown[0] if grown else None)
         return split, dims
+
+    @staticmethod
+    def stage_first(x, d, P):
+        """A saved value with its stage dim first ([P, ...]; one without gets one, every stage a copy)."""
+        return jnp.broadcast_to(x, (P, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+
+    @staticmethod
+    def stage_back(x_P, d):
+        """The inverse of stage_first: a value without stage dim is stage 0's copy, written by
+        stage 0 in the tick that reads it (its W runs in its B's tick)."""
+        return x_P[0] if d is None else jnp.moveaxis(x_P, 0, d)
 
     def head(self, outer, y, mb, backward):  # -> (loss, d outer, d y) or (loss, None, None)
         if not backward:
@@ -249,8 +260,7 @@ class _Program:
                 if zb:  # keep what W reads in its slot until tick m + 2(P-1), stage dim first
                     dx, saved = split.b(*args)
                     write = lambda r, x, i, ok: jax.lax.dynamic_update_index_in_dim(r, jnp.where(ok, x, r[i]), i, 0)
-                    c["w_ring"] = [x if d is None else _pin(per_stage(write)(r, jnp.moveaxis(x, d, 0), m_b % self.KW, ok_b),
-                                                            ("stages",), 1)
+                    c["w_ring"] = [_pin(per_stage(write)(r, self.stage_first(x, d, P), m_b % self.KW, ok_b), ("stages",), 1)
                                    for r, x, d in zip(c["w_ring"], saved, stage_dims)]
                 else:
                     dx, dp, d_o = run_bwd(*args)
@@ -261,7 +271,7 @@ class _Program:
             if do_w:  # every stage: the weight gradients of micro-batch t - 2(P-1)
                 m_w, ok_w = weight_item(t, P, M)
                 m_P, ok_P = jnp.full((P,), m_w), jnp.broadcast_to(ok_w, (P,))
-                saved = [r if d is None else jnp.moveaxis(r[:, m_w % self.KW], 0, d) for r, d in zip(c["w_ring"], stage_dims)]
+                saved = [self.stage_back(r[:, m_w % self.KW], d) for r, d in zip(c["w_ring"], stage_dims)]
                 dp, d_o = split.w(saved, chunk(jnp.zeros((P,), jnp.int32)), outer, pick(m_P), by_replica(stage_P == 0),
                                   weights)
                 c["d_stack"] = add_at(c["d_stack"], ok_P, jnp.zeros((P,), jnp.int32), dp)
@@ -282,9 +292,8 @@ class _Program:
             c |= {"bwd": _pin(zeros(P, A), state_names), "ring": ring, "d_outer": f32(outer, P, A),
                   "d_stack": jax.tree.map(lambda a: jnp.zeros((P, A, R, J, *a.shape[1:]), jnp.float32), stack)}
         if zb:
-            c["w_ring"] = [jnp.zeros(sd.shape, sd.dtype) if d is None else
-                           _pin(jnp.zeros((P, self.KW, *np.delete(sd.shape, d)), sd.dtype), ("stages",), 1)
-                           for sd, d in zip(saved_shapes, stage_dims)]
+            c["w_ring"] = [_pin(jnp.zeros((P, self.KW, *(sd.shape if d is None else np.delete(sd.shape, d))), sd.dtype),
+                                ("stages",), 1) for sd, d in zip(saved_shapes, stage_dims)]
         for _, start, count, slots in phases(self.schedule, P, M, R):
             if count and (backward or "F" in slots):
                 c, _ = jax.lax.scan(functools.partial(tick, slots=slots), c, jnp.arange(start, start + count))

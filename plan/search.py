@@ -163,8 +163,8 @@ def activation_bytes(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, 
     kept = 0
     if p > 1 and schedule in EXPLICIT:
         kept = ring_slots(p, pipeline_microbatches, repeats) * res * tokens
-        if schedule == "zb_h1":  # the W inputs of w_slots micro-batches: each projection's input and output gradient
-            w_in = 6 * res + (3 * n * h + 2 * k * h + 3 * f) / tp
+        if schedule == "zb_h1":  # the W inputs of w_slots micro-batches: each projection's input and output
+            w_in = 8 * res + (2 * n * h + 2 * k * h + 4 * f) / tp  # gradient, the norms' (the split's, counted)
             kept += w_slots(p, pipeline_microbatches) * w_in * layers * tokens
         held = kept + saved * (layers // repeats) * tokens
         head_tokens = tokens

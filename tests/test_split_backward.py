@@ -70,3 +70,31 @@ def test_split_under_vmap_and_with_atomic_loops():
     np.testing.assert_allclose(now, want[0], rtol=1e-6)
     for got, exp in zip(jax.tree.leaves(later), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_counts_the_w_inputs_zb_h1_keeps(monkeypatch):
+    """plan prices zb_h1's memory with 8 [D] + (2NH + 2KH + 4F)/tp values per token and layer for the
+    W inputs (plan/search.py activation_bytes); that is what the split of the tiny decoder's stage
+    backward keeps, counted here from the real program."""
+    import dataclasses
+    from mesh.build import make_mesh
+    from mesh.rules import axis_rules, make_rules
+    from models import model, pipeline_1f1b, split_backward
+    from models.config import PRESETS, PipelineConfig
+    cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
+    kept = []
+    b = split_backward.Split.b
+    monkeypatch.setattr(split_backward.Split, "b", lambda self, *a: kept.append(b(self, *a)[1]) or b(self, *a))
+    params = model.abstract_params(cfg)
+    B, T, P = 8, 16, 2
+    batch = {"inputs": jax.ShapeDtypeStruct((B, T), jnp.int32), "targets": jax.ShapeDtypeStruct((B, T), jnp.int32),
+             "weights": jax.ShapeDtypeStruct((B, T), jnp.float32)}
+    with jax.set_mesh(make_mesh("pipeline=2,model=4")), axis_rules(make_rules("")):
+        jax.eval_shape(jax.grad(lambda p, bt: pipeline_1f1b.decoder_loss(
+            cfg, p, bt, PipelineConfig(schedule="zb_h1", microbatches=P), lambda lg, mb: lg[..., 0], {})[0]),
+            params, batch)
+    J = cfg.n_layers // P  # the per-layer values leave the stage's layer scan stacked: [J, P stages, replicas, ...]
+    per_layer = sum(x.size for x in kept[0] if x.ndim >= 5 and x.shape[:2] == (J, P))
+    per_token_layer = per_layer / (J * P * (B // P) * T)
+    d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    assert per_token_layer == 8 * d + 2 * n * h + 2 * k * h + 4 * f, (per_token_layer, [x.shape for x in kept[0]])
