@@ -122,3 +122,31 @@ def apply_argv(argv: list[str], environ) -> str | None:
     if preset is not None:
         environ.update(apply(preset, environ))
     return preset
+
+
+# XLA:CPU runs every fake device's program, and the work a program runs concurrently, on one pool
+# of max(PJRT_NPROC or NPROC or the core count, devices) threads (counted on jaxlib 0.10: 8 threads
+# for 8 devices on 2 cores, 16 with PJRT_NPROC=16), and an in-process collective holds its thread
+# until every device arrives. A device that runs two collectives at once (the explicit pipeline
+# schedules run a tick's forward and backward layer loops concurrently) can leave another device
+# without a thread to reach the collective they all wait for; XLA then aborts after its collective
+# timeout. Seen with the MoE step through 1f1b and zb_h1, two test processes at once on 2 cores: 7
+# of 8 runs aborted with 8 threads (the rendezvous log: 7 devices wait at one collective-permute
+# while the 8th device's only thread waits at its second collective), none of 2 with 16, none of 4
+# with 32.
+CPU_THREADS_PER_DEVICE = 4
+
+
+def cpu_pool_threads(environ: Mapping[str, str], devices: int, cores: int) -> int:
+    """The XLA:CPU thread pool a process started with `environ` gets for `devices` fake devices."""
+    for var in ("PJRT_NPROC", "NPROC"):
+        if environ.get(var, "").strip().isdigit():
+            return max(int(environ[var]), devices)
+    return max(cores, devices)
+
+
+def cpu_threads_env(environ: Mapping[str, str], devices: int) -> dict[str, str]:
+    """PJRT_NPROC for CPU_THREADS_PER_DEVICE threads per fake device, unless the caller set one."""
+    if any(environ.get(var) for var in ("PJRT_NPROC", "NPROC")):
+        return {}
+    return {"PJRT_NPROC": str(CPU_THREADS_PER_DEVICE * devices)}

@@ -31,6 +31,7 @@ Letters as in models/pipeline.py; K ring slots (stage inputs kept per stage).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from errors import UserError
+from mesh import xla
 from mesh.rules import axis_rules, logical_to_spec
 from mesh.shard import constrain, entry_axes
 from models.pipeline import _REPLICAS, FULL_REMAT, _act_names, _inner_rules, _mesh_size, _pin
@@ -326,15 +328,17 @@ def check_model(cfg, schedule: str) -> None:
     if getattr(cfg, "arch", ""):
         raise UserError(f"--pipeline.schedule {schedule} runs the built-in decoder only, not the registered"
                         f" model '{cfg.arch}'; valid schedules for it: gpipe, circular")
-    if cfg.n_experts and jax.default_backend() == "cpu":
-        # The MoE objective through these schedules (balance and z losses per micro-batch, router
-        # stats) gives GPipe's loss and gradient, but XLA:CPU runs a tick's forward and backward
-        # layer loops at once, and the in-process collectives of the fake devices then meet in
-        # different orders on different devices (an all-reduce over `model` of the forward's
-        # attention output on one, of the backward's q/k/v gradient on its pair) and stop.
-        raise UserError(f"--pipeline.schedule {schedule} does not run MoE models on CPU (model.n_experts="
-                        f"{cfg.n_experts}): XLA:CPU's in-process collectives stop on it; valid schedules for MoE"
-                        f" on CPU: gpipe, circular")
+    devices = jax.local_device_count()
+    if cfg.n_experts and jax.default_backend() == "cpu" and devices > 1:
+        # A tick's forward and backward layer loops run at once, and the MoE step's collectives then
+        # can take every thread of XLA:CPU's pool while one fake device still needs one (mesh/xla.py)
+        need = xla.CPU_THREADS_PER_DEVICE * devices
+        have = xla.cpu_pool_threads(os.environ, devices, os.cpu_count() or 1)
+        if have < need:
+            raise UserError(f"--pipeline.schedule {schedule} runs MoE models (model.n_experts={cfg.n_experts}) on"
+                            f" {devices} CPU devices only with PJRT_NPROC={need} or more (XLA:CPU's thread pool,"
+                            f" now {have}: its in-process collectives stop with fewer); set it before starting,"
+                            f" or use a schedule that runs MoE with any pool: gpipe, circular")
 
 
 def decoder_loss(cfg, params: dict, batch: dict, pipeline, token_loss: Callable, stat_weights: dict):

@@ -3,11 +3,14 @@ compilation cache shared by the test processes and the training subprocesses the
 import os
 
 from cpu_env import xla_flags
+from mesh.xla import cpu_threads_env
 
 # Exactly 8 fake devices, replacing any count the caller set: the tests are written for 8. The
 # suite's compile options (tests/cpu_env.py, 3x faster compiles); ones the caller set are kept.
 os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), 8, keep_set=True)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Threads enough for the explicit pipeline schedules' concurrent collectives (mesh/xla.py)
+os.environ.update(cpu_threads_env(os.environ, 8))
 # Most of a tiny training run is XLA compilation (about 80% of a 3-step run on CPU), and the suite
 # compiles the same programs many times: in both workers and in every `python -m train` subprocess
 # a crash or restart drill starts. The cache is keyed by the program, the compile options and the

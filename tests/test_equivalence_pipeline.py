@@ -1,5 +1,6 @@
 """The pipeline trainer against one device: the real train step of a float32 MoE model (aux and
-z losses on) on pipeline=2 and 4, gpipe and circular, combined with fsdp and model axes,
+z losses on) on pipeline=2 and 4 through every schedule (gpipe, circular, 1f1b, interleaved_1f1b,
+zb_h1), combined with fsdp and model axes,
 compared per step after the warm-up (loss, gradient norm, every parameter), plus the raw
 gradient of the loss leaf by leaf.
 
@@ -20,7 +21,9 @@ MICRO = 4
 MOE = {"model.preset": "moe-tiny", "model.n_layers": 8, "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.001}
 # (mesh, schedule, repeats): each compared through the whole step or through the raw gradient
 # (each a compile of its own, seconds on 2 cores)
-STEP_CASES = [("pipeline=2,fsdp=2,model=2", "gpipe", 1), ("pipeline=4,model=2", "circular", 2)]
+STEP_CASES = [("pipeline=2,fsdp=2,model=2", "gpipe", 1), ("pipeline=4,model=2", "circular", 2),
+              ("pipeline=4,model=2", "1f1b", 1), ("pipeline=4,fsdp=2", "interleaved_1f1b", 2),
+              ("pipeline=2,fsdp=2,model=2", "zb_h1", 1)]
 GRADIENT_CASES = [("pipeline=4,fsdp=2", "gpipe", 1)]
 
 

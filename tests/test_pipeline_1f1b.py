@@ -154,18 +154,23 @@ def test_bad_config_is_one_line(kw, culprit):
     assert PipelineConfig(schedule="1f1b").validate().schedule == "1f1b"
 
 
-def test_train_step_routing():
-    """The train step runs the explicit schedules (1f1b, zb_h1) only on a pipeline mesh, and on
-    CPU refuses MoE models in one line."""
+def test_train_step_routing(monkeypatch):
+    """The train step runs the explicit schedules (1f1b, zb_h1) only on a pipeline mesh; on CPU it
+    runs MoE models only with threads enough in XLA:CPU's pool (mesh/xla.py), else one line."""
     for schedule in ("1f1b", "zb_h1"):
         pc = PipelineConfig(schedule=schedule)
         assert not pipeline_1f1b.runs(PRESETS["tiny"], pc)  # no mesh
         with jax.set_mesh(make_mesh("pipeline=2,data=4")):
             assert pipeline_1f1b.runs(PRESETS["tiny"], pc) and not pipeline_1f1b.runs(PRESETS["tiny"], PipelineConfig())
+            monkeypatch.setenv("PJRT_NPROC", "32")
+            assert pipeline_1f1b.runs(PRESETS["moe-tiny"], pc)
+            monkeypatch.setenv("PJRT_NPROC", "8")
             with pytest.raises(UserError) as e:
                 pipeline_1f1b.runs(PRESETS["moe-tiny"], pc)
-        assert (f"--pipeline.schedule {schedule} does not run MoE models on CPU (model.n_experts=8)" in str(e.value)
-                and "valid schedules for MoE on CPU: gpipe, circular" in str(e.value) and "\n" not in str(e.value))
+        assert (f"--pipeline.schedule {schedule} runs MoE models (model.n_experts=8) on 8 CPU devices only with"
+                f" PJRT_NPROC=32 or more (XLA:CPU's thread pool, now 8" in str(e.value)
+                and "use a schedule that runs MoE with any pool: gpipe, circular" in str(e.value)
+                and "\n" not in str(e.value))
 
 
 def test_loss_validates_before_tracing():

@@ -93,3 +93,23 @@ def test_cli_applies_the_preset():
                         env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.startswith("search: ")
+
+
+POOL = ("import os, jax, jax.numpy as jnp; jax.pmap(lambda a: jax.lax.psum(a, 'i'), axis_name='i')(jnp.ones(8))"
+        ".block_until_ready(); print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen'"
+        " for t in os.listdir('/proc/self/task')))")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+@pytest.mark.parametrize("nproc", [None, "16", "3"])
+def test_cpu_pool_threads_counts_the_threads_xla_starts(nproc):
+    """cpu_pool_threads is the size of the pool the installed XLA:CPU really starts for 8 fake
+    devices (the MoE pipeline check in models/pipeline_1f1b.py relies on it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env.update({"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+               **({"PJRT_NPROC": nproc} if nproc else {}))
+    r = subprocess.run([sys.executable, "-c", POOL], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-1]) == xla.cpu_pool_threads(env, 8, os.cpu_count()), r.stdout
+    assert xla.cpu_threads_env({}, 8) == {"PJRT_NPROC": str(8 * xla.CPU_THREADS_PER_DEVICE)}
+    assert xla.cpu_threads_env({"NPROC": "3"}, 8) == {}                        # the caller's choice is kept
