@@ -19,12 +19,12 @@ from equivalence import (WARMUP, assert_runs_match, assert_trees_close, gradient
 MICRO = 4
 # 8 MoE layers: pipeline=4 with 2 circular repeats still has a whole layer per virtual stage
 MOE = {"model.preset": "moe-tiny", "model.n_layers": 8, "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.001}
-# (mesh, schedule, repeats): each compared through the whole step or through the raw gradient
-# (each a compile of its own, seconds on 2 cores)
-STEP_CASES = [("pipeline=2,fsdp=2,model=2", "gpipe", 1), ("pipeline=4,model=2", "circular", 2),
-              ("pipeline=4,model=2", "1f1b", 1), ("pipeline=4,fsdp=2", "interleaved_1f1b", 2),
-              ("pipeline=2,fsdp=2,model=2", "zb_h1", 1)]
-GRADIENT_CASES = [("pipeline=4,fsdp=2", "gpipe", 1)]
+# (mesh, schedule, repeats, layers scanned in a stage): each compared through the whole step or
+# through the raw gradient (each a compile of its own, seconds on 2 cores)
+STEP_CASES = [("pipeline=2,fsdp=2,model=2", "gpipe", 1, True), ("pipeline=4,model=2", "circular", 2, True),
+              ("pipeline=4,model=2", "1f1b", 1, False), ("pipeline=4,fsdp=2", "interleaved_1f1b", 2, True),
+              ("pipeline=2,fsdp=2,model=2", "zb_h1", 1, True)]
+GRADIENT_CASES = [("pipeline=4,fsdp=2", "gpipe", 1, True)]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,14 @@ def reference(tmp_path_factory):
 
 
 def pipeline_trainer(case, tmp_path):
-    mesh, schedule, repeats = case
+    mesh, schedule, repeats, scan = case
     return make_trainer(mesh, tmp_path, **MOE, **{"pipeline.microbatches": MICRO, "pipeline.schedule": schedule,
-                                                  "pipeline.repeats": repeats})
+                                                  "pipeline.repeats": repeats, "model.scan_layers": scan})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", STEP_CASES, ids=[f"{m}-{s}" for m, s, _ in STEP_CASES])
+@pytest.mark.parametrize("case", STEP_CASES,
+                         ids=[f"{m}-{s}" + ("" if scan else "-unrolled") for m, s, _, scan in STEP_CASES])
 def test_pipeline_step_matches_one_device(reference, case, tmp_path):
     _, want, params0 = reference
     tr = pipeline_trainer(case, tmp_path)
@@ -67,7 +68,7 @@ def reference_gradient(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", GRADIENT_CASES, ids=[f"{m}-{s}" for m, s, _ in GRADIENT_CASES])
+@pytest.mark.parametrize("case", GRADIENT_CASES, ids=[f"{m}-{s}" for m, s, *_ in GRADIENT_CASES])
 def test_pipeline_gradient_matches_one_device(reference_gradient, case, tmp_path):
     """The gradient pytree of the step's loss through the pipeline schedule and through gradient
     accumulation on one device, leaf by leaf."""
