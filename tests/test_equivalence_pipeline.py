@@ -19,34 +19,43 @@ from equivalence import (WARMUP, assert_runs_match, assert_trees_close, gradient
 MICRO = 4
 # 8 MoE layers: pipeline=4 with 2 circular repeats still has a whole layer per virtual stage
 MOE = {"model.preset": "moe-tiny", "model.n_layers": 8, "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.001}
-# (mesh, schedule, repeats, layers scanned in a stage): each compared through the whole step or
-# through the raw gradient (each a compile of its own, seconds on 2 cores)
-STEP_CASES = [("pipeline=2,fsdp=2,model=2", "gpipe", 1, True), ("pipeline=4,model=2", "circular", 2, True),
-              ("pipeline=4,model=2", "1f1b", 1, False), ("pipeline=4,fsdp=2", "interleaved_1f1b", 2, True),
-              ("pipeline=2,fsdp=2,model=2", "zb_h1", 1, True)]
-GRADIENT_CASES = [("pipeline=4,fsdp=2", "gpipe", 1, True)]
+# (mesh, schedule, repeats, layers scanned in a stage, micro-batches): each compared through the
+# whole step or through the raw gradient (each a compile of its own, seconds on 2 cores)
+STEP_CASES = [("pipeline=2,fsdp=2,model=2", "gpipe", 1, True, MICRO),       # M = 2P
+              ("pipeline=4,model=2", "circular", 2, True, MICRO),             # P
+              ("pipeline=4,model=2", "1f1b", 1, False, MICRO),                # P, unrolled
+              ("pipeline=4,fsdp=2", "interleaved_1f1b", 2, True, MICRO),      # P
+              ("pipeline=2,fsdp=2,model=2", "zb_h1", 1, True, MICRO),         # 2P
+              ("pipeline=2,model=2", "1f1b", 1, True, 2 * MICRO)]             # 4P
+GRADIENT_CASES = [("pipeline=4,fsdp=2", "gpipe", 1, True, MICRO)]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The one-device trainer (gradient accumulation over MICRO micro-batches), its run and the
-    initial parameters every mesh starts from."""
-    tr = make_trainer("", tmp_path_factory.mktemp("ref"), True, **MOE, **{"train.micro_batches": MICRO})
-    params0 = initial_params(tr)
-    return tr, run_steps(tr, synthetic_batches(264), params0), params0
+def references(tmp_path_factory):
+    """M -> the one-device trainer (gradient accumulation over M micro-batches), its run and the
+    initial parameters every mesh starts from (each M run once)."""
+    runs = {}
+
+    def get(micro: int):
+        if micro not in runs:
+            tr = make_trainer("", tmp_path_factory.mktemp("ref"), True, **MOE, **{"train.micro_batches": micro})
+            params0 = initial_params(tr)
+            runs[micro] = tr, run_steps(tr, synthetic_batches(264), params0), params0
+        return runs[micro]
+    return get
 
 
 def pipeline_trainer(case, tmp_path):
-    mesh, schedule, repeats, scan = case
-    return make_trainer(mesh, tmp_path, **MOE, **{"pipeline.microbatches": MICRO, "pipeline.schedule": schedule,
+    mesh, schedule, repeats, scan, micro = case
+    return make_trainer(mesh, tmp_path, **MOE, **{"pipeline.microbatches": micro, "pipeline.schedule": schedule,
                                                   "pipeline.repeats": repeats, "model.scan_layers": scan})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", STEP_CASES,
-                         ids=[f"{m}-{s}" + ("" if scan else "-unrolled") for m, s, _, scan in STEP_CASES])
-def test_pipeline_step_matches_one_device(reference, case, tmp_path):
-    _, want, params0 = reference
+                         ids=[f"{m}-{s}-M{mb}" + ("" if scan else "-unrolled") for m, s, _, scan, mb in STEP_CASES])
+def test_pipeline_step_matches_one_device(references, case, tmp_path):
+    _, want, params0 = references(case[-1])
     tr = pipeline_trainer(case, tmp_path)
     got = run_steps(tr, synthetic_batches(264), params0)
     assert_runs_match(got, want, f"{case[0]} {case[1]}")
@@ -60,9 +69,9 @@ def test_pipeline_step_matches_one_device(reference, case, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference_gradient(reference):
+def reference_gradient(references):
     """The one-device gradient at trained parameters, on the first compared step's batch."""
-    ref_tr, want, _ = reference
+    ref_tr, want, _ = references(MICRO)
     params, batch = want["params"][WARMUP - 1], synthetic_batches(264)[WARMUP]
     return params, batch, gradients(ref_tr, params, batch)
 
