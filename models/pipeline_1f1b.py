@@ -320,14 +320,19 @@ def runs(cfg, pipeline) -> bool:
     if pipeline is None or pipeline.schedule not in EXPLICIT or transformer._pipeline_stages() < 2:
         return False
     check_model(cfg, pipeline.schedule)
+    check_backend(cfg, pipeline.schedule)
     return True
 
 
 def check_model(cfg, schedule: str) -> None:
-    """One line for a model these schedules do not run."""
+    """One line for a model these schedules do not run (on any backend: `plan --search` asks too)."""
     if getattr(cfg, "arch", ""):
         raise UserError(f"--pipeline.schedule {schedule} runs the built-in decoder only, not the registered"
                         f" model '{cfg.arch}'; valid schedules for it: gpipe, circular")
+
+
+def check_backend(cfg, schedule: str) -> None:
+    """One line for a model these schedules cannot run on this process's devices."""
     devices = jax.local_device_count()
     if cfg.n_experts and jax.default_backend() == "cpu" and devices > 1:
         # A tick's forward and backward layer loops run at once, and the MoE step's collectives then

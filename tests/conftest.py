@@ -26,10 +26,12 @@ import jax  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 
 
-# The longest files first: pytest-xdist's --dist loadfile hands files to the workers in collection
-# order, so a long file collected last (the README commands, ~300 s) ran alone at the end while the
-# other worker idled.
-_FIRST = ("test_readme.py", "test_context.py", "test_multiprocess.py", "test_crash.py")
+# The longest files first (the longest-processing-time rule): pytest-xdist's --dist loadfile hands
+# files to the workers in collection order, so a long file collected last (the README commands,
+# ~300 s) ran alone at the end while the other worker idled. Ordered by a full run's per-file time.
+_FIRST = ("test_readme.py", "test_context.py", "test_equivalence_pipeline.py", "test_equivalence_schedules.py",
+          "test_multiprocess.py", "test_pipeline_1f1b.py", "test_resilience.py", "test_pipeline.py",
+          "test_checkpoint.py", "test_moe.py", "test_crash.py")
 
 
 def pytest_collection_modifyitems(items):

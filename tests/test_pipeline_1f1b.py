@@ -326,3 +326,16 @@ def test_temp_memory_is_flat_in_microbatches():
     assert gpipe[16] > 2.5 * gpipe[4] and one_f[16] < gpipe[16] / 3, (one_f, gpipe)
     # zb_h1 keeps 1F1B's ring and the W inputs of at most P micro-batches: flat in M too
     assert zb[16] <= 1.2 * zb[8] and zb[16] < gpipe[16], (zb, gpipe)
+
+
+def test_moe_on_a_small_cpu_pool_is_one_line_before_the_run_dir(tmp_path, monkeypatch, capfd):
+    """`python -m train` with a MoE model through 1f1b and XLA:CPU's default pool (8 threads for 8
+    devices on 2 cores): exit 2, one line naming PJRT_NPROC, and no run directory written."""
+    from train.__main__ import main
+    monkeypatch.setenv("PJRT_NPROC", "8")
+    run_dir = tmp_path / "run"
+    code = main(["--model", "moe-tiny", "--mesh", "pipeline=2,fsdp=4", "--pipeline.schedule", "1f1b", "--steps", "1",
+                 "--batch-size", "8", "--seq-len", "32", "--run-dir", str(run_dir), "--logging.progress", "false"])
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1 and "PJRT_NPROC=32 or more" in err[0], err
+    assert not run_dir.exists()

@@ -85,7 +85,8 @@ def test_plan_devices_prints_the_schedule_table():
 
 
 def test_schedule_choices_follow_the_runs_checks():
-    """MoE models and chunk counts that do not divide the layers are not offered."""
+    """Chunk counts that do not divide the layers are not offered; MoE models get every schedule
+    (XLA:CPU's thread pool is checked by a run on CPU, not by a plan, which prices other hardware)."""
     t = search._train(None, 64, 128, 1)
     choices = search.schedule_choices(dataclasses.replace(preset("7b"), n_layers=8), {**dict.fromkeys(search.AXES, 1), "pipeline": 4}, t,
                                       PipelineConfig(microbatches=8), search.make_rules())
@@ -93,7 +94,7 @@ def test_schedule_choices_follow_the_runs_checks():
                                                           ("interleaved_1f1b", 2)}
     moe = search.schedule_choices(preset("moe-tiny"), {**dict.fromkeys(search.AXES, 1), "pipeline": 2}, t,
                                   PipelineConfig(microbatches=2), search.make_rules())
-    assert {c.schedule for c in moe} <= {"circular"}
+    assert {"1f1b", "zb_h1"} <= {c.schedule for c in moe}
 
 
 def test_explicit_schedules_price_the_stage_recompute():

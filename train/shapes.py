@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from jax.sharding import Mesh
+
 from errors import UserError
 from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
@@ -41,6 +43,8 @@ def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg:
                     batch_shards=n)
         if pc.schedule in EXPLICIT:
             pipeline_1f1b.check_model(m, pc.schedule)
+            if isinstance(mesh, Mesh):  # a run's devices, not the search's abstract mesh
+                pipeline_1f1b.check_backend(m, pc.schedule)
 
 
 def seq_shards(mesh, rules, name: str = "seq") -> int:
