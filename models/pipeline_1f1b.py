@@ -332,18 +332,15 @@ def check_model(cfg, schedule: str) -> None:
 
 
 def check_backend(cfg, schedule: str) -> None:
-    """One line for a model these schedules cannot run on this process's devices."""
+    """One line for a model these schedules cannot run on this process's devices: MoE on an XLA:CPU
+    thread pool too small for a tick's concurrent forward and backward collectives (mesh/xla.py)."""
     devices = jax.local_device_count()
-    if cfg.n_experts and jax.default_backend() == "cpu" and devices > 1:
-        # A tick's forward and backward layer loops run at once, and the MoE step's collectives then
-        # can take every thread of XLA:CPU's pool while one fake device still needs one (mesh/xla.py)
-        need = xla.CPU_THREADS_PER_DEVICE * devices
-        have = xla.cpu_pool_threads(os.environ, devices, os.cpu_count() or 1)
-        if have < need:
-            raise UserError(f"--pipeline.schedule {schedule} runs MoE models (model.n_experts={cfg.n_experts}) on"
-                            f" {devices} CPU devices only with PJRT_NPROC={need} or more (XLA:CPU's thread pool,"
-                            f" now {have}: its in-process collectives stop with fewer); set it before starting,"
-                            f" or use a schedule that runs MoE with any pool: gpipe, circular")
+    need, have = xla.CPU_THREADS_PER_DEVICE * devices, xla.cpu_pool_threads(os.environ, devices, os.cpu_count() or 1)
+    if cfg.n_experts and jax.default_backend() == "cpu" and devices > 1 and have < need:
+        raise UserError(f"--pipeline.schedule {schedule} runs MoE models (model.n_experts={cfg.n_experts}) on"
+                        f" {devices} CPU devices only with PJRT_NPROC={need} or more (XLA:CPU's thread pool,"
+                        f" now {have}: its in-process collectives stop with fewer); set it before starting,"
+                        f" or use a schedule that runs MoE with any pool: gpipe, circular")
 
 
 def decoder_loss(cfg, params: dict, batch: dict, pipeline, token_loss: Callable, stat_weights: dict):
