@@ -135,11 +135,12 @@ def apply_argv(argv: list[str], environ) -> str | None:
 # while the 8th device's only thread waits at its second collective), none of 2 with 16, none of 4
 # with 32.
 CPU_THREADS_PER_DEVICE = 4
+NPROC_VARS = ("PJRT_NPROC", "NPROC")  # what XLA:CPU reads for its pool size, the first set one wins
 
 
 def cpu_pool_threads(environ: Mapping[str, str], devices: int, cores: int) -> int:
     """The XLA:CPU thread pool a process started with `environ` gets for `devices` fake devices."""
-    for var in ("PJRT_NPROC", "NPROC"):
+    for var in NPROC_VARS:
         if environ.get(var, "").strip().isdigit():
             return max(int(environ[var]), devices)
     return max(cores, devices)
@@ -147,6 +148,6 @@ def cpu_pool_threads(environ: Mapping[str, str], devices: int, cores: int) -> in
 
 def cpu_threads_env(environ: Mapping[str, str], devices: int) -> dict[str, str]:
     """PJRT_NPROC for CPU_THREADS_PER_DEVICE threads per fake device, unless the caller set one."""
-    if any(environ.get(var) for var in ("PJRT_NPROC", "NPROC")):
+    if any(environ.get(var) for var in NPROC_VARS):
         return {}
     return {"PJRT_NPROC": str(CPU_THREADS_PER_DEVICE * devices)}
