@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from checkpoint.manager import open_checkpoint
-from tests.data_files import TEXTS, tiktoken_file
-from tests.test_train import _tb_scalars
+from data_files import TEXTS, tiktoken_file
+from test_train import _tb_scalars
 from train import evaluate
 from train.__main__ import main as train_main
 from train.config import build

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cpu_env import cpu_env
+from cpu_env import cpu_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

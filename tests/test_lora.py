@@ -21,7 +21,7 @@ from train import lora
 from train.config import build
 from train.state import TrainState
 from train.step import grads_loss_stats, loss_sums
-from tests.equivalence import (COMPARED, SEQ, WARMUP, assert_runs_match, assert_trees_close,
+from equivalence import (COMPARED, SEQ, WARMUP, assert_runs_match, assert_trees_close,
                                make_trainer, synthetic_batches)
 
 MESH = "data=2,fsdp=2,model=2"

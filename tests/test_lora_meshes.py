@@ -16,8 +16,8 @@ from plan.report import analyze, render
 from train import lora
 from train.config import build
 from train.setup import setup
-from tests.equivalence import COMPARED, WARMUP, assert_runs_match, assert_trees_close, make_trainer, synthetic_batches
-from tests.test_lora import LORA, _run_steps
+from equivalence import COMPARED, WARMUP, assert_runs_match, assert_trees_close, make_trainer, synthetic_batches
+from test_lora import LORA, _run_steps
 
 MICRO = 4  # pipeline micro-batches: 2 rows each of the 8-row batch, split over fsdp=2
 # name -> (mesh, overrides): every case a LoRA run against its own one-device twin

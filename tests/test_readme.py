@@ -320,3 +320,41 @@ def test_readme_commands(tmp_path):
                 f"README line {cmd.line}: the same command again did not continue the run:\n{result.stdout[-2000:]}"
         done.add((cmd.section, cmd.words))
     assert _repo_files(touched) == before, "a README command wrote into the checkout"
+
+
+def _readme_test_command() -> str:
+    """The README's test command: the line of "The two commands" that runs pytest, its comment cut."""
+    block = re.search(r"## The two commands\s+```bash\n(.*?)```", README.read_text(), re.S)
+    assert block, "README.md: no bash block under 'The two commands'"
+    lines = [ln.split("#")[0].strip() for ln in block.group(1).splitlines() if "pytest" in ln]
+    assert len(lines) == 1, f"README.md: one test command expected under 'The two commands', got {lines}"
+    return lines[0]
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI runs the README's test command in the same words, so CI cannot pass a command a newcomer
+    is not shown (it once ran `python -m pytest`, whose path differs from plain `pytest`'s)."""
+    ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert _readme_test_command() in ci, f".ci/run does not run the README's `{_readme_test_command()}`"
+
+
+def test_test_helpers_imported_one_way():
+    """Test helpers are imported as top-level modules (tests/ is on pytest's path): `tests.x` is
+    importable only when the project root is on the path as well, as with `python -m pytest`."""
+    wrong = [f"{p.name}: {ln.strip()}" for p in sorted((REPO / "tests").glob("*.py"))
+             for ln in p.read_text().splitlines() if re.match(r"\s*(from|import) tests\b", ln)]
+    assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_plain_pytest_collects_every_file(tmp_path):
+    """`pytest` as the README writes it (the console script, not `python -m pytest`), started from
+    the project root with nothing added to PYTHONPATH, collects every test file without an error."""
+    env = {k: v for k, v in cpu_env(8).items() if k != "PYTHONPATH"}
+    pytest_script = Path(sys.executable).parent / "pytest"
+    r = subprocess.run([str(pytest_script), "--collect-only", "-q", "-o", "addopts=", "-p", "no:cacheprovider"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    errors = [ln for ln in r.stdout.splitlines() if ln.startswith("ERROR")]
+    assert r.returncode == 0 and not errors, r.stdout[-3000:] + r.stderr[-2000:]
+    files = {ln.split("::")[0] for ln in r.stdout.splitlines() if "::" in ln}
+    assert files == {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")}, files
