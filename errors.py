@@ -3,10 +3,11 @@
 Anything raised as `UserError` is shown by the CLIs as a single line (no traceback) and exits
 with status 2. Every message names the culprit and the valid choices.
 """
+
 import argparse
 import functools
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 class UserError(ValueError):
@@ -16,6 +17,7 @@ class UserError(ValueError):
 def one_line_errors(main):
     """Decorate a CLI's `main(argv) -> exit status`: a UserError becomes `error: ...` on stderr
     and status 2, with no traceback."""
+
     @functools.wraps(main)
     def run(*args, **kwargs):
         try:
@@ -23,6 +25,7 @@ def one_line_errors(main):
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+
     return run
 
 

@@ -6,6 +6,7 @@ throughput next to this disk's raw write speed, and restore time on the same and
 The train state (params + AdamW moments, float32) of the model below is ~300 MB, sharded over
 fsdp=8 fake CPU devices; every figure is the median of --repeats runs in the same process.
 """
+
 import argparse
 import os
 import shutil
@@ -23,7 +24,8 @@ from checkpoint.manager import Checkpointer
 from mesh.build import make_mesh
 from mesh.rules import DEFAULT_RULES
 from models.config import ModelConfig
-from train import optim, state as train_state
+from train import optim
+from train import state as train_state
 from train.config import TrainConfig
 
 
@@ -46,7 +48,9 @@ def raw_write_mb_s(directory: str, n_bytes: int) -> float:
     return max(1, n_bytes // buf.nbytes) * buf.nbytes / dt / 1e6
 
 
-def timed_saves(directory: str, state, meta, async_save: bool, repeats: int) -> tuple[list[float], list[float]]:
+def timed_saves(
+    directory: str, state, meta, async_save: bool, repeats: int
+) -> tuple[list[float], list[float]]:
     """-> (seconds the caller was blocked per save, seconds until committed per save)."""
     shutil.rmtree(directory, ignore_errors=True)
     ck = Checkpointer(directory, keep=2, async_save=async_save)
@@ -69,10 +73,19 @@ def timed_restores(directory: str, step: int, abstract, repeats: int, verify: bo
     for _ in range(repeats):
         t0 = time.perf_counter()
         if verify:
-            restored, _ = ck.restore(step, abstract)  # reads every chunk once to verify, then restores
+            restored, _ = ck.restore(
+                step, abstract
+            )  # reads every chunk once to verify, then restores
         else:
-            restored = ck._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
+            restored = ck._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=abstract,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    )
+                ),
+            )["state"]
         jax.block_until_ready(restored)
         out.append(time.perf_counter() - t0)
         del restored
@@ -87,8 +100,16 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "brigade_ckpt_bench"))
     args = ap.parse_args()
 
-    cfg = ModelConfig(vocab_size=264, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=8,
-                      d_ff=4 * args.d_model, max_seq_len=256, dtype="float32")
+    cfg = ModelConfig(
+        vocab_size=264,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=8,
+        d_ff=4 * args.d_model,
+        max_seq_len=256,
+        dtype="float32",
+    )
     tx = optim.make(TrainConfig())
     mesh = make_mesh("fsdp=8")
     state = train_state.create(cfg, tx, mesh, DEFAULT_RULES, 0)
@@ -96,18 +117,28 @@ def main() -> None:
     n_bytes = state_bytes(state)
     meta = make_meta(0, {}, mesh, 0)
     mb = n_bytes / 1e6
-    print(f"state: {mb:.0f} MB ({sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.1f}M params + AdamW),"
-          f" mesh fsdp=8, {args.repeats} repeats, dir {args.dir}")
+    print(
+        f"state: {mb:.0f} MB ({sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.1f}M params + AdamW),"
+        f" mesh fsdp=8, {args.repeats} repeats, dir {args.dir}"
+    )
 
-    raw = statistics.median(raw_write_mb_s(os.path.dirname(args.dir) or ".", n_bytes) for _ in range(args.repeats))
+    raw = statistics.median(
+        raw_write_mb_s(os.path.dirname(args.dir) or ".", n_bytes) for _ in range(args.repeats)
+    )
     a_block, a_total = timed_saves(args.dir + "_async", state, meta, True, args.repeats)
     s_block, s_total = timed_saves(args.dir + "_sync", state, meta, False, args.repeats)
     med = statistics.median
     print(f"raw disk write (numpy + fsync):   {raw:8.0f} MB/s")
-    print(f"sync save:  blocked {med(s_block):6.2f} s, committed {med(s_total):6.2f} s -> {mb / med(s_total):6.0f} MB/s")
-    print(f"async save: blocked {med(a_block):6.2f} s, committed {med(a_total):6.2f} s -> {mb / med(a_total):6.0f} MB/s")
-    print(f"async blocks {100 * med(a_block) / med(s_block):.1f}% of sync (target < 10%);"
-          f" save throughput {100 * mb / med(a_total) / raw:.0f}% of raw disk")
+    print(
+        f"sync save:  blocked {med(s_block):6.2f} s, committed {med(s_total):6.2f} s -> {mb / med(s_total):6.0f} MB/s"
+    )
+    print(
+        f"async save: blocked {med(a_block):6.2f} s, committed {med(a_total):6.2f} s -> {mb / med(a_total):6.0f} MB/s"
+    )
+    print(
+        f"async blocks {100 * med(a_block) / med(s_block):.1f}% of sync (target < 10%);"
+        f" save throughput {100 * mb / med(a_total) / raw:.0f}% of raw disk"
+    )
 
     abstract_same = train_state.abstract(cfg, tx, mesh, DEFAULT_RULES)
     other = make_mesh("data=2,model=4")
@@ -116,12 +147,17 @@ def main() -> None:
     abstract_one = train_state.abstract(cfg, tx, one, DEFAULT_RULES)
     step = args.repeats
     d = args.dir + "_async"
-    for name, ab in (("same mesh fsdp=8", abstract_same), ("resharded to data=2,model=4", abstract_other),
-                     ("resharded to 1 device", abstract_one)):
+    for name, ab in (
+        ("same mesh fsdp=8", abstract_same),
+        ("resharded to data=2,model=4", abstract_other),
+        ("resharded to 1 device", abstract_one),
+    ):
         plain = med(timed_restores(d, step, ab, args.repeats, verify=False))
         checked = med(timed_restores(d, step, ab, args.repeats, verify=True))
-        print(f"restore {name:28s} {plain:6.2f} s ({mb / plain:5.0f} MB/s); with Brigade's pre-restore"
-              f" verification {checked:6.2f} s")
+        print(
+            f"restore {name:28s} {plain:6.2f} s ({mb / plain:5.0f} MB/s); with Brigade's pre-restore"
+            f" verification {checked:6.2f} s"
+        )
     for suffix in ("_async", "_sync"):
         shutil.rmtree(args.dir + suffix, ignore_errors=True)
 

@@ -12,14 +12,14 @@ sums the wire bytes of the collectives over the data axis; it also times each sy
 --iters): on one CPU the fake devices share memory, so the time shows the compression's compute
 cost, not a network saving.
 """
-from __future__ import annotations
 
-import common  # noqa: F401  (8 fake devices before JAX starts; repo on sys.path)
+from __future__ import annotations
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+import common  # noqa: F401  (8 fake devices before JAX starts; repo on sys.path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -27,14 +27,19 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from mesh import bench  # noqa: E402
 from mesh.build import make_mesh  # noqa: E402
-from mesh.spec import mesh_text  # noqa: E402
 from mesh.rules import axis_rules, logical_to_spec, make_rules  # noqa: E402
+from mesh.spec import mesh_text  # noqa: E402
 from models import model as model_lib  # noqa: E402
 from models.config import preset  # noqa: E402
 from plan.hlo import parse_collectives, summarize  # noqa: E402
 from train import comm  # noqa: E402
 
-SETTINGS = (("none (float32, XLA)", "none"), ("int8", "int8"), ("int4", "int4"), ("topk 1%", "topk"))
+SETTINGS = (
+    ("none (float32, XLA)", "none"),
+    ("int8", "int8"),
+    ("int4", "int4"),
+    ("topk 1%", "topk"),
+)
 
 
 def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
@@ -43,39 +48,72 @@ def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
     cfg = preset(model)
     dp = tuple(a for a in rules["batch"] if mesh.shape[a] > 1 and a not in ("fsdp",))
     n_dp = int(np.prod([mesh.shape[a] for a in dp]))
-    specs = jax.tree.map(lambda names: logical_to_spec(names, rules), model_lib.param_axes(cfg),
-                         is_leaf=lambda x: isinstance(x, tuple))
+    specs = jax.tree.map(
+        lambda names: logical_to_spec(names, rules),
+        model_lib.param_axes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     shapes = model_lib.abstract_params(cfg)
     rng = np.random.default_rng(0)
-    grads = jax.tree.map(lambda s, sp: jax.device_put(
-        rng.standard_normal((n_dp, *s.shape)).astype(np.float32) / n_dp,
-        NamedSharding(mesh, comm.replica_spec(sp, dp))), shapes, specs)
+    grads = jax.tree.map(
+        lambda s, sp: jax.device_put(
+            rng.standard_normal((n_dp, *s.shape)).astype(np.float32) / n_dp,
+            NamedSharding(mesh, comm.replica_spec(sp, dp)),
+        ),
+        shapes,
+        specs,
+    )
     n_params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
     rows = []
     with jax.set_mesh(mesh), axis_rules(rules):
         for label, c in SETTINGS:
-            fn = jax.jit(lambda g, c=c: comm.sync_grads(g, None, compression=c, dp_axes=dp, param_specs=specs,
-                                                        topk_fraction=0.01)[0])
+            fn = jax.jit(
+                lambda g, c=c: comm.sync_grads(
+                    g, None, compression=c, dp_axes=dp, param_specs=specs, topk_fraction=0.01
+                )[0]
+            )
             text = fn.lower(grads).compile().as_text()
             s = summarize(parse_collectives(text, mesh))
-            wire = sum(a["wire_bytes"] for v in s.values() for ax, a in v["by_axes"].items() if set(dp) & set(ax.split(",")))
-            kinds = {k: v["count"] for k, v in s.items() if any(set(dp) & set(ax.split(",")) for ax in v["by_axes"])}
+            wire = sum(
+                a["wire_bytes"]
+                for v in s.values()
+                for ax, a in v["by_axes"].items()
+                if set(dp) & set(ax.split(","))
+            )
+            kinds = {
+                k: v["count"]
+                for k, v in s.items()
+                if any(set(dp) & set(ax.split(",")) for ax in v["by_axes"])
+            }
             jax.block_until_ready(fn(grads))
             times = []
             for _ in range(iters):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(grads))
                 times.append(time.perf_counter() - t0)
-            rows.append({"setting": label, "wire_bytes": wire, "kinds": kinds, "time_ms": 1e3 * statistics.median(times)})
+            rows.append(
+                {
+                    "setting": label,
+                    "wire_bytes": wire,
+                    "kinds": kinds,
+                    "time_ms": 1e3 * statistics.median(times),
+                }
+            )
     base = rows[0]["wire_bytes"]
-    print(f"\n## Gradient sync over {','.join(dp)} (n={n_dp}), model `{model}` ({n_params / 1e6:.2f}M params),"
-          f" mesh {mesh_text(mesh.shape)}: per-device wire bytes per step from the compiled HLO\n")
-    print("| setting | collectives over dp | wire bytes / device | float32 / this | sync time (CPU, ms) |")
+    print(
+        f"\n## Gradient sync over {','.join(dp)} (n={n_dp}), model `{model}` ({n_params / 1e6:.2f}M params),"
+        f" mesh {mesh_text(mesh.shape)}: per-device wire bytes per step from the compiled HLO\n"
+    )
+    print(
+        "| setting | collectives over dp | wire bytes / device | float32 / this | sync time (CPU, ms) |"
+    )
     print("|---|---|---|---|---|")
     for r in rows:
         kinds = ", ".join(f"{n} {k}" for k, n in r["kinds"].items() if n)
-        print(f"| {r['setting']} | {kinds} | {r['wire_bytes'] / 1e6:.3f} MB | {base / r['wire_bytes']:.2f}x |"
-              f" {r['time_ms']:.1f} |")
+        print(
+            f"| {r['setting']} | {kinds} | {r['wire_bytes'] / 1e6:.3f} MB | {base / r['wire_bytes']:.2f}x |"
+            f" {r['time_ms']:.1f} |"
+        )
     return rows
 
 
@@ -88,13 +126,25 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     mesh = make_mesh(args.mesh)
-    print(f"## Collectives (`python -m mesh.bench --mesh {args.mesh} --sizes {args.sizes} --iters {args.iters}`)\n")
+    print(
+        f"## Collectives (`python -m mesh.bench --mesh {args.mesh} --sizes {args.sizes} --iters {args.iters}`)\n"
+    )
     print("| op | axes | n | size | time (us) | algbw GB/s | busbw GB/s |")
     print("|---|---|---|---|---|---|---|")
-    bench.run(mesh, args.ops.split(","), bench.axis_groups(dict(mesh.shape), None), bench.parse_sizes(args.sizes),
-              ["float32"], args.iters, 2,
-              on_row=lambda r: print(f"| {r['op']} | {r['axes']} | {r['n']} | {bench._human(r['size_bytes'])} |"
-                                     f" {r['time_us']:.0f} | {r['algbw_GBps']:.3f} | {r['busbw_GBps']:.3f} |", flush=True))
+    bench.run(
+        mesh,
+        args.ops.split(","),
+        bench.axis_groups(dict(mesh.shape), None),
+        bench.parse_sizes(args.sizes),
+        ["float32"],
+        args.iters,
+        2,
+        on_row=lambda r: print(
+            f"| {r['op']} | {r['axes']} | {r['n']} | {bench._human(r['size_bytes'])} |"
+            f" {r['time_us']:.0f} | {r['algbw_GBps']:.3f} | {r['busbw_GBps']:.3f} |",
+            flush=True,
+        ),
+    )
     sync_table(args.model, args.mesh, args.iters)
 
 

@@ -1,11 +1,11 @@
 """Compile time of the train step vs depth with scan_layers on and off (2 vs 16 layers).
 
-    python benchmarks/compile_depth.py
+python benchmarks/compile_depth.py
 """
+
 import time
 
 import common  # noqa: F401
-import jax
 
 from train import state as train_state
 from train.config import build

@@ -12,6 +12,7 @@ process) next to what the default training run consumes.
 3. with --train-steps N: the default model's train step fed by the pipeline's prefetch thread,
    reporting data_wait_s as a share of the step time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,18 +24,24 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import numpy as np  # noqa: E402
 
-TRAIN_TOKENS_PER_S = 2428  # BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
+TRAIN_TOKENS_PER_S = (
+    2428  # BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
+)
 
 
 def stdlib_sample(directory: str, mb: int) -> list[str]:
     """Copies of stdlib .py files (sorted) up to `mb` MB, so the input is real code, not one repeated file."""
     root, files, total = sysconfig.get_paths()["stdlib"], [], 0
     for dirpath, dirnames, names in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "test"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "__pycache__", "test")
+        )
         for n in sorted(names):
             if n.endswith(".py") and total < mb << 20:
                 src = os.path.join(dirpath, n)
@@ -47,6 +54,7 @@ def stdlib_sample(directory: str, mb: int) -> list[str]:
 
 def train_bpe(path: str, files: list[str]) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -56,14 +64,21 @@ def train_bpe(path: str, files: list[str]) -> str:
             break
         texts.append(open(f, encoding="utf-8", errors="replace").read())
         size += len(texts[-1])
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=4096, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=4096,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.save(path)
     return path
 
 
 def hf_alone(path: str, files: list[str]) -> float:
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(path)
     texts = [open(f, encoding="utf-8").read() for f in files[:200]]
     t0 = time.perf_counter()
@@ -73,6 +88,7 @@ def hf_alone(path: str, files: list[str]) -> float:
 
 def bench_prepare(work: str, files: list[str], tokenizer: str, workers: int) -> tuple[float, int]:
     from train.data.prepare import prepare
+
     out = os.path.join(work, f"ds-{os.path.basename(tokenizer)}-{workers}")
     t0 = time.perf_counter()
     index = prepare(files, out, tokenizer, workers=workers, progress=False)
@@ -92,9 +108,15 @@ def rate(fn, tokens_per_call: int, min_s: float = 2.0) -> float:
 def grain_rate(pipe, B: int, min_s: float = 2.0) -> float:
     """The same windows through Grain: MapDataset.range(n).shuffle(seed).repeat() -> gather -> batch."""
     import grain
+
     win = pipe.train[0]
-    ds = (grain.MapDataset.range(win.n).shuffle(seed=0).repeat()
-          .map(lambda w: win.rows(np.array([w]), False)["inputs"][0]).batch(B, drop_remainder=True))
+    ds = (
+        grain.MapDataset.range(win.n)
+        .shuffle(seed=0)
+        .repeat()
+        .map(lambda w: win.rows(np.array([w]), False)["inputs"][0])
+        .batch(B, drop_remainder=True)
+    )
     it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)))
     next(it)
     n, t0 = 0, time.perf_counter()
@@ -107,10 +129,14 @@ def grain_rate(pipe, B: int, min_s: float = 2.0) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=16, help="MB of input text for prepare")
-    ap.add_argument("--train-steps", type=int, default=0, help="also run the default model this many steps")
+    ap.add_argument(
+        "--train-steps", type=int, default=0, help="also run the default model this many steps"
+    )
     args = ap.parse_args(argv)
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from mesh.build import make_mesh
     from train.config import DataConfig
     from train.data.pipeline import make_pipeline
@@ -120,32 +146,47 @@ def main(argv=None) -> int:
         os.makedirs(os.path.join(work, "txt"))
         files = stdlib_sample(os.path.join(work, "txt"), args.mb)
         bpe = train_bpe(os.path.join(work, "bpe.json"), files)
-        print(f"prepare: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB, {os.cpu_count()} cores")
+        print(
+            f"prepare: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB, {os.cpu_count()} cores"
+        )
         print("| tokenizer | workers | MB/s | tokens |\n|---|---|---|---|")
         for tok, label in (("byte", "byte"), (bpe, "HF BPE 4k")):
             for workers in (1, 2):
                 mbs, n = bench_prepare(work, files, tok, workers)
                 print(f"| {label} | {workers} | {mbs:.1f} | {n / 1e6:.1f}M |")
-        print(f"| HF BPE 4k, the library alone (`encode_batch`, all threads, no I/O) | - | {hf_alone(bpe, files):.1f} | |")
+        print(
+            f"| HF BPE 4k, the library alone (`encode_batch`, all threads, no I/O) | - | {hf_alone(bpe, files):.1f} | |"
+        )
 
         data = os.path.join(work, "ds-byte-2")
         mesh = make_mesh("data=8")
         sharding = NamedSharding(mesh, P(("data", "fsdp", "expert"), None))
-        print(f"\nloader (1 process, {jax.device_count()} fake devices); the default run consumes"
-              f" {TRAIN_TOKENS_PER_S} tokens/s")
+        print(
+            f"\nloader (1 process, {jax.device_count()} fake devices); the default run consumes"
+            f" {TRAIN_TOKENS_PER_S} tokens/s"
+        )
         print("| batch | variant | tokens/s | x training |\n|---|---|---|---|")
         for B, T in ((16, 128), (8, 2048)):
             for mask in (False, True):
-                pipe = make_pipeline(DataConfig(source=data, packing_mask=mask), batch_size=B, seq_len=T, seed=0,
-                                     batch_sharding=sharding)
+                pipe = make_pipeline(
+                    DataConfig(source=data, packing_mask=mask),
+                    batch_size=B,
+                    seq_len=T,
+                    seed=0,
+                    batch_sharding=sharding,
+                )
                 tag = f"{B}x{T}" + (" +mask" if mask else "")
                 r = rate(pipe.global_batch, B * T)
-                print(f"| {tag} | host rows (numpy) | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |")
+                print(
+                    f"| {tag} | host rows (numpy) | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |"
+                )
                 r = rate(lambda s: jax.block_until_ready(pipe.device_batch(s)), B * T)
                 print(f"| {tag} | on 8 devices | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |")
                 if not mask:
                     r = grain_rate(pipe, B)
-                    print(f"| {tag} | Grain MapDataset, 2 threads | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |")
+                    print(
+                        f"| {tag} | Grain MapDataset, 2 threads | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |"
+                    )
 
         if args.train_steps:
             train_wait(args.train_steps)
@@ -157,14 +198,22 @@ def main(argv=None) -> int:
 def train_wait(steps: int) -> None:
     """The default run's model and shapes on 1 device, fed by the pipeline's prefetch thread."""
     import jax
+
     from train.config import build
     from train.data.pipeline import make_pipeline
     from train.loop import Trainer
+
     cfg = build({"train.steps": steps, "logging.progress": False})
     tr = Trainer(cfg, devices=jax.devices()[:1])
     t = cfg.train
-    pipe = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                         batch_sharding=tr.batch_sharding, vocab_size=tr.model_cfg.vocab_size)
+    pipe = make_pipeline(
+        cfg.data,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        seed=t.seed,
+        batch_sharding=tr.batch_sharding,
+        vocab_size=tr.model_cfg.vocab_size,
+    )
     state = tr.create_state()
     batch, _ = pipe.next()
     step_fn = tr.compile_step(state, batch)
@@ -177,8 +226,10 @@ def train_wait(steps: int) -> None:
         waits.append(waited)
     dt = (time.perf_counter() - t0) / steps
     pipe.close()
-    print(f"\ndefault model, {steps} steps of {t.batch_size}x{t.seq_len} on 1 device: {dt:.3f} s/step,"
-          f" data_wait_s {np.mean(waits) * 1e3:.2f} ms/step = {100 * np.mean(waits) / dt:.3f}% of the step")
+    print(
+        f"\ndefault model, {steps} steps of {t.batch_size}x{t.seq_len} on 1 device: {dt:.3f} s/step,"
+        f" data_wait_s {np.mean(waits) * 1e3:.2f} ms/step = {100 * np.mean(waits) / dt:.3f}% of the step"
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 Runs on the devices the environment gives (1 CPU device unless XLA_FLAGS says otherwise), like
 the default `python -m train`.
 """
+
 import argparse
 import os
 import statistics
@@ -19,9 +20,20 @@ from train.loop import Trainer  # noqa: E402
 
 def step_time(dtype: str, steps: int) -> float:
     with tempfile.TemporaryDirectory() as d:
-        tr = Trainer(build({"model.dtype": dtype, "train.steps": steps, "train.eval_every": 0,
-                            "train.sample_tokens": 0, "logging.log_every": 4, "logging.progress": False,
-                            "logging.tensorboard": False, "logging.run_dir": d}))
+        tr = Trainer(
+            build(
+                {
+                    "model.dtype": dtype,
+                    "train.steps": steps,
+                    "train.eval_every": 0,
+                    "train.sample_tokens": 0,
+                    "logging.log_every": 4,
+                    "logging.progress": False,
+                    "logging.tensorboard": False,
+                    "logging.run_dir": d,
+                }
+            )
+        )
         tr.fit()
     return statistics.median(r["step_time_s"] for r in tr.history[1:])
 

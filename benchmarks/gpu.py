@@ -27,6 +27,7 @@ Results: $OUT/gpu_results.json if OUT is set, else benchmarks/gpu_results.json, 
 every run so a hard kill keeps what finished. For BENCHMARKS.md paste the Markdown table printed
 at the end, with this command line, the date, and the device/versions from the JSON.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,14 +62,37 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|\bOOM\b")
-FIELDS = ("tokens_per_sec", "tokens_per_sec_per_device", "mfu", "step_time_s", "data_wait_s", "moe/dropped_fraction")
+FIELDS = (
+    "tokens_per_sec",
+    "tokens_per_sec_per_device",
+    "mfu",
+    "step_time_s",
+    "data_wait_s",
+    "moe/dropped_fraction",
+)
 # Mixtral 8x7B's layout (GQA 2:1, 8 experts, top-2, expert width 3.5 x d_model) at 1/4 the width and
 # 1/4 the depth: 0.8B parameters (Adam state ~13 GB), so batch 8-16 at seq 2048 fits one H200.
-MOE_SHAPES = {"mixtral-small": ("mixtral-8x7b", ["--model.n_layers", "8", "--model.d_model", "1024",
-                                                 "--model.n_heads", "16", "--model.n_kv_heads", "8",
-                                                 "--model.d_ff", "3584", "--model.d_ff_expert", "3584"])}
+MOE_SHAPES = {
+    "mixtral-small": (
+        "mixtral-8x7b",
+        [
+            "--model.n_layers",
+            "8",
+            "--model.d_model",
+            "1024",
+            "--model.n_heads",
+            "16",
+            "--model.n_kv_heads",
+            "8",
+            "--model.d_ff",
+            "3584",
+            "--model.d_ff_expert",
+            "3584",
+        ],
+    )
+}
 MOE_VARIANTS = {
-    "dropless": ["--model.dispatch", "dropless"],                    # kernel auto: ragged_dot on GPU
+    "dropless": ["--model.dispatch", "dropless"],  # kernel auto: ragged_dot on GPU
     "dropless-blocks": ["--model.dispatch", "dropless", "--model.dropless_kernel", "blocks"],
     "capacity": ["--model.dispatch", "capacity", "--model.capacity_factor", "1.25"],
 }
@@ -89,30 +113,59 @@ def say(*a) -> None:
 
 def parse_args():
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default="1b", help="comma-separated dense model presets ('' = none)")
+    p.add_argument(
+        "--presets", default="1b", help="comma-separated dense model presets ('' = none)"
+    )
     p.add_argument("--batch-sizes", default="4,8,16", help="comma-separated global batch sizes")
-    p.add_argument("--moe-variants", default="dropless,capacity",
-                   help=f"MoE dispatch variants to run, from {', '.join(MOE_VARIANTS)}; '' = no MoE case")
-    p.add_argument("--moe-preset", default="mixtral-small",
-                   help=f"MoE shape: {', '.join(MOE_SHAPES)} or any registered MoE preset (e.g. moe-tiny)")
-    p.add_argument("--moe-batch-sizes", default="8", help="comma-separated global batch sizes for the MoE case")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"settings compared on the first dense preset, from {', '.join(VARIANTS)}; '' = none")
-    p.add_argument("--variant-batch", type=int, default=8, help="global batch size of the variant runs")
+    p.add_argument(
+        "--moe-variants",
+        default="dropless,capacity",
+        help=f"MoE dispatch variants to run, from {', '.join(MOE_VARIANTS)}; '' = no MoE case",
+    )
+    p.add_argument(
+        "--moe-preset",
+        default="mixtral-small",
+        help=f"MoE shape: {', '.join(MOE_SHAPES)} or any registered MoE preset (e.g. moe-tiny)",
+    )
+    p.add_argument(
+        "--moe-batch-sizes", default="8", help="comma-separated global batch sizes for the MoE case"
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"settings compared on the first dense preset, from {', '.join(VARIANTS)}; '' = none",
+    )
+    p.add_argument(
+        "--variant-batch", type=int, default=8, help="global batch size of the variant runs"
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="dense bf16 peak per device for MFU; 0 = the CLI's own table (H100/H200 SXM: 989)")
-    p.add_argument("--budget-s", type=float, default=540, help="wall-clock budget for the whole sweep")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="dense bf16 peak per device for MFU; 0 = the CLI's own table (H100/H200 SXM: 989)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=540, help="wall-clock budget for the whole sweep"
+    )
     p.add_argument("--run-timeout-s", type=float, default=300, help="limit for one config")
-    p.add_argument("--min-run-s", type=float, default=75,
-                   help="do not start a config with less budget left (start-up + compile alone take ~1 min)")
-    p.add_argument("--hardware", default="h200", help="cost-model profile whose prediction is put next to each run"
-                                                      " (python -m train plan --hardware); '' = none")
+    p.add_argument(
+        "--min-run-s",
+        type=float,
+        default=75,
+        help="do not start a config with less budget left (start-up + compile alone take ~1 min)",
+    )
+    p.add_argument(
+        "--hardware",
+        default="h200",
+        help="cost-model profile whose prediction is put next to each run"
+        " (python -m train plan --hardware); '' = none",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
     args.extra = extra
@@ -121,7 +174,10 @@ def parse_args():
     args.moe_variants = [s for s in args.moe_variants.split(",") if s]
     args.moe_batch_sizes = sorted(int(s) for s in args.moe_batch_sizes.split(",") if s)
     args.variants = [s for s in args.variants.split(",") if s]
-    for flag, given, valid in (("--moe-variants", args.moe_variants, MOE_VARIANTS), ("--variants", args.variants, VARIANTS)):
+    for flag, given, valid in (
+        ("--moe-variants", args.moe_variants, MOE_VARIANTS),
+        ("--variants", args.variants, VARIANTS),
+    ):
         bad = [v for v in given if v not in valid]
         if bad:
             p.error(f"{flag}: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
@@ -131,24 +187,65 @@ def parse_args():
 def cases(args) -> list[dict]:
     """What to run, in order: each dense preset, the first one's variants, then the MoE shape once
     per dispatch variant. name: the label in the results; preset + flags: the train command's model."""
-    out = [{"name": p, "preset": p, "flags": [], "batch_sizes": args.batch_sizes} for p in args.presets]
+    out = [
+        {"name": p, "preset": p, "flags": [], "batch_sizes": args.batch_sizes} for p in args.presets
+    ]
     if args.presets:
-        out += [{"name": f"{args.presets[0]}/{v}", "preset": args.presets[0], "flags": VARIANTS[v],
-                 "batch_sizes": [args.variant_batch]} for v in args.variants]
+        out += [
+            {
+                "name": f"{args.presets[0]}/{v}",
+                "preset": args.presets[0],
+                "flags": VARIANTS[v],
+                "batch_sizes": [args.variant_batch],
+            }
+            for v in args.variants
+        ]
     preset, flags = MOE_SHAPES.get(args.moe_preset, (args.moe_preset, []))
-    out += [{"name": f"{args.moe_preset}/{v}", "preset": preset, "flags": flags + MOE_VARIANTS[v],
-             "batch_sizes": args.moe_batch_sizes} for v in args.moe_variants]
+    out += [
+        {
+            "name": f"{args.moe_preset}/{v}",
+            "preset": preset,
+            "flags": flags + MOE_VARIANTS[v],
+            "batch_sizes": args.moe_batch_sizes,
+        }
+        for v in args.moe_variants
+    ]
     return out
 
 
 def train_cmd(args, case: dict, batch: int, run_dir: str) -> list[str]:
     # Synthetic data: the benchmark measures the step, not a dataset or disk. No eval and no
     # sample at the end (each costs an extra compile), no progress bar or TensorBoard files.
-    cmd = [sys.executable, "-m", "train", "--model", case["preset"], *case["flags"], "--model.dtype", "bfloat16",
-           "--steps", str(args.steps), "--batch-size", str(batch), "--seq-len", str(args.seq_len),
-           "--log-every", str(args.log_every), "--data", "synthetic", "--eval-every", "0",
-           "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false",
-           "--run-dir", run_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        "--model",
+        case["preset"],
+        *case["flags"],
+        "--model.dtype",
+        "bfloat16",
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(batch),
+        "--seq-len",
+        str(args.seq_len),
+        "--log-every",
+        str(args.log_every),
+        "--data",
+        "synthetic",
+        "--eval-every",
+        "0",
+        "--train.sample_tokens",
+        "0",
+        "--logging.progress",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--run-dir",
+        run_dir,
+    ]
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
     return cmd + args.extra
@@ -160,16 +257,40 @@ def predict(args, case: dict, batch: int) -> dict:
     if not args.hardware:
         return {}
     model = train_cmd(args, case, batch, "unused")[3:]
-    model = [a for i, a in enumerate(model) if a != "--xla-preset" and (i == 0 or model[i - 1] != "--xla-preset")]
-    cmd = [sys.executable, "-m", "train", "plan", "--hardware", args.hardware, "--devices", "1", "--json", *model]
+    model = [
+        a
+        for i, a in enumerate(model)
+        if a != "--xla-preset" and (i == 0 or model[i - 1] != "--xla-preset")
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        "plan",
+        "--hardware",
+        args.hardware,
+        "--devices",
+        "1",
+        "--json",
+        *model,
+    ]
     try:
-        out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         return {"predicted_error": "plan timed out"}
     try:
         row = json.loads(out.stdout)
-        return {"predicted_step_time_s": round(row["t_step_s"], 4), "predicted_mfu": round(row["mfu"], 4)}
+        return {
+            "predicted_step_time_s": round(row["t_step_s"], 4),
+            "predicted_mfu": round(row["mfu"], 4),
+        }
     except (json.JSONDecodeError, KeyError):
         return {"predicted_error": out.stderr.strip()[-300:]}
 
@@ -178,26 +299,40 @@ def drop_unknown_xla_flags() -> None:
     """An unknown flag in XLA_FLAGS aborts every jax process, and flags come and go between
     jaxlib releases; probe on CPU (flags are parsed there too) and drop the ones rejected."""
     for _ in range(len(GPU_XLA_FLAGS) + 1):
-        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
-                               env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                               capture_output=True, text=True, timeout=120)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         bad = re.search(r"Unknown flags? in XLA_FLAGS: (--\S+?)(=\S*)?\s", probe.stderr + " ")
         if probe.returncode == 0 or not bad:
             return
         say(f"dropping XLA flag unknown to this jaxlib: {bad.group(1)}")
         os.environ["XLA_FLAGS"] = " ".join(
-            f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(bad.group(1) + "="))
+            f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(bad.group(1) + "=")
+        )
 
 
 def environment() -> dict:
-    info = {"xla_flags": os.environ["XLA_FLAGS"],
-            "mem_fraction": os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"], "python": sys.version.split()[0]}
-    info["packages"] = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
-                        if (d.metadata["Name"] or "").lower().startswith(("jax", "flax", "optax"))}
+    info = {
+        "xla_flags": os.environ["XLA_FLAGS"],
+        "mem_fraction": os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
+        "python": sys.version.split()[0],
+    }
+    info["packages"] = {
+        d.metadata["Name"]: d.version
+        for d in importlib.metadata.distributions()
+        if (d.metadata["Name"] or "").lower().startswith(("jax", "flax", "optax"))
+    }
     try:
         info["gpu"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30).stdout.strip()
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         info["gpu"] = f"unknown ({e})"
     return info
@@ -244,19 +379,25 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
     tag = preset.replace("/", "-")
     run_dir = Path(tempfile.mkdtemp(prefix=f"brigade-gpu-{tag}-b{batch}-"))
     cmd = train_cmd(args, case, batch, str(run_dir))
-    res.update(steps=args.steps, cmd=shlex.join(cmd), status="running", **predict(args, case, batch))
+    res.update(
+        steps=args.steps, cmd=shlex.join(cmd), status="running", **predict(args, case, batch)
+    )
     say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
     log_path, metrics_path = run_dir / "train.log", run_dir / "metrics.jsonl"
     t0, seen, proc = time.time(), 0, None
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             while proc.poll() is None:
                 time.sleep(2)
                 rows = read_metrics(metrics_path)
                 for r in rows[seen:]:  # stream progress as it is logged
-                    say(f"  step {r.get('step')}: loss {r.get('loss'):.4f} tok/s {r.get('tokens_per_sec'):,.0f}"
-                        f" mfu {r.get('mfu'):.1%} step {r.get('step_time_s'):.3f}s")
+                    say(
+                        f"  step {r.get('step')}: loss {r.get('loss'):.4f} tok/s {r.get('tokens_per_sec'):,.0f}"
+                        f" mfu {r.get('mfu'):.1%} step {r.get('step_time_s'):.3f}s"
+                    )
                 seen = len(rows)
                 if time.time() - t0 > timeout:
                     res["status"] = "timeout"
@@ -271,13 +412,22 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
         rows = read_metrics(metrics_path)
         if res["status"] == "running":
-            res["status"] = ("ok" if proc is not None and proc.returncode == 0 and rows else "oom" if OOM.search(text)
-                             else "no-metrics" if proc is not None and proc.returncode == 0 else "error")
+            res["status"] = (
+                "ok"
+                if proc is not None and proc.returncode == 0 and rows
+                else "oom"
+                if OOM.search(text)
+                else "no-metrics"
+                if proc is not None and proc.returncode == 0
+                else "error"
+            )
         res.update(summarise(rows))
         res["metrics"] = rows
         summary = run_dir / "summary.json"  # the CLI's end-of-run figures (compile time, goodput)
         if summary.exists():
-            res["summary"] = {k: v for k, v in json.loads(summary.read_text()).items() if k != "sample"}
+            res["summary"] = {
+                k: v for k, v in json.loads(summary.read_text()).items() if k != "sample"
+            }
         if res["status"] != "ok":
             res["log_tail"] = text[-3000:]
         if logs:
@@ -285,21 +435,29 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
             (logs / f"{tag}-b{batch}.log").write_text(text)
         # A 1b checkpoint with optimizer state is ~16 GB; never let runs accumulate on disk.
         shutil.rmtree(run_dir, ignore_errors=True)
-    say(f"--> {res['status']} rc={res['rc']} wall={res['wall_s']}s tok/s={res['tokens_per_sec']}"
-        f" tok/s/dev={res['tokens_per_sec_per_device']} mfu={res['mfu']} step={res['step_time_s']}s")
+    say(
+        f"--> {res['status']} rc={res['rc']} wall={res['wall_s']}s tok/s={res['tokens_per_sec']}"
+        f" tok/s/dev={res['tokens_per_sec_per_device']} mfu={res['mfu']} step={res['step_time_s']}s"
+    )
 
 
 def table(runs: list[dict]) -> str:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
-    lines = ["| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | predicted step (s) | predicted MFU"
-             " | dropped | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    lines = [
+        "| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | predicted step (s) | predicted MFU"
+        " | dropped | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
-        lines.append(f"| {r['preset']} | {r['batch_size']} | {r['seq_len']} | {f(r.get('tokens_per_sec'), ',.0f')}"
-                     f" | {f(r.get('tokens_per_sec_per_device'), ',.0f')} | {f(r.get('mfu'), '.1%')}"
-                     f" | {f(r.get('step_time_s'), '.3f')} | {f(r.get('predicted_step_time_s'), '.3f')}"
-                     f" | {f(r.get('predicted_mfu'), '.1%')} | {f(r.get('moe/dropped_fraction'), '.2%')}"
-                     f" | {r['status']} |")
+        lines.append(
+            f"| {r['preset']} | {r['batch_size']} | {r['seq_len']} | {f(r.get('tokens_per_sec'), ',.0f')}"
+            f" | {f(r.get('tokens_per_sec_per_device'), ',.0f')} | {f(r.get('mfu'), '.1%')}"
+            f" | {f(r.get('step_time_s'), '.3f')} | {f(r.get('predicted_step_time_s'), '.3f')}"
+            f" | {f(r.get('predicted_mfu'), '.1%')} | {f(r.get('moe/dropped_fraction'), '.2%')}"
+            f" | {r['status']} |"
+        )
     return "\n".join(lines)
 
 
@@ -309,7 +467,11 @@ def main() -> int:
         say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
         for case in cases(args):
             for b in case["batch_sizes"]:
-                say(shlex.join(train_cmd(args, case, b, f"<tmp>/{case['name'].replace('/', '-')}-b{b}")))
+                say(
+                    shlex.join(
+                        train_cmd(args, case, b, f"<tmp>/{case['name'].replace('/', '-')}-b{b}")
+                    )
+                )
         return 0
 
     start = time.time()
@@ -325,6 +487,7 @@ def main() -> int:
 
     def on_term(signum, frame):  # an outer timeout: keep what finished
         raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, on_term)
 
     try:
@@ -338,13 +501,24 @@ def main() -> int:
                 left = deadline - time.time()
                 if left < args.min_run_s:
                     say(f"\nbudget: {left:.0f}s left, skipping {name} batch={b}")
-                    results["runs"].append({"preset": name, "batch_size": b, "seq_len": args.seq_len,
-                                            "status": "skipped-budget"})
+                    results["runs"].append(
+                        {
+                            "preset": name,
+                            "batch_size": b,
+                            "seq_len": args.seq_len,
+                            "status": "skipped-budget",
+                        }
+                    )
                     continue
                 res = {"preset": name, "batch_size": b, "seq_len": args.seq_len}
                 results["runs"].append(res)
-                run_one(args, case, res, min(args.run_timeout_s, left - 15),
-                        out_dir / "gpu_logs" if out_dir else None)
+                run_one(
+                    args,
+                    case,
+                    res,
+                    min(args.run_timeout_s, left - 15),
+                    out_dir / "gpu_logs" if out_dir else None,
+                )
                 save()
                 if res["status"] in ("oom", "timeout"):
                     say(f"stopping {name} at batch {b}: {res['status']}")

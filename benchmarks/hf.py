@@ -3,6 +3,7 @@ export back, and transformers loading the export; the largest logit difference o
 
     python benchmarks/hf.py [--preset 125m] [--dir /tmp/brigade_hf_bench]   # needs torch + transformers
 """
+
 import argparse
 import dataclasses
 import os
@@ -49,13 +50,18 @@ def main() -> None:
     ours = np.asarray(loaded(tokens))
     import torch
     import transformers
-    theirs, t_hf = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(f"{out}/hf2").eval())
+
+    theirs, t_hf = timed(
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(f"{out}/hf2").eval()
+    )
     with torch.no_grad():
         ref = theirs(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     size = sum(os.path.getsize(os.path.join(out, "hf", f)) for f in os.listdir(f"{out}/hf"))
-    print(f"{n / 1e6:.1f}M params, {size / 2**20:.0f} MiB safetensors: save_pretrained {t_save:.1f}s,"
-          f" from_pretrained {t_load:.1f}s, import {t_import:.1f}s, export {t_export:.1f}s,"
-          f" transformers loads the export {t_hf:.1f}s; max |logit diff| vs transformers {np.abs(ours - ref).max():.2e}")
+    print(
+        f"{n / 1e6:.1f}M params, {size / 2**20:.0f} MiB safetensors: save_pretrained {t_save:.1f}s,"
+        f" from_pretrained {t_load:.1f}s, import {t_import:.1f}s, export {t_export:.1f}s,"
+        f" transformers loads the export {t_hf:.1f}s; max |logit diff| vs transformers {np.abs(ours - ref).max():.2e}"
+    )
     shutil.rmtree(out, ignore_errors=True)
 
 

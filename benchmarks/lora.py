@@ -14,6 +14,7 @@ which other processes' load inflates less than wall time; and the compiled FLOPs
 compiler measured for the compiled step (memory_analysis: arguments, i.e. the state, base and batch
 the step takes, and temporaries; the outputs alias the donated state).
 """
+
 import argparse
 import json
 import statistics
@@ -32,10 +33,20 @@ from train.loop import Trainer
 
 # the layers unrolled (scan_layers false): XLA's cost analysis counts a loop body once, so only then
 # are the compiled FLOPs every layer's
-SHAPE = {"model.preset": "125m", "model.dtype": "float32", "model.param_dtype": "float32", "model.max_seq_len": 128,
-         "model.scan_layers": False,
-         "train.batch_size": 8, "train.seq_len": 128, "data.source": "synthetic", "train.eval_every": 0,
-         "train.sample_tokens": 0, "logging.progress": False, "logging.tensorboard": False}
+SHAPE = {
+    "model.preset": "125m",
+    "model.dtype": "float32",
+    "model.param_dtype": "float32",
+    "model.max_seq_len": 128,
+    "model.scan_layers": False,
+    "train.batch_size": 8,
+    "train.seq_len": 128,
+    "data.source": "synthetic",
+    "train.eval_every": 0,
+    "train.sample_tokens": 0,
+    "logging.progress": False,
+    "logging.tensorboard": False,
+}
 TARGETS = "q,k,v,o,gate,up,down"
 
 
@@ -48,11 +59,21 @@ class Mode:
         cfg = self.tr.cfg
         self.state = self.tr.create_state()
         tok = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 129)).astype(np.int32)
-        self.batch = jax.device_put({"inputs": tok[:, :-1], "targets": tok[:, 1:],
-                                     "weights": np.ones((8, 128), np.float32)}, self.tr.batch_sharding)
+        self.batch = jax.device_put(
+            {
+                "inputs": tok[:, :-1],
+                "targets": tok[:, 1:],
+                "weights": np.ones((8, 128), np.float32),
+            },
+            self.tr.batch_sharding,
+        )
         self.base = ()
         if lora.enabled(cfg.lora):  # a random base: --lora.allow_random_base
-            self.base = (lora.load_base(cfg, self.tr.mesh, self.tr.rules, self.tr.setup.base_shardings, {})[0],)
+            self.base = (
+                lora.load_base(cfg, self.tr.mesh, self.tr.rules, self.tr.setup.base_shardings, {})[
+                    0
+                ],
+            )
         t0 = time.perf_counter()
         self.fn = self.tr.compile_step(self.state, self.batch)
         self.compile_s = time.perf_counter() - t0
@@ -75,37 +96,60 @@ class Mode:
     def row(self) -> dict:
         p, mem = self.plan, self.measured
         trainable = sum(x.size for x in jax.tree.leaves(self.state.params))
-        return {"mode": self.name, "trainable_params": int(trainable), "step_s": statistics.median(self.times),
-                "step_s_all": self.times,
-                "cpu_s": statistics.median(self.cpu_times), "compiled_flops_per_device": self.flops,
-                "compile_s": self.compile_s, "final_loss": self.loss,
-                "plan": {"params": p["params_bytes"], "frozen_base": p["base_bytes"], "gradients": p["gradient_bytes"],
-                         "optimizer": p["optimizer_bytes"],
-                         "total": p["params_bytes"] + p["base_bytes"] + p["gradient_bytes"] + p["optimizer_bytes"]},
-                "measured": {"argument": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
-                             "output": mem.output_size_in_bytes, "alias": mem.alias_size_in_bytes}}
+        return {
+            "mode": self.name,
+            "trainable_params": int(trainable),
+            "step_s": statistics.median(self.times),
+            "step_s_all": self.times,
+            "cpu_s": statistics.median(self.cpu_times),
+            "compiled_flops_per_device": self.flops,
+            "compile_s": self.compile_s,
+            "final_loss": self.loss,
+            "plan": {
+                "params": p["params_bytes"],
+                "frozen_base": p["base_bytes"],
+                "gradients": p["gradient_bytes"],
+                "optimizer": p["optimizer_bytes"],
+                "total": p["params_bytes"]
+                + p["base_bytes"]
+                + p["gradient_bytes"]
+                + p["optimizer_bytes"],
+            },
+            "measured": {
+                "argument": mem.argument_size_in_bytes,
+                "temp": mem.temp_size_in_bytes,
+                "output": mem.output_size_in_bytes,
+                "alias": mem.alias_size_in_bytes,
+            },
+        }
 
 
 def table(rows: list[dict], a) -> str:
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
-    lines = [f"benchmarks/lora.py: 125m layer shape, {a.layers} layers, vocab {a.vocab}, batch 8 x 128, float32,"
-             f" mesh {a.mesh}; median of {a.reps} x {a.steps} interleaved steps; memory in MiB per device",
-             "| mode | trainable params | s/step | CPU s/step | compiled GFLOP/device | plan params | plan frozen base | plan grads | plan optimizer |"
-             " plan total | measured arguments | measured temp |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"benchmarks/lora.py: 125m layer shape, {a.layers} layers, vocab {a.vocab}, batch 8 x 128, float32,"
+        f" mesh {a.mesh}; median of {a.reps} x {a.steps} interleaved steps; memory in MiB per device",
+        "| mode | trainable params | s/step | CPU s/step | compiled GFLOP/device | plan params | plan frozen base | plan grads | plan optimizer |"
+        " plan total | measured arguments | measured temp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p, m = r["plan"], r["measured"]
-        lines.append(f"| {r['mode']} | {r['trainable_params'] / 1e6:.2f}M | {r['step_s']:.3f} | {r['cpu_s']:.3f} |"
-                     f" {r['compiled_flops_per_device'] / 1e9:.1f} | {mib(p['params'])} |"
-                     f" {mib(p['frozen_base'])} | {mib(p['gradients'])} | {mib(p['optimizer'])} | {mib(p['total'])} |"
-                     f" {mib(m['argument'])} | {mib(m['temp'])} |")
+        lines.append(
+            f"| {r['mode']} | {r['trainable_params'] / 1e6:.2f}M | {r['step_s']:.3f} | {r['cpu_s']:.3f} |"
+            f" {r['compiled_flops_per_device'] / 1e9:.1f} | {mib(p['params'])} |"
+            f" {mib(p['frozen_base'])} | {mib(p['gradients'])} | {mib(p['optimizer'])} | {mib(p['total'])} |"
+            f" {mib(m['argument'])} | {mib(m['temp'])} |"
+        )
     full, low = rows
-    lines.append(f"LoRA / full: step time {low['step_s'] / full['step_s']:.2f}, CPU time {low['cpu_s'] / full['cpu_s']:.2f},"
-                 f" compiled FLOPs {low['compiled_flops_per_device'] / full['compiled_flops_per_device']:.2f}, plan total"
-                 f" {low['plan']['total'] / full['plan']['total']:.2f}, optimizer"
-                 f" {low['plan']['optimizer'] / full['plan']['optimizer']:.3f}, measured arguments"
-                 f" {low['measured']['argument'] / full['measured']['argument']:.2f}, temp"
-                 f" {low['measured']['temp'] / full['measured']['temp']:.2f}")
+    lines.append(
+        f"LoRA / full: step time {low['step_s'] / full['step_s']:.2f}, CPU time {low['cpu_s'] / full['cpu_s']:.2f},"
+        f" compiled FLOPs {low['compiled_flops_per_device'] / full['compiled_flops_per_device']:.2f}, plan total"
+        f" {low['plan']['total'] / full['plan']['total']:.2f}, optimizer"
+        f" {low['plan']['optimizer'] / full['plan']['optimizer']:.3f}, measured arguments"
+        f" {low['measured']['argument'] / full['measured']['argument']:.2f}, temp"
+        f" {low['measured']['temp'] / full['measured']['temp']:.2f}"
+    )
     return "\n".join(lines)
 
 
@@ -121,9 +165,20 @@ def main():
     a = ap.parse_args()
     shape = {"parallelism.mesh": a.mesh, "model.n_layers": a.layers, "model.vocab_size": a.vocab}
     with tempfile.TemporaryDirectory() as d:
-        modes = [Mode("full", shape, f"{d}/full"),
-                 Mode(f"LoRA r={a.rank}", {**shape, "lora.rank": a.rank, "lora.alpha": 2.0 * a.rank,
-                                           "lora.targets": TARGETS, "lora.allow_random_base": True}, f"{d}/lora")]
+        modes = [
+            Mode("full", shape, f"{d}/full"),
+            Mode(
+                f"LoRA r={a.rank}",
+                {
+                    **shape,
+                    "lora.rank": a.rank,
+                    "lora.alpha": 2.0 * a.rank,
+                    "lora.targets": TARGETS,
+                    "lora.allow_random_base": True,
+                },
+                f"{d}/lora",
+            ),
+        ]
         for _ in range(a.reps):
             for mode in modes:
                 mode.run(a.steps)

@@ -16,6 +16,7 @@ exchange (the real rows), then times the layer forward + backward with both. On 
 exchange is the emulation (a fixed all_to_all of every slice at full length), so its time here
 says nothing about GPU/TPU; the row counts do.
 """
+
 import argparse
 import dataclasses
 import statistics
@@ -50,45 +51,82 @@ def kernels(reps: int) -> None:
     d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_width
     ks = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(ks[0], (16, 128, d))
-    w = (0.02 * jax.random.normal(ks[1], (d, e)), jax.random.normal(ks[2], (e, d, f)) / d ** 0.5,
-         jax.random.normal(ks[3], (e, d, f)) / d ** 0.5, jax.random.normal(ks[4], (e, f, d)) / f ** 0.5)
+    w = (
+        0.02 * jax.random.normal(ks[1], (d, e)),
+        jax.random.normal(ks[2], (e, d, f)) / d**0.5,
+        jax.random.normal(ks[3], (e, d, f)) / d**0.5,
+        jax.random.normal(ks[4], (e, f, d)) / f**0.5,
+    )
 
     def layer(c, kernel):
         def loss(x, router, wg, wu, wd):
             idx, gate, _ = moe.route(c, x, router)
             return moe.experts(c, x, idx, gate, wg, wu, wd, kernel)[0].sum()
+
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
     k = cfg.experts_per_token
-    wide = tuple(jax.random.normal(kk, (d, k * f)) / d ** 0.5 for kk in ks[2:4]) + (
-        jax.random.normal(ks[4], (k * f, d)) / (k * f) ** 0.5,)
+    wide = tuple(jax.random.normal(kk, (d, k * f)) / d**0.5 for kk in ks[2:4]) + (
+        jax.random.normal(ks[4], (k * f, d)) / (k * f) ** 0.5,
+    )
 
     def dense_active(x, wg, wu, wd):  # the floor: one dense SwiGLU with the MoE's active width k*F
         return ((jax.nn.silu(x @ wg) * (x @ wu)) @ wd).sum()
-    variants = {"dropless, blocks": layer(cfg, "blocks"), "dropless, ragged_dot": layer(cfg, "ragged"),
-                "capacity 1.25": layer(dataclasses.replace(cfg, dispatch="capacity"), None)}
-    print(f"MoE layer fwd+bwd, 2048 tokens, D={d}, {e} experts of F={f}, top-{cfg.experts_per_token}, 1 device:")
+
+    variants = {
+        "dropless, blocks": layer(cfg, "blocks"),
+        "dropless, ragged_dot": layer(cfg, "ragged"),
+        "capacity 1.25": layer(dataclasses.replace(cfg, dispatch="capacity"), None),
+    }
+    print(
+        f"MoE layer fwd+bwd, 2048 tokens, D={d}, {e} experts of F={f}, top-{cfg.experts_per_token}, 1 device:"
+    )
     for name, fn in variants.items():
         print(f"  {name:<38}{1e3 * _time(fn, x, *w, reps=reps):8.1f} ms")
     fn = jax.jit(jax.grad(dense_active, argnums=(0, 1, 2, 3)))
-    print(f"  {f'dense SwiGLU of width k*F={k * f} (floor)':<38}{1e3 * _time(fn, x, *wide, reps=reps):8.1f} ms")
+    print(
+        f"  {f'dense SwiGLU of width k*F={k * f} (floor)':<38}{1e3 * _time(fn, x, *wide, reps=reps):8.1f} ms"
+    )
 
 
 def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "capacity")) -> None:
-    base = {"model.preset": "moe-default", "train.batch_size": 16, "train.seq_len": 128, "train.steps": n_steps,
-            "train.eval_every": 0, "train.sample_tokens": 0, "logging.progress": False,
-            "logging.tensorboard": False}
+    base = {
+        "model.preset": "moe-default",
+        "train.batch_size": 16,
+        "train.seq_len": 128,
+        "train.steps": n_steps,
+        "train.eval_every": 0,
+        "train.sample_tokens": 0,
+        "logging.progress": False,
+        "logging.tensorboard": False,
+    }
     rng = np.random.default_rng(0)
     tok = rng.integers(0, 256, (16, 129)).astype(np.int32)
-    print(f"moe-default train step (16 x 128 tokens), median of {n_steps - 1} steps after the first:")
+    print(
+        f"moe-default train step (16 x 128 tokens), median of {n_steps - 1} steps after the first:"
+    )
     for mesh in meshes:
         for dispatch in dispatches:
             with tempfile.TemporaryDirectory() as d:
-                tr = Trainer(build({**base, "parallelism.mesh": mesh, "model.dispatch": dispatch,
-                                    "logging.run_dir": d}))
+                tr = Trainer(
+                    build(
+                        {
+                            **base,
+                            "parallelism.mesh": mesh,
+                            "model.dispatch": dispatch,
+                            "logging.run_dir": d,
+                        }
+                    )
+                )
                 state = tr.create_state()
-                batch = jax.device_put({"inputs": tok[:, :-1], "targets": tok[:, 1:],
-                                        "weights": np.ones((16, 128), np.float32)}, tr.batch_sharding)
+                batch = jax.device_put(
+                    {
+                        "inputs": tok[:, :-1],
+                        "targets": tok[:, 1:],
+                        "weights": np.ones((16, 128), np.float32),
+                    },
+                    tr.batch_sharding,
+                )
                 t0 = time.perf_counter()
                 fn = tr.compile_step(state, batch)
                 compile_s = time.perf_counter() - t0
@@ -100,12 +138,16 @@ def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "
                         jax.block_until_ready(m["loss"])
                         times.append(time.perf_counter() - t0)
                 r = analyze(tr.setup) if mesh == "expert=8" else None
-            line = (f"  {mesh:<10}{dispatch:<10}{statistics.median(times[1:]):7.3f} s/step  compile {compile_s:5.1f} s"
-                    f"  dropped {float(m['moe/dropped_fraction']):.3f}")
+            line = (
+                f"  {mesh:<10}{dispatch:<10}{statistics.median(times[1:]):7.3f} s/step  compile {compile_s:5.1f} s"
+                f"  dropped {float(m['moe/dropped_fraction']):.3f}"
+            )
             if r:
                 th = r["theory_detail"]["all-to-all@expert"]
-                line += (f"  all-to-all {r['collectives']['all-to-all'] / 2**20:.2f} MiB measured,"
-                         f" {th['operand_bytes'] / 2**20:.2f} MiB theory, {th['ideal_bytes'] / 2**20:.2f} MiB ragged ideal")
+                line += (
+                    f"  all-to-all {r['collectives']['all-to-all'] / 2**20:.2f} MiB measured,"
+                    f" {th['operand_bytes'] / 2**20:.2f} MiB theory, {th['ideal_bytes'] / 2**20:.2f} MiB ragged ideal"
+                )
             print(line, flush=True)
 
 
@@ -114,27 +156,41 @@ def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
     d, e, f, k = cfg.d_model, cfg.n_experts, cfg.expert_width, cfg.experts_per_token
     ks = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(ks[0], (16, 128, d))
-    w = (cfg.init_std * jax.random.normal(ks[1], (d, e)), jax.random.normal(ks[2], (e, d, f)) / d ** 0.5,
-         jax.random.normal(ks[3], (e, d, f)) / d ** 0.5, jax.random.normal(ks[4], (e, f, d)) / f ** 0.5)
+    w = (
+        cfg.init_std * jax.random.normal(ks[1], (d, e)),
+        jax.random.normal(ks[2], (e, d, f)) / d**0.5,
+        jax.random.normal(ks[3], (e, d, f)) / d**0.5,
+        jax.random.normal(ks[4], (e, f, d)) / f**0.5,
+    )
     mesh = make_mesh(mesh_spec)
     ep = dict(zip(mesh.axis_names, mesh.devices.shape))["expert"]
     n, x_count = x.shape[0] * x.shape[1] // mesh.devices.size, e // ep
-    idx = np.asarray(moe.route(cfg, x, w[0])[0]).reshape(mesh.devices.size, n * k)  # each device's rows
+    idx = np.asarray(moe.route(cfg, x, w[0])[0]).reshape(
+        mesh.devices.size, n * k
+    )  # each device's rows
     own = np.mean([np.sum(idx[i] // x_count == i % ep) for i in range(mesh.devices.size)])
     fixed = ep * n * min(k, x_count)
-    print(f"dropless {mesh_spec}, {n} tokens x top-{k} per device, rows of d_model sent per direction and device:")
-    print(f"  fixed buffers {fixed} ({fixed - fixed // ep} leave the device); ragged {n * k}"
-          f" ({n * k - own:.0f} leave on average): {fixed / (n * k):.1f}x fewer rows, receive buffer kept at {fixed}")
+    print(
+        f"dropless {mesh_spec}, {n} tokens x top-{k} per device, rows of d_model sent per direction and device:"
+    )
+    print(
+        f"  fixed buffers {fixed} ({fixed - fixed // ep} leave the device); ragged {n * k}"
+        f" ({n * k - own:.0f} leave on average): {fixed / (n * k):.1f}x fewer rows, receive buffer kept at {fixed}"
+    )
 
     def layer(exchange):
         def loss(x, router, wg, wu, wd):
             idx, gate, _ = moe.route(cfg, x, router)
             return moe.experts(cfg, x, idx, gate, wg, wu, wd, None, exchange)[0].sum()
+
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
     with jax.set_mesh(mesh), axis_rules(make_rules()):
         xs = jax.device_put(x, logical_to_spec(moe.TOKENS_BT))
         for name in ("fixed", "emulated"):
-            print(f"  layer fwd+bwd, {name:<9}{1e3 * _time(layer(name), xs, *w, reps=reps):8.1f} ms (CPU)")
+            print(
+                f"  layer fwd+bwd, {name:<9}{1e3 * _time(layer(name), xs, *w, reps=reps):8.1f} ms (CPU)"
+            )
 
 
 def main():

@@ -3,6 +3,7 @@
 
     python benchmarks/overhead.py [--steps 30] [--reps 2] [--set section.field=value ...]
 """
+
 import argparse
 import statistics
 import tempfile
@@ -20,7 +21,9 @@ from train.loop import Trainer
 
 def framework(overrides: dict, steps: int) -> float:
     with tempfile.TemporaryDirectory() as d:
-        tr = Trainer(build({**overrides, "train.steps": steps, "logging.log_every": 5, "logging.run_dir": d}))
+        tr = Trainer(
+            build({**overrides, "train.steps": steps, "logging.log_every": 5, "logging.run_dir": d})
+        )
         tr.fit()
     return statistics.median(r["step_time_s"] for r in tr.history[1:])
 
@@ -32,21 +35,30 @@ def hand_written(overrides: dict, steps: int) -> float:
     cfg, t, tx = tr.model_cfg, tr.cfg.train, tr.tx
     sh = tr.state_shardings
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        params = jax.jit(lambda k: model_lib.init(cfg, k), out_shardings=sh.params)(jax.random.key(0))
+        params = jax.jit(lambda k: model_lib.init(cfg, k), out_shardings=sh.params)(
+            jax.random.key(0)
+        )
         opt = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
-        tokens = jax.device_put(jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, 256),
-                                tr.batch_sharding)
+        tokens = jax.device_put(
+            jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, 256),
+            tr.batch_sharding,
+        )
 
         def step(params, opt, tokens):
             def loss(p):
                 logits, _ = model_lib.apply(cfg, p, tokens[:, :-1])
                 return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
             l, g = jax.value_and_grad(loss)(params)
             u, opt = tx.update(g, opt, params)
             return optax.apply_updates(params, u), opt, l
 
-        f = jax.jit(step, in_shardings=(sh.params, sh.opt_state, tr.batch_sharding),
-                    out_shardings=(sh.params, sh.opt_state, None), donate_argnums=(0, 1))
+        f = jax.jit(
+            step,
+            in_shardings=(sh.params, sh.opt_state, tr.batch_sharding),
+            out_shardings=(sh.params, sh.opt_state, None),
+            donate_argnums=(0, 1),
+        )
         params, opt, l = f(params, opt, tokens)
         l.block_until_ready()
         t0 = time.perf_counter()
@@ -60,7 +72,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--set", nargs="*", default=[], help="section.field=value overrides of the peer config")
+    ap.add_argument(
+        "--set", nargs="*", default=[], help="section.field=value overrides of the peer config"
+    )
     a = ap.parse_args()
     overrides = dict(common.PEER)
     for kv in a.set:

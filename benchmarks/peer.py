@@ -8,6 +8,7 @@ then the median over reps; the throughput ratio is MaxText's time / Brigade's.
 PATH is the python of an environment with MaxText installed (`pip install maxtext==0.2.5` needs
 Python >= 3.12); also read from $MAXTEXT_PYTHON.
 """
+
 import argparse
 import json
 import math
@@ -33,31 +34,69 @@ SHAPES = {
     # the same MoE with one expert per device
     "moe_ep8": (256, 2, 4, 512, 32000, 128, 8, {"expert": 8}, (8, 2)),
 }
-MAXTEXT_AXES = {"data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism", "model": "ici_tensor_parallelism",
-                "expert": "ici_expert_parallelism"}
+MAXTEXT_AXES = {
+    "data": "ici_data_parallelism",
+    "fsdp": "ici_fsdp_parallelism",
+    "model": "ici_tensor_parallelism",
+    "expert": "ici_expert_parallelism",
+}
 
 
 def env(mesh) -> dict:
     """One fake CPU device per device of the mesh."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={math.prod(mesh.values())}"}
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={math.prod(mesh.values())}",
+    }
 
 
 def maxtext(py: str, shape, steps: int, out: str) -> float:
     d, layers, heads, ff, vocab, seq, batch, mesh, *moe = shape
     # MaxText's dropless MoE: sparse_matmul with capacity_factor -1; megablox is a TPU (Pallas)
     # kernel, so off here, which takes jax.lax.ragged_dot
-    experts = [f"num_experts={moe[0][0]}", f"num_experts_per_tok={moe[0][1]}", f"base_moe_mlp_dim={ff}",
-               "sparse_matmul=True", "megablox=False", "capacity_factor=-1"] if moe else []
-    args = [py, "-m", "maxtext.trainers.pre_train.train", f"run_name=r", f"base_output_directory={out}",
-            "dataset_type=synthetic", f"steps={steps}", "hardware=cpu", "skip_jax_distributed_system=True",
-            f"base_emb_dim={d}", f"base_num_decoder_layers={layers}", f"base_num_query_heads={heads}",
-            f"base_num_kv_heads={heads}", f"base_mlp_dim={ff}", f"head_dim={d // heads}", f"vocab_size={vocab}",
-            f"per_device_batch_size={batch / math.prod(mesh.values()):g}", f"max_target_length={seq}", "enable_checkpointing=false",
-            "attention=dot_product", *experts, *[f"{MAXTEXT_AXES[a]}={n}" for a, n in mesh.items()]]
+    experts = (
+        [
+            f"num_experts={moe[0][0]}",
+            f"num_experts_per_tok={moe[0][1]}",
+            f"base_moe_mlp_dim={ff}",
+            "sparse_matmul=True",
+            "megablox=False",
+            "capacity_factor=-1",
+        ]
+        if moe
+        else []
+    )
+    args = [
+        py,
+        "-m",
+        "maxtext.trainers.pre_train.train",
+        "run_name=r",
+        f"base_output_directory={out}",
+        "dataset_type=synthetic",
+        f"steps={steps}",
+        "hardware=cpu",
+        "skip_jax_distributed_system=True",
+        f"base_emb_dim={d}",
+        f"base_num_decoder_layers={layers}",
+        f"base_num_query_heads={heads}",
+        f"base_num_kv_heads={heads}",
+        f"base_mlp_dim={ff}",
+        f"head_dim={d // heads}",
+        f"vocab_size={vocab}",
+        f"per_device_batch_size={batch / math.prod(mesh.values()):g}",
+        f"max_target_length={seq}",
+        "enable_checkpointing=false",
+        "attention=dot_product",
+        *experts,
+        *[f"{MAXTEXT_AXES[a]}={n}" for a, n in mesh.items()],
+    ]
     log = subprocess.run(args, cwd=out, env=env(mesh), capture_output=True, text=True, timeout=1800)
-    times = [float(t) for s, t in re.findall(r"completed step: (\d+), seconds: ([\d.]+)", log.stdout + log.stderr)
-             if int(s) >= 3]
+    times = [
+        float(t)
+        for s, t in re.findall(r"completed step: (\d+), seconds: ([\d.]+)", log.stdout + log.stderr)
+        if int(s) >= 3
+    ]
     if not times:
         sys.exit(f"MaxText run failed: {(log.stdout + log.stderr).strip().splitlines()[-1:]}")
     return statistics.median(times)
@@ -65,24 +104,77 @@ def maxtext(py: str, shape, steps: int, out: str) -> float:
 
 def brigade(shape, steps: int, out: str, extra: list[str]) -> float:
     d, layers, heads, ff, vocab, seq, batch, mesh, *moe = shape
-    experts = ["--model.n_experts", str(moe[0][0]), "--model.experts_per_token", str(moe[0][1]),
-               "--model.d_ff_expert", str(ff)] if moe else []
-    args = [sys.executable, "-m", "train", "--model", "tiny", "--model.vocab_size", str(vocab), "--model.d_model",
-            str(d), "--model.n_layers", str(layers), "--model.n_heads", str(heads), "--model.n_kv_heads", str(heads),
-            "--model.d_ff", str(ff), "--model.max_seq_len", str(seq), "--seq-len", str(seq), "--batch-size",
-            str(batch), "--mesh", ",".join(f"{a}={n}" for a, n in mesh.items()), "--steps", str(steps),
-            "--data", "synthetic", "--log-every", "1", "--eval-every", "0", "--train.sample_tokens", "0",
-            "--checkpoint.every", "0", "--logging.progress", "lines", "--run-dir", out, *experts, *extra]
+    experts = (
+        [
+            "--model.n_experts",
+            str(moe[0][0]),
+            "--model.experts_per_token",
+            str(moe[0][1]),
+            "--model.d_ff_expert",
+            str(ff),
+        ]
+        if moe
+        else []
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "train",
+        "--model",
+        "tiny",
+        "--model.vocab_size",
+        str(vocab),
+        "--model.d_model",
+        str(d),
+        "--model.n_layers",
+        str(layers),
+        "--model.n_heads",
+        str(heads),
+        "--model.n_kv_heads",
+        str(heads),
+        "--model.d_ff",
+        str(ff),
+        "--model.max_seq_len",
+        str(seq),
+        "--seq-len",
+        str(seq),
+        "--batch-size",
+        str(batch),
+        "--mesh",
+        ",".join(f"{a}={n}" for a, n in mesh.items()),
+        "--steps",
+        str(steps),
+        "--data",
+        "synthetic",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--train.sample_tokens",
+        "0",
+        "--checkpoint.every",
+        "0",
+        "--logging.progress",
+        "lines",
+        "--run-dir",
+        out,
+        *experts,
+        *extra,
+    ]
     run = subprocess.run(args, env=env(mesh), capture_output=True, text=True, timeout=1800)
     if run.returncode:
         sys.exit(f"Brigade run failed: {run.stderr.strip().splitlines()[-1:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
-    return statistics.median(r["step_time_s"] for r in recs if r.get("step", 0) >= 3 and "step_time_s" in r)
+    return statistics.median(
+        r["step_time_s"] for r in recs if r.get("step", 0) >= 3 and "step_time_s" in r
+    )
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--maxtext-python", default=os.environ.get("MAXTEXT_PYTHON", ""))
     ap.add_argument("--shapes", default="peer,larger,tp,dp_fsdp")
     ap.add_argument("--reps", type=int, default=2)
@@ -90,7 +182,9 @@ def main():
     ap.add_argument("extra", nargs="*", help="flags passed to Brigade (after --)")
     a = ap.parse_args()
     if not a.maxtext_python or not os.path.exists(a.maxtext_python):
-        sys.exit("--maxtext-python PATH: the python of an environment with MaxText installed (or $MAXTEXT_PYTHON)")
+        sys.exit(
+            "--maxtext-python PATH: the python of an environment with MaxText installed (or $MAXTEXT_PYTHON)"
+        )
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:
         sys.exit(f"--shapes: unknown {', '.join(unknown)}; valid: {', '.join(SHAPES)}")
@@ -104,8 +198,11 @@ def main():
                 us.append(brigade(SHAPES[name], a.steps, os.path.join(tmp, "ours"), a.extra))
         m, o = statistics.median(mt), statistics.median(us)
         mesh = ",".join(f"{k}={v}" for k, v in SHAPES[name][7].items())
-        print(f"| {name} | {mesh} | {m:.3f} ({', '.join(f'{x:.3f}' for x in mt)}) |"
-              f" {o:.3f} ({', '.join(f'{x:.3f}' for x in us)}) | {m / o:.2f} |", flush=True)
+        print(
+            f"| {name} | {mesh} | {m:.3f} ({', '.join(f'{x:.3f}' for x in mt)}) |"
+            f" {o:.3f} ({', '.join(f'{x:.3f}' for x in us)}) | {m / o:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ vocabulary matmuls of the LM head, copies, the rest). Shares are of the device t
 The vocabulary matmuls are found in the compiled HLO (XLA:CPU's names): the matmul ops whose
 output or an operand has a vocab-sized dim (the logits, and the two gradients of the head).
 """
+
 import argparse
 import collections
 import glob
@@ -25,9 +26,13 @@ from train.config import build
 from train.data import make_pipeline
 from train.setup import jit_step, setup
 
-KINDS = (("collectives", r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"),
-         ("rendezvous and waits", r"(Rendezvous|Wait)"), ("copies and transposes", r"(copy|transpose)"),
-         ("softmax and loss", r"(exponential|log)"), ("layer loops", r"while"))
+KINDS = (
+    ("collectives", r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"),
+    ("rendezvous and waits", r"(Rendezvous|Wait)"),
+    ("copies and transposes", r"(copy|transpose)"),
+    ("softmax and loss", r"(exponential|log)"),
+    ("layer loops", r"while"),
+)
 
 
 def vocab_fusions(hlo: str, vocab: int) -> set[str]:
@@ -36,8 +41,12 @@ def vocab_fusions(hlo: str, vocab: int) -> set[str]:
     shapes = dict(re.findall(r"%(\S+) = (\S+\[[\d,]*\])", hlo))
     has_vocab = lambda shape: re.search(rf"[\[,]{vocab}[,\]]", shape) is not None  # noqa: E731
     out = set()
-    for name, shape, operands in re.findall(r"%((?:ynn_fusion|dot)[.\d]*) = (\S+\[[\d,]*\])[^(]*\(([^)]*)\)", hlo):
-        if has_vocab(shape) or any(has_vocab(shapes.get(o.strip().lstrip("%"), "")) for o in operands.split(",")):
+    for name, shape, operands in re.findall(
+        r"%((?:ynn_fusion|dot)[.\d]*) = (\S+\[[\d,]*\])[^(]*\(([^)]*)\)", hlo
+    ):
+        if has_vocab(shape) or any(
+            has_vocab(shapes.get(o.strip().lstrip("%"), "")) for o in operands.split(",")
+        ):
             out.add(name)
     return out
 
@@ -52,8 +61,18 @@ def shares(trace_dir: str, vocab_ops: set[str]) -> dict[str, float]:
             for ev in line.events:
                 if ev.name.startswith("ThunkExecutor"):
                     continue
-                kind = "vocab matmuls (LM head)" if ev.name in vocab_ops else next(
-                    (k for k, pat in KINDS if re.match(pat, ev.name) or re.search(pat, ev.name)), "other ops")
+                kind = (
+                    "vocab matmuls (LM head)"
+                    if ev.name in vocab_ops
+                    else next(
+                        (
+                            k
+                            for k, pat in KINDS
+                            if re.match(pat, ev.name) or re.search(pat, ev.name)
+                        ),
+                        "other ops",
+                    )
+                )
                 busy[kind] += ev.duration_ns
     total = sum(busy.values()) or 1
     return {k: v / total for k, v in busy.most_common()}
@@ -64,14 +83,24 @@ def main() -> None:
     ap.add_argument("--mesh", default="fsdp=8")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--trace-steps", type=int, default=3)
-    ap.add_argument("--set", nargs="*", default=[], help="section.field=value overrides of the peer shape")
+    ap.add_argument(
+        "--set", nargs="*", default=[], help="section.field=value overrides of the peer shape"
+    )
     args = ap.parse_args()
-    cfg = build({**common.PEER, "parallelism.mesh": args.mesh, **dict(kv.split("=", 1) for kv in args.set)})
+    cfg = build(
+        {**common.PEER, "parallelism.mesh": args.mesh, **dict(kv.split("=", 1) for kv in args.set)}
+    )
     s = setup(cfg, make_mesh(cfg.parallelism.mesh))
     state = train_state.create(cfg.model, s.tx, s.mesh, s.rules, 0, s.sync)
     t = cfg.train
-    batch, _ = make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=0,
-                             batch_sharding=s.batch_sharding, vocab_size=cfg.model.vocab_size).next()
+    batch, _ = make_pipeline(
+        cfg.data,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        seed=0,
+        batch_sharding=s.batch_sharding,
+        vocab_size=cfg.model.vocab_size,
+    ).next()
     with jax.set_mesh(s.mesh), axis_rules(s.rules):
         step = jit_step(s)
         hlo = step.lower(state, batch).compile().as_text()
@@ -89,8 +118,10 @@ def main() -> None:
                     state, metrics = step(state, batch)
                     jax.block_until_ready(metrics)
             split = shares(d, vocab_fusions(hlo, cfg.model.vocab_size))
-    print(f"mesh {args.mesh or '1 device'} ({jax.device_count()} devices), {s.compute_dtype}: median step"
-          f" {statistics.median(times):.3f} s over {args.steps}")
+    print(
+        f"mesh {args.mesh or '1 device'} ({jax.device_count()} devices), {s.compute_dtype}: median step"
+        f" {statistics.median(times):.3f} s over {args.steps}"
+    )
     for kind, share in split.items():
         print(f"  {100 * share:5.1f}%  {kind}")
 

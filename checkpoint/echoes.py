@@ -1,4 +1,5 @@
 """Keep the echoes of an Orbax/tensorstore failure out of the one-line error output (no JAX import)."""
+
 from __future__ import annotations
 
 import io
@@ -33,7 +34,7 @@ class QuietClosedLoopEchoes(io.TextIOBase):
         lines = self._blocks[me].split("\n")
         for n, line in enumerate(lines[1:-1], start=1):  # complete lines after the 'Traceback' one
             if line and not line[0].isspace():  # the exception line ends the block
-                block, rest = "\n".join(lines[:n + 1]) + "\n", "\n".join(lines[n + 1:])
+                block, rest = "\n".join(lines[: n + 1]) + "\n", "\n".join(lines[n + 1 :])
                 del self._blocks[me]
                 if line.strip() != self._ECHO:
                     self.stream.write(block)
@@ -73,8 +74,11 @@ class _UnretrievedReadErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         e = record.exc_info[1] if record.exc_info else None
-        return not (e is not None and "exception was never retrieved" in str(record.msg)
-                    and "[tensorstore_spec=" in str(e))
+        return not (
+            e is not None
+            and "exception was never retrieved" in str(record.msg)
+            and "[tensorstore_spec=" in str(e)
+        )
 
 
 def quiet_failed_read_echoes() -> None:
@@ -84,6 +88,7 @@ def quiet_failed_read_echoes() -> None:
     asyncio logger) after the one line that already named the step and the file."""
     previous = sys.unraisablehook
     if not getattr(previous, "drops_orbax_echoes", False):
+
         def hook(unraisable) -> None:
             if not _is_echo(unraisable):
                 previous(unraisable)

@@ -8,6 +8,7 @@
 What converts to what (the tables, config.json <-> ModelConfig) is models/hf.py's; the HF files
 and their tensors are checkpoint/hf_files.py's; this module joins them to Brigade checkpoints.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,16 @@ from checkpoint.hf_files import hf_tensors, load_params, read_config, write_file
 from checkpoint.layout import fingerprint, lora_base, merged
 from errors import ArgParser, UserError
 from models.config import ModelConfig
-from models.hf import ARCHITECTURES, DTYPES, Model, config_from_hf, config_to_hf, is_int, is_number, short_json
+from models.hf import (
+    ARCHITECTURES,
+    DTYPES,
+    Model,
+    config_from_hf,
+    config_to_hf,
+    is_int,
+    is_number,
+    short_json,
+)
 
 
 # -- HF directories -------------------------------------------------------------------------------
@@ -32,6 +42,7 @@ def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, rules=None)
     """A local HF checkpoint directory -> Model (params and compute in `dtype`). With `mesh`, every
     parameter is placed sharded by the logical-axis rules (default: mesh/rules.py)."""
     import jax
+
     model_type, cfg = config_from_hf(read_config(path), dtype, os.path.join(path, "config.json"))
     params = load_params(path, model_type, cfg)
     if mesh is None:
@@ -39,11 +50,14 @@ def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, rules=None)
     from mesh.rules import make_rules
     from mesh.shard import tree_shardings
     from models import model as model_lib
+
     shardings = tree_shardings(mesh, model_lib.param_axes(cfg), rules or make_rules())
     return Model(cfg, jax.device_put(params, shardings), path)
 
 
-def save_pretrained(model: Model, path: str, *, dtype: str | None = None, max_shard_bytes: int = 5 << 30) -> None:
+def save_pretrained(
+    model: Model, path: str, *, dtype: str | None = None, max_shard_bytes: int = 5 << 30
+) -> None:
     """Write `path/config.json` and safetensors in HF layout (sharded with an index past
     `max_shard_bytes`), loadable by transformers' `AutoModelForCausalLM.from_pretrained(path)`.
     The files are written beside `path` first and moved in once all are complete, so a refusal or
@@ -63,7 +77,9 @@ def save_pretrained(model: Model, path: str, *, dtype: str | None = None, max_sh
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as e:
-        raise UserError(f"'{path}': writing the HuggingFace files failed ({e.strerror or e})") from None
+        raise UserError(
+            f"'{path}': writing the HuggingFace files failed ({e.strerror or e})"
+        ) from None
 
 
 # -- Brigade checkpoints --------------------------------------------------------------------------
@@ -71,18 +87,25 @@ def import_checkpoint(hf_dir: str, out: str, dtype: str = "float32") -> str:
     """HF directory -> a params-only Brigade checkpoint `out/0/` (what `--init-from` starts from),
     plus `out/model.yaml`, the model section to train it with (`--config out/model.yaml`)."""
     import yaml
+
     from checkpoint.layout import params_only_meta
     from checkpoint.manager import Checkpointer
+
     _check_new_dir(out)
-    model_type, cfg = config_from_hf(read_config(hf_dir), dtype, os.path.join(hf_dir, "config.json"))
+    model_type, cfg = config_from_hf(
+        read_config(hf_dir), dtype, os.path.join(hf_dir, "config.json")
+    )
     params = load_params(hf_dir, model_type, cfg)
     # The model section as the training config writes it (its preset, then every field), so that
     # `--config out/model.yaml` rebuilds exactly this ModelConfig.
     model_section = {"preset": "default", **dataclasses.asdict(cfg)}
     tokenizer = _tokenizer_record(hf_dir)
-    meta = params_only_meta(0, {"model": model_section},
-                            imported_from={"path": os.path.abspath(hf_dir), "model_type": model_type},
-                            **({"tokenizer": tokenizer} if tokenizer else {}))
+    meta = params_only_meta(
+        0,
+        {"model": model_section},
+        imported_from={"path": os.path.abspath(hf_dir), "model_type": model_type},
+        **({"tokenizer": tokenizer} if tokenizer else {}),
+    )
     ck = Checkpointer(out, keep=0, async_save=False)
     ck.save(0, {"params": params}, meta)
     ck.close()
@@ -100,14 +123,20 @@ def _tokenizer_record(hf_dir: str) -> dict | None:
         return None
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"kind": "hf", "path": os.path.abspath(hf_dir), "sha256": digest, "id": f"hf:{digest[:16]}",
-            "model_dir": os.path.basename(os.path.abspath(hf_dir))}
+    return {
+        "kind": "hf",
+        "path": os.path.abspath(hf_dir),
+        "sha256": digest,
+        "id": f"hf:{digest[:16]}",
+        "model_dir": os.path.basename(os.path.abspath(hf_dir)),
+    }
 
 
 def load_checkpoint(path: str) -> Model:
     """The params of any Brigade checkpoint (a run, a step, an export) as a Model in host memory;
     a LoRA run's adapters merged into its base (W + alpha/r A B): a plain model."""
     from checkpoint.manager import open_checkpoint
+
     ck, step = open_checkpoint(path)
     source = f"checkpoint '{ck.step_dir(step)}'"
     meta = ck.meta(step)
@@ -122,15 +151,21 @@ def _lora_merged(cfg: ModelConfig, adapters: dict, lora: dict, source: str) -> d
     the fingerprint the run recorded (one line otherwise), in the model's param_dtype."""
     import jax
     import numpy as np
+
     from checkpoint.manager import open_checkpoint
+
     if not lora["path"]:
-        raise UserError(f"{source}: a LoRA run on a random base (--lora.allow_random_base), which was never saved;"
-                        f" nothing to merge its adapters into")
+        raise UserError(
+            f"{source}: a LoRA run on a random base (--lora.allow_random_base), which was never saved;"
+            f" nothing to merge its adapters into"
+        )
     ck, step = open_checkpoint(lora["path"])
     base = jax.tree.map(lambda x: np.asarray(x, cfg.param_dtype), ck.restore_params_to_host(step))
     if fingerprint(base) != lora["fingerprint"]:
-        raise UserError(f"{source}: its LoRA base {ck.step_dir(step)} changed since the run (fingerprint"
-                        f" {fingerprint(base)}, recorded {lora['fingerprint']}); export needs the original base")
+        raise UserError(
+            f"{source}: its LoRA base {ck.step_dir(step)} changed since the run (fingerprint"
+            f" {fingerprint(base)}, recorded {lora['fingerprint']}); export needs the original base"
+        )
     return jax.tree.map(np.asarray, merged(base, adapters, lora["scale"], dtype=cfg.param_dtype))
 
 
@@ -139,17 +174,28 @@ def config_from_meta(meta: Any, source: str) -> ModelConfig:
     where a number belongs is refused, never converted) and validated."""
     model = meta.get("model") if isinstance(meta, dict) else None
     if not isinstance(model, dict):
-        raise UserError(f"{source}: its metadata has no model config (a \"model\" object), so its arrays"
-                        f" cannot be named")
+        raise UserError(
+            f'{source}: its metadata has no model config (a "model" object), so its arrays'
+            f" cannot be named"
+        )
     hints, fields = typing.get_type_hints(ModelConfig), {}
     for f in dataclasses.fields(ModelConfig):
         if f.name not in model:
-            continue   # a field newer than the checkpoint: its default; check_params catches a wrong one
+            continue  # a field newer than the checkpoint: its default; check_params catches a wrong one
         value, kind = model[f.name], hints[f.name]
-        ok = (isinstance(value, bool) if kind is bool else is_int(value) if kind is int else
-              is_number(value) if kind is float else isinstance(value, kind))
+        ok = (
+            isinstance(value, bool)
+            if kind is bool
+            else is_int(value)
+            if kind is int
+            else is_number(value)
+            if kind is float
+            else isinstance(value, kind)
+        )
         if not ok:
-            raise UserError(f"{source}: metadata model.{f.name} must be {kind.__name__}, got {short_json(value)}")
+            raise UserError(
+                f"{source}: metadata model.{f.name} must be {kind.__name__}, got {short_json(value)}"
+            )
         fields[f.name] = kind(value)
     try:
         return ModelConfig(**fields).validate()
@@ -165,29 +211,49 @@ def _check_new_dir(out: str) -> None:
 # -- CLI: python -m checkpoint hf import|export ---------------------------------------------------
 def add_commands(sub) -> None:
     """The `hf` command, with `import` and `export` under it, on `python -m checkpoint`'s subparsers."""
-    h = sub.add_parser("hf", help="convert between HuggingFace and Brigade checkpoints (import, export)",
-                       description="Convert between HuggingFace and Brigade checkpoints.")
+    h = sub.add_parser(
+        "hf",
+        help="convert between HuggingFace and Brigade checkpoints (import, export)",
+        description="Convert between HuggingFace and Brigade checkpoints.",
+    )
     hf_sub = h.add_subparsers(dest="hf_command", required=True, parser_class=ArgParser)
-    i = hf_sub.add_parser("import", help="HF directory (config.json + safetensors) -> params-only Brigade checkpoint")
+    i = hf_sub.add_parser(
+        "import", help="HF directory (config.json + safetensors) -> params-only Brigade checkpoint"
+    )
     i.add_argument("hf_dir", metavar="HF_DIR")
-    i.add_argument("--out", required=True, metavar="CKPT", help="new directory for the Brigade checkpoint")
-    i.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)")
-    e = hf_sub.add_parser("export", help="Brigade checkpoint (run, checkpoint or step directory) -> HF directory")
+    i.add_argument(
+        "--out", required=True, metavar="CKPT", help="new directory for the Brigade checkpoint"
+    )
+    i.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)"
+    )
+    e = hf_sub.add_parser(
+        "export", help="Brigade checkpoint (run, checkpoint or step directory) -> HF directory"
+    )
     e.add_argument("ckpt", metavar="CKPT")
-    e.add_argument("--out", required=True, metavar="HF_DIR", help="new directory for config.json + safetensors")
-    e.add_argument("--dtype", default=None, choices=DTYPES, help="tensor dtype (default: the checkpoint's)")
+    e.add_argument(
+        "--out", required=True, metavar="HF_DIR", help="new directory for config.json + safetensors"
+    )
+    e.add_argument(
+        "--dtype", default=None, choices=DTYPES, help="tensor dtype (default: the checkpoint's)"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     """`python -m checkpoint hf import|export` with its parsed arguments; prints what it wrote."""
     if args.hf_command == "import":
         step_dir = import_checkpoint(args.hf_dir, args.out, args.dtype)
-        print(f"imported {args.hf_dir} to {step_dir} (parameters only); train from it with:"
-              f" python -m train --config {os.path.join(args.out, 'model.yaml')} --init-from {args.out}")
+        print(
+            f"imported {args.hf_dir} to {step_dir} (parameters only); train from it with:"
+            f" python -m train --config {os.path.join(args.out, 'model.yaml')} --init-from {args.out}"
+        )
         return
     _check_new_dir(args.out)
     import jax
+
     model = load_checkpoint(args.ckpt)
     save_pretrained(model, args.out, dtype=args.dtype)
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
-    print(f"exported {args.ckpt} ({n / 1e6:.2f}M parameters) to {args.out} ({ARCHITECTURES[model.model_type]})")
+    print(
+        f"exported {args.ckpt} ({n / 1e6:.2f}M parameters) to {args.out} ({ARCHITECTURES[model.model_type]})"
+    )

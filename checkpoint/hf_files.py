@@ -6,18 +6,28 @@ Every file is untrusted input: a safetensors header is checked against its file,
 shard names against its directory, before a byte of tensor data is read; tensors are then read one
 by one through safetensors' numpy API. Pickled `pytorch_model.bin` files are never loaded.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from errors import UserError
 from models.config import ModelConfig
-from models.hf import IGNORED_SUFFIXES, LAYOUTS, ROWS, Model, Row, expected_shapes, is_int, short_json
+from models.hf import (
+    IGNORED_SUFFIXES,
+    LAYOUTS,
+    ROWS,
+    Model,
+    Row,
+    expected_shapes,
+    is_int,
+    short_json,
+)
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -26,22 +36,25 @@ INDEX = "model.safetensors.index.json"
 def _safetensors():
     try:
         import safetensors.numpy
+
         return safetensors
     except ImportError:
-        raise UserError("the HuggingFace converter (checkpoint.hf) needs the safetensors package:"
-                        " pip install 'brigade[hf]'") from None
+        raise UserError(
+            "the HuggingFace converter (checkpoint.hf) needs the safetensors package:"
+            " pip install 'brigade[hf]'"
+        ) from None
 
 
 # Bytes per element of the safetensors dtypes this converter reads (all floating point).
 ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_MAX_HEADER = 100 << 20   # safetensors' own limit on a header's length
+_MAX_HEADER = 100 << 20  # safetensors' own limit on a header's length
 
 
 def read_json(file: str):
     try:
         with open(file, encoding="utf-8") as f:
             return json.load(f)
-    except ValueError as e:   # JSONDecodeError and UnicodeDecodeError alike
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
         raise UserError(f"{file}: not valid JSON ({e})") from None
     except OSError as e:
         raise UserError(f"{file}: cannot be read ({e.strerror or e})") from None
@@ -54,47 +67,71 @@ def read_header(file: str) -> dict[str, dict]:
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
         if not 0 < n <= min(size - 8, _MAX_HEADER):
-            raise UserError(f"{file}: not a safetensors file (its 8-byte header length says {n},"
-                            f" the file has {size} bytes)")
+            raise UserError(
+                f"{file}: not a safetensors file (its 8-byte header length says {n},"
+                f" the file has {size} bytes)"
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise UserError(f"{file}: the safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
-        raise UserError(f"{file}: the safetensors header is not a JSON object of tensors (got {short_json(header)})")
+        raise UserError(
+            f"{file}: the safetensors header is not a JSON object of tensors (got {short_json(header)})"
+        )
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise UserError(f"{file}: the safetensors __metadata__ must be an object of strings, got {short_json(meta)}")
+        raise UserError(
+            f"{file}: the safetensors __metadata__ must be an object of strings, got {short_json(meta)}"
+        )
     data, spans = size - 8 - n, []
     for name, entry in header.items():
         spans.append((*_check_entry(f"{file}: tensor {short_json(name)}", entry, data), name))
     end = 0
     for start, stop, name in sorted(spans):
         if start != end:
-            raise UserError(f"{file}: tensor {short_json(name)} starts at data byte {start}, expected {end}"
-                            f" (tensors must be packed without gaps or overlaps)")
+            raise UserError(
+                f"{file}: tensor {short_json(name)} starts at data byte {start}, expected {end}"
+                f" (tensors must be packed without gaps or overlaps)"
+            )
         end = stop
     if end != data:
-        raise UserError(f"{file}: its tensors end at data byte {end} but the file holds {data} data bytes")
+        raise UserError(
+            f"{file}: its tensors end at data byte {end} but the file holds {data} data bytes"
+        )
     return header
 
 
 def _check_entry(where: str, entry, data_bytes: int) -> tuple[int, int]:
     """One header entry's (start, stop) data offsets, after checking its dtype, shape and extent."""
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise UserError(f"{where}: expected {{dtype, shape, data_offsets}}, got {short_json(entry)}")
+        raise UserError(
+            f"{where}: expected {{dtype, shape, data_offsets}}, got {short_json(entry)}"
+        )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in ST_DTYPES:
-        raise UserError(f"{where}: dtype {short_json(dtype)} is not supported (supported: {', '.join(ST_DTYPES)})")
+        raise UserError(
+            f"{where}: dtype {short_json(dtype)} is not supported (supported: {', '.join(ST_DTYPES)})"
+        )
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
-        raise UserError(f"{where}: shape {short_json(shape)} is not a list of non-negative integers")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
-        raise UserError(f"{where}: data_offsets {short_json(offsets)} do not lie within the file's {data_bytes}"
-                        f" data bytes")
+        raise UserError(
+            f"{where}: shape {short_json(shape)} is not a list of non-negative integers"
+        )
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+    ):
+        raise UserError(
+            f"{where}: data_offsets {short_json(offsets)} do not lie within the file's {data_bytes}"
+            f" data bytes"
+        )
     if offsets[1] - offsets[0] != math.prod(shape) * ST_DTYPES[dtype]:
-        raise UserError(f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype}"
-                        f" {tuple(shape)} needs {math.prod(shape) * ST_DTYPES[dtype]}")
+        raise UserError(
+            f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype}"
+            f" {tuple(shape)} needs {math.prod(shape) * ST_DTYPES[dtype]}"
+        )
     return offsets[0], offsets[1]
 
 
@@ -106,20 +143,32 @@ def _read_index(path: str) -> dict[str, str] | None:
         if os.path.isfile(os.path.join(path, SAFETENSORS)):
             return None
         found = ", ".join(sorted(os.listdir(path))) or "nothing"
-        raise UserError(f"'{path}' has neither {SAFETENSORS} nor {INDEX} (found: {found}); pickled"
-                        f" pytorch_model.bin checkpoints are not read: re-save them with safetensors")
+        raise UserError(
+            f"'{path}' has neither {SAFETENSORS} nor {INDEX} (found: {found}); pickled"
+            f" pytorch_model.bin checkpoints are not read: re-save them with safetensors"
+        )
     doc = read_json(index)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
-        raise UserError(f"{index}: expected {{\"weight_map\": {{tensor: shard file, ...}}}}, got {short_json(doc)}")
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(v, str) for v in weight_map.values())
+    ):
+        raise UserError(
+            f'{index}: expected {{"weight_map": {{tensor: shard file, ...}}}}, got {short_json(doc)}'
+        )
     for tensor, shard in weight_map.items():
         # the index names files to open: it may not point outside the directory it describes
         if not shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
-            raise UserError(f"{index}: weight_map[{short_json(tensor)}] = {short_json(shard)} is outside the"
-                            f" checkpoint directory (shard files are named relative to it, without '..')")
+            raise UserError(
+                f"{index}: weight_map[{short_json(tensor)}] = {short_json(shard)} is outside the"
+                f" checkpoint directory (shard files are named relative to it, without '..')"
+            )
         if not os.path.isfile(os.path.join(path, shard)):
-            raise UserError(f"{index}: lists shard {short_json(shard)} (for {short_json(tensor)}),"
-                            f" which does not exist")
+            raise UserError(
+                f"{index}: lists shard {short_json(shard)} (for {short_json(tensor)}),"
+                f" which does not exist"
+            )
     return weight_map
 
 
@@ -136,17 +185,23 @@ class HFTensors:
             weight_map = dict.fromkeys(headers[SAFETENSORS], SAFETENSORS)
         for tensor, name in weight_map.items():
             if tensor not in headers[name]:
-                raise UserError(f"{os.path.join(path, INDEX)}: lists {short_json(tensor)} in {short_json(name)},"
-                                f" which does not hold it")
+                raise UserError(
+                    f"{os.path.join(path, INDEX)}: lists {short_json(tensor)} in {short_json(name)},"
+                    f" which does not hold it"
+                )
         self.file_of, self._open = weight_map, {}
-        self.shapes = {tensor: tuple(headers[name][tensor]["shape"]) for tensor, name in weight_map.items()}
+        self.shapes = {
+            tensor: tuple(headers[name][tensor]["shape"]) for tensor, name in weight_map.items()
+        }
 
     def get(self, name: str) -> np.ndarray:
         file = self.file_of[name]
         safetensors = _safetensors()
         try:  # the header was checked; this guards only against a file changed since
             if file not in self._open:
-                self._open[file] = safetensors.safe_open(os.path.join(self.path, file), framework="numpy")
+                self._open[file] = safetensors.safe_open(
+                    os.path.join(self.path, file), framework="numpy"
+                )
             return self._open[file].get_tensor(name)
         except safetensors.SafetensorError as e:
             raise UserError(f"{os.path.join(self.path, file)}: {name}: {e}") from None
@@ -158,8 +213,10 @@ def read_config(path: str) -> dict:
     if not os.path.isdir(path):
         raise UserError(f"'{path}': no such HuggingFace checkpoint directory")
     if not os.path.exists(file):
-        raise UserError(f"'{path}' has no config.json (expected a HuggingFace checkpoint directory)")
-    return read_json(file)   # its types are checked by config_from_hf
+        raise UserError(
+            f"'{path}' has no config.json (expected a HuggingFace checkpoint directory)"
+        )
+    return read_json(file)  # its types are checked by config_from_hf
 
 
 # -- HF tensors <-> params: the rows of models/hf.py's tables applied ------------------------------
@@ -167,7 +224,7 @@ def _names(template: str, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, .
     """Every (index into the Brigade array's stacked dims, HF name) of a row: the template's
     placeholders, layer then expert, enumerate the leading dims of `shape`."""
     keys = [k for k in ("l", "e") if "{" + k + "}" in template]
-    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[:len(keys)]))
+    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[: len(keys)]))
 
 
 def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
@@ -201,20 +258,24 @@ def _get(tree: dict, path: str):
 def _hf_shape(row: Row, shape: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
     """The HF tensor shape of one slice of a Brigade array of `shape` (traced: nothing allocated)."""
     import jax
+
     stacked = sum("{" + k + "}" in row.hf for k in ("l", "e"))
     piece = jax.ShapeDtypeStruct(shape[stacked:], np.int8)
     return tuple(jax.eval_shape(lambda w: LAYOUTS[row.layout].to_hf(w, head_dim), piece).shape)
 
 
-def _plan(source: str, shapes: Mapping[str, tuple[int, ...]], model_type: str,
-          cfg: ModelConfig) -> list[tuple[Row, tuple, list]]:
+def _plan(
+    source: str, shapes: Mapping[str, tuple[int, ...]], model_type: str, cfg: ModelConfig
+) -> list[tuple[Row, tuple, list]]:
     """Every row with its Brigade shape and (index, HF name) pairs, each tensor checked present with
     the shape config.json implies from the tensor shapes alone (a file's header): nothing is
     allocated before the source is known to hold it."""
     want = expected_shapes(cfg)
     uncovered = sorted(set(want) - {r.brigade for r in _rows(model_type, cfg)})
     if uncovered:  # a parameter the table does not fill would be left uninitialised
-        raise UserError(f"the {model_type} conversion has no HF tensor for Brigade parameters {', '.join(uncovered)}")
+        raise UserError(
+            f"the {model_type} conversion has no HF tensor for Brigade parameters {', '.join(uncovered)}"
+        )
     plan, used = [], set()
     for row in _rows(model_type, cfg):
         shape = want[row.brigade]
@@ -223,21 +284,36 @@ def _plan(source: str, shapes: Mapping[str, tuple[int, ...]], model_type: str,
             if name not in shapes:
                 raise UserError(f"'{source}': tensor {name} is missing (needed for {row.brigade})")
             if shapes[name] != hf_shape:
-                raise UserError(f"'{source}': tensor {name} has shape {shapes[name]},"
-                                f" config.json implies {hf_shape}")
+                raise UserError(
+                    f"'{source}': tensor {name} has shape {shapes[name]},"
+                    f" config.json implies {hf_shape}"
+                )
             names.append((idx, name))
         used.update(name for _, name in names)
         plan.append((row, shape, names))
-    extra = sorted(n for n in shapes if n not in used and not n.endswith(IGNORED_SUFFIXES)
-                   and not (cfg.tie_embeddings and n == "lm_head.weight"))
+    extra = sorted(
+        n
+        for n in shapes
+        if n not in used
+        and not n.endswith(IGNORED_SUFFIXES)
+        and not (cfg.tie_embeddings and n == "lm_head.weight")
+    )
     if extra:
-        raise UserError(f"'{source}': {len(extra)} tensors this {model_type} conversion does not know: "
-                        + ", ".join(map(short_json, extra[:5])) + (" ..." if len(extra) > 5 else ""))
+        raise UserError(
+            f"'{source}': {len(extra)} tensors this {model_type} conversion does not know: "
+            + ", ".join(map(short_json, extra[:5]))
+            + (" ..." if len(extra) > 5 else "")
+        )
     return plan
 
 
-def params_from_hf(source: str, shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], np.ndarray],
-                   model_type: str, cfg: ModelConfig) -> dict:
+def params_from_hf(
+    source: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    read: Callable[[str], np.ndarray],
+    model_type: str,
+    cfg: ModelConfig,
+) -> dict:
     """HF tensors -> Brigade params (numpy, cfg.param_dtype), checking every name and shape first.
     `shapes`: every tensor `source` holds, {HF name: shape}; `read(name)` its data, called only after
     all names and shapes passed (`source` names it in errors, e.g. the HF directory)."""
@@ -253,19 +329,23 @@ def params_from_hf(source: str, shapes: Mapping[str, tuple[int, ...]], read: Cal
 
 def _np_dtype(name: str):
     import jax.numpy as jnp
+
     return jnp.dtype(name)  # bfloat16 via ml_dtypes
 
 
 def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
     """Brigade params -> {HF name: array} (host memory)."""
     import jax
+
     cfg = model.cfg
     dt = np.dtype(_np_dtype(dtype or cfg.param_dtype))
     out = {}
     for row in _rows(model.model_type, cfg):
         arr = np.asarray(jax.device_get(_get(model.params, row.brigade)))
         for idx, name in _names(row.hf, arr.shape):
-            out[name] = np.ascontiguousarray(LAYOUTS[row.layout].to_hf(arr[idx], cfg.head_dim).astype(dt))
+            out[name] = np.ascontiguousarray(
+                LAYOUTS[row.layout].to_hf(arr[idx], cfg.head_dim).astype(dt)
+            )
     return out
 
 
@@ -276,7 +356,9 @@ def load_params(path: str, model_type: str, cfg: ModelConfig) -> dict:
     return params_from_hf(path, tensors.shapes, tensors.get, model_type, cfg)
 
 
-def write_files(folder: str, config: dict, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+def write_files(
+    folder: str, config: dict, tensors: dict[str, np.ndarray], max_shard_bytes: int
+) -> None:
     """config.json and the tensors into `folder`: one model.safetensors, or shards of at most
     `max_shard_bytes` (a tensor larger than that alone in its shard) and their index."""
     save_file = _safetensors().numpy.save_file
@@ -299,5 +381,11 @@ def write_files(folder: str, config: dict, tensors: dict[str, np.ndarray], max_s
         save_file(shard, os.path.join(folder, name), metadata=meta)
         weight_map.update({k: name for k in shard})
     with open(os.path.join(folder, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map},
-                  f, indent=2)
+        json.dump(
+            {
+                "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                "weight_map": weight_map,
+            },
+            f,
+            indent=2,
+        )

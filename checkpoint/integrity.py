@@ -7,12 +7,14 @@ reading it, once, in the restore itself: when that fails, `diagnose` turns the e
 naming the step and the file. Paths go through checkpoint/storage.py (local or object store);
 the file named from tensorstore's error text is found for local steps, where its messages name it.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import orbax.checkpoint as ocp
 
@@ -39,7 +41,9 @@ class UnreadableCheckpoint(UserError):
 
 # What a cross-process wait says when it fails (XLA:CPU's gloo collectives, jax.distributed's
 # barriers): the processes did not meet in time, which says nothing about the files.
-_CROSS_PROCESS = re.compile(r"Gloo|collective|AllGather|AllReduce|[Bb]arrier|DEADLINE_EXCEEDED|UNAVAILABLE")
+_CROSS_PROCESS = re.compile(
+    r"Gloo|collective|AllGather|AllReduce|[Bb]arrier|DEADLINE_EXCEEDED|UNAVAILABLE"
+)
 
 
 def cross_process_failure(err: BaseException) -> bool:
@@ -47,23 +51,30 @@ def cross_process_failure(err: BaseException) -> bool:
     error of a collective or a barrier, not a damaged checkpoint file."""
     e, seen = err, 0
     while e is not None and seen < 8:
-        if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and _CROSS_PROCESS.search(str(e)):
+        if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and _CROSS_PROCESS.search(
+            str(e)
+        ):
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
 
 
 def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: " + (str(e).split("[tensorstore_spec=")[0].strip().splitlines() or [""])[0][:300]
+    return (
+        f"{type(e).__name__}: "
+        + (str(e).split("[tensorstore_spec=")[0].strip().splitlines() or [""])[0][:300]
+    )
 
 
 def _orbax_parser(rel: str) -> Callable[[Any], Any] | None:
     """Orbax's own parser of the JSON file `rel`, so that a file it would choke on is caught here."""
     if rel == "_CHECKPOINT_METADATA":
         from orbax.checkpoint._src.metadata import step_metadata_serialization
+
         return step_metadata_serialization.deserialize
     if rel == "state/_METADATA":
         from orbax.checkpoint._src.metadata import tree
+
         return tree.InternalTreeMetadata.from_json
     return None
 
@@ -186,6 +197,7 @@ def value_file(state_dir: str, key: str) -> tuple[str, str] | None:
     'truncated ...' when its size tells, else ''), or None if the B+tree does not tell. Descends
     the tree through tensorstore's node dump: a few small reads, done only after a failure."""
     import tensorstore as ts
+
     try:
         url = f"file://{state_dir}/" if storage.is_local(state_dir) else f"{state_dir.rstrip('/')}/"
         base = ts.KvStore.open(url).result()
@@ -196,7 +208,11 @@ def value_file(state_dir: str, key: str) -> tuple[str, str] | None:
             entries = node["entries"]
             if node["height"] == 0:
                 hit = next((e for e in entries if prefix + e["key"] == target), None)
-                return None if hit is None else _stat_value(state_dir, hit.get("indirect_value") or location)
+                return (
+                    None
+                    if hit is None
+                    else _stat_value(state_dir, hit.get("indirect_value") or location)
+                )
             # an interior entry's key is the first of its subtree, whose keys drop its common prefix
             below = [e for e in entries if prefix + e["key"] <= target] or entries[:1]
             location, prefix = below[-1]["location"], prefix + below[-1]["subtree_common_prefix"]
@@ -217,4 +233,6 @@ def _stat_value(state_dir: str, location: str) -> tuple[str, str]:
     if not storage.exists(path):
         return rel_step, "missing"
     size, need = storage.getsize(path), int(offset) + int(length)
-    return rel_step, (f"truncated: {size} bytes, a stored value needs {need}" if size < need else "")
+    return rel_step, (
+        f"truncated: {size} bytes, a stored value needs {need}" if size < need else ""
+    )

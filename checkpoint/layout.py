@@ -18,6 +18,7 @@ steps are listed. The arrays need nothing else to continue exactly: there is no 
 step, and batch `s` depends only on (seed, s), so the data position is the step itself (plus the
 loader's record of its sources, checked on resume).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,8 +39,8 @@ from errors import UserError
 FORMAT_VERSION = 1
 STATE_ITEM, META_ITEM = "state", "meta"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
-RUN_SUBDIR = "checkpoints"      # a run directory's checkpoints, unless --checkpoint.dir says otherwise
-PARAMS_ONLY = "params"          # meta["contents"] of a parameters-only checkpoint
+RUN_SUBDIR = "checkpoints"  # a run directory's checkpoints, unless --checkpoint.dir says otherwise
+PARAMS_ONLY = "params"  # meta["contents"] of a parameters-only checkpoint
 PER_REPLICA = ("residual", "drift")  # state fields with a leading [R] data-parallel replica dim
 
 
@@ -61,11 +62,12 @@ def make_meta(step: int, config: dict, mesh: jax.sharding.Mesh, seed: int) -> di
         "data": {"next_step": step, "seed": seed, "source": config.get("data", {}).get("source")},
         "seed": seed,
         "mesh": {name: int(size) for name, size in mesh.shape.items()},
-        "devices": int(mesh.size), "processes": jax.process_count(),
+        "devices": int(mesh.size),
+        "processes": jax.process_count(),
         "model": config.get("model", {}),
         "config": config,
         "versions": versions(),
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -75,28 +77,74 @@ def make_meta(step: int, config: dict, mesh: jax.sharding.Mesh, seed: int) -> di
 # Only `step` is required: exports, imports and older checkpoints omit fields. Resume, `inspect`
 # and the model loader read these fields, so a wrong type must stop at the check, not deep inside
 # them; fields that are only compared (the rest of the config and of the loader) may hold anything.
-_COMM = {"compression": str, "topk_fraction": float, "error_feedback": str, "sync_every": int,
-         "outer_lr": float, "outer_momentum": float}
+_COMM = {
+    "compression": str,
+    "topk_fraction": float,
+    "error_feedback": str,
+    "sync_every": int,
+    "outer_lr": float,
+    "outer_momentum": float,
+}
 _LORA = {"rank": int, "alpha": float, "targets": str, "base_fingerprint": str}
 META_SCHEMA = {
-    "format": int, "step": int, "seed": int, "devices": int, "processes": int, "mesh": {"*": int},
-    "data": {"next_step": int, "seed": int, "source": (str, None),
-             "loader": {"next_step": int, "sources": [dict]}},
-    "model": dict, "config": {"*": dict, "comm": _COMM, "lora": _LORA}, "versions": {"*": str},
-    "saved_at": str, "contents": str, "exported_from": str, "imported_from": dict,
-    "tokenizer": {"kind": str, "path": str, "sha256": str, "id": str},  # an HF import's (tokenizer_record)
-    "local": {"process": int, "processes": int, "device_ids": [int]},  # a local-tier copy (checkpoint/tiers.py)
+    "format": int,
+    "step": int,
+    "seed": int,
+    "devices": int,
+    "processes": int,
+    "mesh": {"*": int},
+    "data": {
+        "next_step": int,
+        "seed": int,
+        "source": (str, None),
+        "loader": {"next_step": int, "sources": [dict]},
+    },
+    "model": dict,
+    "config": {"*": dict, "comm": _COMM, "lora": _LORA},
+    "versions": {"*": str},
+    "saved_at": str,
+    "contents": str,
+    "exported_from": str,
+    "imported_from": dict,
+    "tokenizer": {
+        "kind": str,
+        "path": str,
+        "sha256": str,
+        "id": str,
+    },  # an HF import's (tokenizer_record)
+    "local": {
+        "process": int,
+        "processes": int,
+        "device_ids": [int],
+    },  # a local-tier copy (checkpoint/tiers.py)
 }
 _REQUIRED_META = ("step",)
-_JSON_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
-               bool: "a boolean", type(None): "null"}
+_JSON_NAMES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def params_only_meta(step: int, config: dict, **origin) -> dict:
     """The meta of a parameters-only checkpoint of the model in `config` (a resolved Config dict);
     `origin`: where the parameters came from (`exported_from=<step dir>`, `imported_from={...}`)."""
-    return {"format": FORMAT_VERSION, "step": step, "contents": PARAMS_ONLY, "model": config.get("model", {}),
-            "config": config, "mesh": {}, "devices": 1, "processes": 1, "versions": versions(), **origin}
+    return {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "contents": PARAMS_ONLY,
+        "model": config.get("model", {}),
+        "config": config,
+        "mesh": {},
+        "devices": 1,
+        "processes": 1,
+        "versions": versions(),
+        **origin,
+    }
 
 
 def is_params_only(meta: dict) -> bool:
@@ -112,8 +160,11 @@ def lora_base(meta: dict) -> dict | None:
     lora = config.get("lora", {})
     if not lora.get("rank"):
         return None
-    return {"path": config.get("checkpoint", {}).get("init_from", ""), "fingerprint": lora.get("base_fingerprint", ""),
-            "scale": lora["alpha"] / lora["rank"]}
+    return {
+        "path": config.get("checkpoint", {}).get("init_from", ""),
+        "fingerprint": lora.get("base_fingerprint", ""),
+        "scale": lora["alpha"] / lora["rank"],
+    }
 
 
 def _bit_sums(x: jax.Array) -> jax.Array:
@@ -146,17 +197,26 @@ def merged(base, adapters, scale: float, dtype=None):
     tree down to the weights it adapts, each a {"lora_a": A [lead..., in..., r], "lora_b": B [lead...,
     r, out...]} (lead: the dims W shares with both, the layer stack). In float32, then `dtype`
     (default: W's). Jittable; the HF export calls it on host (numpy) arrays."""
+
     def walk(node, adapter):
         if isinstance(adapter, dict) and set(adapter) == {"lora_a", "lora_b"}:
             a, b = adapter["lora_a"], adapter["lora_b"]
             lead = a.ndim + b.ndim - 2 - node.ndim
             letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank
             n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
-            lead_s, in_s, out_s = letters[:lead], letters[lead:lead + n_in], letters[lead + n_in:lead + n_in + n_out]
-            delta = jnp.einsum(f"{lead_s}{in_s}r,{lead_s}r{out_s}->{lead_s}{in_s}{out_s}",
-                               jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+            lead_s, in_s, out_s = (
+                letters[:lead],
+                letters[lead : lead + n_in],
+                letters[lead + n_in : lead + n_in + n_out],
+            )
+            delta = jnp.einsum(
+                f"{lead_s}{in_s}r,{lead_s}r{out_s}->{lead_s}{in_s}{out_s}",
+                jnp.asarray(a, jnp.float32),
+                jnp.asarray(b, jnp.float32),
+            )
             return (jnp.asarray(node, jnp.float32) + scale * delta).astype(dtype or node.dtype)
         return {k: walk(v, adapter[k]) if k in adapter else v for k, v in node.items()}
+
     return walk(base, adapters)
 
 
@@ -165,7 +225,10 @@ def tokenizer_record(meta: dict) -> dict | None:
     dataset's index records it (kind, path, sha256, `id`: what must match): an HF import's
     `tokenizer`, else the data loader's; None when the checkpoint records none (older ones)."""
     loader = meta.get("data", {}).get("loader", {}) if isinstance(meta.get("data"), dict) else {}
-    for record in (meta.get("tokenizer"), loader.get("tokenizer") if isinstance(loader, dict) else None):
+    for record in (
+        meta.get("tokenizer"),
+        loader.get("tokenizer") if isinstance(loader, dict) else None,
+    ):
         if isinstance(record, dict) and isinstance(record.get("id"), str):
             return record
     return None
@@ -175,9 +238,15 @@ def replica_layout(arrays: list[tuple[str, tuple, str]]) -> tuple[int | None, bo
     """From a step's (name, shape, dtype) array list: (the data-parallel replica count of its
     per-replica state, the leading dim of its residuals or drift, None when it has none; whether it
     is DiLoCo's, i.e. holds drift)."""
-    per_replica = [(name, shape) for name, shape, _ in arrays if name.startswith(tuple(f + "/" for f in PER_REPLICA))]
+    per_replica = [
+        (name, shape)
+        for name, shape, _ in arrays
+        if name.startswith(tuple(f + "/" for f in PER_REPLICA))
+    ]
     dims = {shape[0] for _, shape in per_replica if shape}
-    return (dims.pop() if len(dims) == 1 else None), any(n.startswith("drift/") for n, _ in per_replica)
+    return (dims.pop() if len(dims) == 1 else None), any(
+        n.startswith("drift/") for n, _ in per_replica
+    )
 
 
 def check_meta(meta: Any, step_dir: str) -> dict:
@@ -191,9 +260,11 @@ def check_meta(meta: Any, step_dir: str) -> dict:
     if problem:
         raise UnreadableCheckpoint(step_dir, "meta/metadata", problem)
     if meta.get("format", 1) > FORMAT_VERSION:  # readable, but not by this version: never set aside
-        raise UserError(f"{step_dir}: checkpoint format {meta['format']} was written by a newer Brigade"
-                        f" ({meta.get('versions', {}).get('brigade', '?')}); this one reads formats up to"
-                        f" {FORMAT_VERSION}: upgrade Brigade to resume from it")
+        raise UserError(
+            f"{step_dir}: checkpoint format {meta['format']} was written by a newer Brigade"
+            f" ({meta.get('versions', {}).get('brigade', '?')}); this one reads formats up to"
+            f" {FORMAT_VERSION}: upgrade Brigade to resume from it"
+        )
     return meta
 
 
@@ -204,17 +275,24 @@ def _mismatch(value: Any, spec: Any, name: str = "") -> str:
             return _mismatch(value, dict, name)
         for key, item in value.items():
             sub = spec.get(key, spec.get("*"))
-            found = "" if sub is None else _mismatch(item, sub, f"{name}.{key}" if name else str(key))
+            found = (
+                "" if sub is None else _mismatch(item, sub, f"{name}.{key}" if name else str(key))
+            )
             if found:
                 return found
         return ""
     if isinstance(spec, list):
         if not isinstance(value, list):
             return _mismatch(value, list, name)
-        return next((m for i, item in enumerate(value) if (m := _mismatch(item, spec[0], f"{name}[{i}]"))), "")
+        return next(
+            (m for i, item in enumerate(value) if (m := _mismatch(item, spec[0], f"{name}[{i}]"))),
+            "",
+        )
     choices = spec if isinstance(spec, tuple) else (spec,)
     choices = tuple(type(None) if c is None else c for c in choices)
-    ok = any(isinstance(value, (int, float)) if c is float else isinstance(value, c) for c in choices)
+    ok = any(
+        isinstance(value, (int, float)) if c is float else isinstance(value, c) for c in choices
+    )
     if ok and not (isinstance(value, bool) and bool not in choices):
         return ""
     shown = json.dumps(value)
@@ -222,4 +300,3 @@ def _mismatch(value: Any, spec: Any, name: str = "") -> str:
     where = f"field {name}: " if name else ""
     got = _JSON_NAMES.get(type(value), type(value).__name__)
     return f"{where}expected {' or '.join(_JSON_NAMES[c] for c in choices)}, got {got}{shown}"
-

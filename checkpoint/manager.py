@@ -6,6 +6,7 @@ human-readable JSON (config, model config, mesh, data position, versions). Orbax
 atomically (written under `<step>.orbax-checkpoint-tmp`, renamed on success), so a process killed
 mid-save leaves the previous step as the latest and the half-written one is never listed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,8 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,7 +23,13 @@ import orbax.checkpoint as ocp
 
 from checkpoint import storage
 from checkpoint.echoes import quiet_failed_read_echoes
-from checkpoint.integrity import StepNames, UnreadableCheckpoint, check_files, cross_process_failure, diagnose
+from checkpoint.integrity import (
+    StepNames,
+    UnreadableCheckpoint,
+    check_files,
+    cross_process_failure,
+    diagnose,
+)
 from checkpoint.layout import RUN_SUBDIR, check_meta, is_params_only  # noqa: F401  (RUN_SUBDIR: for callers)
 from errors import UserError
 from mesh.shard import path_names
@@ -52,7 +60,6 @@ logging.getLogger("absl").addFilter(_QuietLocalSaves())
 quiet_failed_read_echoes()
 
 
-
 _is_array = lambda x: hasattr(x, "shape")  # noqa: E731  (ShapeDtypeStruct, jax.Array, ArrayMetadata)
 
 
@@ -69,11 +76,20 @@ def _type_handlers(process_local: bool) -> ocp.type_handlers.TypeHandlerRegistry
     Orbax's emergency (local) checkpoint manager."""
     th = ocp.type_handlers
     scalar = th.ScalarHandler()
-    array = (th.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False) if process_local
-             else th.ArrayHandler(use_replica_parallel=None if jax.process_count() > 1 else False))
+    array = (
+        th.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)
+        if process_local
+        else th.ArrayHandler(use_replica_parallel=None if jax.process_count() > 1 else False)
+    )
     return th.create_type_handler_registry(
-        (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
-        (np.ndarray, th.NumpyHandler()), (jax.Array, array), (str, th.StringHandler()))
+        (int, scalar),
+        (float, scalar),
+        (bytes, scalar),
+        (np.number, scalar),
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, array),
+        (str, th.StringHandler()),
+    )
 
 
 def _unused(path: str) -> str:
@@ -92,9 +108,10 @@ def shared_directory(path: str) -> str:
     if jax.process_count() == 1:
         return path
     from jax.experimental import multihost_utils
+
     buf = np.zeros(4096, np.uint8)
     raw = np.frombuffer(path.encode()[:4096], np.uint8)
-    buf[:len(raw)] = raw
+    buf[: len(raw)] = raw
     buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
     return bytes(buf[buf != 0]).decode()
 
@@ -102,14 +119,25 @@ def shared_directory(path: str) -> str:
 class Checkpointer:
     """One checkpoint directory: save (asynchronous), list, read metadata, restore onto any mesh."""
 
-    def __init__(self, directory: str, *, keep: int = 3, keep_every: int = 0, async_save: bool = True,
-                 create: bool = True, process_local: bool = False, flag: str = "--checkpoint.dir"):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        keep: int = 3,
+        keep_every: int = 0,
+        async_save: bool = True,
+        create: bool = True,
+        process_local: bool = False,
+        flag: str = "--checkpoint.dir",
+    ):
         """process_local: this process's own copy on host-local storage (the local tier,
         checkpoint/tiers.py): it writes every shard it holds and commits without the other
         processes, which do the same into their own directories. `flag`: the option named when
         the directory cannot be created."""
         directory = storage.absolute(directory)
-        owner = process_local or jax.process_index() == 0  # who creates, checks and tidies the directory
+        owner = (
+            process_local or jax.process_index() == 0
+        )  # who creates, checks and tidies the directory
         if create:
             try:
                 if owner:
@@ -125,24 +153,47 @@ class Checkpointer:
         self.companions: list = []  # savers of the same run closed with this one (the local tier)
         if create and owner and storage.is_local(directory):  # object stores have no symbolic links
             self._set_aside_links()
-        self._names = StepNames(skip_links=create)  # a reader never deletes: it may read through a link
-        alone = ocp.options.MultiprocessingOptions(  # no barrier with the other processes
-            primary_host=None, active_processes={jax.process_index()},
-            barrier_sync_key_prefix=f"brigade-local-{jax.process_index()}") if process_local else None
+        self._names = StepNames(
+            skip_links=create
+        )  # a reader never deletes: it may read through a link
+        alone = (
+            ocp.options.MultiprocessingOptions(  # no barrier with the other processes
+                primary_host=None,
+                active_processes={jax.process_index()},
+                barrier_sync_key_prefix=f"brigade-local-{jax.process_index()}",
+            )
+            if process_local
+            else None
+        )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep > 0 else None,
-            keep_period=keep_every if keep_every > 0 else None,  # steps % keep_every == 0 are never deleted
+            keep_period=keep_every
+            if keep_every > 0
+            else None,  # steps % keep_every == 0 are never deleted
             enable_async_checkpointing=async_save,
-            create=create and not process_local,  # Orbax's create: a barrier for the other processes
+            create=create
+            and not process_local,  # Orbax's create: a barrier for the other processes
             step_name_format=self._names,
-            **(dict(multiprocessing_options=alone, save_root_metadata=False,
-                    enable_per_process_directory_creation=True) if alone else {}))
-        json_handler = ocp.JsonCheckpointHandler(**({"multiprocessing_options": alone} if alone else {}))
+            **(
+                dict(
+                    multiprocessing_options=alone,
+                    save_root_metadata=False,
+                    enable_per_process_directory_creation=True,
+                )
+                if alone
+                else {}
+            ),
+        )
+        json_handler = ocp.JsonCheckpointHandler(
+            **({"multiprocessing_options": alone} if alone else {})
+        )
         state_handler = ocp.PyTreeCheckpointHandler(
             type_handler_registry=_type_handlers(process_local),
-            **({"multiprocessing_options": alone} if alone else {}))
-        self._mngr = ocp.CheckpointManager(directory, options=options,
-                                           item_handlers={"state": state_handler, "meta": json_handler})
+            **({"multiprocessing_options": alone} if alone else {}),
+        )
+        self._mngr = ocp.CheckpointManager(
+            directory, options=options, item_handlers={"state": state_handler, "meta": json_handler}
+        )
 
     # -- listing and metadata (nothing is loaded) ------------------------------------------------
     def latest_step(self) -> int | None:
@@ -161,7 +212,9 @@ class Checkpointer:
         """The step's `meta` JSON; UnreadableCheckpoint naming the field when it is not of the shape
         make_meta writes (checkpoint.layout.META_SCHEMA)."""
         with self._reading(step):
-            meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+                "meta"
+            ]
         return check_meta(meta, self.step_dir(step))
 
     def _set_aside_links(self) -> None:
@@ -176,11 +229,15 @@ class Checkpointer:
             try:
                 os.rename(link, dst)
             except OSError as e:
-                raise UserError(f"checkpoint step {link} is a symbolic link (to {target}) and cannot be set aside"
-                                f" ({e.strerror}); move it out of {self.directory}") from None
-            print(f"warning: checkpoint step {link} is a symbolic link (to {target}); set aside as {dst}"
-                  f" (the link only, its target untouched) so that removing old steps never deletes through it",
-                  flush=True)
+                raise UserError(
+                    f"checkpoint step {link} is a symbolic link (to {target}) and cannot be set aside"
+                    f" ({e.strerror}); move it out of {self.directory}"
+                ) from None
+            print(
+                f"warning: checkpoint step {link} is a symbolic link (to {target}); set aside as {dst}"
+                f" (the link only, its target untouched) so that removing old steps never deletes through it",
+                flush=True,
+            )
 
     # -- integrity ------------------------------------------------------------------------------
     def check_files(self, step: int) -> None:
@@ -188,7 +245,9 @@ class Checkpointer:
         or is JSON of the wrong shape (cheap: only those small files are read; damaged array data
         fails the read of the arrays, and `_reading` then names its file)."""
         if step in self._names.unlisted:
-            raise UnreadableCheckpoint(self.step_dir(step), "_CHECKPOINT_METADATA", self._names.unlisted[step])
+            raise UnreadableCheckpoint(
+                self.step_dir(step), "_CHECKPOINT_METADATA", self._names.unlisted[step]
+            )
         check_files(self.step_dir(step), check_meta)
 
     def _check_whole(self, step: int) -> dict:
@@ -199,9 +258,11 @@ class Checkpointer:
         meta = self.meta(step)
         local = {} if self.process_local else meta.get("local", {})
         if local.get("processes", 1) > 1:
-            raise UserError(f"checkpoint {self.step_dir(step)} is process {local.get('process')}'s local-tier copy"
-                            f" of a {local['processes']}-process run: it holds only that process's shards; use a"
-                            f" step of the run's --checkpoint.dir")
+            raise UserError(
+                f"checkpoint {self.step_dir(step)} is process {local.get('process')}'s local-tier copy"
+                f" of a {local['processes']}-process run: it holds only that process's shards; use a"
+                f" step of the run's --checkpoint.dir"
+            )
         return meta
 
     @contextlib.contextmanager
@@ -215,7 +276,9 @@ class Checkpointer:
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001  (whatever a damaged file makes Orbax raise)
-            if cross_process_failure(e):  # the processes did not meet: the files may be fine, never set them aside
+            if cross_process_failure(
+                e
+            ):  # the processes did not meet: the files may be fine, never set them aside
                 raise
             raise diagnose(self.step_dir(step), e, lambda: self.check_files(step)) from None
 
@@ -224,15 +287,22 @@ class Checkpointer:
         then params, then the optimizer state."""
         with self._reading(step):
             saved = self._mngr.item_metadata(step)["state"]
-        out = [(n, tuple(m.shape), np.dtype(m.dtype)) for n, m in path_names(saved, is_leaf=_is_array)]
-        return sorted(out, key=lambda a: ({"step": 0, "params": 1}.get(a[0].split("/")[0], 2), a[0]))
+        out = [
+            (n, tuple(m.shape), np.dtype(m.dtype)) for n, m in path_names(saved, is_leaf=_is_array)
+        ]
+        return sorted(
+            out, key=lambda a: ({"step": 0, "params": 1}.get(a[0].split("/")[0], 2), a[0])
+        )
 
     # -- save and restore --------------------------------------------------------------------------
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Returns once the device arrays are copied to host memory (so the caller may donate or
         overwrite them); with async_save the files are written and committed in the background."""
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                                      meta=ocp.args.JsonSave(meta)), force=True)
+        self._mngr.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restore into `abstract_state` (ShapeDtypeStructs with shardings, on any mesh): each
@@ -242,8 +312,12 @@ class Checkpointer:
         self.check_compatible(step, abstract_state, meta)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
         with self._reading(step):
-            out = self._mngr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args)))
+            out = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args)
+                ),
+            )
         return out["state"], meta
 
     def set_aside(self, step: int) -> str:
@@ -256,6 +330,7 @@ class Checkpointer:
             storage.rename(src, dst)
         if jax.process_count() > 1 and not self.process_local:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices(f"brigade_set_aside_{step}")
         self._mngr.reload()
         return dst
@@ -274,12 +349,23 @@ class Checkpointer:
             params_md = saved["params"]
         except (KeyError, TypeError):
             raise UserError(f"checkpoint {self.step_dir(step)} has no 'params'") from None
-        item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), params_md,
-                                       is_leaf=_is_array)}
+        item = {
+            "params": jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+                params_md,
+                is_leaf=_is_array,
+            )
+        }
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
         with self._reading(step):
-            out = self._mngr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
+            out = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=item, restore_args=restore_args, partial_restore=True
+                    )
+                ),
+            )
         return out["state"]["params"]
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
@@ -290,15 +376,25 @@ class Checkpointer:
         self._check_shapes(step, abstract_params, prefix="params/", what=" (parameters)")
         item = {"params": abstract_params}
         with self._reading(step):
-            out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+            out = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=item,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                        partial_restore=True,
+                    )
+                ),
+            )
         return out["state"]["params"]
 
     def check_compatible(self, step: int, abstract_state: Any, meta: dict | None = None) -> None:
         """UserError listing every array whose saved shape differs from `abstract_state`'s (metadata only)."""
         if is_params_only(meta or self.meta(step)):
-            raise UserError(f"checkpoint {self.step_dir(step)} holds parameters only (an export);"
-                            f" it cannot resume training")
+            raise UserError(
+                f"checkpoint {self.step_dir(step)} holds parameters only (an export);"
+                f" it cannot resume training"
+            )
         self._check_shapes(step, abstract_state)
 
     def _check_shapes(self, step: int, abstract: Any, prefix: str = "", what: str = "") -> None:
@@ -306,12 +402,23 @@ class Checkpointer:
         (a tree below `prefix`), and those only one side has; reads metadata only."""
         saved = {n: shape for n, shape, _ in self.arrays(step) if n.startswith(prefix)}
         want = {prefix + n: tuple(s.shape) for n, s in path_names(abstract, is_leaf=_is_array)}
-        bad = [f"{n}: checkpoint {saved[n] if n in saved else 'has none'} vs model {shape}"
-               for n, shape in want.items() if saved.get(n) != shape]
-        bad += [f"{n}: checkpoint {shape} vs model has none" for n, shape in saved.items() if n not in want]
+        bad = [
+            f"{n}: checkpoint {saved[n] if n in saved else 'has none'} vs model {shape}"
+            for n, shape in want.items()
+            if saved.get(n) != shape
+        ]
+        bad += [
+            f"{n}: checkpoint {shape} vs model has none"
+            for n, shape in saved.items()
+            if n not in want
+        ]
         if bad:
-            raise UserError(f"checkpoint {self.step_dir(step)}{what} does not match this model config"
-                            f" ({len(bad)} arrays differ): " + "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+            raise UserError(
+                f"checkpoint {self.step_dir(step)}{what} does not match this model config"
+                f" ({len(bad)} arrays differ): "
+                + "; ".join(bad[:8])
+                + (" ..." if len(bad) > 8 else "")
+            )
 
     def wait(self) -> None:
         """Block until every save in flight is committed."""
@@ -341,12 +448,17 @@ def open_checkpoint(path: str) -> tuple[Checkpointer, int]:
             raise UserError(f"'{path}' is not a committed checkpoint (its save never finished)")
         return ck, int(base)
     # a local tier's directory (checkpoint/tiers.py) holds one checkpoint directory per process
-    processes = sorted((n for n in storage.listdir(path) if re.fullmatch(r"process-\d+", n)), key=lambda n: int(n[8:]))
+    processes = sorted(
+        (n for n in storage.listdir(path) if re.fullmatch(r"process-\d+", n)),
+        key=lambda n: int(n[8:]),
+    )
     for d in (path, storage.join(path, RUN_SUBDIR), *(storage.join(path, n) for n in processes)):
         if storage.isdir(d):
             ck = Checkpointer(d, create=False)
             step = ck.latest_step()
             if step is not None:
                 return ck, step
-    raise UserError(f"'{path}' holds no committed checkpoint (expected a step directory such as"
-                    f" checkpoints/40, a checkpoint directory, a run directory or a --checkpoint.local_dir)")
+    raise UserError(
+        f"'{path}' holds no committed checkpoint (expected a step directory such as"
+        f" checkpoints/40, a checkpoint directory, a run directory or a --checkpoint.local_dir)"
+    )

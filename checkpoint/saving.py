@@ -5,11 +5,13 @@ loader's position), and one line (SaveFailed) for a save that failed.
 The caller passes everything in as values (the config dict, the mesh, the seed, a function giving
 the data position of a step): this package knows nothing of the train loop.
 """
+
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +32,21 @@ class SaveFailed(UserError):
     """Writing a checkpoint failed (disk full, permissions, storage gone). Orbax writes a step under
     `<step>.orbax-checkpoint-tmp` and renames it only when complete, so committed steps are untouched."""
 
-    exit_now = True  # the CLI exits at once: the failed save's writes still in flight would print noise
+    exit_now = (
+        True  # the CLI exits at once: the failed save's writes still in flight would print noise
+    )
 
     def __init__(self, saver: Checkpointer, step: int, err: Exception):
         kept = saver.all_steps()
         tmp = re.search(r"/(\d+)" + re.escape(TMP_SUFFIX), str(err))
-        step = int(tmp.group(1)) if tmp else step  # a background save fails a step later than it started
-        super().__init__(f"checkpoint: saving step {step} to {saver.directory} failed ({_write_error(err)});"
-                         f" committed checkpoints are intact (steps {step_list(kept) if kept else 'none'});"
-                         f" free space or fix the directory, then run the same command again to resume")
+        step = (
+            int(tmp.group(1)) if tmp else step
+        )  # a background save fails a step later than it started
+        super().__init__(
+            f"checkpoint: saving step {step} to {saver.directory} failed ({_write_error(err)});"
+            f" committed checkpoints are intact (steps {step_list(kept) if kept else 'none'});"
+            f" free space or fix the directory, then run the same command again to resume"
+        )
 
 
 def _write_error(err: Exception) -> str:
@@ -46,9 +54,12 @@ def _write_error(err: Exception) -> str:
     if isinstance(err, OSError) and err.strerror:
         return err.strerror + (f": {err.filename}" if err.filename else "")
     text = str(err)
-    m = re.search(r'Failed to write \d+ bytes to file \d+: ([^\[]+?) \[os_error_code', text) \
-        or re.search(r': ([A-Z][a-z][^:\[]+?) \[os_error_code', text)
-    reason = m.group(1).strip() if m else (text.strip().splitlines() or [type(err).__name__])[0][:200]
+    m = re.search(
+        r"Failed to write \d+ bytes to file \d+: ([^\[]+?) \[os_error_code", text
+    ) or re.search(r": ([A-Z][a-z][^:\[]+?) \[os_error_code", text)
+    reason = (
+        m.group(1).strip() if m else (text.strip().splitlines() or [type(err).__name__])[0][:200]
+    )
     f = re.search(r'Failed writing: "([^"]+)"', text)
     return reason + (f": {f.group(1)}" if f else "")
 
@@ -95,19 +106,35 @@ class Saves:
     `checkpoint.local_every` go to the local tier (checkpoint/tiers.py) instead: each process its
     own copy on host-local storage, much faster to write than shared storage."""
 
-    def __init__(self, saver: Checkpointer, *, every: int, mesh: Mesh, config: dict, seed: int,
-                 data_position: Callable[[int], dict]):
+    def __init__(
+        self,
+        saver: Checkpointer,
+        *,
+        every: int,
+        mesh: Mesh,
+        config: dict,
+        seed: int,
+        data_position: Callable[[int], dict],
+    ):
         self.saver, self.every, self.mesh = saver, every, mesh
         self._config, self._seed, self._data_position = config, seed, data_position
-        self.started: int | None = None  # the newest step whose save started (committed once `wait` returns)
+        self.started: int | None = (
+            None  # the newest step whose save started (committed once `wait` returns)
+        )
         ck = config.get("checkpoint", {})
-        self.local = local_tier(saver, ck.get("local_dir", ""), keep=ck.get("local_keep", 2),
-                                async_save=ck.get("async", True))
+        self.local = local_tier(
+            saver,
+            ck.get("local_dir", ""),
+            keep=ck.get("local_keep", 2),
+            async_save=ck.get("async", True),
+        )
         self.local_every = ck.get("local_every", 0) if self.local else 0
         self.local_started: int | None = None  # the same, in the local tier
 
     def due(self, step: int, force: bool = False) -> bool:
-        return self._persistent_due(step, force) or bool(self.local_every and step % self.local_every == 0)
+        return self._persistent_due(step, force) or bool(
+            self.local_every and step % self.local_every == 0
+        )
 
     def _persistent_due(self, step: int, force: bool) -> bool:
         return force or bool(self.every and step % self.every == 0)
@@ -138,7 +165,11 @@ class Saves:
                 return ""
         self.saver.wait()
         last = self.saver.latest_step()
-        return f"the newest committed checkpoint is {self.saver.step_dir(last)}" if last is not None else "no checkpoint"
+        return (
+            f"the newest committed checkpoint is {self.saver.step_dir(last)}"
+            if last is not None
+            else "no checkpoint"
+        )
 
     def wait(self) -> None:
         """Block until every save in flight (both tiers) is committed; SaveFailed if one failed."""

@@ -14,6 +14,7 @@ object store
   rewrites its object from memory at most every `upload_every_s` and at close;
 - there is no memory map: prepared shards are read by byte ranges (`read_range`).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,12 +33,13 @@ def is_local(p: str | os.PathLike) -> bool:
 def local_path(p: str | os.PathLike) -> str:
     """A local path as os understands it (file:// stripped)."""
     text = os.fspath(p)
-    return text[len("file://"):] if text.startswith("file://") else text
+    return text[len("file://") :] if text.startswith("file://") else text
 
 
 def path(p: str | os.PathLike):
     """`p` as an `epath.Path` (imported here: it costs ~0.2 s that local-only commands skip)."""
     from etils import epath
+
     return epath.Path(p)
 
 
@@ -54,7 +56,11 @@ def absolute(p: str) -> str:
 
 
 def basename(p: str) -> str:
-    return os.path.basename(os.path.normpath(local_path(p))) if is_local(p) else p.rstrip("/").rsplit("/", 1)[-1]
+    return (
+        os.path.basename(os.path.normpath(local_path(p)))
+        if is_local(p)
+        else p.rstrip("/").rsplit("/", 1)[-1]
+    )
 
 
 def dirname(p: str) -> str:
@@ -170,7 +176,10 @@ def upload_dir(local_dir: str, url: str, last: str) -> None:
     caller checked that `url` held only files it may replace). Not atomic, as nothing on an
     object store is: a reader during the copy may see old and new files."""
     for name in sorted(os.listdir(local_dir), key=lambda n: n == last):
-        with open(os.path.join(local_dir, name), "rb") as src, path(join(url, name)).open("wb") as dst:
+        with (
+            open(os.path.join(local_dir, name), "rb") as src,
+            path(join(url, name)).open("wb") as dst,
+        ):
             shutil.copyfileobj(src, dst, 1 << 24)
     for name in set(listdir(url)) - set(os.listdir(local_dir)):
         remove(join(url, name))

@@ -20,6 +20,7 @@ no local tier), it needs the state replicated across the replicas of one mesh ax
 hosts is not), it saves the arrays alone (no metadata: data position, config), and it would
 replace the persistent checkpoints' integrity checks and fall-back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,9 @@ from checkpoint.manager import Checkpointer
 from errors import UserError
 
 LOCAL_FLAG = "--checkpoint.local_dir"
-_SHARED_STEPS = 64  # the newest local steps each process tells the others about (local_keep is a few)
+_SHARED_STEPS = (
+    64  # the newest local steps each process tells the others about (local_keep is a few)
+)
 
 
 def process_dir(local_dir: str, process: int) -> str:
@@ -42,7 +45,9 @@ def process_dir(local_dir: str, process: int) -> str:
     return os.path.join(os.path.abspath(local_dir), f"process-{process}")
 
 
-def local_tier(saver: Checkpointer, local_dir: str, *, keep: int, async_save: bool) -> Checkpointer | None:
+def local_tier(
+    saver: Checkpointer, local_dir: str, *, keep: int, async_save: bool
+) -> Checkpointer | None:
     """The local tier of the run saving into `saver` (the persistent tier): opened on the first
     ask and closed with `saver` (it is one of its companions); None without `local_dir`. Every
     process opens its own; UserError on every process when one cannot (not writable, or inside
@@ -58,13 +63,19 @@ def local_tier(saver: Checkpointer, local_dir: str, *, keep: int, async_save: bo
     error, tier = None, None
     try:
         if within(root, shared) or within(shared, own):
-            raise UserError(f"{LOCAL_FLAG} {local_dir}: inside the persistent checkpoint directory {shared}"
-                            f" (or holding it); choose a directory outside it, on storage local to each host")
-        tier = Checkpointer(own, keep=keep, async_save=async_save, process_local=True, flag=LOCAL_FLAG)
+            raise UserError(
+                f"{LOCAL_FLAG} {local_dir}: inside the persistent checkpoint directory {shared}"
+                f" (or holding it); choose a directory outside it, on storage local to each host"
+            )
+        tier = Checkpointer(
+            own, keep=keep, async_save=async_save, process_local=True, flag=LOCAL_FLAG
+        )
     except UserError as e:
         error = e
     if not all_processes(error is None) and error is None:
-        raise UserError(f"{LOCAL_FLAG} {local_dir}: another process could not use it (its error says why)")
+        raise UserError(
+            f"{LOCAL_FLAG} {local_dir}: another process could not use it (its error says why)"
+        )
     if error is not None:
         raise error
     saver.companions.append(tier)
@@ -84,7 +95,7 @@ def steps_everywhere(tier: Checkpointer) -> list[int]:
     if jax.process_count() == 1:
         return mine
     padded = np.full(_SHARED_STEPS, -1, np.int64)
-    padded[:len(mine)] = mine
+    padded[: len(mine)] = mine
     held = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), -1)
     common = set(held[0].tolist()).intersection(*(row.tolist() for row in held[1:])) - {-1}
     return sorted(common, reverse=True)
@@ -92,16 +103,21 @@ def steps_everywhere(tier: Checkpointer) -> list[int]:
 
 def layout(mesh: Mesh) -> dict:
     """What a process's local copy depends on: this process and the devices of the mesh, in order."""
-    return {"process": jax.process_index(), "processes": jax.process_count(),
-            "device_ids": [int(d.id) for d in mesh.devices.flat]}
+    return {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "device_ids": [int(d.id) for d in mesh.devices.flat],
+    }
 
 
 def saved_elsewhere(tier: Checkpointer, step: int, mesh: Mesh) -> str:
     """'' when this process's copy of `step` restores onto `mesh` here, else why not."""
     saved = tier.meta(step).get("local")
     if saved != layout(mesh):
-        return (f"local step {step} in {tier.directory} was saved by another process or on another mesh"
-                f" layout (it holds only that process's shards)")
+        return (
+            f"local step {step} in {tier.directory} was saved by another process or on another mesh"
+            f" layout (it holds only that process's shards)"
+        )
     return ""
 
 

@@ -15,6 +15,7 @@ Runs on whatever devices exist: fake CPU devices (--cpu-devices N, or XLA_FLAGS)
 several processes (--coordinator H:P --num-processes N --process-id I, or auto-detected
 SLURM/Open MPI); every process builds only its own shards and only process 0 prints.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,8 @@ import statistics
 import sys
 import time
 
-from mesh.spec import AXES
 from errors import ArgParser, UserError, one_line_errors
+from mesh.spec import AXES
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
@@ -93,19 +94,24 @@ def axis_groups(mesh_shape: dict[str, int], text: str | None) -> list[tuple[str,
     than one axis. `all` = every axis of size > 1 (every device)."""
     used = tuple(a for a in AXES if mesh_shape.get(a, 1) > 1)
     if not used:
-        raise UserError("--mesh: a single device has no links to benchmark; use more devices"
-                        " (e.g. --cpu-devices 8 on CPU)")
+        raise UserError(
+            "--mesh: a single device has no links to benchmark; use more devices"
+            " (e.g. --cpu-devices 8 on CPU)"
+        )
     if text is None:
         return [(a, (a,)) for a in used] + ([("all", used)] if len(used) > 1 else [])
     out = []
     for name in _choices("--axes", text, AXES + ("all",)):
         if name != "all" and name not in used:
-            raise UserError(f"--axes: mesh axis '{name}' has size 1 in this mesh; valid: {', '.join(used + ('all',))}")
+            raise UserError(
+                f"--axes: mesh axis '{name}' has size 1 in this mesh; valid: {', '.join(used + ('all',))}"
+            )
         out.append((name, used if name == "all" else (name,)))
     return out
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def _program(op: str, mesh, axes: tuple[str, ...], n: int):
     """A jitted shard_map running `op` over `axes` on each device's own block (dim 0 sharded over
@@ -123,7 +129,7 @@ def _program(op: str, mesh, axes: tuple[str, ...], n: int):
             return lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
         if op == "all_to_all":
             return lax.all_to_all(x, axes, 0, 0, tiled=True)
-        return lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])   # ring: each sends once
+        return lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])  # ring: each sends once
 
     spec = P(tuple(mesh.axis_names))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -133,7 +139,8 @@ def _input(mesh, count: int, dtype):
     """[devices * count] with `count` elements per device; each process creates only its shards."""
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     local = np.ones(count, dtype)
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
@@ -152,7 +159,7 @@ def run(mesh, ops, groups, sizes, dtypes, iters: int, warmup: int, on_row=None) 
             for dtype_name in dtypes:
                 dtype = jnp.dtype(dtype_name)
                 for size in sizes:
-                    count = max(n, size // dtype.itemsize // n * n)   # whole chunks of n
+                    count = max(n, size // dtype.itemsize // n * n)  # whole chunks of n
                     in_count = count // n if op == "all_gather" else count
                     x = _input(mesh, in_count, dtype)
                     for _ in range(warmup):
@@ -165,9 +172,19 @@ def run(mesh, ops, groups, sizes, dtypes, iters: int, warmup: int, on_row=None) 
                     t = statistics.median(times)
                     nbytes = count * dtype.itemsize
                     alg, bus = bandwidths(op, n, nbytes, t)
-                    row = {"op": op, "axes": label, "mesh_axes": list(axes), "n": n, "dtype": dtype_name,
-                           "size_bytes": nbytes, "count": count, "time_us": t * 1e6,
-                           "time_min_us": min(times) * 1e6, "algbw_GBps": alg / 1e9, "busbw_GBps": bus / 1e9}
+                    row = {
+                        "op": op,
+                        "axes": label,
+                        "mesh_axes": list(axes),
+                        "n": n,
+                        "dtype": dtype_name,
+                        "size_bytes": nbytes,
+                        "count": count,
+                        "time_us": t * 1e6,
+                        "time_min_us": min(times) * 1e6,
+                        "algbw_GBps": alg / 1e9,
+                        "busbw_GBps": bus / 1e9,
+                    }
                     rows.append(row)
                     del x
                     if on_row:
@@ -199,23 +216,46 @@ HEADER = f"{'op':<15}{'axes':<16}{'n':>4}  {'dtype':<9}{'size':>8}{'count':>12}{
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['op']:<15}{r['axes']:<16}{r['n']:>4}  {r['dtype']:<9}{_human(r['size_bytes']):>8}{r['count']:>12}"
-            f"{r['time_us']:>12.1f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}")
+    return (
+        f"{r['op']:<15}{r['axes']:<16}{r['n']:>4}  {r['dtype']:<9}{_human(r['size_bytes']):>8}{r['count']:>12}"
+        f"{r['time_us']:>12.1f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="python -m mesh.bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--mesh", default="", help="mesh spec, e.g. data=4,model=2 (default: all devices on data)")
-    p.add_argument("--mesh-dcn", default="", help="the part of each axis that spans hosts, e.g. data=2")
+    p = ArgParser(
+        prog="python -m mesh.bench", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
+    p.add_argument(
+        "--mesh", default="", help="mesh spec, e.g. data=4,model=2 (default: all devices on data)"
+    )
+    p.add_argument(
+        "--mesh-dcn", default="", help="the part of each axis that spans hosts, e.g. data=2"
+    )
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
-    p.add_argument("--sizes", default="1K:16M", help="MIN:MAX[:FACTOR] (default factor 4) or a list 4K,1M")
+    p.add_argument(
+        "--sizes", default="1K:16M", help="MIN:MAX[:FACTOR] (default factor 4) or a list 4K,1M"
+    )
     p.add_argument("--dtypes", default="float32", help=f"comma list of {', '.join(DTYPES)}")
-    p.add_argument("--axes", default=None, help="comma list of mesh axes and/or 'all' (default: every axis of size > 1, and all)")
+    p.add_argument(
+        "--axes",
+        default=None,
+        help="comma list of mesh axes and/or 'all' (default: every axis of size > 1, and all)",
+    )
     p.add_argument("--iters", type=int, default=20, help="timed runs per point (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs first (compile, allocation)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices to create (CPU only; 0 = as configured)")
-    p.add_argument("--coordinator", default="", help="HOST:PORT of process 0 (multi-process); empty = auto-detect")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="fake CPU devices to create (CPU only; 0 = as configured)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default="",
+        help="HOST:PORT of process 0 (multi-process); empty = auto-detect",
+    )
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
     return p
@@ -231,12 +271,16 @@ def _main(args) -> int:
     dtypes = _choices("--dtypes", args.dtypes, DTYPES)
     sizes = parse_sizes(args.sizes)
     if args.iters < 1 or args.warmup < 0:
-        raise UserError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+        raise UserError(
+            f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}"
+        )
     import jax
+
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     from mesh.build import init_distributed, make_mesh
     from mesh.spec import mesh_text
+
     if args.coordinator or args.num_processes > 1:
         init_distributed(args.coordinator or None, args.num_processes, args.process_id)
     else:
@@ -244,25 +288,48 @@ def _main(args) -> int:
     mesh = make_mesh(args.mesh, args.mesh_dcn)
     groups = axis_groups(dict(mesh.shape), args.axes)
     main_proc = jax.process_index() == 0
-    info = {"mesh": mesh_text(mesh.shape), "devices": mesh.devices.size, "processes": jax.process_count(),
-            "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
-            "iters": args.iters, "warmup": args.warmup}
+    info = {
+        "mesh": mesh_text(mesh.shape),
+        "devices": mesh.devices.size,
+        "processes": jax.process_count(),
+        "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind,
+        "iters": args.iters,
+        "warmup": args.warmup,
+    }
     if main_proc and not args.json:
-        print(f"# mesh {info['mesh']}: {info['devices']} {info['device_kind']} devices, {info['processes']} process(es);"
-              f" median of {args.iters} runs after {args.warmup} warm-up; size = larger per-device buffer")
+        print(
+            f"# mesh {info['mesh']}: {info['devices']} {info['device_kind']} devices, {info['processes']} process(es);"
+            f" median of {args.iters} runs after {args.warmup} warm-up; size = larger per-device buffer"
+        )
         print(HEADER, flush=True)
-    rows = run(mesh, ops, groups, sizes, dtypes, args.iters, args.warmup,
-               on_row=(lambda r: print(format_row(r), flush=True)) if main_proc and not args.json else None)
+    rows = run(
+        mesh,
+        ops,
+        groups,
+        sizes,
+        dtypes,
+        args.iters,
+        args.warmup,
+        on_row=(lambda r: print(format_row(r), flush=True))
+        if main_proc and not args.json
+        else None,
+    )
     peak = peak_busbw(rows)
     if main_proc:
         if args.json:
             print(json.dumps({**info, "results": rows, "peak_busbw_GBps": peak}))
         else:
-            print("# busbw GB/s at the largest size, per axes (a slow link shows as one axes column far below the rest)")
+            print(
+                "# busbw GB/s at the largest size, per axes (a slow link shows as one axes column far below the rest)"
+            )
             labels = [label for label, _ in groups]
             print(f"{'op':<15}" + "".join(f"{lab:>16}" for lab in labels))
             for op, by_axes in peak.items():
-                print(f"{op:<15}" + "".join(f"{by_axes.get(lab, float('nan')):>16.3f}" for lab in labels))
+                print(
+                    f"{op:<15}"
+                    + "".join(f"{by_axes.get(lab, float('nan')):>16.3f}" for lab in labels)
+                )
     return 0
 
 

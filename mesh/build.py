@@ -1,4 +1,5 @@
 """Build the device mesh (ICI inside a host/slice, DCN across them) and start multi-process JAX."""
+
 from __future__ import annotations
 
 import logging
@@ -8,14 +9,19 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from mesh.spec import AXES, MeshShape, resolve
 from errors import UserError
+from mesh.spec import AXES, MeshShape, resolve
 
 log = logging.getLogger(__name__)
 
 
-def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, *, peer_timeout_s: float = 45.0) -> None:
+def init_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    peer_timeout_s: float = 45.0,
+) -> None:
     """Join a multi-process JAX job. Explicit flags win; otherwise JAX auto-detects the cluster
     (SLURM, Open MPI, Kubernetes/GKE, TPU pods) when one of their environments is present.
     On CPU the cross-process collectives go through gloo.
@@ -31,21 +37,32 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     explicit = coordinator is not None or num_processes not in (None, 1)
     if explicit:
         if coordinator is None or num_processes is None or process_id is None:
-            raise UserError("multi-process start needs all of --coordinator HOST:PORT, --num-processes N, --process-id I")
+            raise UserError(
+                "multi-process start needs all of --coordinator HOST:PORT, --num-processes N, --process-id I"
+            )
         if not 0 <= process_id < num_processes:
-            raise UserError(f"--process-id {process_id} must be in [0, {num_processes - 1}] for --num-processes {num_processes}")
+            raise UserError(
+                f"--process-id {process_id} must be in [0, {num_processes - 1}] for --num-processes {num_processes}"
+            )
     elif not _cluster_detected():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _set_cpu_collective_timeout(peer_timeout_s)
     kwargs = service_timeouts(peer_timeout_s)
     if explicit:
-        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        kwargs.update(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
         if coordinator.startswith(("127.", "localhost")):
             kwargs["coordinator_bind_address"] = coordinator  # stay on loopback in local tests
     jax.distributed.initialize(**kwargs)
-    log.info("process %d/%d: %d local of %d devices", jax.process_index(), jax.process_count(),
-             jax.local_device_count(), jax.device_count())
+    log.info(
+        "process %d/%d: %d local of %d devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def service_timeouts(peer_timeout_s: float) -> dict[str, int]:
@@ -60,22 +77,33 @@ def _set_cpu_collective_timeout(seconds: float) -> None:
     """XLA:CPU's collective timeout, unless the user set one or the backend is already up (the
     flag is read when the CPU client is created) or will not be CPU."""
     import os
+
     from jax._src import xla_bridge
+
     flags = os.environ.get("XLA_FLAGS", "")
     platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
-    if "xla_cpu_collective_timeout_seconds" in flags or xla_bridge.backends_are_initialized() \
-            or (platforms and not platforms.startswith("cpu")):
+    if (
+        "xla_cpu_collective_timeout_seconds" in flags
+        or xla_bridge.backends_are_initialized()
+        or (platforms and not platforms.startswith("cpu"))
+    ):
         return
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={max(1, int(seconds))}".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_cpu_collective_timeout_seconds={max(1, int(seconds))}".strip()
+    )
 
 
 def _cluster_detected() -> bool:
     import os
-    return any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS"))
+
+    return any(
+        k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
+    )
 
 
-def make_mesh(spec: str | dict | None = None, dcn_spec: str | dict | None = None,
-              devices: list | None = None) -> Mesh:
+def make_mesh(
+    spec: str | dict | None = None, dcn_spec: str | dict | None = None, devices: list | None = None
+) -> Mesh:
     """A Mesh over AXES (all six always present, unused ones size 1), Auto axis types.
 
     With `dcn_spec` the mesh is hybrid: each axis = dcn part (across hosts/slices) x ici part,
@@ -94,9 +122,11 @@ def mesh_from_shape(shape: MeshShape, devices: list) -> Mesh:
         if dcn_total != granules:
             raise UserError(
                 f"--mesh-dcn multiplies to {dcn_total} but the devices span {granules} host(s)/slice(s);"
-                f" the --mesh-dcn product must equal that number")
+                f" the --mesh-dcn product must equal that number"
+            )
         arr = mesh_utils.create_hybrid_device_mesh(
-            shape.ici, shape.dcn, devices, process_is_granule=by_process)
+            shape.ici, shape.dcn, devices, process_is_granule=by_process
+        )
     elif len(devices) == jax.device_count() and devices == list(jax.devices()):
         arr = mesh_utils.create_device_mesh(shape.sizes, devices, allow_split_physical_axes=True)
     else:
@@ -123,8 +153,9 @@ def start_mesh(parallelism, devices: list | None = None) -> Mesh:
     (default: every device of every process)."""
     p = parallelism
     if p.coordinator or p.num_processes > 1:
-        init_distributed(p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout)
+        init_distributed(
+            p.coordinator or None, p.num_processes, p.process_id, peer_timeout_s=p.peer_timeout
+        )
     else:
         init_distributed(peer_timeout_s=p.peer_timeout)
     return make_mesh(p.mesh, p.mesh_dcn, devices)
-

@@ -7,20 +7,22 @@ block), q = round(x / scale). int8 uses qmax 127; int4 uses qmax 7 and packs two
 (uint8), so the buffer the collective moves is really half of int8's (checked in the HLO by
 tests/test_collectives.py). The rounding error of every element is at most scale / 2.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK = 256          # values per quantisation scale: 4 bytes of scale per 256 values (1.6% extra)
-TOPK_BLOCK = 4096    # top-k is taken per block of this many values (see `topk`)
+BLOCK = 256  # values per quantisation scale: 4 bytes of scale per 256 values (1.6% extra)
+TOPK_BLOCK = 4096  # top-k is taken per block of this many values (see `topk`)
 QMAX = {8: 127, 4: 7}
 METHODS = ("int8", "int4", "topk")
 
 
 # ---------------------------------------------------------------------------------------------
 # Quantisation
+
 
 def quantize(x, bits: int = 8, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
     """x (size a multiple of `block`) -> (q [nb, block * bits / 8] int8 (bits 8) or uint8 packed
@@ -46,6 +48,7 @@ def dequantize(q, scale_b, bits: int = 8) -> jax.Array:
 
 # ---------------------------------------------------------------------------------------------
 # Top-k
+
 
 def topk(x, fraction: float, block: int = TOPK_BLOCK) -> tuple[jax.Array, jax.Array]:
     """The largest-magnitude `fraction` of a flat x -> (values [k] float32, indices [k] int32).
@@ -74,8 +77,10 @@ def topk_size(n: int, fraction: float, block: int = TOPK_BLOCK) -> int:
 # ---------------------------------------------------------------------------------------------
 # Compressed all-reduce (inside shard_map)
 
-def compressed_psum(x, axes: str | tuple[str, ...], method: str, *, fraction: float = 0.01,
-                    block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
+
+def compressed_psum(
+    x, axes: str | tuple[str, ...], method: str, *, fraction: float = 0.01, block: int = BLOCK
+) -> tuple[jax.Array, jax.Array]:
     """Sum of x over the mesh `axes`, sending compressed data. Call inside `jax.shard_map`.
 
     -> (total, residual), both shaped like x, float32. `total` is identical on every device of a
@@ -109,20 +114,23 @@ def compressed_psum(x, axes: str | tuple[str, ...], method: str, *, fraction: fl
 
 def _quantized_psum(x, axes, n: int, bits: int, block: int):
     size = x.shape[0]
-    block = min(block, 2 * -(-size // (2 * n)))      # small inputs: no padding to n whole blocks
-    chunk = -(-size // (n * block)) * block          # each device's share of the sum, whole blocks
+    block = min(block, 2 * -(-size // (2 * n)))  # small inputs: no padding to n whole blocks
+    chunk = -(-size // (n * block)) * block  # each device's share of the sum, whole blocks
     x = jnp.pad(x, (0, n * chunk - size))
     q, scale_b = quantize(x, bits, block)
-    residual = x - dequantize(q, scale_b, bits)       # exact: x and its rounding differ by < 2x
+    residual = x - dequantize(q, scale_b, bits)  # exact: x and its rounding differ by < 2x
     # [n, blocks per chunk, ...]: row j goes to device j; afterwards row j came from device j
     q_in = lax.all_to_all(q.reshape(n, -1, q.shape[-1]), axes, 0, 0, tiled=True)
     s_in = lax.all_to_all(scale_b.reshape(n, -1), axes, 0, 0, tiled=True)
-    part = dequantize(q_in, s_in, bits).reshape(n, chunk).sum(axis=0)   # my chunk of the sum
+    part = dequantize(q_in, s_in, bits).reshape(n, chunk).sum(axis=0)  # my chunk of the sum
     q2, s2 = quantize(part, bits, block)
     me = lax.axis_index(axes)
     # the owner alone knows how its re-quantised chunk missed the sum: that goes to its residual
-    residual = lax.dynamic_update_slice(residual, lax.dynamic_slice(residual, (me * chunk,), (chunk,))
-                                        + (part - dequantize(q2, s2, bits)), (me * chunk,))
+    residual = lax.dynamic_update_slice(
+        residual,
+        lax.dynamic_slice(residual, (me * chunk,), (chunk,)) + (part - dequantize(q2, s2, bits)),
+        (me * chunk,),
+    )
     q_all = lax.all_gather(q2, axes, axis=0, tiled=True, to="invarying")
     s_all = lax.all_gather(s2, axes, axis=0, tiled=True, to="invarying")
     total = dequantize(q_all, s_all, bits)
@@ -134,11 +142,11 @@ def _topk_psum(x, axes, n: int, fraction: float):
     size = x.shape[0]
     padded = -(-size // min(TOPK_BLOCK, size)) * min(TOPK_BLOCK, size)
     sent = jnp.zeros(padded, jnp.float32).at[idx].set(vals, unique_indices=True)[:size]
-    residual = x - sent                                   # x or 0 per element: exact
-    vals_all = lax.all_gather(vals, axes, axis=0, tiled=False, to="invarying")   # [n, k]
+    residual = x - sent  # x or 0 per element: exact
+    vals_all = lax.all_gather(vals, axes, axis=0, tiled=False, to="invarying")  # [n, k]
     idx_all = lax.all_gather(idx, axes, axis=0, tiled=False, to="invarying")
 
     total = jnp.zeros(padded, jnp.float32)
-    for j in range(n):   # n is static and small; a fori_loop carry would need vma casts
+    for j in range(n):  # n is static and small; a fori_loop carry would need vma casts
         total = total.at[idx_all[j]].add(vals_all[j], unique_indices=True)
     return total[:size], residual

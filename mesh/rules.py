@@ -4,25 +4,32 @@ Models name every array dimension with a logical axis; this table alone decides 
 axes shard it. Parameters and activations use different names for the model dimension
 (`embed` vs `act_embed`) because FSDP shards the weights' embed dim but never the activations'.
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from mesh.spec import AXES
 from errors import UserError
+from mesh.spec import AXES
 
 MeshAxes = tuple[str, ...]  # () = replicated
 
 DEFAULT_RULES: dict[str, MeshAxes] = {
     # activations
-    "batch": ("data", "fsdp", "expert"),  # outside the MoE layers the expert axis acts as FSDP (see "embed")
-    "seq": ("context",),          # context parallelism: every activation's sequence dim
-    "res_seq": ("context",),      # the residual stream's sequence dim between blocks (+ model: sequence parallelism)
+    "batch": (
+        "data",
+        "fsdp",
+        "expert",
+    ),  # outside the MoE layers the expert axis acts as FSDP (see "embed")
+    "seq": ("context",),  # context parallelism: every activation's sequence dim
+    "res_seq": (
+        "context",
+    ),  # the residual stream's sequence dim between blocks (+ model: sequence parallelism)
     "act_embed": (),
     "act_mlp": ("model",),
     "act_heads": ("model",),
@@ -38,23 +45,43 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "kv_heads": ("model",),
     "head_dim": (),
     "vocab": ("model",),
-    "vocab_embed": ("fsdp", "context", "expert"),  # the d_model dim of the embedding table and the LM head (see vocab_parallel)
+    "vocab_embed": (
+        "fsdp",
+        "context",
+        "expert",
+    ),  # the d_model dim of the embedding table and the LM head (see vocab_parallel)
     "norm": (),
-    "layers": ("pipeline",),      # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
-    "experts": ("expert",),       # expert parallelism: each device holds n_experts / expert of them
-    "expert_mlp": ("model",),     # tensor parallelism inside each expert
-    "expert_embed": ("fsdp", "context"),  # the experts' d_model dim: `expert` already shards their `experts` dim
-    "router_experts": (),         # the router's expert dim: every device routes its own tokens to all experts
+    "layers": (
+        "pipeline",
+    ),  # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
+    "experts": ("expert",),  # expert parallelism: each device holds n_experts / expert of them
+    "expert_mlp": ("model",),  # tensor parallelism inside each expert
+    "expert_embed": (
+        "fsdp",
+        "context",
+    ),  # the experts' d_model dim: `expert` already shards their `experts` dim
+    "router_experts": (),  # the router's expert dim: every device routes its own tokens to all experts
     "stages": ("pipeline",),
 }
 
 # The config option that sets each parameter dim's size, so that a divisibility error names what to change.
-HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "embed": "model.d_model",
-         "vocab_embed": "model.d_model", "expert_embed": "model.d_model",
-         "vocab": "model.vocab_size", "layers": "model.n_layers", "experts": "model.n_experts",
-         "expert_mlp": "model.d_ff_expert", "router_experts": "model.n_experts"}
+HINTS = {
+    "heads": "model.n_heads",
+    "kv_heads": "model.n_kv_heads",
+    "mlp": "model.d_ff",
+    "embed": "model.d_model",
+    "vocab_embed": "model.d_model",
+    "expert_embed": "model.d_model",
+    "vocab": "model.vocab_size",
+    "layers": "model.n_layers",
+    "experts": "model.n_experts",
+    "expert_mlp": "model.d_ff_expert",
+    "router_experts": "model.n_experts",
+}
 
-_RULES: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar("rules", default=DEFAULT_RULES)
+_RULES: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar(
+    "rules", default=DEFAULT_RULES
+)
 
 
 def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
@@ -65,7 +92,9 @@ def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
         pairs = []
         for part in spec.split(","):
             if "=" not in part:
-                raise UserError(f"--parallelism.rules: '{part}' is not name=axis[+axis]; example: embed=fsdp,vocab=none")
+                raise UserError(
+                    f"--parallelism.rules: '{part}' is not name=axis[+axis]; example: embed=fsdp,vocab=none"
+                )
             name, _, value = part.partition("=")
             pairs.append((name.strip(), value.strip()))
     else:
@@ -73,7 +102,9 @@ def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
     out: dict[str, MeshAxes] = {}
     for name, value in pairs:
         if name not in DEFAULT_RULES:
-            raise UserError(f"--parallelism.rules: unknown logical axis '{name}'; valid: {', '.join(DEFAULT_RULES)}")
+            raise UserError(
+                f"--parallelism.rules: unknown logical axis '{name}'; valid: {', '.join(DEFAULT_RULES)}"
+            )
         if value is None or value in ("", "none", "None", []):
             axes: MeshAxes = ()
         elif isinstance(value, str):
@@ -82,7 +113,9 @@ def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
             axes = tuple(value)
         for a in axes:
             if a not in AXES:
-                raise UserError(f"--parallelism.rules: '{name}' maps to unknown mesh axis '{a}'; valid: {', '.join(AXES)}")
+                raise UserError(
+                    f"--parallelism.rules: '{name}' maps to unknown mesh axis '{a}'; valid: {', '.join(AXES)}"
+                )
         out[name] = axes
     return out
 
@@ -116,12 +149,25 @@ def vocab_parallel(rules: Mapping[str, MeshAxes]) -> dict[str, MeshAxes]:
     It wins while the group's tokens are fewer than the vocabulary (head_layout decides)."""
     moved = tuple(rules["vocab_embed"])
     add = lambda axes: tuple(axes) + tuple(a for a in moved if a not in axes)  # noqa: E731
-    return {**rules, "vocab": add(rules["vocab"]), "vocab_embed": (), "act_vocab": add(rules["act_vocab"]),
-            "logits_batch": tuple(a for a in rules["logits_batch"] if a not in moved)}
+    return {
+        **rules,
+        "vocab": add(rules["vocab"]),
+        "vocab_embed": (),
+        "act_vocab": add(rules["act_vocab"]),
+        "logits_batch": tuple(a for a in rules["logits_batch"] if a not in moved),
+    }
 
 
-def head_layout(rules: Mapping[str, MeshAxes], mode: str, sizes: Mapping[str, int], *, vocab: int,
-                batch_tokens: int, act_bytes: int, param_bytes: int) -> dict:
+def head_layout(
+    rules: Mapping[str, MeshAxes],
+    mode: str,
+    sizes: Mapping[str, int],
+    *,
+    vocab: int,
+    batch_tokens: int,
+    act_bytes: int,
+    param_bytes: int,
+) -> dict:
     """`rules` with the LM head's layout that --parallelism.vocab_parallel `mode` (auto|on|off)
     picks on a mesh of these axis sizes. `batch_tokens`: tokens of one micro-batch of the global
     batch. `auto` takes vocab_parallel where it moves fewer bytes (~3 x the FSDP group's tokens x
@@ -133,13 +179,18 @@ def head_layout(rules: Mapping[str, MeshAxes], mode: str, sizes: Mapping[str, in
     vp = vocab_parallel(rules)
     if mode == "on" and vocab % size(vp["vocab"]):
         n, axes = size(vp["vocab"]), " x ".join(f"{a}={sizes.get(a, 1)}" for a in vp["vocab"])
-        raise UserError(f"--parallelism.vocab_parallel on: model.vocab_size={vocab} is not divisible by {axes} = {n}"
-                        f" devices; pad the vocabulary to a multiple of {n}, or use auto (which keeps the gathered"
-                        f" head here) or off")
+        raise UserError(
+            f"--parallelism.vocab_parallel on: model.vocab_size={vocab} is not divisible by {axes} = {n}"
+            f" devices; pad the vocabulary to a multiple of {n}, or use auto (which keeps the gathered"
+            f" head here) or off"
+        )
     if mode == "auto":
         group_tokens = batch_tokens // size(vp["logits_batch"])
-        if (any(rules[n] != DEFAULT_RULES[n] for n in VOCAB_NAMES) or vocab % size(vp["vocab"])
-                or 3 * group_tokens * act_bytes >= 2 * vocab * param_bytes):
+        if (
+            any(rules[n] != DEFAULT_RULES[n] for n in VOCAB_NAMES)
+            or vocab % size(vp["vocab"])
+            or 3 * group_tokens * act_bytes >= 2 * vocab * param_bytes
+        ):
             return dict(rules)
     return vp
 
@@ -158,7 +209,9 @@ def current_rules() -> Mapping[str, MeshAxes]:
     return _RULES.get()
 
 
-def logical_to_spec(names: tuple[str | None, ...], rules: Mapping[str, MeshAxes] | None = None) -> P:
+def logical_to_spec(
+    names: tuple[str | None, ...], rules: Mapping[str, MeshAxes] | None = None
+) -> P:
     """('batch','seq','act_embed') -> P(('data','fsdp','expert'), None, None).
 
     A mesh axis is used at most once per array: a later dimension that maps to an axis already

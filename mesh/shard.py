@@ -1,13 +1,16 @@
 """Sharding helpers driven by the logical-axis table: specs, constraints, divisibility and
 under-sharding checks."""
+
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from errors import UserError
 from mesh.rules import MeshAxes, current_rules, logical_to_spec
@@ -21,7 +24,9 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
 
 
-def named(mesh: Mesh, names: tuple[str | None, ...], rules: Mapping[str, MeshAxes] | None = None) -> NamedSharding:
+def named(
+    mesh: Mesh, names: tuple[str | None, ...], rules: Mapping[str, MeshAxes] | None = None
+) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(names, rules))
 
 
@@ -65,8 +70,13 @@ def data_parallel_axes(mesh: Mesh, batch_axes, param_specs) -> tuple[str, ...]:
     return tuple(out)
 
 
-def check_divisible(mesh: Mesh, shapes: Any, axes_tree: Any, rules: Mapping[str, MeshAxes] | None = None,
-                    hints: Mapping[str, str] | None = None) -> None:
+def check_divisible(
+    mesh: Mesh,
+    shapes: Any,
+    axes_tree: Any,
+    rules: Mapping[str, MeshAxes] | None = None,
+    hints: Mapping[str, str] | None = None,
+) -> None:
     """Raise UserError for the first array dim that its mesh axes do not divide.
 
     `hints` maps a logical name to the config field that sets it (e.g. 'heads' -> 'model.n_heads').
@@ -82,15 +92,21 @@ def check_divisible(mesh: Mesh, shapes: Any, axes_tree: Any, rules: Mapping[str,
             size = sds.shape[dim]
             if n > 1 and size % n:
                 axes = (entry,) if isinstance(entry, str) else entry
-                where = f"{hints[name]}={size}" if hints and name in hints else f"{path} dim {dim} ({name}={size})"
+                where = (
+                    f"{hints[name]}={size}"
+                    if hints and name in hints
+                    else f"{path} dim {dim} ({name}={size})"
+                )
                 choices = [d for d in range(1, size + 1) if size % d == 0]
                 raise UserError(
                     f"{where} is not divisible by mesh {'x'.join(f'{a}={mesh.shape[a]}' for a in axes)} = {n}"
-                    f" (logical axis '{name}' -> {axes}); valid sizes for that product: {choices}")
+                    f" (logical axis '{name}' -> {axes}); valid sizes for that product: {choices}"
+                )
 
 
-def warn_undersharded(mesh: Mesh, arrays: Any, min_bytes: int = 1 << 20,
-                      axes: tuple[str, ...] = ("fsdp", "model")) -> list[str]:
+def warn_undersharded(
+    mesh: Mesh, arrays: Any, min_bytes: int = 1 << 20, axes: tuple[str, ...] = ("fsdp", "model")
+) -> list[str]:
     """Warn, naming the array, when a large array is replicated over a parameter-sharding mesh
     axis of size > 1 (the silent mis-sharding peers' users lose days to). Returns the messages."""
     msgs = []
@@ -100,8 +116,10 @@ def warn_undersharded(mesh: Mesh, arrays: Any, min_bytes: int = 1 << 20,
         used = spec_axes(spec)
         missing = [a for a in axes if mesh.shape[a] > 1 and a not in used]
         if nbytes >= min_bytes and missing:
-            msg = (f"{path} ({nbytes / 2**20:.1f} MiB, shape {tuple(x.shape)}, spec {spec}) is replicated over"
-                   f" mesh axis {', '.join(f'{a}={mesh.shape[a]}' for a in missing)}; check the logical-axis rules")
+            msg = (
+                f"{path} ({nbytes / 2**20:.1f} MiB, shape {tuple(x.shape)}, spec {spec}) is replicated over"
+                f" mesh axis {', '.join(f'{a}={mesh.shape[a]}' for a in missing)}; check the logical-axis rules"
+            )
             msgs.append(msg)
             warnings.warn(msg, stacklevel=2)
     return msgs

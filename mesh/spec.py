@@ -2,6 +2,7 @@
 
 A mesh spec is `axis=size,...` over AXES; unnamed axes are 1 and one axis may be -1 ("the rest").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,9 @@ def parse_spec(spec: str | dict | None, flag: str = "--mesh") -> dict[str, int]:
             if not part:
                 continue
             if "=" not in part:
-                raise UserError(f"{flag}: '{part}' is not axis=size; example: {flag} data=2,fsdp=2,model=2")
+                raise UserError(
+                    f"{flag}: '{part}' is not axis=size; example: {flag} data=2,fsdp=2,model=2"
+                )
             name, _, value = part.partition("=")
             items.append((name.strip(), value.strip()))
     sizes: dict[str, int] = {}
@@ -42,7 +45,9 @@ def parse_spec(spec: str | dict | None, flag: str = "--mesh") -> dict[str, int]:
         except (TypeError, ValueError):
             raise UserError(f"{flag}: size of '{name}' must be an integer, got '{value}'") from None
         if size == 0 or size < -1:
-            raise UserError(f"{flag}: size of '{name}' must be a positive integer or -1, got {size}")
+            raise UserError(
+                f"{flag}: size of '{name}' must be a positive integer or -1, got {size}"
+            )
         sizes[name] = size
     if sum(1 for s in sizes.values() if s == -1) > 1:
         both = [n for n, s in sizes.items() if s == -1]
@@ -81,7 +86,9 @@ class MeshShape:
         return ",".join(used) or "single device"
 
 
-def resolve(spec: str | dict | None, n_devices: int, dcn_spec: str | dict | None = None) -> MeshShape:
+def resolve(
+    spec: str | dict | None, n_devices: int, dcn_spec: str | dict | None = None
+) -> MeshShape:
     """Fill in -1 and unnamed axes so the product is n_devices; default: all devices on `data`."""
     sizes = parse_spec(spec)
     if not sizes:
@@ -92,12 +99,14 @@ def resolve(spec: str | dict | None, n_devices: int, dcn_spec: str | dict | None
         if n_devices % fixed:
             raise UserError(
                 f"--mesh: the named axes multiply to {fixed}, which does not divide the {n_devices} devices,"
-                f" so '{axis}=-1' has no solution; the fixed part must be one of {_divisors(n_devices)}")
+                f" so '{axis}=-1' has no solution; the fixed part must be one of {_divisors(n_devices)}"
+            )
         sizes[axis] = n_devices // fixed
     elif fixed != n_devices:
         raise UserError(
             f"--mesh: axis sizes multiply to {fixed} but there are {n_devices} devices;"
-            f" make the product {n_devices} or set one axis to -1")
+            f" make the product {n_devices} or set one axis to -1"
+        )
     dcn = parse_spec(dcn_spec, flag="--mesh-dcn")
     if -1 in dcn.values():
         raise UserError("--mesh-dcn: -1 is not allowed; give the number of hosts/slices per axis")
@@ -106,7 +115,8 @@ def resolve(spec: str | dict | None, n_devices: int, dcn_spec: str | dict | None
         if total % d:
             raise UserError(
                 f"--mesh-dcn: {name}={d} does not divide the mesh's {name}={total};"
-                f" valid: {_divisors(total)}")
+                f" valid: {_divisors(total)}"
+            )
     return MeshShape(tuple(sizes.get(a, 1) for a in AXES), tuple(dcn.get(a, 1) for a in AXES))
 
 
@@ -115,4 +125,3 @@ def mesh_text(sizes) -> str:
     'model': 2} (or a Mesh's `.shape`) -> 'data=4,model=2'; '1 device' when every axis is 1."""
     names = [a for a in AXES if a in sizes] + [a for a in sizes if a not in AXES]
     return ",".join(f"{a}={sizes[a]}" for a in names if sizes[a] > 1) or "1 device"
-

@@ -10,6 +10,7 @@ adds what is missing. Every GPU and CPU flag name is checked by tests/test_xla.p
 installed jaxlib (XLA aborts on an unknown flag); the TPU flags are libtpu's and cannot be checked
 without a TPU.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -21,48 +22,88 @@ MiB = 2**20
 
 # preset -> environment variable -> {flag: (value, why)}
 PRESETS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
-    "gpu": {"XLA_FLAGS": {
-        # Sources: NVIDIA JAX-Toolbox "GPU performance" guide and MaxText's GPU run scripts.
-        "--xla_gpu_enable_latency_hiding_scheduler": (
-            "true", "schedule collectives as async start/done pairs around independent compute (overlap)"),
-        "--xla_gpu_enable_highest_priority_async_stream": (
-            "true", "give the collective stream priority so communication is not starved by compute kernels"),
-        "--xla_gpu_enable_pipelined_all_gather": (
-            "true", "FSDP: gather the next layer's weights during the current layer of the scanned stack"),
-        "--xla_gpu_enable_pipelined_reduce_scatter": (
-            "true", "FSDP: reduce-scatter a layer's gradients while the next layer's backward runs"),
-        "--xla_gpu_enable_pipelined_all_reduce": (
-            "true", "data parallel: the same for per-layer gradient all-reduces inside the scan"),
-        "--xla_gpu_enable_while_loop_double_buffering": (
-            "true", "unroll the layer scan by two so the pipelined collectives have compute to hide behind"),
-        "--xla_gpu_all_reduce_combine_threshold_bytes": (
-            str(128 * MiB), "bucket small gradient all-reduces into 128 MiB messages (bandwidth-bound, fewer launches)"),
-        "--xla_gpu_all_gather_combine_threshold_bytes": (
-            str(128 * MiB), "bucket FSDP weight all-gathers likewise"),
-        "--xla_gpu_reduce_scatter_combine_threshold_bytes": (
-            str(64 * MiB), "bucket FSDP gradient reduce-scatters (half: their outputs are 1/n of the input)"),
-        "--xla_gpu_enable_triton_gemm": (
-            "false", "cuBLAS(Lt) GEMMs are faster than Triton's for transformer matmul shapes"),
-        "--xla_gpu_enable_command_buffer": (
-            "", "no CUDA graphs: they serialise the async collective streams the scheduler just overlapped"),
-    }},
-    "tpu": {"LIBTPU_INIT_ARGS": {
-        # Source: MaxText's TPU run scripts (LIBTPU_INIT_ARGS for v4/v5p/v6e training).
-        "--xla_tpu_enable_data_parallel_all_reduce_opt": (
-            "true", "overlap the data-parallel gradient all-reduce with the backward pass"),
-        "--xla_tpu_data_parallel_opt_different_sized_ops": (
-            "true", "let that optimisation pipeline all-reduces of different sizes"),
-        "--xla_tpu_enable_async_collective_fusion": (
-            "true", "run fused collectives asynchronously"),
-        "--xla_tpu_enable_async_collective_fusion_fuse_all_gather": (
-            "true", "include all-gathers (FSDP weights) in the async collective fusions"),
-        "--xla_tpu_enable_async_collective_fusion_multiple_steps": (
-            "true", "let an async collective span several compute steps"),
-        "--xla_tpu_overlap_compute_collective_tc": (
-            "true", "overlap collectives with compute on the TensorCore"),
-        "--xla_enable_async_all_gather": (
-            "true", "asynchronous all-gather, so FSDP gathers hide behind compute"),
-    }},
+    "gpu": {
+        "XLA_FLAGS": {
+            # Sources: NVIDIA JAX-Toolbox "GPU performance" guide and MaxText's GPU run scripts.
+            "--xla_gpu_enable_latency_hiding_scheduler": (
+                "true",
+                "schedule collectives as async start/done pairs around independent compute (overlap)",
+            ),
+            "--xla_gpu_enable_highest_priority_async_stream": (
+                "true",
+                "give the collective stream priority so communication is not starved by compute kernels",
+            ),
+            "--xla_gpu_enable_pipelined_all_gather": (
+                "true",
+                "FSDP: gather the next layer's weights during the current layer of the scanned stack",
+            ),
+            "--xla_gpu_enable_pipelined_reduce_scatter": (
+                "true",
+                "FSDP: reduce-scatter a layer's gradients while the next layer's backward runs",
+            ),
+            "--xla_gpu_enable_pipelined_all_reduce": (
+                "true",
+                "data parallel: the same for per-layer gradient all-reduces inside the scan",
+            ),
+            "--xla_gpu_enable_while_loop_double_buffering": (
+                "true",
+                "unroll the layer scan by two so the pipelined collectives have compute to hide behind",
+            ),
+            "--xla_gpu_all_reduce_combine_threshold_bytes": (
+                str(128 * MiB),
+                "bucket small gradient all-reduces into 128 MiB messages (bandwidth-bound, fewer launches)",
+            ),
+            "--xla_gpu_all_gather_combine_threshold_bytes": (
+                str(128 * MiB),
+                "bucket FSDP weight all-gathers likewise",
+            ),
+            "--xla_gpu_reduce_scatter_combine_threshold_bytes": (
+                str(64 * MiB),
+                "bucket FSDP gradient reduce-scatters (half: their outputs are 1/n of the input)",
+            ),
+            "--xla_gpu_enable_triton_gemm": (
+                "false",
+                "cuBLAS(Lt) GEMMs are faster than Triton's for transformer matmul shapes",
+            ),
+            "--xla_gpu_enable_command_buffer": (
+                "",
+                "no CUDA graphs: they serialise the async collective streams the scheduler just overlapped",
+            ),
+        }
+    },
+    "tpu": {
+        "LIBTPU_INIT_ARGS": {
+            # Source: MaxText's TPU run scripts (LIBTPU_INIT_ARGS for v4/v5p/v6e training).
+            "--xla_tpu_enable_data_parallel_all_reduce_opt": (
+                "true",
+                "overlap the data-parallel gradient all-reduce with the backward pass",
+            ),
+            "--xla_tpu_data_parallel_opt_different_sized_ops": (
+                "true",
+                "let that optimisation pipeline all-reduces of different sizes",
+            ),
+            "--xla_tpu_enable_async_collective_fusion": (
+                "true",
+                "run fused collectives asynchronously",
+            ),
+            "--xla_tpu_enable_async_collective_fusion_fuse_all_gather": (
+                "true",
+                "include all-gathers (FSDP weights) in the async collective fusions",
+            ),
+            "--xla_tpu_enable_async_collective_fusion_multiple_steps": (
+                "true",
+                "let an async collective span several compute steps",
+            ),
+            "--xla_tpu_overlap_compute_collective_tc": (
+                "true",
+                "overlap collectives with compute on the TensorCore",
+            ),
+            "--xla_enable_async_all_gather": (
+                "true",
+                "asynchronous all-gather, so FSDP gathers hide behind compute",
+            ),
+        }
+    },
     # Measured (BENCHMARKS.md): turning Eigen's intra-op threads off on 8 fake devices was no faster
     # (and would halve a 1-device run on 2 cores); nothing else measured helps, so no flags yet.
     "cpu": {"XLA_FLAGS": {}},

@@ -1,5 +1,6 @@
 """The model: layers, attention, MoE, the decoder, presets; `register` adds a model of your own
 (models/registry.py)."""
+
 from models.registry import register
 
 __all__ = ["register"]

@@ -1,5 +1,6 @@
 """Grouped-query causal self-attention with rotary embeddings and an optional KV cache; optional
 q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and a sliding window (Mistral)."""
+
 from __future__ import annotations
 
 import functools
@@ -11,15 +12,16 @@ from flax import nnx
 
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, constrain
-from models.config import ModelConfig
 from models import context, fp8
 from models.blockwise import visible
+from models.config import ModelConfig
 from models.context import context_size
 from models.layers import RMSNorm, param, rope
 
 
 class KVCache(NamedTuple):
     """Per-layer cache. k/v: [B,S,K,H] with S = cache length; `index`: next write position."""
+
     k: jax.Array
     v: jax.Array
     index: jax.Array
@@ -39,9 +41,15 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq_DNH = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), param_dtype, fan_in=d)
-        self.wk_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
-        self.wv_DKH = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d)
-        self.wo_NHD = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype, fan_in=n * h)
+        self.wk_DKH = param(
+            rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d
+        )
+        self.wv_DKH = param(
+            rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, fan_in=d
+        )
+        self.wo_NHD = param(
+            rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype, fan_in=n * h
+        )
         if cfg.qkv_bias:  # sharded as the projections' output dims
             self.bq_NH = param(rngs, (n, h), ("heads", "head_dim"), param_dtype, zeros=True)
             self.bk_KH = param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros=True)
@@ -53,7 +61,9 @@ class Attention(nnx.Module):
         self.qkv_bias, self.qk_norm, self.window = cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window
         self.dtype, self.fp8 = dtype, cfg.matmul_precision == "fp8"
         self.kind = functools.partial(cfg.attention_kind, jax.default_backend())
-        self.kind(cfg.max_seq_len)  # an attention this backend lacks: one line when the model is built
+        self.kind(
+            cfg.max_seq_len
+        )  # an attention this backend lacks: one line when the model is built
 
     def _qkv(self, x_BTD):
         """q, k, v from as few einsums as the sharding allows. Each einsum's input gradient is one
@@ -67,16 +77,27 @@ class Attention(nnx.Module):
         k = wk.shape[1]
         if fused_qkv(k, jax.sharding.get_abstract_mesh()):
             # Q = N / K query heads per KV group, then that group's k and v: Q + 2 along one dim
-            w_DKQH = jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], axis=2)
+            w_DKQH = jnp.concatenate(
+                [wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], axis=2
+            )
             qkv_BTKQH = fp8.einsum("btd,dkqh->btkqh", x_BTD, w_DKQH, self.fp8)
             b, t = x_BTD.shape[:2]
-            return qkv_BTKQH[..., :-2, :].reshape(b, t, n, h), qkv_BTKQH[..., -2, :], qkv_BTKQH[..., -1, :]
+            return (
+                qkv_BTKQH[..., :-2, :].reshape(b, t, n, h),
+                qkv_BTKQH[..., -2, :],
+                qkv_BTKQH[..., -1, :],
+            )
         q_BTNH = fp8.einsum("btd,dnh->btnh", x_BTD, wq, self.fp8)
         k_BTKH, v_BTKH = fp8.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]), self.fp8)
         return q_BTNH, k_BTKH, v_BTKH
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, cache: KVCache | None = None,
-                 segment_ids_BT: jax.Array | None = None):
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        segment_ids_BT: jax.Array | None = None,
+    ):
         """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own segment."""
         dt = self.dtype
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD)
@@ -86,25 +107,51 @@ class Attention(nnx.Module):
             v_BTKH = v_BTKH + self.bv_KH[...].astype(dt)
         if self.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        q_BTNH = constrain(rope(q_BTNH, positions_BT, *self.rope_args), ("batch", "seq", "act_heads", None))
-        k_BTKH = constrain(rope(k_BTKH, positions_BT, *self.rope_args), ("batch", "seq", "act_kv_heads", None))
+        q_BTNH = constrain(
+            rope(q_BTNH, positions_BT, *self.rope_args), ("batch", "seq", "act_heads", None)
+        )
+        k_BTKH = constrain(
+            rope(k_BTKH, positions_BT, *self.rope_args), ("batch", "seq", "act_kv_heads", None)
+        )
         v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
         kind = self.kind(x_BTD.shape[1], segment_ids_BT is not None)
         if cache is None and kind != "blockwise" and context_size() == 1:
             out_BTNH = self._by_index(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind)
-        elif cache is None:  # the sequence is sharded (and permuted), or blockwise: masks from positions
-            out_BTNH = context.attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=self.window,
-                                      kind=context.by_positions(kind))
+        elif (
+            cache is None
+        ):  # the sequence is sharded (and permuted), or blockwise: masks from positions
+            out_BTNH = context.attend(
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                positions_BT,
+                segment_ids_BT,
+                window=self.window,
+                kind=context.by_positions(kind),
+            )
         else:
             cache = KVCache(
-                jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0)),
-                jax.lax.dynamic_update_slice(cache.v, v_BTKH.astype(cache.v.dtype), (0, cache.index, 0, 0)),
-                cache.index + x_BTD.shape[1])
+                jax.lax.dynamic_update_slice(
+                    cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0)
+                ),
+                jax.lax.dynamic_update_slice(
+                    cache.v, v_BTKH.astype(cache.v.dtype), (0, cache.index, 0, 0)
+                ),
+                cache.index + x_BTD.shape[1],
+            )
             s = cache.k.shape[1]
             # Slot s holds the key of position s: a query at position p sees the cached keys at
             # positions <= p (slots past `index` are empty), and with a window only the last W of them.
-            mask_B1TS = visible(positions_BT[:, None, :, None], jnp.arange(s)[None, None, None, :], None, None, self.window)
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS)
+            mask_B1TS = visible(
+                positions_BT[:, None, :, None],
+                jnp.arange(s)[None, None, None, :],
+                None,
+                None,
+                self.window,
+            )
+            out_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS
+            )
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "act_heads", None))
         out_BTD = fp8.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt), self.fp8)
         return out_BTD, cache
@@ -116,11 +163,18 @@ class Attention(nnx.Module):
         if segment_ids_BT is None:
             # A window of W keys, the query's own included: W - 1 to the left, none to the right.
             window = (self.window - 1, 0) if self.window else None
-            return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, local_window_size=window,
-                                                implementation=impl)
+            return jax.nn.dot_product_attention(
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                is_causal=True,
+                local_window_size=window,
+                implementation=impl,
+            )
         t = q_BTNH.shape[1]
         # within a segment, index distance is position distance: the window applies to it alike
         seen_TT = visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :], None, None, self.window)
         same_B1TT = segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
-        return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & seen_TT, implementation=impl)
-
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & seen_TT, implementation=impl
+        )

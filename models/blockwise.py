@@ -11,6 +11,7 @@ a batch dim, so GSPMD may shard it over mesh axes.
 Shape letters as everywhere (B batch, T queries, S keys, N query heads, K kv heads, H head dim,
 Q = N / K query heads per kv head); here C is keys per block and G the number of blocks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,9 +29,19 @@ NO_KEYS_LSE = -1e30
 BLOCK_K = 512  # keys per block: scores of [B, T, N, 512] float32 at a time; a multiple of 128 for GPU/TPU tiles
 
 
-def blockwise_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
-                        k_pos_BS: jax.Array, q_seg_BT: jax.Array | None = None, k_seg_BS: jax.Array | None = None,
-                        *, window: int | None = None, block_k: int = BLOCK_K, return_lse: bool = False):
+def blockwise_attention(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    q_pos_BT: jax.Array,
+    k_pos_BS: jax.Array,
+    q_seg_BT: jax.Array | None = None,
+    k_seg_BS: jax.Array | None = None,
+    *,
+    window: int | None = None,
+    block_k: int = BLOCK_K,
+    return_lse: bool = False,
+):
     """Grouped-query attention (query head n uses kv head n // (N / K)), scale 1/sqrt(H).
 
     Returns out_BTNH in q's dtype, and with `return_lse` also lse_BTN (float32): the log-sum-exp
@@ -42,22 +53,30 @@ def blockwise_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     b, t, n, h = q_BTNH.shape
     s, kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
     if k_BSKH.shape != v_BSKH.shape or (k_BSKH.shape[0], k_BSKH.shape[3]) != (b, h):
-        raise ValueError(f"k {k_BSKH.shape} and v {v_BSKH.shape} must both be [B, S, K, H] with B={b} and H={h} "
-                         f"as in q {q_BTNH.shape}")
+        raise ValueError(
+            f"k {k_BSKH.shape} and v {v_BSKH.shape} must both be [B, S, K, H] with B={b} and H={h} "
+            f"as in q {q_BTNH.shape}"
+        )
     if n % kv_heads:
         raise ValueError(f"query heads N={n} must be a multiple of kv heads K={kv_heads}")
     if q_pos_BT.shape != (b, t) or k_pos_BS.shape != (b, s):
-        raise ValueError(f"positions {q_pos_BT.shape}, {k_pos_BS.shape} must be [B, T]={b, t} and [B, S]={b, s}")
-    if (q_seg_BT is None) != (k_seg_BS is None) or (q_seg_BT is not None and
-                                                     (q_seg_BT.shape, k_seg_BS.shape) != ((b, t), (b, s))):
+        raise ValueError(
+            f"positions {q_pos_BT.shape}, {k_pos_BS.shape} must be [B, T]={b, t} and [B, S]={b, s}"
+        )
+    if (q_seg_BT is None) != (k_seg_BS is None) or (
+        q_seg_BT is not None and (q_seg_BT.shape, k_seg_BS.shape) != ((b, t), (b, s))
+    ):
         raise ValueError("segment ids: give both q_seg_BT [B, T] and k_seg_BS [B, S], or neither")
     if window is not None and window < 1:
-        raise ValueError(f"window={window}: a window holds at least 1 key (the query's own), or None")
+        raise ValueError(
+            f"window={window}: a window holds at least 1 key (the query's own), or None"
+        )
     if block_k < 1:
         raise ValueError(f"block_k={block_k}: must be at least 1")
     # no padding beyond S when one block holds every key
-    out_BTNH, lse_BTN = _attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS,
-                                   window, min(block_k, s))
+    out_BTNH, lse_BTN = _attention(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, min(block_k, s)
+    )
     return (out_BTNH, lse_BTN) if return_lse else out_BTNH
 
 
@@ -74,7 +93,13 @@ def _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c: int):
     key (False in the padding), every one [G, B, C, ...]."""
     real_BS = jnp.ones(k_pos_BS.shape, bool)
     seg = None if k_seg_BS is None else _blocks(k_seg_BS, c)
-    return _blocks(k_BSKH, c), _blocks(v_BSKH, c), _blocks(k_pos_BS, c), seg, _blocks(real_BS, c, False)
+    return (
+        _blocks(k_BSKH, c),
+        _blocks(v_BSKH, c),
+        _blocks(k_pos_BS, c),
+        seg,
+        _blocks(real_BS, c, False),
+    )
 
 
 def _tied(block):
@@ -100,12 +125,16 @@ def visible(q_pos, k_pos, q_seg, k_seg, window: int | None):
 def _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window):
     """Which keys of one block each query sees, broadcast over the head dims K and Q."""
     seg = (None, None) if q_seg_BT is None else (q_seg_BT[:, :, None], k_seg_BC[:, None, :])
-    seen_BTC = visible(q_pos_BT[:, :, None], k_pos_BC[:, None, :], *seg, window) & real_BC[:, None, :]
+    seen_BTC = (
+        visible(q_pos_BT[:, :, None], k_pos_BC[:, None, :], *seg, window) & real_BC[:, None, :]
+    )
     return seen_BTC[:, :, None, None, :]
 
 
 def _scores_BTKQC(q_BTKQH, k_BCKH, scale):
-    return jnp.einsum("btkqh,bckh->btkqc", q_BTKQH, k_BCKH, preferred_element_type=jnp.float32) * scale
+    return (
+        jnp.einsum("btkqh,bckh->btkqc", q_BTKQH, k_BCKH, preferred_element_type=jnp.float32) * scale
+    )
 
 
 def _grouped(x_BTNH, kv_heads: int):
@@ -132,15 +161,27 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, win
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p_BTKQC = jnp.exp(s_BTKQC - shift[..., None])
         correction = jnp.exp(m_BTKQ - shift)
-        pv_BTKQH = jnp.einsum("btkqc,bckh->btkqh", p_BTKQC.astype(v_BCKH.dtype), v_BCKH,
-                              preferred_element_type=jnp.float32)
-        return (m_new, l_BTKQ * correction + p_BTKQC.sum(-1), acc_BTKQH * correction[..., None] + pv_BTKQH), None
+        pv_BTKQH = jnp.einsum(
+            "btkqc,bckh->btkqh",
+            p_BTKQC.astype(v_BCKH.dtype),
+            v_BCKH,
+            preferred_element_type=jnp.float32,
+        )
+        return (
+            m_new,
+            l_BTKQ * correction + p_BTKQC.sum(-1),
+            acc_BTKQH * correction[..., None] + pv_BTKQH,
+        ), None
 
     btkq = q_BTKQH.shape[:-1]
     init = (jnp.full(btkq, -jnp.inf), jnp.zeros(btkq), jnp.zeros(q_BTKQH.shape))
-    (m_BTKQ, l_BTKQ, acc_BTKQH), _ = jax.lax.scan(step, init, _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c))
+    (m_BTKQ, l_BTKQ, acc_BTKQH), _ = jax.lax.scan(
+        step, init, _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c)
+    )
     seen_any = l_BTKQ > 0
-    out_BTKQH = acc_BTKQH / jnp.where(seen_any, l_BTKQ, 1.0)[..., None]  # acc is 0 where nothing was seen
+    out_BTKQH = (
+        acc_BTKQH / jnp.where(seen_any, l_BTKQ, 1.0)[..., None]
+    )  # acc is 0 where nothing was seen
     lse_BTKQ = jnp.where(seen_any, m_BTKQ + jnp.log(jnp.where(seen_any, l_BTKQ, 1.0)), NO_KEYS_LSE)
     return out_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype), lse_BTKQ.reshape(b, t, n)
 
@@ -151,9 +192,21 @@ def _attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, w
 
 
 def _attention_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c):
-    out_BTNH, lse_BTN = _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c)
+    out_BTNH, lse_BTN = _forward(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c
+    )
     # the residuals are O(T + S): no probabilities, the backward recomputes them from lse
-    return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN)
+    return (out_BTNH, lse_BTN), (
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        q_pos_BT,
+        k_pos_BS,
+        q_seg_BT,
+        k_seg_BS,
+        out_BTNH,
+        lse_BTN,
+    )
 
 
 def _attention_bwd(window, c, residuals, cotangents):
@@ -167,8 +220,9 @@ def _attention_bwd(window, c, residuals, cotangents):
     scale, f32 = 1.0 / math.sqrt(h), jnp.float32
     q_BTKQH, dout_BTKQH = _grouped(q_BTNH, kv_heads), _grouped(dout_BTNH, kv_heads)
     lse_BTKQ = lse_BTN.reshape(b, t, kv_heads, n // kv_heads)
-    d_BTKQ = (jnp.einsum("btnh,btnh->btn", dout_BTNH.astype(f32), out_BTNH.astype(f32))
-              - dlse_BTN).reshape(lse_BTKQ.shape)
+    d_BTKQ = (
+        jnp.einsum("btnh,btnh->btn", dout_BTNH.astype(f32), out_BTNH.astype(f32)) - dlse_BTN
+    ).reshape(lse_BTKQ.shape)
 
     def step(dq_BTKQH, block):
         k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = _tied(block)
@@ -177,11 +231,17 @@ def _attention_bwd(window, c, residuals, cotangents):
         # only hidden scores, so its p, ds and dq are 0
         s_BTKQC = _scores_BTKQC(q_BTKQH, k_BCKH, scale)
         p_BTKQC = jnp.exp(jnp.where(seen, s_BTKQC - lse_BTKQ[..., None], -jnp.inf))
-        dv_BCKH = jnp.einsum("btkqc,btkqh->bckh", p_BTKQC.astype(dout_BTKQH.dtype), dout_BTKQH,
-                             preferred_element_type=f32)
+        dv_BCKH = jnp.einsum(
+            "btkqc,btkqh->bckh",
+            p_BTKQC.astype(dout_BTKQH.dtype),
+            dout_BTKQH,
+            preferred_element_type=f32,
+        )
         dp_BTKQC = jnp.einsum("btkqh,bckh->btkqc", dout_BTKQH, v_BCKH, preferred_element_type=f32)
         ds_BTKQC = (p_BTKQC * (dp_BTKQC - d_BTKQ[..., None]) * scale).astype(q_BTKQH.dtype)
-        dq_BTKQH = dq_BTKQH + jnp.einsum("btkqc,bckh->btkqh", ds_BTKQC, k_BCKH, preferred_element_type=f32)
+        dq_BTKQH = dq_BTKQH + jnp.einsum(
+            "btkqc,bckh->btkqh", ds_BTKQC, k_BCKH, preferred_element_type=f32
+        )
         dk_BCKH = jnp.einsum("btkqc,btkqh->bckh", ds_BTKQC, q_BTKQH, preferred_element_type=f32)
         return dq_BTKQH, (dk_BCKH.astype(k_BSKH.dtype), dv_BCKH.astype(v_BSKH.dtype))
 
@@ -192,8 +252,15 @@ def _attention_bwd(window, c, residuals, cotangents):
         return jnp.moveaxis(x_GBCKH, 0, 1).reshape(b, -1, kv_heads, h)[:, :s]
 
     # positions and segment ids are integers: no cotangent
-    return (dq_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype), unblock(dk_GBCKH), unblock(dv_GBCKH),
-            None, None, None, None)
+    return (
+        dq_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype),
+        unblock(dk_GBCKH),
+        unblock(dv_GBCKH),
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,13 +1,15 @@
 """ModelConfig, PipelineConfig and the named presets (Llama shapes); the field helpers every config
 section uses, `ranged` (a numeric field with its valid range) and `option` (a string or bool field),
 both with the help text `--help` shows; `check_ranges`, the one check of a section against its ranges."""
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from errors import UserError
 
@@ -20,7 +22,7 @@ ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
 BLOCKWISE_FROM = 2048
 # --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is chunked
 LOSS_CHUNK, LOSS_CHUNK_FROM = 1024, 256 << 20
-CONTEXT_STRATEGIES = ("all_gather", "ring")   # --parallelism.context_strategy (models/context.py)
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # --parallelism.context_strategy (models/context.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity")
@@ -42,6 +44,7 @@ def _number(text: str) -> int | float:
 class Range:
     """Where a numeric option may lie, written `>0`, `>=1`, `[0, 1)` or `(0, 1]`. NaN is never in
     a range and inf only where the range names it with a closed bracket (`[0, inf]`)."""
+
     spec: str
     lo: int | float
     hi: int | float
@@ -49,7 +52,7 @@ class Range:
     hi_open: bool
 
     @classmethod
-    def parse(cls, spec: str) -> "Range":
+    def parse(cls, spec: str) -> Range:
         if m := _BOUND.fullmatch(spec.strip()):
             return cls(spec, _number(m[2]), math.inf, m[1] == ">", True)
         if m := _INTERVAL.fullmatch(spec.strip()):
@@ -58,13 +61,16 @@ class Range:
 
     @property
     def allows_inf(self) -> bool:
-        return (self.hi == math.inf and not self.hi_open) or (self.lo == -math.inf and not self.lo_open)
+        return (self.hi == math.inf and not self.hi_open) or (
+            self.lo == -math.inf and not self.lo_open
+        )
 
     def admits(self, value: int | float) -> bool:
         if math.isnan(value) or (math.isinf(value) and not self.allows_inf):
             return False
-        return ((value > self.lo if self.lo_open else value >= self.lo)
-                and (value < self.hi if self.hi_open else value <= self.hi))
+        return (value > self.lo if self.lo_open else value >= self.lo) and (
+            value < self.hi if self.hi_open else value <= self.hi
+        )
 
     def describe(self, tp: type) -> str:
         """`an integer >= 1`, `a finite number > 0`, `a number in [0, 1)`: how messages state it."""
@@ -77,7 +83,9 @@ def ranged(default: int | float, spec: str, help: str = "", why: str = "") -> An
     """A numeric dataclass field with its valid range (`Range` syntax) and the text `--help` shows
     for it; `why` is added to the message of a value outside the range where the range alone does
     not explain itself."""
-    return dataclasses.field(default=default, metadata={"range": Range.parse(spec), "why": why, "help": help})
+    return dataclasses.field(
+        default=default, metadata={"range": Range.parse(spec), "why": why, "help": help}
+    )
 
 
 def option(default: str | bool, help: str) -> Any:
@@ -98,91 +106,180 @@ def check_ranges(section: Any, flag_of: Callable[[str], str]) -> None:
     for f in numeric_fields(type(section)):
         rng = f.metadata.get("range")
         if rng is None:  # a programming error: every numeric option declares where it may lie
-            raise TypeError(f"{type(section).__name__}.{f.name} has no declared range; define it with ranged()")
+            raise TypeError(
+                f"{type(section).__name__}.{f.name} has no declared range; define it with ranged()"
+            )
         value = getattr(section, f.name)
         if not rng.admits(value):
             why = f" ({f.metadata['why']})" if f.metadata["why"] else ""
-            raise UserError(f"{flag_of(f.name)} {value}: must be {rng.describe(hints[f.name])}{why}")
+            raise UserError(
+                f"{flag_of(f.name)} {value}: must be {rng.describe(hints[f.name])}{why}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The `model` config section; a preset (`--model`) sets every field, flags and YAML override it."""
-    vocab_size: int = ranged(264, ">=1", help="token vocabulary (V); the byte-level presets' 264 is 256 bytes +"
-                                              " specials, padded to a multiple of 8 so that it shards on model <= 8")
+
+    vocab_size: int = ranged(
+        264,
+        ">=1",
+        help="token vocabulary (V); the byte-level presets' 264 is 256 bytes +"
+        " specials, padded to a multiple of 8 so that it shards on model <= 8",
+    )
     d_model: int = ranged(256, ">=1", help="width of the residual stream (D)")
     n_layers: int = ranged(4, ">=1", help="decoder layers (L)")
-    n_heads: int = ranged(4, ">=1", help="query heads (N); head_dim = d_model / n_heads (or attn_head_dim),"
-                                           " which must be even")
-    n_kv_heads: int = ranged(2, ">=1", help="key/value heads (K) of grouped-query attention; must divide n_heads")
+    n_heads: int = ranged(
+        4,
+        ">=1",
+        help="query heads (N); head_dim = d_model / n_heads (or attn_head_dim), which must be even",
+    )
+    n_kv_heads: int = ranged(
+        2, ">=1", help="key/value heads (K) of grouped-query attention; must divide n_heads"
+    )
     d_ff: int = ranged(768, ">=1", help="hidden width of the dense MLP (F)")
-    max_seq_len: int = ranged(1024, ">=1", help="the longest sequence the model takes; --seq-len must not exceed it")
+    max_seq_len: int = ranged(
+        1024, ">=1", help="the longest sequence the model takes; --seq-len must not exceed it"
+    )
     rope_theta: float = ranged(10000.0, ">0", help="base of the rotary embedding's wavelengths")
-    rope_scaling_factor: float = ranged(1.0, ">=1", help="Llama 3.1 RoPE scaling (\"llama3\"): long wavelengths"
-                                                         " stretched by this factor, short ones kept, a smooth ramp"
-                                                         " between; 1 = none")
-    rope_low_freq_factor: float = ranged(1.0, ">0", help="RoPE scaling: wavelengths longer than"
-                                                         " rope_original_max_len / this are stretched")
-    rope_high_freq_factor: float = ranged(4.0, ">0", help="RoPE scaling: wavelengths shorter than"
-                                                          " rope_original_max_len / this are kept; above"
-                                                          " rope_low_freq_factor")
-    rope_original_max_len: int = ranged(8192, ">=1", help="RoPE scaling: the context length the model was"
-                                                          " trained at before scaling")
-    norm_eps: float = ranged(1e-5, ">0", help="RMSNorm epsilon; > 0: an all-zero row would normalise to 0 * inf")
-    attn_head_dim: int = ranged(0, ">=0", help="width of each attention head (H) where it is not d_model / n_heads"
-                                               " (Qwen3, Mistral NeMo); 0 = d_model / n_heads")
-    qkv_bias: bool = option(False, "biases on the query, key and value projections (Qwen2), initialised to zero")
-    qk_norm: bool = option(False, "RMSNorm of each query and key head before the rotary embedding (Qwen3)")
-    sliding_window: int = ranged(0, ">=0", help="attention sees only the last sliding_window positions, the"
-                                                " query's own included (Mistral); 0 = the whole causal prefix")
+    rope_scaling_factor: float = ranged(
+        1.0,
+        ">=1",
+        help='Llama 3.1 RoPE scaling ("llama3"): long wavelengths'
+        " stretched by this factor, short ones kept, a smooth ramp"
+        " between; 1 = none",
+    )
+    rope_low_freq_factor: float = ranged(
+        1.0,
+        ">0",
+        help="RoPE scaling: wavelengths longer than rope_original_max_len / this are stretched",
+    )
+    rope_high_freq_factor: float = ranged(
+        4.0,
+        ">0",
+        help="RoPE scaling: wavelengths shorter than"
+        " rope_original_max_len / this are kept; above"
+        " rope_low_freq_factor",
+    )
+    rope_original_max_len: int = ranged(
+        8192, ">=1", help="RoPE scaling: the context length the model was trained at before scaling"
+    )
+    norm_eps: float = ranged(
+        1e-5, ">0", help="RMSNorm epsilon; > 0: an all-zero row would normalise to 0 * inf"
+    )
+    attn_head_dim: int = ranged(
+        0,
+        ">=0",
+        help="width of each attention head (H) where it is not d_model / n_heads"
+        " (Qwen3, Mistral NeMo); 0 = d_model / n_heads",
+    )
+    qkv_bias: bool = option(
+        False, "biases on the query, key and value projections (Qwen2), initialised to zero"
+    )
+    qk_norm: bool = option(
+        False, "RMSNorm of each query and key head before the rotary embedding (Qwen3)"
+    )
+    sliding_window: int = ranged(
+        0,
+        ">=0",
+        help="attention sees only the last sliding_window positions, the"
+        " query's own included (Mistral); 0 = the whole causal prefix",
+    )
     tie_embeddings: bool = option(False, "the output projection reuses the input embedding")
-    dtype: str = option("auto", f"compute dtype: {' | '.join(DTYPES)}; auto = bfloat16 on GPU/TPU, float32 on"
-                                " CPU (measured faster there)")
-    param_dtype: str = option("float32", f"dtype of the parameters and optimizer state: {' | '.join(DTYPES[1:])}")
-    loss_chunk: int = ranged(0, ">=0", help="tokens per chunk of the LM head + cross-entropy, whose [B,T,V] float32"
-                                            " logits then never exist at once (exact gradients); 0 = auto: chunks of"
-                                            f" {LOSS_CHUNK} tokens where one device's logits would exceed"
-                                            f" {LOSS_CHUNK_FROM >> 20} MiB, else the whole sequence at once")
-    remat: str = option("full", "what the backward pass recomputes: none | full | dots (save matmul outputs,"
-                                " recompute the rest) | dots_offload (the same outputs, kept in host memory"
-                                " between the forward and the backward)")
-    matmul_precision: str = option("default", "default | fp8: attention projections and MLPs multiply FP8-rounded"
-                                              " operands (e4m3, per-tensor current scaling; e5m2 gradients): FP8"
-                                              " GEMMs on GPUs that have them")
-    attention: str = option("auto", "auto | dense | blockwise | cudnn: dense = XLA's [T,T] scores; blockwise ="
-                                    " memory-linear flash-style attention in JAX (packed documents by segment ids,"
-                                    " no T x T mask); cudnn = cuDNN flash attention (GPU); auto = on GPU what"
-                                    " jax.nn.dot_product_attention picks (cuDNN where it can), blockwise for packed"
-                                    f" sequences from {BLOCKWISE_FROM} tokens; elsewhere dense below"
-                                    f" {BLOCKWISE_FROM} tokens, blockwise from there")
-    scan_layers: bool = option(True, "lax.scan over the layer stack: compile time independent of depth")
-    init_std: float = ranged(0.02, ">0", help="standard deviation of the normal initialisation of embeddings and"
-                                              " weights")
-    n_experts: int = ranged(0, ">=0", help="Mixture-of-Experts: experts per MoE layer (E); 0 = a dense model")
-    experts_per_token: int = ranged(2, ">=1", help="MoE: experts each token is routed to (top-k); at most"
-                                                   " n_experts")
-    d_ff_expert: int = ranged(0, ">=0", help="MoE: width of each expert (and of each shared expert); 0 = d_ff")
-    moe_every: int = ranged(1, ">=1", help="MoE: every moe_every-th layer is MoE, the rest dense; must divide"
-                                           " n_layers")
-    n_shared_experts: int = ranged(0, ">=0", help="MoE: always-on experts (DeepSeek), one dense MLP of"
-                                                  " n_shared_experts * d_ff_expert")
-    router: str = option("softmax", "MoE router: softmax (Mixtral: top-k of softmax, renormalised) | sigmoid"
-                                    " (DeepSeek-V3)")
-    dispatch: str = option("dropless", "MoE dispatch: dropless | capacity (GShard/Switch slots; overflow skips"
-                                       " the layer)")
-    capacity_factor: float = ranged(1.25, ">0", help="MoE capacity dispatch: factor * tokens * k / n_experts slots"
-                                                     " per expert per device")
-    dropless_kernel: str = option("auto", "MoE dropless grouped matmul: auto | ragged (lax.ragged_dot) | blocks"
-                                          " (padded blocks, empty ones skipped); auto = blocks on CPU, ragged"
-                                          " elsewhere")
-    ep_exchange: str = option("auto", "MoE dropless tokens over the expert axis: fixed (worst-case all_to_all"
-                                      " buffers) | ragged (ragged_all_to_all, only the real rows; on CPU an"
-                                      " emulation, a test path) | auto (ragged on GPU/TPU, fixed on CPU)")
-    aux_loss_coef: float = ranged(0.01, ">=0", help="MoE: weight of the Switch load-balancing loss (mean over MoE"
-                                                    " layers)")
+    dtype: str = option(
+        "auto",
+        f"compute dtype: {' | '.join(DTYPES)}; auto = bfloat16 on GPU/TPU, float32 on"
+        " CPU (measured faster there)",
+    )
+    param_dtype: str = option(
+        "float32", f"dtype of the parameters and optimizer state: {' | '.join(DTYPES[1:])}"
+    )
+    loss_chunk: int = ranged(
+        0,
+        ">=0",
+        help="tokens per chunk of the LM head + cross-entropy, whose [B,T,V] float32"
+        " logits then never exist at once (exact gradients); 0 = auto: chunks of"
+        f" {LOSS_CHUNK} tokens where one device's logits would exceed"
+        f" {LOSS_CHUNK_FROM >> 20} MiB, else the whole sequence at once",
+    )
+    remat: str = option(
+        "full",
+        "what the backward pass recomputes: none | full | dots (save matmul outputs,"
+        " recompute the rest) | dots_offload (the same outputs, kept in host memory"
+        " between the forward and the backward)",
+    )
+    matmul_precision: str = option(
+        "default",
+        "default | fp8: attention projections and MLPs multiply FP8-rounded"
+        " operands (e4m3, per-tensor current scaling; e5m2 gradients): FP8"
+        " GEMMs on GPUs that have them",
+    )
+    attention: str = option(
+        "auto",
+        "auto | dense | blockwise | cudnn: dense = XLA's [T,T] scores; blockwise ="
+        " memory-linear flash-style attention in JAX (packed documents by segment ids,"
+        " no T x T mask); cudnn = cuDNN flash attention (GPU); auto = on GPU what"
+        " jax.nn.dot_product_attention picks (cuDNN where it can), blockwise for packed"
+        f" sequences from {BLOCKWISE_FROM} tokens; elsewhere dense below"
+        f" {BLOCKWISE_FROM} tokens, blockwise from there",
+    )
+    scan_layers: bool = option(
+        True, "lax.scan over the layer stack: compile time independent of depth"
+    )
+    init_std: float = ranged(
+        0.02, ">0", help="standard deviation of the normal initialisation of embeddings and weights"
+    )
+    n_experts: int = ranged(
+        0, ">=0", help="Mixture-of-Experts: experts per MoE layer (E); 0 = a dense model"
+    )
+    experts_per_token: int = ranged(
+        2, ">=1", help="MoE: experts each token is routed to (top-k); at most n_experts"
+    )
+    d_ff_expert: int = ranged(
+        0, ">=0", help="MoE: width of each expert (and of each shared expert); 0 = d_ff"
+    )
+    moe_every: int = ranged(
+        1, ">=1", help="MoE: every moe_every-th layer is MoE, the rest dense; must divide n_layers"
+    )
+    n_shared_experts: int = ranged(
+        0,
+        ">=0",
+        help="MoE: always-on experts (DeepSeek), one dense MLP of n_shared_experts * d_ff_expert",
+    )
+    router: str = option(
+        "softmax",
+        "MoE router: softmax (Mixtral: top-k of softmax, renormalised) | sigmoid (DeepSeek-V3)",
+    )
+    dispatch: str = option(
+        "dropless",
+        "MoE dispatch: dropless | capacity (GShard/Switch slots; overflow skips the layer)",
+    )
+    capacity_factor: float = ranged(
+        1.25,
+        ">0",
+        help="MoE capacity dispatch: factor * tokens * k / n_experts slots per expert per device",
+    )
+    dropless_kernel: str = option(
+        "auto",
+        "MoE dropless grouped matmul: auto | ragged (lax.ragged_dot) | blocks"
+        " (padded blocks, empty ones skipped); auto = blocks on CPU, ragged"
+        " elsewhere",
+    )
+    ep_exchange: str = option(
+        "auto",
+        "MoE dropless tokens over the expert axis: fixed (worst-case all_to_all"
+        " buffers) | ragged (ragged_all_to_all, only the real rows; on CPU an"
+        " emulation, a test path) | auto (ragged on GPU/TPU, fixed on CPU)",
+    )
+    aux_loss_coef: float = ranged(
+        0.01, ">=0", help="MoE: weight of the Switch load-balancing loss (mean over MoE layers)"
+    )
     z_loss_coef: float = ranged(0.001, ">=0", help="MoE: weight of the router z-loss (ST-MoE)")
-    router_bias_rate: float = ranged(0.0, ">=0", help="MoE: DeepSeek-V3 aux-loss-free balancing, the bias step per"
-                                                      " update; 0 = off")
+    router_bias_rate: float = ranged(
+        0.0,
+        ">=0",
+        help="MoE: DeepSeek-V3 aux-loss-free balancing, the bias step per update; 0 = off",
+    )
 
     @property
     def head_dim(self) -> int:
@@ -192,8 +289,12 @@ class ModelConfig:
     def rope_scaling(self) -> tuple[float, float, float, int] | None:
         if self.rope_scaling_factor == 1.0:
             return None
-        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                self.rope_original_max_len)
+        return (
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_len,
+        )
 
     @property
     def expert_width(self) -> int:
@@ -203,29 +304,50 @@ class ModelConfig:
     def n_moe_layers(self) -> int:
         return self.n_layers // self.moe_every if self.n_experts else 0
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """The declared ranges, then the rules between fields; UserError on the first broken one."""
         check_ranges(self, lambda name: f"--model.{name}")
 
         def need(ok: bool, msg: str):
             if not ok:
                 raise UserError(f"model: {msg}")
-        need(self.attn_head_dim or self.d_model % self.n_heads == 0,
-             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set attn_head_dim)")
-        need(self.rope_high_freq_factor > self.rope_low_freq_factor,
-             f"rope_high_freq_factor={self.rope_high_freq_factor}"
-             f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}")
-        need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} (attn_head_dim, or d_model/n_heads) must be even for"
-                                     " rotary embeddings")
-        need(self.n_heads % self.n_kv_heads == 0,
-             f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (grouped-query attention);"
-             f" valid n_kv_heads: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}")
-        need(self.remat in REMAT_POLICIES, f"remat '{self.remat}' is not one of {', '.join(REMAT_POLICIES)}")
-        need(self.matmul_precision in MATMUL_PRECISIONS,
-             f"matmul_precision '{self.matmul_precision}' is not one of {', '.join(MATMUL_PRECISIONS)}")
-        need(self.attention in ATTENTIONS, f"attention '{self.attention}' is not one of {', '.join(ATTENTIONS)}")
+
+        need(
+            self.attn_head_dim or self.d_model % self.n_heads == 0,
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set attn_head_dim)",
+        )
+        need(
+            self.rope_high_freq_factor > self.rope_low_freq_factor,
+            f"rope_high_freq_factor={self.rope_high_freq_factor}"
+            f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}",
+        )
+        need(
+            self.head_dim % 2 == 0,
+            f"head_dim={self.head_dim} (attn_head_dim, or d_model/n_heads) must be even for"
+            " rotary embeddings",
+        )
+        need(
+            self.n_heads % self.n_kv_heads == 0,
+            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (grouped-query attention);"
+            f" valid n_kv_heads: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}",
+        )
+        need(
+            self.remat in REMAT_POLICIES,
+            f"remat '{self.remat}' is not one of {', '.join(REMAT_POLICIES)}",
+        )
+        need(
+            self.matmul_precision in MATMUL_PRECISIONS,
+            f"matmul_precision '{self.matmul_precision}' is not one of {', '.join(MATMUL_PRECISIONS)}",
+        )
+        need(
+            self.attention in ATTENTIONS,
+            f"attention '{self.attention}' is not one of {', '.join(ATTENTIONS)}",
+        )
         need(self.dtype in DTYPES, f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
-        need(self.param_dtype in DTYPES[1:], f"param_dtype '{self.param_dtype}' is not one of {', '.join(DTYPES[1:])}")
+        need(
+            self.param_dtype in DTYPES[1:],
+            f"param_dtype '{self.param_dtype}' is not one of {', '.join(DTYPES[1:])}",
+        )
         if self.n_experts:
             self._validate_moe(need)
         return self
@@ -233,23 +355,37 @@ class ModelConfig:
     def _validate_moe(self, need) -> None:
         e, k = self.n_experts, self.experts_per_token
         need(k <= e, f"experts_per_token={k} must be in [1, n_experts={e}]")
-        need(self.n_layers % self.moe_every == 0,
-             f"moe_every={self.moe_every} must divide n_layers={self.n_layers}; valid:"
-             f" {[m for m in range(1, self.n_layers + 1) if self.n_layers % m == 0]}")
+        need(
+            self.n_layers % self.moe_every == 0,
+            f"moe_every={self.moe_every} must divide n_layers={self.n_layers}; valid:"
+            f" {[m for m in range(1, self.n_layers + 1) if self.n_layers % m == 0]}",
+        )
         need(self.router in ROUTERS, f"router '{self.router}' is not one of {', '.join(ROUTERS)}")
-        need(self.dispatch in DISPATCHES, f"dispatch '{self.dispatch}' is not one of {', '.join(DISPATCHES)}")
-        need(self.dropless_kernel in KERNELS,
-             f"dropless_kernel '{self.dropless_kernel}' is not one of {', '.join(KERNELS)}")
-        need(self.ep_exchange in EXCHANGES, f"ep_exchange '{self.ep_exchange}' is not one of {', '.join(EXCHANGES)}")
-        need(self.ep_exchange != "ragged" or self.dispatch == "dropless",
-             f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'")
+        need(
+            self.dispatch in DISPATCHES,
+            f"dispatch '{self.dispatch}' is not one of {', '.join(DISPATCHES)}",
+        )
+        need(
+            self.dropless_kernel in KERNELS,
+            f"dropless_kernel '{self.dropless_kernel}' is not one of {', '.join(KERNELS)}",
+        )
+        need(
+            self.ep_exchange in EXCHANGES,
+            f"ep_exchange '{self.ep_exchange}' is not one of {', '.join(EXCHANGES)}",
+        )
+        need(
+            self.ep_exchange != "ragged" or self.dispatch == "dropless",
+            f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'",
+        )
 
     def attention_kind(self, platform: str, seq_len: int, packed: bool = False) -> str:
         """What attention runs at this sequence length (`packed`: with segment ids): dense, blockwise,
         cudnn, or jax (jax.nn.dot_product_attention's own choice: cuDNN where it supports the case)."""
         if self.attention == "cudnn" and platform != "gpu":
-            raise UserError(f"model: attention 'cudnn' needs an NVIDIA GPU, this backend is {platform};"
-                            f" valid here: auto, dense, blockwise")
+            raise UserError(
+                f"model: attention 'cudnn' needs an NVIDIA GPU, this backend is {platform};"
+                f" valid here: auto, dense, blockwise"
+            )
         if self.attention != "auto":
             return self.attention
         if platform == "gpu":
@@ -258,8 +394,10 @@ class ModelConfig:
 
     def compute_dtype(self, platform: str) -> str:
         if self.dtype == "float16" and platform == "cpu":
-            raise UserError("model: dtype 'float16' does not run on CPU (XLA:CPU has no float16 matmul"
-                            " accumulating in float32); valid on CPU: auto, float32, bfloat16")
+            raise UserError(
+                "model: dtype 'float16' does not run on CPU (XLA:CPU has no float16 matmul"
+                " accumulating in float32); valid on CPU: auto, float32, bfloat16"
+            )
         if self.dtype != "auto":
             return self.dtype
         return "float32" if platform == "cpu" else "bfloat16"
@@ -272,23 +410,40 @@ SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
 class PipelineConfig:
     """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
     pipeline axis (`--mesh pipeline=P`)."""
-    microbatches: int = ranged(0, ">=0", help="microbatches per step; 0 = as many as stages; more shrinks the"
-                                              " bubble (P-1)/(R*M+P-1)")
-    repeats: int = ranged(1, ">=1", help="circular and interleaved_1f1b: layer chunks per device (virtual stages"
-                                         " per device)")
-    schedule: str = option("gpipe", f"pipeline schedule: {' | '.join(SCHEDULES)} (1f1b: each stage alternates"
-                                    f" forward and backward, keeping at most 2(P-1) micro-batches, not M;"
-                                    f" interleaved_1f1b: the same over R chunks per device, bubble / R;"
-                                    f" zb_h1: 1f1b with each backward split, the weight gradients deferred)")
-    remat_stage: bool = option(False, "also recompute each stage in the backward pass (less memory)")
-    gather_once: bool = option(False, "fsdp: all-gather each stage's weights once per step, not every tick")
 
-    def validate(self) -> "PipelineConfig":
+    microbatches: int = ranged(
+        0,
+        ">=0",
+        help="microbatches per step; 0 = as many as stages; more shrinks the"
+        " bubble (P-1)/(R*M+P-1)",
+    )
+    repeats: int = ranged(
+        1,
+        ">=1",
+        help="circular and interleaved_1f1b: layer chunks per device (virtual stages per device)",
+    )
+    schedule: str = option(
+        "gpipe",
+        f"pipeline schedule: {' | '.join(SCHEDULES)} (1f1b: each stage alternates"
+        f" forward and backward, keeping at most 2(P-1) micro-batches, not M;"
+        f" interleaved_1f1b: the same over R chunks per device, bubble / R;"
+        f" zb_h1: 1f1b with each backward split, the weight gradients deferred)",
+    )
+    remat_stage: bool = option(
+        False, "also recompute each stage in the backward pass (less memory)"
+    )
+    gather_once: bool = option(
+        False, "fsdp: all-gather each stage's weights once per step, not every tick"
+    )
+
+    def validate(self) -> PipelineConfig:
         """The declared ranges and the schedule's name; what needs the mesh (stages, layer and batch
         divisibility) the Trainer checks."""
         check_ranges(self, lambda name: f"--pipeline.{name}")
         if self.schedule not in SCHEDULES:
-            raise UserError(f"--pipeline.schedule '{self.schedule}' is not one of {', '.join(SCHEDULES)}")
+            raise UserError(
+                f"--pipeline.schedule '{self.schedule}' is not one of {', '.join(SCHEDULES)}"
+            )
         return self
 
     @property
@@ -300,13 +455,24 @@ class PipelineConfig:
 
 
 def _llama(vocab, d, layers, heads, kv, ff, seq, theta=500000.0) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, d_ff=ff,
-                       max_seq_len=seq, rope_theta=theta, dtype="auto")
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_ff=ff,
+        max_seq_len=seq,
+        rope_theta=theta,
+        dtype="auto",
+    )
 
 
 PRESETS: dict[str, ModelConfig] = {
     # tests: small enough that a step compiles in about a second on CPU
-    "tiny": ModelConfig(vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=256),
+    "tiny": ModelConfig(
+        vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=256
+    ),
     # CPU demo: 3.3M parameters, byte-level vocabulary; activations of this size fit easily, so no remat
     "default": ModelConfig(remat="none"),
     # Llama shapes (https://arxiv.org/abs/2302.13971, Llama 2/3 GQA)
@@ -321,21 +487,34 @@ def _moe(base: ModelConfig, **moe) -> ModelConfig:
     return dataclasses.replace(base, **moe)
 
 
-PRESETS.update({
-    # tests: 8 experts of width 64, top-2, on the tiny shape
-    "moe-tiny": _moe(PRESETS["tiny"], n_experts=8, experts_per_token=2, d_ff_expert=64),
-    # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the dense default)
-    "moe-default": _moe(PRESETS["default"], n_experts=8, experts_per_token=2, d_ff_expert=384),
-    # Mixtral 8x7B (https://arxiv.org/abs/2401.04088): 8 experts, top-2, every layer
-    "mixtral-8x7b": _moe(_llama(32000, 4096, 32, 32, 8, 14336, 32768, theta=1e6), n_experts=8,
-                         experts_per_token=2, d_ff_expert=14336),
-    # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1 shared,
-    # sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every layer MoE (V3's
-    # first 3 are dense), no multi-token prediction.
-    "deepseek-v3": _moe(_llama(129280, 7168, 61, 128, 128, 18432, 4096, theta=10000.0), n_experts=256,
-                        experts_per_token=8, d_ff_expert=2048, n_shared_experts=1, router="sigmoid",
-                        router_bias_rate=0.001, aux_loss_coef=0.0001),
-})
+PRESETS.update(
+    {
+        # tests: 8 experts of width 64, top-2, on the tiny shape
+        "moe-tiny": _moe(PRESETS["tiny"], n_experts=8, experts_per_token=2, d_ff_expert=64),
+        # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the dense default)
+        "moe-default": _moe(PRESETS["default"], n_experts=8, experts_per_token=2, d_ff_expert=384),
+        # Mixtral 8x7B (https://arxiv.org/abs/2401.04088): 8 experts, top-2, every layer
+        "mixtral-8x7b": _moe(
+            _llama(32000, 4096, 32, 32, 8, 14336, 32768, theta=1e6),
+            n_experts=8,
+            experts_per_token=2,
+            d_ff_expert=14336,
+        ),
+        # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1 shared,
+        # sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every layer MoE (V3's
+        # first 3 are dense), no multi-token prediction.
+        "deepseek-v3": _moe(
+            _llama(129280, 7168, 61, 128, 128, 18432, 4096, theta=10000.0),
+            n_experts=256,
+            experts_per_token=8,
+            d_ff_expert=2048,
+            n_shared_experts=1,
+            router="sigmoid",
+            router_bias_rate=0.001,
+            aux_loss_coef=0.0001,
+        ),
+    }
+)
 
 
 def preset(name: str) -> ModelConfig:

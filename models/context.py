@@ -23,6 +23,7 @@ position p sees keys at positions <= p of its own segment (and within the window
 
 Letters: B batch, T queries, S keys, N query heads, K KV heads, H head dim, n context devices.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,14 +41,18 @@ from mesh.shard import constrain, entry_axes
 from models.blockwise import NO_KEYS_LSE, blockwise_attention, visible
 from models.config import CONTEXT_STRATEGIES
 
-_STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar("context_strategy", default="all_gather")
+_STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "context_strategy", default="all_gather"
+)
 
 
 @contextlib.contextmanager
 def strategy(name: str):
     """Make `name` (one of CONTEXT_STRATEGIES) the context-parallel strategy while tracing."""
     if name not in CONTEXT_STRATEGIES:
-        raise UserError(f"--parallelism.context_strategy '{name}': valid: {', '.join(CONTEXT_STRATEGIES)}")
+        raise UserError(
+            f"--parallelism.context_strategy '{name}': valid: {', '.join(CONTEXT_STRATEGIES)}"
+        )
     token = _STRATEGY.set(name)
     try:
         yield
@@ -82,14 +87,17 @@ def describe(kind: str, n: int, strategy: str) -> str:
 
 # ------------------------------------------------------------------ the zigzag layout
 
+
 def zigzag(t: int, n: int) -> np.ndarray:
     """The order of T token indices such that shard i of n (contiguous blocks of T/n) holds chunks
     i and 2n-1-i of 2n equal chunks. zigzag(8, 2) = [0 1 6 7 2 3 4 5]."""
     if n == 1:
         return np.arange(t)
     if t % (2 * n):
-        raise UserError(f"--seq-len {t}: context parallelism over {n} devices cuts the sequence into {2 * n}"
-                        f" chunks; use a multiple of {2 * n}")
+        raise UserError(
+            f"--seq-len {t}: context parallelism over {n} devices cuts the sequence into {2 * n}"
+            f" chunks; use a multiple of {2 * n}"
+        )
     chunks = np.arange(t).reshape(2 * n, t // (2 * n))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
@@ -104,23 +112,54 @@ def to_layout(batch: dict, n: int, positions_of) -> dict:
     if batch.get("positions") is None:
         batch = {**batch, "positions": positions_of(batch.get("segment_ids"), tokens_BT.shape)}
     order_T = jnp.asarray(zigzag(tokens_BT.shape[1], n))
-    return {k: jnp.take(v, order_T, axis=1) if getattr(v, "ndim", 0) == 2 and v.shape == tokens_BT.shape else v
-            for k, v in batch.items()}
+    return {
+        k: jnp.take(v, order_T, axis=1)
+        if getattr(v, "ndim", 0) == 2 and v.shape == tokens_BT.shape
+        else v
+        for k, v in batch.items()
+    }
 
 
 # ------------------------------------------------------------------ attention by positions
 
-def local_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, *, window: int, kind: str,
-                    return_lse: bool = False):
+
+def local_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    q_pos_BT,
+    k_pos_BS,
+    q_seg_BT,
+    k_seg_BS,
+    *,
+    window: int,
+    kind: str,
+    return_lse: bool = False,
+):
     """Attention of these queries to these keys, masked by positions: `kind` blockwise (memory
     linear in S) or dense (a [B,1,T,S] mask; jax.nn.dot_product_attention)."""
     if kind == "blockwise":
-        return blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS,
-                                   window=window or None, return_lse=return_lse)
-    seg = (None, None) if q_seg_BT is None else (q_seg_BT[:, None, :, None], k_seg_BS[:, None, None, :])
+        return blockwise_attention(
+            q_BTNH,
+            k_BSKH,
+            v_BSKH,
+            q_pos_BT,
+            k_pos_BS,
+            q_seg_BT,
+            k_seg_BS,
+            window=window or None,
+            return_lse=return_lse,
+        )
+    seg = (
+        (None, None)
+        if q_seg_BT is None
+        else (q_seg_BT[:, None, :, None], k_seg_BS[:, None, None, :])
+    )
     mask_B1TS = visible(q_pos_BT[:, None, :, None], k_pos_BS[:, None, None, :], *seg, window)
     if not return_lse:
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS, implementation="xla")
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS, implementation="xla"
+        )
     return _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS)
 
 
@@ -135,10 +174,14 @@ def _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS):
     # hidden scores at NO_KEYS_LSE, not -inf: a row with nothing visible stays finite in both passes
     lse_BKQT = jax.nn.logsumexp(jnp.where(mask_B11TS, s_BKQTS, NO_KEYS_LSE), axis=-1)
     lse_BKQT = jnp.where(jnp.any(mask_B11TS, axis=-1), lse_BKQT, NO_KEYS_LSE)
-    p_BKQTS = jnp.exp(jnp.where(mask_B11TS, s_BKQTS - lse_BKQT[..., None], -jnp.inf))  # no inf x 0 in the vjp
+    p_BKQTS = jnp.exp(
+        jnp.where(mask_B11TS, s_BKQTS - lse_BKQT[..., None], -jnp.inf)
+    )  # no inf x 0 in the vjp
     out_BTKQH = jnp.einsum("bkqts,bskh->btkqh", p_BKQTS, v_BSKH.astype(jnp.float32))
-    return (out_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype),
-            jnp.transpose(lse_BKQT, (0, 3, 1, 2)).reshape(b, t, n))
+    return (
+        out_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype),
+        jnp.transpose(lse_BKQT, (0, 3, 1, 2)).reshape(b, t, n),
+    )
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -163,8 +206,17 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int,
     k_seg_BT = segment_ids_BT
     if segment_ids_BT is not None and n > 1:
         k_seg_BT = constrain(segment_ids_BT, ("batch", None))
-    return local_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, k_pos_BT, segment_ids_BT, k_seg_BT,
-                           window=window, kind=kind)
+    return local_attention(
+        q_BTNH,
+        k_BTKH,
+        v_BTKH,
+        positions_BT,
+        k_pos_BT,
+        segment_ids_BT,
+        k_seg_BT,
+        window=window,
+        kind=kind,
+    )
 
 
 def _ring(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, kind: str):
@@ -173,22 +225,36 @@ def _ring(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, 
     mesh = jax.sharding.get_abstract_mesh()
     axes = context_axes()
     n = context_size()
-    real = lambda spec: P(*(tuple(a for a in entry_axes(e) if mesh.shape[a] > 1) or None for e in spec))  # noqa: E731
+    real = lambda spec: P(
+        *(tuple(a for a in entry_axes(e) if mesh.shape[a] > 1) or None for e in spec)
+    )  # noqa: E731
     q_spec = real(logical_to_spec(("batch", "seq", "act_heads", None)))
     kv_spec = real(logical_to_spec(("batch", "seq", "act_kv_heads", None)))
     bt_spec = real(logical_to_spec(("batch", "seq")))
     heads, kv_heads = entry_axes(q_spec[2]), entry_axes(kv_spec[2])
     if heads != kv_heads:
-        raise UserError(f"--parallelism.context_strategy ring: the query heads are sharded over {heads or 'nothing'}"
-                        f" but the KV heads over {kv_heads or 'nothing'} (model.n_kv_heads={k_BTKH.shape[2]} must be"
-                        f" divisible by the tensor-parallel size); use all_gather")
+        raise UserError(
+            f"--parallelism.context_strategy ring: the query heads are sharded over {heads or 'nothing'}"
+            f" but the KV heads over {kv_heads or 'nothing'} (model.n_kv_heads={k_BTKH.shape[2]} must be"
+            f" divisible by the tensor-parallel size); use all_gather"
+        )
     perm = [(i, (i + 1) % n) for i in range(n)]
     has_seg = segment_ids_BT is not None
 
     def body(q, k, v, q_pos, *seg):
         q_seg = seg[0] if has_seg else None
-        attend_to = lambda kv: local_attention(q, kv[0], kv[1], q_pos, kv[2], q_seg, kv[3] if has_seg else None,  # noqa: E731
-                                               window=window, kind=kind, return_lse=True)
+        attend_to = lambda kv: local_attention(
+            q,
+            kv[0],
+            kv[1],
+            q_pos,
+            kv[2],
+            q_seg,
+            kv[3] if has_seg else None,  # noqa: E731
+            window=window,
+            kind=kind,
+            return_lse=True,
+        )
         local = (k, v, q_pos) + tuple(seg)
         out, lse = attend_to(local)  # the local block: every query sees at least itself
         send = lambda block: tuple(jax.lax.ppermute(a, axes, perm) for a in block)  # noqa: E731
@@ -197,11 +263,16 @@ def _ring(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, 
             # the next block's permute does not depend on this block's attention: XLA overlaps them
             out, lse, block = carry
             return (*merge(out, lse, *attend_to(block)), send(block)), None
-        (out, lse, last), _ = jax.lax.scan(hop, (out.astype(jnp.float32), lse, send(local)), None, length=n - 2)
+
+        (out, lse, last), _ = jax.lax.scan(
+            hop, (out.astype(jnp.float32), lse, send(local)), None, length=n - 2
+        )
         out, _ = merge(out, lse, *attend_to(last))
         return out.astype(q.dtype)
 
     manual = frozenset(a for a, size in mesh.shape.items() if size > 1)
     args = (q_BTNH, k_BTKH, v_BTKH, positions_BT) + ((segment_ids_BT,) if has_seg else ())
     specs = (q_spec, kv_spec, kv_spec, bt_spec) + ((bt_spec,) if has_seg else ())
-    return jax.shard_map(body, in_specs=specs, out_specs=q_spec, axis_names=manual, check_vma=False)(*args)
+    return jax.shard_map(
+        body, in_specs=specs, out_specs=q_spec, axis_names=manual, check_vma=False
+    )(*args)

@@ -1,6 +1,7 @@
 """Parameter and FLOP counts (PaLM appendix B): 6N + 12*L*H*Q*T FLOPs per trained token, N counting
 only the active parameters of a Mixture-of-Experts (the experts_per_token chosen experts); the
 biases and norms (q/k/v biases and q/k norms included) are additions, not matmuls."""
+
 from __future__ import annotations
 
 import math
@@ -27,10 +28,14 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     lookup (no FLOPs) unless it is tied to the LM head, which is a matmul; the MoE router bias
     only shifts the expert choice."""
     n = active_param_count(cfg)
-    norms = cfg.d_model * (2 * cfg.n_layers + 1) + (2 * cfg.n_layers * cfg.head_dim if cfg.qk_norm else 0)
+    norms = cfg.d_model * (2 * cfg.n_layers + 1) + (
+        2 * cfg.n_layers * cfg.head_dim if cfg.qk_norm else 0
+    )
     embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
     bias = cfg.n_moe_layers * cfg.n_experts if cfg.router_bias_rate > 0 else 0
-    qkv_bias = cfg.n_layers * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
+    qkv_bias = (
+        cfg.n_layers * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
+    )
     return n - norms - embed - bias - qkv_bias
 
 

@@ -12,13 +12,14 @@ that pattern into an FP8 GEMM with float32 accumulation on GPUs that have FP8 te
 (Hopper, Blackwell); elsewhere (CPU, older GPUs) the same program runs the einsum in the compute
 dtype on FP8-rounded values, which reproduces the numerics without the speed.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-FORWARD = jnp.float8_e4m3fn   # activations and weights
-BACKWARD = jnp.float8_e5m2    # output gradients
+FORWARD = jnp.float8_e4m3fn  # activations and weights
+BACKWARD = jnp.float8_e5m2  # output gradients
 
 
 def round_scaled(x: jax.Array, dtype) -> jax.Array:

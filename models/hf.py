@@ -9,13 +9,15 @@ an architecture is adding rows. `config_from_hf`/`config_to_hf` map config.json;
 applies the rows to the tensors (`params_from_hf`/`hf_tensors`) and checkpoint/hf.py has the CLI
 (`python -m checkpoint hf`).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,31 +26,36 @@ from models.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+
 # -- layouts ------------------------------------------------------------------------------------
 # HF nn.Linear stores weight [out, in]; Brigade stores [in, out] and keeps heads as their own dim.
 # Head h's features are rows h*H..(h+1)*H-1 of q/k/v_proj (columns of o_proj), and HF's rotary
 # embedding pairs feature i with i + H/2 (rotate_half), which is Brigade's split-halves layout, so
 # no permutation is needed. GQA: query head n reads kv head n // (N/K) in both.
 class Layout(NamedTuple):
-    to_brigade: Callable[[np.ndarray, int], np.ndarray]   # (hf tensor, head_dim) -> Brigade slice
-    to_hf: Callable[[np.ndarray, int], np.ndarray]        # (Brigade slice, head_dim) -> hf tensor
+    to_brigade: Callable[[np.ndarray, int], np.ndarray]  # (hf tensor, head_dim) -> Brigade slice
+    to_hf: Callable[[np.ndarray, int], np.ndarray]  # (Brigade slice, head_dim) -> hf tensor
 
 
 LAYOUTS = {
     "same": Layout(lambda w, h: w, lambda w, h: w),
-    "T": Layout(lambda w, h: w.T, lambda w, h: w.T),                                       # [out,in] <-> [in,out]
-    "in_heads": Layout(lambda w, h: w.T.reshape(w.shape[1], -1, h),                        # [N*H,D] <-> [D,N,H]
-                       lambda w, h: w.reshape(w.shape[0], -1).T),
-    "out_heads": Layout(lambda w, h: w.T.reshape(-1, h, w.shape[0]),                       # [D,N*H] <-> [N,H,D]
-                        lambda w, h: w.reshape(-1, w.shape[-1]).T),
-    "heads": Layout(lambda w, h: w.reshape(-1, h), lambda w, h: w.reshape(-1)),            # [N*H] <-> [N,H]
+    "T": Layout(lambda w, h: w.T, lambda w, h: w.T),  # [out,in] <-> [in,out]
+    "in_heads": Layout(
+        lambda w, h: w.T.reshape(w.shape[1], -1, h),  # [N*H,D] <-> [D,N,H]
+        lambda w, h: w.reshape(w.shape[0], -1).T,
+    ),
+    "out_heads": Layout(
+        lambda w, h: w.T.reshape(-1, h, w.shape[0]),  # [D,N*H] <-> [N,H,D]
+        lambda w, h: w.reshape(-1, w.shape[-1]).T,
+    ),
+    "heads": Layout(lambda w, h: w.reshape(-1, h), lambda w, h: w.reshape(-1)),  # [N*H] <-> [N,H]
 }
 
 
 class Row(NamedTuple):
-    brigade: str      # '/' path in the params dict
-    hf: str           # tensor name; {l} = layer, {e} = expert: the leading stacked dims, in order
-    layout: str       # key of LAYOUTS
+    brigade: str  # '/' path in the params dict
+    hf: str  # tensor name; {l} = layer, {e} = expert: the leading stacked dims, in order
+    layout: str  # key of LAYOUTS
 
 
 _LAYER = "model.layers.{l}."
@@ -69,21 +76,29 @@ def _attention_rows(stack: str) -> tuple[Row, ...]:
 _OUTER = (
     Row("embed_VD", "model.embed_tokens.weight", "same"),
     Row("final_norm/scale", "model.norm.weight", "same"),
-    Row("lm_head_DV", "lm_head.weight", "T"),                      # absent with tie_word_embeddings
+    Row("lm_head_DV", "lm_head.weight", "T"),  # absent with tie_word_embeddings
 )
-LLAMA_ROWS = _OUTER + _attention_rows("blocks") + (
-    Row("blocks/mlp/w_gate_DF", _LAYER + "mlp.gate_proj.weight", "T"),
-    Row("blocks/mlp/w_up_DF", _LAYER + "mlp.up_proj.weight", "T"),
-    Row("blocks/mlp/w_down_FD", _LAYER + "mlp.down_proj.weight", "T"),
+LLAMA_ROWS = (
+    _OUTER
+    + _attention_rows("blocks")
+    + (
+        Row("blocks/mlp/w_gate_DF", _LAYER + "mlp.gate_proj.weight", "T"),
+        Row("blocks/mlp/w_up_DF", _LAYER + "mlp.up_proj.weight", "T"),
+        Row("blocks/mlp/w_down_FD", _LAYER + "mlp.down_proj.weight", "T"),
+    )
 )
 # Every Mixtral layer is MoE: Brigade's `moe_blocks` stack ([L, ...]; experts [L, E, ...]). HF
 # Mixtral's router is softmax -> top-k -> renormalise, Brigade's `router=softmax`.
 _MOE = _LAYER + "block_sparse_moe."
-MIXTRAL_ROWS = _OUTER + _attention_rows("moe_blocks") + (
-    Row("moe_blocks/moe/router_DE", _MOE + "gate.weight", "T"),
-    Row("moe_blocks/moe/w_gate_EDF", _MOE + "experts.{e}.w1.weight", "T"),
-    Row("moe_blocks/moe/w_up_EDF", _MOE + "experts.{e}.w3.weight", "T"),
-    Row("moe_blocks/moe/w_down_EFD", _MOE + "experts.{e}.w2.weight", "T"),
+MIXTRAL_ROWS = (
+    _OUTER
+    + _attention_rows("moe_blocks")
+    + (
+        Row("moe_blocks/moe/router_DE", _MOE + "gate.weight", "T"),
+        Row("moe_blocks/moe/w_gate_EDF", _MOE + "experts.{e}.w1.weight", "T"),
+        Row("moe_blocks/moe/w_up_EDF", _MOE + "experts.{e}.w3.weight", "T"),
+        Row("moe_blocks/moe/w_down_EFD", _MOE + "experts.{e}.w2.weight", "T"),
+    )
 )
 
 # Qwen2/2.5: Llama with biases on q/k/v (not o); Qwen3: Llama with an RMSNorm over each q and k head
@@ -98,10 +113,20 @@ QWEN3_ROWS = LLAMA_ROWS + (
     Row("blocks/attn/q_norm/scale", _ATTN + "q_norm.weight", "same"),
     Row("blocks/attn/k_norm/scale", _ATTN + "k_norm.weight", "same"),
 )
-ROWS = {"llama": LLAMA_ROWS, "mistral": LLAMA_ROWS, "mixtral": MIXTRAL_ROWS, "qwen2": QWEN2_ROWS,
-        "qwen3": QWEN3_ROWS}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROWS = {
+    "llama": LLAMA_ROWS,
+    "mistral": LLAMA_ROWS,
+    "mixtral": MIXTRAL_ROWS,
+    "qwen2": QWEN2_ROWS,
+    "qwen3": QWEN3_ROWS,
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # config.json keys each family's HF model reads that add tensors Brigade has no place for (true refused)
 _BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
 # families whose config.json may set head_dim apart from hidden_size / num_attention_heads
@@ -111,44 +136,82 @@ _FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3")
 # 1 + w, embeddings scaled by sqrt(hidden_size), GeGLU, and local/global layers alternating with
 # their own RoPE bases. Refused by name, with the keys that carry those differences.
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
-_GEMMA_KEYS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_activation",
-               "sliding_window_pattern", "layer_types", "rope_local_base_freq")
+_GEMMA_KEYS = (
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "hidden_activation",
+    "sliding_window_pattern",
+    "layer_types",
+    "rope_local_base_freq",
+)
 # Llama 3.1's "llama3" RoPE scaling, where this ModelConfig has its fields.
 _LLAMA3_ROPE = "rope_scaling_factor" in {f.name for f in dataclasses.fields(ModelConfig)}
-_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor",
-                "original_max_position_embeddings": "rope_original_max_len"}
+_LLAMA3_KEYS = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_len",
+}
 # Tensors some checkpoints carry that hold nothing to convert (recomputed from the config).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # -- config.json <-> ModelConfig ----------------------------------------------------------------
 def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)   # JSON true is a Python int
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is a Python int
 
 
 def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # json reads NaN
+    return (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    )  # json reads NaN
 
 
-_KINDS = {"a positive integer": lambda v: is_int(v) and v > 0,
-          "a non-negative integer": lambda v: is_int(v) and v >= 0,
-          "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-          "a positive number": lambda v: is_number(v) and v > 0,
-          "a non-negative number": lambda v: is_number(v) and v >= 0,
-          "true or false": lambda v: isinstance(v, bool),
-          "a string": lambda v: isinstance(v, str), "an object": lambda v: isinstance(v, dict)}
-_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_KINDS = {
+    "a positive integer": lambda v: is_int(v) and v > 0,
+    "a non-negative integer": lambda v: is_int(v) and v >= 0,
+    "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "a positive number": lambda v: is_number(v) and v > 0,
+    "a non-negative number": lambda v: is_number(v) and v >= 0,
+    "true or false": lambda v: isinstance(v, bool),
+    "a string": lambda v: isinstance(v, str),
+    "an object": lambda v: isinstance(v, dict),
+}
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
 # The JSON type of every config.json key read here (null = absent for all but _REQUIRED): a string
 # or a bool where a number belongs would otherwise reach int()/float()/bool() and convert silently.
 _KEY_KINDS = {
-    **dict.fromkeys(_REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-                                 "num_local_experts", "num_experts_per_tok"), "a positive integer"),
-    "max_window_layers": "a non-negative integer", "layer_types": "a list of strings",
-    "rope_theta": "a positive number", "rms_norm_eps": "a positive number",
+    **dict.fromkeys(
+        _REQUIRED
+        + (
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "sliding_window",
+            "num_local_experts",
+            "num_experts_per_tok",
+        ),
+        "a positive integer",
+    ),
+    "max_window_layers": "a non-negative integer",
+    "layer_types": "a list of strings",
+    "rope_theta": "a positive number",
+    "rms_norm_eps": "a positive number",
     "router_aux_loss_coef": "a non-negative number",
-    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"), "true or false"),
-    "model_type": "a string", "hidden_act": "a string", "rope_scaling": "an object", "rope_parameters": "an object",
+    **dict.fromkeys(
+        ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"), "true or false"
+    ),
+    "model_type": "a string",
+    "hidden_act": "a string",
+    "rope_scaling": "an object",
+    "rope_parameters": "an object",
 }
 _ROPE_KINDS = {"rope_theta": "a positive number", "rope_type": "a string", "type": "a string"}
 
@@ -166,7 +229,9 @@ def check_config_types(hf, where: str = "config.json") -> None:
     checks = [(key, kind, hf.get(key)) for key, kind in _KEY_KINDS.items()]
     for section in ("rope_scaling", "rope_parameters"):
         if isinstance(hf.get(section), dict):
-            checks += [(f"{section}.{k}", kind, hf[section].get(k)) for k, kind in _ROPE_KINDS.items()]
+            checks += [
+                (f"{section}.{k}", kind, hf[section].get(k)) for k, kind in _ROPE_KINDS.items()
+            ]
     for key, kind, value in checks:
         if value is None and key in _REQUIRED:
             raise UserError(f"{where}: {key} is missing (it must be {kind})")
@@ -178,17 +243,21 @@ def _bad(where: str, key: str, value, supported: str):
     raise UserError(f"{where}: {key}={json.dumps(value)} is not supported (supported: {supported})")
 
 
-def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json") -> tuple[str, ModelConfig]:
+def config_from_hf(
+    hf: dict, dtype: str = "float32", where: str = "config.json"
+) -> tuple[str, ModelConfig]:
     """An HF config dict -> (model_type, ModelConfig). Anything Brigade would compute differently
     is refused with one line naming the key."""
     check_config_types(hf, where)
     mtype = hf.get("model_type")
     if mtype in _GEMMA_TYPES:
         keys = [k for k in _GEMMA_KEYS if k in hf]
-        raise UserError(f"{where}: model_type={json.dumps(mtype)} is not supported: Brigade's decoder has no"
-                        f" soft-capping, sandwich norms, scaled embeddings, GeGLU or alternating local/global layers"
-                        + (f" (this config sets {', '.join(keys)})" if keys else "")
-                        + f"; supported model types: {', '.join(ROWS)}")
+        raise UserError(
+            f"{where}: model_type={json.dumps(mtype)} is not supported: Brigade's decoder has no"
+            f" soft-capping, sandwich norms, scaled embeddings, GeGLU or alternating local/global layers"
+            + (f" (this config sets {', '.join(keys)})" if keys else "")
+            + f"; supported model types: {', '.join(ROWS)}"
+        )
     if mtype not in ROWS:
         _bad(where, "model_type", mtype, ", ".join(ROWS))
     if dtype not in DTYPES:
@@ -208,19 +277,39 @@ def config_from_hf(hf: dict, dtype: str = "float32", where: str = "config.json")
         for key in ("num_local_experts", "num_experts_per_tok"):
             if hf.get(key) is None:
                 raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
-        moe = dict(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
-                   d_ff_expert=hf["intermediate_size"], moe_every=1, router="softmax", dispatch="dropless",
-                   aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)), z_loss_coef=0.0)
-    rope = hf.get("rope_parameters") or {}   # transformers >= 5; older configs: rope_theta + rope_scaling
+        moe = dict(
+            n_experts=hf["num_local_experts"],
+            experts_per_token=hf["num_experts_per_tok"],
+            d_ff_expert=hf["intermediate_size"],
+            moe_every=1,
+            router="softmax",
+            dispatch="dropless",
+            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
+            z_loss_coef=0.0,
+        )
+    rope = (
+        hf.get("rope_parameters") or {}
+    )  # transformers >= 5; older configs: rope_theta + rope_scaling
     cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n,
-        n_kv_heads=hf.get("num_key_value_heads") or n, d_ff=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n,
+        n_kv_heads=hf.get("num_key_value_heads") or n,
+        d_ff=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attn_head_dim=head_dim if free_head_dim else 0, qkv_bias=mtype == "qwen2", qk_norm=mtype == "qwen3",
-        sliding_window=_sliding_window(hf, mtype, where), dtype=dtype, param_dtype=dtype, **moe,
-        **_rope_scaling(hf, where))
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_head_dim=head_dim if free_head_dim else 0,
+        qkv_bias=mtype == "qwen2",
+        qk_norm=mtype == "qwen3",
+        sliding_window=_sliding_window(hf, mtype, where),
+        dtype=dtype,
+        param_dtype=dtype,
+        **moe,
+        **_rope_scaling(hf, where),
+    )
     try:
         return mtype, cfg.validate()
     except UserError as e:
@@ -236,10 +325,17 @@ def _rope_scaling(hf: dict, where: str) -> dict:
     if rope_type == "llama3" and _LLAMA3_ROPE:
         for key, field in _LLAMA3_KEYS.items():
             if not is_number(scaling.get(key)):
-                raise UserError(f"{where}: {where_rope}.{key} is missing or not a number (rope_type llama3 needs it)")
+                raise UserError(
+                    f"{where}: {where_rope}.{key} is missing or not a number (rope_type llama3 needs it)"
+                )
             rope_fields[field] = type(getattr(ModelConfig, field))(scaling[key])
     elif rope_type != "default":
-        _bad(where, f"{where_rope}.rope_type", rope_type, "default (no scaling)" + (", llama3" if _LLAMA3_ROPE else ""))
+        _bad(
+            where,
+            f"{where_rope}.rope_type",
+            rope_type,
+            "default (no scaling)" + (", llama3" if _LLAMA3_ROPE else ""),
+        )
     return rope_fields
 
 
@@ -256,13 +352,23 @@ def _sliding_window(hf: dict, mtype: str, where: str) -> int:
     if mtype == "llama":
         _bad(where, "sliding_window", window, "null (full causal attention)")
     layers = hf["num_hidden_layers"]
-    first_sliding = hf.get("max_window_layers", 28)   # transformers' default for Qwen2/3
-    kinds = hf.get("layer_types") or ["sliding_attention" if i >= first_sliding else "full_attention"
-                                      for i in range(layers)]
+    first_sliding = hf.get("max_window_layers", 28)  # transformers' default for Qwen2/3
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)
+    ]
     key = "layer_types" if hf.get("layer_types") else "max_window_layers"
-    if set(kinds) - {"sliding_attention", "full_attention"} or len(set(kinds)) > 1 or len(kinds) != layers:
-        _bad(where, key, hf.get(key, first_sliding), "every one of the num_hidden_layers layers the same kind:"
-             " all sliding_attention, or all full_attention")
+    if (
+        set(kinds) - {"sliding_attention", "full_attention"}
+        or len(set(kinds)) > 1
+        or len(kinds) != layers
+    ):
+        _bad(
+            where,
+            key,
+            hf.get(key, first_sliding),
+            "every one of the num_hidden_layers layers the same kind:"
+            " all sliding_attention, or all full_attention",
+        )
     return window if kinds[0] == "sliding_attention" else 0
 
 
@@ -271,15 +377,26 @@ def model_type_of(cfg: ModelConfig) -> str:
     Qwen3 has the q/k norms, Qwen2 the q/k/v biases, Mistral a sliding window or a free head_dim
     (Qwen2/3 carry those too); plain Llama what is left."""
     if cfg.n_experts:
-        for field, want in (("moe_every", 1), ("n_shared_experts", 0), ("router", "softmax"), ("router_bias_rate", 0),
-                            ("qkv_bias", False), ("qk_norm", False), ("attn_head_dim", 0)):
+        for field, want in (
+            ("moe_every", 1),
+            ("n_shared_experts", 0),
+            ("router", "softmax"),
+            ("router_bias_rate", 0),
+            ("qkv_bias", False),
+            ("qk_norm", False),
+            ("attn_head_dim", 0),
+        ):
             if getattr(cfg, field) != want:
-                raise UserError(f"model.{field}={getattr(cfg, field)} has no HuggingFace Mixtral equivalent"
-                                f" (needs {want})")
+                raise UserError(
+                    f"model.{field}={getattr(cfg, field)} has no HuggingFace Mixtral equivalent"
+                    f" (needs {want})"
+                )
         return "mixtral"
     if cfg.qkv_bias and cfg.qk_norm:
-        raise UserError("model.qkv_bias=True with model.qk_norm=True has no HuggingFace equivalent (Qwen2 has the"
-                        " biases, Qwen3 the norms); set one of them false")
+        raise UserError(
+            "model.qkv_bias=True with model.qk_norm=True has no HuggingFace equivalent (Qwen2 has the"
+            " biases, Qwen3 the norms); set one of them false"
+        )
     if cfg.qk_norm:
         return "qwen3"
     if cfg.qkv_bias:
@@ -292,15 +409,24 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
     dtype = dtype or cfg.param_dtype
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     out = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
         "intermediate_size": cfg.expert_width if cfg.n_experts else cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
         # both spellings: transformers < 5 reads rope_theta (+ rope_scaling), >= 5 rope_parameters
-        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
-        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype, "dtype": dtype,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }
     out.update(dict.fromkeys(_BIAS_KEYS.get(model_type, ()), False))
     scaling = getattr(cfg, "rope_scaling", None)
@@ -310,13 +436,20 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
     window = cfg.sliding_window or None
     if model_type in ("mistral", "mixtral"):
         out["sliding_window"] = window
-    elif model_type in ("qwen2", "qwen3"):   # every layer alike: all sliding or all full
+    elif model_type in ("qwen2", "qwen3"):  # every layer alike: all sliding or all full
         kind = "sliding_attention" if window else "full_attention"
-        out.update(use_sliding_window=bool(window), sliding_window=window, max_window_layers=0 if window else
-                   cfg.n_layers, layer_types=[kind] * cfg.n_layers)
+        out.update(
+            use_sliding_window=bool(window),
+            sliding_window=window,
+            max_window_layers=0 if window else cfg.n_layers,
+            layer_types=[kind] * cfg.n_layers,
+        )
     if model_type == "mixtral":
-        out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-                   router_aux_loss_coef=cfg.aux_loss_coef)
+        out.update(
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+        )
     return out
 
 
@@ -326,6 +459,7 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
     layouts reshape by the config's head counts, so a config that does not describe its arrays
     (n_heads 4 read as 2) would convert without complaint into a silently wrong model."""
     from mesh.shard import path_names
+
     want = expected_shapes(cfg)
     have = {n: tuple(a.shape) for n, a in path_names(params, is_leaf=lambda x: hasattr(x, "shape"))}
     for name in sorted(set(want) | set(have)):
@@ -333,12 +467,26 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
             found = f"shape {have[name]}" if name in have else "no such array"
             implied = f"shape {want[name]}" if name in want else "no such array"
             fields = ", ".join(f"{f}={getattr(cfg, f)}" for f in _SHAPE_FIELDS)
-            raise UserError(f"{source}: params/{name} has {found}, but its model config ({fields}) implies {implied};"
-                            f" the config does not describe these arrays")
+            raise UserError(
+                f"{source}: params/{name} has {found}, but its model config ({fields}) implies {implied};"
+                f" the config does not describe these arrays"
+            )
 
 
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "attn_head_dim", "d_ff", "n_experts",
-                 "d_ff_expert", "tie_embeddings", "qkv_bias", "qk_norm")
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "attn_head_dim",
+    "d_ff",
+    "n_experts",
+    "d_ff_expert",
+    "tie_embeddings",
+    "qkv_bias",
+    "qk_norm",
+)
 
 
 class Model:
@@ -355,24 +503,41 @@ class Model:
     @functools.cached_property
     def _forward(self):
         import jax
+
         from models import model as model_lib
+
         return jax.jit(lambda params, tokens_BT: model_lib.apply(self.cfg, params, tokens_BT)[0])
 
-    def __call__(self, tokens_BT):   # -> jax.Array [B,T,V]
+    def __call__(self, tokens_BT):  # -> jax.Array [B,T,V]
         import jax.numpy as jnp
+
         return self._forward(self.params, jnp.asarray(tokens_BT, jnp.int32))
 
-    def generate(self, prompt_BT, max_new: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0):
+    def generate(
+        self, prompt_BT, max_new: int, *, temperature: float = 0.0, top_k: int = 0, seed: int = 0
+    ):
         """prompt [B,T0] int32 -> [B, max_new] new tokens (greedy by default), with a KV cache."""
         import jax
         import jax.numpy as jnp
+
         from models.sample import generate
-        return generate(self.cfg, self.params, jnp.asarray(prompt_BT, jnp.int32), jax.random.key(seed),
-                        max_new=max_new, temperature=temperature, top_k=top_k)
+
+        return generate(
+            self.cfg,
+            self.params,
+            jnp.asarray(prompt_BT, jnp.int32),
+            jax.random.key(seed),
+            max_new=max_new,
+            temperature=temperature,
+            top_k=top_k,
+        )
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     from mesh.shard import path_names
     from models import model as model_lib
+
     abstract = model_lib.abstract_params(cfg)
-    return {n: tuple(s.shape) for n, s in path_names(abstract, is_leaf=lambda x: hasattr(x, "shape"))}
+    return {
+        n: tuple(s.shape) for n, s in path_names(abstract, is_leaf=lambda x: hasattr(x, "shape"))
+    }

@@ -2,6 +2,7 @@
 
 Shape letters: B batch, T sequence, D d_model, F d_ff, N heads, K kv heads, H head dim, V vocab.
 """
+
 from __future__ import annotations
 
 import jax
@@ -12,13 +13,22 @@ from mesh.shard import constrain
 from models import fp8
 
 
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, std: float | None = None,
-          fan_in: int | None = None, ones: bool = False, zeros: bool = False) -> nnx.Param:
+def param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    dtype,
+    *,
+    std: float | None = None,
+    fan_in: int | None = None,
+    ones: bool = False,
+    zeros: bool = False,
+) -> nnx.Param:
     """A Param carrying its logical axis names (read by the sharding rules)."""
     if ones or zeros:
         value = (jnp.ones if ones else jnp.zeros)(shape, dtype)
     else:
-        scale = std if std is not None else fan_in ** -0.5
+        scale = std if std is not None else fan_in**-0.5
         value = scale * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
     return nnx.Param(value, out_sharding=axes)
 
@@ -47,11 +57,13 @@ def rope_frequencies(h: int, theta: float, scaling: tuple | None = None) -> jax.
     return inv_freq
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float, scaling: tuple | None = None) -> jax.Array:
+def rope(
+    x_BTNH: jax.Array, positions_BT: jax.Array, theta: float, scaling: tuple | None = None
+) -> jax.Array:
     """Rotary embedding, split-halves layout (Llama/HF): pairs are (i, i + H/2)."""
     h = x_BTNH.shape[-1]
-    inv_freq = rope_frequencies(h, theta, scaling)                                  # [H/2]
-    angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq               # [B,T,H/2]
+    inv_freq = rope_frequencies(h, theta, scaling)  # [H/2]
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
     sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -61,7 +73,9 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float, scaling: tupl
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * (x W_up))."""
 
-    def __init__(self, d: int, f: int, dtype, param_dtype, *, rngs: nnx.Rngs, fp8_matmuls: bool = False):
+    def __init__(
+        self, d: int, f: int, dtype, param_dtype, *, rngs: nnx.Rngs, fp8_matmuls: bool = False
+    ):
         self.w_gate_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
         self.w_up_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
         self.w_down_FD = param(rngs, (f, d), ("mlp", "embed"), param_dtype, fan_in=f)
@@ -97,9 +111,12 @@ def _head_logits_fwd(x_BTD, head_DV):
 def _head_logits_bwd(res, g_BTV):
     x_BTD, head_DV = res
     lead = tuple(range(x_BTD.ndim - 1))
-    dx_BTD = jax.lax.dot_general(g_BTV, head_DV, (((x_BTD.ndim - 1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-    dhead_DV = jax.lax.dot_general(x_BTD, g_BTV, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    dx_BTD = jax.lax.dot_general(
+        g_BTV, head_DV, (((x_BTD.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    dhead_DV = jax.lax.dot_general(
+        x_BTD, g_BTV, ((lead, lead), ((), ())), preferred_element_type=jnp.float32
+    )
     return dx_BTD.astype(x_BTD.dtype), dhead_DV.astype(head_DV.dtype)
 
 

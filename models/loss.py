@@ -1,5 +1,6 @@
 """Cross-entropy of the LM head: per token from logits, or chunked from the hidden states so that
 the [B,T,V] float32 logits never exist at once (at long sequences they dominate memory)."""
+
 from __future__ import annotations
 
 import jax
@@ -29,7 +30,9 @@ def _pick(x_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     v = x_BTV.shape[-1]
     inside_BT = (targets_BT >= 0) & (targets_BT < v)
     idx_BT1 = jnp.clip(targets_BT, 0, v - 1)[..., None]
-    return jnp.where(inside_BT, jnp.take_along_axis(x_BTV, idx_BT1, axis=-1)[..., 0], 0).astype(x_BTV.dtype)
+    return jnp.where(inside_BT, jnp.take_along_axis(x_BTV, idx_BT1, axis=-1)[..., 0], 0).astype(
+        x_BTV.dtype
+    )
 
 
 def _pick_fwd(x_BTV, targets_BT):
@@ -45,8 +48,15 @@ def _pick_bwd(res, g_BT):
 _pick.defvjp(_pick_fwd, _pick_bwd)
 
 
-def chunked_token_xent(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, *, chunk_tokens: int,
-                       seq_shards: int = 1, compute_dtype=None) -> jax.Array:
+def chunked_token_xent(
+    x_BTD: jax.Array,
+    head_DV: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    chunk_tokens: int,
+    seq_shards: int = 1,
+    compute_dtype=None,
+) -> jax.Array:
     """`token_xent` of the logits einsum("btd,dv->btv", x, head) [B,T] float32, computed chunk_tokens
     tokens at a time: a scan over sequence chunks whose body is rematerialised (jax.checkpoint), so
     the forward keeps no logits and the backward recomputes each chunk's. Peak: one chunk's
@@ -65,8 +75,10 @@ def chunked_token_xent(x_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Arr
     chunk to a divisor: a prime length would leave chunks of one token, a scan of T steps."""
     b, t, _ = x_BTD.shape
     if chunk_tokens < 1 or seq_shards < 1 or t % seq_shards:
-        raise ValueError(f"chunked_token_xent: chunk_tokens {chunk_tokens} and seq_shards {seq_shards} must be"
-                         f" >= 1, and seq_shards must divide the sequence length {t}")
+        raise ValueError(
+            f"chunked_token_xent: chunk_tokens {chunk_tokens} and seq_shards {seq_shards} must be"
+            f" >= 1, and seq_shards must divide the sequence length {t}"
+        )
     block = t // seq_shards
     chunk = min(chunk_tokens, block)
     n_chunks = -(-block // chunk)

@@ -5,6 +5,7 @@ The trainer, checkpoints and converters only see `init`, `apply`, `forward`, `pa
 decoder, or a registered model); the NNX module graph is rebuilt from the dict inside each trace (trace-time
 cost only), which keeps jitted steps on plain pytrees (the cheapest per-step path we measured).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,7 +43,9 @@ def compute_dtype(cfg: ModelConfig) -> str:
 
 def _module(cfg: ModelConfig, params: dict) -> Decoder:
     gdef, abstract_state = _graph(cfg, compute_dtype(cfg))
-    state = jax.tree.map(lambda x: x, abstract_state)  # fresh Variables; replace_by_pure_dict mutates
+    state = jax.tree.map(
+        lambda x: x, abstract_state
+    )  # fresh Variables; replace_by_pure_dict mutates
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(gdef, state)
 
@@ -63,8 +66,13 @@ def _decoder_leaves(cfg: ModelConfig, dtype: str) -> tuple[dict, dict]:
     """(ShapeDtypeStructs, logical axes) of the built-in decoder's params; shared, never mutated."""
     state = nnx.state(nnx.merge(*_graph(cfg, dtype)), nnx.Param)
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
-    axes = nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
-                                         is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    axes = nnx.to_pure_dict(
+        jax.tree.map(
+            lambda v: tuple(v.get_metadata()["out_sharding"]),
+            state,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
+    )
     return shapes, axes
 
 
@@ -73,26 +81,35 @@ def _fresh_dicts(tree: dict) -> dict:
     return {k: _fresh_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
 
 
-def _apply(cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=None, segment_ids_BT=None):
+def _apply(
+    cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=None, segment_ids_BT=None
+):
     logits_BTV, cache, _ = _module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
     return logits_BTV, cache
 
 
 def _forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT, segment_ids_BT, pipeline):
-    logits_BTV, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline)
+    logits_BTV, _, stats = _module(cfg, params)(
+        tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline
+    )
     return logits_BTV, stats
 
 
 def _init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
     dtype = jnp.dtype(dtype or compute_dtype(cfg))
     shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((cfg.n_layers,), jnp.int32))
+    return KVCache(
+        jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((cfg.n_layers,), jnp.int32)
+    )
 
 
-DECODER = registry.Model(init=_init, apply=_apply, param_axes=_param_axes, init_cache=_init_cache, forward=_forward)
+DECODER = registry.Model(
+    init=_init, apply=_apply, param_axes=_param_axes, init_cache=_init_cache, forward=_forward
+)
 
 
 # -- the one dispatch point: every caller (trainer, plan, checkpoints, sampling) goes through these
+
 
 def init(cfg: ModelConfig, key: jax.Array) -> dict:
     """Fresh parameters (call under jit with out_shardings to create them already sharded)."""
@@ -111,32 +128,55 @@ def param_axes(cfg: ModelConfig) -> dict:
     return registry.lookup(cfg, DECODER).param_axes(cfg)
 
 
-def apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-          cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None):
+def apply(
+    cfg: ModelConfig,
+    params: dict,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array | None = None,
+    cache: KVCache | None = None,
+    segment_ids_BT: jax.Array | None = None,
+):
     """tokens [B,T] -> (logits [B,T,V] float32, cache). With `segment_ids_BT` (packed sequences)
     a token attends only to earlier tokens of its own segment; positions then come from the batch
     (or restart at each segment when not given)."""
-    return registry.lookup(cfg, DECODER).apply(cfg, params, tokens_BT, positions_BT, cache, segment_ids_BT)
+    return registry.lookup(cfg, DECODER).apply(
+        cfg, params, tokens_BT, positions_BT, cache, segment_ids_BT
+    )
 
 
-def forward(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-            segment_ids_BT: jax.Array | None = None, pipeline: PipelineConfig | None = None):
+def forward(
+    cfg: ModelConfig,
+    params: dict,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+    pipeline: PipelineConfig | None = None,
+):
     """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if dense).
     `pipeline`: the schedule used when the mesh has a pipeline axis > 1."""
     impl = registry.lookup(cfg, DECODER)
     if impl.forward is None:
-        return registry.default_forward(impl, cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline)
+        return registry.default_forward(
+            impl, cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline
+        )
     return impl.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline)
 
 
-def hidden(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-           segment_ids_BT: jax.Array | None = None, pipeline: PipelineConfig | None = None):
+def hidden(
+    cfg: ModelConfig,
+    params: dict,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+    pipeline: PipelineConfig | None = None,
+):
     """The training forward up to the LM head -> ((hidden states [B,T,D], head [D,V]), MoE stats),
     or None for a registered model (its forward returns logits only)."""
     if registry.lookup(cfg, DECODER) is not DECODER:
         return None
-    head, _, stats = _module(cfg, params)(tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline,
-                                          logits=False)
+    head, _, stats = _module(cfg, params)(
+        tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline, logits=False
+    )
     return head, stats
 
 
@@ -150,6 +190,8 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
     [L,B,S,K,H]); one line for a registered model that cannot decode."""
     impl = registry.lookup(cfg, DECODER)
     if impl.init_cache is None:
-        raise UserError(f"model '{cfg.arch}' cannot generate text: it was registered without init_cache"
-                        f" (models.register(..., init_cache=...)); train it with --train.sample_tokens 0")
+        raise UserError(
+            f"model '{cfg.arch}' cannot generate text: it was registered without init_cache"
+            f" (models.register(..., init_cache=...)); train it with --train.sample_tokens 0"
+        )
     return impl.init_cache(cfg, batch, length, dtype)

@@ -12,6 +12,7 @@ and sends the rows back. Dropless exchange (`ep_exchange`, see `exchange_for`): 
 worst-case buffers with all_to_all (XLA:CPU has no ragged all-to-all), or lax.ragged_all_to_all
 moving only the real rows (GPU/TPU; an exact emulation on CPU for tests).
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,14 @@ from mesh.rules import logical_to_spec
 from mesh.shard import entry_axes, spec_axes
 from models.config import ModelConfig
 from models.layers import MLP, param
-from models.moe_kernels import batched_like, block_size, gmm_blocks, gmm_ragged, gmm_sorted, rank_in_group
+from models.moe_kernels import (
+    batched_like,
+    block_size,
+    gmm_blocks,
+    gmm_ragged,
+    gmm_sorted,
+    rank_in_group,
+)
 
 W_EDF = ("experts", "expert_embed", "expert_mlp")
 W_EFD = ("experts", "expert_mlp", "expert_embed")
@@ -45,7 +53,10 @@ def kernel_for(cfg: ModelConfig) -> str:
 
 # ------------------------------------------------------------------ router
 
-def route(cfg: ModelConfig, x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array | None = None):
+
+def route(
+    cfg: ModelConfig, x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array | None = None
+):
     """float32 router -> (expert ids [B,T,J] int32, combine weights [B,T,J] float32, stats).
 
     softmax (Mixtral): top-k of the softmax, the k weights renormalised; sigmoid (DeepSeek-V3):
@@ -55,16 +66,26 @@ def route(cfg: ModelConfig, x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.
     E * sum_e f_e P_e (f_e: share of assignments, P_e: mean router probability), z-loss
     mean(logsumexp(logits)^2), and assignments per expert."""
     e, k = cfg.n_experts, cfg.experts_per_token
-    logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
-                            precision=lax.Precision.HIGHEST)
-    probs_BTE = jax.nn.softmax(logits_BTE, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
-    select_BTE = probs_BTE if bias_E is None else probs_BTE + lax.stop_gradient(bias_E.astype(jnp.float32))
+    logits_BTE = jnp.einsum(
+        "btd,de->bte",
+        x_BTD.astype(jnp.float32),
+        router_DE.astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,
+    )
+    probs_BTE = (
+        jax.nn.softmax(logits_BTE, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
+    )
+    select_BTE = (
+        probs_BTE if bias_E is None else probs_BTE + lax.stop_gradient(bias_E.astype(jnp.float32))
+    )
     idx_BTJ = _top_k(select_BTE, k)
     gate_BTJ = jnp.take_along_axis(probs_BTE, idx_BTJ, axis=-1)
     if k > 1:
         gate_BTJ = gate_BTJ / jnp.sum(gate_BTJ, -1, keepdims=True)
     counts_E = jnp.sum(jax.nn.one_hot(idx_BTJ, e, dtype=jnp.float32), axis=(0, 1, 2))
-    share_BTE = probs_BTE if cfg.router == "softmax" else probs_BTE / jnp.sum(probs_BTE, -1, keepdims=True)
+    share_BTE = (
+        probs_BTE if cfg.router == "softmax" else probs_BTE / jnp.sum(probs_BTE, -1, keepdims=True)
+    )
     n_assigned = idx_BTJ.size
     aux = e * jnp.sum(counts_E / n_assigned * jnp.mean(share_BTE, axis=(0, 1)))
     z = jnp.mean(jax.nn.logsumexp(logits_BTE, -1) ** 2)
@@ -79,7 +100,9 @@ def _top_k(s_BTE: jax.Array, k: int) -> jax.Array:
     picks = []
     for _ in range(k):
         picks.append(jnp.argmax(s_BTE, -1).astype(jnp.int32))
-        s_BTE = jnp.where(jax.nn.one_hot(picks[-1], s_BTE.shape[-1], dtype=jnp.bool_), -jnp.inf, s_BTE)
+        s_BTE = jnp.where(
+            jax.nn.one_hot(picks[-1], s_BTE.shape[-1], dtype=jnp.bool_), -jnp.inf, s_BTE
+        )
     return jnp.stack(picks, -1)
 
 
@@ -92,6 +115,7 @@ def bias_update(bias_LE: jax.Array, counts_LE: jax.Array, rate: float) -> jax.Ar
 
 # ------------------------------------------------------------------ per-device expert compute
 
+
 def exchange_for(cfg: ModelConfig) -> str:
     """How dropless dispatch moves rows over the expert axis: "fixed" (worst-case buffers, plain
     all_to_all), "ragged" (lax.ragged_all_to_all: only the real rows) or "emulated" (the ragged
@@ -103,8 +127,17 @@ def exchange_for(cfg: ModelConfig) -> str:
     return "emulated" if cfg.ep_exchange == "ragged" and cpu else cfg.ep_exchange
 
 
-def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name, axis_index_groups=None):
+def ragged_all_to_all_emulated(
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
+    axis_index_groups=None,
+):
     """`lax.ragged_all_to_all` (same arguments, same result) from a fixed-size all_to_all: each of
     the K slices travels in a buffer as long as `operand`, K x the bytes of the real thing."""
     if axis_index_groups is not None:
@@ -124,7 +157,9 @@ def _excl_cumsum(c, axis):
     return jnp.cumsum(c, axis) - c
 
 
-def _ragged_dispatch(x_UD, e_A, tok_A, ffn, *, rows: int, x_count: int, ep: int, ep_axes, exchange: str):
+def _ragged_dispatch(
+    x_UD, e_A, tok_A, ffn, *, rows: int, x_count: int, ep: int, ep_axes, exchange: str
+):
     """Dropless expert parallelism that moves only the real rows: assignments sorted by global
     expert id, one ragged slice per (destination, local expert), so each receiver's buffer comes
     out sorted by its local expert with no further sort. Every device learns every device's counts
@@ -135,29 +170,58 @@ def _ragged_dispatch(x_UD, e_A, tok_A, ffn, *, rows: int, x_count: int, ep: int,
     a, d = e_A.shape[0], x_UD.shape[1]
     order_A = jnp.argsort(e_A, stable=True)
     counts_E = jnp.zeros((ep * x_count,), jnp.int32).at[e_A].add(1)
-    counts_SE = lax.all_gather(counts_E, ep_axes)                    # [source, E]
-    counts_SDX = counts_SE.reshape(ep, ep, x_count)                  # [source, destination, local expert]
+    counts_SE = lax.all_gather(counts_E, ep_axes)  # [source, E]
+    counts_SDX = counts_SE.reshape(ep, ep, x_count)  # [source, destination, local expert]
     me = lax.axis_index(ep_axes)
-    start_DX = _excl_cumsum(counts_SDX.sum(0), 1)                    # each receiver's expert groups
-    at_SDX = start_DX[None] + _excl_cumsum(counts_SDX, 0)            # where source s's rows land
-    from_SE = _excl_cumsum(counts_SE, 1)                             # where each source's rows start
-    vary = lambda z: lax.pcast(z, tuple(ep_axes), to="varying")      # buffers differ per device
+    start_DX = _excl_cumsum(counts_SDX.sum(0), 1)  # each receiver's expert groups
+    at_SDX = start_DX[None] + _excl_cumsum(counts_SDX, 0)  # where source s's rows land
+    from_SE = _excl_cumsum(counts_SE, 1)  # where each source's rows start
+    vary = lambda z: lax.pcast(z, tuple(ep_axes), to="varying")  # buffers differ per device
     flat = lambda c: c.reshape(-1).astype(jnp.int32)
     recv_SX = counts_SDX[:, me]
-    x_RD = a2a(x_UD[tok_A[order_A]], vary(jnp.zeros((rows, d), x_UD.dtype)), flat(from_SE[me]), flat(counts_E),
-               flat(at_SDX[me]), flat(recv_SX), axis_name=ep_axes)
+    x_RD = a2a(
+        x_UD[tok_A[order_A]],
+        vary(jnp.zeros((rows, d), x_UD.dtype)),
+        flat(from_SE[me]),
+        flat(counts_E),
+        flat(at_SDX[me]),
+        flat(recv_SX),
+        axis_name=ep_axes,
+    )
     y_RD = ffn(x_RD, recv_SX.sum(0))
     # back along the same slices, reversed
-    ys_AD = a2a(y_RD, vary(jnp.zeros((a, d), y_RD.dtype)), flat(at_SDX[:, me]), flat(recv_SX),
-                flat(lax.dynamic_slice_in_dim(from_SE, me * x_count, x_count, axis=1)), flat(counts_E),
-                axis_name=ep_axes)
+    ys_AD = a2a(
+        y_RD,
+        vary(jnp.zeros((a, d), y_RD.dtype)),
+        flat(at_SDX[:, me]),
+        flat(recv_SX),
+        flat(lax.dynamic_slice_in_dim(from_SE, me * x_count, x_count, axis=1)),
+        flat(counts_E),
+        axis_name=ep_axes,
+    )
     return jnp.zeros_like(ys_AD).at[order_A].set(ys_AD)
 
 
-def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_experts: int, mode: str,
-                   capacity_factor: float, kernel: str, exchange: str = "fixed", vmapped: bool = False,
-                   ep_axes=(), ep: int = 1,
-                   embed_axes=(), tp_axes=(), token_axes=()):
+def dispatch_local(
+    x_BTD,
+    idx_BTJ,
+    gate_BTJ,
+    wg_XDF,
+    wu_XDF,
+    wd_XFD,
+    *,
+    n_experts: int,
+    mode: str,
+    capacity_factor: float,
+    kernel: str,
+    exchange: str = "fixed",
+    vmapped: bool = False,
+    ep_axes=(),
+    ep: int = 1,
+    embed_axes=(),
+    tp_axes=(),
+    token_axes=(),
+):
     """One device's share of the MoE layer: its tokens in, their expert outputs out (-> y [B,T,D],
     dropped assignments). With ep > 1 this runs inside shard_map and the rows travel by all-to-all
     over `ep_axes` (dropless: `exchange`, see `exchange_for`); weights arrive sharded over
@@ -170,12 +234,14 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
     k = idx_BTJ.shape[-1]
     n = b * t
     if embed_axes:
-        wg_XDF, wu_XDF = (lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (wg_XDF, wu_XDF))
+        wg_XDF, wu_XDF = (
+            lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (wg_XDF, wu_XDF)
+        )
         wd_XFD = lax.all_gather(wd_XFD, embed_axes, axis=2, tiled=True)
     x_count = wg_XDF.shape[0]
     x_UD = x_BTD.reshape(n, d)
     if tp_axes:  # varying once here: the backward sums one [U,D] gradient over tp_axes, not one per
-        x_UD = lax.pcast(x_UD, tuple(tp_axes), to="varying")   # matmul over the whole padded buffer
+        x_UD = lax.pcast(x_UD, tuple(tp_axes), to="varying")  # matmul over the whole padded buffer
     # assignments in priority order: every token's first choice before any second choice (Switch)
     e_A = idx_BTJ.reshape(n, k).T.reshape(-1)
     tok_A = jnp.tile(jnp.arange(n), k)
@@ -188,10 +254,22 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
         def ffn(x_RD, sizes_X):
             if kernel == "ragged":
                 return gmm_sorted(x_RD, sizes_X, *(batched_like(x_RD, *ws) if vmapped else ws))
-            group_R = jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1)  # X: padding
+            group_R = jnp.sum(
+                jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1
+            )  # X: padding
             return gmm_blocks(x_RD, group_R, *ws, block_size(n * k, x_count))
-        y_AD = _ragged_dispatch(x_UD, e_A, tok_A, ffn, rows=rows, x_count=x_count, ep=ep, ep_axes=ep_axes,
-                                exchange=exchange)
+
+        y_AD = _ragged_dispatch(
+            x_UD,
+            e_A,
+            tok_A,
+            ffn,
+            rows=rows,
+            x_count=x_count,
+            ep=ep,
+            ep_axes=ep_axes,
+            exchange=exchange,
+        )
         return _combine(y_AD.reshape(k, n, d), gate_A, tp_axes).reshape(b, t, d), jnp.float32(0.0)
     if mode == "capacity":
         cap = max(1, math.ceil(capacity_factor * n * k / n_experts))
@@ -210,10 +288,16 @@ def dispatch_local(x_BTD, idx_BTJ, gate_BTJ, wg_XDF, wu_XDF, wd_XFD, *, n_expert
     send_RD = jnp.zeros((rows, d), x_UD.dtype).at[slot_A].set(x_UD[tok_A], mode="drop")
     if mode == "capacity":
         if ep > 1:
-            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)       # -> [source, X, cap]
-        x_XRD = send_RD.reshape(ep, x_count, cap, d).transpose(1, 0, 2, 3).reshape(x_count, ep * cap, d)
-        y_XRD = jnp.einsum("xrf,xfd->xrd", jax.nn.silu(jnp.einsum("xrd,xdf->xrf", x_XRD, wg_XDF))
-                           * jnp.einsum("xrd,xdf->xrf", x_XRD, wu_XDF), wd_XFD)
+            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)  # -> [source, X, cap]
+        x_XRD = (
+            send_RD.reshape(ep, x_count, cap, d).transpose(1, 0, 2, 3).reshape(x_count, ep * cap, d)
+        )
+        y_XRD = jnp.einsum(
+            "xrf,xfd->xrd",
+            jax.nn.silu(jnp.einsum("xrd,xdf->xrf", x_XRD, wg_XDF))
+            * jnp.einsum("xrd,xdf->xrf", x_XRD, wu_XDF),
+            wd_XFD,
+        )
         y_RD = y_XRD.reshape(x_count, ep, cap, d).transpose(1, 0, 2, 3).reshape(rows, d)
     else:
         group_R = jnp.full((rows,), x_count, jnp.int32).at[slot_A].set(e_A % x_count, mode="drop")
@@ -240,14 +324,28 @@ def _combine(y_JUD, gate_A, tp_axes):
     return lax.psum(y_UD, tp_axes) if tp_axes else y_UD
 
 
-def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, kernel: str | None = None,
-            exchange: str | None = None):
+def experts(
+    cfg: ModelConfig,
+    x_BTD,
+    idx_BTJ,
+    gate_BTJ,
+    wg_EDF,
+    wu_EDF,
+    wd_EFD,
+    kernel: str | None = None,
+    exchange: str | None = None,
+):
     """The routed experts on whatever mesh is in context -> (y [B,T,D], dropped assignments).
     `kernel`, `exchange`: override `kernel_for` / `exchange_for` (tests: exchange="ragged" lowers
     the real ragged_all_to_all on any backend)."""
-    local = functools.partial(dispatch_local, n_experts=cfg.n_experts, mode=cfg.dispatch,
-                              capacity_factor=cfg.capacity_factor, kernel=kernel or kernel_for(cfg),
-                              exchange=exchange or exchange_for(cfg))
+    local = functools.partial(
+        dispatch_local,
+        n_experts=cfg.n_experts,
+        mode=cfg.dispatch,
+        capacity_factor=cfg.capacity_factor,
+        kernel=kernel or kernel_for(cfg),
+        exchange=exchange or exchange_for(cfg),
+    )
     mesh = jax.sharding.get_abstract_mesh()
     x_spec, w_spec, wd_spec = (logical_to_spec(n) for n in (TOKENS_BT, W_EDF, W_EFD))
     if mesh.empty:
@@ -270,39 +368,65 @@ def experts(cfg: ModelConfig, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD, 
     ep_axes, token_axes = entry_axes(w_spec[0]), entry_axes(x_spec[0])
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     if not set(ep_axes) <= set(token_axes):
-        raise UserError(f"--parallelism.rules: the experts dim is sharded over {ep_axes}, which must also shard"
-                        f" the batch (now {token_axes}) so that every expert device holds its own tokens")
-    body = functools.partial(local, ep_axes=ep_axes, ep=ep, embed_axes=entry_axes(w_spec[1]),
-                             tp_axes=entry_axes(w_spec[2]), token_axes=token_axes)
-    return jax.shard_map(body, in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, wd_spec),
-                         out_specs=(x_spec, P()), axis_names=frozenset(manual),
-                         check_vma=check_vma)(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+        raise UserError(
+            f"--parallelism.rules: the experts dim is sharded over {ep_axes}, which must also shard"
+            f" the batch (now {token_axes}) so that every expert device holds its own tokens"
+        )
+    body = functools.partial(
+        local,
+        ep_axes=ep_axes,
+        ep=ep,
+        embed_axes=entry_axes(w_spec[1]),
+        tp_axes=entry_axes(w_spec[2]),
+        token_axes=token_axes,
+    )
+    return jax.shard_map(
+        body,
+        in_specs=(x_spec, x_spec, x_spec, w_spec, w_spec, wd_spec),
+        out_specs=(x_spec, P()),
+        axis_names=frozenset(manual),
+        check_vma=check_vma,
+    )(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
 
 
 # ------------------------------------------------------------------ the layer
+
 
 class MoE(nnx.Module):
     """Routed experts (+ optional always-on shared experts). Returns (y [B,T,D], stats)."""
 
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
         d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_width
-        self.router_DE = param(rngs, (d, e), ("embed", "router_experts"), param_dtype, std=cfg.init_std)
+        self.router_DE = param(
+            rngs, (d, e), ("embed", "router_experts"), param_dtype, std=cfg.init_std
+        )
         if cfg.router_bias_rate > 0:  # updated by the train step from the loads, never by gradients
             self.router_bias_E = param(rngs, (e,), ("router_experts",), jnp.float32, zeros=True)
         self.w_gate_EDF = param(rngs, (e, d, f), W_EDF, param_dtype, fan_in=d)
         self.w_up_EDF = param(rngs, (e, d, f), W_EDF, param_dtype, fan_in=d)
         self.w_down_EFD = param(rngs, (e, f, d), W_EFD, param_dtype, fan_in=f)
         if cfg.n_shared_experts:
-            self.shared = MLP(d, cfg.n_shared_experts * f, dtype, param_dtype, rngs=rngs,
-                              fp8_matmuls=cfg.matmul_precision == "fp8")
+            self.shared = MLP(
+                d,
+                cfg.n_shared_experts * f,
+                dtype,
+                param_dtype,
+                rngs=rngs,
+                fp8_matmuls=cfg.matmul_precision == "fp8",
+            )
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x_BTD: jax.Array):
         bias = self.router_bias_E[...] if self.cfg.router_bias_rate > 0 else None
         idx_BTJ, gate_BTJ, stats = route(self.cfg, x_BTD, self.router_DE[...], bias)
         dt = self.dtype
-        y_BTD, dropped = experts(self.cfg, x_BTD, idx_BTJ, gate_BTJ.astype(dt),
-                                 *(w[...].astype(dt) for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD)))
+        y_BTD, dropped = experts(
+            self.cfg,
+            x_BTD,
+            idx_BTJ,
+            gate_BTJ.astype(dt),
+            *(w[...].astype(dt) for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD)),
+        )
         if self.cfg.n_shared_experts:
             y_BTD = y_BTD + self.shared(x_BTD)
         return y_BTD, {**stats, "dropped": dropped}

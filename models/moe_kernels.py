@@ -11,6 +11,7 @@ Two kernels:
   weights up front copies them once per block; here each block reads its expert's weights in place
   and adds its weight gradient into the expert's slice.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,10 +36,13 @@ def rank_in_group(g_A: jax.Array, n_groups: int):
 
 # ------------------------------------------------------------------ ragged_dot (GPU/TPU)
 
+
 def gmm_sorted(xs_RD, sizes_X, wg_XDF, wu_XDF, wd_XFD):
     """Rows already sorted by expert, sizes_X rows each, through lax.ragged_dot; rows past
     sum(sizes_X) (padding) come out 0."""
-    h_RF = jax.nn.silu(lax.ragged_dot(xs_RD, wg_XDF, sizes_X)) * lax.ragged_dot(xs_RD, wu_XDF, sizes_X)
+    h_RF = jax.nn.silu(lax.ragged_dot(xs_RD, wg_XDF, sizes_X)) * lax.ragged_dot(
+        xs_RD, wu_XDF, sizes_X
+    )
     return lax.ragged_dot(h_RF, wd_XFD, sizes_X)
 
 
@@ -49,7 +53,7 @@ def batched_like(x_RD, *ws):
     over the data axes, so each device still holds one copy. Only used under that vmap: elsewhere
     the adds would cost a pass over the weights."""
     v = x_RD.reshape(-1)[0]
-    zero = jnp.where(jnp.isfinite(v), v, 0) * 0   # 0 even for an inf/NaN row
+    zero = jnp.where(jnp.isfinite(v), v, 0) * 0  # 0 even for an inf/NaN row
     return tuple(w + zero.astype(w.dtype) for w in ws)
 
 
@@ -62,6 +66,7 @@ def gmm_ragged(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD):
 
 
 # ------------------------------------------------------------------ padded blocks (CPU)
+
 
 def block_size(rows_expected: int, x_count: int) -> int:
     """About 4 blocks per expert at a balanced load (padding wastes under a quarter of the rows),
@@ -79,12 +84,18 @@ def gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int):
     end_X = jnp.cumsum(padded_X)
     start_X = end_X - padded_X
     n_blocks = -(-(r + x_count * (block - 1)) // block)
-    dest_R = jnp.where(g_R < x_count, start_X.at[jnp.minimum(g_R, x_count - 1)].get() + rank_R, n_blocks * block)
+    dest_R = jnp.where(
+        g_R < x_count, start_X.at[jnp.minimum(g_R, x_count - 1)].get() + rank_R, n_blocks * block
+    )
     xb_GbD = jnp.zeros((n_blocks * block, d), x_RD.dtype).at[dest_R].set(x_RD, mode="drop")
     # the used blocks come first, expert by expert
-    group_G = jnp.sum(jnp.arange(n_blocks)[:, None] * block >= end_X[None, :], axis=1).astype(jnp.int32)
+    group_G = jnp.sum(jnp.arange(n_blocks)[:, None] * block >= end_X[None, :], axis=1).astype(
+        jnp.int32
+    )
     used = (end_X[-1] // block).astype(jnp.int32)
-    xb_GbD, wg_XDF, wu_XDF, wd_XFD = _vary_alike(xb_GbD.reshape(n_blocks, block, d), wg_XDF, wu_XDF, wd_XFD)
+    xb_GbD, wg_XDF, wu_XDF, wd_XFD = _vary_alike(
+        xb_GbD.reshape(n_blocks, block, d), wg_XDF, wu_XDF, wd_XFD
+    )
     yb_GbD = blocked_ffn(xb_GbD, jnp.minimum(group_G, x_count - 1), used, wg_XDF, wu_XDF, wd_XFD)
     return yb_GbD.reshape(-1, d).at[dest_R].get(mode="fill", fill_value=0)
 
@@ -98,8 +109,10 @@ def _vary_alike(*arrays):
     VJP: each weight's cotangent is then summed over the axes it did not vary over by autodiff
     (the transpose of the cast), and the hand-written backward returns cotangents of its inputs' types."""
     vma = set(_varying(*arrays))
-    return tuple(lax.pcast(a, tuple(vma - set(_varying(a))), to="varying") if vma - set(_varying(a)) else a
-                 for a in arrays)
+    return tuple(
+        lax.pcast(a, tuple(vma - set(_varying(a))), to="varying") if vma - set(_varying(a)) else a
+        for a in arrays
+    )
 
 
 def _zeros(shape, dtype, *like):
@@ -140,8 +153,10 @@ def _blocked_fwd(xb_GbD, group_G, used, wg_XDF, wu_XDF, wd_XFD):
         y_bD = (jax.nn.silu(h1_bF) * h2_bF) @ _take(wd_XFD, g)
         return _put(y_GbD, i, y_bD), _put(h1_GbF, i, h1_bF), _put(h2_GbF, i, h2_bF)
 
-    init = (_zeros(xb_GbD.shape, xb_GbD.dtype, *like),
-            *(_zeros((n_blocks, block, f), xb_GbD.dtype, *like) for _ in range(2)))
+    init = (
+        _zeros(xb_GbD.shape, xb_GbD.dtype, *like),
+        *(_zeros((n_blocks, block, f), xb_GbD.dtype, *like) for _ in range(2)),
+    )
     y_GbD, h1_GbF, h2_GbF = lax.fori_loop(0, used, body, init)
     return y_GbD, (xb_GbD, group_G, used, wg_XDF, wu_XDF, wd_XFD, h1_GbF, h2_GbF)
 
@@ -160,17 +175,27 @@ def _blocked_bwd(res, dy_GbD):
         dwd_XFD = _put(dwd_XFD, g, _take(dwd_XFD, g) + _dot_t(silu_bF * h2_bF, dy_bD))
         dh_bF = dy_bD @ wd_FD.T
         dh2_bF = dh_bF * silu_bF
-        dh1_bF = dh_bF * h2_bF * sig_bF * (1 + h1_bF * (1 - sig_bF))   # silu' = sig (1 + h (1 - sig))
+        dh1_bF = (
+            dh_bF * h2_bF * sig_bF * (1 + h1_bF * (1 - sig_bF))
+        )  # silu' = sig (1 + h (1 - sig))
         dwg_XDF = _put(dwg_XDF, g, _take(dwg_XDF, g) + _dot_t(x_bD, dh1_bF))
         dwu_XDF = _put(dwu_XDF, g, _take(dwu_XDF, g) + _dot_t(x_bD, dh2_bF))
         dx_bD = dh1_bF @ wg_DF.T + dh2_bF @ wu_DF.T
         return _put(dx_GbD, i, dx_bD), dwg_XDF, dwu_XDF, dwd_XFD
 
-    init = (_zeros(xb_GbD.shape, xb_GbD.dtype, *like),
-            *(_zeros(w.shape, jnp.float32, *like) for w in (wg_XDF, wu_XDF, wd_XFD)))
+    init = (
+        _zeros(xb_GbD.shape, xb_GbD.dtype, *like),
+        *(_zeros(w.shape, jnp.float32, *like) for w in (wg_XDF, wu_XDF, wd_XFD)),
+    )
     dx_GbD, dwg_XDF, dwu_XDF, dwd_XFD = lax.fori_loop(0, used, body, init)
-    return (dx_GbD, None, None, dwg_XDF.astype(wg_XDF.dtype), dwu_XDF.astype(wu_XDF.dtype),
-            dwd_XFD.astype(wd_XFD.dtype))
+    return (
+        dx_GbD,
+        None,
+        None,
+        dwg_XDF.astype(wg_XDF.dtype),
+        dwu_XDF.astype(wu_XDF.dtype),
+        dwd_XFD.astype(wd_XFD.dtype),
+    )
 
 
 blocked_ffn.defvjp(_blocked_fwd, _blocked_bwd)

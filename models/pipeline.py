@@ -24,6 +24,7 @@ schedules' arithmetic and charts live in models/schedules.py.
 Letters: L layers, P stages, R repeats, J layers per stage chunk, M micro-batches, b micro-batch
 size, A data replicas, B batch, T sequence, D model.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,17 +35,40 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from models.config import SCHEDULES, PipelineConfig
-from models.schedules import (bubble_fraction, iteration, n_ticks, permute_bytes_theory, plot_schedule,
-                              schedule_chart, schedule_table, stage_layers, validate)
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 from mesh.shard import entry_axes
+from models.config import SCHEDULES, PipelineConfig
+from models.schedules import (
+    bubble_fraction,
+    iteration,
+    n_ticks,
+    permute_bytes_theory,
+    plot_schedule,
+    schedule_chart,
+    schedule_table,
+    stage_layers,
+    validate,
+)
 
 # The config lives with the model's, the schedules' arithmetic, charts and checks in
 # models/schedules.py; callers know both as pipeline.X.
-__all__ = ["FULL_REMAT", "SCHEDULES", "PipelineConfig", "bubble_fraction", "iteration", "n_ticks", "permute_bytes_theory",
-           "pipeline_apply", "plot_schedule", "schedule_chart", "schedule_table", "stage_layers", "to_model_order",
-           "to_stage_order", "validate"]
+__all__ = [
+    "FULL_REMAT",
+    "SCHEDULES",
+    "PipelineConfig",
+    "bubble_fraction",
+    "iteration",
+    "n_ticks",
+    "permute_bytes_theory",
+    "pipeline_apply",
+    "plot_schedule",
+    "schedule_chart",
+    "schedule_table",
+    "stage_layers",
+    "to_model_order",
+    "to_stage_order",
+    "validate",
+]
 
 FULL_REMAT = jax.checkpoint_policies.nothing_saveable
 _FREE = PartitionSpec.UNCONSTRAINED
@@ -52,25 +76,31 @@ _FREE = PartitionSpec.UNCONSTRAINED
 
 # ------------------------------------------------------------------------------ layer order
 
+
 def to_stage_order(params: Any, stages: int, repeats: int) -> Any:
     """Reorder a [L, ...] layer stack so that each pipeline device's circular chunks are contiguous
     (device s: chunks s, s+P, ...), i.e. the order a 'layers' -> 'pipeline' sharding splits into
     local blocks; pass the result with `stage_ordered=True`. For gpipe (R = 1) it is the identity."""
+
     def f(a):
         k = a.shape[0] // (stages * repeats)
         return a.reshape(repeats, stages, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
     return jax.tree.map(f, params)
 
 
 def to_model_order(params: Any, stages: int, repeats: int) -> Any:
     """The inverse of `to_stage_order`."""
+
     def f(a):
         k = a.shape[0] // (stages * repeats)
         return a.reshape(stages, repeats, k, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
     return jax.tree.map(f, params)
 
 
 # ------------------------------------------------------------------------------ the pipeline
+
 
 def _spec(names: tuple[str | None, ...], free_from: int) -> PartitionSpec:
     """The spec of `names`, with dims from `free_from` on left to the partitioner."""
@@ -83,7 +113,9 @@ def _pin(x: jax.Array, names: tuple[str | None, ...], free_from: int | None = No
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return x
     names = names + (None,) * (x.ndim - len(names))
-    return jax.lax.with_sharding_constraint(x, _spec(names, x.ndim if free_from is None else free_from))
+    return jax.lax.with_sharding_constraint(
+        x, _spec(names, x.ndim if free_from is None else free_from)
+    )
 
 
 def _act_names(ndim: int) -> tuple[str | None, ...]:
@@ -120,11 +152,22 @@ def _inner_rules(replica_axes: tuple[str, ...]) -> dict:
 _REPLICAS = "pipeline_replicas"  # logical name of the replica dim, only inside the pipeline
 
 
-def pipeline_apply(layer_fn: Callable[..., jax.Array], params: Any, x_BTD: jax.Array, *batch_args: jax.Array,
-                   stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe",
-                   remat_policy=FULL_REMAT, remat_stage: bool = False, has_aux: bool = False,
-                   scan_layers: bool = True, replica_axes: tuple[str, ...] = ("data",),
-                   stage_ordered: bool = False):
+def pipeline_apply(
+    layer_fn: Callable[..., jax.Array],
+    params: Any,
+    x_BTD: jax.Array,
+    *batch_args: jax.Array,
+    stages: int,
+    microbatches: int,
+    repeats: int = 1,
+    schedule: str = "gpipe",
+    remat_policy=FULL_REMAT,
+    remat_stage: bool = False,
+    has_aux: bool = False,
+    scan_layers: bool = True,
+    replica_axes: tuple[str, ...] = ("data",),
+    stage_ordered: bool = False,
+):
     """Apply the L stacked layers of `params` (every leaf [L, ...]) to x_BTD through a P-stage
     pipeline; equals `lax.scan(lambda x, p: (layer_fn(x, p, *args), None), x, params)`.
 
@@ -154,42 +197,87 @@ def pipeline_apply(layer_fn: Callable[..., jax.Array], params: Any, x_BTD: jax.A
     batch_axes = entry_axes(logical_to_spec(("stages", "batch"))[1]) if not mesh.empty else ()
     replicas = tuple(a for a in batch_axes if a in replica_axes and mesh.shape[a] > 1)
     with axis_rules(_inner_rules(replicas)):
-        validate(n_layers=L, batch=B, stages=stages, microbatches=microbatches, repeats=repeats,
-                 schedule=schedule, batch_shards=_mesh_size(batch_axes))
-        out_PMAbTD, aux = _pipeline(layer_fn, params, x_BTD, batch_args, stages, microbatches, repeats,
-                                    _mesh_size(replicas), remat_policy, remat_stage, has_aux, scan_layers,
-                                    stage_ordered)
+        validate(
+            n_layers=L,
+            batch=B,
+            stages=stages,
+            microbatches=microbatches,
+            repeats=repeats,
+            schedule=schedule,
+            batch_shards=_mesh_size(batch_axes),
+        )
+        out_PMAbTD, aux = _pipeline(
+            layer_fn,
+            params,
+            x_BTD,
+            batch_args,
+            stages,
+            microbatches,
+            repeats,
+            _mesh_size(replicas),
+            remat_policy,
+            remat_stage,
+            has_aux,
+            scan_layers,
+            stage_ordered,
+        )
     # rows other than the last stage's are zeros: the sum is one reduction over 'pipeline' per step
-    y = out_PMAbTD.sum(axis=0)                                              # [M, A, b/A, ...]
+    y = out_PMAbTD.sum(axis=0)  # [M, A, b/A, ...]
     y_BTD = _pin(jnp.moveaxis(y, 0, 2).reshape(x_BTD.shape), _act_names(x_BTD.ndim))
     return (y_BTD, aux) if has_aux else y_BTD
 
 
-def _pipeline(layer_fn, params, x_BTD, batch_args, P, M, R, A, remat_policy, remat_stage, has_aux, scan_layers,
-              stage_ordered):
+def _pipeline(
+    layer_fn,
+    params,
+    x_BTD,
+    batch_args,
+    P,
+    M,
+    R,
+    A,
+    remat_policy,
+    remat_stage,
+    has_aux,
+    scan_layers,
+    stage_ordered,
+):
     """-> (outputs [P, M, A, b/A, ...], zero except the last stage's row; aux [L, ...] or ())."""
     # One function on purpose (~85 lines): the tick body and the schedule's masks and shifts are
     # closures over the same shapes (P, M, R, A, J) and names; split, each piece would take them all.
     L, B = jax.tree.leaves(params)[0].shape[0], x_BTD.shape[0]
     J, b = L // (R * P), B // M
-    stage_axis = logical_to_spec(("stages",))[0] if not jax.sharding.get_abstract_mesh().empty else None
+    stage_axis = (
+        logical_to_spec(("stages",))[0] if not jax.sharding.get_abstract_mesh().empty else None
+    )
     replica_axis = logical_to_spec((_REPLICAS,))[0] if A > 1 else None
-    piece = (_REPLICAS,) + _act_names(x_BTD.ndim)          # [A, b/A, T, D]: one micro-batch
+    piece = (_REPLICAS,) + _act_names(x_BTD.ndim)  # [A, b/A, T, D]: one micro-batch
     state_names = ("stages",) + piece
     stage_P = jnp.arange(P)
     bcast = lambda mask_P, extra=0: mask_P.reshape(P, *[1] * (x_BTD.ndim + 1 + extra))
 
     # [L, ...] -> [A, R, P, J, ...]: layer (r*P + s)*J + k sits at [:, r, s, k]; the A copies are
     # views of the same weights, one per replica, so that each replica's gradient stays local
-    to_RPJ = ((lambda a: a.reshape(P, R, J, *a.shape[1:]).swapaxes(0, 1)) if stage_ordered else
-              (lambda a: a.reshape(R, P, J, *a.shape[1:])))
+    to_RPJ = (
+        (lambda a: a.reshape(P, R, J, *a.shape[1:]).swapaxes(0, 1))
+        if stage_ordered
+        else (lambda a: a.reshape(R, P, J, *a.shape[1:]))
+    )
     params_ARPJ = jax.tree.map(
-        lambda a: _pin(jnp.broadcast_to(to_RPJ(a), (A, R, P, J, *a.shape[1:])), (_REPLICAS, None, "stages"), 3),
-        params)
+        lambda a: _pin(
+            jnp.broadcast_to(to_RPJ(a), (A, R, P, J, *a.shape[1:])), (_REPLICAS, None, "stages"), 3
+        ),
+        params,
+    )
 
-    def split(a):  # [B, ...] -> [M, A, b/A, ...]; micro-batch m = rows m, m+M, ... keeps batch shards local
-        return _pin(a.reshape(A, b // A, M, *a.shape[1:]).transpose(2, 0, 1, *range(3, a.ndim + 2)),
-                    (None, _REPLICAS) + _act_names(a.ndim))
+    def split(
+        a,
+    ):  # [B, ...] -> [M, A, b/A, ...]; micro-batch m = rows m, m+M, ... keeps batch shards local
+        return _pin(
+            a.reshape(A, b // A, M, *a.shape[1:]).transpose(2, 0, 1, *range(3, a.ndim + 2)),
+            (None, _REPLICAS) + _act_names(a.ndim),
+        )
+
     # Fresh micro-batches enter from a stage-sharded copy whose other rows are zero: every tick's
     # read stays on its device, and the backward pass sums the input gradients over 'pipeline' once
     # at the end instead of once per tick.
@@ -202,11 +290,17 @@ def _pipeline(layer_fn, params, x_BTD, batch_args, P, M, R, A, remat_policy, rem
         # the residuals saved for the backward pass (only the loop-invariant stack is kept).
         out = layer_fn(x_bTD, jax.tree.map(lambda a: a[r, k], p_RJ), *args_b)
         return out if has_aux else (out, ())
+
     layer = layer_at if remat_policy is None else jax.checkpoint(layer_at, policy=remat_policy)
 
     def stage(x_bTD, p_RJ, r, *args_b):  # -> (x_bTD, aux stacked [J, ...])
-        return jax.lax.scan(lambda x, k: layer(x, p_RJ, r, k, *args_b), x_bTD, jnp.arange(J),
-                            unroll=1 if scan_layers else J)
+        return jax.lax.scan(
+            lambda x, k: layer(x, p_RJ, r, k, *args_b),
+            x_bTD,
+            jnp.arange(J),
+            unroll=1 if scan_layers else J,
+        )
+
     if remat_stage:
         stage = jax.checkpoint(stage, policy=FULL_REMAT)
     n_args = len(args_M)
@@ -215,7 +309,7 @@ def _pipeline(layer_fn, params, x_BTD, batch_args, P, M, R, A, remat_policy, rem
 
     def tick(carry, t):
         state_PAbTD, out_PMAbTD, aux_RPAJ = carry
-        i_P = t - stage_P                                   # the pair index each stage runs now
+        i_P = t - stage_P  # the pair index each stage runs now
         m_P, r_P = iteration(jnp.clip(i_P, 0, R * M - 1), P, M, R)
         # stage 0 takes a fresh micro-batch on its first repeat, else what the last stage just rolled in
         m0, _ = iteration(jnp.clip(t, 0, R * M - 1), P, M, R)
@@ -227,27 +321,53 @@ def _pipeline(layer_fn, params, x_BTD, batch_args, P, M, R, A, remat_policy, rem
         y_P = _pin(y_P, state_names)
         # each stage adds its layers' aux of this micro-batch into its (repeat, stage) slot, bubbles excluded
         valid_P = (i_P >= 0) & (i_P < R * M)
-        aux_RPAJ = jax.tree.map(lambda acc, a: acc + jax.vmap(
-            lambda a_AJ, r, ok: jnp.zeros((R,) + a_AJ.shape, acc.dtype).at[r].set(jnp.where(ok, a_AJ / (M * A), 0)),
-            out_axes=1, spmd_axis_name=stage_axis)(a, r_P, valid_P), aux_RPAJ, aux_PAJ)
+        aux_RPAJ = jax.tree.map(
+            lambda acc, a: (
+                acc
+                + jax.vmap(
+                    lambda a_AJ, r, ok: (
+                        jnp.zeros((R,) + a_AJ.shape, acc.dtype)
+                        .at[r]
+                        .set(jnp.where(ok, a_AJ / (M * A), 0))
+                    ),
+                    out_axes=1,
+                    spmd_axis_name=stage_axis,
+                )(a, r_P, valid_P)
+            ),
+            aux_RPAJ,
+            aux_PAJ,
+        )
         # only the last stage on its last repeat finishes a micro-batch; it writes it to its own row
         i_last = t - (P - 1)
         m_last, r_last = iteration(jnp.clip(i_last, 0, R * M - 1), P, M, R)
         done = (stage_P == P - 1) & (r_last == R - 1) & (i_last >= 0)
         cur = jax.lax.dynamic_index_in_dim(out_PMAbTD, m_last, axis=1, keepdims=False)
-        out_PMAbTD = jax.lax.dynamic_update_index_in_dim(out_PMAbTD, jnp.where(bcast(done), y_P, cur), m_last, axis=1)
+        out_PMAbTD = jax.lax.dynamic_update_index_in_dim(
+            out_PMAbTD, jnp.where(bcast(done), y_P, cur), m_last, axis=1
+        )
         return (_pin(_shift(y_P), state_names), out_PMAbTD, aux_RPAJ), None
 
     state0 = _pin(jnp.zeros((P, A, b // A, *x_BTD.shape[1:]), x_BTD.dtype), state_names)
     out0 = _pin(jnp.zeros((P, M, A, b // A, *x_BTD.shape[1:]), x_BTD.dtype), in_names)
     aux0 = ()
     if has_aux:  # the aux tree's shapes, from tracing one layer on one piece
-        aux_shapes = jax.eval_shape(lambda: layer_fn(state0[0, 0], jax.tree.map(lambda a: a[0], params),
-                                                     *[a[0, 0] for a in args_M])[1])
-        acc_dtype = lambda dt: dt if jnp.issubdtype(dt, jnp.floating) else jnp.float32  # means of counts
-        aux0 = jax.tree.map(lambda sd: _pin(jnp.zeros((R, P, A, J) + sd.shape, acc_dtype(sd.dtype)),
-                                            (None, "stages", _REPLICAS)), aux_shapes)
-    (_, out_PMAbTD, aux_RPAJ), _ = jax.lax.scan(tick, (state0, out0, aux0), jnp.arange(n_ticks(P, M, R)))
+        aux_shapes = jax.eval_shape(
+            lambda: layer_fn(
+                state0[0, 0], jax.tree.map(lambda a: a[0], params), *[a[0, 0] for a in args_M]
+            )[1]
+        )
+        acc_dtype = lambda dt: (
+            dt if jnp.issubdtype(dt, jnp.floating) else jnp.float32
+        )  # means of counts
+        aux0 = jax.tree.map(
+            lambda sd: _pin(
+                jnp.zeros((R, P, A, J) + sd.shape, acc_dtype(sd.dtype)), (None, "stages", _REPLICAS)
+            ),
+            aux_shapes,
+        )
+    (_, out_PMAbTD, aux_RPAJ), _ = jax.lax.scan(
+        tick, (state0, out0, aux0), jnp.arange(n_ticks(P, M, R))
+    )
     # [R, P, J] is layer order; the replicas' means are averaged once, here
     aux = jax.tree.map(lambda a: a.sum(axis=2).reshape(L, *a.shape[4:]), aux_RPAJ)
     return out_PMAbTD, aux

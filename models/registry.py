@@ -22,11 +22,13 @@ uses, find the model from the config alone: this module is their one dispatch po
 `python -m train` finds models registered by installed packages through the `brigade.models`
 entry-point group: each entry point names a module that calls `register` when imported.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from errors import UserError
 from models.config import ModelConfig, option
@@ -38,29 +40,42 @@ ENTRY_POINTS = "brigade.models"
 class RegisteredConfig(ModelConfig):
     """A ModelConfig whose model is the registered one named `arch`; flags and YAML override
     its fields as they do a preset's."""
+
     arch: str = option("", "the registered model this config belongs to (models.register)")
 
 
 class Model(NamedTuple):
     """The functions of one model, with the built-in decoder's signatures."""
+
     init: Callable
     apply: Callable
     param_axes: Callable
     init_cache: Callable | None = None
-    forward: Callable | None = None   # (cfg, params, tokens, positions, segment_ids, pipeline) -> (logits, stats)
+    forward: Callable | None = (
+        None  # (cfg, params, tokens, positions, segment_ids, pipeline) -> (logits, stats)
+    )
 
 
 _MODELS: dict[str, tuple[Model, RegisteredConfig]] = {}
 _loaded_entry_points = False
 
 
-def register(name: str, init: Callable, apply: Callable, param_axes: Callable, *, config: ModelConfig | None = None,
-             init_cache: Callable | None = None, forward: Callable | None = None) -> RegisteredConfig:
+def register(
+    name: str,
+    init: Callable,
+    apply: Callable,
+    param_axes: Callable,
+    *,
+    config: ModelConfig | None = None,
+    init_cache: Callable | None = None,
+    forward: Callable | None = None,
+) -> RegisteredConfig:
     """Make `name` a model `--model` accepts -> its config (`config`'s fields, default the `tiny`
     preset's, with `arch=name`). `forward`: the training forward with MoE statistics, as
     models.model.forward returns them; default `apply` without a cache and no statistics.
     Registering a name again replaces it (a notebook re-running its cell)."""
     from models.config import PRESETS
+
     if name in PRESETS:
         raise UserError(f"models.register: '{name}' is a built-in preset; choose another name")
     base = config if config is not None else PRESETS["tiny"]
@@ -81,8 +96,10 @@ def config(name: str, presets: dict[str, ModelConfig]) -> ModelConfig:
         return presets[name]
     _load_entry_points()
     if name not in _MODELS:
-        raise UserError(f"--model: unknown preset '{name}'; valid presets: {', '.join(presets)}; registered models:"
-                        f" {', '.join(sorted(_MODELS)) or 'none (models.register adds one)'}")
+        raise UserError(
+            f"--model: unknown preset '{name}'; valid presets: {', '.join(presets)}; registered models:"
+            f" {', '.join(sorted(_MODELS)) or 'none (models.register adds one)'}"
+        )
     return _MODELS[name][1]
 
 
@@ -93,19 +110,31 @@ def lookup(cfg: ModelConfig, builtin: Model) -> Model:
         return builtin
     _load_entry_points()
     if arch not in _MODELS:
-        raise UserError(f"model '{arch}' is not registered in this process; registered models:"
-                        f" {', '.join(sorted(_MODELS)) or 'none'} (import the module that calls models.register)")
+        raise UserError(
+            f"model '{arch}' is not registered in this process; registered models:"
+            f" {', '.join(sorted(_MODELS)) or 'none'} (import the module that calls models.register)"
+        )
     return _MODELS[arch][0]
 
 
-def default_forward(model: Model, cfg: ModelConfig, params: dict, tokens_BT: Any, positions_BT: Any,
-                    segment_ids_BT: Any, pipeline: Any) -> tuple[Any, dict]:
+def default_forward(
+    model: Model,
+    cfg: ModelConfig,
+    params: dict,
+    tokens_BT: Any,
+    positions_BT: Any,
+    segment_ids_BT: Any,
+    pipeline: Any,
+) -> tuple[Any, dict]:
     """The training forward of a model registered without one: `apply` with no cache, no MoE
     statistics. Pipeline stages need the model's own schedule, so a pipeline axis is refused."""
     import jax  # here, not at the top: `import models` stays free of JAX (data preparation workers)
+
     if pipeline is not None and jax.sharding.get_abstract_mesh().shape.get("pipeline", 1) > 1:
-        raise UserError(f"model '{cfg.arch}' has no pipeline schedule (register it with forward= that takes one);"
-                        f" use a mesh without a pipeline axis")
+        raise UserError(
+            f"model '{cfg.arch}' has no pipeline schedule (register it with forward= that takes one);"
+            f" use a mesh without a pipeline axis"
+        )
     logits_BTV, _ = model.apply(cfg, params, tokens_BT, positions_BT, None, segment_ids_BT)
     return logits_BTV, {}
 

@@ -1,4 +1,5 @@
 """Autoregressive generation with a KV cache: greedy, temperature and top-k sampling."""
+
 from __future__ import annotations
 
 import functools
@@ -21,15 +22,25 @@ def _pick(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int) 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "temperature", "top_k"))
-def generate(cfg: ModelConfig, params, prompt_BT: jax.Array, key: jax.Array, *, max_new: int,
-             temperature: float = 0.8, top_k: int = 40) -> jax.Array:
+def generate(
+    cfg: ModelConfig,
+    params,
+    prompt_BT: jax.Array,
+    key: jax.Array,
+    *,
+    max_new: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+) -> jax.Array:
     """prompt [B,T0] int32 -> generated tokens [B, max_new] (the prompt is not repeated).
 
     One prefill pass fills the cache with the prompt; each new token then costs one
     single-position pass over the cache."""
     b, t0 = prompt_BT.shape
     cache = model.init_cache(cfg, b, t0 + max_new)
-    logits_BTV, cache = model.apply(cfg, params, prompt_BT, jnp.broadcast_to(jnp.arange(t0), (b, t0)), cache)
+    logits_BTV, cache = model.apply(
+        cfg, params, prompt_BT, jnp.broadcast_to(jnp.arange(t0), (b, t0)), cache
+    )
 
     def step(carry, i):
         logits_BV, cache, key = carry

@@ -19,6 +19,7 @@ The partition follows the data through the structure JAX gives a layer stack:
     needs one of its outputs, else in W.
 The result is exact: the same equations on the same values, only in two groups.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -28,8 +29,18 @@ import jax
 from jax._src import core
 
 # call-like primitives whose body is inlined before the split (their parameters name the body)
-_INLINE = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
-           "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+_INLINE = (
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "remat2",
+    "checkpoint",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "custom_lin",
+)
 
 
 def _body(eqn) -> tuple[core.Jaxpr, list]:
@@ -62,9 +73,15 @@ def _scan(eqn, invals, body_fn):
     """Re-bind a scan equation through lax.scan with `body_fn(consts, carry, xs) -> (carry, ys)`."""
     p = eqn.params
     nc, ncar = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
-    carry, ys = jax.lax.scan(lambda c, x: body_fn(consts, c, x), list(init), list(xs), length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
+    consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+    carry, ys = jax.lax.scan(
+        lambda c, x: body_fn(consts, c, x),
+        list(init),
+        list(xs),
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
     return list(carry) + list(ys)
 
 
@@ -81,9 +98,11 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts, args):
         elif eqn.primitive.name == "scan":
             body = eqn.params["jaxpr"]
             nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+
             def step(c, carry, x, body=body, ncar=ncar):
                 out = _eval_inlined(body.jaxpr, body.consts, [*c, *carry, *x])
                 return out[:ncar], out[ncar:]
+
             outs = _scan(eqn, invals, step)
         else:
             outs = _bind(eqn, invals)
@@ -92,6 +111,7 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts, args):
 
 
 # ------------------------------------------------------------------------------ the partition
+
 
 class _Stash:
     """A value the B part of a split scan returns stacked for its W part (an env key, not a Var)."""
@@ -123,11 +143,20 @@ class _Plan:
                 need_w |= {v for v in eqn.invars if isinstance(v, core.Var)}
         self.b, self.w = b[::-1], w[::-1]
         defined_w = {o for kind, x in self.w for o in _outs(kind, x)}
-        self.reads_w = [v for v in _ordered(_reads(kind, x) for kind, x in self.w) if v not in defined_w]
-        self.reads_w += [v for v, k in zip(jaxpr.outvars, w_out)
-                         if k and isinstance(v, core.Var) and v not in defined_w and v not in self.reads_w]
+        self.reads_w = [
+            v for v in _ordered(_reads(kind, x) for kind, x in self.w) if v not in defined_w
+        ]
+        self.reads_w += [
+            v
+            for v, k in zip(jaxpr.outvars, w_out)
+            if k and isinstance(v, core.Var) and v not in defined_w and v not in self.reads_w
+        ]
         self.reads_b = [v for v in _ordered(_reads(kind, x) for kind, x in self.b)]
-        self.reads_b += [v for v, k in zip(jaxpr.outvars, b_out) if k and isinstance(v, core.Var) and v not in self.reads_b]
+        self.reads_b += [
+            v
+            for v, k in zip(jaxpr.outvars, b_out)
+            if k and isinstance(v, core.Var) and v not in self.reads_b
+        ]
 
     def run_b(self, env: _Env):
         self._run(self.b, env)
@@ -148,7 +177,11 @@ def _ordered(groups):
     seen, out = set(), []
     for g in groups:
         for v in g:
-            if isinstance(v, (core.Var, _Stash)) and not isinstance(v, core.DropVar) and v not in seen:
+            if (
+                isinstance(v, (core.Var, _Stash))
+                and not isinstance(v, core.DropVar)
+                and v not in seen
+            ):
                 seen.add(v)
                 out.append(v)
     return out
@@ -175,16 +208,26 @@ class _ScanSplit:
         nc, ncar = p["num_consts"], p["num_carry"]
         self.nc, self.ncar, self.body_consts = nc, ncar, list(body.consts)
         bj = body.jaxpr
-        consts_in, carry_in, xs_in = bj.invars[:nc], bj.invars[nc:nc + ncar], bj.invars[nc + ncar:]
+        consts_in, carry_in, xs_in = (
+            bj.invars[:nc],
+            bj.invars[nc : nc + ncar],
+            bj.invars[nc + ncar :],
+        )
         ny = len(bj.outvars) - ncar
         carry_b = {i for i in range(ncar) if ob[i]}
         ys_b = [ob[ncar + j] for j in range(ny)]
         carry_w = {i for i in range(ncar) if ow[i] and i not in carry_b}
         while True:  # the carries each part reads must be computed by that part (fixed point)
-            plan = _Plan(bj, [i in carry_b for i in range(ncar)] + ys_b,
-                         [i in carry_w for i in range(ncar)] + [ow[ncar + j] and not ys_b[j] for j in range(ny)])
+            plan = _Plan(
+                bj,
+                [i in carry_b for i in range(ncar)] + ys_b,
+                [i in carry_w for i in range(ncar)]
+                + [ow[ncar + j] and not ys_b[j] for j in range(ny)],
+            )
             more_b = {i for i, v in enumerate(carry_in) if v in set(plan.reads_b)} - carry_b
-            more_w = {i for i, v in enumerate(carry_in) if v in set(plan.reads_w)} - carry_b - carry_w
+            more_w = (
+                {i for i, v in enumerate(carry_in) if v in set(plan.reads_w)} - carry_b - carry_w
+            )
             if not more_b and not more_w:
                 break
             carry_b |= more_b
@@ -192,7 +235,9 @@ class _ScanSplit:
         self.plan, self.carry_b, self.carry_w = plan, sorted(carry_b), sorted(carry_w)
         self.ys_b = [j for j in range(ny) if ys_b[j]]
         self.ys_w = [j for j in range(ny) if ow[ncar + j] and not ys_b[j]]
-        own_w = {carry_in[i] for i in self.carry_w} | set(consts_in) | set(xs_in) | set(bj.constvars)
+        own_w = (
+            {carry_in[i] for i in self.carry_w} | set(consts_in) | set(xs_in) | set(bj.constvars)
+        )
         # what W reads per iteration from B: B-defined values and the B carry's value at that iteration
         self.stash = [v for v in plan.reads_w if v not in own_w]
         self.stash_keys = [_Stash() for _ in self.stash]
@@ -203,12 +248,23 @@ class _ScanSplit:
         self.xs_w = [k for k, v in enumerate(xs_in) if v in rw]
         outer = eqn.invars
         lit = lambda vs: [v for v in vs if isinstance(v, core.Var)]
-        self.outer_reads_b = lit([outer[k] for k in self.consts_b] + [outer[nc + i] for i in self.carry_b]
-                                 + [outer[nc + ncar + k] for k in self.xs_b])
-        self.outer_reads_w = lit([outer[k] for k in self.consts_w] + [outer[nc + i] for i in self.carry_w]
-                                 + [outer[nc + ncar + k] for k in self.xs_w]) + self.stash_keys
+        self.outer_reads_b = lit(
+            [outer[k] for k in self.consts_b]
+            + [outer[nc + i] for i in self.carry_b]
+            + [outer[nc + ncar + k] for k in self.xs_b]
+        )
+        self.outer_reads_w = (
+            lit(
+                [outer[k] for k in self.consts_w]
+                + [outer[nc + i] for i in self.carry_w]
+                + [outer[nc + ncar + k] for k in self.xs_w]
+            )
+            + self.stash_keys
+        )
         outs = eqn.outvars
-        self.outer_defs_b = [outs[i] for i in self.carry_b] + [outs[ncar + j] for j in self.ys_b] + self.stash_keys
+        self.outer_defs_b = (
+            [outs[i] for i in self.carry_b] + [outs[ncar + j] for j in self.ys_b] + self.stash_keys
+        )
         self.outer_defs_w = [outs[i] for i in self.carry_w] + [outs[ncar + j] for j in self.ys_w]
 
     def _body_env(self, consts, const_idx, carry, carry_idx, xs, xs_idx):
@@ -222,8 +278,14 @@ class _ScanSplit:
 
     def _loop(self, env, body, consts, init, xs):
         p = self.eqn.params
-        return jax.lax.scan(lambda c, x: body(consts, c, x), init, xs, length=p["length"], reverse=p["reverse"],
-                            unroll=p["unroll"])
+        return jax.lax.scan(
+            lambda c, x: body(consts, c, x),
+            init,
+            xs,
+            length=p["length"],
+            reverse=p["reverse"],
+            unroll=p["unroll"],
+        )
 
     def run_b(self, outer: _Env):
         bj, ncar, nc, ins = self.plan.jaxpr, self.ncar, self.nc, self.eqn.invars
@@ -231,28 +293,47 @@ class _ScanSplit:
         def body(consts, carry, xs):
             env = self._body_env(consts, self.consts_b, carry, self.carry_b, xs, self.xs_b)
             self.plan.run_b(env)
-            return ([env.read(bj.outvars[i]) for i in self.carry_b],
-                    [env.read(bj.outvars[ncar + j]) for j in self.ys_b] + [env.read(v) for v in self.stash])
-        carry, ys = self._loop(outer, body, [outer.read(ins[k]) for k in self.consts_b],
-                               [outer.read(ins[nc + i]) for i in self.carry_b],
-                               [outer.read(ins[nc + ncar + k]) for k in self.xs_b])
+            return (
+                [env.read(bj.outvars[i]) for i in self.carry_b],
+                [env.read(bj.outvars[ncar + j]) for j in self.ys_b]
+                + [env.read(v) for v in self.stash],
+            )
+
+        carry, ys = self._loop(
+            outer,
+            body,
+            [outer.read(ins[k]) for k in self.consts_b],
+            [outer.read(ins[nc + i]) for i in self.carry_b],
+            [outer.read(ins[nc + ncar + k]) for k in self.xs_b],
+        )
         outer.write(self.outer_defs_b, list(carry) + list(ys))
 
     def run_w(self, outer: _Env):
         bj, ncar, nc, ins = self.plan.jaxpr, self.ncar, self.nc, self.eqn.invars
 
         def body(consts, carry, xs):
-            env = self._body_env(consts, self.consts_w, carry, self.carry_w, xs[:len(self.xs_w)], self.xs_w)
-            env.write(self.stash, xs[len(self.xs_w):])
+            env = self._body_env(
+                consts, self.consts_w, carry, self.carry_w, xs[: len(self.xs_w)], self.xs_w
+            )
+            env.write(self.stash, xs[len(self.xs_w) :])
             self.plan.run_w(env)
-            return [env.read(bj.outvars[i]) for i in self.carry_w], [env.read(bj.outvars[ncar + j]) for j in self.ys_w]
-        carry, ys = self._loop(outer, body, [outer.read(ins[k]) for k in self.consts_w],
-                               [outer.read(ins[nc + i]) for i in self.carry_w],
-                               [outer.read(ins[nc + ncar + k]) for k in self.xs_w] + [outer[k] for k in self.stash_keys])
+            return [env.read(bj.outvars[i]) for i in self.carry_w], [
+                env.read(bj.outvars[ncar + j]) for j in self.ys_w
+            ]
+
+        carry, ys = self._loop(
+            outer,
+            body,
+            [outer.read(ins[k]) for k in self.consts_w],
+            [outer.read(ins[nc + i]) for i in self.carry_w],
+            [outer.read(ins[nc + ncar + k]) for k in self.xs_w]
+            + [outer[k] for k in self.stash_keys],
+        )
         outer.write(self.outer_defs_w, list(carry) + list(ys))
 
 
 # ------------------------------------------------------------------------------ the interface
+
 
 class Split:
     """fn(*args) -> (now, later), two pytrees, split so that
@@ -268,8 +349,9 @@ class Split:
 
     def __init__(self, fn: Callable, args: tuple, keep_argnums: tuple[int, ...] = ()):
         flat, self.in_tree = jax.tree.flatten(args)
-        closed, out_shape = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(self.in_tree, a)),
-                                           return_shape=True)(*flat)
+        closed, out_shape = jax.make_jaxpr(
+            lambda *a: fn(*jax.tree.unflatten(self.in_tree, a)), return_shape=True
+        )(*flat)
         now, later = out_shape
         self.now_tree, self.later_tree = jax.tree.structure(now), jax.tree.structure(later)
         n_now = self.now_tree.num_leaves
@@ -277,7 +359,9 @@ class Split:
         inlined = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*flat)
         self.jaxpr, self.consts = inlined.jaxpr, inlined.consts
         n_out = len(self.jaxpr.outvars)
-        self.plan = _Plan(self.jaxpr, [i < n_now for i in range(n_out)], [i >= n_now for i in range(n_out)])
+        self.plan = _Plan(
+            self.jaxpr, [i < n_now for i in range(n_out)], [i >= n_now for i in range(n_out)]
+        )
         self.n_now = n_now
         arg_slices, start = [], 0
         for a in args:
@@ -287,14 +371,18 @@ class Split:
         kept_leaves = {k for i in keep_argnums for k in arg_slices[i]}
         self.kept = [self.jaxpr.invars[k] for k in sorted(kept_leaves)]
         self.keep_argnums = tuple(keep_argnums)
-        self.saved = [v for v in self.plan.reads_w if v not in set(self.kept) and v not in set(self.jaxpr.constvars)]
+        self.saved = [
+            v
+            for v in self.plan.reads_w
+            if v not in set(self.kept) and v not in set(self.jaxpr.constvars)
+        ]
 
     def b(self, *args) -> tuple[Any, list]:
         env = _Env()
         env.write(self.jaxpr.constvars, self.consts)
         env.write(self.jaxpr.invars, jax.tree.leaves(args))
         self.plan.run_b(env)
-        now = [env.read(v) for v in self.jaxpr.outvars[:self.n_now]]
+        now = [env.read(v) for v in self.jaxpr.outvars[: self.n_now]]
         return jax.tree.unflatten(self.now_tree, now), [env[v] for v in self.saved]
 
     def w(self, saved: list, *kept) -> Any:
@@ -303,5 +391,5 @@ class Split:
         env.write(self.kept, jax.tree.leaves(kept))
         env.write(self.saved, saved)
         self.plan.run_w(env)
-        later = [env.read(v) for v in self.jaxpr.outvars[self.n_now:]]
+        later = [env.read(v) for v in self.jaxpr.outvars[self.n_now :]]
         return jax.tree.unflatten(self.later_tree, later)

@@ -5,6 +5,7 @@ Parameters are always stored stacked over layers ([L, ...], logical axis 'layers
 only chooses between a `lax.scan` over that stack and an unrolled Python loop over its slices,
 so checkpoints do not depend on it.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,14 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
         self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, dtype, param_dtype, rngs=rngs,
-                       fp8_matmuls=cfg.matmul_precision == "fp8")
+        self.mlp = MLP(
+            cfg.d_model,
+            cfg.d_ff,
+            dtype,
+            param_dtype,
+            rngs=rngs,
+            fp8_matmuls=cfg.matmul_precision == "fp8",
+        )
 
     def __call__(self, x_BTD, positions_BT, cache: KVCache | None = None, segment_ids_BT=None):
         h_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache, segment_ids_BT)
@@ -71,20 +78,30 @@ def _stack(cfg: ModelConfig, n: int, cls, dtype, pdt, rngs):
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs):
         return cls(cfg, dtype, pdt, rngs=rngs)
+
     return make(rngs)
 
 
 def default_positions(segment_ids_BT: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
     """Positions where the batch has none: 0..T-1, restarting at each segment when packed."""
-    return jnp.broadcast_to(jnp.arange(shape[1]), shape) if segment_ids_BT is None else segment_positions(segment_ids_BT)
+    return (
+        jnp.broadcast_to(jnp.arange(shape[1]), shape)
+        if segment_ids_BT is None
+        else segment_positions(segment_ids_BT)
+    )
 
 
 def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
     """Positions restarting at 0 where the segment id changes (packed sequences)."""
     t = segment_ids_BT.shape[1]
     idx_BT = jnp.broadcast_to(jnp.arange(t), segment_ids_BT.shape)
-    starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
-                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    starts_BT = jnp.concatenate(
+        [
+            jnp.ones_like(segment_ids_BT[:, :1], bool),
+            segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1],
+        ],
+        axis=1,
+    )
     return idx_BT - jax.lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=1)
 
 
@@ -96,7 +113,9 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
-        self.embed_VD = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "vocab_embed"), pdt, std=cfg.init_std)
+        self.embed_VD = param(
+            rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "vocab_embed"), pdt, std=cfg.init_std
+        )
         n_dense = cfg.n_layers - cfg.n_moe_layers
         if n_dense:
             self.blocks = _stack(cfg, n_dense, Block, self.dtype, pdt, rngs)
@@ -104,11 +123,20 @@ class Decoder(nnx.Module):
             self.moe_blocks = _stack(cfg, cfg.n_moe_layers, MoEBlock, self.dtype, pdt, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head_DV = param(rngs, (cfg.d_model, cfg.vocab_size), ("vocab_embed", "vocab"), pdt, std=cfg.init_std)
+            self.lm_head_DV = param(
+                rngs, (cfg.d_model, cfg.vocab_size), ("vocab_embed", "vocab"), pdt, std=cfg.init_std
+            )
 
-    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 cache: KVCache | None = None, segment_ids_BT: jax.Array | None = None, *,
-                 pipeline: pipeline_lib.PipelineConfig | None = None, logits: bool = True):
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        cache: KVCache | None = None,
+        segment_ids_BT: jax.Array | None = None,
+        *,
+        pipeline: pipeline_lib.PipelineConfig | None = None,
+        logits: bool = True,
+    ):
         """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
         `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
         On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
@@ -120,12 +148,16 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         if positions_BT is None:
             positions_BT = default_positions(segment_ids_BT, tokens_BT.shape)
-        x_BTD = constrain(jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.dtype), ACT_BTD)
+        x_BTD = constrain(
+            jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.dtype), ACT_BTD
+        )
 
         per_group = cfg.moe_every if cfg.n_experts else 1
         n_groups = cfg.n_layers // per_group
         n_dense = per_group - 1 if cfg.n_experts else 1  # dense layers per group
-        grouped = lambda tree, size: jax.tree.map(lambda a: a.reshape(n_groups, size, *a.shape[1:]), tree)
+        grouped = lambda tree, size: jax.tree.map(
+            lambda a: a.reshape(n_groups, size, *a.shape[1:]), tree
+        )
         dense_gdef, dense = nnx.split(self.blocks) if n_dense else (None, None)
         moe_gdef, moe = nnx.split(self.moe_blocks) if cfg.n_experts else (None, None)
         dense = grouped(dense, n_dense) if n_dense else None
@@ -143,9 +175,13 @@ class Decoder(nnx.Module):
                     layer = nnx.merge(dense_gdef, jax.tree.map(lambda a: a[j], dense_state))
                     x_BTD, c = layer(x_BTD, positions_BT, c, segment_ids_BT)
                 else:
-                    x_BTD, c, stats = nnx.merge(moe_gdef, moe_state)(x_BTD, positions_BT, c, segment_ids_BT)
+                    x_BTD, c, stats = nnx.merge(moe_gdef, moe_state)(
+                        x_BTD, positions_BT, c, segment_ids_BT
+                    )
                 new_caches.append(c)
-            new_cache = None if group_cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
+            new_cache = (
+                None if group_cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
+            )
             return x_BTD, (new_cache, stats)
 
         seg = () if segment_ids_BT is None else (segment_ids_BT,)
@@ -153,19 +189,35 @@ class Decoder(nnx.Module):
         stages = _pipeline_stages()
         if stages > 1 and cache is None:
             pc = pipeline or pipeline_lib.PipelineConfig()
+
             def one_group(x_BTD, xs, *args):
                 x_BTD, (_, stats) = group(x_BTD, (*xs, None), *args)
                 return x_BTD, stats
+
             M = pc.microbatches_for(stages)
             x_BTD, stats = pipeline_lib.pipeline_apply(
-                one_group, (dense, moe), x_BTD, positions_BT, *seg, stages=stages, microbatches=M,
-                repeats=pc.repeats, schedule=pc.schedule, remat_policy=policy, remat_stage=pc.remat_stage,
-                has_aux=True, scan_layers=cfg.scan_layers, replica_axes=pc.replica_axes)
+                one_group,
+                (dense, moe),
+                x_BTD,
+                positions_BT,
+                *seg,
+                stages=stages,
+                microbatches=M,
+                repeats=pc.repeats,
+                schedule=pc.schedule,
+                remat_policy=policy,
+                remat_stage=pc.remat_stage,
+                has_aux=True,
+                scan_layers=cfg.scan_layers,
+                replica_axes=pc.replica_axes,
+            )
             stats = _sum_counts(stats, M * _replicas(pc.replica_axes))
             caches = None
         else:
             step = lambda x_BTD, xs: group(x_BTD, xs, positions_BT, *seg)
-            if policy is not None and cache is None:  # no remat when decoding: there is no backward pass
+            if (
+                policy is not None and cache is None
+            ):  # no remat when decoding: there is no backward pass
                 step = jax.checkpoint(step, policy=policy, prevent_cse=not cfg.scan_layers)
             if cfg.scan_layers:
                 x_BTD, (caches, stats) = jax.lax.scan(step, x_BTD, (dense, moe, caches))
@@ -179,7 +231,9 @@ class Decoder(nnx.Module):
             cache = jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), caches)
 
         x_BTD = constrain(self.final_norm(x_BTD), ("logits_batch", "seq", "act_embed"))
-        head_DV = (self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]).astype(self.dtype)
+        head_DV = (self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]).astype(
+            self.dtype
+        )
         if not logits:
             return (x_BTD, head_DV), cache, stats
         logits_BTV = head_logits(x_BTD, head_DV)

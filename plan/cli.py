@@ -1,10 +1,11 @@
 """`python -m plan [flags]` (also `python -m train plan [flags]`): the run's own flags, plus
 
-  (none)                 compile the step on --mesh and report memory, FLOPs and collectives per device
-  --hardware NAME        ... and predict step time, MFU and goodput on that hardware (plan/cost.py)
-  --devices N            predict --mesh on N devices from the formulas alone, without compiling
-  --search N             rank every valid mesh of N devices by predicted step time (plan/search.py)
+(none)                 compile the step on --mesh and report memory, FLOPs and collectives per device
+--hardware NAME        ... and predict step time, MFU and goodput on that hardware (plan/cost.py)
+--devices N            predict --mesh on N devices from the formulas alone, without compiling
+--search N             rank every valid mesh of N devices by predicted step time (plan/search.py)
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,15 @@ from mesh.spec import AXES, resolve
 from models import pipeline as pipeline_lib
 from plan import cost, hardware, search
 from plan.hardware import Hardware
-from plan.report import analyze, memory_traffic, render, render_cost, render_estimate, render_search, run_flags
+from plan.report import (
+    analyze,
+    memory_traffic,
+    render,
+    render_cost,
+    render_estimate,
+    render_search,
+    run_flags,
+)
 from train.config import build, make_parser
 from train.setup import setup
 
@@ -24,30 +33,71 @@ from train.setup import setup
 def add_args(parser) -> None:
     """The flags `plan` adds to the run's own."""
     g = parser.add_argument_group("cost model (--hardware) and mesh search (--search)")
-    g.add_argument("--hardware", metavar="NAME", default="",
-                   help="predict step time, MFU and goodput on: h100, h200, a100, tpu-v5p, cpu")
-    g.add_argument("--devices", type=int, default=0, metavar="N",
-                   help="with --hardware: predict --mesh on N devices from formulas, without compiling")
-    g.add_argument("--search", type=int, default=0, metavar="N",
-                   help="rank every valid mesh of N devices by predicted step time (with --hardware)")
+    g.add_argument(
+        "--hardware",
+        metavar="NAME",
+        default="",
+        help="predict step time, MFU and goodput on: h100, h200, a100, tpu-v5p, cpu",
+    )
+    g.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --hardware: predict --mesh on N devices from formulas, without compiling",
+    )
+    g.add_argument(
+        "--search",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rank every valid mesh of N devices by predicted step time (with --hardware)",
+    )
     g.add_argument("--top", type=int, default=10, metavar="K", help="--search: meshes shown")
-    g.add_argument("--cluster-size", type=int, default=0, metavar="N",
-                   help="devices whose failure stops the job, for goodput (0 = the mesh's devices)")
-    g.add_argument("--fail-rate", type=float, default=0.001, metavar="X",
-                   help="failures per device per day (default 0.1%%: 10 a day on 10,000 GPUs)")
-    g.add_argument("--restart-s", type=float, default=300.0, metavar="S",
-                   help="seconds to reschedule, restart and recompile after a failure (restore time is added)")
-    g.add_argument("--ckpt-write-gbps", type=float, default=0.0, metavar="X",
-                   help="GB/s per device to checkpoint storage (0 = the profile's)")
+    g.add_argument(
+        "--cluster-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="devices whose failure stops the job, for goodput (0 = the mesh's devices)",
+    )
+    g.add_argument(
+        "--fail-rate",
+        type=float,
+        default=0.001,
+        metavar="X",
+        help="failures per device per day (default 0.1%%: 10 a day on 10,000 GPUs)",
+    )
+    g.add_argument(
+        "--restart-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds to reschedule, restart and recompile after a failure (restore time is added)",
+    )
+    g.add_argument(
+        "--ckpt-write-gbps",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="GB/s per device to checkpoint storage (0 = the profile's)",
+    )
 
 
 def main(argv: list[str]) -> int:
-    parser = make_parser("python -m train plan", "Compile the train step ahead of time and report memory,"
-                         " FLOPs and collectives per device, without training.")
+    parser = make_parser(
+        "python -m train plan",
+        "Compile the train step ahead of time and report memory,"
+        " FLOPs and collectives per device, without training.",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show-sharding", action="store_true", help="per-parameter sharding table")
-    parser.add_argument("--plot", metavar="PATH", default="",
-                        help="with --mesh pipeline=P > 1: draw the pipeline schedule to PATH (PNG, needs matplotlib)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        default="",
+        help="with --mesh pipeline=P > 1: draw the pipeline schedule to PATH (PNG, needs matplotlib)",
+    )
     add_args(parser)
     ns = parser.parse_args(argv)
     cfg = build({k: v for k, v in vars(ns).items() if "." in k}, getattr(ns, "config", None))
@@ -60,7 +110,9 @@ def main(argv: list[str]) -> int:
     if ns.plot:
         P = mesh.shape["pipeline"]
         if P == 1:
-            raise UserError("--plot draws the pipeline schedule: it needs --mesh pipeline=P with P > 1")
+            raise UserError(
+                "--plot draws the pipeline schedule: it needs --mesh pipeline=P with P > 1"
+            )
         pc = cfg.pipeline
         pipeline_lib.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
     report = analyze(s)
@@ -79,18 +131,31 @@ def main(argv: list[str]) -> int:
 
 def _hardware(ns, n_devices: int, cfg) -> Hardware:
     if not ns.hardware:
-        raise UserError(f"--search/--devices need --hardware NAME; valid: {', '.join(hardware.PROFILES)}")
+        raise UserError(
+            f"--search/--devices need --hardware NAME; valid: {', '.join(hardware.PROFILES)}"
+        )
     for flag in ("search", "devices", "top", "cluster_size"):
         if getattr(ns, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(ns, flag)}")
-    return hardware.get(ns.hardware, n_devices, cfg.model.compute_dtype("cpu"))  # dtype: for the CPU profile
+    return hardware.get(
+        ns.hardware, n_devices, cfg.model.compute_dtype("cpu")
+    )  # dtype: for the CPU profile
 
 
 def _goodput(ns, cfg, pred: dict, state_bytes: float, hw: Hardware) -> dict:
     c = cfg.checkpoint
-    return cost.goodput(pred["t_step_s"], state_bytes, ns.cluster_size or pred["devices"], hw,
-                        ckpt_every=c.every, async_save=c.async_save, fail_rate=ns.fail_rate,
-                        restart_s=ns.restart_s, write_bw=ns.ckpt_write_gbps * 1e9 or None, steps=cfg.train.steps)
+    return cost.goodput(
+        pred["t_step_s"],
+        state_bytes,
+        ns.cluster_size or pred["devices"],
+        hw,
+        ckpt_every=c.every,
+        async_save=c.async_save,
+        fail_rate=ns.fail_rate,
+        restart_s=ns.restart_s,
+        write_bw=ns.ckpt_write_gbps * 1e9 or None,
+        steps=cfg.train.steps,
+    )
 
 
 def analytic(ns, cfg) -> tuple[dict, str]:
@@ -100,27 +165,71 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     hw = _hardware(ns, n, cfg)
     rules = make_rules(p.rules)
     if ns.search:
-        rows = search.search(cfg.model, n, hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules, train_cfg=t,
-                             comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline, vocab_parallel=p.vocab_parallel)
+        rows = search.search(
+            cfg.model,
+            n,
+            hw,
+            t.batch_size,
+            t.seq_len,
+            t.micro_batches,
+            rules=rules,
+            train_cfg=t,
+            comm_cfg=cfg.comm,
+            pipeline_cfg=cfg.pipeline,
+            vocab_parallel=p.vocab_parallel,
+        )
         fit = [r for r in rows if r["fits"]]
         text = render_search(rows, ns.top, hw, n)
-        report = {"devices": n, "hardware": hw.name, "valid": len(rows), "fit": len(fit), "top": fit[:ns.top]}
+        report = {
+            "devices": n,
+            "hardware": hw.name,
+            "valid": len(rows),
+            "fit": len(fit),
+            "top": fit[: ns.top],
+        }
         if fit:
             best = fit[0]
-            report["goodput"] = _goodput(ns, cfg, best, best["memory"]["params"] + best["memory"]["optimizer"], hw)
+            report["goodput"] = _goodput(
+                ns, cfg, best, best["memory"]["params"] + best["memory"]["optimizer"], hw
+            )
             text += f"\nbest mesh: {run_flags(best)}\n" + render_cost(best, report["goodput"])
         return report, text
     shape = resolve(p.mesh, n, p.mesh_dcn)
-    row = search.evaluate(cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules,
-                          train_cfg=t, dcn=dict(zip(AXES, shape.dcn)), comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline,
-                          vocab_parallel=p.vocab_parallel, sequence_parallel=p.sequence_parallel)
-    row["goodput"] = _goodput(ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw)
+    row = search.evaluate(
+        cfg.model,
+        shape.as_dict(),
+        hw,
+        t.batch_size,
+        t.seq_len,
+        t.micro_batches,
+        rules=rules,
+        train_cfg=t,
+        dcn=dict(zip(AXES, shape.dcn)),
+        comm_cfg=cfg.comm,
+        pipeline_cfg=cfg.pipeline,
+        vocab_parallel=p.vocab_parallel,
+        sequence_parallel=p.sequence_parallel,
+    )
+    row["goodput"] = _goodput(
+        ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw
+    )
     text = render_estimate(row, hw)
     if shape.as_dict().get("pipeline", 1) > 1:
         row["schedules"] = search.compare_schedules(
-            cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches, rules=rules, train_cfg=t,
-            dcn=dict(zip(AXES, shape.dcn)), comm_cfg=cfg.comm, pipeline_cfg=cfg.pipeline,
-            vocab_parallel=p.vocab_parallel, sequence_parallel=p.sequence_parallel)
+            cfg.model,
+            shape.as_dict(),
+            hw,
+            t.batch_size,
+            t.seq_len,
+            t.micro_batches,
+            rules=rules,
+            train_cfg=t,
+            dcn=dict(zip(AXES, shape.dcn)),
+            comm_cfg=cfg.comm,
+            pipeline_cfg=cfg.pipeline,
+            vocab_parallel=p.vocab_parallel,
+            sequence_parallel=p.sequence_parallel,
+        )
         text += "\n" + search.render_schedules(row["schedules"])
     return row, text
 
@@ -131,7 +240,9 @@ def with_cost(report: dict, ns, cfg, mesh) -> str:
     sizes = {a: mesh.shape[a] for a in AXES}
     hw = _hardware(ns, mesh.size, cfg)
     dcn = dict(zip(AXES, resolve(cfg.parallelism.mesh, mesh.size, cfg.parallelism.mesh_dcn).dcn))
-    pred = cost.from_plan(report, hw, cfg.model, t.batch_size, t.seq_len, t.micro_batches, sizes, dcn)
+    pred = cost.from_plan(
+        report, hw, cfg.model, t.batch_size, t.seq_len, t.micro_batches, sizes, dcn
+    )
     mem = report["memory"]
     good = _goodput(ns, cfg, pred, mem["params_bytes"] + mem["optimizer_bytes"], hw)
     report["cost"], report["goodput"] = pred, good

@@ -28,6 +28,7 @@ sends and expert all-to-alls (the next computation waits for their result).
 Goodput (the checkpoint/restart model): T_total = T_train + N_ckpt x T_save + N_fail x T_recover, with failures
 arriving at rate (failures per device-day x devices) over the wall time.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,11 +44,18 @@ from plan.theory import rows_per_shard
 
 DAY_S = 86400.0
 # Sequential steps of a ring algorithm on n devices (each pays one link latency).
-RING_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1, "reduce-scatter": lambda n: n - 1,
-              "all-to-all": lambda n: n - 1, "collective-permute": lambda n: 1}
+RING_STEPS = {
+    "all-reduce": lambda n: 2 * (n - 1),
+    "all-gather": lambda n: n - 1,
+    "reduce-scatter": lambda n: n - 1,
+    "all-to-all": lambda n: n - 1,
+    "collective-permute": lambda n: 1,
+}
 
 
-def placement(sizes: dict[str, int], hw: Hardware, dcn: dict[str, int] | None = None) -> dict[str, str]:
+def placement(
+    sizes: dict[str, int], hw: Hardware, dcn: dict[str, int] | None = None
+) -> dict[str, str]:
     """Mesh axis -> 'intra' (inside a node) or 'inter' (across nodes), for axes of size > 1.
 
     The mesh is laid out outermost first (mesh.spec.AXES), so an axis's groups are contiguous
@@ -86,8 +94,15 @@ def overlappable(kind: str, axes: tuple[str, ...]) -> bool:
     return kind in ("all-reduce", "all-gather", "reduce-scatter") and "model" not in axes
 
 
-def comm_time(kind: str, axes: tuple[str, ...], wire_bytes: float, count: float, sizes: dict[str, int],
-              where: dict[str, str], hw: Hardware) -> tuple[float, str]:
+def comm_time(
+    kind: str,
+    axes: tuple[str, ...],
+    wire_bytes: float,
+    count: float,
+    sizes: dict[str, int],
+    where: dict[str, str],
+    hw: Hardware,
+) -> tuple[float, str]:
     """-> (seconds, 'intra'|'inter'|'host'). Axes unknown (()) are charged as the slowest link in use;
     host offload copies go over the host link (PCIe, hw.host_bw)."""
     if kind == HOST_OFFLOAD:
@@ -114,14 +129,29 @@ def hardware_flops_per_step(cfg, batch_size: int, seq_len: int, schedule: str = 
     tokens = batch_size * seq_len
     attn_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
     blocks_fwd = 2 * (matmul_param_count(cfg) - cfg.vocab_size * cfg.d_model)
-    recompute = {"none": 0.0, "dots": attn_fwd, "dots_offload": attn_fwd, "full": blocks_fwd + attn_fwd}[cfg.remat]
+    recompute = {
+        "none": 0.0,
+        "dots": attn_fwd,
+        "dots_offload": attn_fwd,
+        "full": blocks_fwd + attn_fwd,
+    }[cfg.remat]
     if schedule in EXPLICIT:
         recompute += blocks_fwd + attn_fwd
     return model_flops_per_step(cfg, batch_size, seq_len) + recompute * tokens
 
 
-def pipeline_comm(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, micro_batches: int,
-                  act_bytes: int, *, pipeline_microbatches: int, repeats: int = 1, batch_shards: int) -> dict:
+def pipeline_comm(
+    cfg,
+    sizes: dict[str, int],
+    batch_size: int,
+    seq_len: int,
+    micro_batches: int,
+    act_bytes: int,
+    *,
+    pipeline_microbatches: int,
+    repeats: int = 1,
+    batch_shards: int,
+) -> dict:
     """Activations forward and their gradients backward between neighbouring stages, per device
     per step: models.pipeline's count (one [b, T, D] send each way per tick, bubble ticks included,
     b = one pipeline micro-batch's rows on one batch shard), for each of the `micro_batches`
@@ -130,8 +160,18 @@ def pipeline_comm(cfg, sizes: dict[str, int], batch_size: int, seq_len: int, mic
     if p <= 1:
         return {}
     rows = rows_per_shard(batch_size, micro_batches, batch_shards)
-    sent = pipeline.permute_bytes_theory(batch=rows, seq=seq_len, d_model=cfg.d_model, itemsize=act_bytes, stages=p,
-                                         microbatches=pipeline_microbatches, repeats=repeats)["sent"] * micro_batches
+    sent = (
+        pipeline.permute_bytes_theory(
+            batch=rows,
+            seq=seq_len,
+            d_model=cfg.d_model,
+            itemsize=act_bytes,
+            stages=p,
+            microbatches=pipeline_microbatches,
+            repeats=repeats,
+        )["sent"]
+        * micro_batches
+    )
     n = 2 * pipeline.n_ticks(p, pipeline_microbatches, repeats) * micro_batches
     return {"collective-permute@pipeline": {"operand_bytes": sent, "wire_bytes": sent, "count": n}}
 
@@ -144,15 +184,30 @@ def ragged_all_to_all(comm: dict, platform: str) -> dict:
     out = {}
     for key, e in comm.items():
         if e.get("ideal_bytes") and e.get("operand_bytes"):
-            e = {**e, "wire_bytes": e["wire_bytes"] * e["ideal_bytes"] / e["operand_bytes"],
-                 "operand_bytes": e["ideal_bytes"]}
+            e = {
+                **e,
+                "wire_bytes": e["wire_bytes"] * e["ideal_bytes"] / e["operand_bytes"],
+                "operand_bytes": e["ideal_bytes"],
+            }
         out[key] = e
     return out
 
 
-def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[str, int], hw: Hardware,
-            dtype: str, pipeline_microbatches: int = 0, repeats: int = 1, dcn: dict[str, int] | None = None,
-            tokens_per_step: int = 0, device_bytes: float = 0.0, schedule: str = "gpipe") -> dict:
+def predict(
+    *,
+    model_flops: float,
+    device_flops: float,
+    comm: dict,
+    sizes: dict[str, int],
+    hw: Hardware,
+    dtype: str,
+    pipeline_microbatches: int = 0,
+    repeats: int = 1,
+    dcn: dict[str, int] | None = None,
+    tokens_per_step: int = 0,
+    device_bytes: float = 0.0,
+    schedule: str = "gpipe",
+) -> dict:
     """Step time and MFU for one mesh.
 
     model_flops: per step, all devices (the MFU numerator). device_flops: per device per step,
@@ -174,8 +229,13 @@ def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[
         kind, axes = split_key(key)
         t, link = comm_time(kind, axes, e["wire_bytes"], e.get("count", 0), sizes, where, hw)
         ov = overlappable(kind, axes)
-        rows[key] = {"wire_bytes": e["wire_bytes"], "time_s": t, "link": link, "overlappable": ov,
-                     **{k: e[k] for k in ("sync_every", "per_sync_wire_bytes") if k in e}}
+        rows[key] = {
+            "wire_bytes": e["wire_bytes"],
+            "time_s": t,
+            "link": link,
+            "overlappable": ov,
+            **{k: e[k] for k in ("sync_every", "per_sync_wire_bytes") if k in e},
+        }
         if ov:
             t_overlappable += t
         else:
@@ -185,20 +245,45 @@ def predict(*, model_flops: float, device_flops: float, comm: dict, sizes: dict[
     t_step = t_overlap if hw.overlap else t_serial
     mfu = lambda t: model_flops / (n_dev * peak * t) if t > 0 else 0.0
     return {
-        "hardware": hw.name, "devices": n_dev, "dtype": dtype, "placement": where, "overlap": hw.overlap,
+        "hardware": hw.name,
+        "devices": n_dev,
+        "dtype": dtype,
+        "placement": where,
+        "overlap": hw.overlap,
         "memory_overlap": hw.memory_overlap,
-        "t_flops_s": t_flops, "t_memory_s": t_memory, "device_bytes": device_bytes,
-        "t_compute_s": t_compute, "bubble": bubble, "t_compute_with_bubble_s": t_busy,
-        "comm": rows, "t_comm_s": t_overlappable + t_exposed, "t_comm_exposed_s": t_exposed,
-        "t_step_serial_s": t_serial, "t_step_overlap_s": t_overlap, "t_step_s": t_step,
-        "mfu": mfu(t_step), "mfu_serial": mfu(t_serial),
-        "tokens_per_s_per_device": tokens_per_step / t_step / n_dev if tokens_per_step and t_step else 0.0,
+        "t_flops_s": t_flops,
+        "t_memory_s": t_memory,
+        "device_bytes": device_bytes,
+        "t_compute_s": t_compute,
+        "bubble": bubble,
+        "t_compute_with_bubble_s": t_busy,
+        "comm": rows,
+        "t_comm_s": t_overlappable + t_exposed,
+        "t_comm_exposed_s": t_exposed,
+        "t_step_serial_s": t_serial,
+        "t_step_overlap_s": t_overlap,
+        "t_step_s": t_step,
+        "mfu": mfu(t_step),
+        "mfu_serial": mfu(t_serial),
+        "tokens_per_s_per_device": tokens_per_step / t_step / n_dev
+        if tokens_per_step and t_step
+        else 0.0,
     }
 
 
-def goodput(t_step: float, state_bytes: float, n_devices: int, hw: Hardware, *, ckpt_every: int,
-            async_save: bool = True, fail_rate: float = 0.001, restart_s: float = 300.0,
-            write_bw: float | None = None, steps: int = 0) -> dict:
+def goodput(
+    t_step: float,
+    state_bytes: float,
+    n_devices: int,
+    hw: Hardware,
+    *,
+    ckpt_every: int,
+    async_save: bool = True,
+    fail_rate: float = 0.001,
+    restart_s: float = 300.0,
+    write_bw: float | None = None,
+    steps: int = 0,
+) -> dict:
     """Effective-time fraction T_train / T_total for a cluster of `n_devices`.
 
     state_bytes: checkpointed bytes per device (params + optimizer state; each device writes its
@@ -220,58 +305,114 @@ def goodput(t_step: float, state_bytes: float, n_devices: int, hw: Hardware, *, 
         t_recover = restart_s + t_write + tau / 2
         lost = t_recover / mtbf if math.isfinite(mtbf) else 0.0
         frac = max(0.0, 1 - lost) / (1 + t_save / tau) if tau > 0 else 0.0
-        return {"interval_s": tau, "interval_steps": tau / t_step if t_step else 0.0, "t_save_s": t_save,
-                "t_recover_s": t_recover, "goodput": frac}
+        return {
+            "interval_s": tau,
+            "interval_steps": tau / t_step if t_step else 0.0,
+            "t_save_s": t_save,
+            "t_recover_s": t_recover,
+            "goodput": frac,
+        }
 
     given = at(ckpt_every * t_step) if ckpt_every > 0 else at(0.0)
     t_save0 = state_bytes / hw.host_bw if async_save else t_write
     best = at(math.sqrt(2 * t_save0 * mtbf)) if math.isfinite(mtbf) else at(math.inf)
-    out = {"devices": n_devices, "failures_per_day": fail_rate * n_devices, "mtbf_s": mtbf,
-           "state_bytes_per_device": state_bytes, "checkpoint": given, "young_daly": best}
+    out = {
+        "devices": n_devices,
+        "failures_per_day": fail_rate * n_devices,
+        "mtbf_s": mtbf,
+        "state_bytes_per_device": state_bytes,
+        "checkpoint": given,
+        "young_daly": best,
+    }
     if steps and given["goodput"] > 0:
         t_train = steps * t_step
         t_total = t_train / given["goodput"]
-        out["run"] = {"steps": steps, "t_train_s": t_train, "t_total_s": t_total,
-                      "n_ckpt": t_train / given["interval_s"], "n_fail": t_total / mtbf}
+        out["run"] = {
+            "steps": steps,
+            "t_train_s": t_train,
+            "t_total_s": t_total,
+            "n_ckpt": t_train / given["interval_s"],
+            "n_fail": t_total / mtbf,
+        }
     return out
 
 
-def from_plan(report: dict, hw: Hardware, cfg, batch_size: int, seq_len: int, micro_batches: int,
-              sizes: dict[str, int], dcn: dict[str, int] | None = None) -> dict:
+def from_plan(
+    report: dict,
+    hw: Hardware,
+    cfg,
+    batch_size: int,
+    seq_len: int,
+    micro_batches: int,
+    sizes: dict[str, int],
+    dcn: dict[str, int] | None = None,
+) -> dict:
     """The prediction for a compiled `plan` report (plan.report.analyze). On the backend it was
     compiled for (the CPU profile on a CPU compile) the collectives are the ones measured in the HLO;
     for another target they are the theory as GPU/TPU lower it (reduce-scatter, not XLA:CPU's
     all-reduce + slice), since the CPU's choices say nothing about NCCL's. A pipeline is priced
     with the schedule the report compiled and prints (report['pipeline'])."""
-    pp = report.get("pipeline") or {"microbatches": 0, "repeats": 1, "batch_shards": 1}  # no pipeline
+    pp = report.get("pipeline") or {
+        "microbatches": 0,
+        "repeats": 1,
+        "batch_shards": 1,
+    }  # no pipeline
     same = hw.platform == report["backend"]
     dtype = cfg.compute_dtype(hw.platform)
     if same:
-        comm = {f"{kind}@{axes}": {"wire_bytes": v["wire_bytes"], "count": v["count"]}
-                for kind, c in report["collectives_detail"].items() for axes, v in c["by_axes"].items()}
-        for key, th in report["theory_detail"].items():  # DiLoCo: the HLO holds one sync, run every H steps
+        comm = {
+            f"{kind}@{axes}": {"wire_bytes": v["wire_bytes"], "count": v["count"]}
+            for kind, c in report["collectives_detail"].items()
+            for axes, v in c["by_axes"].items()
+        }
+        for key, th in report[
+            "theory_detail"
+        ].items():  # DiLoCo: the HLO holds one sync, run every H steps
             if "sync_every" in th and key in comm:
                 h = th["sync_every"]
-                comm[key] = {"wire_bytes": comm[key]["wire_bytes"] / h, "count": comm[key]["count"] / h,
-                             "per_sync_wire_bytes": comm[key]["wire_bytes"], "sync_every": h}
+                comm[key] = {
+                    "wire_bytes": comm[key]["wire_bytes"] / h,
+                    "count": comm[key]["count"] / h,
+                    "per_sync_wire_bytes": comm[key]["wire_bytes"],
+                    "sync_every": h,
+                }
     else:
         comm = ragged_all_to_all(report["theory_detail"], hw.platform)
         if not any(k.startswith("collective-permute@") for k in comm):
-            comm.update(pipeline_comm(cfg, sizes, batch_size, seq_len, micro_batches, np.dtype(dtype).itemsize,
-                                      pipeline_microbatches=pp["microbatches"], repeats=pp["repeats"],
-                                      batch_shards=pp["batch_shards"]))
+            comm.update(
+                pipeline_comm(
+                    cfg,
+                    sizes,
+                    batch_size,
+                    seq_len,
+                    micro_batches,
+                    np.dtype(dtype).itemsize,
+                    pipeline_microbatches=pp["microbatches"],
+                    repeats=pp["repeats"],
+                    batch_shards=pp["batch_shards"],
+                )
+            )
     n = math.prod(sizes.get(a, 1) for a in AXES)
     # Memory traffic only from a compile for the target's own backend: XLA:CPU fuses less and has
     # no flash attention, so its bytes (224 GiB per device per step for the 1b preset on fsdp=8)
     # would make a GPU look memory-bound; another target is priced on FLOPs alone (checked on CPU
     # only, BENCHMARKS.md)
     traffic = report.get("memory_traffic", {}) if same else {}
-    out = predict(model_flops=report["flops_per_step"],
-                  device_flops=hardware_flops_per_step(cfg, batch_size, seq_len, pp.get("schedule", "gpipe")) / n,
-                  comm=comm, sizes=sizes,
-                  hw=hw, dtype=dtype, pipeline_microbatches=pp["microbatches"], repeats=pp["repeats"], dcn=dcn,
-                  tokens_per_step=batch_size * seq_len, schedule=pp.get("schedule", "gpipe"),
-                  device_bytes=traffic.get("bytes_accessed", 0.0))
+    out = predict(
+        model_flops=report["flops_per_step"],
+        device_flops=hardware_flops_per_step(cfg, batch_size, seq_len, pp.get("schedule", "gpipe"))
+        / n,
+        comm=comm,
+        sizes=sizes,
+        hw=hw,
+        dtype=dtype,
+        pipeline_microbatches=pp["microbatches"],
+        repeats=pp["repeats"],
+        dcn=dcn,
+        tokens_per_step=batch_size * seq_len,
+        schedule=pp.get("schedule", "gpipe"),
+        device_bytes=traffic.get("bytes_accessed", 0.0),
+    )
     out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
     out["bytes_source"] = traffic.get("source", "")
     return out

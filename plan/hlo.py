@@ -16,6 +16,7 @@ Everything is per device. Formats handled (all seen in jax 0.10 / XLA:CPU output
   * while loops carry `backend_config={..."known_trip_count":{"n":"5"}}`; collectives inside run that
     many times per program run, multiplied through nesting.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,14 +25,41 @@ from collections import defaultdict
 
 from plan.replica_groups import groups_of
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 
 # Bits per element. Sub-byte types (s4, f4e2m1fn, ...) are packed, so bytes = ceil(n * bits / 8).
 _BITS = {
-    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
-    "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
-    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128, "tf32": 32,
-    "token": 0, "opaque": 0,
+    "pred": 8,
+    "s1": 1,
+    "u1": 1,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "tf32": 32,
+    "token": 0,
+    "opaque": 0,
 }
 
 
@@ -46,15 +74,18 @@ def _bits(dtype: str) -> int | None:
 @dataclasses.dataclass
 class Collective:
     """One collective instruction of the HLO (per device)."""
-    kind: str                # one of KINDS; an async "-start"/"-done" pair counts once, as the kind
-    operand_bytes: int       # bytes of the operand(s) on one device (sum over tuple operands)
-    result_bytes: int        # bytes of the result on one device
-    group_size: int          # devices per replica group (n); permute: largest connected set of devices
-    axes: tuple[str, ...]    # mesh axes that vary inside a replica group; () if unknown / no mesh
-    count: int               # executions per program run: product of known enclosing while trip counts
+
+    kind: str  # one of KINDS; an async "-start"/"-done" pair counts once, as the kind
+    operand_bytes: int  # bytes of the operand(s) on one device (sum over tuple operands)
+    result_bytes: int  # bytes of the result on one device
+    group_size: int  # devices per replica group (n); permute: largest connected set of devices
+    axes: tuple[str, ...]  # mesh axes that vary inside a replica group; () if unknown / no mesh
+    count: int  # executions per program run: product of known enclosing while trip counts
     is_async: bool
-    trip_count_known: bool = True   # False if some enclosing while had no known_trip_count (counted as 1)
-    name: str = ""                  # HLO instruction name, for finding it again in the text
+    trip_count_known: bool = (
+        True  # False if some enclosing while had no known_trip_count (counted as 1)
+    )
+    name: str = ""  # HLO instruction name, for finding it again in the text
 
     def wire_bytes(self) -> float:
         """Bytes each device sends with ring algorithms (nccl-tests "bus bandwidth" conventions), times count."""
@@ -63,14 +94,14 @@ class Collective:
             return 0.0  # a group of one moves nothing
         frac = (n - 1) / n
         per_run = {
-            "all-reduce": 2 * frac * self.operand_bytes,        # reduce-scatter + all-gather
-            "all-gather": frac * self.result_bytes,              # receive everyone else's shard
+            "all-reduce": 2 * frac * self.operand_bytes,  # reduce-scatter + all-gather
+            "all-gather": frac * self.result_bytes,  # receive everyone else's shard
             "reduce-scatter": frac * self.operand_bytes,
-            "all-to-all": frac * self.operand_bytes,             # keep 1/n, send the rest
+            "all-to-all": frac * self.operand_bytes,  # keep 1/n, send the rest
             # MoE's dropless exchange on GPU/TPU: what really moves depends on the routing; the
             # HLO only bounds it (the whole send buffer)
             "ragged-all-to-all": frac * self.operand_bytes,
-            "collective-permute": float(self.operand_bytes),     # one send of the whole buffer
+            "collective-permute": float(self.operand_bytes),  # one send of the whole buffer
         }[self.kind]
         return per_run * self.count
 
@@ -110,7 +141,8 @@ _INSTR = re.compile(r"\s+(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)
 _HEADER = re.compile(r"(ENTRY\s+)?%?([^\s(]+)\s*\(")
 _CALLS = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
-    r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+    r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _START_KINDS = {k + "-start": k for k in KINDS}
 _DONE_KINDS = {k + "-done": k for k in KINDS}
@@ -133,7 +165,7 @@ def _split_operands(rest: str) -> tuple[list[str], str]:
             start = i + 1
     ops.append(rest[start:end])
     # drop `/*index=5*/` comments that long operand lists carry
-    return [o for o in (re.sub(r"/\*.*?\*/", "", o).strip() for o in ops) if o], rest[end + 1:]
+    return [o for o in (re.sub(r"/\*.*?\*/", "", o).strip() for o in ops) if o], rest[end + 1 :]
 
 
 @dataclasses.dataclass
@@ -143,16 +175,16 @@ class _Raw:
     kind: str
     is_async: bool
     shape: str
-    rest: str    # text after `opcode(`
+    rest: str  # text after `opcode(`
 
 
 def _scan(text: str):
     """One pass over the lines: per-computation name->shape tables, call edges, collectives."""
     tables: dict[str, dict[str, str]] = defaultdict(dict)
-    edges: list[tuple[str, str, int | None]] = []   # (caller, callee, multiplier or None=unknown)
+    edges: list[tuple[str, str, int | None]] = []  # (caller, callee, multiplier or None=unknown)
     async_callees: set[str] = set()
     raws: list[_Raw] = []
-    dones: list[tuple[str, str, str]] = []            # (comp, operand text, shape) of "-done" ops
+    dones: list[tuple[str, str, str]] = []  # (comp, operand text, shape) of "-done" ops
     comps: list[str] = []
     entry = None
     num_devices = 0
@@ -178,14 +210,15 @@ def _scan(text: str):
         m = _INSTR.match(line)
         if not m:
             continue
-        if cur is None:          # bare instruction lines (hand-written snippets): one implicit computation
+        if cur is None:  # bare instruction lines (hand-written snippets): one implicit computation
             cur = ""
             comps.append(cur)
         name, shape, op = m.groups()
         tables[cur][name] = shape
         # Call edges. Cheap substring test first: most lines call nothing.
-        if op not in ("async-done", "async-update") and (   # these repeat their start's calls=
-                "calls=" in line or "to_apply=" in line or "body=" in line or "_computation" in line):
+        if op not in ("async-done", "async-update") and (  # these repeat their start's calls=
+            "calls=" in line or "to_apply=" in line or "body=" in line or "_computation" in line
+        ):
             trip = _TRIP.search(line) if op == "while" else None
             for attr, target in _CALLS.findall(line, m.end()):
                 mult: int | None = 1
@@ -198,9 +231,9 @@ def _scan(text: str):
                         async_callees.add(callee)
         kind = op if op in KINDS else _START_KINDS.get(op)
         if kind:
-            raws.append(_Raw(cur, name, kind, op != kind, shape, line[m.end():]))
+            raws.append(_Raw(cur, name, kind, op != kind, shape, line[m.end() :]))
         elif op in _DONE_KINDS:
-            dones.append((cur, line[m.end():], shape))
+            dones.append((cur, line[m.end() :], shape))
     return tables, edges, async_callees, raws, dones, comps, entry, num_devices
 
 
@@ -239,12 +272,12 @@ def _operand_bytes(ops: list[str], table: dict[str, str], everywhere) -> int:
     total = 0
     for o in ops:
         head, _, ref = o.rpartition(" ")
-        if "[" in head:                       # shape printed inline: `f32[8]{0} %p`
+        if "[" in head:  # shape printed inline: `f32[8]{0} %p`
             total += shape_bytes(head)
             continue
         ref = (ref or o).lstrip("%")
         shape = table.get(ref)
-        if shape is None:                     # names are module-unique in XLA output
+        if shape is None:  # names are module-unique in XLA output
             shape = everywhere().get(ref, "")
         total += shape_bytes(shape)
     return total
@@ -264,7 +297,7 @@ def parse_collectives(hlo_text: str, mesh=None) -> list[Collective]:
     cache: dict[str, tuple[int, tuple[str, ...]]] = {}
     merged: dict[str, str] = {}
 
-    def everywhere() -> dict[str, str]:   # module-wide name -> shape, built once, only if needed
+    def everywhere() -> dict[str, str]:  # module-wide name -> shape, built once, only if needed
         if not merged:
             for t in tables.values():
                 merged.update(t)
@@ -279,15 +312,23 @@ def parse_collectives(hlo_text: str, mesh=None) -> list[Collective]:
         shape_b = shape_bytes(r.shape)
         if not r.is_async or r.kind == "all-reduce":
             result = shape_b
-        else:   # `(operands..., results..., [contexts])` tuple; the matching -done corrects it below
+        else:  # `(operands..., results..., [contexts])` tuple; the matching -done corrects it below
             result = max(shape_b - operand, 0)
         n, axes = groups_of(r.kind, attrs, mesh, num_devices, cache)
-        c = Collective(kind=r.kind, operand_bytes=operand, result_bytes=result, group_size=n, axes=axes,
-                       count=counts.get(r.comp, 1), is_async=r.is_async or r.comp in async_comps,
-                       trip_count_known=known[r.comp], name=r.name)
+        c = Collective(
+            kind=r.kind,
+            operand_bytes=operand,
+            result_bytes=result,
+            group_size=n,
+            axes=axes,
+            count=counts.get(r.comp, 1),
+            is_async=r.is_async or r.comp in async_comps,
+            trip_count_known=known[r.comp],
+            name=r.name,
+        )
         out.append(c)
         by_name[(r.comp, r.name)] = c
-    for comp, rest, shape in dones:       # `%x-done = f32[64] all-gather-done(%x-start)`: true result
+    for comp, rest, shape in dones:  # `%x-done = f32[64] all-gather-done(%x-start)`: true result
         ops, _ = _split_operands(rest)
         if ops:
             start = by_name.get((comp, ops[0].rpartition(" ")[2].lstrip("%")))
@@ -313,7 +354,10 @@ def _closure(roots: set[str], edges) -> set[str]:
 def summarize(colls: list[Collective]) -> dict:
     """Totals per kind (every kind present, zeros when absent), split by the axes key "data,fsdp"
     ("-" when no axis is known). count/operand_bytes/wire_bytes include the dynamic count."""
-    out = {k: {"count": 0, "operand_bytes": 0, "wire_bytes": 0.0, "by_axes": {}, "async": 0} for k in KINDS}
+    out = {
+        k: {"count": 0, "operand_bytes": 0, "wire_bytes": 0.0, "by_axes": {}, "async": 0}
+        for k in KINDS
+    }
     for c in colls:
         s = out[c.kind]
         wire = c.wire_bytes()
@@ -321,7 +365,9 @@ def summarize(colls: list[Collective]) -> dict:
         s["operand_bytes"] += c.operand_bytes * c.count
         s["wire_bytes"] += wire
         s["async"] += c.count if c.is_async else 0
-        a = s["by_axes"].setdefault(",".join(c.axes) or "-", {"count": 0, "operand_bytes": 0, "wire_bytes": 0.0})
+        a = s["by_axes"].setdefault(
+            ",".join(c.axes) or "-", {"count": 0, "operand_bytes": 0, "wire_bytes": 0.0}
+        )
         a["count"] += c.count
         a["operand_bytes"] += c.operand_bytes * c.count
         a["wire_bytes"] += wire

@@ -8,6 +8,7 @@ collective-permute names `source_target_pairs={{0,1},{1,0}}` instead.
 Ids in replica groups of an SPMD program are logical ids 0..N-1 = positions in `mesh.devices.flat`
 (jit's device assignment is the mesh order), not `Device.id`s.
 """
+
 from __future__ import annotations
 
 import math
@@ -78,7 +79,7 @@ def mesh_axes_groups(spec: str) -> np.ndarray:
             continue
         done = 1
         for pre, size, k in mine:
-            if pre != done:               # an un-named part between sub-axes
+            if pre != done:  # an un-named part between sub-axes
                 refined.append(pre // done)
                 done = pre
             where[k] = len(refined)
@@ -95,7 +96,11 @@ def mesh_axes_groups(spec: str) -> np.ndarray:
 
 def explicit_groups(spec: str) -> list[list[int]]:
     """`{{0,1},{2,3}}` -> [[0,1],[2,3]]; `{}` -> []."""
-    return [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", spec[1:-1])] if spec.strip() != "{}" else []
+    return (
+        [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", spec[1:-1])]
+        if spec.strip() != "{}"
+        else []
+    )
 
 
 def _axes_of_groups(groups, mesh) -> tuple[str, ...]:
@@ -104,7 +109,7 @@ def _axes_of_groups(groups, mesh) -> tuple[str, ...]:
         return ()
     shape = mesh.devices.shape
     if len({len(g) for g in groups}) == 1:
-        blocks = [np.asarray(groups, dtype=np.int64)]          # rectangular: one vectorised check
+        blocks = [np.asarray(groups, dtype=np.int64)]  # rectangular: one vectorised check
     else:
         blocks = [np.asarray([g], dtype=np.int64) for g in groups if len(g)]
     axes = set()
@@ -148,7 +153,9 @@ _RG_MESH = re.compile(r"replica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\(.*?\))
 _STP = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
-def groups_of(kind: str, attrs: str, mesh, num_devices: int, cache: dict) -> tuple[int, tuple[str, ...]]:
+def groups_of(
+    kind: str, attrs: str, mesh, num_devices: int, cache: dict
+) -> tuple[int, tuple[str, ...]]:
     """(group size, axes) from an instruction's replica_groups / source_target_pairs attribute
     (`attrs`: its text after the operands); `cache` keeps one answer per spelling."""
     if kind == "collective-permute":
@@ -160,13 +167,17 @@ def groups_of(kind: str, attrs: str, mesh, num_devices: int, cache: dict) -> tup
             axes = _axes_of_groups([list(p) for p in moves], mesh) if moves else ()
             cache[key] = (n, axes)
         return cache[key]
-    for rx, build in ((_RG_IOTA, iota_groups), (_RG_MESH, mesh_axes_groups), (_RG_EXPLICIT, explicit_groups)):
+    for rx, build in (
+        (_RG_IOTA, iota_groups),
+        (_RG_MESH, mesh_axes_groups),
+        (_RG_EXPLICIT, explicit_groups),
+    ):
         m = rx.search(attrs)
         if m:
             key = m.group(1)
             if key not in cache:
                 groups = build(key)
-                if len(groups) == 0:           # `{}`: one group of every device
+                if len(groups) == 0:  # `{}`: one group of every device
                     groups = [list(range(num_devices))] if num_devices else []
                 if len(groups) == 0:
                     cache[key] = (0, ())

@@ -7,6 +7,7 @@ search (plan/search.py) prices meshes with them without compiling anything. Ever
 `RunSpec`: the run's model, train, comm and pipeline configs, the mesh's axis sizes, the
 logical-axis rules and the compute dtype.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,8 @@ from jax.sharding import AbstractMesh
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, data_parallel_axes, path_names, spec_axes
 from mesh.spec import AXES
-from models import model as model_lib, pipeline as pipeline_lib
+from models import model as model_lib
+from models import pipeline as pipeline_lib
 from models.attention import fused_qkv
 from models.config import ModelConfig, PipelineConfig
 from models.moe import exchange_for
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """What the formulas read of a run. `sizes`: mesh axis -> size (every axis of mesh.spec.AXES)."""
+
     model: ModelConfig
     train: TrainConfig
     comm: CommConfig
@@ -41,8 +44,8 @@ class RunSpec:
     sizes: dict[str, int]
     rules: dict
     compute_dtype: str
-    context_strategy: str = "all_gather"   # --parallelism.context_strategy
-    packed: bool = False                   # segment ids in the batch (--data.packing_mask)
+    context_strategy: str = "all_gather"  # --parallelism.context_strategy
+    packed: bool = False  # segment ids in the batch (--data.packing_mask)
 
     @property
     def mesh(self) -> AbstractMesh:
@@ -58,9 +61,17 @@ class RunSpec:
 def run_spec(s: RunSetup) -> RunSpec:
     """The spec of a run set up on a real mesh (train.setup.setup)."""
     c = s.cfg
-    return RunSpec(model=c.model, train=c.train, comm=c.comm, pipeline=c.pipeline, sizes=dict(s.mesh.shape),
-                   rules=s.rules, compute_dtype=s.compute_dtype, context_strategy=c.parallelism.context_strategy,
-                   packed=c.data.packing_mask)
+    return RunSpec(
+        model=c.model,
+        train=c.train,
+        comm=c.comm,
+        pipeline=c.pipeline,
+        sizes=dict(s.mesh.shape),
+        rules=s.rules,
+        compute_dtype=s.compute_dtype,
+        context_strategy=c.parallelism.context_strategy,
+        packed=c.data.packing_mask,
+    )
 
 
 def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
@@ -71,7 +82,11 @@ def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
 def local_bytes(sds) -> float:
     """Bytes of one device's shard of a ShapeDtypeStruct with a NamedSharding (real or abstract mesh)."""
     sh = sds.sharding
-    return math.prod(sds.shape) * sds.dtype.itemsize / math.prod(axes_size(sh.mesh, e) for e in sh.spec)
+    return (
+        math.prod(sds.shape)
+        * sds.dtype.itemsize
+        / math.prod(axes_size(sh.mesh, e) for e in sh.spec)
+    )
 
 
 def rows_per_shard(batch_size: int, micro_batches: int, shards: int) -> int:
@@ -105,7 +120,9 @@ def theory(run: RunSpec, params) -> dict:
     # the axes that split the tokens: the batch's and the sequence's (context parallelism); over
     # those a weight is either sharded (FSDP traffic) or replicated (a data-parallel all-reduce)
     batch_axes = [a for a in spec_axes(logical_to_spec(("batch", "seq"), rules)) if sizes[a] > 1]
-    entries: dict[tuple[str, str], dict] = defaultdict(lambda: {"operand_bytes": 0.0, "wire_bytes": 0.0})
+    entries: dict[tuple[str, str], dict] = defaultdict(
+        lambda: {"operand_bytes": 0.0, "wire_bytes": 0.0}
+    )
 
     def add(kind, axes, operand, n, wire_factor):
         if n <= 1 or operand == 0:
@@ -126,36 +143,51 @@ def theory(run: RunSpec, params) -> dict:
         is_expert = "experts" in names[path]
         own = [a for a in batch_axes if not (is_expert and a in expert_axes)]
         # a vocab-parallel head's weights never move: its input does (vocab_parallel_theory)
-        fsdp_axes = [a for a in own if a in used and not ("vocab" in names[path] and a in vocab_axes)]
+        fsdp_axes = [
+            a for a in own if a in used and not ("vocab" in names[path] and a in vocab_axes)
+        ]
         dp_axes = [a for a in own if a not in used]
         n_f = math.prod(sizes[a] for a in fsdp_axes)
         n_d = math.prod(sizes[a] for a in dp_axes)
-        full = local_bytes(sds) * n_f  # gradient bytes before the fsdp split (after tensor parallel)
+        full = (
+            local_bytes(sds) * n_f
+        )  # gradient bytes before the fsdp split (after tensor parallel)
         in_stack = path.startswith(("blocks/", "moe_blocks/"))
         per_pass = uses if in_stack and not set(fsdp_axes) <= replicas else 1
         lookup = _lookup_bytes(run, path, sds, n_f)
         add("all-to-all", fsdp_axes, lookup, n_f, (n_f - 1) / n_f)
-        for _ in range(0 if lookup else t.micro_batches):  # ZeRO-3 reduce-scatters every micro-batch's gradient
+        for _ in range(
+            0 if lookup else t.micro_batches
+        ):  # ZeRO-3 reduce-scatters every micro-batch's gradient
             add("reduce-scatter", fsdp_axes, full * per_pass, n_f, (n_f - 1) / n_f)
-            if is_expert and n_f > 1:  # models/moe.py gathers them inside shard_map: an explicit psum_scatter
+            if (
+                is_expert and n_f > 1
+            ):  # models/moe.py gathers them inside shard_map: an explicit psum_scatter
                 explicit_rs[_axes_key(fsdp_axes)] += full * per_pass
         add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
         # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per micro-batch.
         gathers = 0 if lookup else 2 if in_stack and m.remat != "none" else 1
         for _ in range(gathers * t.micro_batches):
-            add("all-gather", fsdp_axes, full / n_f * per_pass, n_f, n_f - 1)  # operand = own shard, receive n-1
+            add(
+                "all-gather", fsdp_axes, full / n_f * per_pass, n_f, n_f - 1
+            )  # operand = own shard, receive n-1
     for axes, b in explicit_rs.items():
         entries[("reduce-scatter", axes)]["explicit_bytes"] = b
     out = {f"{k}@{a}": v for (k, a), v in entries.items()}
-    dp = data_parallel_axes(run.mesh, rules["batch"], [x.sharding.spec for x in jax.tree.leaves(params)])
+    dp = data_parallel_axes(
+        run.mesh, rules["batch"], [x.sharding.spec for x in jax.tree.leaves(params)]
+    )
     out.update(local_sgd(out, run.comm.sync_every, dp))
     if sizes["model"] > 1:
         out["all-reduce@model"] = tensor_parallel_theory(run)
-    for key, e in (*vocab_parallel_theory(run).items(), *context_theory(run).items(),
-                   *all_to_all_theory(run).items()):
+    for key, e in (
+        *vocab_parallel_theory(run).items(),
+        *context_theory(run).items(),
+        *all_to_all_theory(run).items(),
+    ):
         mine = out.setdefault(key, {"operand_bytes": 0.0, "wire_bytes": 0.0})
-        if "ideal_bytes" in e:   # what moves besides the MoE exchange moves in the ideal too
+        if "ideal_bytes" in e:  # what moves besides the MoE exchange moves in the ideal too
             mine["ideal_bytes"] = mine["operand_bytes"] + e["ideal_bytes"]
         mine["operand_bytes"] += e["operand_bytes"]
         mine["wire_bytes"] += e["wire_bytes"]
@@ -167,7 +199,11 @@ def theory(run: RunSpec, params) -> dict:
 def _vocab_parallel_axes(run: RunSpec) -> list[str]:
     """The batch axes the vocabulary dim is sharded on (mesh.rules.vocab_parallel), size > 1."""
     batch = spec_axes(logical_to_spec(("batch",), run.rules))
-    return [a for a in spec_axes(logical_to_spec(("vocab",), run.rules)) if a in batch and run.sizes[a] > 1]
+    return [
+        a
+        for a in spec_axes(logical_to_spec(("vocab",), run.rules))
+        if a in batch and run.sizes[a] > 1
+    ]
 
 
 def vocab_parallel_theory(run: RunSpec) -> dict:
@@ -190,9 +226,17 @@ def vocab_parallel_theory(run: RunSpec) -> dict:
     gather = (2 * tokens * m.d_model * run.itemsize + tokens * 4) * mb
     scatter = n * tokens * m.d_model * (jax.numpy.dtype(m.param_dtype).itemsize + run.itemsize) * mb
     reduce = 3 * n * tokens * 4 * mb
-    return {f"all-gather@{key}": {"operand_bytes": gather, "wire_bytes": (n - 1) * gather},
-            f"reduce-scatter@{split_key}": {"operand_bytes": scatter, "wire_bytes": (n_split - 1) / n_split * scatter},
-            f"all-reduce@{split_key}": {"operand_bytes": reduce, "wire_bytes": 2 * (n_split - 1) / n_split * reduce}}
+    return {
+        f"all-gather@{key}": {"operand_bytes": gather, "wire_bytes": (n - 1) * gather},
+        f"reduce-scatter@{split_key}": {
+            "operand_bytes": scatter,
+            "wire_bytes": (n_split - 1) / n_split * scatter,
+        },
+        f"all-reduce@{split_key}": {
+            "operand_bytes": reduce,
+            "wire_bytes": 2 * (n_split - 1) / n_split * reduce,
+        },
+    }
 
 
 def pipeline_uses(sizes: dict[str, int], pipeline_cfg: PipelineConfig) -> tuple[float, set[str]]:
@@ -204,7 +248,9 @@ def pipeline_uses(sizes: dict[str, int], pipeline_cfg: PipelineConfig) -> tuple[
     P, pc = sizes["pipeline"], pipeline_cfg
     if P == 1:
         return 1.0, set(sizes)
-    return pipeline_lib.n_ticks(P, pc.microbatches_for(P), pc.repeats) / pc.repeats, set(pc.replica_axes)
+    return pipeline_lib.n_ticks(P, pc.microbatches_for(P), pc.repeats) / pc.repeats, set(
+        pc.replica_axes
+    )
 
 
 def local_sgd(th: dict, sync_every: int, dp_axes) -> dict:
@@ -219,9 +265,15 @@ def local_sgd(th: dict, sync_every: int, dp_axes) -> dict:
     for key, e in th.items():
         kind, _, axes = key.partition("@")
         if kind == "all-reduce" and set(axes.split(",")) <= dp:
-            out[key] = {**e, "operand_bytes": e["operand_bytes"] / h, "wire_bytes": e["wire_bytes"] / h,
-                        "per_sync_operand_bytes": e["operand_bytes"], "per_sync_wire_bytes": e["wire_bytes"],
-                        "sync_every": h, "note": f"DiLoCo outer sync of the parameter drift, every {h} steps"}
+            out[key] = {
+                **e,
+                "operand_bytes": e["operand_bytes"] / h,
+                "wire_bytes": e["wire_bytes"] / h,
+                "per_sync_operand_bytes": e["operand_bytes"],
+                "per_sync_wire_bytes": e["wire_bytes"],
+                "sync_every": h,
+                "note": f"DiLoCo outer sync of the parameter drift, every {h} steps",
+            }
     return out
 
 
@@ -260,14 +312,19 @@ def tensor_parallel_theory(run: RunSpec) -> dict:
             moe += 2 * act + m.experts_per_token * n * item
             moe_ops += 3
         b, ops = b + n_moe * moe, ops + n_moe * moe_ops
-    if not _vocab_parallel_axes(run):  # else vocab_parallel_theory counts these over the batch axes and 'model'
+    if not _vocab_parallel_axes(
+        run
+    ):  # else vocab_parallel_theory counts these over the batch axes and 'model'
         b += 2 * act + 3 * n * 4
         ops += 5
-    return {"operand_bytes": float(b * t.micro_batches), "wire_bytes": 2 * (n_tp - 1) / n_tp * b * t.micro_batches,
-            "count": ops * t.micro_batches,
-            "note": "Megatron TP: per layer the attention output (fwd) and the fused q/k/v input gradient (bwd),"
-                    " the FFN output (fwd) and the fused gate/up input gradient (bwd) or the MoE expert psums,"
-                    " the attention output again under full remat; + vocab-parallel embedding, LM head and loss"}
+    return {
+        "operand_bytes": float(b * t.micro_batches),
+        "wire_bytes": 2 * (n_tp - 1) / n_tp * b * t.micro_batches,
+        "count": ops * t.micro_batches,
+        "note": "Megatron TP: per layer the attention output (fwd) and the fused q/k/v input gradient (bwd),"
+        " the FFN output (fwd) and the fused gate/up input gradient (bwd) or the MoE expert psums,"
+        " the attention output again under full remat; + vocab-parallel embedding, LM head and loss",
+    }
 
 
 def _lookup_bytes(run: RunSpec, path: str, sds, n_fsdp: int) -> float:
@@ -315,16 +372,21 @@ def all_to_all_theory(run: RunSpec) -> dict:
     else:
         rows = ep * n * min(k, x_count)
         id_bytes = rows * 4
-    passes = 3 if m.remat != "none" else 2   # forward, backward (+ the remat recompute)
+    passes = 3 if m.remat != "none" else 2  # forward, backward (+ the remat recompute)
     id_passes = 2 if m.remat != "none" else 1  # ids have no backward
     per_layer = 2 * passes * rows * m.d_model * item + id_passes * id_bytes
     total = per_layer * m.n_moe_layers * t.micro_batches
     ideal = 2 * passes * n * k * m.d_model * item * m.n_moe_layers * t.micro_batches
     kind = "ragged-all-to-all" if exchange == "ragged" else "all-to-all"
-    return {f"{kind}@{_axes_key(spec_axes(expert_spec))}": {
-        "operand_bytes": float(total), "wire_bytes": (ep - 1) / ep * total, "ideal_bytes": float(ideal),
-        "note": f"{m.dispatch} MoE, {exchange} exchange: {rows} rows of d_model per layer"
-                f" and direction; a ragged all-to-all moves {n * k}"}}
+    return {
+        f"{kind}@{_axes_key(spec_axes(expert_spec))}": {
+            "operand_bytes": float(total),
+            "wire_bytes": (ep - 1) / ep * total,
+            "ideal_bytes": float(ideal),
+            "note": f"{m.dispatch} MoE, {exchange} exchange: {rows} rows of d_model per layer"
+            f" and direction; a ragged all-to-all moves {n * k}",
+        }
+    }
 
 
 def on_backend(th: dict, platform: str, sizes: dict[str, int]) -> dict:
@@ -340,8 +402,11 @@ def on_backend(th: dict, platform: str, sizes: dict[str, int]) -> dict:
             n = math.prod(sizes[a] for a in axes.split(","))
             explicit = v.get("explicit_bytes", 0.0)
             if explicit:
-                out[k] = {"operand_bytes": explicit, "wire_bytes": (n - 1) / n * explicit,
-                          "note": "lax.psum_scatter inside shard_map (MoE expert weights): a real reduce-scatter"}
+                out[k] = {
+                    "operand_bytes": explicit,
+                    "wire_bytes": (n - 1) / n * explicit,
+                    "note": "lax.psum_scatter inside shard_map (MoE expert weights): a real reduce-scatter",
+                }
             if v["operand_bytes"] - explicit <= 0:
                 continue
             e = out.setdefault(f"all-reduce@{axes}", {"operand_bytes": 0.0, "wire_bytes": 0.0})
@@ -370,14 +435,30 @@ def context_theory(run: RunSpec) -> dict:
     kv = 2 * tokens * m.n_kv_heads // heads * m.head_dim * run.itemsize
     ids = tokens * 4 * (2 if run.packed else 1)
     forwards = 2 if m.remat == "full" else 1
-    layers, key = m.n_layers * t.micro_batches, _axes_key(spec_axes(logical_to_spec(("seq",), run.rules)))
+    layers, key = (
+        m.n_layers * t.micro_batches,
+        _axes_key(spec_axes(logical_to_spec(("seq",), run.rules))),
+    )
     if run.context_strategy == "ring":
         permuted = layers * (n - 1) * (forwards * (kv + ids) + kv)
-        return {f"collective-permute@{key}": {"operand_bytes": float(permuted), "wire_bytes": float(permuted),
-                                              "note": f"ring attention: {n - 1} K/V hops per layer each way"}}
+        return {
+            f"collective-permute@{key}": {
+                "operand_bytes": float(permuted),
+                "wire_bytes": float(permuted),
+                "note": f"ring attention: {n - 1} K/V hops per layer each way",
+            }
+        }
     gathered = layers * forwards * (kv + ids)
     scattered = layers * n * kv
-    return {f"all-gather@{key}": {"operand_bytes": float(gathered), "wire_bytes": (n - 1) * gathered,
-                                  "note": "context all_gather: K, V and positions gathered every layer"},
-            f"reduce-scatter@{key}": {"operand_bytes": float(scattered), "wire_bytes": (n - 1) / n * scattered,
-                                      "note": "the gathered K/V gradients back to their shards"}}
+    return {
+        f"all-gather@{key}": {
+            "operand_bytes": float(gathered),
+            "wire_bytes": (n - 1) * gathered,
+            "note": "context all_gather: K, V and positions gathered every layer",
+        },
+        f"reduce-scatter@{key}": {
+            "operand_bytes": float(scattered),
+            "wire_bytes": (n - 1) / n * scattered,
+            "note": "the gathered K/V gradients back to their shards",
+        },
+    }

@@ -1,6 +1,7 @@
 """Small datasets for the data tests: sample texts, JSONL files, a tiny tiktoken vocabulary, the
 documents of a prepared dataset, an in-memory source whose token values identify their position;
 and a listing of every file under a directory with its hash (to prove that nothing changed)."""
+
 from __future__ import annotations
 
 import base64
@@ -14,8 +15,11 @@ import pytest
 from train.data import corpus, prepare
 from train.data.sources import Source, Stream
 
-TEXTS = [f"document {i}: " + " ".join(["alpha", "beta", "gamma", "délta"][(i * j) % 4] for j in range(i % 37 + 1))
-         for i in range(300)]
+TEXTS = [
+    f"document {i}: "
+    + " ".join(["alpha", "beta", "gamma", "délta"][(i * j) % 4] for j in range(i % 37 + 1))
+    for i in range(300)
+]
 
 
 def jsonl_file(path, texts, field="text"):
@@ -34,15 +38,22 @@ def prepared_docs(directory) -> list[np.ndarray]:
         off = np.load(os.path.join(directory, sh["offsets"]))
         for a, b in zip(off[:-1], off[1:]):
             assert tokens[b - 1] == index["eos_id"]
-            out.append(tokens[a:b - 1])
+            out.append(tokens[a : b - 1])
     return out
 
 
 def memory_source(tokens, doc_starts, name="mem", eval_tokens=None) -> Source:
     """An in-memory source whose token values identify their position (windows are recognisable)."""
     ev = eval_tokens if eval_tokens is not None else np.zeros(0, np.uint32)
-    return Source(name, Stream.from_array(tokens, np.asarray(doc_starts)), Stream.from_array(ev, np.zeros(1, np.int64)),
-                  int(tokens.max()) + 1, {"kind": "byte", "id": "byte", "eos_id": corpus.EOS}, name, int(tokens.max()))
+    return Source(
+        name,
+        Stream.from_array(tokens, np.asarray(doc_starts)),
+        Stream.from_array(ev, np.zeros(1, np.int64)),
+        int(tokens.max()) + 1,
+        {"kind": "byte", "id": "byte", "eos_id": corpus.EOS},
+        name,
+        int(tokens.max()),
+    )
 
 
 def tiktoken_file(tmp_path):

@@ -6,6 +6,7 @@ grows linearly with the sequence where the dense reference's grows quadratically
 
 Compilation is most of this file's time, so the cases share shapes: positions, segment ids and
 cotangents are arguments of one jitted program per shape, never constants baked into it."""
+
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.blockwise import NO_KEYS_LSE, blockwise_attention
 from plan.hlo import parse_collectives
@@ -25,7 +27,9 @@ T = 20  # the shared shape: T = S = 20 keys in blocks of 8, so the last block is
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def dense_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, *, window=None):
+def dense_attention(
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT=None, k_seg_BS=None, *, window=None
+):
     """(out_BTNH, lse_BTN) with the whole [B, N, T, S] score matrix; a query that sees no key
     gets out 0 and lse NO_KEYS_LSE, as the blockwise kernel documents."""
     groups = q_BTNH.shape[2] // k_BSKH.shape[2]
@@ -57,6 +61,7 @@ def _dense(*args, window, block_k):
 @functools.partial(jax.jit, static_argnames=("attend", "window", "block_k"))
 def value_and_grads(q, k, v, pos_seg, out_ct, lse_ct, *, attend, window=None, block_k=8):
     """(out, lse) and the gradients w.r.t. q, k, v of sum(out * out_ct) + sum(lse * lse_ct)."""
+
     def loss(q, k, v):
         out, lse = attend(q, k, v, *pos_seg, window=window, block_k=block_k)
         return jnp.sum(out * out_ct) + jnp.sum(lse * lse_ct), (out, lse)
@@ -77,7 +82,9 @@ def batch(x_T):
     return np.broadcast_to(np.asarray(x_T, np.int32), (B, len(x_T)))
 
 
-def check(q_pos_T, k_pos_T, seg_q_T=None, seg_k_T=None, *, kv_heads=2, window=None, block_k=8, lse_ct=True):
+def check(
+    q_pos_T, k_pos_T, seg_q_T=None, seg_k_T=None, *, kv_heads=2, window=None, block_k=8, lse_ct=True
+):
     """The blockwise kernel equals the dense reference in out, lse and gradients (of out alone
     when not `lse_ct`); returns the blockwise (out, lse, (dq, dk, dv)) for further checks.
     Absent segment ids are all 0: every case of one shape runs the same two programs."""
@@ -101,7 +108,9 @@ def zigzag(t: int, shards: int):
     """The positions 0..t-1 laid out for `shards` devices that each hold chunk r and chunk 2R-1-r
     (the causal load-balancing layout), concatenated in device order."""
     chunks = np.split(np.arange(t), 2 * shards)
-    return np.concatenate([np.concatenate([chunks[r], chunks[2 * shards - 1 - r]]) for r in range(shards)])
+    return np.concatenate(
+        [np.concatenate([chunks[r], chunks[2 * shards - 1 - r]]) for r in range(shards)]
+    )
 
 
 def test_causal_over_several_blocks():
@@ -161,8 +170,21 @@ def _ring(q, k, v, q_pos, k_pos, q_seg, k_seg, *, window, block_k):
     """Two key blocks (the first and second half of the keys), each attended blockwise, merged."""
     s = k.shape[1] // 2
     halves = (slice(0, s), slice(s, None))
-    parts = [blockwise_attention(q, k[:, h], v[:, h], q_pos, k_pos[:, h], q_seg, k_seg[:, h], window=window,
-                                 block_k=block_k, return_lse=True) for h in halves]
+    parts = [
+        blockwise_attention(
+            q,
+            k[:, h],
+            v[:, h],
+            q_pos,
+            k_pos[:, h],
+            q_seg,
+            k_seg[:, h],
+            window=window,
+            block_k=block_k,
+            return_lse=True,
+        )
+        for h in halves
+    ]
     return merge(*parts[0], *parts[1])
 
 
@@ -188,22 +210,32 @@ def test_bfloat16_inputs_accumulate_in_float32():
         out = blockwise_attention(q, k, v, *pos_seg[:2], block_k=8)
         return jnp.sum(out.astype(jnp.float32) * out_ct), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q16, k16, v16)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q16, k16, v16
+    )
     assert out.dtype == jnp.bfloat16 and [g.dtype for g in grads] == [jnp.bfloat16] * 3
     # the reference gets the same bfloat16-rounded inputs, in float32
-    want = value_and_grads(*(np.asarray(x, np.float32) for x in (q16, k16, v16)), pos_seg, out_ct,
-                           np.zeros_like(lse_ct), attend=_dense)
+    want = value_and_grads(
+        *(np.asarray(x, np.float32) for x in (q16, k16, v16)),
+        pos_seg,
+        out_ct,
+        np.zeros_like(lse_ct),
+        attend=_dense,
+    )
     # bfloat16 keeps 8 bits of mantissa: a few parts in a thousand of each value's scale
     for name, g, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (want[0], *want[2])):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0.02, atol=0.05, err_msg=name)
 
 
-@pytest.mark.parametrize("kwargs, culprit", [
-    (dict(kv_heads=3), "multiple of kv heads"),
-    (dict(window=0), "window=0"),
-    (dict(block_k=0), "block_k=0"),
-    (dict(q_seg_BT=batch(range(4))), "segment ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, culprit",
+    [
+        (dict(kv_heads=3), "multiple of kv heads"),
+        (dict(window=0), "window=0"),
+        (dict(block_k=0), "block_k=0"),
+        (dict(q_seg_BT=batch(range(4))), "segment ids"),
+    ],
+)
 def test_bad_arguments_name_the_culprit(kwargs, culprit):
     (q, k, v), _, _ = inputs(4, 4, kwargs.pop("kv_heads", 2))
     with pytest.raises(ValueError, match=culprit):
@@ -215,15 +247,22 @@ def test_queries_sharded_over_the_sequence():
     gradients match the dense reference, and the only collective is the all-reduce that sums the
     key gradients over the query shards (no all-gather of the queries)."""
     auto = (jax.sharding.AxisType.Auto,) * 2
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "context"), axis_types=auto)
+    mesh = jax.sharding.Mesh(
+        np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "context"), axis_types=auto
+    )
     by_seq, whole = (NamedSharding(mesh, P("data", "context")), NamedSharding(mesh, P("data")))
     (q, k, v), out_ct, lse_ct = inputs(T, T)
     zeros = np.zeros(T)
     pos_seg = tuple(batch(x) for x in (zigzag(T, 2), zigzag(T, 2), zeros, zeros))
     # query-side arrays [B, T, ...] split along T, key-side ones whole
-    args = (jax.device_put(q, by_seq), jax.device_put(k, whole), jax.device_put(v, whole),
-            jax.device_put(pos_seg, (by_seq, whole, by_seq, whole)), jax.device_put(out_ct, by_seq),
-            jax.device_put(lse_ct, by_seq))
+    args = (
+        jax.device_put(q, by_seq),
+        jax.device_put(k, whole),
+        jax.device_put(v, whole),
+        jax.device_put(pos_seg, (by_seq, whole, by_seq, whole)),
+        jax.device_put(out_ct, by_seq),
+        jax.device_put(lse_ct, by_seq),
+    )
     compiled = value_and_grads.lower(*args, attend=_blockwise).compile()
     got = compiled(*args)
     assert_same(got, value_and_grads(q, k, v, pos_seg, out_ct, lse_ct, attend=_dense))
@@ -236,16 +275,22 @@ def _grad_temp_bytes(attend, t: int) -> int:
     positions are an argument, not a constant XLA would fold into a [T, S] mask at compile time."""
     q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
     pos = jax.ShapeDtypeStruct((1, t), jnp.int32)
-    grad = jax.jit(jax.grad(lambda q, k, v, pos: jnp.sum(attend(q, k, v, pos, pos)[0]), argnums=(0, 1, 2)))
+    grad = jax.jit(
+        jax.grad(lambda q, k, v, pos: jnp.sum(attend(q, k, v, pos, pos)[0]), argnums=(0, 1, 2))
+    )
     return grad.lower(q, q, q, pos).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_memory_grows_linearly_with_the_sequence():
     """Doubling T = S: the blockwise gradient's temporaries at most ~double, the dense ones ~4x.
     Compiled only, never run."""
-    sizes = {name: [_grad_temp_bytes(f, t) for t in (2048, 4096)] for name, f in (
-        ("blockwise", functools.partial(blockwise_attention, block_k=512, return_lse=True)),
-        ("dense", dense_attention))}
+    sizes = {
+        name: [_grad_temp_bytes(f, t) for t in (2048, 4096)]
+        for name, f in (
+            ("blockwise", functools.partial(blockwise_attention, block_k=512, return_lse=True)),
+            ("dense", dense_attention),
+        )
+    }
     assert sizes["blockwise"][1] / sizes["blockwise"][0] < 2.5, sizes
     assert sizes["dense"][1] / sizes["dense"][0] > 3, sizes
     # and less than one [N, T, S] float32 score matrix at T = S = 4096

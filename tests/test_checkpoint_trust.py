@@ -1,6 +1,7 @@
 """Damaged checkpoints are named, never crash: metadata of the wrong shape (ours and Orbax's), a
 damaged array data file (one line naming the step and the file, from any reader), a symlinked step
 (set aside, never deleted through), and a restore that reads the checkpoint once, not twice."""
+
 import asyncio
 import json
 import logging
@@ -14,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_env import cpu_env
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cpu_env import cpu_env
 from checkpoint.__main__ import describe
 from checkpoint.echoes import _is_echo, quiet_failed_read_echoes
 from checkpoint.layout import check_meta
@@ -30,8 +31,12 @@ N = 256  # the array's side: 256 KiB of random float32, so its data file dominat
 
 def abstract():
     mesh = jax.make_mesh((8,), ("data",))
-    return {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
-            "params": {"w": jax.ShapeDtypeStruct((N, N), jnp.float32, sharding=NamedSharding(mesh, P("data")))}}
+    return {
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+        "params": {
+            "w": jax.ShapeDtypeStruct((N, N), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +44,11 @@ def saved(tmp_path_factory):
     """Steps 2 and 4 of a small sharded state; each test damages its own copy."""
     d = tmp_path_factory.mktemp("saved") / "ck"
     values = np.random.default_rng(0).standard_normal((N, N), dtype=np.float32)
-    state = jax.tree.map(lambda a, v: jax.device_put(v, a.sharding), abstract(),
-                         {"step": np.int32(4), "params": {"w": values}})
+    state = jax.tree.map(
+        lambda a, v: jax.device_put(v, a.sharding),
+        abstract(),
+        {"step": np.int32(4), "params": {"w": values}},
+    )
     ck = Checkpointer(str(d), keep=0)
     for step in (2, 4):
         ck.save(step, state, {"step": step, "mesh": {"data": 8}})
@@ -54,23 +62,47 @@ def copy(saved, tmp_path):
 
 def data_file(step_dir):
     """The array's data file (the largest under state/), relative to the step directory."""
-    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs]
+    files = [
+        os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
+    ]
     return os.path.relpath(max(files, key=os.path.getsize), step_dir)
 
 
 # ------------------------------------------------------------------ metadata of the wrong shape
 
+
 def test_meta_schema_names_the_field():
-    good = {"step": 4, "seed": 0, "mesh": {"data": 8}, "data": {"next_step": 4, "seed": 0, "source": None,
-            "loader": {"next_step": 4, "sources": [{"name": "x"}]}}, "config": {"comm": {"outer_lr": 1}},
-            "versions": {"jax": "0.10"}}
+    good = {
+        "step": 4,
+        "seed": 0,
+        "mesh": {"data": 8},
+        "data": {
+            "next_step": 4,
+            "seed": 0,
+            "source": None,
+            "loader": {"next_step": 4, "sources": [{"name": "x"}]},
+        },
+        "config": {"comm": {"outer_lr": 1}},
+        "versions": {"jax": "0.10"},
+    }
     assert check_meta(good, "d") is good and check_meta({"step": 8}, "d") == {"step": 8}
-    cases = [([], "expected an object, got an array ([])"),
-             ({}, "field step: missing"),
-             ({"step": True}, "field step: expected an integer, got a boolean (true)"),
-             ({"step": 4, "mesh": {"data": "8"}}, 'field mesh.data: expected an integer, got a string ("8")'),
-             ({"step": 4, "config": {"comm": "int8"}}, 'field config.comm: expected an object, got a string'),
-             ({"step": 4, "data": {"loader": {"sources": [3]}}}, "field data.loader.sources[0]: expected an object")]
+    cases = [
+        ([], "expected an object, got an array ([])"),
+        ({}, "field step: missing"),
+        ({"step": True}, "field step: expected an integer, got a boolean (true)"),
+        (
+            {"step": 4, "mesh": {"data": "8"}},
+            'field mesh.data: expected an integer, got a string ("8")',
+        ),
+        (
+            {"step": 4, "config": {"comm": "int8"}},
+            "field config.comm: expected an object, got a string",
+        ),
+        (
+            {"step": 4, "data": {"loader": {"sources": [3]}}},
+            "field data.loader.sources[0]: expected an object",
+        ),
+    ]
     for meta, needle in cases:
         with pytest.raises(UnreadableCheckpoint) as e:
             check_meta(meta, "/r/4")
@@ -96,6 +128,7 @@ def test_wrong_shape_metadata_is_an_unreadable_step(saved, tmp_path, rel):
 
 # ------------------------------------------------------------------ damaged array data
 
+
 @pytest.mark.parametrize("damage", ["truncate", "delete", "corrupt"])
 def test_damaged_data_file_is_named_by_every_reader(saved, tmp_path, damage):
     d = copy(saved, tmp_path)
@@ -103,21 +136,26 @@ def test_damaged_data_file_is_named_by_every_reader(saved, tmp_path, damage):
     path = d / "4" / rel
     raw = path.read_bytes()
     if damage == "truncate":
-        path.write_bytes(raw[:len(raw) // 2])
+        path.write_bytes(raw[: len(raw) // 2])
     elif damage == "delete":
         path.unlink()
     else:  # same size, a damaged chunk header: only decoding the chunk tells
         path.write_bytes(bytes(b ^ 0xFF for b in raw[:16]) + raw[16:])
     ck, step = open_checkpoint(str(d / "4"))
-    readers = {"restore": lambda: ck.restore(step, abstract()),
-               "restore_params": lambda: ck.restore_params(step, abstract()["params"]),
-               "restore_params_to_host": lambda: ck.restore_params_to_host(step)}
+    readers = {
+        "restore": lambda: ck.restore(step, abstract()),
+        "restore_params": lambda: ck.restore_params(step, abstract()["params"]),
+        "restore_params_to_host": lambda: ck.restore_params_to_host(step),
+    }
     for name, read in readers.items():
         with pytest.raises(UnreadableCheckpoint) as e:
             read()
         msg = str(e.value)
         assert msg.startswith(f"checkpoint {d / '4'} is unreadable (file {rel}: "), (name, msg)
-        assert "\n" not in msg and "pybind11" not in msg and "Encountered error" not in msg, (name, msg)
+        assert "\n" not in msg and "pybind11" not in msg and "Encountered error" not in msg, (
+            name,
+            msg,
+        )
     if damage != "corrupt":
         assert f"file {rel}: {'missing' if damage == 'delete' else 'truncated'}" in msg
 
@@ -135,7 +173,9 @@ def test_restore_reads_the_data_once(saved, tmp_path):
     d = copy(saved, tmp_path)
     ck = Checkpointer(str(d), create=False)
     ck.restore(2, abstract())  # first use: Orbax sets up, Python imports what it needs
-    stored = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d / "4" / "state") for f in fs)
+    stored = sum(
+        os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d / "4" / "state") for f in fs
+    )
     before = bytes_read()
     state, _ = ck.restore(4, abstract())
     assert bytes_read() - before < 1.5 * stored, (bytes_read() - before, stored)
@@ -149,11 +189,18 @@ def test_a_cross_process_timeout_is_not_a_damaged_checkpoint(saved, tmp_path, mo
     still is."""
     d = copy(saved, tmp_path)
     ck = Checkpointer(str(d), create=False)
-    timeout = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [unbound_buffer.cc:132] Timed out"
-                                         " waiting 10000ms for send operation to complete")
-    for err, caught in ((timeout, jax.errors.JaxRuntimeError), (ValueError("bad bytes"), UnreadableCheckpoint)):
+    timeout = jax.errors.JaxRuntimeError(
+        "UNKNOWN: Gloo AllGather failed: [unbound_buffer.cc:132] Timed out"
+        " waiting 10000ms for send operation to complete"
+    )
+    for err, caught in (
+        (timeout, jax.errors.JaxRuntimeError),
+        (ValueError("bad bytes"), UnreadableCheckpoint),
+    ):
+
         def fail(*a, err=err, **k):
             raise err
+
         monkeypatch.setattr(ck._mngr, "restore", fail)
         with pytest.raises(caught) as e:
             ck.restore(4, abstract())
@@ -173,7 +220,9 @@ def test_failed_read_echoes_are_dropped(monkeypatch):
     def unraisable(e):
         return types.SimpleNamespace(exc_value=e, exc_traceback=e.__traceback__)
 
-    orbax_echo = Exception("Encountered error while reading array index: (slice(0, 8, 1),). See full TensorStore")
+    orbax_echo = Exception(
+        "Encountered error while reading array index: (slice(0, 8, 1),). See full TensorStore"
+    )
     assert _is_echo(unraisable(closed.value)) and _is_echo(unraisable(orbax_echo))
     assert not _is_echo(unraisable(RuntimeError("Event loop is closed")))  # raised elsewhere: kept
     seen = []
@@ -191,8 +240,14 @@ def test_failed_read_echoes_are_dropped(monkeypatch):
     handler.emit = kept.append
     log.addHandler(handler)
     try:
-        for e in (ValueError("OUT_OF_RANGE: Error reading ... [tensorstore_spec='{}']"), ValueError("a real one")):
-            log.error("Future exception was never retrieved\nfuture: <Future>", exc_info=(type(e), e, None))
+        for e in (
+            ValueError("OUT_OF_RANGE: Error reading ... [tensorstore_spec='{}']"),
+            ValueError("a real one"),
+        ):
+            log.error(
+                "Future exception was never retrieved\nfuture: <Future>",
+                exc_info=(type(e), e, None),
+            )
     finally:
         log.removeHandler(handler)
     assert [str(r.exc_info[1]) for r in kept] == ["a real one"]
@@ -200,35 +255,68 @@ def test_failed_read_echoes_are_dropped(monkeypatch):
 
 # ------------------------------------------------------------------ a symlinked step
 
+
 def test_symlinked_step_is_set_aside_and_never_deleted(saved, tmp_path, capsys):
     d = copy(saved, tmp_path)
     target = shutil.copytree(d / "2", tmp_path / "elsewhere" / "1")
     before = sorted(p.name for p in target.rglob("*"))
     os.symlink(target, d / "1")
-    assert Checkpointer(str(d), create=False).all_steps() == [1, 2, 4]  # a reader may read through it
+    assert Checkpointer(str(d), create=False).all_steps() == [
+        1,
+        2,
+        4,
+    ]  # a reader may read through it
 
     ck = Checkpointer(str(d), keep=2)  # its saves remove old steps: 1 would be the first to go
     out = capsys.readouterr().out
     assert ck.all_steps() == [2, 4]
-    assert (f"warning: checkpoint step {d / '1'} is a symbolic link (to {target}); set aside as"
-            f" {d / '1.symlink'}") in out and len(out.strip().splitlines()) == 1
+    assert (
+        f"warning: checkpoint step {d / '1'} is a symbolic link (to {target}); set aside as"
+        f" {d / '1.symlink'}"
+    ) in out and len(out.strip().splitlines()) == 1
     for step in (6, 8):
         ck.save(step, {"w": jnp.ones(4)}, {"step": step})
     ck.close()
     assert sorted(os.listdir(d)) == ["1.symlink", "6", "8"]
-    assert os.readlink(d / "1.symlink") == str(target) and sorted(p.name for p in target.rglob("*")) == before
+    assert (
+        os.readlink(d / "1.symlink") == str(target)
+        and sorted(p.name for p in target.rglob("*")) == before
+    )
 
 
 # ------------------------------------------------------------------ the real process
 
-TRAIN = ["--model", "tiny", "--model.dtype", "float32", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0",
-         "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false",
-         "--checkpoint.every", "2"]
+TRAIN = [
+    "--model",
+    "tiny",
+    "--model.dtype",
+    "float32",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "0",
+    "--train.sample_tokens",
+    "0",
+    "--logging.progress",
+    "false",
+    "--logging.tensorboard",
+    "false",
+    "--checkpoint.every",
+    "2",
+]
 
 
 def run(module, *args):
-    p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=ENV, text=True,
-                       capture_output=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     return p.returncode, p.stdout, p.stderr
 
 
@@ -236,6 +324,7 @@ def run(module, *args):
 def test_damaged_metadata_in_real_runs(tmp_path):
     from train.config import from_args
     from train.loop import Trainer
+
     trained = tmp_path / "trained"
     cfg, _ = from_args([*TRAIN, "--steps", "4", "--run-dir", str(trained)])
     Trainer(cfg).fit()  # in-process: one compile fewer than a subprocess
@@ -246,9 +335,13 @@ def test_damaged_metadata_in_real_runs(tmp_path):
     rc, out, err = run("train", *TRAIN, "--steps", "6", "--run-dir", run_a)
     assert rc == 0, err[-3000:]
     ck = run_a / "checkpoints"
-    assert (f"checkpoint {ck / '4'} is unreadable (file meta/metadata: expected an object, got an array ([]))"
-            in out) and f"resumed from {ck / '2'} (step 2," in out, out
-    assert (ck / "4.unreadable").is_dir() and sorted(int(s) for s in os.listdir(ck) if s.isdigit()) == [2, 4, 6]
+    assert (
+        f"checkpoint {ck / '4'} is unreadable (file meta/metadata: expected an object, got an array ([]))"
+        in out
+    ) and f"resumed from {ck / '2'} (step 2," in out, out
+    assert (ck / "4.unreadable").is_dir() and sorted(
+        int(s) for s in os.listdir(ck) if s.isdigit()
+    ) == [2, 4, 6]
 
     # (b) --resume of a step whose metadata has a field of the wrong type: exit 2, one line
     run_b = shutil.copytree(trained, tmp_path / "b")
@@ -256,11 +349,20 @@ def test_damaged_metadata_in_real_runs(tmp_path):
     meta = json.loads(meta_path.read_text())
     meta["config"]["comm"]["sync_every"] = "2"
     meta_path.write_text(json.dumps(meta))
-    rc, out, err = run("train", *TRAIN, "--steps", "6", "--run-dir", tmp_path / "other",
-                       "--resume", run_b / "checkpoints" / "4")
+    rc, out, err = run(
+        "train",
+        *TRAIN,
+        "--steps",
+        "6",
+        "--run-dir",
+        tmp_path / "other",
+        "--resume",
+        run_b / "checkpoints" / "4",
+    )
     assert rc == 2 and err.strip().splitlines() == [
         f"error: checkpoint {run_b / 'checkpoints' / '4'} is unreadable (file meta/metadata: field"
-        f' config.comm.sync_every: expected an integer, got a string ("2"))'], err
+        f' config.comm.sync_every: expected an integer, got a string ("2"))'
+    ], err
 
     # (c) inspect of the run whose newest step's metadata is `[]`: one line, exit 2
     run_c = shutil.copytree(trained, tmp_path / "c")
@@ -268,4 +370,5 @@ def test_damaged_metadata_in_real_runs(tmp_path):
     rc, out, err = run("checkpoint", "inspect", run_c)
     assert rc == 2 and err.strip().splitlines() == [
         f"error: checkpoint {run_c / 'checkpoints' / '4'} is unreadable (file meta/metadata: expected an object,"
-        f" got an array ([]))"], err
+        f" got an array ([]))"
+    ], err

@@ -1,11 +1,13 @@
 """mesh/collectives.py: quantiser round-trip bounds, top-k, and the compressed all-reduce on 8 fake
 devices against psum, with the bytes it really moves read from the compiled HLO."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mesh.build import make_mesh
 from mesh.collectives import BLOCK, QMAX, compressed_psum, dequantize, quantize, topk, topk_size
@@ -18,7 +20,10 @@ def mesh():
 
 
 # one compiled program per call site instead of one per eager op (compiles dominate on 2 cores)
-q_rt = jax.jit(lambda x, bits: (lambda q, s: (q, s, dequantize(q, s, bits)))(*quantize(x, bits)), static_argnums=1)
+q_rt = jax.jit(
+    lambda x, bits: (lambda q, s: (q, s, dequantize(q, s, bits)))(*quantize(x, bits)),
+    static_argnums=1,
+)
 
 
 def _x(n, seed=0):
@@ -33,20 +38,20 @@ def test_quantize_round_trip_bound(bits):
     x = _x(8 * BLOCK)
     q, scale_b, back = q_rt(x, bits)
     assert q.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
-    assert q.shape == (8, BLOCK * bits // 8)              # int4: two values per byte
+    assert q.shape == (8, BLOCK * bits // 8)  # int4: two values per byte
     assert scale_b.shape == (8,) and scale_b.dtype == jnp.float32
     x, back, scale_b = np.asarray(x), np.asarray(back), np.asarray(scale_b)
     err = np.abs(back - x).reshape(8, BLOCK)
-    assert np.max(err / scale_b[:, None]) <= 0.5 + 1e-5   # round to nearest: half a step
+    assert np.max(err / scale_b[:, None]) <= 0.5 + 1e-5  # round to nearest: half a step
     # the block maximum is exactly representable in magnitude (it defines the scale)
     amax = np.max(np.abs(x.reshape(8, BLOCK)), axis=1)
     np.testing.assert_allclose(np.max(np.abs(back.reshape(8, BLOCK)), axis=1), amax, rtol=1e-6)
-    np.testing.assert_array_equal((x - back) + back, x)   # residual + sent == input, bit-exact
+    np.testing.assert_array_equal((x - back) + back, x)  # residual + sent == input, bit-exact
 
 
 def test_int4_uses_the_whole_signed_range():
     x = np.tile(np.arange(-7, 8, dtype=np.float32), 18)[:BLOCK]
-    np.testing.assert_array_equal(q_rt(x, 4)[2], x)       # integers in [-7, 7] with max 7: exact
+    np.testing.assert_array_equal(q_rt(x, 4)[2], x)  # integers in [-7, 7] with max 7: exact
     assert QMAX[4] == 7
 
 
@@ -54,12 +59,15 @@ def test_zero_block_and_topk():
     assert float(np.abs(q_rt(np.zeros(BLOCK, np.float32), 8)[2]).max()) == 0.0
     x = _x(10_000, seed=1)
     vals, idx = jax.jit(topk, static_argnums=(1, 2))(x, 0.01, 1000)
-    assert vals.shape == idx.shape == (100,) == (topk_size(10_000, 0.01, 1000),) and idx.dtype == jnp.int32
+    assert (
+        vals.shape == idx.shape == (100,) == (topk_size(10_000, 0.01, 1000),)
+        and idx.dtype == jnp.int32
+    )
     x, vals, idx = np.asarray(x), np.asarray(vals), np.asarray(idx)
     np.testing.assert_array_equal(vals, x[idx])
     for b in range(10):  # per block: the 10 largest magnitudes, nothing smaller
-        xb = np.abs(x[b * 1000:(b + 1) * 1000])
-        chosen = idx[b * 10:(b + 1) * 10] - b * 1000
+        xb = np.abs(x[b * 1000 : (b + 1) * 1000])
+        chosen = idx[b * 10 : (b + 1) * 10] - b * 1000
         assert set(chosen) == set(np.argsort(-xb)[:10])
 
 
@@ -69,21 +77,33 @@ _RUNS = {}
 def _run(mesh, method, x_RD):
     """compressed_psum over `data` of each device's row; x_RD is [4, 2*D] sharded data x model.
     -> (total, residual, optimized HLO text); one compile per (method, shape), cached."""
+
     def f(a):
         total, residual = compressed_psum(a[0], "data", method, fraction=0.05)
         return total, residual[None]
+
     xs = jax.device_put(x_RD, NamedSharding(mesh, P("data", "model")))
     key = (method, x_RD.shape)
     if key not in _RUNS:
-        _RUNS[key] = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data", "model"),
-                                           out_specs=(P("model"), P("data", "model")))).lower(xs).compile()
+        _RUNS[key] = (
+            jax.jit(
+                jax.shard_map(
+                    f,
+                    mesh=mesh,
+                    in_specs=P("data", "model"),
+                    out_specs=(P("model"), P("data", "model")),
+                )
+            )
+            .lower(xs)
+            .compile()
+        )
     total, residual = _RUNS[key](xs)
     return total, residual, _RUNS[key].as_text()
 
 
 @pytest.mark.parametrize("method,bits", [("int8", 8), ("int4", 4)])
 def test_quantized_psum_close_to_psum(mesh, method, bits):
-    D = 3 * BLOCK + 17                                    # per model shard; not a multiple of the block
+    D = 3 * BLOCK + 17  # per model shard; not a multiple of the block
     x = np.stack([_x(2 * D, seed=r) for r in range(4)])
     total, residual = map(np.asarray, _run(mesh, method, x)[:2])
     exact = x.sum(0)
@@ -94,17 +114,19 @@ def test_quantized_psum_close_to_psum(mesh, method, bits):
     bound = 4 * step_in / 2 + step_sum / 2
     err = float(np.abs(total - exact).max())
     assert err <= bound * (1 + 1e-5)
-    assert err > 0                                         # it did compress
+    assert err > 0  # it did compress
     # what was not delivered is in the residuals: sum(residual) + total == sum(x) to f32 rounding
-    np.testing.assert_allclose(total + residual.sum(0), exact, atol=1e-5 * float(np.abs(x).max()) * 4)
+    np.testing.assert_allclose(
+        total + residual.sum(0), exact, atol=1e-5 * float(np.abs(x).max()) * 4
+    )
 
 
 def test_topk_psum_exact_on_what_it_sends(mesh):
     D = 2000
     x = np.stack([_x(2 * D, seed=10 + r) for r in range(4)])
     total, residual = map(np.asarray, _run(mesh, "topk", x)[:2])
-    sent = x - residual                                    # each device's selection, exactly
-    assert int((residual == 0).sum()) == 4 * 2 * topk_size(D, 0.05)   # per device and model shard
+    sent = x - residual  # each device's selection, exactly
+    assert int((residual == 0).sum()) == 4 * 2 * topk_size(D, 0.05)  # per device and model shard
     np.testing.assert_allclose(total, sent.sum(0), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(total + residual.sum(0), x.sum(0), rtol=1e-6, atol=1e-6)
 
@@ -115,9 +137,17 @@ def test_compressed_bytes_in_hlo(mesh):
     D = 16 * BLOCK
     x = np.stack([_x(2 * D, seed=r) for r in range(4)])
     xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
-    psum = jax.jit(jax.shard_map(lambda a: lax.psum(a[0], "data"), mesh=mesh, in_specs=P("data", "model"),
-                                 out_specs=P("model")))
-    f32 = summarize(parse_collectives(psum.lower(xs).compile().as_text(), mesh))   # compiled, never run
+    psum = jax.jit(
+        jax.shard_map(
+            lambda a: lax.psum(a[0], "data"),
+            mesh=mesh,
+            in_specs=P("data", "model"),
+            out_specs=P("model"),
+        )
+    )
+    f32 = summarize(
+        parse_collectives(psum.lower(xs).compile().as_text(), mesh)
+    )  # compiled, never run
     f32_wire = sum(v["wire_bytes"] for v in f32.values())
     assert f32_wire == 2 * 3 / 4 * 4 * D
     for method, ratio in (("int8", 3.5), ("int4", 7.0), ("topk", 4.9)):

@@ -1,5 +1,6 @@
 """Every numeric option's declared range: a value outside it is one line naming the option and the
 range, exit 2, whether it comes from a flag or a YAML file; presets and shipped configs stay valid."""
+
 import dataclasses
 import glob
 import math
@@ -68,17 +69,21 @@ def _one_line(err: UserError, shown: str, rng: str) -> str:
     return msg
 
 
-@pytest.mark.parametrize("option,value,shown,rng", OUT_OF_RANGE, ids=[f"{c[0]}={c[1]}" for c in OUT_OF_RANGE])
+@pytest.mark.parametrize(
+    "option,value,shown,rng", OUT_OF_RANGE, ids=[f"{c[0]}={c[1]}" for c in OUT_OF_RANGE]
+)
 def test_out_of_range_flag_and_yaml(tmp_path, option, value, shown, rng):
     with pytest.raises(UserError) as by_flag:
-        from_args([f"--{option}={value}"])   # `=`: argparse would take a lone -inf for an option
+        from_args([f"--{option}={value}"])  # `=`: argparse would take a lone -inf for an option
     msg = _one_line(by_flag.value, shown, rng)
     section, name = option.split(".")
     y = tmp_path / "c.yaml"
     y.write_text(f"{section}:\n  {name}: {value}\n")
     with pytest.raises(UserError) as by_yaml:
         build(None, str(y))
-    assert str(by_yaml.value) == msg   # the same check, the same words, whichever way the value came in
+    assert (
+        str(by_yaml.value) == msg
+    )  # the same check, the same words, whichever way the value came in
 
 
 @pytest.mark.parametrize("text", [".nan", ".inf", "-.inf"])
@@ -97,13 +102,17 @@ def test_eval_fraction_names_itself_not_seq_len():
 
 
 def test_eval_batches_zero_only_while_evaluating():
-    with pytest.raises(UserError, match=r"^--train.eval_batches 0: must be >= 1 while --eval-every 60"):
+    with pytest.raises(
+        UserError, match=r"^--train.eval_batches 0: must be >= 1 while --eval-every 60"
+    ):
         build({"train.eval_batches": 0})
     assert build({"train.eval_batches": 0, "train.eval_every": 0}).train.eval_batches == 0
 
 
 def test_process_id_below_num_processes():
-    with pytest.raises(UserError, match=r"^--process-id 2: must be in \[0, 1\] for --num-processes 2$"):
+    with pytest.raises(
+        UserError, match=r"^--process-id 2: must be in \[0, 1\] for --num-processes 2$"
+    ):
         build({"parallelism.num_processes": 2, "parallelism.process_id": 2})
 
 
@@ -116,7 +125,9 @@ def test_warmup_longer_than_the_run_is_accepted():
 def test_every_numeric_field_declares_a_range(section):
     cls = SECTIONS[section]
     for f in numeric_fields(cls):
-        assert isinstance(f.metadata.get("range"), Range), f"{section}.{f.name} has no declared range"
+        assert isinstance(f.metadata.get("range"), Range), (
+            f"{section}.{f.name} has no declared range"
+        )
 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
@@ -139,6 +150,7 @@ def test_a_field_without_a_range_is_a_programming_error():
     @dataclasses.dataclass(frozen=True)
     class Loose:
         n: int = 3
+
     with pytest.raises(TypeError, match="Loose.n has no declared range"):
         check_ranges(Loose(), lambda name: f"--x.{name}")
 
@@ -146,14 +158,17 @@ def test_a_field_without_a_range_is_a_programming_error():
 def test_range_syntax():
     @dataclasses.dataclass(frozen=True)
     class Timeouts:
-        wait: float = ranged(1.0, "[0, inf]")   # inf named with a closed bracket: allowed
+        wait: float = ranged(1.0, "[0, inf]")  # inf named with a closed bracket: allowed
         ratio: float = ranged(0.5, "(0, 1]")
+
     check_ranges(Timeouts(wait=math.inf), lambda name: f"--t.{name}")
     with pytest.raises(UserError, match=r"^--t.wait nan: must be a number in \[0, inf\]$"):
         check_ranges(Timeouts(wait=math.nan), lambda name: f"--t.{name}")
     with pytest.raises(UserError, match=r"^--t.ratio 0.0: must be a number in \(0, 1\]$"):
         check_ranges(Timeouts(ratio=0.0), lambda name: f"--t.{name}")
-    assert Range.parse(f"[0, {2**63 - 1}]").admits(2**63 - 1) and not Range.parse(f"[0, {2**63 - 1}]").admits(2**63)
+    assert Range.parse(f"[0, {2**63 - 1}]").admits(2**63 - 1) and not Range.parse(
+        f"[0, {2**63 - 1}]"
+    ).admits(2**63)
     with pytest.raises(ValueError, match="expected >X"):
         Range.parse("positive")
 
@@ -164,8 +179,9 @@ def test_presets_validate(name):
     assert build({"model.preset": name}).model == PRESETS[name]
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
-                         ids=os.path.basename)
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))), ids=os.path.basename
+)
 def test_shipped_configs_validate(path):
     assert build(None, path).train.steps >= 1
 
@@ -183,7 +199,10 @@ CLI = [
 @pytest.mark.parametrize("args,needle", CLI, ids=[c[1].split(":")[0] for c in CLI])
 def test_cli_exits_2_with_one_line(tmp_path, capsys, args, needle):
     (tmp_path / "c.yaml").write_text("checkpoint:\n  keep: -1\n")
-    argv = [a.format(yaml=tmp_path / "c.yaml") for a in args] + ["--run-dir", str(tmp_path / "never")]
+    argv = [a.format(yaml=tmp_path / "c.yaml") for a in args] + [
+        "--run-dir",
+        str(tmp_path / "never"),
+    ]
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith(f"error: {needle}"), err

@@ -1,5 +1,6 @@
 """train/console.py: `brigade COMMAND ...` reaches each `python -m` entry point's main with its
 arguments; an unknown command is one line and exit status 2; the installed script runs."""
+
 import os
 import shutil
 import subprocess
@@ -18,8 +19,13 @@ def test_help_lists_every_command(capsys):
         assert f"\n  {name} " in out
 
 
-@pytest.mark.parametrize("argv, says", [(["nope"], "error: brigade: unknown command 'nope'; valid: train, plan,"),
-                                        ([], "error: brigade: no command; valid: train, plan,")])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["nope"], "error: brigade: unknown command 'nope'; valid: train, plan,"),
+        ([], "error: brigade: no command; valid: train, plan,"),
+    ],
+)
 def test_unknown_command_is_one_line(capsys, argv, says):
     assert console.main(argv) == 2
     err = capsys.readouterr().err
@@ -28,18 +34,33 @@ def test_unknown_command_is_one_line(capsys, argv, says):
 
 def test_prepare_makes_a_dataset(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("one document\n")
-    assert console.main(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "ds"), "--workers", "1",
-                         "--no-progress"]) == 0
+    assert (
+        console.main(
+            [
+                "prepare",
+                str(tmp_path / "a.txt"),
+                "--out",
+                str(tmp_path / "ds"),
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "ds" / INDEX).is_file() and "1 documents" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["train", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
-    (["plan", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
-    (["report", "{tmp}/none"], "error: report: '{tmp}/none' is not a directory"),
-    (["inspect", "{tmp}/none"], "error: '{tmp}/none': no such checkpoint directory"),
-    (["export", "{tmp}/none", "{tmp}/out"], "error: export: pass --params-only"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["train", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
+        (["plan", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
+        (["report", "{tmp}/none"], "error: report: '{tmp}/none' is not a directory"),
+        (["inspect", "{tmp}/none"], "error: '{tmp}/none': no such checkpoint directory"),
+        (["export", "{tmp}/none", "{tmp}/out"], "error: export: pass --params-only"),
+    ],
+)
 def test_each_command_reaches_its_main(tmp_path, capsys, argv, says):
     """Each command's own error for a bad argument: the arguments arrived at that command."""
     assert console.main([a.format(tmp=tmp_path) for a in argv]) == 2
@@ -48,7 +69,7 @@ def test_each_command_reaches_its_main(tmp_path, capsys, argv, says):
 
 
 def test_hf_reaches_the_checkpoint_cli(tmp_path):
-    with pytest.raises(SystemExit) as exit_:   # argparse's own exit: --out is required
+    with pytest.raises(SystemExit) as exit_:  # argparse's own exit: --out is required
         console.main(["hf", "import", str(tmp_path)])
     assert exit_.value.code == 2
 

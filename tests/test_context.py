@@ -5,15 +5,25 @@ The backbone: the real jitted train step on a mesh equals one device's in float3
 the warm-up, in loss, gradient norm and every parameter (tests/equivalence.py), for context 2, 4
 and 8, both strategies, dense and blockwise attention, grouped-query heads (the tiny preset: 4
 query heads, 2 KV heads), packed documents, and with fsdp, data, model and pipeline axes."""
+
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from equivalence import (
+    BATCH,
+    SEQ,
+    assert_runs_match,
+    assert_trees_close,
+    gradients,
+    initial_params,
+    run_steps,
+    synthetic_batches,
+    trainer_cache,
+)
 
-from equivalence import (BATCH, SEQ, assert_runs_match, assert_trees_close, gradients, initial_params, run_steps,
-                         synthetic_batches, trainer_cache)
 from errors import UserError
 from mesh.build import make_mesh
 from mesh.rules import DEFAULT_RULES, axis_rules
@@ -36,7 +46,9 @@ def packed_batches(n: int = 5, seed: int = 1) -> list[dict]:
     for b in synthetic_batches(VOCAB, n, seed):
         cuts = np.sort(rng.integers(1, SEQ, (BATCH, 3)), axis=1)
         seg = (np.arange(SEQ)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
-        out.append({**b, "segment_ids": seg, "positions": np.asarray(segment_positions(jnp.asarray(seg)))})
+        out.append(
+            {**b, "segment_ids": seg, "positions": np.asarray(segment_positions(jnp.asarray(seg)))}
+        )
     return out
 
 
@@ -53,9 +65,13 @@ def reference(trainers):
     def get(packed: bool):
         if packed not in cache:
             tr = trainers("", True)
-            p0, batches = initial_params(tr), packed_batches() if packed else synthetic_batches(VOCAB)
+            p0, batches = (
+                initial_params(tr),
+                packed_batches() if packed else synthetic_batches(VOCAB),
+            )
             cache[packed] = p0, batches, run_steps(tr, batches, p0)
         return cache[packed]
+
     return get
 
 
@@ -65,18 +81,32 @@ CASES = [  # mesh, strategy, packed documents, more overrides: each strategy wit
     ("context=8", "all_gather", False, {"model.attention": "blockwise"}),
     ("context=4,fsdp=2", "ring", True, {"model.attention": "blockwise"}),
     ("context=4,data=2", "all_gather", True, {}),
-    ("context=2,fsdp=2,model=2", "all_gather", False,
-     {"model.attention": "blockwise", "parallelism.sequence_parallel": True, "model.loss_chunk": 8}),
+    (
+        "context=2,fsdp=2,model=2",
+        "all_gather",
+        False,
+        {
+            "model.attention": "blockwise",
+            "parallelism.sequence_parallel": True,
+            "model.loss_chunk": 8,
+        },
+    ),
     ("pipeline=2,context=2,fsdp=2", "ring", False, {}),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,strategy,packed,over", CASES, ids=[f"{c[0]}-{c[1]}{'-packed' * c[2]}" for c in CASES])
-def test_context_parallel_step_matches_one_device(trainers, reference, mesh, strategy, packed, over):
+@pytest.mark.parametrize(
+    "mesh,strategy,packed,over", CASES, ids=[f"{c[0]}-{c[1]}{'-packed' * c[2]}" for c in CASES]
+)
+def test_context_parallel_step_matches_one_device(
+    trainers, reference, mesh, strategy, packed, over
+):
     p0, batches, want = reference(packed)
     tr = trainers(mesh, **{"parallelism.context_strategy": strategy, **over})
-    assert_runs_match(run_steps(tr, batches, p0), want, f"{mesh} {strategy}{' packed' * packed} {over}")
+    assert_runs_match(
+        run_steps(tr, batches, p0), want, f"{mesh} {strategy}{' packed' * packed} {over}"
+    )
 
 
 @pytest.mark.slow
@@ -86,10 +116,13 @@ def test_context_parallel_moe_matches_one_device(trainers):
     ref = trainers("", True, **over)
     p0, batches = initial_params(ref), synthetic_batches(VOCAB)
     tr = trainers("context=2,expert=2,fsdp=2", **{"parallelism.context_strategy": "ring", **over})
-    assert_runs_match(run_steps(tr, batches, p0), run_steps(ref, batches, p0), "moe-tiny context=2,expert=2 ring")
+    assert_runs_match(
+        run_steps(tr, batches, p0), run_steps(ref, batches, p0), "moe-tiny context=2,expert=2 ring"
+    )
 
 
 # ------------------------------------------------------------------ the pieces, on their own
+
 
 def test_zigzag_gives_each_shard_an_early_and_a_late_chunk():
     assert context.zigzag(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
@@ -103,8 +136,11 @@ def test_zigzag_gives_each_shard_an_early_and_a_late_chunk():
 
 def test_layout_permutes_every_token_array_and_makes_positions_explicit():
     b = synthetic_batches(VOCAB, 1)[0]
-    out = context.to_layout({k: jnp.asarray(v) for k, v in b.items()}, 2, lambda seg, shape: jnp.broadcast_to(
-        jnp.arange(shape[1]), shape))
+    out = context.to_layout(
+        {k: jnp.asarray(v) for k, v in b.items()},
+        2,
+        lambda seg, shape: jnp.broadcast_to(jnp.arange(shape[1]), shape),
+    )
     order = context.zigzag(SEQ, 2)
     for key in ("inputs", "targets", "weights"):
         np.testing.assert_array_equal(out[key], b[key][:, order])
@@ -146,30 +182,65 @@ def test_merge_of_two_key_blocks_is_attention_over_both():
     q, kk, v = (jnp.asarray(rng.normal(size=(1, 6, 2, 4)), jnp.float32) for _ in range(3))
     pos = jnp.arange(6)[None]
     whole = context.local_attention(q, kk, v, pos, pos, None, None, window=0, kind="dense")
-    parts = [context.local_attention(q, kk[:, s], v[:, s], pos, pos[:, s], None, None, window=0, kind="dense",
-                                     return_lse=True) for s in (slice(0, 3), slice(3, 6))]
+    parts = [
+        context.local_attention(
+            q,
+            kk[:, s],
+            v[:, s],
+            pos,
+            pos[:, s],
+            None,
+            None,
+            window=0,
+            kind="dense",
+            return_lse=True,
+        )
+        for s in (slice(0, 3), slice(3, 6))
+    ]
     merged, _ = context.merge(*parts[0], *parts[1])
     np.testing.assert_allclose(merged, whole, rtol=1e-6, atol=1e-6)
     # a query that sees nothing in the second block (rows 0-2): weight 0, no NaN
-    assert np.all(np.isfinite(np.asarray(parts[1][1]))) and np.all(np.asarray(parts[1][0])[:, :3] == 0)
+    assert np.all(np.isfinite(np.asarray(parts[1][1]))) and np.all(
+        np.asarray(parts[1][0])[:, :3] == 0
+    )
 
 
 # ------------------------------------------------------------------ bad input, one line each
 
+
 def _trainer(mesh, **over):
-    d = {"model.preset": "tiny", "parallelism.mesh": mesh, "train.batch_size": 8, "train.seq_len": 32,
-         "logging.progress": False, "logging.tensorboard": False}
+    d = {
+        "model.preset": "tiny",
+        "parallelism.mesh": mesh,
+        "train.batch_size": 8,
+        "train.seq_len": 32,
+        "logging.progress": False,
+        "logging.tensorboard": False,
+    }
     return Trainer(build({**d, **over}))
 
 
-@pytest.mark.parametrize("mesh,over,needle", [
-    ("context=4,data=2", {"train.seq_len": 36}, "--seq-len 36 is not divisible by 8 (context 4 x 2 zigzag chunks)"),
-    ("fsdp=4,model=2", {"train.seq_len": 33, "parallelism.sequence_parallel": True},
-     "--seq-len 33 is not divisible by 2 (the residual stream's 2 sequence shards)"),
-    ("context=8", {"parallelism.context_strategy": "ulysses"},
-     "--parallelism.context_strategy 'ulysses': valid: all_gather, ring"),
-    ("context=8", {"model.attention": "cudnn"}, "attention 'cudnn' needs an NVIDIA GPU"),
-])
+@pytest.mark.parametrize(
+    "mesh,over,needle",
+    [
+        (
+            "context=4,data=2",
+            {"train.seq_len": 36},
+            "--seq-len 36 is not divisible by 8 (context 4 x 2 zigzag chunks)",
+        ),
+        (
+            "fsdp=4,model=2",
+            {"train.seq_len": 33, "parallelism.sequence_parallel": True},
+            "--seq-len 33 is not divisible by 2 (the residual stream's 2 sequence shards)",
+        ),
+        (
+            "context=8",
+            {"parallelism.context_strategy": "ulysses"},
+            "--parallelism.context_strategy 'ulysses': valid: all_gather, ring",
+        ),
+        ("context=8", {"model.attention": "cudnn"}, "attention 'cudnn' needs an NVIDIA GPU"),
+    ],
+)
 def test_bad_context_settings_are_one_line(mesh, over, needle):
     with pytest.raises(UserError) as e:
         _trainer(mesh, **over)
@@ -177,6 +248,7 @@ def test_bad_context_settings_are_one_line(mesh, over, needle):
 
 
 # ------------------------------------------------------------------ the chunked loss in the step
+
 
 def test_chunked_loss_gradients_equal_the_whole_head(trainers):
     """The train step's objective with the LM head + cross-entropy in chunks of 8 and of 12 tokens
@@ -193,25 +265,38 @@ def test_chunked_loss_gradients_equal_the_whole_head(trainers):
 
 def test_auto_chunks_the_loss_only_where_the_logits_are_large():
     tiny = preset("tiny")
-    assert loss_chunk(tiny, (8, 32)) == 0                                    # 264 KiB of logits: whole
-    assert loss_chunk(preset("1b"), (8, 8192)) == LOSS_CHUNK                # 8 x 8192 x 128k x 4 B: chunked
+    assert loss_chunk(tiny, (8, 32)) == 0  # 264 KiB of logits: whole
+    assert loss_chunk(preset("1b"), (8, 8192)) == LOSS_CHUNK  # 8 x 8192 x 128k x 4 B: chunked
     assert loss_chunk(dataclasses.replace(tiny, loss_chunk=16), (8, 32)) == 16
 
 
 # ------------------------------------------------------------------ plan: bytes and memory
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,strategy,kind", [("context=8", "all_gather", "all-gather"),
-                                                ("context=4,fsdp=2", "ring", "collective-permute")])
+@pytest.mark.parametrize(
+    "mesh,strategy,kind",
+    [("context=8", "all_gather", "all-gather"), ("context=4,fsdp=2", "ring", "collective-permute")],
+)
 def test_context_traffic_matches_theory(mesh, strategy, kind):
     """The compiled step's K/V collectives over `context` against plan/theory.py's formulas."""
-    d = {"model.preset": "tiny", "model.dtype": "float32", "parallelism.mesh": mesh, "train.batch_size": 16,
-         "train.seq_len": 256, "parallelism.context_strategy": strategy}
+    d = {
+        "model.preset": "tiny",
+        "model.dtype": "float32",
+        "parallelism.mesh": mesh,
+        "train.batch_size": 16,
+        "train.seq_len": 256,
+        "parallelism.context_strategy": strategy,
+    }
     r = analyze(Trainer(build(d)).setup)
     th, got = r["theory_on_backend_detail"], r["collectives_detail"]
     key = f"{kind}@context"
-    assert got[kind]["by_axes"]["context"]["operand_bytes"] == pytest.approx(th[key]["operand_bytes"], rel=0.02)
-    if strategy == "all_gather":  # the K/V gradients' reduce-scatter (CPU: an all-reduce) and the weights'
+    assert got[kind]["by_axes"]["context"]["operand_bytes"] == pytest.approx(
+        th[key]["operand_bytes"], rel=0.02
+    )
+    if (
+        strategy == "all_gather"
+    ):  # the K/V gradients' reduce-scatter (CPU: an all-reduce) and the weights'
         measured = got["all-reduce"]["by_axes"]["context"]["operand_bytes"]
         assert measured == pytest.approx(th["all-reduce@context"]["operand_bytes"], rel=0.02)
 
@@ -221,30 +306,68 @@ def test_memory_is_linear_in_the_sequence_and_32k_tokens_train(tmp_path):
     """The compiled step's temporary memory per device on context=8 at T = 4k, 8k, 16k: x2 per
     doubling with blockwise attention (the dense scores: x4); then a train step at 32k tokens (~70 s
     on 2 cores: one step proves the length trains, a second would only repeat it)."""
+
     def trainer(t, kind, **over):
-        return Trainer(build({"model.preset": "tiny", "model.max_seq_len": 32768, "parallelism.mesh": "context=8",
-                              "data.source": "synthetic", "train.batch_size": 1, "train.seq_len": t,
-                              "model.attention": kind, "train.steps": 3, "train.eval_every": 0,
-                              "train.sample_tokens": 0, "checkpoint.every": 0, "logging.progress": False,
-                              "logging.tensorboard": False, "logging.run_dir": str(tmp_path / f"{kind}{t}"), **over}))
-    temp = {(kind, t): compile_step(trainer(t, kind).setup).memory_analysis().temp_size_in_bytes
-            for kind, lengths in (("blockwise", (4096, 8192, 16384)), ("dense", (4096, 8192))) for t in lengths}
+        return Trainer(
+            build(
+                {
+                    "model.preset": "tiny",
+                    "model.max_seq_len": 32768,
+                    "parallelism.mesh": "context=8",
+                    "data.source": "synthetic",
+                    "train.batch_size": 1,
+                    "train.seq_len": t,
+                    "model.attention": kind,
+                    "train.steps": 3,
+                    "train.eval_every": 0,
+                    "train.sample_tokens": 0,
+                    "checkpoint.every": 0,
+                    "logging.progress": False,
+                    "logging.tensorboard": False,
+                    "logging.run_dir": str(tmp_path / f"{kind}{t}"),
+                    **over,
+                }
+            )
+        )
+
+    temp = {
+        (kind, t): compile_step(trainer(t, kind).setup).memory_analysis().temp_size_in_bytes
+        for kind, lengths in (("blockwise", (4096, 8192, 16384)), ("dense", (4096, 8192)))
+        for t in lengths
+    }
     assert temp["blockwise", 8192] / temp["blockwise", 4096] < 2.2, temp
     assert temp["blockwise", 16384] / temp["blockwise", 8192] < 2.2, temp
     assert temp["dense", 8192] / temp["dense", 4096] > 3.5, temp
     # the training run: one layer, one head of 16, so that a step of 32k x 32k attention takes
     # about a minute on 2 cores (the memory above is the tiny preset's)
-    summary = trainer(32768, "blockwise", **{"model.n_layers": 1, "model.n_heads": 1, "model.n_kv_heads": 1,
-                                              "model.d_model": 16, "model.d_ff": 32, "model.remat": "none",
-                                              "train.steps": 1}).fit()
-    assert summary["exit_code"] == 0 and summary["steps"] == 1 and np.isfinite(summary["final_loss"]), summary
+    summary = trainer(
+        32768,
+        "blockwise",
+        **{
+            "model.n_layers": 1,
+            "model.n_heads": 1,
+            "model.n_kv_heads": 1,
+            "model.d_model": 16,
+            "model.d_ff": 32,
+            "model.remat": "none",
+            "train.steps": 1,
+        },
+    ).fit()
+    assert (
+        summary["exit_code"] == 0 and summary["steps"] == 1 and np.isfinite(summary["final_loss"])
+    ), summary
 
 
 def test_ring_hops_hide_behind_attention_in_the_cost_model():
     """The ring's K/V permutes run beside the block in hand's attention; the pipeline's do not."""
     from plan.cost import overlappable
-    assert overlappable("collective-permute", ("context",)) and overlappable("all-gather", ("context",))
-    assert not overlappable("collective-permute", ("pipeline",)) and not overlappable("all-reduce", ("model",))
+
+    assert overlappable("collective-permute", ("context",)) and overlappable(
+        "all-gather", ("context",)
+    )
+    assert not overlappable("collective-permute", ("pipeline",)) and not overlappable(
+        "all-reduce", ("model",)
+    )
 
 
 @pytest.mark.slow
@@ -255,7 +378,9 @@ def test_sequence_parallel_gradients_equal_the_plain_tensor_parallel_ones(traine
     plain = trainers("fsdp=4,model=2")
     params = initial_params(plain)
     want_loss, want = gradients(plain, params, batch)
-    got_loss, got = gradients(trainers("fsdp=4,model=2", **{"parallelism.sequence_parallel": True}), params, batch)
+    got_loss, got = gradients(
+        trainers("fsdp=4,model=2", **{"parallelism.sequence_parallel": True}), params, batch
+    )
     assert got_loss == pytest.approx(want_loss, rel=1e-6)
     assert_trees_close(got, want, "sequence parallel", rtol=1e-6)
 
@@ -267,6 +392,7 @@ def test_sequence_check_needs_both_the_zigzag_chunks_and_the_residual_shards():
     from plan.theory import abstract_mesh
     from train.config import TrainConfig
     from train.shapes import validate_sequence
+
     mesh, rules = abstract_mesh({"context": 2, "model": 3}), sequence_parallel(make_rules())
     validate_sequence(mesh, rules, TrainConfig(seq_len=36))
     with pytest.raises(UserError, match="--seq-len 30 is not divisible by 12"):

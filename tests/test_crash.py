@@ -3,6 +3,7 @@ middle of an asynchronous save) never leaves a half-written checkpoint that a re
 and the restarted runs end with exactly the losses of an uninterrupted run; a damaged checkpoint
 (a truncated or deleted file) is reported with its step directory and file, and auto-resume
 falls back to the previous intact step without deleting anything."""
+
 import json
 import os
 import random
@@ -13,8 +14,8 @@ import sys
 import time
 
 import pytest
-
 from cpu_env import cpu_env
+
 from errors import UserError
 from train.config import build
 from train.loop import Trainer
@@ -22,10 +23,34 @@ from train.loop import Trainer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8, PYTHONUNBUFFERED="1")
 STEPS, EVERY = 30, 3
-CMD = ["--model", "tiny", "--model.dtype", "float32", "--steps", str(STEPS), "--checkpoint.every", str(EVERY),
-       "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
-       "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false",
-       "--train.warmup_steps", "0", "--train.min_lr_ratio", "1"]
+CMD = [
+    "--model",
+    "tiny",
+    "--model.dtype",
+    "float32",
+    "--steps",
+    str(STEPS),
+    "--checkpoint.every",
+    str(EVERY),
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--train.sample_tokens",
+    "0",
+    "--logging.progress",
+    "false",
+    "--logging.tensorboard",
+    "false",
+    "--train.warmup_steps",
+    "0",
+    "--train.min_lr_ratio",
+    "1",
+]
 
 
 def records(run_dir):
@@ -52,8 +77,14 @@ def committed(ck_dir):
 
 
 def start(run_dir, log):
-    return subprocess.Popen([sys.executable, "-m", "train", *CMD, "--run-dir", str(run_dir)], cwd=ROOT, env=ENV,
-                            text=True, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "train", *CMD, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def resumed_step(text):
@@ -86,7 +117,9 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ck_dir = run_dir / "checkpoints"
     with open(tmp_path / "ref.log", "w") as log:
-        assert start(ref_dir, log).wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+        assert start(ref_dir, log).wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[
+            -3000:
+        ]
     ref = [r["loss"] for r in records(ref_dir)]
     assert len(ref) == STEPS
 
@@ -108,10 +141,14 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
                     time.sleep(rng.uniform(1.0, 5.0))
                 elif mode in ("save", "step"):
                     kill_at = kill_step(p, run_dir, ck_dir, max(before, default=0), mode, rng)
-                    if kill_at is None:  # it reached the last step before its kill: the plan ends here
+                    if (
+                        kill_at is None
+                    ):  # it reached the last step before its kill: the plan ends here
                         mode = "finish"
                 if mode != "finish":
-                    assert p.poll() is None, f"run {i} ended before its kill: " + log_path.read_text()[-3000:]
+                    assert p.poll() is None, (
+                        f"run {i} ended before its kill: " + log_path.read_text()[-3000:]
+                    )
                     p.send_signal(signal.SIGKILL)
                 rc = p.wait(timeout=300)
             finally:
@@ -144,16 +181,29 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
     assert committed(ck_dir)[-1] == STEPS
     # goodput carried across the attempts: every resume counted, the work after each checkpoint lost
     last = recs[-1]
-    assert last["restarts"] == resumes and last["recomputed_steps"] >= 0 and last["time_lost_s"] > 0, last
+    assert (
+        last["restarts"] == resumes and last["recomputed_steps"] >= 0 and last["time_lost_s"] > 0
+    ), last
     assert last["time_total_s"] > sum(r["time_total_s"] for r in records(ref_dir)[-1:]), last
 
 
 # ------------------------------------------------------------------ damaged checkpoints
 
-BASE = {"model.preset": "tiny", "model.dtype": "float32", "train.batch_size": 8, "train.seq_len": 32,
-        "train.warmup_steps": 0, "train.min_lr_ratio": 1.0, "train.eval_every": 0, "train.sample_tokens": 0,
-        "logging.log_every": 1, "logging.progress": False, "logging.tensorboard": False,
-        "parallelism.mesh": "data=4,model=2", "checkpoint.every": 3}
+BASE = {
+    "model.preset": "tiny",
+    "model.dtype": "float32",
+    "train.batch_size": 8,
+    "train.seq_len": 32,
+    "train.warmup_steps": 0,
+    "train.min_lr_ratio": 1.0,
+    "train.eval_every": 0,
+    "train.sample_tokens": 0,
+    "logging.log_every": 1,
+    "logging.progress": False,
+    "logging.tensorboard": False,
+    "parallelism.mesh": "data=4,model=2",
+    "checkpoint.every": 3,
+}
 
 
 def make_cfg(run_dir, **over):
@@ -185,26 +235,54 @@ def test_damaged_checkpoint_falls_back_and_explicit_resume_names_the_file(tmp_pa
     out = capsys.readouterr().out
     assert summary["resumed_from"] == 3 and summary["exit_code"] == 0
     assert f"checkpoint {ck / '6'} is unreadable (file {bad_file}: " in out
-    assert f"unreadable step 6 set aside as {ck / '6.unreadable'} (nothing deleted); resuming from step 3" in out
+    assert (
+        f"unreadable step 6 set aside as {ck / '6.unreadable'} (nothing deleted); resuming from step 3"
+        in out
+    )
     assert [r["step"] for r in second.history] == [4, 5, 6, 7, 8, 9]
     assert [r["loss"] for r in second.history][:3] == ref[3:]  # bit-identical to the first run
-    assert committed(ck) == [3, 6, 9] and (ck / "6.unreadable" / "state").is_dir()  # kept, not deleted
+    assert (
+        committed(ck) == [3, 6, 9] and (ck / "6.unreadable" / "state").is_dir()
+    )  # kept, not deleted
 
     # (2) explicit --resume of a damaged step: exit 2, one line naming the step dir and the file
     bad_file = truncate_largest_data_file(ck / "9")
-    p = subprocess.run([sys.executable, "-m", "train", *CMD, "--steps", "12", "--run-dir", str(tmp_path / "other"),
-                        "--resume", str(ck / "9")], cwd=ROOT, env=ENV, text=True, capture_output=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            *CMD,
+            "--steps",
+            "12",
+            "--run-dir",
+            str(tmp_path / "other"),
+            "--resume",
+            str(ck / "9"),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"checkpoint {ck / '9'} is unreadable (file {bad_file}: " in lines[0], p.stderr
+    assert (
+        len(lines) == 1 and f"checkpoint {ck / '9'} is unreadable (file {bad_file}: " in lines[0]
+    ), p.stderr
 
     # (3) a deleted manifest and a truncated metadata file: named too, without reading arrays
     os.remove(ck / "3" / "state" / "manifest.ocdbt")
     with open(ck / "6" / "state" / "_METADATA", "r+b") as f:
         f.truncate(10)
     with pytest.raises(UserError) as e:
-        Trainer(make_cfg(tmp_path / "third", **{"train.steps": 12, "checkpoint.resume": str(ck / "3")})).fit()
-    assert str(e.value).startswith(f"checkpoint {ck / '3'} is unreadable (file state/manifest.ocdbt: missing)")
+        Trainer(
+            make_cfg(tmp_path / "third", **{"train.steps": 12, "checkpoint.resume": str(ck / "3")})
+        ).fit()
+    assert str(e.value).startswith(
+        f"checkpoint {ck / '3'} is unreadable (file state/manifest.ocdbt: missing)"
+    )
 
     # (4) no intact step left: auto-resume refuses in one line instead of silently starting over
     before = sorted(os.listdir(ck))
@@ -212,5 +290,8 @@ def test_damaged_checkpoint_falls_back_and_explicit_resume_names_the_file(tmp_pa
         Trainer(make_cfg(run_dir, **{"train.steps": 12})).fit()
     msg = str(e.value)
     assert msg.startswith(f"no intact checkpoint in {ck}: step 9: {bad_file}: ") and "\n" not in msg
-    assert "step 6: state/_METADATA: not valid JSON" in msg and "step 3: state/manifest.ocdbt: missing" in msg
+    assert (
+        "step 6: state/_METADATA: not valid JSON" in msg
+        and "step 3: state/manifest.ocdbt: missing" in msg
+    )
     assert sorted(os.listdir(ck)) == before  # nothing deleted or renamed

@@ -1,6 +1,7 @@
 """train/data: `prepare` (shards, index, workers, bad inputs), tokenizers, sources and mixtures, and
 the step-indexed pipeline (exactly-once epochs across processes, exact resume, eval batches); the
 rows themselves (packing masks): test_data_packing.py."""
+
 from __future__ import annotations
 
 import json
@@ -10,22 +11,22 @@ import sys
 
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from mesh.build import make_mesh
 from data_files import TEXTS, jsonl_file, memory_source, prepared_docs, tiktoken_file
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from errors import UserError
+from mesh.build import make_mesh
 from train.config import DataConfig
-from train.data import corpus
-from train.data import prepare
-from train.data import tokenizers
-from train.data.pipeline import Pipeline, make_pipeline, mix, permute, proportions, _round_keys
+from train.data import corpus, prepare, tokenizers
+from train.data.pipeline import Pipeline, _round_keys, make_pipeline, mix, permute, proportions
 from train.data.sources import load_prepared, parse_mixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ------------------------------------------------------------------ prepare
+
 
 def test_prepare_cli_workers_shards_and_order(tmp_path):
     """Through `python -m train.data prepare` with 2 worker processes: several shards, documents in
@@ -35,14 +36,40 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
     for i in range(3):
         (tmp_path / "txt" / f"{i}.txt").write_text(f"plain text file {i}\n")
     out = tmp_path / "ds"
-    r = subprocess.run([sys.executable, "-m", "train.data", "prepare", a, str(tmp_path / "txt"), "--out", str(out),
-                        "--workers", "2", "--shard-tokens", "4000", "--no-progress"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.data",
+            "prepare",
+            a,
+            str(tmp_path / "txt"),
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--shard-tokens",
+            "4000",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
-    assert len(prepare.make_tasks(prepare.expand_inputs([a, str(tmp_path / "txt")]), 2)) > 1  # the pool was used
+    assert (
+        len(prepare.make_tasks(prepare.expand_inputs([a, str(tmp_path / "txt")]), 2)) > 1
+    )  # the pool was used
     index = json.load(open(out / "index.json"))
-    assert index["dtype"] == "uint16" and index["vocab_size"] == corpus.BYTE_VOCAB and index["n_documents"] == 303
-    assert len(index["shards"]) > 3 and sum(s["n_tokens"] for s in index["shards"]) == index["n_tokens"]
+    assert (
+        index["dtype"] == "uint16"
+        and index["vocab_size"] == corpus.BYTE_VOCAB
+        and index["n_documents"] == 303
+    )
+    assert (
+        len(index["shards"]) > 3
+        and sum(s["n_tokens"] for s in index["shards"]) == index["n_tokens"]
+    )
     for sh in index["shards"]:
         assert tokenizers.file_sha256(out / sh["tokens"]) == sh["sha256"]["tokens"]
         assert sh["max_token"] == np.fromfile(out / sh["tokens"], index["dtype"]).max()
@@ -67,14 +94,22 @@ def test_token_dtype():
 
 # ------------------------------------------------------------------ tokenizers
 
+
 def _hf_file(tmp_path):
     hf_tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
     tok = hf_tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS * 3, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        TEXTS * 3,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     path = str(tmp_path / "tok.json")
     tok.save(path)
     return path
@@ -83,33 +118,63 @@ def _hf_file(tmp_path):
 def _sp_file(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     prefix = str(tmp_path / "sp")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS * 3), model_prefix=prefix, vocab_size=400,
-                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False, add_dummy_prefix=False, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXTS * 3),
+        model_prefix=prefix,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        minloglevel=2,
+    )
     return prefix + ".model"
-
 
 
 @pytest.mark.parametrize("kind", ["byte", "hf", "sentencepiece", "tiktoken"])
 def test_tokenizer_round_trip_through_prepare(tmp_path, kind):
-    spec = {"byte": lambda p: "byte", "hf": _hf_file, "sentencepiece": _sp_file, "tiktoken": tiktoken_file}[kind](tmp_path)
+    spec = {
+        "byte": lambda p: "byte",
+        "hf": _hf_file,
+        "sentencepiece": _sp_file,
+        "tiktoken": tiktoken_file,
+    }[kind](tmp_path)
     tok = tokenizers.load(spec)
     assert tok.kind == kind and 0 <= tok.eos_id < tok.vocab_size
     out = tmp_path / "ds"
-    assert prepare.main([jsonl_file(tmp_path / "a.jsonl", TEXTS[:60]), "--tokenizer", spec, "--out", str(out), "--workers", "1",
-                    "--no-progress"]) == 0
+    assert (
+        prepare.main(
+            [
+                jsonl_file(tmp_path / "a.jsonl", TEXTS[:60]),
+                "--tokenizer",
+                spec,
+                "--out",
+                str(out),
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     index = json.load(open(out / "index.json"))
     assert index["tokenizer"]["kind"] == kind and index["vocab_size"] == tok.vocab_size
-    assert index["tokenizer"]["id"] == (kind if kind == "byte" else f"{kind}:{tokenizers.file_sha256(spec)[:16]}")
+    assert index["tokenizer"]["id"] == (
+        kind if kind == "byte" else f"{kind}:{tokenizers.file_sha256(spec)[:16]}"
+    )
     docs = prepared_docs(out)
     assert [tok.decode(d) for d in docs] == TEXTS[:60]
     again = make_pipeline(DataConfig(source=str(out)), batch_size=2, seq_len=8, seed=0).tokenizer()
-    assert again.kind == kind and again.decode(docs[3]) == TEXTS[3]  # found again from the index, for samples
+    assert (
+        again.kind == kind and again.decode(docs[3]) == TEXTS[3]
+    )  # found again from the index, for samples
     if kind != "byte":  # a real subword vocabulary compresses
         assert sum(map(len, docs)) < 0.8 * sum(len(t.encode()) for t in TEXTS[:60])
 
 
 # ------------------------------------------------------------------ bad input: one line, exit 2, nothing written
+
 
 def _fails(tmp_path, capsys, argv, match):
     out = tmp_path / "out"
@@ -134,12 +199,29 @@ def test_bad_inputs_to_prepare(tmp_path, capsys, monkeypatch):
     monkeypatch.undo()
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     _fails(tmp_path, capsys, [good, str(tmp_path / "latin1.txt")], "latin1.txt is not UTF-8")
-    assert prepare.main([good, str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "skip"), "--on-bad-utf8", "skip",
-                    "--no-progress"]) == 0
+    assert (
+        prepare.main(
+            [
+                good,
+                str(tmp_path / "latin1.txt"),
+                "--out",
+                str(tmp_path / "skip"),
+                "--on-bad-utf8",
+                "skip",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "skipped 1 documents that are not UTF-8" in capsys.readouterr().err
     assert json.load(open(tmp_path / "skip" / "index.json"))["skipped_not_utf8"] == 1
     (tmp_path / "broken.json").write_text("{ not a tokenizer")
-    _fails(tmp_path, capsys, [good, "--tokenizer", str(tmp_path / "broken.json")], "not a loadable hf tokenizer")
+    _fails(
+        tmp_path,
+        capsys,
+        [good, "--tokenizer", str(tmp_path / "broken.json")],
+        "not a loadable hf tokenizer",
+    )
     _fails(tmp_path, capsys, [good, "--tokenizer", str(tmp_path / "none.model")], "no such file")
     _fails(tmp_path, capsys, [good, "--tokenizer", "gpt9"], "unknown kind")
     _fails(tmp_path, capsys, [good, "--text-field", "body"], "no string field 'body'")
@@ -150,7 +232,9 @@ def test_bad_inputs_to_prepare(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "already exists" in err and "--overwrite" in err
     assert sorted(os.listdir(tmp_path / "skip")) == before
-    assert prepare.main([good, "--out", str(tmp_path / "skip"), "--overwrite", "--no-progress"]) == 0
+    assert (
+        prepare.main([good, "--out", str(tmp_path / "skip"), "--overwrite", "--no-progress"]) == 0
+    )
     assert json.load(open(tmp_path / "skip" / "index.json"))["n_documents"] == 5
 
 
@@ -161,9 +245,13 @@ def test_bad_datasets_at_train_time(tmp_path):
     with pytest.raises(UserError, match=r"needs vocab_size >= 259 but model.vocab_size=256"):
         make_pipeline(cfg, batch_size=4, seq_len=16, seed=0, vocab_size=256)
     longest = max(len(t.encode()) for t in TEXTS) + 1
-    with pytest.raises(UserError, match=rf"--seq-len 400: longer than every document .*longest {longest} tokens"):
+    with pytest.raises(
+        UserError, match=rf"--seq-len 400: longer than every document .*longest {longest} tokens"
+    ):
         make_pipeline(DataConfig(source=str(ds), packing=False), batch_size=4, seq_len=400, seed=0)
-    make_pipeline(DataConfig(source=str(ds), packing=True), batch_size=4, seq_len=400, seed=0)  # packed: fine
+    make_pipeline(
+        DataConfig(source=str(ds), packing=True), batch_size=4, seq_len=400, seed=0
+    )  # packed: fine
     shard = ds / "shard-00000.bin"
     raw = bytearray(shard.read_bytes())
     raw[100] ^= 1
@@ -174,8 +262,11 @@ def test_bad_datasets_at_train_time(tmp_path):
     shard.write_bytes(bytes(raw[:-2]))
     with pytest.raises(UserError, match="truncated or modified"):
         make_pipeline(DataConfig(source=str(ds), verify=False), batch_size=4, seq_len=16, seed=0)
-    for bad, match in [(f"{ds}:0.5,default", "needs a positive weight"), (f"{ds}:0,default:1", "positive weight"),
-                       (str(tmp_path / "nope"), "not a file or directory")]:
+    for bad, match in [
+        (f"{ds}:0.5,default", "needs a positive weight"),
+        (f"{ds}:0,default:1", "positive weight"),
+        (str(tmp_path / "nope"), "not a file or directory"),
+    ]:
         with pytest.raises(UserError, match=match):
             make_pipeline(DataConfig(source=bad), batch_size=4, seq_len=16, seed=0)
 
@@ -186,16 +277,25 @@ def test_mixing_different_tokenizers_is_refused(tmp_path):
     prepare.prepare([a], str(tmp_path / "b"), progress=False)
     prepare.prepare([a], str(tmp_path / "t"), spec, progress=False)
     with pytest.raises(UserError, match="different tokenizers"):
-        make_pipeline(DataConfig(source=f"{tmp_path / 'b'}:1,{tmp_path / 't'}:1"), batch_size=4, seq_len=16, seed=0)
+        make_pipeline(
+            DataConfig(source=f"{tmp_path / 'b'}:1,{tmp_path / 't'}:1"),
+            batch_size=4,
+            seq_len=16,
+            seed=0,
+        )
 
 
 # ------------------------------------------------------------------ order
+
 
 def test_permute_is_a_keyed_bijection():
     for n in (1, 2, 3, 7, 64, 1000, 4097):
         p = permute(np.arange(n), n, _round_keys(1, 0, 0))
         np.testing.assert_array_equal(np.sort(p), np.arange(n))
-    a, b = permute(np.arange(1000), 1000, _round_keys(1, 0, 0)), permute(np.arange(1000), 1000, _round_keys(1, 0, 1))
+    a, b = (
+        permute(np.arange(1000), 1000, _round_keys(1, 0, 0)),
+        permute(np.arange(1000), 1000, _round_keys(1, 0, 1)),
+    )
     assert not np.array_equal(a, b) and not np.array_equal(a, np.arange(1000))
     assert abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1  # no trace of the identity order
 
@@ -205,9 +305,11 @@ def test_mixture_matches_grain_and_its_weights():
     src, j = mix(np.arange(100_000), props)
     for k, w in enumerate((0.7, 0.2, 0.1)):
         assert abs(np.mean(src == k) - w) < 0.005
-        np.testing.assert_array_equal(j[src == k], np.arange((src == k).sum()))  # each source's rows in order
+        np.testing.assert_array_equal(
+            j[src == k], np.arange((src == k).sum())
+        )  # each source's rows in order
     grain = pytest.importorskip("grain")
-    parents = [grain.MapDataset.range(10 ** 9).map(lambda x, k=k: (k, x)) for k in range(3)]
+    parents = [grain.MapDataset.range(10**9).map(lambda x, k=k: (k, x)) for k in range(3)]
     mixed = grain.MapDataset.mix(parents, [0.7, 0.2, 0.1])
     assert [mixed[i] for i in range(3000)] == list(zip(src[:3000].tolist(), j[:3000].tolist()))
 
@@ -215,18 +317,30 @@ def test_mixture_matches_grain_and_its_weights():
 def test_mixture_weights_in_batches(tmp_path):
     """Two prepared datasets of distinguishable bytes mixed 0.8/0.2: the share of rows from each."""
     for name, ch in (("a", "a"), ("b", "z")):
-        prepare.prepare([jsonl_file(tmp_path / f"{name}.jsonl", [ch * 500] * 20)], str(tmp_path / name), progress=False)
-    p = make_pipeline(DataConfig(source=f"{tmp_path / 'a'}:0.8,{tmp_path / 'b'}:0.2", eval_fraction=0.0),
-                      batch_size=16, seq_len=32, seed=5)
+        prepare.prepare(
+            [jsonl_file(tmp_path / f"{name}.jsonl", [ch * 500] * 20)],
+            str(tmp_path / name),
+            progress=False,
+        )
+    p = make_pipeline(
+        DataConfig(source=f"{tmp_path / 'a'}:0.8,{tmp_path / 'b'}:0.2", eval_fraction=0.0),
+        batch_size=16,
+        seq_len=32,
+        seed=5,
+    )
     rows = np.concatenate([p.global_batch(s)["inputs"] for s in range(100)])
     from_b = np.mean((rows == ord("z")).any(axis=1))
     assert abs(from_b - 0.2) < 0.01
-    assert not ((rows == ord("z")).any(axis=1) & (rows == ord("a")).any(axis=1)).any()  # a row is one source
+    assert not (
+        (rows == ord("z")).any(axis=1) & (rows == ord("a")).any(axis=1)
+    ).any()  # a row is one source
     assert "mixture a (byte) 80%, b (byte) 20%" in p.describe()
     mix_file = tmp_path / "mix.yaml"
     mix_file.write_text("- {source: a, weight: 4}\n- {source: b, weight: 1}\n")
     assert parse_mixture(str(mix_file)) == [(str(tmp_path / "a"), 4.0), (str(tmp_path / "b"), 1.0)]
-    p2 = make_pipeline(DataConfig(source=str(mix_file), eval_fraction=0.0), batch_size=16, seq_len=32, seed=5)
+    p2 = make_pipeline(
+        DataConfig(source=str(mix_file), eval_fraction=0.0), batch_size=16, seq_len=32, seed=5
+    )
     np.testing.assert_array_equal(p2.global_batch(7)["inputs"], p.global_batch(7)["inputs"])
 
 
@@ -245,14 +359,19 @@ def test_every_window_once_per_epoch_across_two_processes():
         firsts += [r for h in halves for r in h["inputs"][:, 0]]
         for h in halves:
             np.testing.assert_array_equal(h["targets"][:, :-1], h["inputs"][:, 1:])
-            np.testing.assert_array_equal(h["inputs"] - h["inputs"][:, :1], np.arange(T)[None].repeat(len(h["inputs"]), 0))
+            np.testing.assert_array_equal(
+                h["inputs"] - h["inputs"][:, :1], np.arange(T)[None].repeat(len(h["inputs"]), 0)
+            )
     windows = np.array(firsts) // T
-    epoch0, epoch1 = windows[:n_windows], windows[n_windows:2 * n_windows]
+    epoch0, epoch1 = windows[:n_windows], windows[n_windows : 2 * n_windows]
     np.testing.assert_array_equal(np.sort(epoch0), np.arange(n_windows))
     np.testing.assert_array_equal(np.sort(epoch1), np.arange(n_windows))
     assert not np.array_equal(epoch0, epoch1)
     st = p.state(steps)
-    assert st["sources"][0]["epoch"] == steps * B // n_windows and st["sources"][0]["offset"] == steps * B % n_windows
+    assert (
+        st["sources"][0]["epoch"] == steps * B // n_windows
+        and st["sources"][0]["offset"] == steps * B % n_windows
+    )
 
 
 def _batches(pipe, n):
@@ -270,7 +389,9 @@ def test_resume_from_saved_state_is_exact():
     cfg = DataConfig(source="synthetic", packing_mask=True, prefetch=3)
     kw = dict(batch_size=16, seq_len=32, seed=11, vocab_size=512)
     mesh = make_mesh("data=8")
-    full = make_pipeline(cfg, batch_sharding=NamedSharding(mesh, P(("data", "fsdp", "expert"), None)), **kw)
+    full = make_pipeline(
+        cfg, batch_sharding=NamedSharding(mesh, P(("data", "fsdp", "expert"), None)), **kw
+    )
     step = int(np.random.default_rng().integers(1, 5_000))
     saved = json.loads(json.dumps(full.state(step)))
     try:
@@ -278,8 +399,12 @@ def test_resume_from_saved_state_is_exact():
     finally:
         full.close()
     mesh2 = make_mesh("data=2,fsdp=2,model=2")
-    resumed = make_pipeline(cfg, batch_sharding=NamedSharding(mesh2, P(("data", "fsdp"), "model")),
-                            start_step=saved["next_step"], **kw)
+    resumed = make_pipeline(
+        cfg,
+        batch_sharding=NamedSharding(mesh2, P(("data", "fsdp"), "model")),
+        start_step=saved["next_step"],
+        **kw,
+    )
     assert resumed.check_state(saved) == []
     try:
         after = _batches(resumed, 20)
@@ -295,23 +420,39 @@ def test_resume_from_saved_state_is_exact():
     other = make_pipeline(DataConfig(source="synthetic"), **{**kw, "seed": 12})
     diffs = other.check_state(saved)
     assert diffs[:2] == ["train.seed 11 -> 12", "data.packing_mask True -> False"]
-    assert len(diffs) == 3 and diffs[2].startswith("data source 'synthetic' fingerprint")  # synthetic tokens follow the seed
+    assert len(diffs) == 3 and diffs[2].startswith(
+        "data source 'synthetic' fingerprint"
+    )  # synthetic tokens follow the seed
     diffs = make_pipeline(cfg, **{**kw, "seq_len": 64}).check_state(saved)
-    assert "train.seq_len 32 -> 64" in diffs and any(d.startswith("data source 'synthetic' windows") for d in diffs)
+    assert "train.seq_len 32 -> 64" in diffs and any(
+        d.startswith("data source 'synthetic' windows") for d in diffs
+    )
 
 
 def test_eval_batches_fixed_and_held_out(tmp_path):
     prepare.prepare([jsonl_file(tmp_path / "a.jsonl", TEXTS)], str(tmp_path / "ds"), progress=False)
     mesh = make_mesh("data=8")
-    p = make_pipeline(DataConfig(source=str(tmp_path / "ds"), eval_fraction=0.1), batch_size=8, seq_len=16, seed=0,
-                      batch_sharding=NamedSharding(mesh, P("data", None)))
+    p = make_pipeline(
+        DataConfig(source=str(tmp_path / "ds"), eval_fraction=0.1),
+        batch_size=8,
+        seq_len=16,
+        seed=0,
+        batch_sharding=NamedSharding(mesh, P("data", None)),
+    )
     src = p.sources[0]
     assert 10 < src.eval.n_docs < 60 and src.train.n_docs + src.eval.n_docs == len(TEXTS)
     e1, e2 = p.eval_batches(2), p.eval_batches(2)
     np.testing.assert_array_equal(np.asarray(e1[1]["inputs"]), np.asarray(e2[1]["inputs"]))
     np.testing.assert_array_equal(np.asarray(e1[0]["targets"]), p.eval_rows(0)["targets"])
-    held = {corpus.decode(src.eval.gather(np.arange(a, b - 1))) for a, b in zip(src.eval.doc_vstart[:-1], src.eval.doc_vstart[1:])}
-    trained = {corpus.decode(src.train.gather(np.arange(a, b - 1)))
-               for a, b in zip(src.train.doc_vstart[:-1], src.train.doc_vstart[1:])}
+    held = {
+        corpus.decode(src.eval.gather(np.arange(a, b - 1)))
+        for a, b in zip(src.eval.doc_vstart[:-1], src.eval.doc_vstart[1:])
+    }
+    trained = {
+        corpus.decode(src.train.gather(np.arange(a, b - 1)))
+        for a, b in zip(src.train.doc_vstart[:-1], src.train.doc_vstart[1:])
+    }
     assert held | trained == set(TEXTS) and not held & trained
-    assert load_prepared(str(tmp_path / "ds"), 0.1, True).eval.n_tokens == src.eval.n_tokens  # same split again
+    assert (
+        load_prepared(str(tmp_path / "ds"), 0.1, True).eval.n_tokens == src.eval.n_tokens
+    )  # same split again

@@ -1,6 +1,7 @@
 """train/data/formats.py through `prepare`: compressed JSONL, Parquet and HuggingFace `datasets`
 directories give exactly the tokens of the same documents as plain JSONL; their bad inputs are
 one line and exit status 2."""
+
 from __future__ import annotations
 
 import gzip
@@ -8,8 +9,8 @@ import json
 
 import numpy as np
 import pytest
-
 from data_files import TEXTS, jsonl_file, prepared_docs
+
 from train.data import prepare
 
 pa = pytest.importorskip("pyarrow")
@@ -37,13 +38,17 @@ def write_format(root, kind: str) -> str:
     elif kind == "jsonl.zst":
         zstandard = pytest.importorskip("zstandard")
         (root / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
-    elif kind == "parquet":   # several row groups, and other columns beside the text
-        pq.write_table(pa.table({"id": list(range(len(TEXTS))), "text": TEXTS}), root / "docs.parquet",
-                       row_group_size=64)
+    elif kind == "parquet":  # several row groups, and other columns beside the text
+        pq.write_table(
+            pa.table({"id": list(range(len(TEXTS))), "text": TEXTS}),
+            root / "docs.parquet",
+            row_group_size=64,
+        )
     elif kind == "datasets":
         datasets = pytest.importorskip("datasets")
         datasets.Dataset.from_dict({"text": TEXTS, "id": list(range(len(TEXTS)))}).save_to_disk(
-            str(root / "docs.hf"), num_shards=3, num_proc=1)
+            str(root / "docs.hf"), num_shards=3, num_proc=1
+        )
         return str(root / "docs.hf")
     return str(root / f"docs.{kind}")
 
@@ -58,9 +63,20 @@ def test_each_format_gives_the_plain_jsonl_tokens(reference, kind):
 def test_streamed_files_in_chunks_through_the_pool(reference, tmp_path, monkeypatch):
     """Small chunks, two workers, streamed files between plain ones: documents stay in input order."""
     root, _ = reference
-    monkeypatch.setattr(prepare, "TASK_BYTES", 700)   # the streamed files' chunks (read here, not in the workers)
-    inputs = [write_format(root, "jsonl.gz"), str(root / "docs.jsonl"), write_format(root, "parquet")]
-    assert sum(1 for _ in prepare.chunked(prepare.make_tasks(prepare.expand_inputs(inputs), 2), "text")) > 20
+    monkeypatch.setattr(
+        prepare, "TASK_BYTES", 700
+    )  # the streamed files' chunks (read here, not in the workers)
+    inputs = [
+        write_format(root, "jsonl.gz"),
+        str(root / "docs.jsonl"),
+        write_format(root, "parquet"),
+    ]
+    assert (
+        sum(
+            1 for _ in prepare.chunked(prepare.make_tasks(prepare.expand_inputs(inputs), 2), "text")
+        )
+        > 20
+    )
     index = prepare.prepare(inputs, str(tmp_path / "ds"), workers=2, progress=False)
     docs, plain = prepared_docs(tmp_path / "ds"), prepared_docs(root / "plain")
     assert index["n_documents"] == 3 * len(TEXTS)
@@ -79,7 +95,10 @@ def bad_inputs(root) -> dict[str, tuple[str, str]]:
     (root / "dict").mkdir()
     (root / "dict" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     return {
-        "nocol": ("nocol.parquet", "nocol.parquet: no column 'text'; set --text-field (columns: body)"),
+        "nocol": (
+            "nocol.parquet",
+            "nocol.parquet: no column 'text'; set --text-field (columns: body)",
+        ),
         "ints": ("ints.parquet", "ints.parquet: column 'text' holds int64, not text"),
         "null": ("null.parquet", "null.parquet (row 1): no text in column 'text' (null)"),
         "fake": ("fake.parquet", "fake.parquet: not a readable Parquet file"),
@@ -91,8 +110,24 @@ def bad_inputs(root) -> dict[str, tuple[str, str]]:
 
 def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys):
     for name, (path, says) in bad_inputs(tmp_path).items():
-        assert prepare.main([str(tmp_path / path), "--out", str(tmp_path / f"out-{name}"), "--workers", "1",
-                             "--no-progress"]) == 2, name
+        assert (
+            prepare.main(
+                [
+                    str(tmp_path / path),
+                    "--out",
+                    str(tmp_path / f"out-{name}"),
+                    "--workers",
+                    "1",
+                    "--no-progress",
+                ]
+            )
+            == 2
+        ), name
         err = capsys.readouterr().err
-        assert err.startswith("error: prepare: ") and err.count("\n") == 1 and says in err, (name, err)
-        assert not (tmp_path / f"out-{name}").exists() and not list(tmp_path.glob(f"out-{name}.tmp-*"))
+        assert err.startswith("error: prepare: ") and err.count("\n") == 1 and says in err, (
+            name,
+            err,
+        )
+        assert not (tmp_path / f"out-{name}").exists() and not list(
+            tmp_path.glob(f"out-{name}.tmp-*")
+        )

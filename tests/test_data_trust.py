@@ -1,6 +1,7 @@
 """train/data against hostile or broken input: `prepare --out` never deletes what it did not write
 (real processes), and every bad dataset, mixture, tokenizer or `--data` file is one line naming
 the culprit, never a traceback, a Rust panic or a NaN loss."""
+
 from __future__ import annotations
 
 import json
@@ -11,24 +12,33 @@ import sys
 
 import numpy as np
 import pytest
+from data_files import TEXTS, file_hashes, jsonl_file, tiktoken_file
 
 from errors import UserError
-from data_files import TEXTS, file_hashes, jsonl_file, tiktoken_file
 from train.config import DataConfig
 from train.data import prepare
 from train.data.pipeline import make_pipeline
 
 
-
 def _prepare_cli(args: list[str], cwd, home) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train.data", "prepare", *args, "--workers", "1", "--no-progress"],
-                          capture_output=True, text=True, cwd=cwd, env={**os.environ, "HOME": str(home)})
+    return subprocess.run(
+        [sys.executable, "-m", "train.data", "prepare", *args, "--workers", "1", "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "HOME": str(home)},
+    )
 
 
 def _layout(tmp_path):
     """tmp/work (the processes' cwd, with a file), tmp/home (their HOME, with a file), tmp/data/in
     (the input corpus) and tmp/ds (a prepared dataset with a foreign file next to its index)."""
-    for d, name in (("work", "notes.txt"), ("home", ".bashrc"), ("data/in", "a.txt"), ("data/in", "b.txt")):
+    for d, name in (
+        ("work", "notes.txt"),
+        ("home", ".bashrc"),
+        ("data/in", "a.txt"),
+        ("data/in", "b.txt"),
+    ):
         (tmp_path / d).mkdir(parents=True, exist_ok=True)
         (tmp_path / d / name).write_text(f"{d}/{name} text\n")
     prepare.prepare([str(tmp_path / "data" / "in")], str(tmp_path / "ds"), progress=False)
@@ -46,17 +56,27 @@ REFUSED_OUT = [  # (id, inputs, --out, words of the error) with paths relative t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inputs, out, words", [c[1:] for c in REFUSED_OUT], ids=[c[0] for c in REFUSED_OUT])
+@pytest.mark.parametrize(
+    "inputs, out, words", [c[1:] for c in REFUSED_OUT], ids=[c[0] for c in REFUSED_OUT]
+)
 def test_prepare_refuses_an_out_it_would_destroy(tmp_path, inputs, out, words):
     """`prepare ... --out X --overwrite` in a real process: exit 2, one line, and not one file of
     tmp_path deleted or changed (before: `--out .` emptied the cwd, `--out INPUT` the corpus)."""
     _layout(tmp_path)
     before = file_hashes(tmp_path)
     out_arg = "." if out == "work" else str(tmp_path / out)  # the cwd as the user types it
-    r = _prepare_cli([*(str(tmp_path / i) for i in inputs), "--out", out_arg, "--overwrite"], tmp_path / "work",
-                     tmp_path / "home")
+    r = _prepare_cli(
+        [*(str(tmp_path / i) for i in inputs), "--out", out_arg, "--overwrite"],
+        tmp_path / "work",
+        tmp_path / "home",
+    )
     err = r.stderr.strip()
-    assert r.returncode == 2 and err.startswith("error: prepare: --out ") and "\n" not in err and words in err, err
+    assert (
+        r.returncode == 2
+        and err.startswith("error: prepare: --out ")
+        and "\n" not in err
+        and words in err
+    ), err
     assert file_hashes(tmp_path) == before
 
 
@@ -65,15 +85,24 @@ def test_prepare_overwrites_its_own_dataset(tmp_path):
     _layout(tmp_path)
     (tmp_path / "ds" / "mine.txt").unlink()
     old_index = json.load(open(tmp_path / "ds" / "index.json"))
-    r = _prepare_cli([str(tmp_path / "data" / "in" / "a.txt"), "--out", str(tmp_path / "ds"), "--overwrite"],
-                     tmp_path / "work", tmp_path / "home")
+    r = _prepare_cli(
+        [str(tmp_path / "data" / "in" / "a.txt"), "--out", str(tmp_path / "ds"), "--overwrite"],
+        tmp_path / "work",
+        tmp_path / "home",
+    )
     assert r.returncode == 0, r.stderr
     index = json.load(open(tmp_path / "ds" / "index.json"))
     assert index["n_documents"] == 1 < old_index["n_documents"]
-    assert sorted(os.listdir(tmp_path)) == ["data", "ds", "home", "work"]  # no .tmp-/.old- left behind
+    assert sorted(os.listdir(tmp_path)) == [
+        "data",
+        "ds",
+        "home",
+        "work",
+    ]  # no .tmp-/.old- left behind
 
 
 # ------------------------------------------------------------------ bad datasets, mixtures, tokenizers, --data
+
 
 def _edit_index(ds, edit) -> None:
     path = os.path.join(ds, "index.json")
@@ -92,6 +121,7 @@ def _set(*keys_value):
         for k in keys:
             index = index[k]
         index[last] = value
+
     return edit
 
 
@@ -100,6 +130,7 @@ def _drop(*keys):
         for k in keys[:-1]:
             index = index[k]
         del index[keys[-1]]
+
     return edit
 
 
@@ -128,49 +159,130 @@ def _swap_offsets(ds) -> None:
 
 
 BAD = [  # (id, action on (tmp_path, ds) that raises UserError or returns --data or DataConfig fields, words of it)
-    ("index-missing-key", lambda t, ds: _edit_index(ds, _drop("dtype")), "index.json: missing key 'dtype'"),
-    ("index-wrong-type", lambda t, ds: _edit_index(ds, _set("vocab_size", "259")),
-     "key 'vocab_size' must be an integer, got \"259\""),
-    ("shard-bool-count", lambda t, ds: _edit_index(ds, _set("shards", 0, "n_tokens", True)),
-     "key 'shards[0].n_tokens' must be an integer"),
-    ("shard-missing-sha", lambda t, ds: _edit_index(ds, _drop("shards", 0, "sha256", "offsets")),
-     "missing key 'shards[0].sha256.offsets'"),
-    ("shards-not-a-list", lambda t, ds: _edit_index(ds, _set("shards", {"0": 1})), "key 'shards' must be a list"),
-    ("index-not-an-object", lambda t, ds: _write(os.path.join(ds, "index.json"), b"[1, 2]"),
-     "the index must be an object"),
-    ("bad-dtype", lambda t, ds: _edit_index(ds, _set("dtype", "float64")), "'dtype' is 'float64'; valid: uint16"),
-    ("absolute-shard-path", lambda t, ds: _edit_index(ds, _set("shards", 0, "tokens", "/etc/passwd")),
-     "'shards[0].tokens' is '/etc/passwd': shard files must be named relative"),
-    ("dotdot-shard-path", lambda t, ds: _edit_index(ds, _set("shards", 0, "offsets", "../x/../../o.npy")),
-     "'shards[0].offsets' is '../x/../../o.npy'"),
-    ("index-lies-about-vocab", lambda t, ds: _edit_index(ds, _lie_about_vocab),
-     "holds token id 257, beyond both model.vocab_size=200 and the vocabulary its index records (100)"),
-    ("old-index-without-max-token", lambda t, ds: _edit_index(ds, _old_and_lying) or {"verify": False},
-     "holds token id 257, beyond both"),  # found by scanning the shard all the same
-    ("max-token-lies", lambda t, ds: _edit_index(ds, _set("shards", 0, "max_token", 99)),
-     "holds token ids up to 257 but index.json says max_token 99"),
-    ("shard-missing", lambda t, ds: os.remove(os.path.join(ds, "shard-00000.offsets.npy")),
-     "shard file shard-00000.offsets.npy listed in index.json is missing"),
-    ("offsets-not-npy", lambda t, ds: _write(os.path.join(ds, "shard-00000.offsets.npy"), b"junk" * 9)
-     or {"verify": False},
-     "shard-00000.offsets.npy is not a .npy array"),
-    ("offsets-not-increasing", lambda t, ds: _swap_offsets(ds) or {"verify": False},
-     "shard-00000.offsets.npy does not match shard-00000.bin"),
+    (
+        "index-missing-key",
+        lambda t, ds: _edit_index(ds, _drop("dtype")),
+        "index.json: missing key 'dtype'",
+    ),
+    (
+        "index-wrong-type",
+        lambda t, ds: _edit_index(ds, _set("vocab_size", "259")),
+        "key 'vocab_size' must be an integer, got \"259\"",
+    ),
+    (
+        "shard-bool-count",
+        lambda t, ds: _edit_index(ds, _set("shards", 0, "n_tokens", True)),
+        "key 'shards[0].n_tokens' must be an integer",
+    ),
+    (
+        "shard-missing-sha",
+        lambda t, ds: _edit_index(ds, _drop("shards", 0, "sha256", "offsets")),
+        "missing key 'shards[0].sha256.offsets'",
+    ),
+    (
+        "shards-not-a-list",
+        lambda t, ds: _edit_index(ds, _set("shards", {"0": 1})),
+        "key 'shards' must be a list",
+    ),
+    (
+        "index-not-an-object",
+        lambda t, ds: _write(os.path.join(ds, "index.json"), b"[1, 2]"),
+        "the index must be an object",
+    ),
+    (
+        "bad-dtype",
+        lambda t, ds: _edit_index(ds, _set("dtype", "float64")),
+        "'dtype' is 'float64'; valid: uint16",
+    ),
+    (
+        "absolute-shard-path",
+        lambda t, ds: _edit_index(ds, _set("shards", 0, "tokens", "/etc/passwd")),
+        "'shards[0].tokens' is '/etc/passwd': shard files must be named relative",
+    ),
+    (
+        "dotdot-shard-path",
+        lambda t, ds: _edit_index(ds, _set("shards", 0, "offsets", "../x/../../o.npy")),
+        "'shards[0].offsets' is '../x/../../o.npy'",
+    ),
+    (
+        "index-lies-about-vocab",
+        lambda t, ds: _edit_index(ds, _lie_about_vocab),
+        "holds token id 257, beyond both model.vocab_size=200 and the vocabulary its index records (100)",
+    ),
+    (
+        "old-index-without-max-token",
+        lambda t, ds: _edit_index(ds, _old_and_lying) or {"verify": False},
+        "holds token id 257, beyond both",
+    ),  # found by scanning the shard all the same
+    (
+        "max-token-lies",
+        lambda t, ds: _edit_index(ds, _set("shards", 0, "max_token", 99)),
+        "holds token ids up to 257 but index.json says max_token 99",
+    ),
+    (
+        "shard-missing",
+        lambda t, ds: os.remove(os.path.join(ds, "shard-00000.offsets.npy")),
+        "shard file shard-00000.offsets.npy listed in index.json is missing",
+    ),
+    (
+        "offsets-not-npy",
+        lambda t, ds: (
+            _write(os.path.join(ds, "shard-00000.offsets.npy"), b"junk" * 9) or {"verify": False}
+        ),
+        "shard-00000.offsets.npy is not a .npy array",
+    ),
+    (
+        "offsets-not-increasing",
+        lambda t, ds: _swap_offsets(ds) or {"verify": False},
+        "shard-00000.offsets.npy does not match shard-00000.bin",
+    ),
     ("weight-1e-20", lambda t, ds: f"{ds}:1e-20,{ds}:1", "the weight 1e-20 of"),
-    ("weight-inf", lambda t, ds: f"{ds}:inf,default:1", "needs a positive weight (finite; got inf)"),
-    ("weight-nan", lambda t, ds: f"{ds}:nan,default:1", "needs a positive weight (finite; got nan)"),
+    (
+        "weight-inf",
+        lambda t, ds: f"{ds}:inf,default:1",
+        "needs a positive weight (finite; got inf)",
+    ),
+    (
+        "weight-nan",
+        lambda t, ds: f"{ds}:nan,default:1",
+        "needs a positive weight (finite; got nan)",
+    ),
     ("single-negative-weight", lambda t, ds: f"{ds}:-1", "needs a positive weight"),
-    ("yaml-weight-.inf", lambda t, ds: _yaml(t, "- {source: ds, weight: .inf}\n- {source: default, weight: 1}\n"),
-     "needs a positive weight (finite; got inf)"),
-    ("yaml-weight-true", lambda t, ds: _yaml(t, "- {source: ds, weight: true}\n- {source: default, weight: 1}\n"),
-     "needs a positive weight (finite; got True)"),
-    ("tiktoken-without-every-byte", lambda t, ds: _truncated_tiktoken(t), "8 of the 256 single bytes have no rank (first: 0xb8)"),
-    ("binary-data-file", lambda t, ds: _binary(t / "some.bin"), "some.bin' is not UTF-8 text (byte 6)"),
-    ("binary-in-data-dir", lambda t, ds: _binary(t / "dir" / "z.bin") and str(t / "dir"), "z.bin' is not UTF-8"),
-    ("out-not-a-dataset", lambda t, ds: _prepare_over(t, "plain", make_dir=True),
-     "index.json: No such file or directory; --overwrite replaces only a directory that holds a prepared dataset"),
-    ("out-a-file", lambda t, ds: _prepare_over(t, "notes.txt", make_dir=False),
-     "notes.txt' is not a directory; --overwrite replaces only"),
+    (
+        "yaml-weight-.inf",
+        lambda t, ds: _yaml(t, "- {source: ds, weight: .inf}\n- {source: default, weight: 1}\n"),
+        "needs a positive weight (finite; got inf)",
+    ),
+    (
+        "yaml-weight-true",
+        lambda t, ds: _yaml(t, "- {source: ds, weight: true}\n- {source: default, weight: 1}\n"),
+        "needs a positive weight (finite; got True)",
+    ),
+    (
+        "tiktoken-without-every-byte",
+        lambda t, ds: _truncated_tiktoken(t),
+        "8 of the 256 single bytes have no rank (first: 0xb8)",
+    ),
+    (
+        "binary-data-file",
+        lambda t, ds: _binary(t / "some.bin"),
+        "some.bin' is not UTF-8 text (byte 6)",
+    ),
+    (
+        "binary-in-data-dir",
+        lambda t, ds: _binary(t / "dir" / "z.bin") and str(t / "dir"),
+        "z.bin' is not UTF-8",
+    ),
+    (
+        "out-not-a-dataset",
+        lambda t, ds: _prepare_over(t, "plain", make_dir=True),
+        "index.json: No such file or directory; --overwrite replaces only a directory that holds a prepared dataset",
+    ),
+    (
+        "out-a-file",
+        lambda t, ds: _prepare_over(t, "notes.txt", make_dir=False),
+        "notes.txt' is not a directory; --overwrite replaces only",
+    ),
 ]
 
 
@@ -185,8 +297,10 @@ def _truncated_tiktoken(tmp_path) -> None:
     with open(path) as f:
         lines = f.read().splitlines()
     with open(path, "w") as f:
-        f.write("\n".join(lines[:0xb8] + lines[0xc0:]) + "\n")
-    prepare.prepare([jsonl_file(tmp_path / "t.jsonl", ["ÿ"])], str(tmp_path / "out"), path, progress=False)
+        f.write("\n".join(lines[:0xB8] + lines[0xC0:]) + "\n")
+    prepare.prepare(
+        [jsonl_file(tmp_path / "t.jsonl", ["ÿ"])], str(tmp_path / "out"), path, progress=False
+    )
 
 
 def _prepare_over(tmp_path, name: str, make_dir: bool) -> None:
@@ -218,7 +332,11 @@ def test_bad_input_is_one_line(tmp_path, pristine, capfd, action, words):
     shutil.copytree(pristine, ds)
     with pytest.raises(UserError) as e:
         got = action(tmp_path, ds)
-        cfg = {"source": ds, "eval_fraction": 0.0, **(got if isinstance(got, dict) else {"source": got} if got else {})}
+        cfg = {
+            "source": ds,
+            "eval_fraction": 0.0,
+            **(got if isinstance(got, dict) else {"source": got} if got else {}),
+        }
         make_pipeline(DataConfig(**cfg), batch_size=2, seq_len=8, seed=0, vocab_size=200)
     assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
     assert "panicked" not in capfd.readouterr().err

@@ -8,15 +8,25 @@ gradients themselves are checked against one device leaf by leaf.
 Each compared step starts from the framework's own state before it (its params, optimizer
 state and residuals): the step is what is under test, and a quantiser's rounding would turn the
 float32 noise of two runs into whole quantisation steps over a trajectory."""
+
 import functools
 
 import jax
 import numpy as np
 import optax
 import pytest
+from equivalence import (
+    ATOL_FRAC,
+    BATCH,
+    RTOL,
+    WARMUP,
+    assert_trees_close,
+    initial_params,
+    initial_state,
+    make_trainer,
+    synthetic_batches,
+)
 
-from equivalence import (ATOL_FRAC, BATCH, RTOL, WARMUP, assert_trees_close, initial_params, initial_state,
-                         make_trainer, synthetic_batches)
 from mesh.collectives import BLOCK, QMAX
 from mesh.rules import axis_rules
 from mesh.shard import spec_axes
@@ -24,17 +34,20 @@ from train import comm
 from train.step import grads_loss_stats
 
 MESH, R = "data=8", 8
-CLIP = 0.5   # per-replica clipping before the sync is part of the path: low enough that it clips
+CLIP = 0.5  # per-replica clipping before the sync is part of the path: low enough that it clips
 TINY = {"model.preset": "tiny", "train.grad_clip": CLIP}
 
 
 # ------------------------------------------------------------------ the hand-written reference
 
+
 def quantise(x, bits: int, block: int):
     """Symmetric per-block quantisation of a flat float32 x -> (dequantised x, step size per element)."""
     x_nb = x.reshape(-1, block)
     amax_b = np.abs(x_nb).max(axis=1)
-    scale_b = np.where(amax_b > 0, amax_b / np.float32(QMAX[bits]), np.float32(1.0)).astype(np.float32)
+    scale_b = np.where(amax_b > 0, amax_b / np.float32(QMAX[bits]), np.float32(1.0)).astype(
+        np.float32
+    )
     q_nb = np.clip(np.round(x_nb / scale_b[:, None]), -QMAX[bits], QMAX[bits])
     return (q_nb * scale_b[:, None]).reshape(-1).astype(np.float32), np.repeat(scale_b, block)
 
@@ -51,7 +64,9 @@ def quantised_sum(x_R, bits: int):
     x[:, :size] = x_R
     deq, step_res = (np.stack(a) for a in zip(*(quantise(x[r], bits, block) for r in range(n))))
     residual = x - deq
-    part_JC = deq.reshape(n, n, chunk).sum(axis=0, dtype=np.float32)   # [owner, chunk], summed over sources
+    part_JC = deq.reshape(n, n, chunk).sum(
+        axis=0, dtype=np.float32
+    )  # [owner, chunk], summed over sources
     total, step_total = np.zeros(n * chunk, np.float32), np.zeros(n * chunk, np.float32)
     for j in range(n):
         own = slice(j * chunk, (j + 1) * chunk)
@@ -64,7 +79,9 @@ def quantised_sum(x_R, bits: int):
 def clip_replicas(grads_R):
     """Each replica's gradient clipped to global norm CLIP -> (clipped, norms before [R])."""
     leaves = jax.tree.leaves(grads_R)
-    norms_R = R * np.sqrt(sum(np.sum(np.square(g.reshape(R, -1), dtype=np.float64), axis=1) for g in leaves))
+    norms_R = R * np.sqrt(
+        sum(np.sum(np.square(g.reshape(R, -1), dtype=np.float64), axis=1) for g in leaves)
+    )
     scale_R = np.minimum(1.0, CLIP / np.maximum(norms_R, 1e-30)).astype(np.float32)
     return jax.tree.map(lambda g: g * scale_R.reshape(-1, *[1] * (g.ndim - 1)), grads_R), norms_R
 
@@ -86,41 +103,67 @@ def reference_sync(grads_R, residual_R, specs, bits: int) -> dict:
         for i in idx:
             size, shape = x[i][0].size, x[i].shape
             for k, v in zip(out, flat):
-                out[k][i] = v[..., start:start + size].reshape(shape if v.ndim == 2 else shape[1:])
+                out[k][i] = v[..., start : start + size].reshape(
+                    shape if v.ndim == 2 else shape[1:]
+                )
             start += size
     return {**{k: treedef.unflatten(v) for k, v in out.items()}, "inputs": treedef.unflatten(x)}
 
 
-def assert_close_up_to_ties(got, want, allowed, what: str, scale=None, max_share: float = 1e-3) -> None:
+def assert_close_up_to_ties(
+    got, want, allowed, what: str, scale=None, max_share: float = 1e-3
+) -> None:
     """Leaf by leaf: |got - want| <= RTOL x |want| + ATOL_FRAC x max|scale leaf| (scale: want,
     or the inputs for residuals, which are differences of nearly equal numbers), except that up to
     `max_share` of the elements (at least 2) may differ by at most `allowed` (per element): a
     rounding tie that a last-bit difference in float32 sums decided the other way moves a value
     by one quantisation step, and the residual of the same element by as much the other way."""
     scale = want if scale is None else scale
-    for (path, g), w, a, sc in zip(jax.tree_util.tree_leaves_with_path(got), *(jax.tree.leaves(t) for t in (
-            want, jax.tree.map(lambda w, a: np.broadcast_to(a, np.shape(w)), want, allowed), scale))):
+    for (path, g), w, a, sc in zip(
+        jax.tree_util.tree_leaves_with_path(got),
+        *(
+            jax.tree.leaves(t)
+            for t in (
+                want,
+                jax.tree.map(lambda w, a: np.broadcast_to(a, np.shape(w)), want, allowed),
+                scale,
+            )
+        ),
+    ):
         g, w = np.asarray(g), np.asarray(w)
         diff = np.abs(g - w)
         bad = diff > RTOL * np.abs(w) + ATOL_FRAC * float(np.abs(sc).max())
         name = f"{what}: {jax.tree_util.keystr(path)}"
-        assert not np.any(bad & (diff > 1.01 * a)), (name, float(diff.max()), int(np.sum(bad)), g.size)
+        assert not np.any(bad & (diff > 1.01 * a)), (
+            name,
+            float(diff.max()),
+            int(np.sum(bad)),
+            g.size,
+        )
         assert np.sum(bad) <= max(2, max_share * g.size), (name, int(np.sum(bad)), g.size)
 
 
 # ------------------------------------------------------------------ the framework's side
 
+
 def replica_gradient_fn(tr):
     """-> f(params, batch) = (mean loss, the gradient the step syncs: each replica's share of the
     mean gradient, [R, ...] per leaf), on the host; one compile for the data=8 mesh."""
-    fn = jax.jit(functools.partial(grads_loss_stats, tr.model_cfg, micro_batches=1, dp_axes=tr.dp_axes(),
-                                   per_replica=True), in_shardings=(tr.state_shardings.params, tr.batch_sharding))
+    fn = jax.jit(
+        functools.partial(
+            grads_loss_stats, tr.model_cfg, micro_batches=1, dp_axes=tr.dp_axes(), per_replica=True
+        ),
+        in_shardings=(tr.state_shardings.params, tr.batch_sharding),
+    )
 
     def run(params, batch):
         with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-            loss, g_R, _ = fn(jax.device_put(params, tr.state_shardings.params),
-                              jax.device_put(batch, tr.batch_sharding))
+            loss, g_R, _ = fn(
+                jax.device_put(params, tr.state_shardings.params),
+                jax.device_put(batch, tr.batch_sharding),
+            )
         return float(loss), jax.device_get(g_R)
+
     return run
 
 
@@ -131,7 +174,12 @@ def setup(tmp_path_factory):
     one = make_trainer("", tmp_path_factory.mktemp("one"), True, **TINY)
     dp = make_trainer(MESH, tmp_path_factory.mktemp("dp"), **TINY, **{"comm.compression": "int8"})
     assert dp.dp_axes() == ("data",) and dp.sync.error_feedback
-    return one, initial_params(one), synthetic_batches(one.model_cfg.vocab_size), replica_gradient_fn(dp)
+    return (
+        one,
+        initial_params(one),
+        synthetic_batches(one.model_cfg.vocab_size),
+        replica_gradient_fn(dp),
+    )
 
 
 @pytest.mark.slow
@@ -144,10 +192,13 @@ def test_replica_gradients_match_one_device(setup):
     rows = BATCH // R
     one_fn = jax.jit(functools.partial(grads_loss_stats, one.model_cfg, micro_batches=1))
     for r in range(R):
-        piece = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}
-        _, want, _ = one_fn(params0, piece)   # the mean over the replica's rows: x 1/R for its share
-        assert_trees_close(jax.tree.map(lambda g: g[r], g_R), jax.tree.map(lambda g: g / R, want),
-                           f"replica {r} gradient")
+        piece = {k: v[r * rows : (r + 1) * rows] for k, v in batch.items()}
+        _, want, _ = one_fn(params0, piece)  # the mean over the replica's rows: x 1/R for its share
+        assert_trees_close(
+            jax.tree.map(lambda g: g[r], g_R),
+            jax.tree.map(lambda g: g / R, want),
+            f"replica {r} gradient",
+        )
     want_loss, _, _ = one_fn(params0, batch)
     np.testing.assert_allclose(loss, float(want_loss), rtol=1e-5)
 
@@ -167,12 +218,17 @@ def test_compressed_step_matches_hand_reference(setup, tmp_path, compression):
     replica_sh = tr.state_shardings.residual
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
         step = tr.jit_step()
-        sync_fn = jax.jit(functools.partial(comm.sync_grads, compression=compression, dp_axes=tr.dp_axes(),
-                                            param_specs=specs), in_shardings=(replica_sh, replica_sh))
+        sync_fn = jax.jit(
+            functools.partial(
+                comm.sync_grads, compression=compression, dp_axes=tr.dp_axes(), param_specs=specs
+            ),
+            in_shardings=(replica_sh, replica_sh),
+        )
 
     def sync(g_R, residual_R):
         with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
             return sync_fn(g_R, residual_R)
+
     for i, batch in enumerate(batches):
         before = jax.device_get(state)
         with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
@@ -187,21 +243,39 @@ def test_compressed_step_matches_hand_reference(setup, tmp_path, compression):
         what = f"{compression} step {i + 1}"
         # the sync alone on the very same inputs: to float32 rounding of the sums (and its ties)
         got_synced, got_residual = jax.device_get(sync(g_R, before.residual))
-        assert_close_up_to_ties(got_synced, ref["synced"], ref["synced_step"], f"{what} sync_grads: synced")
-        assert_close_up_to_ties(got_residual, ref["residual"], ref["residual_step"], f"{what} sync_grads: residuals",
-                                scale=ref["inputs"])
+        assert_close_up_to_ties(
+            got_synced, ref["synced"], ref["synced_step"], f"{what} sync_grads: synced"
+        )
+        assert_close_up_to_ties(
+            got_residual,
+            ref["residual"],
+            ref["residual_step"],
+            f"{what} sync_grads: residuals",
+            scale=ref["inputs"],
+        )
         # the whole step: its loss, gradient norm, residuals and parameters. Its gradients match the
         # reference's to float32 rounding only, so more quantisation ties may fall the other way; an
         # element whose synced gradient moved by one step moves its parameter by at most lr x step / eps.
         updates, _ = tr.tx.update(ref["synced"], before.opt_state, before.params)
         params = optax.apply_updates(before.params, updates)
         np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-5, err_msg=what)
-        np.testing.assert_allclose(float(metrics["grad_norm"]), norms_R.mean(), rtol=1e-5, err_msg=what)
-        assert_close_up_to_ties(after.residual, ref["residual"], ref["residual_step"], f"{what} residuals",
-                                scale=ref["inputs"])
+        np.testing.assert_allclose(
+            float(metrics["grad_norm"]), norms_R.mean(), rtol=1e-5, err_msg=what
+        )
+        assert_close_up_to_ties(
+            after.residual,
+            ref["residual"],
+            ref["residual_step"],
+            f"{what} residuals",
+            scale=ref["inputs"],
+        )
         lr, eps = float(metrics["lr"]), tr.cfg.train.eps
-        assert_close_up_to_ties(after.params, params, jax.tree.map(lambda s: lr * s / eps, ref["synced_step"]),
-                                f"{what} params")
+        assert_close_up_to_ties(
+            after.params,
+            params,
+            jax.tree.map(lambda s: lr * s / eps, ref["synced_step"]),
+            f"{what} params",
+        )
         held = max(float(np.abs(r).max()) for r in jax.tree.leaves(after.residual))
         assert held > 0, "nothing was held back: the compression did not compress"
     assert clipped > 0, "no replica was clipped: the local clipping went untested"

@@ -3,14 +3,23 @@ the head's input instead of its weights, against one device and against the clas
 per step after the warm-up in float32 (loss, gradient norm, every parameter) and through the raw
 gradient leaf by leaf; the cross-entropy (gathered target logit, masked-select gradient) against
 optax's; the `auto` choice."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from equivalence import (
+    assert_runs_match,
+    assert_trees_close,
+    gradients,
+    initial_params,
+    make_trainer,
+    run_steps,
+    synthetic_batches,
+    trainer_cache,
+)
 
-from equivalence import (assert_runs_match, assert_trees_close, gradients, initial_params, make_trainer,
-                         run_steps, synthetic_batches, trainer_cache)
 from errors import UserError
 from mesh.rules import head_layout, make_rules
 from train.step import token_xent
@@ -39,6 +48,7 @@ def runs(trainers):
             tr = trainers(mesh, one_device, **over)
             cache[key] = tr, run_steps(tr, batches, cache[("params0", *tied.values())])
         return cache[key]
+
     return get
 
 
@@ -69,10 +79,15 @@ def test_vocab_parallel_gradient_matches_classic_head(trainers):
 def test_token_xent_matches_optax():
     logits = jax.random.normal(jax.random.key(0), (3, 5, 40), jnp.float32) * 4
     targets = jax.random.randint(jax.random.key(1), (3, 5), 0, 40)
-    np.testing.assert_allclose(token_xent(logits, targets),
-                               optax.softmax_cross_entropy_with_integer_labels(logits, targets), rtol=1e-6)
+    np.testing.assert_allclose(
+        token_xent(logits, targets),
+        optax.softmax_cross_entropy_with_integer_labels(logits, targets),
+        rtol=1e-6,
+    )
     g = jax.grad(lambda z: token_xent(z, targets).sum())(logits)
-    want = jax.grad(lambda z: optax.softmax_cross_entropy_with_integer_labels(z, targets).sum())(logits)
+    want = jax.grad(lambda z: optax.softmax_cross_entropy_with_integer_labels(z, targets).sum())(
+        logits
+    )
     np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
 
 
@@ -80,17 +95,31 @@ SIZES = {"data": 1, "fsdp": 8, "context": 1, "model": 1, "expert": 1, "pipeline"
 
 
 def choose(rules=None, mode="auto", vocab=32000, tokens=1024, sizes=SIZES):
-    return head_layout(rules or make_rules(), mode, sizes, vocab=vocab, batch_tokens=tokens, act_bytes=4,
-                       param_bytes=4)
+    return head_layout(
+        rules or make_rules(),
+        mode,
+        sizes,
+        vocab=vocab,
+        batch_tokens=tokens,
+        act_bytes=4,
+        param_bytes=4,
+    )
 
 
 def test_auto_picks_the_layout_that_moves_fewer_bytes():
-    assert choose()["vocab"] == ("model", "fsdp", "context", "expert")      # 1,024 tokens per FSDP group < 32,000 rows
-    assert choose(tokens=1 << 20)["vocab"] == ("model",)         # a million tokens: gather the weights
-    assert choose(vocab=32001)["vocab"] == ("model",)            # 8 does not divide the vocabulary
-    assert choose(sizes={**SIZES, "fsdp": 1, "data": 8})["vocab"] == ("model",)  # no FSDP: nothing to move
+    assert choose()["vocab"] == (
+        "model",
+        "fsdp",
+        "context",
+        "expert",
+    )  # 1,024 tokens per FSDP group < 32,000 rows
+    assert choose(tokens=1 << 20)["vocab"] == ("model",)  # a million tokens: gather the weights
+    assert choose(vocab=32001)["vocab"] == ("model",)  # 8 does not divide the vocabulary
+    assert choose(sizes={**SIZES, "fsdp": 1, "data": 8})["vocab"] == (
+        "model",
+    )  # no FSDP: nothing to move
     written = make_rules("vocab_embed=fsdp+data")
-    assert choose(written) == written                           # auto keeps a head layout the user wrote
+    assert choose(written) == written  # auto keeps a head layout the user wrote
     assert choose(mode="on", tokens=1 << 20)["vocab"] == ("model", "fsdp", "context", "expert")
     assert choose(mode="off")["vocab"] == ("model",)
 
@@ -99,4 +128,6 @@ def test_bad_vocab_parallel_is_one_line(tmp_path):
     with pytest.raises(UserError, match="vocab_parallel 'sometimes'.*auto, on, off"):
         make_trainer("fsdp=8", tmp_path, **{"parallelism.vocab_parallel": "sometimes"})
     with pytest.raises(UserError, match="model.vocab_size"):
-        make_trainer("fsdp=8", tmp_path, **{"parallelism.vocab_parallel": "on", "model.vocab_size": 260})
+        make_trainer(
+            "fsdp=8", tmp_path, **{"parallelism.vocab_parallel": "on", "model.vocab_size": 260}
+        )

@@ -3,11 +3,19 @@ losses on) on expert=8 and data=2,expert=2,model=2, dropless and capacity dispat
 per step after the warm-up (loss, gradient norm, every parameter), plus the raw gradient of
 the loss leaf by leaf (Adam's per-coordinate normalisation would hide a gradient off by a
 constant factor; the direct comparison does not)."""
+
 import numpy as np
 import pytest
-
-from equivalence import (WARMUP, assert_runs_match, assert_trees_close, gradients, initial_params,
-                         run_steps, synthetic_batches, trainer_cache)
+from equivalence import (
+    WARMUP,
+    assert_runs_match,
+    assert_trees_close,
+    gradients,
+    initial_params,
+    run_steps,
+    synthetic_batches,
+    trainer_cache,
+)
 
 # The router's balance loss weighted 10x the default so that its gradient is a visible share of
 # the router's (a wrong aux-loss gradient must not hide under the cross-entropy's).
@@ -43,6 +51,7 @@ def runs(trainers):
             tr = trainers(mesh, one_device, **over)
             cache[key] = tr, run_steps(tr, batches, cache["params0"])
         return cache[key]
+
     return get
 
 
@@ -55,7 +64,9 @@ def test_expert_parallel_step_matches_one_device(runs, mesh, dispatch):
     assert_runs_match(got, want, f"{mesh} {dispatch}")
     for i, m in enumerate(got["metrics"]):
         assert float(m["moe/dropped_fraction"]) == 0.0, (i, m["moe/dropped_fraction"])
-        np.testing.assert_allclose(float(m["moe/aux_loss"]), float(want["metrics"][i]["moe/aux_loss"]), rtol=1e-5)
+        np.testing.assert_allclose(
+            float(m["moe/aux_loss"]), float(want["metrics"][i]["moe/aux_loss"]), rtol=1e-5
+        )
     # the experts really are split over the expert axis
     w = got["state"].params["moe_blocks"]["moe"]["w_gate_EDF"]
     assert w.addressable_shards[0].data.shape[1] == 8 // tr.mesh.shape["expert"]
@@ -74,7 +85,9 @@ def test_capacity_drops_match_the_same_token_groups(runs):
     _, want = runs("data=4", **over)
     dropped = [float(m["moe/dropped_fraction"]) for m in want["metrics"]]
     assert min(dropped) > 0.05, dropped
-    np.testing.assert_allclose([float(m["moe/dropped_fraction"]) for m in got["metrics"]], dropped, rtol=1e-6)
+    np.testing.assert_allclose(
+        [float(m["moe/dropped_fraction"]) for m in got["metrics"]], dropped, rtol=1e-6
+    )
     assert_runs_match(got, want, f"data=2,expert=2,model=2 capacity {DROPS} vs data=4")
 
 

@@ -6,22 +6,28 @@ after the warm-up (loss, gradient norm, every parameter; tests/equivalence.py), 
 A dense model's loss is a mean over the batch's tokens whatever the micro-batching, so the one-device
 reference needs no gradient accumulation (the MoE comparison in test_equivalence_pipeline.py
 does, for MoE through every schedule). zb_h1 also runs with gradient accumulation (train.micro_batches)."""
-import pytest
 
-from equivalence import assert_runs_match, initial_params, make_trainer, run_steps, synthetic_batches
+import pytest
+from equivalence import (
+    assert_runs_match,
+    initial_params,
+    make_trainer,
+    run_steps,
+    synthetic_batches,
+)
 
 DENSE = {"model.preset": "tiny", "model.n_layers": 8}
 # (mesh, schedule, repeats, M, overrides): one compile each, ~20-40 s on 2 cores
 CASES = [
-    ("pipeline=2,data=2,fsdp=2", "1f1b", 1, 2, {}),                                       # M = P
-    ("pipeline=4,model=2", "1f1b", 1, 8, {"model.scan_layers": False}),                   # 2P, unrolled
-    ("pipeline=2,fsdp=2,model=2", "interleaved_1f1b", 2, 4, {}),                          # 2P
-    ("pipeline=4,data=2", "interleaved_1f1b", 2, 4, {}),                                  # P, one layer per chunk
-    ("pipeline=2,model=2", "interleaved_1f1b", 4, 8, {"model.scan_layers": False}),       # 4P, unrolled
-    ("pipeline=2,data=2,fsdp=2", "zb_h1", 1, 2, {}),                                      # P
-    ("pipeline=4,model=2", "zb_h1", 1, 8, {"model.scan_layers": False}),                  # 2P, unrolled
-    ("pipeline=2,model=2", "zb_h1", 1, 8, {}),                                            # 4P
-    ("pipeline=2,model=2", "zb_h1", 1, 2, {"train.micro_batches": 2}),                   # P, accumulating
+    ("pipeline=2,data=2,fsdp=2", "1f1b", 1, 2, {}),  # M = P
+    ("pipeline=4,model=2", "1f1b", 1, 8, {"model.scan_layers": False}),  # 2P, unrolled
+    ("pipeline=2,fsdp=2,model=2", "interleaved_1f1b", 2, 4, {}),  # 2P
+    ("pipeline=4,data=2", "interleaved_1f1b", 2, 4, {}),  # P, one layer per chunk
+    ("pipeline=2,model=2", "interleaved_1f1b", 4, 8, {"model.scan_layers": False}),  # 4P, unrolled
+    ("pipeline=2,data=2,fsdp=2", "zb_h1", 1, 2, {}),  # P
+    ("pipeline=4,model=2", "zb_h1", 1, 8, {"model.scan_layers": False}),  # 2P, unrolled
+    ("pipeline=2,model=2", "zb_h1", 1, 8, {}),  # 4P
+    ("pipeline=2,model=2", "zb_h1", 1, 2, {"train.micro_batches": 2}),  # P, accumulating
 ]
 
 
@@ -33,12 +39,18 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh, schedule, repeats, M, over", CASES,
-                         ids=[f"{c[0]}-{c[1]}-R{c[2]}-M{c[3]}" for c in CASES])
+@pytest.mark.parametrize(
+    "mesh, schedule, repeats, M, over", CASES, ids=[f"{c[0]}-{c[1]}-R{c[2]}-M{c[3]}" for c in CASES]
+)
 def test_schedule_step_matches_one_device(reference, tmp_path, mesh, schedule, repeats, M, over):
     want, params0 = reference
-    tr = make_trainer(mesh, tmp_path, **DENSE, **over, **{"pipeline.schedule": schedule, "pipeline.repeats": repeats,
-                                                         "pipeline.microbatches": M})
+    tr = make_trainer(
+        mesh,
+        tmp_path,
+        **DENSE,
+        **over,
+        **{"pipeline.schedule": schedule, "pipeline.repeats": repeats, "pipeline.microbatches": M},
+    )
     got = run_steps(tr, synthetic_batches(264), params0)
     assert_runs_match(got, want, f"{mesh} {schedule} R={repeats} M={M}")
     # each pipeline device stores only its own layers (the rule layers -> pipeline)

@@ -1,4 +1,5 @@
 """The launch examples and the GPU benchmark stay in step with the CLI (fast: no training)."""
+
 import functools
 import math
 import re
@@ -44,16 +45,26 @@ def k8s_commands() -> list[str]:
     return [s for d in k8s_docs() for s in strings(d) if "-m train" in s]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_dry_run() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(GPU), "--dry-run", "--", "--seed", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(GPU), "--dry-run", "--", "--seed", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def train_help() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "train", "--help"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "train", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def cli_missing() -> bool:
@@ -74,14 +85,19 @@ def test_k8s_yaml_parses_and_names_line_up():
     # JobSet pod DNS: <jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain = jobset name>
     rjob = jobset["spec"]["replicatedJobs"][0]
     js_cmd = next(s for s in strings(jobset) if "-m train" in s)
-    assert arg(js_cmd, "--coordinator").split(":")[0] == \
-        f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{jobset['metadata']['name']}"
+    assert (
+        arg(js_cmd, "--coordinator").split(":")[0]
+        == f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{jobset['metadata']['name']}"
+    )
     # Indexed Job pod DNS: <job>-<index>.<subdomain>, and the subdomain must be the headless Service.
     pod = job["spec"]["template"]["spec"]
     assert svc["spec"]["clusterIP"] == "None" and pod["subdomain"] == svc["metadata"]["name"]
     assert svc["spec"]["selector"]["job-name"] == job["metadata"]["name"]
     job_cmd = next(s for s in strings(job) if "-m train" in s)
-    assert arg(job_cmd, "--coordinator").split(":")[0] == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert (
+        arg(job_cmd, "--coordinator").split(":")[0]
+        == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    )
     for spec, cmd in ((rjob["template"]["spec"], js_cmd), (job["spec"], job_cmd)):
         n = spec["parallelism"]
         assert spec["completionMode"] == "Indexed" and spec["completions"] == n

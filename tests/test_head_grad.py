@@ -3,15 +3,23 @@ custom VJP that writes the weight gradient as one [D, V] contraction) against th
 replaces, and `models.loss.token_xent`'s gathered target logit against the masked sum, per call
 and through the real sharded train step (fsdp=8, both head layouts) in float32 after the warm-up:
 loss, gradient norm and every parameter."""
+
 import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from equivalence import (
+    assert_runs_match,
+    initial_params,
+    run_steps,
+    synthetic_batches,
+    trainer_cache,
+)
 
-from equivalence import assert_runs_match, initial_params, run_steps, synthetic_batches, trainer_cache
-from models import layers, loss as loss_mod, transformer
+from models import layers, transformer
+from models import loss as loss_mod
 from train import step as step_mod
 
 VOCAB = 264
@@ -29,13 +37,20 @@ def masked_xent(logits_BTV, targets_BT):
     return lse_BT - jnp.sum(jnp.where(vocab_V == targets_BT[..., None], shifted_BTV, 0.0), axis=-1)
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 5), (2, 1, 3, 5)])  # the chunked loss's [B,S,C,D] too
+@pytest.mark.parametrize(
+    "shape", [(3, 5), (2, 3, 5), (2, 1, 3, 5)]
+)  # the chunked loss's [B,S,C,D] too
 def test_head_logits_matches_autodiff(shape):
     x = jax.random.normal(jax.random.key(0), (*shape[:-1], 16))
     head = jax.random.normal(jax.random.key(1), (16, 40))
     w = jax.random.normal(jax.random.key(2), (*shape[:-1], 40))
-    value_and_grads = lambda fn: jax.value_and_grad(lambda a, b: jnp.sum(fn(a, b) * w), argnums=(0, 1))(x, head)  # noqa: E731
-    (got, (gx, gh)), (want, (wx, wh)) = value_and_grads(layers.head_logits), value_and_grads(einsum_head)
+    value_and_grads = lambda fn: jax.value_and_grad(
+        lambda a, b: jnp.sum(fn(a, b) * w), argnums=(0, 1)
+    )(x, head)  # noqa: E731
+    (got, (gx, gh)), (want, (wx, wh)) = (
+        value_and_grads(layers.head_logits),
+        value_and_grads(einsum_head),
+    )
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-5 * float(jnp.abs(wx).max()))
     np.testing.assert_allclose(gh, wh, rtol=1e-5, atol=1e-5 * float(jnp.abs(wh).max()))
@@ -63,7 +78,9 @@ def test_token_xent_matches_the_masked_sum_outside_the_vocabulary_too():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
     row = logits[0, 2]
-    np.testing.assert_allclose(loss_mod.token_xent(logits, targets)[0, 2], jax.nn.logsumexp(row) - row.max(), rtol=1e-6)
+    np.testing.assert_allclose(
+        loss_mod.token_xent(logits, targets)[0, 2], jax.nn.logsumexp(row) - row.max(), rtol=1e-6
+    )
 
 
 @contextlib.contextmanager
@@ -80,12 +97,15 @@ def autodiff_head():
     def xent(logits, targets):
         traced.add("xent")
         return masked_xent(logits, targets)
+
     transformer.head_logits = loss_mod.head_logits = head
     step_mod.token_xent = loss_mod.token_xent = xent
     try:
         yield traced
     finally:
-        transformer.head_logits, loss_mod.head_logits, step_mod.token_xent, loss_mod.token_xent = saved
+        transformer.head_logits, loss_mod.head_logits, step_mod.token_xent, loss_mod.token_xent = (
+            saved
+        )
 
 
 @pytest.mark.slow
@@ -94,11 +114,16 @@ def autodiff_head():
 @pytest.mark.parametrize("layout,chunk", [("on", 0), ("off", 8)])
 def test_sharded_step_matches_autodiff_head(tmp_path_factory, layout, chunk):
     """The real jitted step on fsdp=8 (vocab-parallel or classic head; whole or chunked loss)."""
-    tr = trainer_cache(tmp_path_factory)("fsdp=8", **{"parallelism.vocab_parallel": layout,
-                                                      "model.loss_chunk": chunk})
+    tr = trainer_cache(tmp_path_factory)(
+        "fsdp=8", **{"parallelism.vocab_parallel": layout, "model.loss_chunk": chunk}
+    )
     batches, params0 = synthetic_batches(VOCAB), initial_params(tr)
     got = run_steps(tr, batches, params0)
     with autodiff_head() as traced:
         want = run_steps(tr, batches, params0)
     assert traced == {"head", "xent"}
-    assert_runs_match(got, want, f"head_logits + gathered target vs autodiff, vocab_parallel={layout}, chunk={chunk}")
+    assert_runs_match(
+        got,
+        want,
+        f"head_logits + gathered target vs autodiff, vocab_parallel={layout}, chunk={chunk}",
+    )

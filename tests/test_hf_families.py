@@ -4,6 +4,7 @@ random transformers model saved locally -> import -> logits within 1e-4 of trans
 -> re-import bit-exact, transformers loads the export to the same logits, greedy generation with the
 KV cache picks HF's tokens. Then the options themselves: the window in packed documents, training
 sharded with all three on, and the refusals, one line each."""
+
 import dataclasses
 
 import numpy as np
@@ -14,22 +15,28 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-from errors import UserError  # noqa: E402
-from checkpoint import hf  # noqa: E402
-from models import hf as hf_tables  # noqa: E402
-from models import flops  # noqa: E402
-from models import model as model_lib  # noqa: E402
-from models.config import preset  # noqa: E402
 from test_hf import assert_export_is_exact, tokens, torch_logits  # noqa: E402
 
-CLASSES = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+from checkpoint import hf  # noqa: E402
+from errors import UserError  # noqa: E402
+from models import flops  # noqa: E402
+from models import hf as hf_tables  # noqa: E402
+from models import model as model_lib  # noqa: E402
+from models.config import preset  # noqa: E402
+
+CLASSES = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
 CASES = {  # family -> (config overrides, the ModelConfig fields the import must set)
     # Qwen2.5-0.5B's shape of things: tied embeddings, GQA; every layer sliding (max_window_layers 0)
-    "qwen2": (dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=0),
-              dict(qkv_bias=True, sliding_window=5, tie_embeddings=True)),
+    "qwen2": (
+        dict(
+            tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=0
+        ),
+        dict(qkv_bias=True, sliding_window=5, tie_embeddings=True),
+    ),
     # Qwen3-0.6B's: head_dim 16 where hidden/heads is 8
     "qwen3": (dict(head_dim=16), dict(qk_norm=True, attn_head_dim=16)),
     "mistral": (dict(sliding_window=4), dict(sliding_window=4)),
@@ -39,8 +46,17 @@ CASES = {  # family -> (config overrides, the ModelConfig fields the import must
 def make_family(path, family, **overrides):
     """A random tiny model of `family` saved to `path`; biases and norm weights random too, so a
     dropped or swapped one shows in the logits."""
-    kw = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.1)
+    kw = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+    )
     kw.update(overrides)
     config_cls, model_cls = CLASSES[family]
     torch.manual_seed(0)
@@ -75,21 +91,29 @@ def test_import_export_generate_match_transformers(tmp_path, family):
     np.testing.assert_allclose(torch_logits(reloaded, toks), ref, atol=1e-4, rtol=1e-4)
 
     with torch.no_grad():  # 11 prompt + 6 new tokens: past the window, through the KV cache
-        want = ref_model.generate(torch.from_numpy(toks[:1].astype(np.int64)), max_new_tokens=6, do_sample=False,
-                                  min_new_tokens=6).numpy()[0, toks.shape[1]:]
+        want = ref_model.generate(
+            torch.from_numpy(toks[:1].astype(np.int64)),
+            max_new_tokens=6,
+            do_sample=False,
+            min_new_tokens=6,
+        ).numpy()[0, toks.shape[1] :]
     np.testing.assert_array_equal(np.asarray(model.generate(toks[:1], 6))[0], want)
 
 
 def test_sliding_window_in_packed_documents():
     """Packed documents with a window: each document's logits are its logits alone (the window
     counts positions inside the document), and the window changes them."""
-    cfg = dataclasses.replace(preset("tiny"), dtype="float32", sliding_window=3, qkv_bias=True, qk_norm=True).validate()
+    cfg = dataclasses.replace(
+        preset("tiny"), dtype="float32", sliding_window=3, qkv_bias=True, qk_norm=True
+    ).validate()
     apply = jax.jit(model_lib.apply, static_argnums=0)
     params = jax.jit(model_lib.init, static_argnums=0)(cfg, jax.random.key(0))
     toks_BT = jnp.asarray(tokens(vocab=cfg.vocab_size, shape=(1, 16)))
     packed = apply(cfg, params, toks_BT, None, None, jnp.asarray([[0] * 8 + [1] * 8]))[0]
-    alone = apply(cfg, params, toks_BT.reshape(2, 8))[0]   # the two documents as a batch of two
-    np.testing.assert_allclose(np.asarray(packed), np.asarray(alone).reshape(1, 16, -1), atol=1e-5, rtol=1e-5)
+    alone = apply(cfg, params, toks_BT.reshape(2, 8))[0]  # the two documents as a batch of two
+    np.testing.assert_allclose(
+        np.asarray(packed), np.asarray(alone).reshape(1, 16, -1), atol=1e-5, rtol=1e-5
+    )
     unwindowed = apply(dataclasses.replace(cfg, sliding_window=0), params, toks_BT.reshape(2, 8))[0]
     assert np.abs(np.asarray(unwindowed - alone)).max() > 1e-3
 
@@ -98,15 +122,26 @@ def test_training_sharded_with_bias_norm_and_window(tmp_path):
     """A few steps on data=2,fsdp=2,model=2 with all three options: the loss is finite, the new
     parameters learn, and they are sharded as the projections' head dims (model) or replicated."""
     from equivalence import initial_params, make_trainer, run_steps, synthetic_batches
-    tr = make_trainer("data=2,fsdp=2,model=2", tmp_path, **{
-        "model.preset": "tiny", "model.qkv_bias": True, "model.qk_norm": True, "model.sliding_window": 8})
+
+    tr = make_trainer(
+        "data=2,fsdp=2,model=2",
+        tmp_path,
+        **{
+            "model.preset": "tiny",
+            "model.qkv_bias": True,
+            "model.qk_norm": True,
+            "model.sliding_window": 8,
+        },
+    )
     out = run_steps(tr, synthetic_batches(tr.model_cfg.vocab_size, n=3), initial_params(tr))
     assert all(np.isfinite(m["loss"]) for m in out["metrics"])
     attn = out["state"].params["blocks"]["attn"]
     for name, shard in (("bq_NH", (2, 2, 16)), ("bk_KH", (2, 1, 16)), ("bv_KH", (2, 1, 16))):
         assert tuple(attn[name].sharding.spec)[1:] == ("model", None), name
         assert attn[name].sharding.shard_shape(attn[name].shape) == shard, name
-        assert np.abs(np.asarray(jax.device_get(attn[name]))).max() > 0, name   # zeros at init, trained
+        assert np.abs(np.asarray(jax.device_get(attn[name]))).max() > 0, (
+            name
+        )  # zeros at init, trained
     for name in ("q_norm", "k_norm"):
         scale = attn[name]["scale"]
         assert scale.shape == (2, 16) and scale.sharding.is_fully_replicated
@@ -115,50 +150,109 @@ def test_training_sharded_with_bias_norm_and_window(tmp_path):
 
 def test_export_families_and_flops():
     tiny = preset("tiny")
-    for fields, family in ((dict(), "llama"), (dict(sliding_window=8), "mistral"), (dict(attn_head_dim=32), "mistral"),
-                           (dict(qkv_bias=True, sliding_window=8), "qwen2"), (dict(qk_norm=True), "qwen3")):
+    for fields, family in (
+        (dict(), "llama"),
+        (dict(sliding_window=8), "mistral"),
+        (dict(attn_head_dim=32), "mistral"),
+        (dict(qkv_bias=True, sliding_window=8), "qwen2"),
+        (dict(qk_norm=True), "qwen3"),
+    ):
         assert hf_tables.model_type_of(dataclasses.replace(tiny, **fields)) == family, fields
     qwen2 = hf_tables.config_to_hf(dataclasses.replace(tiny, qkv_bias=True, sliding_window=8))
     assert qwen2["use_sliding_window"] and qwen2["layer_types"] == ["sliding_attention"] * 2
     # biases and q/k norms are additions, not matmuls; a window bounds the keys each query scores
-    assert flops.matmul_param_count(dataclasses.replace(tiny, qkv_bias=True, qk_norm=True)) == \
-        flops.matmul_param_count(tiny)
-    assert flops.flops_per_token(dataclasses.replace(tiny, sliding_window=32), 128) == \
-        flops.flops_per_token(tiny, 32)
-    assert flops.flops_per_token(dataclasses.replace(tiny, sliding_window=256), 128) == flops.flops_per_token(tiny, 128)
+    assert flops.matmul_param_count(
+        dataclasses.replace(tiny, qkv_bias=True, qk_norm=True)
+    ) == flops.matmul_param_count(tiny)
+    assert flops.flops_per_token(
+        dataclasses.replace(tiny, sliding_window=32), 128
+    ) == flops.flops_per_token(tiny, 32)
+    assert flops.flops_per_token(
+        dataclasses.replace(tiny, sliding_window=256), 128
+    ) == flops.flops_per_token(tiny, 128)
 
 
-BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
+BASE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def test_hf_window_semantics():
     """A window Qwen turns off (use_sliding_window false) is no window, as in transformers;
     Mistral and Mixtral read sliding_window alone."""
-    off = dict(BASE, model_type="qwen2", use_sliding_window=False, sliding_window=4, max_window_layers=0)
+    off = dict(
+        BASE, model_type="qwen2", use_sliding_window=False, sliding_window=4, max_window_layers=0
+    )
     assert hf_tables.config_from_hf(off)[1].sliding_window == 0
     assert hf_tables.config_from_hf(dict(off, use_sliding_window=True))[1].sliding_window == 4
-    assert hf_tables.config_from_hf(dict(BASE, model_type="mistral", sliding_window=4))[1].sliding_window == 4
-    mixtral = dict(BASE, model_type="mixtral", sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
+    assert (
+        hf_tables.config_from_hf(dict(BASE, model_type="mistral", sliding_window=4))[
+            1
+        ].sliding_window
+        == 4
+    )
+    mixtral = dict(
+        BASE, model_type="mixtral", sliding_window=4, num_local_experts=4, num_experts_per_tok=2
+    )
     assert hf_tables.config_from_hf(mixtral)[1].sliding_window == 4
 
 
-@pytest.mark.parametrize("config,words", [
-    (dict(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-     ["rope_scaling.rope_type=\"yarn\"", "default"]),
-    (dict(model_type="mistral", rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
-     ["rope_parameters.rope_type=\"linear\""]),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
-     ["max_window_layers=1", "all sliding_attention"]),
-    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=4,
-          layer_types=["full_attention", "sliding_attention"]), ["layer_types=", "all full_attention"]),
-    (dict(model_type="qwen3", attention_bias=True), ["attention_bias=true", "false"]),
-    (dict(model_type="llama", sliding_window=4), ["sliding_window=4", "null"]),
-    (dict(model_type="qwen2", max_window_layers=-1), ["max_window_layers", "a non-negative integer"]),
-    (dict(model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=8),
-     ["model_type=\"gemma2\"", "attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar",
-      "soft-capping", "qwen3"]),
-])
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        (
+            dict(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+            ['rope_scaling.rope_type="yarn"', "default"],
+        ),
+        (
+            dict(
+                model_type="mistral",
+                rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+            ),
+            ['rope_parameters.rope_type="linear"'],
+        ),
+        (
+            dict(
+                model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1
+            ),
+            ["max_window_layers=1", "all sliding_attention"],
+        ),
+        (
+            dict(
+                model_type="qwen3",
+                use_sliding_window=True,
+                sliding_window=4,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            ["layer_types=", "all full_attention"],
+        ),
+        (dict(model_type="qwen3", attention_bias=True), ["attention_bias=true", "false"]),
+        (dict(model_type="llama", sliding_window=4), ["sliding_window=4", "null"]),
+        (
+            dict(model_type="qwen2", max_window_layers=-1),
+            ["max_window_layers", "a non-negative integer"],
+        ),
+        (
+            dict(
+                model_type="gemma2",
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+                query_pre_attn_scalar=8,
+            ),
+            [
+                'model_type="gemma2"',
+                "attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar",
+                "soft-capping",
+                "qwen3",
+            ],
+        ),
+    ],
+)
 def test_unsupported_config_is_one_line(config, words):
     with pytest.raises(UserError) as e:
         hf_tables.config_from_hf(dict(BASE, **config))
@@ -168,9 +262,12 @@ def test_unsupported_config_is_one_line(config, words):
 
 def test_bad_options_are_one_line():
     from train.config import build
+
     with pytest.raises(UserError, match=r"^--model.sliding_window -1: must be an integer >= 0$"):
         build({"model.preset": "tiny", "model.sliding_window": -1})
-    with pytest.raises(UserError, match="model.qkv_bias=True with model.qk_norm=True has no HuggingFace"):
+    with pytest.raises(
+        UserError, match="model.qkv_bias=True with model.qk_norm=True has no HuggingFace"
+    ):
         hf_tables.config_to_hf(dataclasses.replace(preset("tiny"), qkv_bias=True, qk_norm=True))
     with pytest.raises(UserError, match="model.qk_norm=True has no HuggingFace Mixtral equivalent"):
         hf_tables.config_to_hf(dataclasses.replace(preset("moe-tiny"), qk_norm=True))
@@ -178,8 +275,16 @@ def test_bad_options_are_one_line():
 
 def test_qkv_biases_and_qk_norms_get_no_weight_decay():
     from train import optim
+
     cfg = dataclasses.replace(preset("tiny"), qkv_bias=True)
-    attn = optim.decay_mask(model_lib.abstract_params(cfg), decay_embeddings=False)["blocks"]["attn"]
+    attn = optim.decay_mask(model_lib.abstract_params(cfg), decay_embeddings=False)["blocks"][
+        "attn"
+    ]
     assert attn["wq_DNH"] is True and not any(attn[b] for b in ("bq_NH", "bk_KH", "bv_KH"))
-    normed = optim.decay_mask(model_lib.abstract_params(dataclasses.replace(preset("tiny"), qk_norm=True)), False)
-    assert normed["blocks"]["attn"]["q_norm"]["scale"] is False and normed["blocks"]["attn"]["k_norm"]["scale"] is False
+    normed = optim.decay_mask(
+        model_lib.abstract_params(dataclasses.replace(preset("tiny"), qk_norm=True)), False
+    )
+    assert (
+        normed["blocks"]["attn"]["q_norm"]["scale"] is False
+        and normed["blocks"]["attn"]["k_norm"]["scale"] is False
+    )

@@ -1,6 +1,7 @@
 """The shape of the house: the import graph flows one way (mesh -> models -> checkpoint -> train
 -> plan), no module imports itself back through others, no source file outgrows a room, and the
 README's "Where things are" map names files and functions that exist."""
+
 from __future__ import annotations
 
 import ast
@@ -10,8 +11,13 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("mesh", "models", "checkpoint", "train", "plan")
 # what each package may import from the project (besides itself and the top-level errors module)
-ALLOWED = {"mesh": set(), "models": {"mesh"}, "checkpoint": {"mesh", "models"},
-           "train": {"mesh", "models", "checkpoint"}, "plan": {"mesh", "models", "checkpoint", "train"}}
+ALLOWED = {
+    "mesh": set(),
+    "models": {"mesh"},
+    "checkpoint": {"mesh", "models"},
+    "train": {"mesh", "models", "checkpoint"},
+    "plan": {"mesh", "models", "checkpoint", "train"},
+}
 # The entry points that dispatch to a package above them: `python -m train plan` runs plan's CLI.
 CLI_DISPATCH = {("train.__main__", "plan")}
 MAX_LINES = 400
@@ -37,8 +43,10 @@ def _imports(path: str, known: set[str]) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             # `from pkg import sub` depends on the submodule; `from mod import name`, on mod
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                     for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                for a in node.names
+            ]
         else:
             continue
         out |= {n for n in names if n in known}
@@ -73,7 +81,7 @@ def test_no_import_cycle():
         state[m] = 1
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+                cycles.append(path[path.index(d) :] + [d] if d in path else [m, d])
             elif d not in state:
                 visit(d, path + [d])
         state[m] = 2
@@ -118,32 +126,65 @@ def _defines(path: str, name: str) -> bool:
     top = names_in(tree.body)
     if head not in top:
         return False
-    return not member or (isinstance(top[head], ast.ClassDef) and member in names_in(top[head].body))
+    return not member or (
+        isinstance(top[head], ast.ClassDef) and member in names_in(top[head].body)
+    )
 
 
 def test_the_readme_map_names_what_exists():
     rows = _map_rows()
     concepts = {what.split("(")[0].strip().lower() for what, _, _ in rows}
     # the places a newcomer looks for first
-    for needed in ("mesh rules", "model", "state", "step", "loop", "resume", "checkpoint layout", "plan", "data"):
-        assert any(c.startswith(needed) for c in concepts), f"the map has no row for {needed}: {sorted(concepts)}"
-    missing = [f"{path}: {name} ({what})" for what, path, name in rows
-               if not os.path.isfile(os.path.join(ROOT, path)) or not _defines(path, name)]
+    for needed in (
+        "mesh rules",
+        "model",
+        "state",
+        "step",
+        "loop",
+        "resume",
+        "checkpoint layout",
+        "plan",
+        "data",
+    ):
+        assert any(c.startswith(needed) for c in concepts), (
+            f"the map has no row for {needed}: {sorted(concepts)}"
+        )
+    missing = [
+        f"{path}: {name} ({what})"
+        for what, path, name in rows
+        if not os.path.isfile(os.path.join(ROOT, path)) or not _defines(path, name)
+    ]
     assert not missing, missing
 
 
 # Phrases that point outside the repository: files it does not ship, or a tracker's numbering.
-OUTSIDE = re.compile(r"MISSION\.md|JAX_FACTS|DESIGN\.md|PEERS\.md|\bthe seeds\b|\bseeds'|\bissue \d+\b"
-                     r"|\bthe (pipeline|data|MoE|performance|architecture) issue\b", re.I)
+OUTSIDE = re.compile(
+    r"MISSION\.md|JAX_FACTS|DESIGN\.md|PEERS\.md|\bthe seeds\b|\bseeds'|\bissue \d+\b"
+    r"|\bthe (pipeline|data|MoE|performance|architecture) issue\b",
+    re.I,
+)
 SHIPPED_TEXT = (".py", ".md", ".yaml", ".ipynb", ".sbatch", ".toml")
 
 
 def test_the_docs_and_code_speak_of_the_project_alone():
     found = []
-    for top in ("README.md", "BENCHMARKS.md", "pyproject.toml", "errors.py", *PACKAGES,
-                "docs", "configs", "examples", "benchmarks", "tests"):
-        for dirpath, _, files in os.walk(os.path.join(ROOT, top)) if os.path.isdir(os.path.join(ROOT, top)) \
-                else [(ROOT, [], [top])]:
+    for top in (
+        "README.md",
+        "BENCHMARKS.md",
+        "pyproject.toml",
+        "errors.py",
+        *PACKAGES,
+        "docs",
+        "configs",
+        "examples",
+        "benchmarks",
+        "tests",
+    ):
+        for dirpath, _, files in (
+            os.walk(os.path.join(ROOT, top))
+            if os.path.isdir(os.path.join(ROOT, top))
+            else [(ROOT, [], [top])]
+        ):
             for f in files:
                 path = os.path.join(dirpath, f)
                 if f.endswith(SHIPPED_TEXT) and path != os.path.abspath(__file__):

@@ -8,6 +8,7 @@ A run "crashes" after its last local save by deleting its final persistent step 
 SIGKILL between the two saves leaves); the drill kills real processes. Constant learning rate
 (warmup 0, min_lr_ratio 1), as in tests/test_checkpoint.py.
 """
+
 import os
 import shutil
 import signal
@@ -17,24 +18,42 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from test_multiprocess import FLAGS, TIMEOUT_S, Children, child_env, free_port, losses
 
 from checkpoint.__main__ import describe
 from checkpoint.tiers import process_dir
 from errors import UserError
-from test_multiprocess import FLAGS, TIMEOUT_S, Children, child_env, free_port, losses
 from train.config import build
 from train.loop import Trainer
 
-BASE = {"model.preset": "tiny", "model.dtype": "float32", "train.batch_size": 8, "train.seq_len": 32,
-        "train.steps": 8, "train.warmup_steps": 0, "train.min_lr_ratio": 1.0, "train.eval_every": 0,
-        "train.sample_tokens": 0, "logging.log_every": 1, "logging.progress": False,
-        "logging.tensorboard": False, "parallelism.mesh": "data=4,model=2",
-        "checkpoint.every": 4, "checkpoint.local_every": 3}
+BASE = {
+    "model.preset": "tiny",
+    "model.dtype": "float32",
+    "train.batch_size": 8,
+    "train.seq_len": 32,
+    "train.steps": 8,
+    "train.warmup_steps": 0,
+    "train.min_lr_ratio": 1.0,
+    "train.eval_every": 0,
+    "train.sample_tokens": 0,
+    "logging.log_every": 1,
+    "logging.progress": False,
+    "logging.tensorboard": False,
+    "parallelism.mesh": "data=4,model=2",
+    "checkpoint.every": 4,
+    "checkpoint.local_every": 3,
+}
 
 
 def make_cfg(tmp_path, **over):
-    return build({**BASE, "logging.run_dir": str(tmp_path / "run"),
-                  "checkpoint.local_dir": str(tmp_path / "local"), **over})
+    return build(
+        {
+            **BASE,
+            "logging.run_dir": str(tmp_path / "run"),
+            "checkpoint.local_dir": str(tmp_path / "local"),
+            **over,
+        }
+    )
 
 
 def committed(d) -> list[int]:
@@ -59,8 +78,14 @@ def resume_after_crash(tmp_path, capsys) -> tuple[Trainer, dict, list[float], st
 
 
 def same_params(a: Trainer, b: Trainer) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(a.state.params)),
-                                                    jax.tree.leaves(jax.device_get(b.state.params)), strict=True))
+    return all(
+        np.array_equal(x, y)
+        for x, y in zip(
+            jax.tree.leaves(jax.device_get(a.state.params)),
+            jax.tree.leaves(jax.device_get(b.state.params)),
+            strict=True,
+        )
+    )
 
 
 def test_local_tier_resume_is_exact_and_falls_back(tmp_path, capsys):
@@ -81,7 +106,10 @@ def test_local_tier_resume_is_exact_and_falls_back(tmp_path, capsys):
     truncate_largest_data_file(local / "6")
     tr, summary, got, out = resume_after_crash(tmp_path, capsys)
     assert summary["resumed_from"] == 4 and got == ref_losses[4:] and same_params(tr, ref)
-    assert f"checkpoint {local / '6'} is unreadable" in out and f"set aside as {local / '6.unreadable'}" in out
+    assert (
+        f"checkpoint {local / '6'} is unreadable" in out
+        and f"set aside as {local / '6.unreadable'}" in out
+    )
     # (3) the local tier is gone (a lost disk): the persistent tier, again exact
     shutil.rmtree(tmp_path / "local")
     tr, summary, got, out = resume_after_crash(tmp_path, capsys)
@@ -90,11 +118,15 @@ def test_local_tier_resume_is_exact_and_falls_back(tmp_path, capsys):
 
 
 def test_bad_local_dir_is_one_line(tmp_path):
-    with pytest.raises(UserError, match=r"^--checkpoint.local_every 0: must be >= 1 when --checkpoint.local_dir"):
+    with pytest.raises(
+        UserError, match=r"^--checkpoint.local_every 0: must be >= 1 when --checkpoint.local_dir"
+    ):
         make_cfg(tmp_path, **{"checkpoint.local_every": 0})
     (tmp_path / "file").write_text("")
-    for local, why in ((tmp_path / "run" / "checkpoints" / "fast", "inside the persistent checkpoint directory"),
-                       (tmp_path / "file" / "local", "cannot create")):
+    for local, why in (
+        (tmp_path / "run" / "checkpoints" / "fast", "inside the persistent checkpoint directory"),
+        (tmp_path / "file" / "local", "cannot create"),
+    ):
         tr = Trainer(make_cfg(tmp_path, **{"checkpoint.local_dir": str(local)}))
         with pytest.raises(UserError) as e:
             tr.resume_point(tr.open_checkpoints())  # where a run opens its tiers, before any step
@@ -110,14 +142,37 @@ def test_two_processes_agree_on_the_local_step_or_the_persistent_one(tmp_path):
     restarts and resumes from local step 6; (B) a copy of it whose process 1 lost its local tier
     resumes from persistent step 4. B's steps 5-6 equal the killed run's, and A's steps 7-10 equal
     B's: both tiers restore exactly."""
+
     def start(kids: Children, tag: str, run: str, env: dict) -> None:
         port = free_port()
         for i in range(2):
-            kids.start(f"{tag}{i}", FLAGS + [
-                "--mesh-dcn", "data=2", "--steps", "10", "--train.sample_tokens", "0", "--checkpoint.every", "4",
-                "--checkpoint.local_every", "1", "--run-dir", str(tmp_path / run),
-                "--checkpoint.local_dir", str(tmp_path / f"{run}-local"), "--coordinator", f"127.0.0.1:{port}",
-                "--num-processes", "2", "--process-id", str(i)], env)
+            kids.start(
+                f"{tag}{i}",
+                FLAGS
+                + [
+                    "--mesh-dcn",
+                    "data=2",
+                    "--steps",
+                    "10",
+                    "--train.sample_tokens",
+                    "0",
+                    "--checkpoint.every",
+                    "4",
+                    "--checkpoint.local_every",
+                    "1",
+                    "--run-dir",
+                    str(tmp_path / run),
+                    "--checkpoint.local_dir",
+                    str(tmp_path / f"{run}-local"),
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                env,
+            )
 
     env = child_env(4)
     kids = Children(tmp_path)
@@ -128,14 +183,19 @@ def test_two_processes_agree_on_the_local_step_or_the_persistent_one(tmp_path):
     # and the wait is for the local tier to hold exactly 5 and 6: the save of 6 commits before step 4
     # is removed (keep 2), so a kill right after the commit could still find 4 there
     deadline = time.monotonic() + 2 * TIMEOUT_S
-    while not all(committed(d) == [5, 6] for d in held) and time.monotonic() < deadline \
-            and all(p.poll() is None for _, p, _, _ in kids.procs):
+    while (
+        not all(committed(d) == [5, 6] for d in held)
+        and time.monotonic() < deadline
+        and all(p.poll() is None for _, p, _, _ in kids.procs)
+    ):
         time.sleep(0.2)
     for _, p, _, _ in reversed(kids.procs):  # process 1 first
         p.send_signal(signal.SIGKILL)
     kids.kill()
     logs = kids.logs()
-    assert all(committed(d) == [5, 6] for d in held) and committed(tmp_path / "a" / "checkpoints") == [4], logs
+    assert all(committed(d) == [5, 6] for d in held) and committed(
+        tmp_path / "a" / "checkpoints"
+    ) == [4], logs
     killed = losses(tmp_path / "a", logs)
     assert killed["step"] == [1, 2, 3, 4, 5, 6], logs
 

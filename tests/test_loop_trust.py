@@ -2,6 +2,7 @@
 in metrics.jsonl, a resume that names every changed model setting and converts per-replica
 state onto another data-parallel size, a memory check before anything is allocated, and MFU
 over the mesh's own devices."""
+
 import json
 import math
 
@@ -15,9 +16,19 @@ from train.loop import Trainer
 from train.metrics import peak_flops
 from train.resilience import Diverged
 
-BASE = {"model.preset": "tiny", "model.dtype": "float32", "train.batch_size": 8, "train.seq_len": 32,
-        "train.warmup_steps": 0, "train.eval_every": 0, "train.sample_tokens": 0, "logging.log_every": 1,
-        "logging.progress": False, "logging.tensorboard": False, "checkpoint.every": 2}
+BASE = {
+    "model.preset": "tiny",
+    "model.dtype": "float32",
+    "train.batch_size": 8,
+    "train.seq_len": 32,
+    "train.warmup_steps": 0,
+    "train.eval_every": 0,
+    "train.sample_tokens": 0,
+    "logging.log_every": 1,
+    "logging.progress": False,
+    "logging.tensorboard": False,
+    "checkpoint.every": 2,
+}
 
 
 def trainer(run_dir, devices=None, **over) -> Trainer:
@@ -26,8 +37,10 @@ def trainer(run_dir, devices=None, **over) -> Trainer:
 
 def strict_records(run_dir) -> list[dict]:
     """metrics.jsonl parsed as strict JSON (NaN/Infinity are not JSON)."""
+
     def refuse(name):
         raise ValueError(f"non-JSON constant {name}")
+
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(ln, parse_constant=refuse) for ln in f]
 
@@ -35,7 +48,9 @@ def strict_records(run_dir) -> list[dict]:
 def test_a_non_finite_state_is_never_committed_and_metrics_stay_json(tmp_path):
     # lr 1e39 is inf in float32: the first update makes the parameters non-finite
     tr = trainer(tmp_path, **{"train.steps": 3, "train.lr": 1e39, "checkpoint.every": 0})
-    with pytest.raises(Diverged, match=r"step 3: the parameters or optimizer state are not finite .* no checkpoint"):
+    with pytest.raises(
+        Diverged, match=r"step 3: the parameters or optimizer state are not finite .* no checkpoint"
+    ):
         tr.fit()
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     recs = strict_records(tmp_path)
@@ -47,10 +62,14 @@ def test_resume_tolerates_a_damaged_metrics_log_and_names_changed_model_settings
     trainer(tmp_path, **{"train.steps": 2}).fit()
     with open(tmp_path / "metrics.jsonl", "a") as f:  # lines a kill or an editor left behind
         f.write('[]\n{"step": "x"}\n5\nnot json\n{"step": 1, "loss": 1.0')
-    out = trainer(tmp_path, **{"train.steps": 4, "model.rope_theta": 500.0, "model.init_std": 0.01}).fit()
+    out = trainer(
+        tmp_path, **{"train.steps": 4, "model.rope_theta": 500.0, "model.init_std": 0.01}
+    ).fit()
     assert out["steps"] == 4
     text = capsys.readouterr().out
-    assert "model.rope_theta 10000.0 -> 500.0" in text and "model.init_std 0.02 -> 0.01" in text, text
+    assert "model.rope_theta 10000.0 -> 500.0" in text and "model.init_std 0.02 -> 0.01" in text, (
+        text
+    )
     assert [r["step"] for r in strict_records(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 
@@ -59,30 +78,48 @@ def test_error_feedback_residuals_are_averaged_onto_another_data_parallel_size(t
     first = trainer(tmp_path, jax.devices()[:4], **{"parallelism.mesh": "data=4", **comm})
     first.fit()
     saved = jax.tree.map(np.asarray, first.state.residual)
-    second = trainer(tmp_path, jax.devices()[:2], **{"parallelism.mesh": "data=2", **comm, "train.steps": 3})
+    second = trainer(
+        tmp_path, jax.devices()[:2], **{"parallelism.mesh": "data=2", **comm, "train.steps": 3}
+    )
     state, meta = second.restore(*second.resume_point(second.open_checkpoints()))
     assert "averaged onto this mesh's 2" in meta["converted"]
     for r_old, r_new in zip(jax.tree.leaves(saved), jax.tree.leaves(state.residual)):
-        np.testing.assert_allclose(np.asarray(r_new), np.broadcast_to(r_old.mean(0), r_new.shape), rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(r_new), np.broadcast_to(r_old.mean(0), r_new.shape), rtol=1e-6
+        )
     assert second.fit()["steps"] == 3
 
 
 def test_diloco_state_onto_another_data_parallel_size_is_refused_naming_why(tmp_path):
     diloco = {"comm.sync_every": 2, "train.steps": 2}
     trainer(tmp_path, jax.devices()[:4], **{"parallelism.mesh": "data=4", **diloco}).fit()
-    second = trainer(tmp_path, jax.devices()[:2], **{"parallelism.mesh": "data=2", **diloco, "train.steps": 4})
-    with pytest.raises(UserError, match="4 data-parallel replicas.* does not convert to this mesh's 2"):
+    second = trainer(
+        tmp_path, jax.devices()[:2], **{"parallelism.mesh": "data=2", **diloco, "train.steps": 4}
+    )
+    with pytest.raises(
+        UserError, match="4 data-parallel replicas.* does not convert to this mesh's 2"
+    ):
         second.fit()
 
 
 def test_a_step_too_large_for_the_machine_is_refused_before_allocating(tmp_path, monkeypatch):
     import train.memory
+
     monkeypatch.setattr(train.memory, "_host_available", lambda: 64 * 1024)
     tr = trainer(tmp_path, **{"train.steps": 1})
-    monkeypatch.setattr(tr, "create_state", lambda: pytest.fail("allocated before the memory check"))
-    with pytest.raises(UserError, match=r"the step needs ~[\d.]+ MiB per device .*--mesh fsdp=N.*skip_memory_check"):
+    monkeypatch.setattr(
+        tr, "create_state", lambda: pytest.fail("allocated before the memory check")
+    )
+    with pytest.raises(
+        UserError, match=r"the step needs ~[\d.]+ MiB per device .*--mesh fsdp=N.*skip_memory_check"
+    ):
         tr.fit()
-    assert trainer(tmp_path / "b", **{"train.steps": 1, "train.skip_memory_check": True}).fit()["steps"] == 1
+    assert (
+        trainer(tmp_path / "b", **{"train.steps": 1, "train.skip_memory_check": True}).fit()[
+            "steps"
+        ]
+        == 1
+    )
 
 
 def test_mfu_peak_counts_the_mesh_devices_only():

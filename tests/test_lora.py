@@ -2,6 +2,7 @@
 chain rule through W + scale A B, a run on data=2,fsdp=2,model=2 matches one device and never
 touches the base, the optimizer state and checkpoints hold the adapters only, a resume is exact
 and refuses a changed base, and the HF export merges. Float32, the tiny preset, 8 fake CPU devices."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from equivalence import (
+    COMPARED,
+    SEQ,
+    WARMUP,
+    assert_runs_match,
+    assert_trees_close,
+    make_trainer,
+    synthetic_batches,
+)
 
 from checkpoint import hf
 from checkpoint.layout import params_only_meta
@@ -21,14 +31,20 @@ from train import lora
 from train.config import build
 from train.state import TrainState
 from train.step import grads_loss_stats, loss_sums
-from equivalence import (COMPARED, SEQ, WARMUP, assert_runs_match, assert_trees_close,
-                               make_trainer, synthetic_batches)
 
 MESH = "data=2,fsdp=2,model=2"
 TINY = {"model.preset": "tiny", "model.dtype": "float32"}
 # a higher rate than the equivalence tests' default so that a few steps on one batch visibly lower the loss
-LORA = {"model.preset": "tiny", "model.remat": "none", "lora.rank": 4, "lora.alpha": 8.0, "train.lr": 1e-2,
-        "data.source": "synthetic", "checkpoint.every": 2, "checkpoint.async": False}
+LORA = {
+    "model.preset": "tiny",
+    "model.remat": "none",
+    "lora.rank": 4,
+    "lora.alpha": 8.0,
+    "train.lr": 1e-2,
+    "data.source": "synthetic",
+    "checkpoint.every": 2,
+    "checkpoint.async": False,
+}
 
 
 def _save_base(directory: str, params: dict) -> None:
@@ -54,16 +70,24 @@ def trainers(tmp_path_factory, base):
 
     def get(mesh: str = MESH, one_device: bool = False):
         if (mesh, one_device) not in cache:
-            cache[mesh, one_device] = make_trainer(mesh, tmp_path_factory.mktemp("run"), one_device,
-                                                   **LORA, **{"checkpoint.init_from": base[0]})
+            cache[mesh, one_device] = make_trainer(
+                mesh,
+                tmp_path_factory.mktemp("run"),
+                one_device,
+                **LORA,
+                **{"checkpoint.init_from": base[0]},
+            )
         return cache[mesh, one_device]
+
     return get
 
 
 def _run_steps(tr, batches, adapters0, base_params) -> dict:
     """tests/equivalence.py run_steps for a LoRA step, whose third argument is the frozen base."""
-    state = jax.device_put(TrainState(step=np.zeros((), np.int32), params=adapters0, opt_state=tr.tx.init(adapters0)),
-                           tr.state_shardings)
+    state = jax.device_put(
+        TrainState(step=np.zeros((), np.int32), params=adapters0, opt_state=tr.tx.init(adapters0)),
+        tr.state_shardings,
+    )
     base_on_mesh = jax.device_put(base_params, tr.setup.base_shardings)
     out = {"params0": jax.device_get(state.params), "metrics": [], "params": []}
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
@@ -83,18 +107,25 @@ def test_step0_is_the_base_and_the_gradient_is_the_chain_rule(trainers, base):
     cfg, base_params = tr.cfg, base[1]
     batch = synthetic_batches(cfg.model.vocab_size, n=1)[0]
     fresh = jax.device_get(tr.create_state().params)
-    factors = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(fresh)[0]}
-    assert all(not np.any(x) for k, x in factors.items() if k.endswith("['lora_b']")), "B starts at zero"
+    factors = {
+        jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(fresh)[0]
+    }
+    assert all(not np.any(x) for k, x in factors.items() if k.endswith("['lora_b']")), (
+        "B starts at zero"
+    )
     assert all(np.any(x) for k, x in factors.items() if k.endswith("['lora_a']"))
     merge = lambda base_p, adapters: lora.model_params(cfg, base_p, adapters)  # noqa: E731
 
     @jax.jit
     def check(base_p, adapters, batch):
         """(the step's loss, the base's loss, the step's adapter gradient, the gradient by hand)."""
-        step_loss, step_grads, _ = grads_loss_stats(cfg.model, adapters, batch, 1,
-                                                    param_fn=lambda a: merge(base_p, a))
+        step_loss, step_grads, _ = grads_loss_stats(
+            cfg.model, adapters, batch, 1, param_fn=lambda a: merge(base_p, a)
+        )
         xent, n = loss_sums(cfg.model, base_p, batch)
-        g_eff = jax.grad(lambda p: loss_sums(cfg.model, p, batch)[0] / n)(merge(base_p, adapters))  # dL/dW_eff
+        g_eff = jax.grad(lambda p: loss_sums(cfg.model, p, batch)[0] / n)(
+            merge(base_p, adapters)
+        )  # dL/dW_eff
         scale, by_hand = lora.scale(cfg.lora), {}
         for stack, modules in adapters.items():
             for module, weights in modules.items():
@@ -104,17 +135,31 @@ def test_step0_is_the_base_and_the_gradient_is_the_chain_rule(trainers, base):
                     in_dims, out_dims = tuple(range(1, 1 + n_in)), tuple(range(1 + n_in, g.ndim))
                     # W_eff = W + scale A B: dA = scale G B^T (summed over the output dims),
                     # dB = scale A^T G (summed over the input dims); 99: the rank's index
-                    grad_a = scale * jnp.einsum(g, [0, *in_dims, *out_dims], b, [0, 99, *out_dims], [0, *in_dims, 99])
-                    grad_b = scale * jnp.einsum(a, [0, *in_dims, 99], g, [0, *in_dims, *out_dims], [0, 99, *out_dims])
-                    by_hand.setdefault(stack, {}).setdefault(module, {})[name] = {"lora_a": grad_a, "lora_b": grad_b}
+                    grad_a = scale * jnp.einsum(
+                        g, [0, *in_dims, *out_dims], b, [0, 99, *out_dims], [0, *in_dims, 99]
+                    )
+                    grad_b = scale * jnp.einsum(
+                        a, [0, *in_dims, 99], g, [0, *in_dims, *out_dims], [0, 99, *out_dims]
+                    )
+                    by_hand.setdefault(stack, {}).setdefault(module, {})[name] = {
+                        "lora_a": grad_a,
+                        "lora_b": grad_b,
+                    }
         return step_loss, xent / n, step_grads, by_hand
 
     rng = np.random.default_rng(0)
     # then both factors nonzero, so that neither gradient is trivially zero
-    moved = jax.tree.map(lambda x: (x + 0.05 * rng.standard_normal(x.shape)).astype(np.float32), fresh)
+    moved = jax.tree.map(
+        lambda x: (x + 0.05 * rng.standard_normal(x.shape)).astype(np.float32), fresh
+    )
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        assert_trees_close(jax.device_get(jax.jit(merge)(base_params, fresh)), base_params, "step 0's weights",
-                           rtol=0, atol_frac=0)
+        assert_trees_close(
+            jax.device_get(jax.jit(merge)(base_params, fresh)),
+            base_params,
+            "step 0's weights",
+            rtol=0,
+            atol_frac=0,
+        )
         for adapters in (fresh, moved):
             step_loss, base_loss, grads, want = jax.device_get(check(base_params, adapters, batch))
             if adapters is fresh:
@@ -141,7 +186,9 @@ def test_mesh_run_matches_one_device_and_keeps_the_base(trainers, base):
     shapes = {x.shape for x in jax.tree.leaves(adapters)}
     arrays = [x for x in jax.tree.leaves(opt) if x.ndim]
     assert {x.shape for x in arrays} == shapes, "optimizer state of other shapes than the adapters'"
-    assert sum(x.nbytes for x in arrays) == 2 * adapter_bytes  # AdamW: one mean and one second moment each
+    assert (
+        sum(x.nbytes for x in arrays) == 2 * adapter_bytes
+    )  # AdamW: one mean and one second moment each
     assert adapter_bytes < 0.2 * sum(x.nbytes for x in jax.tree.leaves(base[1]))
 
 
@@ -160,12 +207,19 @@ def test_checkpoint_resume_and_export(trainers, base, tmp_path):
 
     again = make_trainer(MESH, tmp_path / "again", **LORA, **{"checkpoint.resume": src.step_dir(2)})
     again.fit()  # no --init-from: the base comes from the checkpoint's pointer
-    assert_trees_close(jax.device_get(again.state.params), jax.device_get(tr.state.params), "resumed adapters",
-                       rtol=0, atol_frac=0)
+    assert_trees_close(
+        jax.device_get(again.state.params),
+        jax.device_get(tr.state.params),
+        "resumed adapters",
+        rtol=0,
+        atol_frac=0,
+    )
 
     other = str(tmp_path / "other_base")
     _save_base(other, jax.tree.map(lambda x: x + np.float32(1e-3), base[1]))
-    changed = dataclasses.replace(tr.cfg, checkpoint=dataclasses.replace(tr.cfg.checkpoint, init_from=other))
+    changed = dataclasses.replace(
+        tr.cfg, checkpoint=dataclasses.replace(tr.cfg.checkpoint, init_from=other)
+    )
     with pytest.raises(UserError, match="fingerprint .* differs"):
         lora.load_base(changed, tr.mesh, tr.rules, tr.setup.base_shardings, src.meta(last))
 
@@ -177,15 +231,26 @@ def test_checkpoint_resume_and_export(trainers, base, tmp_path):
     lora_logits = np.asarray(logits(jax.device_get(tr.model_params(tr.state))))
     np.testing.assert_allclose(np.asarray(logits(plain.params)), lora_logits, rtol=1e-5, atol=1e-5)
     base_logits = np.asarray(logits(base[1]))
-    assert np.abs(lora_logits - base_logits).max() > 1e-3, "the export must hold the adapters' change"
+    assert np.abs(lora_logits - base_logits).max() > 1e-3, (
+        "the export must hold the adapters' change"
+    )
 
 
-@pytest.mark.parametrize("flags, message", [
-    ({"lora.rank": -1}, "--lora.rank -1: must be an integer >= 0"),
-    ({"lora.rank": 4, "lora.targets": "q,qkv"}, "unknown target 'qkv'; valid: q, k, v, o, gate, up, down"),
-    ({"lora.rank": 4, "lora.targets": "q,experts"}, "does not adapt MoE experts"),
-    ({"lora.rank": 4, "lora.base_dtype": "float16"}, "--lora.base_dtype: 'float16' is not one of"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"lora.rank": -1}, "--lora.rank -1: must be an integer >= 0"),
+        (
+            {"lora.rank": 4, "lora.targets": "q,qkv"},
+            "unknown target 'qkv'; valid: q, k, v, o, gate, up, down",
+        ),
+        ({"lora.rank": 4, "lora.targets": "q,experts"}, "does not adapt MoE experts"),
+        (
+            {"lora.rank": 4, "lora.base_dtype": "float16"},
+            "--lora.base_dtype: 'float16' is not one of",
+        ),
+    ],
+)
 def test_bad_flags(flags, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         build({"model.preset": "tiny", **flags})
@@ -196,11 +261,17 @@ def test_bad_runs():
     with pytest.raises(UserError, match="without --init-from.*--lora.allow_random_base true"):
         lora.check_start(cfg, resuming=False)
     lora.check_start(cfg, resuming=True)  # the base comes from the checkpoint's pointer
-    lora.check_start(build({"model.preset": "tiny", "lora.rank": 4, "lora.allow_random_base": True}), resuming=False)
+    lora.check_start(
+        build({"model.preset": "tiny", "lora.rank": 4, "lora.allow_random_base": True}),
+        resuming=False,
+    )
     with pytest.raises(UserError, match="sync_every"):
         lora.check_run(build({"model.preset": "tiny", "lora.rank": 4, "comm.sync_every": 2}))
-    with pytest.raises(UserError, match=r"--lora.rank 128 is larger than attn/wk_DKH's smaller dim \(64 in, 32 out\);"
-                                        r" use a rank <= 32"):
+    with pytest.raises(
+        UserError,
+        match=r"--lora.rank 128 is larger than attn/wk_DKH's smaller dim \(64 in, 32 out\);"
+        r" use a rank <= 32",
+    ):
         lora.check_run(build({"model.preset": "tiny", "lora.rank": 128, "lora.targets": "k"}))
     moe = build({"model.preset": "moe-tiny", "lora.rank": 4, "lora.targets": "q,gate"})
     with pytest.raises(UserError, match="'gate' adapts mlp/w_gate_DF.*valid here: q, k, v, o"):

@@ -3,10 +3,20 @@
 run on one device after the warm-up (loss, gradient norm, adapters), and the frozen base comes
 back bit-identical; `plan` of a LoRA run counts optimizer state and gradients for the adapters
 only and the frozen base apart. Float32, 8 fake CPU devices; the helpers are tests/test_lora.py's."""
+
 from __future__ import annotations
 
 import jax
 import pytest
+from equivalence import (
+    COMPARED,
+    WARMUP,
+    assert_runs_match,
+    assert_trees_close,
+    make_trainer,
+    synthetic_batches,
+)
+from test_lora import LORA, _run_steps
 
 from checkpoint.layout import params_only_meta
 from checkpoint.manager import Checkpointer
@@ -16,14 +26,18 @@ from plan.report import analyze, render
 from train import lora
 from train.config import build
 from train.setup import setup
-from equivalence import COMPARED, WARMUP, assert_runs_match, assert_trees_close, make_trainer, synthetic_batches
-from test_lora import LORA, _run_steps
 
 MICRO = 4  # pipeline micro-batches: 2 rows each of the 8-row batch, split over fsdp=2
 # name -> (mesh, overrides): every case a LoRA run against its own one-device twin
 CASES = {
-    "gpipe": ("pipeline=2,fsdp=2,model=2", {"pipeline.microbatches": MICRO, "pipeline.schedule": "gpipe"}),
-    "1f1b": ("pipeline=2,fsdp=2,model=2", {"pipeline.microbatches": MICRO, "pipeline.schedule": "1f1b"}),
+    "gpipe": (
+        "pipeline=2,fsdp=2,model=2",
+        {"pipeline.microbatches": MICRO, "pipeline.schedule": "gpipe"},
+    ),
+    "1f1b": (
+        "pipeline=2,fsdp=2,model=2",
+        {"pipeline.microbatches": MICRO, "pipeline.schedule": "1f1b"},
+    ),
     # MoE experts get no adapters (train/lora.py), so the attention projections do
     "moe": ("expert=2,fsdp=2,model=2", {"model.preset": "moe-tiny", "lora.targets": "q,k,v,o"}),
 }
@@ -50,12 +64,15 @@ def bases(tmp_path_factory):
             directory = str(tmp_path_factory.mktemp(preset))
             cache[preset] = directory, _save_base(directory, preset, seed=7)
         return cache[preset]
+
     return get
 
 
 def _trainer(tmp_path, bases, mesh: str, over: dict, one_device: bool = False):
     preset = over.get("model.preset", LORA["model.preset"])
-    return make_trainer(mesh, tmp_path, one_device, **{**LORA, **over, "checkpoint.init_from": bases(preset)[0]})
+    return make_trainer(
+        mesh, tmp_path, one_device, **{**LORA, **over, "checkpoint.init_from": bases(preset)[0]}
+    )
 
 
 @pytest.mark.slow
@@ -67,8 +84,13 @@ def test_lora_mesh_matches_one_device_and_keeps_the_base(case, bases, tmp_path):
     sharded = _trainer(tmp_path / "mesh", bases, mesh, over)
     # one device sees the whole batch at once: for a mean loss the pipeline's micro-batches only
     # change the summation order
-    single = _trainer(tmp_path / "one", bases, "", {k: v for k, v in over.items() if not k.startswith("pipeline.")},
-                      one_device=True)
+    single = _trainer(
+        tmp_path / "one",
+        bases,
+        "",
+        {k: v for k, v in over.items() if not k.startswith("pipeline.")},
+        one_device=True,
+    )
     base_params = bases(over.get("model.preset", LORA["model.preset"]))[1]
     batches = synthetic_batches(264, n=1) * (WARMUP + COMPARED)
     adapters0 = jax.device_get(single.create_state().params)
@@ -92,8 +114,14 @@ def test_lora_mesh_matches_one_device_and_keeps_the_base(case, bases, tmp_path):
 def test_plan_counts_optimizer_state_for_the_adapters_only(tmp_path):
     """plan of a LoRA run: optimizer state and gradients of the adapters alone (AdamW: two moments
     each), the frozen base counted apart at the full fine-tune's parameter bytes."""
-    over = {"model.preset": "tiny", "model.dtype": "float32", "parallelism.mesh": "fsdp=4,model=2",
-            "train.batch_size": 8, "train.seq_len": 32, "logging.run_dir": str(tmp_path)}
+    over = {
+        "model.preset": "tiny",
+        "model.dtype": "float32",
+        "parallelism.mesh": "fsdp=4,model=2",
+        "train.batch_size": 8,
+        "train.seq_len": 32,
+        "logging.run_dir": str(tmp_path),
+    }
     mesh = make_mesh("fsdp=4,model=2")
     full = analyze(setup(build(over), mesh))["memory"]
     cfg = build({**over, "lora.rank": 4, "lora.allow_random_base": True})
@@ -101,11 +129,15 @@ def test_plan_counts_optimizer_state_for_the_adapters_only(tmp_path):
     mem = got["memory"]
     adapters = lora.abstract_adapters(cfg.model, cfg.lora)
     adapter_count = sum(x.size for x in jax.tree.leaves(adapters))
-    assert adapter_count < 0.2 * sum(x.size for x in jax.tree.leaves(model.abstract_params(cfg.model)))
+    assert adapter_count < 0.2 * sum(
+        x.size for x in jax.tree.leaves(model.abstract_params(cfg.model))
+    )
     # the adapters are sharded like their weights' dims, so their bytes per device are at most the whole
     assert 0 < mem["params_bytes"] <= adapter_count * 4
     assert mem["gradient_bytes"] == mem["params_bytes"]
-    assert mem["optimizer_bytes"] == pytest.approx(2 * mem["params_bytes"], rel=1e-3)  # mu + nu (+ counts)
+    assert mem["optimizer_bytes"] == pytest.approx(
+        2 * mem["params_bytes"], rel=1e-3
+    )  # mu + nu (+ counts)
     # the base is held as a full fine-tune holds its parameters, and is what dominates the memory
     assert mem["base_bytes"] == full["params_bytes"] and full["base_bytes"] == 0
     # per device the adapters' rank dim is whole, so their share is above the global 0.2 (0.24 here)

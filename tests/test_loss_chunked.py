@@ -2,13 +2,15 @@
 time equals the one from the full [B,T,V] logits (per token and in gradients), with the sequence
 padded to whole chunks, split into sequence shards, and on a mesh sharding batch, sequence and
 vocabulary; and its backward's scratch memory is a fraction of the full logits'."""
+
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.loss import chunked_token_xent, token_xent
 from train import step
@@ -16,27 +18,36 @@ from train import step
 
 def full_xent(x_BTD, head_DV, targets_BT):
     """The unchunked head, as models/transformer.py computes it, and train/step.py's loss."""
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
+    logits_BTV = jnp.einsum(
+        "btd,dv->btv", x_BTD, head_DV.astype(x_BTD.dtype), preferred_element_type=jnp.float32
+    )
     return token_xent(logits_BTV, targets_BT)
 
 
 def loss_and_grads(xent_fn):
     """(x, head, targets) -> (per-token losses, d sum / d x, d sum / d head), jitted."""
+
     def f(x_BTD, head_DV, targets_BT):
         xent_BT = xent_fn(x_BTD, head_DV, targets_BT)
-        grads = jax.grad(lambda x, h: xent_fn(x, h, targets_BT).sum(), argnums=(0, 1))(x_BTD, head_DV)
+        grads = jax.grad(lambda x, h: xent_fn(x, h, targets_BT).sum(), argnums=(0, 1))(
+            x_BTD, head_DV
+        )
         return xent_BT, *grads
+
     return jax.jit(f)
 
 
-FULL = loss_and_grads(full_xent)   # one compile per input shape, shared by the tests
+FULL = loss_and_grads(full_xent)  # one compile per input shape, shared by the tests
 
 
 def inputs(b, t, d, v, seed=0):
     """Hidden states, head and targets (numpy: nothing to compile)."""
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((b, t, d), np.float32), rng.standard_normal((d, v), np.float32) * 0.5,
-            rng.integers(0, v, (b, t), np.int32))
+    return (
+        rng.standard_normal((b, t, d), np.float32),
+        rng.standard_normal((d, v), np.float32) * 0.5,
+        rng.integers(0, v, (b, t), np.int32),
+    )
 
 
 def assert_close(got, want):
@@ -56,14 +67,18 @@ def assert_close(got, want):
 @pytest.mark.parametrize("t,chunk,shards", [(37, 5, 1), (37, 64, 1), (38, 7, 2), (38, 19, 2)])
 def test_equals_the_full_logits_loss(t, chunk, shards):
     args = inputs(2, t, 16, 50)
-    got = loss_and_grads(lambda x, h, y: chunked_token_xent(x, h, y, chunk_tokens=chunk, seq_shards=shards))(*args)
+    got = loss_and_grads(
+        lambda x, h, y: chunked_token_xent(x, h, y, chunk_tokens=chunk, seq_shards=shards)
+    )(*args)
     assert_close(got, FULL(*args))
 
 
 def test_compute_dtype_casts_the_head_like_the_model():
     x, head, targets = inputs(2, 24, 16, 50, seed=1)
     x = jnp.asarray(x, jnp.bfloat16)
-    got = jax.jit(lambda *a: chunked_token_xent(*a, chunk_tokens=5, compute_dtype=jnp.bfloat16))(x, head, targets)
+    got = jax.jit(lambda *a: chunked_token_xent(*a, chunk_tokens=5, compute_dtype=jnp.bfloat16))(
+        x, head, targets
+    )
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, jax.jit(full_xent)(x, head, targets), rtol=1e-6)
 
@@ -73,14 +88,19 @@ def test_sharded_batch_sequence_and_vocabulary():
     `model`: the single-device unchunked values, and the chunks stay inside each sequence shard
     (no all-gather, all-to-all or permute; with seq_shards=1 the compiler moves the sequence)."""
     mesh = jax.make_mesh((2, 2, 2), ("data", "seq", "model"), axis_types=(AxisType.Auto,) * 3)
-    x_sh, head_sh, tok_sh = (NamedSharding(mesh, P("data", "seq", None)), NamedSharding(mesh, P(None, "model")),
-                             NamedSharding(mesh, P("data", "seq")))
+    x_sh, head_sh, tok_sh = (
+        NamedSharding(mesh, P("data", "seq", None)),
+        NamedSharding(mesh, P(None, "model")),
+        NamedSharding(mesh, P("data", "seq")),
+    )
     args = inputs(4, 38, 16, 64, seed=2)
     want = FULL(*args)
     fn = loss_and_grads(lambda x, h, y: chunked_token_xent(x, h, y, chunk_tokens=4, seq_shards=2))
     placed = [jax.device_put(a, s) for a, s in zip(args, (x_sh, head_sh, tok_sh))]
     compiled = fn.lower(*placed).compile()
-    moved = re.findall(r"\b(all-gather|all-to-all|collective-permute)(?:-start)?\(", compiled.as_text())
+    moved = re.findall(
+        r"\b(all-gather|all-to-all|collective-permute)(?:-start)?\(", compiled.as_text()
+    )
     assert not moved, moved
     got = compiled(*placed)
     assert got[0].sharding.spec == P("data", "seq")
@@ -89,8 +109,11 @@ def test_sharded_batch_sequence_and_vocabulary():
 
 def test_backward_scratch_is_a_fraction_of_the_full_logits():
     """V=4096, T=2048: the full logits are 32 MiB of float32 and their backward several of them."""
-    shapes = (jax.ShapeDtypeStruct((1, 2048, 64), jnp.float32), jax.ShapeDtypeStruct((64, 4096), jnp.float32),
-              jax.ShapeDtypeStruct((1, 2048), jnp.int32))
+    shapes = (
+        jax.ShapeDtypeStruct((1, 2048, 64), jnp.float32),
+        jax.ShapeDtypeStruct((64, 4096), jnp.float32),
+        jax.ShapeDtypeStruct((1, 2048), jnp.int32),
+    )
 
     def temp_bytes(xent_fn):
         grad_fn = jax.jit(jax.grad(lambda x, h, y: xent_fn(x, h, y).sum(), argnums=(0, 1)))
@@ -99,7 +122,7 @@ def test_backward_scratch_is_a_fraction_of_the_full_logits():
     full = temp_bytes(full_xent)
     chunked = temp_bytes(lambda x, h, y: chunked_token_xent(x, h, y, chunk_tokens=256))
     assert full > 2048 * 4096 * 4  # the reference really holds [T,V] float32
-    assert chunked < full / 3, (chunked, full)   # measured: 12.6 MiB against 96 MiB
+    assert chunked < full / 3, (chunked, full)  # measured: 12.6 MiB against 96 MiB
 
 
 def test_token_xent_still_reached_through_the_train_step():

@@ -1,5 +1,6 @@
 """mesh/: --mesh parsing and resolution, mesh construction, the logical-axis table, and the
 divisibility / under-sharding checks. Pure Python or abstract arrays: no compiles."""
+
 import dataclasses
 import warnings
 
@@ -10,17 +11,23 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mesh.build import make_mesh
-from mesh.spec import AXES, parse_spec, resolve
 from errors import UserError
+from mesh.build import make_mesh
 from mesh.rules import DEFAULT_RULES, logical_to_spec, make_rules, parse_overrides
 from mesh.shard import check_divisible, tree_shardings, warn_undersharded
+from mesh.spec import AXES, parse_spec, resolve
 from models import model as model_lib
 from models.config import PRESETS
 
 TINY = PRESETS["tiny"]
-HINTS = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff",
-         "embed": "model.d_model", "vocab": "model.vocab_size", "layers": "model.n_layers"}
+HINTS = {
+    "heads": "model.n_heads",
+    "kv_heads": "model.n_kv_heads",
+    "mlp": "model.d_ff",
+    "embed": "model.d_model",
+    "vocab": "model.vocab_size",
+    "layers": "model.n_layers",
+}
 
 
 def sizes(shape):
@@ -28,6 +35,7 @@ def sizes(shape):
 
 
 # ------------------------------------------------------------------ parse_spec / resolve
+
 
 def test_axes_order():
     assert AXES == ("pipeline", "data", "fsdp", "context", "expert", "model")
@@ -48,14 +56,35 @@ def test_resolve_fills_minus_one():
 
 
 def test_resolve_minus_one_alone_and_unnamed_axes():
-    assert sizes(resolve("model=-1", 8)) == {"pipeline": 1, "data": 1, "fsdp": 1, "context": 1, "expert": 1, "model": 8}
-    assert sizes(resolve("fsdp=4,model=2", 8)) == {"pipeline": 1, "data": 1, "fsdp": 4, "context": 1, "expert": 1, "model": 2}
+    assert sizes(resolve("model=-1", 8)) == {
+        "pipeline": 1,
+        "data": 1,
+        "fsdp": 1,
+        "context": 1,
+        "expert": 1,
+        "model": 8,
+    }
+    assert sizes(resolve("fsdp=4,model=2", 8)) == {
+        "pipeline": 1,
+        "data": 1,
+        "fsdp": 4,
+        "context": 1,
+        "expert": 1,
+        "model": 2,
+    }
     assert sizes(resolve("pipeline=2,expert=-1", 8))["expert"] == 4
 
 
 @pytest.mark.parametrize("spec", ["", None, {}])
 def test_resolve_empty_is_all_data(spec):
-    assert sizes(resolve(spec, 8)) == {"pipeline": 1, "data": 8, "fsdp": 1, "context": 1, "expert": 1, "model": 1}
+    assert sizes(resolve(spec, 8)) == {
+        "pipeline": 1,
+        "data": 8,
+        "fsdp": 1,
+        "context": 1,
+        "expert": 1,
+        "model": 1,
+    }
     assert sizes(resolve(spec, 1))["data"] == 1
 
 
@@ -98,6 +127,7 @@ def test_resolve_bad_input(spec, n, dcn, needles):
 
 # ------------------------------------------------------------------ make_mesh
 
+
 def ids(mesh):
     return np.vectorize(lambda d: d.id)(mesh.devices)
 
@@ -105,7 +135,14 @@ def ids(mesh):
 def test_make_mesh_axes_and_model_innermost():
     m = make_mesh("data=2,fsdp=2,model=2")
     assert m.axis_names == AXES
-    assert dict(m.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "model": 2}
+    assert dict(m.shape) == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 2,
+        "context": 1,
+        "expert": 1,
+        "model": 2,
+    }
     assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
     flat = ids(m).reshape(-1, 2)  # rows: model pairs
     # consecutive devices along model, then fsdp, then data
@@ -192,23 +229,41 @@ def test_unknown_logical_name_raises():
 
 
 def test_parse_overrides():
-    assert parse_overrides("embed=fsdp+model,vocab=none") == {"embed": ("fsdp", "model"), "vocab": ()}
-    assert parse_overrides({"mlp": None, "heads": ["model", "fsdp"], "embed": "data"}) == \
-        {"mlp": (), "heads": ("model", "fsdp"), "embed": ("data",)}
+    assert parse_overrides("embed=fsdp+model,vocab=none") == {
+        "embed": ("fsdp", "model"),
+        "vocab": (),
+    }
+    assert parse_overrides({"mlp": None, "heads": ["model", "fsdp"], "embed": "data"}) == {
+        "mlp": (),
+        "heads": ("model", "fsdp"),
+        "embed": ("data",),
+    }
     assert parse_overrides("") == {} and parse_overrides(None) == {}
     rules = make_rules("embed=fsdp+model,vocab=none")
-    assert rules["embed"] == ("fsdp", "model") and rules["vocab"] == () and rules["mlp"] == ("model",)
+    assert (
+        rules["embed"] == ("fsdp", "model") and rules["vocab"] == () and rules["mlp"] == ("model",)
+    )
     assert logical_to_spec(("vocab", "embed"), rules) == P(None, ("fsdp", "model"))
-    assert DEFAULT_RULES["embed"] == ("fsdp", "context", "expert")  # make_rules does not mutate the default table
+    assert DEFAULT_RULES["embed"] == (
+        "fsdp",
+        "context",
+        "expert",
+    )  # make_rules does not mutate the default table
 
 
-@pytest.mark.parametrize("spec,needles", [
-    ("embd=fsdp", ["'embd'", "valid:", "embed", "vocab"]),
-    ("embed=fsdpp", ["'embed'", "'fsdpp'", "valid: pipeline, data, fsdp, context, expert, model"]),
-    ("embed=fsdp+tensor", ["'tensor'", "valid:"]),
-    ("embed", ["'embed'", "name=axis"]),
-    ({"bogus": "data"}, ["'bogus'", "valid:"]),
-])
+@pytest.mark.parametrize(
+    "spec,needles",
+    [
+        ("embd=fsdp", ["'embd'", "valid:", "embed", "vocab"]),
+        (
+            "embed=fsdpp",
+            ["'embed'", "'fsdpp'", "valid: pipeline, data, fsdp, context, expert, model"],
+        ),
+        ("embed=fsdp+tensor", ["'tensor'", "valid:"]),
+        ("embed", ["'embed'", "name=axis"]),
+        ({"bogus": "data"}, ["'bogus'", "valid:"]),
+    ],
+)
 def test_parse_overrides_bad(spec, needles):
     with pytest.raises(UserError) as ei:
         parse_overrides(spec)
@@ -218,9 +273,12 @@ def test_parse_overrides_bad(spec, needles):
 
 # ------------------------------------------------------------------ check_divisible
 
+
 def _check(cfg, mesh_spec, rules=None):
     mesh = make_mesh(mesh_spec)
-    check_divisible(mesh, model_lib.abstract_params(cfg), model_lib.param_axes(cfg), make_rules(rules), HINTS)
+    check_divisible(
+        mesh, model_lib.abstract_params(cfg), model_lib.param_axes(cfg), make_rules(rules), HINTS
+    )
 
 
 def test_check_divisible_passes_on_good_shapes():
@@ -231,7 +289,9 @@ def test_check_divisible_passes_on_good_shapes():
 
 def test_check_divisible_names_n_heads():
     cfg = dataclasses.replace(TINY, n_heads=6, d_model=96, n_kv_heads=6)
-    with pytest.raises(UserError) as ei:  # kv heads replicated, so the n_heads check is the one that fires
+    with pytest.raises(
+        UserError
+    ) as ei:  # kv heads replicated, so the n_heads check is the one that fires
         _check(cfg, "model=4,data=2", "kv_heads=none")
     msg = str(ei.value)
     assert "model.n_heads=6" in msg and "model=4" in msg, msg
@@ -249,7 +309,11 @@ def test_check_divisible_names_n_kv_heads_and_d_ff():
     with pytest.raises(UserError) as ei:  # embed -> fsdp
         _check(dataclasses.replace(TINY, d_model=60, n_heads=2, n_kv_heads=2), "fsdp=8")
     msg = str(ei.value)
-    assert "model.d_model=60" in msg and "fsdp=8" in msg and "[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60]" in msg
+    assert (
+        "model.d_model=60" in msg
+        and "fsdp=8" in msg
+        and "[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60]" in msg
+    )
 
 
 def test_check_divisible_without_hint_names_the_path():
@@ -262,14 +326,18 @@ def test_check_divisible_without_hint_names_the_path():
 
 # ------------------------------------------------------------------ warn_undersharded
 
+
 def _big_cfg():  # embed/lm_head 8192 x 64 float32 = 2 MiB each; the rest is small
     return dataclasses.replace(TINY, vocab_size=8192)
 
 
 def _abstract_params(cfg, mesh, rules):
     sh = tree_shardings(mesh, model_lib.param_axes(cfg), rules)
-    return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
-                        model_lib.abstract_params(cfg), sh)
+    return jax.tree.map(
+        lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+        model_lib.abstract_params(cfg),
+        sh,
+    )
 
 
 def test_warn_undersharded_names_replicated_array():
@@ -278,7 +346,9 @@ def test_warn_undersharded_names_replicated_array():
     with pytest.warns(UserWarning) as rec:
         msgs = warn_undersharded(mesh, params)
     assert len(msgs) == 2 and len(rec) == 2
-    assert any(m.startswith("embed_VD ") for m in msgs) and any(m.startswith("lm_head_DV ") for m in msgs)
+    assert any(m.startswith("embed_VD ") for m in msgs) and any(
+        m.startswith("lm_head_DV ") for m in msgs
+    )
     assert all("fsdp=8" in m and "2.0 MiB" in m for m in msgs)
 
 

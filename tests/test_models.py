@@ -2,6 +2,7 @@
 
 Forward shape/dtype, scan vs unrolled layers, remat policies, KV-cache decoding, rotary layout,
 grouped-query attention, causality, greedy generation, config validation and FLOP counting."""
+
 import dataclasses
 import functools
 import math
@@ -23,7 +24,7 @@ CFG = dataclasses.replace(PRESETS["tiny"], dtype="float32")
 B, T = 2, 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fwd(cfg):
     return jax.jit(lambda p, t: model_lib.apply(cfg, p, t)[0])
 
@@ -53,16 +54,30 @@ def test_logits_shape_dtype(logits):
 def test_params_layout(params):
     assert params["embed_VD"].shape == (CFG.vocab_size, CFG.d_model)
     assert params["lm_head_DV"].shape == (CFG.d_model, CFG.vocab_size)
-    assert params["blocks"]["attn"]["wq_DNH"].shape == (CFG.n_layers, CFG.d_model, CFG.n_heads, CFG.head_dim)
-    assert params["blocks"]["attn"]["wk_DKH"].shape == (CFG.n_layers, CFG.d_model, CFG.n_kv_heads, CFG.head_dim)
+    assert params["blocks"]["attn"]["wq_DNH"].shape == (
+        CFG.n_layers,
+        CFG.d_model,
+        CFG.n_heads,
+        CFG.head_dim,
+    )
+    assert params["blocks"]["attn"]["wk_DKH"].shape == (
+        CFG.n_layers,
+        CFG.d_model,
+        CFG.n_kv_heads,
+        CFG.head_dim,
+    )
     assert params["blocks"]["mlp"]["w_down_FD"].shape == (CFG.n_layers, CFG.d_ff, CFG.d_model)
     axes = model_lib.param_axes(CFG)
     assert axes["blocks"]["mlp"]["w_gate_DF"] == ("layers", "embed", "mlp")
     assert axes["embed_VD"] == ("vocab", "vocab_embed") and axes["final_norm"]["scale"] == ("norm",)
-    assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(params)
+    assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(
+        params
+    )
     # the abstract params match the real ones without allocating
     abstract = model_lib.abstract_params(CFG)
-    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), params)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), params
+    )
     # different layers got different weights (per-layer rng split)
     wq = params["blocks"]["attn"]["wq_DNH"]
     assert not np.allclose(wq[0], wq[1])
@@ -87,6 +102,7 @@ def _loss_and_grads(cfg, params, tokens):
     def mean_loss(p):
         s, n = loss_sums(cfg, p, batch)
         return s / n
+
     return jax.jit(jax.value_and_grad(mean_loss))(params)
 
 
@@ -108,11 +124,13 @@ def test_remat_same_loss_and_grads(params, tokens, remat, no_remat_loss_and_grad
 
 def test_remat_really_changes_the_program(params, tokens):
     """The policies must reach the compiled program: full remat recomputes the forward matmuls."""
+
     def n_dots(remat):
         cfg = dataclasses.replace(CFG, remat=remat)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_sums(cfg, p, batch)[0]))(params)
         return str(jaxpr).count("dot_general"), "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
+
     none_dots, none_ck = n_dots("none")
     full_dots, full_ck = n_dots("full")
     assert not none_ck and full_ck
@@ -129,7 +147,7 @@ def test_kv_cache_decoding_matches_full_forward(params, tokens, logits):
     np.testing.assert_allclose(out, logits[:, :t0], atol=1e-4)
     assert np.asarray(cache.index).tolist() == [t0] * CFG.n_layers
     for i in range(t0, T):
-        out, cache = step(params, tokens[:, i:i + 1], jnp.full((B, 1), i, jnp.int32), cache)
+        out, cache = step(params, tokens[:, i : i + 1], jnp.full((B, 1), i, jnp.int32), cache)
         np.testing.assert_allclose(out[:, 0], logits[:, i], atol=1e-4, err_msg=f"position {i}")
     assert np.asarray(cache.index).tolist() == [T] * CFG.n_layers
 
@@ -138,7 +156,8 @@ def test_kv_cache_unrolled_layers(params, tokens, logits):
     cfg = dataclasses.replace(CFG, scan_layers=False)
     cache = model_lib.init_cache(cfg, B, T)
     out, cache = jax.jit(lambda p, t, pos, c: model_lib.apply(cfg, p, t, pos, c))(
-        params, tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache)
+        params, tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), cache
+    )
     np.testing.assert_allclose(out, logits, atol=1e-4)
     assert np.asarray(cache.index).tolist() == [T] * cfg.n_layers
 
@@ -147,12 +166,13 @@ def _rope_reference(x, positions, theta):
     """HF Llama: q * cos + rotate_half(q) * sin with cos/sin = cat(freqs, freqs)."""
     h = x.shape[-1]
     inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
-    freqs = positions[..., None].astype(np.float64) * inv_freq          # [B,T,H/2]
-    emb = np.concatenate([freqs, freqs], axis=-1)[:, :, None, :]          # [B,T,1,H]
+    freqs = positions[..., None].astype(np.float64) * inv_freq  # [B,T,H/2]
+    emb = np.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B,T,1,H]
 
     def rotate_half(v):
-        v1, v2 = v[..., : h // 2], v[..., h // 2:]
+        v1, v2 = v[..., : h // 2], v[..., h // 2 :]
         return np.concatenate([-v2, v1], axis=-1)
+
     return x * np.cos(emb) + rotate_half(x) * np.sin(emb)
 
 
@@ -176,6 +196,7 @@ def test_rope_is_relative():
 
     def dot(pq, pk):
         return float(jnp.sum(rope(q, jnp.array([[pq]]), 1e4) * rope(k, jnp.array([[pk]]), 1e4)))
+
     assert dot(3, 1) == pytest.approx(dot(12, 10), rel=1e-4)
     assert dot(3, 1) != pytest.approx(dot(4, 1), rel=1e-3)
 
@@ -225,26 +246,31 @@ def test_generate_greedy_matches_full_forward(params):
     for i in range(n):
         nxt = jnp.argmax(fwd(CFG)(p, buf)[:, t0 + i - 1], axis=-1).astype(jnp.int32)
         buf = buf.at[:, t0 + i].set(nxt)
-    np.testing.assert_array_equal(g1, buf[:, t0:t0 + n])
+    np.testing.assert_array_equal(g1, buf[:, t0 : t0 + n])
     assert len(np.unique(np.asarray(g1))) > 1  # not a degenerate constant sequence
     # with temperature > 0 the key matters
     s1 = generate(CFG, params, prompt, jax.random.key(0), max_new=n, temperature=1.0, top_k=0)
     s2 = generate(CFG, params, prompt, jax.random.key(1), max_new=n, temperature=1.0, top_k=0)
     assert not np.array_equal(s1, s2)
-    np.testing.assert_array_equal(s1, generate(CFG, params, prompt, jax.random.key(0), max_new=n,
-                                               temperature=1.0, top_k=0))
+    np.testing.assert_array_equal(
+        s1, generate(CFG, params, prompt, jax.random.key(0), max_new=n, temperature=1.0, top_k=0)
+    )
 
 
 # ------------------------------------------------------------------ config validation
 
-@pytest.mark.parametrize("change,needles", [
-    (dict(d_model=66), ["d_model=66", "n_heads=4"]),
-    (dict(n_kv_heads=3), ["n_heads=4", "n_kv_heads=3", "[1, 2, 4]"]),
-    (dict(remat="some"), ["remat", "'some'", "none, full, dots"]),
-    (dict(dtype="float8"), ["dtype", "'float8'", "bfloat16"]),
-    (dict(n_layers=0), ["--model.n_layers 0", "an integer >= 1"]),
-    (dict(d_model=72, n_heads=8, n_kv_heads=8), ["head_dim", "9", "even"]),
-])
+
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        (dict(d_model=66), ["d_model=66", "n_heads=4"]),
+        (dict(n_kv_heads=3), ["n_heads=4", "n_kv_heads=3", "[1, 2, 4]"]),
+        (dict(remat="some"), ["remat", "'some'", "none, full, dots"]),
+        (dict(dtype="float8"), ["dtype", "'float8'", "bfloat16"]),
+        (dict(n_layers=0), ["--model.n_layers 0", "an integer >= 1"]),
+        (dict(d_model=72, n_heads=8, n_kv_heads=8), ["head_dim", "9", "even"]),
+    ],
+)
 def test_validate_bad_inputs(change, needles):
     cfg = dataclasses.replace(PRESETS["tiny"], **change)
     with pytest.raises(UserError) as ei:
@@ -263,6 +289,7 @@ def test_validate_accepts_presets():
 
 
 # ------------------------------------------------------------------ params and FLOPs
+
 
 def test_param_count_equals_sum_of_sizes(params):
     n = sum(x.size for x in jax.tree.leaves(params))
@@ -285,6 +312,7 @@ def test_flops_per_token_by_hand():
 
 # ------------------------------------------------------------------ packed sequences
 
+
 def test_packed_row_equals_separate_rows(params):
     a = jax.random.randint(jax.random.key(5), (1, 10), 0, 256, dtype=jnp.int32)
     b = jax.random.randint(jax.random.key(6), (1, 6), 0, 256, dtype=jnp.int32)
@@ -295,17 +323,22 @@ def test_packed_row_equals_separate_rows(params):
     @jax.jit
     def packed_run(p, t, pos, s):
         out = model_lib.apply(CFG, p, t, pos, segment_ids_BT=s)[0]
-        default_pos = model_lib.apply(CFG, p, t, segment_ids_BT=s)[0]  # positions restart at each segment
+        default_pos = model_lib.apply(CFG, p, t, segment_ids_BT=s)[
+            0
+        ]  # positions restart at each segment
         # the training loss reads positions and segment ids from the batch
         xent, n = loss_sums(CFG, p, {"inputs": t, "targets": t, "positions": pos, "segment_ids": s})
         return out, default_pos, xent, n
+
     out, default_pos, xent, n = packed_run(params, packed, pos, seg)
     sep = [fwd(CFG)(params, t) for t in (a, b)]
     np.testing.assert_allclose(out[:, :10], sep[0], atol=1e-5)
     np.testing.assert_allclose(out[:, 10:], sep[1], atol=1e-5)
     np.testing.assert_allclose(default_pos, out, atol=1e-6)
-    ref = sum(float(jnp.sum(jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, t[..., None], -1)[..., 0]))
-              for lg, t in zip(sep, (a, b)))
+    ref = sum(
+        float(jnp.sum(jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, t[..., None], -1)[..., 0]))
+        for lg, t in zip(sep, (a, b))
+    )
     np.testing.assert_allclose(float(xent), ref, rtol=1e-5)
     assert float(n) == 16
 
@@ -315,15 +348,19 @@ def test_fused_qkv_equals_separate_projections(kv_rule):
     """q, k, v from one einsum (KV heads cut like the query heads) or q apart and k/v stacked
     (KV heads replicated while query heads are cut): the same arrays as three plain einsums."""
     from flax import nnx
+
     from mesh.build import make_mesh
     from mesh.rules import axis_rules, make_rules
     from models.attention import Attention, fused_qkv
+
     cfg = dataclasses.replace(preset("tiny"), dtype="float32", n_heads=4, n_kv_heads=2)
     attn = Attention(cfg, jnp.float32, jnp.float32, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, cfg.d_model)), jnp.float32)
     want = [jnp.einsum("btd,dnh->btnh", x, w[...]) for w in (attn.wq_DNH, attn.wk_DKH, attn.wv_DKH)]
     with jax.set_mesh(make_mesh("data=4,model=2")), axis_rules(make_rules(f"kv_heads={kv_rule}")):
-        assert fused_qkv(cfg.n_kv_heads, jax.sharding.get_abstract_mesh()) == bool(kv_rule)   # which path runs
+        assert fused_qkv(cfg.n_kv_heads, jax.sharding.get_abstract_mesh()) == bool(
+            kv_rule
+        )  # which path runs
         got = jax.jit(attn._qkv)(x)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -334,6 +371,7 @@ def test_a_config_first_seen_under_a_mesh_builds():
     traced step under its mesh: the logical axis names must not be taken for mesh axes there."""
     from mesh.build import make_mesh
     from mesh.rules import axis_rules, make_rules
+
     cfg = dataclasses.replace(preset("tiny"), n_layers=3)  # no other test builds this shape
     tok = jnp.zeros((8, 16), jnp.int32)
     with jax.set_mesh(make_mesh("data=8")), axis_rules(make_rules()):

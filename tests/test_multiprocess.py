@@ -14,6 +14,7 @@ The other tests kill a process (mid-training, inside a checkpoint save, after th
 or fail one with a configuration error, and check that every survivor ends with one line and
 the status a supervisor needs: 5 (a lost peer: restart) or 2 (a configuration error: do not).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,14 +28,34 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cpu_env import xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
-FLAGS = ["--model", "tiny", "--model.dtype", "float32", "--mesh", "data=2,fsdp=2,model=2",
-         "--steps", "4", "--log-every", "1", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0",
-         "--train.sample_tokens", "8", "--logging.progress", "false", "--logging.tensorboard", "false"]
+FLAGS = [
+    "--model",
+    "tiny",
+    "--model.dtype",
+    "float32",
+    "--mesh",
+    "data=2,fsdp=2,model=2",
+    "--steps",
+    "4",
+    "--log-every",
+    "1",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "0",
+    "--train.sample_tokens",
+    "8",
+    "--logging.progress",
+    "false",
+    "--logging.tensorboard",
+    "false",
+]
 
 # Environment variables that make mesh.build.init_distributed auto-join a cluster.
 CLUSTER_VARS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
@@ -54,8 +75,10 @@ def child_env(n_devices: int) -> dict[str, str]:
     of tests/cpu_env.py (every process of a drill is compiled alike, and process 1 compiles
     everything itself: JAX writes the compilation cache from process 0 only) and no cluster variables."""
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
-    env["XLA_FLAGS"] = xla_flags(" ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--ignored=")),
-                                 n_devices)
+    env["XLA_FLAGS"] = xla_flags(
+        " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--ignored=")),
+        n_devices,
+    )
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # stacks on SIGABRT (see Children.kill)
@@ -72,8 +95,14 @@ class Children:
     def start(self, name: str, args: list[str], env: dict[str, str]) -> None:
         out, err = self.log_dir / f"{name}.stdout", self.log_dir / f"{name}.stderr"
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            p = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=REPO, env=env,
-                                 stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
+            p = subprocess.Popen(
+                [sys.executable, "-m", "train", *args],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=fo,
+                stderr=fe,
+            )
         self.procs.append((name, p, out, err))
 
     def wait_all(self, timeout_s: float) -> None:
@@ -90,7 +119,10 @@ class Children:
             if time.monotonic() > deadline:
                 self.kill(dump_stacks=True)
                 running = [n for n, c in codes.items() if c is None]
-                pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {running}\n{self.logs()}", pytrace=False)
+                pytest.fail(
+                    f"timed out after {timeout_s:.0f}s waiting for {running}\n{self.logs()}",
+                    pytrace=False,
+                )
             time.sleep(0.2)
 
     def kill(self, dump_stacks: bool = False) -> None:
@@ -117,8 +149,12 @@ class Children:
             for label, path in (("stdout", out), ("stderr", err)):
                 text = path.read_text(errors="replace") if path.exists() else ""
                 # gloo prints one connection line per rank and group: noise, not diagnosis
-                text = "\n".join(line for line in text.splitlines() if not line.startswith("[Gloo]"))
-                parts.append(f"--- {name} {label} (rc={p.returncode}, last {tail} chars) ---\n{text[-tail:]}")
+                text = "\n".join(
+                    line for line in text.splitlines() if not line.startswith("[Gloo]")
+                )
+                parts.append(
+                    f"--- {name} {label} (rc={p.returncode}, last {tail} chars) ---\n{text[-tail:]}"
+                )
         return "\n".join(parts)
 
 
@@ -143,9 +179,23 @@ def test_two_processes_match_one_process(tmp_path):
     kids = Children(tmp_path)
     kids.start("single", FLAGS + ["--run-dir", str(tmp_path / "single")], child_env(8))
     for i in range(2):
-        kids.start(f"proc{i}", FLAGS + ["--mesh-dcn", "data=2", "--run-dir", str(tmp_path / f"multi{i}"),
-                                        "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                        "--process-id", str(i)], child_env(4))
+        kids.start(
+            f"proc{i}",
+            FLAGS
+            + [
+                "--mesh-dcn",
+                "data=2",
+                "--run-dir",
+                str(tmp_path / f"multi{i}"),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            child_env(4),
+        )
     kids.wait_all(TIMEOUT_S)
     logs = kids.logs()
 
@@ -157,15 +207,18 @@ def test_two_processes_match_one_process(tmp_path):
     np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=logs)
     assert (tmp_path / "multi0" / "summary.json").exists(), logs
 
-    assert not (tmp_path / "multi1").exists(), \
+    assert not (tmp_path / "multi1").exists(), (
         f"process 1 wrote files: {sorted(p.name for p in (tmp_path / 'multi1').rglob('*'))}"
+    )
     out0, out1 = (tmp_path / "proc0.stdout").read_text(), (tmp_path / "proc1.stdout").read_text()
     assert "(8 devices)" in out0 and "done:" in out0, logs
     assert "done:" not in out1, f"process 1 printed the summary\n{logs}"
 
 
 def _committed(ck_dir: Path) -> list[int]:
-    return sorted(int(d.name) for d in ck_dir.iterdir() if d.name.isdigit()) if ck_dir.is_dir() else []
+    return (
+        sorted(int(d.name) for d in ck_dir.iterdir() if d.name.isdigit()) if ck_dir.is_dir() else []
+    )
 
 
 def _errors(path: Path) -> list[str]:
@@ -186,14 +239,38 @@ def test_lost_peer_is_named_and_a_restart_of_both_resumes(tmp_path):
     process 1 (not a hang, not a bare traceback, not JAX's C++ abort); starting both again
     resumes from the last committed checkpoint and finishes."""
     run_dir, steps = tmp_path / "run", 30
-    flags = [f for f in FLAGS] + ["--steps", str(steps), "--checkpoint.every", "4", "--seq-len", "64",
-                                  "--batch-size", "16", "--run-dir", str(run_dir), "--train.sample_tokens", "0"]
+    flags = [f for f in FLAGS] + [
+        "--steps",
+        str(steps),
+        "--checkpoint.every",
+        "4",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "16",
+        "--run-dir",
+        str(run_dir),
+        "--train.sample_tokens",
+        "0",
+    ]
 
     def start_both(kids: Children, tag: str, port: int, peer_timeout: int = 10) -> None:
         for i in range(2):
-            kids.start(f"{tag}{i}", flags + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                             "--process-id", str(i), "--parallelism.peer_timeout", str(peer_timeout)],
-                       child_env(4))
+            kids.start(
+                f"{tag}{i}",
+                flags
+                + [
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                    "--parallelism.peer_timeout",
+                    str(peer_timeout),
+                ],
+                child_env(4),
+            )
 
     kids = Children(tmp_path)
     start_both(kids, "first", free_port())
@@ -202,8 +279,15 @@ def test_lost_peer_is_named_and_a_restart_of_both_resumes(tmp_path):
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline and p0.poll() is None and p1.poll() is None:
             saved = _committed(run_dir / "checkpoints")
-            logged = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
-                      if ln.endswith("}") and '"loss"' in ln] if (run_dir / "metrics.jsonl").exists() else []
+            logged = (
+                [
+                    json.loads(ln)["step"]
+                    for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+                    if ln.endswith("}") and '"loss"' in ln
+                ]
+                if (run_dir / "metrics.jsonl").exists()
+                else []
+            )
             if saved and logged and max(logged) >= saved[-1] + 2:
                 break
             time.sleep(0.05)
@@ -232,7 +316,9 @@ def test_lost_peer_is_named_and_a_restart_of_both_resumes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_peer_lost_in_a_checkpoint_save_or_after_the_run_ends_the_survivor_with_status_5(tmp_path):
+def test_a_peer_lost_in_a_checkpoint_save_or_after_the_run_ends_the_survivor_with_status_5(
+    tmp_path,
+):
     """Process 1 is SIGKILLed as the save of step 4 begins (both processes inside Orbax's
     cross-process save and commit): process 0 exits 5 within --parallelism.peer_timeout and a
     margin, with one line naming process 1, not JAX's C++ abort (exit 134) after its own
@@ -240,14 +326,37 @@ def test_a_peer_lost_in_a_checkpoint_save_or_after_the_run_ends_the_survivor_wit
     barrier (fault injection): process 0, done training, ends the same way."""
     run_dir, peer_timeout, margin = tmp_path / "run", 10, 8
     ck_dir = run_dir / "checkpoints"
-    flags = FLAGS + ["--mesh", "data=8", "--steps", "8", "--checkpoint.every", "4", "--run-dir", str(run_dir),
-                     "--parallelism.peer_timeout", str(peer_timeout), "--train.sample_tokens", "0"]
+    flags = FLAGS + [
+        "--mesh",
+        "data=8",
+        "--steps",
+        "8",
+        "--checkpoint.every",
+        "4",
+        "--run-dir",
+        str(run_dir),
+        "--parallelism.peer_timeout",
+        str(peer_timeout),
+        "--train.sample_tokens",
+        "0",
+    ]
 
     def start_both(kids: Children, tag: str, env: dict[str, str]) -> None:
         port = free_port()
         for i in range(2):
-            kids.start(f"{tag}{i}", flags + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                                             "--process-id", str(i)], env)
+            kids.start(
+                f"{tag}{i}",
+                flags
+                + [
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                env,
+            )
 
     kids = Children(tmp_path)
     start_both(kids, "save", child_env(4))
@@ -264,7 +373,9 @@ def test_a_peer_lost_in_a_checkpoint_save_or_after_the_run_ends_the_survivor_wit
     finally:
         kids.kill()
     errors = _errors(err0)
-    assert p0.returncode == 5 and took < peer_timeout + margin, f"rc={p0.returncode} after {took:.0f}s\n{kids.logs()}"
+    assert p0.returncode == 5 and took < peer_timeout + margin, (
+        f"rc={p0.returncode} after {took:.0f}s\n{kids.logs()}"
+    )
     assert len(errors) == 1 and "lost peer process(es) 1" in errors[0], kids.logs()
 
     again = Children(tmp_path)
@@ -277,8 +388,14 @@ def test_a_peer_lost_in_a_checkpoint_save_or_after_the_run_ends_the_survivor_wit
         again.kill()
     errors = _errors(err0)
     assert p1.returncode == -signal.SIGKILL and "done:" in out0.read_text(), again.logs()
-    assert p0.returncode == 5 and took < peer_timeout + margin, f"rc={p0.returncode} after {took:.0f}s\n{again.logs()}"
-    assert len(errors) == 1 and "lost peer process(es) 1" in errors[0] and "shutdown barrier" in errors[0], again.logs()
+    assert p0.returncode == 5 and took < peer_timeout + margin, (
+        f"rc={p0.returncode} after {took:.0f}s\n{again.logs()}"
+    )
+    assert (
+        len(errors) == 1
+        and "lost peer process(es) 1" in errors[0]
+        and "shutdown barrier" in errors[0]
+    ), again.logs()
     assert _committed(ck_dir)[-1] == 8
 
 
@@ -306,9 +423,18 @@ def test_a_configuration_error_in_one_process_ends_every_process_with_status_2()
     declares process 0 lost (5, a restart) nor aborts from C++ (134) when process 0, which
     hosts the coordination service, leaves."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", ONE_SIDED_ERROR, str(i), str(port)], cwd=REPO, env=child_env(4),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ONE_SIDED_ERROR, str(i), str(port)],
+            cwd=REPO,
+            env=child_env(4),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
     finally:
@@ -317,5 +443,7 @@ def test_a_configuration_error_in_one_process_ends_every_process_with_status_2()
     assert [p.returncode for p in procs] == [2, 2], errs
     (own,), (peer,) = ([ln for ln in e.splitlines() if ln.startswith("error:")] for e in errs)
     assert own == "error: --data.path /nowhere: no such file (seen by process 0 only)", errs
-    assert peer.startswith("error: process 1: stopping because process 0 ended with status 2:"), errs
+    assert peer.startswith("error: process 1: stopping because process 0 ended with status 2:"), (
+        errs
+    )
     assert "--data.path /nowhere" in peer, errs

@@ -1,6 +1,7 @@
 """Training numerics: every compute/parameter dtype pair trains (or is refused in one line), the
 optimizer runs in float32 under low-precision weights, and the logged learning rate is the one
 the optimizer applied (warm-up starts above 0, skipped steps do not advance the schedule)."""
+
 import functools
 
 import jax
@@ -18,17 +19,32 @@ from train import state as train_state
 from train.config import TrainConfig, build
 from train.loop import Trainer
 
-PARAM_DTYPES = DTYPES[1:]   # "auto" is a compute dtype only
-COMPUTE_DTYPES = [d for d in DTYPES if d != "auto"]   # auto resolves to one of these (float32 on CPU)
+PARAM_DTYPES = DTYPES[1:]  # "auto" is a compute dtype only
+COMPUTE_DTYPES = [
+    d for d in DTYPES if d != "auto"
+]  # auto resolves to one of these (float32 on CPU)
 WARMUP = 4
-FAST_COMPILE = {"xla_backend_optimization_level": 0}   # these tests check dtypes and counts, not speed
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0
+}  # these tests check dtypes and counts, not speed
 
 
 def _trainer(**model) -> Trainer:
     """A one-layer tiny model on one device: these tests are about dtypes and counts, not layout."""
-    cfg = build({"model.preset": "tiny", "model.n_layers": 1, "model.remat": "none", "train.steps": 20,
-                 "train.lr": 1e-2, "train.warmup_steps": WARMUP, "train.batch_size": 4, "train.seq_len": 16,
-                 "parallelism.mesh": "data=1", **{f"model.{k}": v for k, v in model.items()}})
+    cfg = build(
+        {
+            "model.preset": "tiny",
+            "model.n_layers": 1,
+            "model.remat": "none",
+            "train.steps": 20,
+            "train.lr": 1e-2,
+            "train.warmup_steps": WARMUP,
+            "train.batch_size": 4,
+            "train.seq_len": 16,
+            "parallelism.mesh": "data=1",
+            **{f"model.{k}": v for k, v in model.items()},
+        }
+    )
     return Trainer(cfg, devices=jax.devices()[:1])
 
 
@@ -37,7 +53,11 @@ def _initial_params() -> dict:
     """float32 initial weights, drawn once: every dtype pair starts from these, cast (an init per
     pair would cost a compile each and test nothing this file is about)."""
     cfg = _trainer().model_cfg
-    return jax.jit(lambda k: model_lib.init(cfg, k)).lower(jax.random.key(0)).compile(FAST_COMPILE)(jax.random.key(0))
+    return (
+        jax.jit(lambda k: model_lib.init(cfg, k))
+        .lower(jax.random.key(0))
+        .compile(FAST_COMPILE)(jax.random.key(0))
+    )
 
 
 def _fresh_state(tr: Trainer) -> train_state.TrainState:
@@ -51,7 +71,9 @@ def _batch(tr: Trainer, poison: bool = False) -> dict:
     NaN loss weights, which make every gradient non-finite."""
     toks = np.random.default_rng(0).integers(0, 256, (4, 17)).astype(np.int32)
     weights = np.full((4, 16), np.nan if poison else 1.0, np.float32)
-    return jax.device_put({"inputs": toks[:, :-1], "targets": toks[:, 1:], "weights": weights}, tr.batch_sharding)
+    return jax.device_put(
+        {"inputs": toks[:, :-1], "targets": toks[:, 1:], "weights": weights}, tr.batch_sharding
+    )
 
 
 @functools.cache
@@ -69,6 +91,7 @@ def _run(dtype: str, param_dtype: str):
             state, m = step(state, b)
             out.append({k: float(v) for k, v in m.items()})
         return state, out
+
     return tr, run
 
 
@@ -92,7 +115,9 @@ def test_every_dtype_pair_trains(dtype, param_dtype):
     # both Adam moments in float32 whatever the weights are (see optim.in_float32)
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert len(moments) == 2 * len(before) and {x.dtype for x in moments} == {jnp.dtype("float32")}
-    assert all(not np.array_equal(a, b) for a, b in zip(before, _leaves(state.params)))   # every weight moved
+    assert all(
+        not np.array_equal(a, b) for a, b in zip(before, _leaves(state.params))
+    )  # every weight moved
 
 
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
@@ -112,21 +137,23 @@ def test_bfloat16_weights_get_float32_moments_and_one_rounding():
     just past the midpoint between the bfloat16 neighbours 1 and 1 - 2^-8, so rounding once moves
     the weight; rounding the update to bfloat16 first (2^-9) would land on the midpoint and round
     back to 1 (ties to even): the step would be lost."""
-    lr = 2.0 ** -9 + 2.0 ** -19
+    lr = 2.0**-9 + 2.0**-19
     tx = optim.make(TrainConfig(lr=lr, warmup_steps=0, steps=10, grad_clip=0.0, weight_decay=0.0))
     params = {"w_DF": jnp.ones((2, 2), jnp.bfloat16)}
     state = tx.init(params)
     assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {jnp.dtype("float32")}
     grads = {"w_DF": jnp.ones((2, 2), jnp.bfloat16)}
-    updates, state = jax.jit(tx.update)(grads, state, params)   # bfloat16 in: optax's cond used to refuse it
+    updates, state = jax.jit(tx.update)(
+        grads, state, params
+    )  # bfloat16 in: optax's cond used to refuse it
     assert int(state.total_notfinite) == 0
     new = optax.apply_updates(params, updates)["w_DF"]
     assert new.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(new, np.float32), 1.0 - 2.0 ** -8)
+    np.testing.assert_array_equal(np.asarray(new, np.float32), 1.0 - 2.0**-8)
 
 
 def test_logged_lr_is_the_applied_rate_and_skips_do_not_advance_it():
-    tr, run = _run("float32", "float32")   # the float32 pair's compiled step, shared
+    tr, run = _run("float32", "float32")  # the float32 pair's compiled step, shared
     sched = optim.schedule(tr.cfg.train)
     state = _fresh_state(tr)
     before = _leaves(state.params)
@@ -139,7 +166,9 @@ def test_logged_lr_is_the_applied_rate_and_skips_do_not_advance_it():
     state, ms = run(state, [bad])
     assert ms[0]["skipped_steps"] == 1 and not np.isfinite(ms[0]["loss"])
     # the skipped step applied nothing: lr 0, the weights as they were
-    assert ms[0]["lr"] == 0.0 and all(np.array_equal(a, b) for a, b in zip(held, _leaves(state.params)))
+    assert ms[0]["lr"] == 0.0 and all(
+        np.array_equal(a, b) for a, b in zip(held, _leaves(state.params))
+    )
     state, ms = run(state, [good, good])
     # the optimizer's count stood still: steps 3 and 4 apply the schedule at counts 1 and 2, not 2 and 3
     assert [m["lr"] for m in ms] == pytest.approx([float(sched(1)), float(sched(2))], rel=1e-6)
@@ -150,8 +179,12 @@ def test_logged_lr_is_the_applied_rate_and_skips_do_not_advance_it():
 def test_warmup_starts_above_zero():
     cfg = TrainConfig(lr=1e-2, warmup_steps=10, steps=110, min_lr_ratio=0.1)
     s = optim.schedule(cfg)
-    assert float(s(0)) == pytest.approx(1e-3, rel=1e-5)   # lr / warmup_steps
+    assert float(s(0)) == pytest.approx(1e-3, rel=1e-5)  # lr / warmup_steps
     assert float(s(10)) == pytest.approx(1e-2, rel=1e-5)
-    clipped = optim.schedule(TrainConfig(lr=1e-2, warmup_steps=30, steps=5))   # warm-up cut to steps - 1 = 4
+    clipped = optim.schedule(
+        TrainConfig(lr=1e-2, warmup_steps=30, steps=5)
+    )  # warm-up cut to steps - 1 = 4
     assert float(clipped(0)) == pytest.approx(1e-2 / 4, rel=1e-5)
-    assert float(optim.schedule(TrainConfig(lr=1e-2, warmup_steps=0, steps=5))(0)) == pytest.approx(1e-2)
+    assert float(optim.schedule(TrainConfig(lr=1e-2, warmup_steps=0, steps=5))(0)) == pytest.approx(
+        1e-2
+    )

@@ -9,17 +9,25 @@ gradient, that devices without a host memory kind refuse it in one line, and `pl
 device and host bytes apart, and the copies priced on the host link. The optimizer state really is
 placed in `pinned_host` arrays on CPU: the run equals the same run without offloading step by step,
 and its checkpoint restores into host memory."""
+
 import dataclasses
 import types
 
 import jax
 import numpy as np
 import pytest
+from equivalence import (
+    assert_runs_match,
+    assert_trees_close,
+    gradients,
+    initial_params,
+    make_trainer,
+    run_steps,
+    synthetic_batches,
+)
 
 from checkpoint.layout import make_meta
 from checkpoint.manager import Checkpointer
-from equivalence import (assert_runs_match, assert_trees_close, gradients, initial_params, make_trainer, run_steps,
-                         synthetic_batches)
 from errors import UserError
 from models.config import PipelineConfig, preset
 from plan import cost, hardware, search
@@ -33,7 +41,9 @@ def test_offload_runs_and_equals_dots_on_cpu(tmp_path):
     """The train step's gradient with dots_offload equals dots' on fsdp=4,model=2 (float32)."""
     got = {}
     for remat in ("dots", "dots_offload"):
-        tr = make_trainer("fsdp=4,model=2", tmp_path / remat, **{"model.preset": "tiny", "model.remat": remat})
+        tr = make_trainer(
+            "fsdp=4,model=2", tmp_path / remat, **{"model.preset": "tiny", "model.remat": remat}
+        )
         params = initial_params(tr)
         got[remat] = gradients(tr, params, synthetic_batches(264, 1)[0])
     np.testing.assert_allclose(got["dots_offload"][0], got["dots"][0], rtol=1e-6)
@@ -41,16 +51,28 @@ def test_offload_runs_and_equals_dots_on_cpu(tmp_path):
 
 
 def test_devices_without_host_memory_refuse_it():
-    device = types.SimpleNamespace(platform="tpu", addressable_memories=lambda: [types.SimpleNamespace(kind="device")])
+    device = types.SimpleNamespace(
+        platform="tpu", addressable_memories=lambda: [types.SimpleNamespace(kind="device")]
+    )
     with pytest.raises(UserError) as e:
-        check_host_offload(build({"model.remat": "dots_offload", "train.offload_optimizer": True}), [device])
-    assert str(e.value) == ("--model.remat dots_offload and --train.offload_optimizer true keeps arrays in"
-                            " 'pinned_host' memory, which these tpu devices do not have (theirs: device); valid"
-                            " here: --model.remat none|full|dots, --train.offload_optimizer false")
+        check_host_offload(
+            build({"model.remat": "dots_offload", "train.offload_optimizer": True}), [device]
+        )
+    assert str(e.value) == (
+        "--model.remat dots_offload and --train.offload_optimizer true keeps arrays in"
+        " 'pinned_host' memory, which these tpu devices do not have (theirs: device); valid"
+        " here: --model.remat none|full|dots, --train.offload_optimizer false"
+    )
     check_host_offload(build({"model.remat": "dots"}), [device])  # nothing to offload
-    check_host_offload(build({"model.remat": "dots_offload"}), jax.devices()[:1])  # the CPU backend has pinned_host
-    with pytest.raises(UserError, match="--train.offload_optimizer true: not with --comm.sync_every 4 .DiLoCo."):
-        check_host_offload(build({"train.offload_optimizer": True, "comm.sync_every": 4}), jax.devices()[:1])
+    check_host_offload(
+        build({"model.remat": "dots_offload"}), jax.devices()[:1]
+    )  # the CPU backend has pinned_host
+    with pytest.raises(
+        UserError, match="--train.offload_optimizer true: not with --comm.sync_every 4 .DiLoCo."
+    ):
+        check_host_offload(
+            build({"train.offload_optimizer": True, "comm.sync_every": 4}), jax.devices()[:1]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +80,11 @@ def optimizer_runs(tmp_path_factory):
     """The same 5 steps on fsdp=4,model=2 with the optimizer state on the device and in host memory."""
     out = {}
     for offload in (False, True):
-        tr = make_trainer("fsdp=4,model=2", tmp_path_factory.mktemp(f"offload{offload}"),
-                          **{"model.preset": "tiny", "train.offload_optimizer": offload})
+        tr = make_trainer(
+            "fsdp=4,model=2",
+            tmp_path_factory.mktemp(f"offload{offload}"),
+            **{"model.preset": "tiny", "train.offload_optimizer": offload},
+        )
         params0 = initial_params(tr) if not out else out[False][2]
         out[offload] = (tr, run_steps(tr, synthetic_batches(264), params0), params0)
     return out
@@ -95,8 +120,14 @@ def test_plan_counts_host_and_device_bytes_apart(schedule):
     cfg, hw = preset("7b"), hardware.get("h100")
     rows = {}
     for remat in ("dots", "dots_offload"):
-        rows[remat] = search.evaluate(dataclasses.replace(cfg, remat=remat), {"pipeline": 2, "fsdp": 4}, hw, 32, 4096,
-                                      pipeline_cfg=PipelineConfig(microbatches=8, schedule=schedule))
+        rows[remat] = search.evaluate(
+            dataclasses.replace(cfg, remat=remat),
+            {"pipeline": 2, "fsdp": 4},
+            hw,
+            32,
+            4096,
+            pipeline_cfg=PipelineConfig(microbatches=8, schedule=schedule),
+        )
     dots, off = rows["dots"]["memory"], rows["dots_offload"]["memory"]
     assert dots["host_activations"] == 0 and off["host_activations"] > 0
     assert off["activations"] + off["host_activations"] == pytest.approx(dots["activations"])
@@ -107,29 +138,40 @@ def test_plan_counts_host_and_device_bytes_apart(schedule):
     assert cost.HOST_OFFLOAD not in rows["dots"]["comm"]
 
 
-
 def test_plan_counts_the_optimizer_state_in_host_memory():
     """--train.offload_optimizer: the state's bytes move from the device total to the host line; the
     device keeps about one parameter's state (the update streams it leaf by leaf); the copies in
     and out are a host-link row."""
     cfg, hw = preset("7b"), hardware.get("h100")
-    rows = {off: search.evaluate(cfg, {"fsdp": 8}, hw, 8, 4096, train_cfg=build({"train.offload_optimizer": off}).train)
-            for off in (False, True)}
+    rows = {
+        off: search.evaluate(
+            cfg, {"fsdp": 8}, hw, 8, 4096, train_cfg=build({"train.offload_optimizer": off}).train
+        )
+        for off in (False, True)
+    }
     on, off = rows[False]["memory"], rows[True]["memory"]
     assert off["host_optimizer"] == pytest.approx(on["optimizer"]) and on["host_optimizer"] == 0
-    assert 0 < off["optimizer"] < on["optimizer"] / 4  # the largest of 12 leaves (a stacked [L, ...] one)
+    assert (
+        0 < off["optimizer"] < on["optimizer"] / 4
+    )  # the largest of 12 leaves (a stacked [L, ...] one)
     assert off["total"] == pytest.approx(on["total"] - on["optimizer"] + off["optimizer"])
-    assert rows[True]["comm"][cost.HOST_OFFLOAD]["wire_bytes"] == pytest.approx(2 * off["host_optimizer"])
+    assert rows[True]["comm"][cost.HOST_OFFLOAD]["wire_bytes"] == pytest.approx(
+        2 * off["host_optimizer"]
+    )
 
 
 def test_search_offloads_only_a_mesh_that_does_not_fit():
     """7B on one H100: its state (~100 GiB) does not fit in 80 GB; the search offers the layout with
     the optimizer state in host memory, and says so in its flags. On 8 H100s sharding fits without."""
     from plan.report import run_flags
+
     hw = hardware.get("h100")
     (row,) = search.search(preset("7b"), 1, hw, batch_size=1, seq_len=4096)
     assert row["fits"] and row["offload"] == {"--train.offload_optimizer": "true"}
-    assert run_flags(row).endswith("--train.offload_optimizer true") and row["memory"]["host_optimizer"] > 40 * 2**30
+    assert (
+        run_flags(row).endswith("--train.offload_optimizer true")
+        and row["memory"]["host_optimizer"] > 40 * 2**30
+    )
     assert cost.HOST_OFFLOAD in row["comm"]
     best = search.search(preset("7b"), 8, hw, batch_size=8, seq_len=4096)[0]
     assert best["fits"] and "offload" not in best

@@ -5,6 +5,7 @@ trains the tiny model on a data=2,fsdp=2,model=2 mesh with its state sharded lik
 
 The mesh runs share one compiled gradient program and jit only each optimizer's update: the
 train step is generic over the transformation, so what differs between optimizers is there."""
+
 import dataclasses
 import functools
 
@@ -12,10 +13,10 @@ import jax
 import numpy as np
 import optax
 import pytest
+from equivalence import synthetic_batches
 
 from checkpoint.layout import make_meta
 from checkpoint.manager import Checkpointer
-from equivalence import synthetic_batches
 from errors import UserError
 from mesh.build import make_mesh
 from mesh.rules import axis_rules
@@ -39,9 +40,20 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 def config(name: str, **over):
     """The tiny model with one layer (the optimizers see the same kinds of parameters; the
     gradient program compiles in 40% less time)."""
-    return build({"model.preset": "tiny", "model.n_layers": 1, "model.dtype": "float32", "parallelism.mesh": MESH,
-                  "train.optimizer": name, "train.lr": LR[name], "train.warmup_steps": 0, "train.batch_size": 8,
-                  "train.seq_len": 32, **over})
+    return build(
+        {
+            "model.preset": "tiny",
+            "model.n_layers": 1,
+            "model.dtype": "float32",
+            "parallelism.mesh": MESH,
+            "train.optimizer": name,
+            "train.lr": LR[name],
+            "train.warmup_steps": 0,
+            "train.batch_size": 8,
+            "train.seq_len": 32,
+            **over,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +69,30 @@ def runs(mesh):
     setups = {name: setup(config(name), mesh) for name in OPTIMIZERS}
     base = setups["adamw"]
     param_sh = base.state_shardings.params
-    grad_fn = functools.partial(grads_loss_stats, base.model_cfg, micro_batches=1, dp_axes=base.dp_axes)
+    grad_fn = functools.partial(
+        grads_loss_stats, base.model_cfg, micro_batches=1, dp_axes=base.dp_axes
+    )
     params_sh = {n: s.state_shardings.params for n, s in setups.items()}
     opt_sh = {n: s.state_shardings.opt_state for n, s in setups.items()}
-    update = jax.jit(lambda ps, os, gs: {n: _apply(s.tx, ps[n], os[n], gs[n]) for n, s in setups.items()},
-                     in_shardings=(params_sh, opt_sh, params_sh), out_shardings={n: (params_sh[n], opt_sh[n]) for n in setups},
-                     donate_argnums=(0, 1))
+    update = jax.jit(
+        lambda ps, os, gs: {n: _apply(s.tx, ps[n], os[n], gs[n]) for n, s in setups.items()},
+        in_shardings=(params_sh, opt_sh, params_sh),
+        out_shardings={n: (params_sh[n], opt_sh[n]) for n in setups},
+        donate_argnums=(0, 1),
+    )
     params0 = host_params(model.abstract_params(base.model_cfg))
     params = {n: jax.device_put(params0, params_sh[n]) for n in setups}
     opt_states = {n: jax.device_put(s.tx.init(params0), opt_sh[n]) for n, s in setups.items()}
     losses = {n: [] for n in setups}
     with jax.set_mesh(mesh), axis_rules(base.rules):
-        grads = jax.jit(lambda p, b: grad_fn(p, b)[:2], in_shardings=(param_sh, base.batch_sharding),
-                        out_shardings=(None, param_sh))
-        batch = jax.device_put(synthetic_batches(base.model_cfg.vocab_size, 1)[0], base.batch_sharding)
+        grads = jax.jit(
+            lambda p, b: grad_fn(p, b)[:2],
+            in_shardings=(param_sh, base.batch_sharding),
+            out_shardings=(None, param_sh),
+        )
+        batch = jax.device_put(
+            synthetic_batches(base.model_cfg.vocab_size, 1)[0], base.batch_sharding
+        )
         grads = grads.lower(params["adamw"], batch).compile(FAST_COMPILE)
         update = update.lower(params, opt_states, params).compile(FAST_COMPILE)
         for _ in range(STEPS):
@@ -81,8 +103,10 @@ def runs(mesh):
             new = update(params, opt_states, gs)
             params, opt_states = {n: new[n][0] for n in setups}, {n: new[n][1] for n in setups}
     step = jax.device_put(np.int32(STEPS), base.state_shardings.step)
-    return {n: (s, losses[n], TrainState(step=step, params=params[n], opt_state=opt_states[n]))
-            for n, s in setups.items()}
+    return {
+        n: (s, losses[n], TrainState(step=step, params=params[n], opt_state=opt_states[n]))
+        for n, s in setups.items()
+    }
 
 
 def host_params(abstract, seed=0):
@@ -90,8 +114,13 @@ def host_params(abstract, seed=0):
     without compiling an init: each run donates its own device copy."""
     rng = np.random.default_rng(seed)
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: np.ones(a.shape, np.float32) if "norm" in jax.tree_util.keystr(path)
-        else rng.standard_normal(a.shape, np.float32) * 0.02, abstract)
+        lambda path, a: (
+            np.ones(a.shape, np.float32)
+            if "norm" in jax.tree_util.keystr(path)
+            else rng.standard_normal(a.shape, np.float32) * 0.02
+        ),
+        abstract,
+    )
 
 
 def _apply(tx, params, opt_state, grads):
@@ -116,11 +145,17 @@ def test_state_is_sharded_like_the_params(runs, name):
     params = {tuple(path): p for path, p in jax.tree_util.tree_leaves_with_path(state.params)}
     checked = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state):
-        own = next((params[tuple(path[k:])] for k in range(len(path)) if tuple(path[k:]) in params), None)
+        own = next(
+            (params[tuple(path[k:])] for k in range(len(path)) if tuple(path[k:]) in params), None
+        )
         if own is not None and leaf.shape == own.shape:
-            assert leaf.sharding.is_equivalent_to(own.sharding, leaf.ndim), jax.tree_util.keystr(path)
+            assert leaf.sharding.is_equivalent_to(own.sharding, leaf.ndim), jax.tree_util.keystr(
+                path
+            )
             checked += own.sharding.spec != jax.P()
-    assert checked >= 8  # the sharded matrices' moments (SGD/Lion/Adafactor: one per matrix; Adam: two)
+    assert (
+        checked >= 8
+    )  # the sharded matrices' moments (SGD/Lion/Adafactor: one per matrix; Adam: two)
 
 
 def test_adafactor_factored_statistics_sharded_without_the_dropped_dim(mesh):
@@ -129,19 +164,28 @@ def test_adafactor_factored_statistics_sharded_without_the_dropped_dim(mesh):
     from shapes alone: nothing is compiled)."""
     s = setup(config("adafactor", **{"model.d_model": 128, "model.d_ff": 384}), mesh)
     params = model.abstract_params(s.model_cfg)
-    param_sh = {tuple(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(s.state_shardings.params)}
+    param_sh = {
+        tuple(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(s.state_shardings.params)
+    }
     state = jax.eval_shape(s.tx.init, params)
     factored = 0
-    for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(state),
-                                jax.tree.leaves(s.state_shardings.opt_state)):
+    for (path, leaf), sh in zip(
+        jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(s.state_shardings.opt_state)
+    ):
         sh.shard_shape(leaf.shape)  # a valid layout of this shape (raises if it does not divide)
         if {"v_row", "v_col"} & {getattr(k, "name", "") for k in path} and leaf.size > 1:
-            param_path = next(tuple(path[k:]) for k in range(len(path)) if tuple(path[k:]) in param_sh)
+            param_path = next(
+                tuple(path[k:]) for k in range(len(path)) if tuple(path[k:]) in param_sh
+            )
             p_shape, p_spec = _shape_at(params, param_path), tuple(param_sh[param_path].spec)
             p_spec += (None,) * (len(p_shape) - len(p_spec))
-            dropped = next(d for d in reversed(range(len(p_shape))) if p_shape[:d] + p_shape[d + 1:] == leaf.shape)
+            dropped = next(
+                d
+                for d in reversed(range(len(p_shape)))
+                if p_shape[:d] + p_shape[d + 1 :] == leaf.shape
+            )
             spec = tuple(sh.spec) + (None,) * (leaf.ndim - len(sh.spec))
-            assert spec == p_spec[:dropped] + p_spec[dropped + 1:], jax.tree_util.keystr(path)
+            assert spec == p_spec[:dropped] + p_spec[dropped + 1 :], jax.tree_util.keystr(path)
             factored += 1
     assert factored >= 10  # rows and columns of the embedding, head, attention and MLP matrices
 
@@ -162,18 +206,34 @@ def _reference(name: str, lr: float, wd: float, mask) -> optax.GradientTransform
         return optax.adafactor(lr, weight_decay_rate=lr * wd, weight_decay_mask=mask)
     if name == "sgd":
         return optax.chain(optax.sgd(lr, momentum=0.8), optax.add_decayed_weights(-lr * wd, mask))
-    return optax.chain(optax.contrib.muon(lr, beta=0.8, eps=1e-7, adam_b1=0.8, adam_b2=0.9, consistent_rms=0.2,
-                                          muon_weight_dimension_numbers=optim.muon_dims),
-                       optax.add_decayed_weights(-lr * wd, mask))
+    return optax.chain(
+        optax.contrib.muon(
+            lr,
+            beta=0.8,
+            eps=1e-7,
+            adam_b1=0.8,
+            adam_b2=0.9,
+            consistent_rms=0.2,
+            muon_weight_dimension_numbers=optim.muon_dims,
+        ),
+        optax.add_decayed_weights(-lr * wd, mask),
+    )
 
 
 # A model's parameter tree in miniature (its names decide the decay mask and Muon's matrices): the
 # comparison is of the transformations, and a small tree compiles in a fraction of the time.
-SMALL = {"blocks": {"attn": {"wq_DNH": jax.ShapeDtypeStruct((2, 16, 2, 8), np.float32),
-                             "wo_NHD": jax.ShapeDtypeStruct((2, 2, 8, 16), np.float32)},
-                    "mlp": {"w_up_DF": jax.ShapeDtypeStruct((2, 16, 24), np.float32)},
-                    "attn_norm": {"scale": jax.ShapeDtypeStruct((2, 16), np.float32)}},
-         "embed_VD": jax.ShapeDtypeStruct((40, 16), np.float32), "lm_head_DV": jax.ShapeDtypeStruct((16, 40), np.float32)}
+SMALL = {
+    "blocks": {
+        "attn": {
+            "wq_DNH": jax.ShapeDtypeStruct((2, 16, 2, 8), np.float32),
+            "wo_NHD": jax.ShapeDtypeStruct((2, 2, 8, 16), np.float32),
+        },
+        "mlp": {"w_up_DF": jax.ShapeDtypeStruct((2, 16, 24), np.float32)},
+        "attn_norm": {"scale": jax.ShapeDtypeStruct((2, 16), np.float32)},
+    },
+    "embed_VD": jax.ShapeDtypeStruct((40, 16), np.float32),
+    "lm_head_DV": jax.ShapeDtypeStruct((16, 40), np.float32),
+}
 
 
 @pytest.fixture(scope="module")
@@ -186,23 +246,48 @@ def by_hand():
     grads = jax.tree.map(lambda p: rng.standard_normal((2, *p.shape), np.float32), params)
     with_nan = jax.tree.map(lambda g: np.concatenate([g, np.full_like(g[:1], np.nan)]), grads)
     mask = lambda p: optim.decay_mask(p, False)  # noqa: E731
-    pairs = {name: (optim.make(TrainConfig(optimizer=name, lr=LR[name], warmup_steps=0, min_lr_ratio=1.0, steps=10,
-                                           b1=0.8, b2=0.9, eps=1e-7, weight_decay=0.1, grad_clip=0.5)),
-                    optax.chain(optax.clip_by_global_norm(0.5), _reference(name, LR[name], 0.1, mask)))
-             for name in OPTIMIZERS}
+    pairs = {
+        name: (
+            optim.make(
+                TrainConfig(
+                    optimizer=name,
+                    lr=LR[name],
+                    warmup_steps=0,
+                    min_lr_ratio=1.0,
+                    steps=10,
+                    b1=0.8,
+                    b2=0.9,
+                    eps=1e-7,
+                    weight_decay=0.1,
+                    grad_clip=0.5,
+                )
+            ),
+            optax.chain(optax.clip_by_global_norm(0.5), _reference(name, LR[name], 0.1, mask)),
+        )
+        for name in OPTIMIZERS
+    }
 
     def updates(tx, params, grads_N):
         """params after each of the N updates [N, ...], and the final state."""
+
         def one(carry, g):
             p, state = _apply(tx, *carry, g)
             return (p, state), p
+
         (_, state), params_N = jax.lax.scan(one, (params, tx.init(params)), grads_N)
         return params_N, state
 
     def all_names(params, grads_N, with_nan_N):
-        return {n: (*updates(ours, params, with_nan_N), updates(theirs, params, grads_N)[0])
-                for n, (ours, theirs) in pairs.items()}
-    out = jax.jit(all_names).lower(params, grads, with_nan).compile(FAST_COMPILE)(params, grads, with_nan)
+        return {
+            n: (*updates(ours, params, with_nan_N), updates(theirs, params, grads_N)[0])
+            for n, (ours, theirs) in pairs.items()
+        }
+
+    out = (
+        jax.jit(all_names)
+        .lower(params, grads, with_nan)
+        .compile(FAST_COMPILE)(params, grads, with_nan)
+    )
     return {n: (params, ours_N, theirs_N, state) for n, (ours_N, state, theirs_N) in out.items()}
 
 
@@ -210,10 +295,20 @@ def by_hand():
 def test_equals_optax_by_hand(by_hand, name):
     params, ours_N, theirs_N, state = by_hand[name]
     for i in range(2):
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours_N), jax.tree.leaves(theirs_N)):
-            np.testing.assert_allclose(a[i], b[i], rtol=1e-6, atol=1e-7,
-                                       err_msg=f"{name} update {i + 1} {jax.tree_util.keystr(path)}")
-    moved = max(float(np.abs(a[1] - b).max()) for a, b in zip(jax.tree.leaves(ours_N), jax.tree.leaves(params)))
+        for (path, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(ours_N), jax.tree.leaves(theirs_N)
+        ):
+            np.testing.assert_allclose(
+                a[i],
+                b[i],
+                rtol=1e-6,
+                atol=1e-7,
+                err_msg=f"{name} update {i + 1} {jax.tree_util.keystr(path)}",
+            )
+    moved = max(
+        float(np.abs(a[1] - b).max())
+        for a, b in zip(jax.tree.leaves(ours_N), jax.tree.leaves(params))
+    )
     assert moved > 1e-4, moved
     # the non-finite gradient: skipped, counted, the parameters as they were
     assert int(state.notfinite_count) == 1
@@ -223,12 +318,20 @@ def test_equals_optax_by_hand(by_hand, name):
 def test_muon_orthogonalises_the_hidden_matrices_only():
     dims = optim.muon_dims(model.abstract_params(preset("moe-tiny")))
     blocks = dims["moe_blocks"]
-    assert blocks["attn"]["wq_DNH"] == optax.contrib.MuonDimensionNumbers((1,), (2, 3))   # [L, D, N, H]
+    assert blocks["attn"]["wq_DNH"] == optax.contrib.MuonDimensionNumbers(
+        (1,), (2, 3)
+    )  # [L, D, N, H]
     assert blocks["attn"]["wo_NHD"] == optax.contrib.MuonDimensionNumbers((1, 2), (3,))
-    assert blocks["moe"]["w_down_EFD"] == optax.contrib.MuonDimensionNumbers((2,), (3,))  # experts: a batch dim
+    assert blocks["moe"]["w_down_EFD"] == optax.contrib.MuonDimensionNumbers(
+        (2,), (3,)
+    )  # experts: a batch dim
     assert blocks["moe"]["w_up_EDF"] == optax.contrib.MuonDimensionNumbers((2,), (3,))
     # AdamW (inside optax's Muon) for the embeddings, the head, norms and the router
-    assert dims["embed_VD"] is None and dims["lm_head_DV"] is None and dims["final_norm"]["scale"] is None
+    assert (
+        dims["embed_VD"] is None
+        and dims["lm_head_DV"] is None
+        and dims["final_norm"]["scale"] is None
+    )
     assert blocks["moe"]["router_DE"] is None and blocks["attn_norm"]["scale"] is None
 
 
@@ -258,5 +361,7 @@ def test_a_bad_name_is_one_line():
 
 
 def test_a_code_optimizer_does_not_silently_replace_a_named_one():
-    with pytest.raises(UserError, match="^optimizer=: replaces the configured optimizer; leave --optim.name"):
+    with pytest.raises(
+        UserError, match="^optimizer=: replaces the configured optimizer; leave --optim.name"
+    ):
         optim.make(TrainConfig(optimizer="lion"), optimizer=optax.sgd(0.1))

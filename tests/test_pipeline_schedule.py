@@ -1,6 +1,7 @@
 """Pipeline schedules (models/pipeline.py) without a mesh: the stage order, the bubble fraction,
 the order in which a schedule visits the layer chunks, the chart and its plot, and every bad
 schedule setting in one line."""
+
 import jax.numpy as jnp
 import pytest
 
@@ -9,10 +10,14 @@ from models import pipeline as pipeline_lib
 
 # ------------------------------------------------------------------ schedule arithmetic and chart
 
+
 def test_stage_order_round_trip():
     a = jnp.arange(12)
     assert pipeline_lib.to_stage_order(a, 2, 3).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
-    assert pipeline_lib.to_model_order(pipeline_lib.to_stage_order(a, 2, 3), 2, 3).tolist() == a.tolist()
+    assert (
+        pipeline_lib.to_model_order(pipeline_lib.to_stage_order(a, 2, 3), 2, 3).tolist()
+        == a.tolist()
+    )
     assert pipeline_lib.to_stage_order(a, 4, 1).tolist() == a.tolist()
 
 
@@ -30,7 +35,7 @@ def test_schedule_visits_every_layer_chunk_in_order():
         table = pipeline_lib.schedule_table(P, M, R)
         seen = {}
         for s, row in enumerate(table):
-            assert sum(c is not None for c in row) == R * M        # busy R*M ticks, idle P-1
+            assert sum(c is not None for c in row) == R * M  # busy R*M ticks, idle P-1
             for t, c in enumerate(row):
                 if c is not None:
                     m, r = c
@@ -44,8 +49,36 @@ def test_schedule_chart_gpipe():
     chart = pipeline_lib.schedule_chart(2, 3, n_layers=4)
     lines = chart.splitlines()
     assert "bubble (P-1)/(R*M+P-1) = 25.0%" in lines[0]
-    assert lines[1].split() == ["stage", "0", "(layers", "0-1)", "F0", "F1", "F2", ".", "|", ".", "B2", "B1", "B0"]
-    assert lines[2].split() == ["stage", "1", "(layers", "2-3)", ".", "F0", "F1", "F2", "|", "B2", "B1", "B0", "."]
+    assert lines[1].split() == [
+        "stage",
+        "0",
+        "(layers",
+        "0-1)",
+        "F0",
+        "F1",
+        "F2",
+        ".",
+        "|",
+        ".",
+        "B2",
+        "B1",
+        "B0",
+    ]
+    assert lines[2].split() == [
+        "stage",
+        "1",
+        "(layers",
+        "2-3)",
+        ".",
+        "F0",
+        "F1",
+        "F2",
+        "|",
+        "B2",
+        "B1",
+        "B0",
+        ".",
+    ]
 
 
 def test_schedule_chart_circular_labels_repeats():
@@ -64,18 +97,39 @@ def test_plot_schedule_writes_png(tmp_path):
 
 # ------------------------------------------------------------------ bad input
 
-@pytest.mark.parametrize("kw, culprit", [
-    ({"microbatches": 2, "stages": 4}, "--pipeline.microbatches=2 is less than the 4 stages"),
-    ({"n_layers": 6, "stages": 4}, "model.n_layers=6 is not divisible by --mesh pipeline=4"),
-    ({"n_layers": 8, "stages": 2, "repeats": 3, "schedule": "circular"}, "valid repeats are [1, 2, 4]"),
-    ({"batch": 12, "microbatches": 8}, "not divisible by --pipeline.microbatches=8; valid microbatches: [4, 6, 12]"),
-    ({"batch": 16, "microbatches": 8, "batch_shards": 4}, "micro-batch size 16/8 = 2"),
-    ({"repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular"),
-    ({"microbatches": 6, "schedule": "circular"}, "must be a multiple of --mesh pipeline=4"),
-    ({"schedule": "pipedream"}, "--pipeline.schedule 'pipedream' is not one of gpipe, circular, 1f1b"),
-])
+
+@pytest.mark.parametrize(
+    "kw, culprit",
+    [
+        ({"microbatches": 2, "stages": 4}, "--pipeline.microbatches=2 is less than the 4 stages"),
+        ({"n_layers": 6, "stages": 4}, "model.n_layers=6 is not divisible by --mesh pipeline=4"),
+        (
+            {"n_layers": 8, "stages": 2, "repeats": 3, "schedule": "circular"},
+            "valid repeats are [1, 2, 4]",
+        ),
+        (
+            {"batch": 12, "microbatches": 8},
+            "not divisible by --pipeline.microbatches=8; valid microbatches: [4, 6, 12]",
+        ),
+        ({"batch": 16, "microbatches": 8, "batch_shards": 4}, "micro-batch size 16/8 = 2"),
+        ({"repeats": 2}, "--pipeline.repeats=2 needs --pipeline.schedule circular"),
+        ({"microbatches": 6, "schedule": "circular"}, "must be a multiple of --mesh pipeline=4"),
+        (
+            {"schedule": "pipedream"},
+            "--pipeline.schedule 'pipedream' is not one of gpipe, circular, 1f1b",
+        ),
+    ],
+)
 def test_bad_config_is_one_line(kw, culprit):
-    args = {"n_layers": 8, "batch": 16, "stages": 4, "microbatches": 4, "repeats": 1, "schedule": "gpipe", **kw}
+    args = {
+        "n_layers": 8,
+        "batch": 16,
+        "stages": 4,
+        "microbatches": 4,
+        "repeats": 1,
+        "schedule": "gpipe",
+        **kw,
+    }
     with pytest.raises(UserError) as e:
         pipeline_lib.validate(**args)
     assert culprit in str(e.value) and "\n" not in str(e.value)

@@ -1,6 +1,7 @@
 """plan/report.py and plan/theory.py: the collectives measured in the compiled train step agree
 with the ring-formula theory, and memory per device follows the sharding. Compile only; nothing is
 trained."""
+
 import dataclasses
 import json
 import os
@@ -8,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from cpu_env import cpu_env
+
 from plan.hlo import KINDS
 from plan.report import analyze, memory_traffic
 from train.config import build
@@ -21,8 +22,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def cfg(mesh, **over):
     # batch 16 x seq 256: large enough that XLA:CPU gathers the FSDP embedding table instead of
     # moving activations with all-to-all (at batch 8 it chooses the latter and theory no longer applies)
-    d = {"model.preset": "tiny", "model.dtype": "float32", "parallelism.mesh": mesh,
-         "train.batch_size": 16, "train.seq_len": 256}
+    d = {
+        "model.preset": "tiny",
+        "model.dtype": "float32",
+        "parallelism.mesh": mesh,
+        "train.batch_size": 16,
+        "train.seq_len": 256,
+    }
     d.update(over)
     return build(d)
 
@@ -34,8 +40,13 @@ def reports():
     def get(mesh, micro=1, batch=16):
         key = (mesh, micro, batch)
         if key not in cache:
-            cache[key] = analyze(Trainer(cfg(mesh, **{"train.micro_batches": micro, "train.batch_size": batch})).setup)
+            cache[key] = analyze(
+                Trainer(
+                    cfg(mesh, **{"train.micro_batches": micro, "train.batch_size": batch})
+                ).setup
+            )
         return cache[key]
+
     return get
 
 
@@ -45,8 +56,21 @@ def measured(r, kind, axes):
 
 def test_report_shape(reports):
     r = reports("data=8")
-    assert r["mesh"] == "data=8" and r["devices"] == 8 and r["backend"] == "cpu" and r["params"] == 132416
-    assert set(r) >= {"memory", "flops_per_step", "collectives", "theory", "theory_on_backend", "notes", "sharding"}
+    assert (
+        r["mesh"] == "data=8"
+        and r["devices"] == 8
+        and r["backend"] == "cpu"
+        and r["params"] == 132416
+    )
+    assert set(r) >= {
+        "memory",
+        "flops_per_step",
+        "collectives",
+        "theory",
+        "theory_on_backend",
+        "notes",
+        "sharding",
+    }
     assert r["flops_per_step"] == (6 * 115200 + 12 * 2 * 4 * 16 * 256) * 16 * 256
     assert r["flops_per_step_per_device_compiled"] > 0
     assert len(r["sharding"]) == 12
@@ -68,7 +92,9 @@ def test_fsdp_collectives_match_theory(reports):
     r = reports("fsdp=8")
     th = r["theory_on_backend_detail"]
     assert set(th) == {"all-gather@fsdp", "all-reduce@fsdp"}
-    assert "reduce-scatter@fsdp" in r["theory_detail"]  # CPU lowers it as all-reduce + dynamic-slice
+    assert (
+        "reduce-scatter@fsdp" in r["theory_detail"]
+    )  # CPU lowers it as all-reduce + dynamic-slice
     ag, ar = measured(r, "all-gather", "fsdp"), measured(r, "all-reduce", "fsdp")
     assert ag == pytest.approx(th["all-gather@fsdp"]["operand_bytes"], rel=0.10)
     assert ar == pytest.approx(th["all-reduce@fsdp"]["operand_bytes"], rel=0.10)
@@ -99,7 +125,9 @@ def test_memory_scales_with_fsdp(reports):
     assert dp["params_bytes"] == 132416 * 4
     assert fs["params_bytes"] == pytest.approx(dp["params_bytes"] / 8, rel=0.05)
     assert fs["optimizer_bytes"] == pytest.approx(dp["optimizer_bytes"] / 8, rel=0.05)
-    assert dp["optimizer_bytes"] == pytest.approx(2 * dp["params_bytes"], rel=1e-3)  # mu + nu (+ counts)
+    assert dp["optimizer_bytes"] == pytest.approx(
+        2 * dp["params_bytes"], rel=1e-3
+    )  # mu + nu (+ counts)
     assert fs["argument_bytes"] < dp["argument_bytes"] / 4
 
 
@@ -107,21 +135,48 @@ def test_memory_scales_with_fsdp(reports):
 def test_plan_cli_json():
     # batch 16, seq 256: the same shapes as the in-process fsdp report
     env = cpu_env(8)
-    p = subprocess.run([sys.executable, "-m", "train", "plan", "--model", "tiny", "--mesh", "fsdp=8", "--json",
-                        "--batch-size", "16", "--seq-len", "256"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "plan",
+            "--model",
+            "tiny",
+            "--mesh",
+            "fsdp=8",
+            "--json",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "256",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout)
     assert {"memory", "flops_per_step", "collectives", "theory"} <= set(r)
     assert "sharding" not in r  # only with --show-sharding
-    assert r["mesh"] == "fsdp=8" and r["memory"]["params_bytes"] == pytest.approx(132416 * 4 / 8, rel=0.05)
+    assert r["mesh"] == "fsdp=8" and r["memory"]["params_bytes"] == pytest.approx(
+        132416 * 4 / 8, rel=0.05
+    )
     assert r["collectives_detail"]["all-gather"]["by_axes"]["fsdp"]["operand_bytes"] > 0
     assert "all-gather@fsdp" in r["theory_detail"]
     # the headline keys map each collective kind to bytes per device per step
-    assert set(r["collectives"]) == set(r["theory"]) == set(KINDS) >= {"all-reduce", "all-gather", "reduce-scatter",
-                                                                       "all-to-all", "collective-permute"}
+    assert (
+        set(r["collectives"])
+        == set(r["theory"])
+        == set(KINDS)
+        >= {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
+    )
     assert r["collectives"]["all-gather"] == r["collectives_detail"]["all-gather"]["operand_bytes"]
-    assert r["theory"]["reduce-scatter"] > 0 and r["collectives"]["reduce-scatter"] == 0  # CPU chose all-reduce
+    assert (
+        r["theory"]["reduce-scatter"] > 0 and r["collectives"]["reduce-scatter"] == 0
+    )  # CPU chose all-reduce
 
 
 def test_moe_all_to_all_matches_theory():
@@ -139,26 +194,42 @@ def test_moe_all_to_all_matches_theory():
     assert r["active_params"] < r["params"]
     # expert weights are neither gathered nor reduced over the expert axis; the other weights are
     # (the expert axis is an FSDP axis outside the experts)
-    assert measured(r, "all-gather", "expert") == pytest.approx(r["theory_detail"]["all-gather@expert"]["operand_bytes"],
-                                                                 rel=0.02)
+    assert measured(r, "all-gather", "expert") == pytest.approx(
+        r["theory_detail"]["all-gather@expert"]["operand_bytes"], rel=0.02
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,dispatch", [("fsdp=2,expert=2,model=2", "dropless"), ("expert=4,model=2", "capacity")])
+@pytest.mark.parametrize(
+    "mesh,dispatch", [("fsdp=2,expert=2,model=2", "dropless"), ("expert=4,model=2", "capacity")]
+)
 def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
     """Experts split over 'model' psum their partial outputs (fwd); the backward sums the tokens'
     gradient once, [U,D], whatever the dispatch buffer's size."""
-    r = analyze(Trainer(cfg(mesh, **{"model.preset": "moe-tiny", "train.seq_len": 64, "model.dispatch": dispatch})).setup)
+    r = analyze(
+        Trainer(
+            cfg(
+                mesh,
+                **{"model.preset": "moe-tiny", "train.seq_len": 64, "model.dispatch": dispatch},
+            )
+        ).setup
+    )
     th = r["theory_on_backend_detail"]
-    assert measured(r, "all-reduce", "model") == pytest.approx(th["all-reduce@model"]["operand_bytes"], rel=0.10)
-    assert measured(r, "all-to-all", "expert") == pytest.approx(th["all-to-all@expert"]["operand_bytes"], rel=0.02)
+    assert measured(r, "all-reduce", "model") == pytest.approx(
+        th["all-reduce@model"]["operand_bytes"], rel=0.10
+    )
+    assert measured(r, "all-to-all", "expert") == pytest.approx(
+        th["all-to-all@expert"]["operand_bytes"], rel=0.02
+    )
     n = 16 // 4 * 64  # tokens per device: the batch is split 4 ways in both meshes
     act = n * 64 * 4
     # per layer: attention out + its remat + the fused q/k/v input grad, expert psum, the tokens'
     # [U,D] gradient (one psum: models/moe.py marks them varying over 'model' before dispatch), gate grads
     layer = 3 * act + act + act + 2 * n * 4
     assert th["all-reduce@model"]["operand_bytes"] == 2 * layer + 2 * act + 3 * n * 4
-    if "fsdp" in mesh:  # expert weights: gathered inside shard_map, so their gradients leave by a real
+    if (
+        "fsdp" in mesh
+    ):  # expert weights: gathered inside shard_map, so their gradients leave by a real
         # reduce-scatter even on CPU (3 per layer), while the rest become all-reduce + slice
         rs = th["reduce-scatter@fsdp"]["operand_bytes"]
         assert rs == 2 * 3 * 8 * 64 * 64 * 4 / 2 / 2  # full [X=4, D, F/2] per weight
@@ -169,16 +240,28 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
 def test_local_sgd_reports_bytes_per_sync_and_per_step():
     """DiLoCo: the outer all-reduce sits in a lax.cond branch run every H-th step; the HLO holds it once."""
     from plan import cost, hardware
+
     r = analyze(Trainer(cfg("data=4,fsdp=2", **{"comm.sync_every": 4, "train.seq_len": 64})).setup)
     th = r["theory_detail"]["all-reduce@data"]
     assert th["sync_every"] == 4 and r["sync_every"] == 4
     assert th["operand_bytes"] == th["per_sync_operand_bytes"] / 4
-    assert measured(r, "all-reduce", "data") == pytest.approx(th["per_sync_operand_bytes"], rel=0.10)
-    sync = analyze(Trainer(cfg("data=4,fsdp=2", **{"train.seq_len": 64})).setup)["theory_detail"]["all-reduce@data"]
+    assert measured(r, "all-reduce", "data") == pytest.approx(
+        th["per_sync_operand_bytes"], rel=0.10
+    )
+    sync = analyze(Trainer(cfg("data=4,fsdp=2", **{"train.seq_len": 64})).setup)["theory_detail"][
+        "all-reduce@data"
+    ]
     assert th["per_sync_operand_bytes"] == sync["operand_bytes"] and "sync_every" not in sync
     # the cost model charges the amortised bytes of the measured HLO every step
     hw = dataclasses.replace(hardware.get("h100"), platform="cpu", overlap=False)
-    c = build({"model.preset": "tiny", "model.dtype": "float32", "train.batch_size": 16, "train.seq_len": 64})
+    c = build(
+        {
+            "model.preset": "tiny",
+            "model.dtype": "float32",
+            "train.batch_size": 16,
+            "train.seq_len": 64,
+        }
+    )
     pred = cost.from_plan(r, hw, c.model, 16, 64, 1, {"data": 4, "fsdp": 2})
     got = pred["comm"]["all-reduce@data"]
     hlo = r["collectives_detail"]["all-reduce"]["by_axes"]["data"]["wire_bytes"]
@@ -195,7 +278,6 @@ def test_memory_traffic_counts_every_layer():
     assert t["flops"] > 2 * r["flops_per_step_per_device_compiled"]  # 4 layers, not 1
 
 
-
 @pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
 def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedule, repeats):
     """--micro-batches (gradient accumulation) repeats the whole pipeline; the bubble comes from
@@ -203,14 +285,29 @@ def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedu
     from plan import cost, hardware
     from plan.report import pipeline_report, render_cost
     from plan.theory import run_spec, theory
+
     P, M, G, R = 2, 4, 2, repeats
-    c = cfg("pipeline=2,data=2,model=2", **{"model.n_layers": 4, "train.seq_len": 32, "train.micro_batches": G,
-                                            "pipeline.microbatches": M, "pipeline.schedule": schedule,
-                                            "pipeline.repeats": R})
+    c = cfg(
+        "pipeline=2,data=2,model=2",
+        **{
+            "model.n_layers": 4,
+            "train.seq_len": 32,
+            "train.micro_batches": G,
+            "pipeline.microbatches": M,
+            "pipeline.schedule": schedule,
+            "pipeline.repeats": R,
+        },
+    )
     tr = Trainer(c)  # accepts the schedule: its passes of 16 / G rows are cut into M micro-batches
-    printed = pipeline_report(tr.setup, {"collective-permute": {"by_axes": {}}})  # plan's pipeline section
-    report = {"backend": "cpu", "flops_per_step": 1.0, "pipeline": printed,
-              "theory_detail": theory(run_spec(tr.setup), tr.abstract_state().params)}
+    printed = pipeline_report(
+        tr.setup, {"collective-permute": {"by_axes": {}}}
+    )  # plan's pipeline section
+    report = {
+        "backend": "cpu",
+        "flops_per_step": 1.0,
+        "pipeline": printed,
+        "theory_detail": theory(run_spec(tr.setup), tr.abstract_state().params),
+    }
     priced = cost.from_plan(report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape))
     assert printed["microbatches"] == M and printed["repeats"] == R
     assert printed["bubble"] == priced["bubble"] == pytest.approx((P - 1) / (R * M + P - 1))
@@ -218,7 +315,10 @@ def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedu
     assert f"= {printed['bubble']:.1%}" in printed["chart"]
     assert f"pipeline bubble {100 * priced['bubble']:.1f}%" in render_cost(priced)
     # a GPU/TPU target prices the stage-to-stage sends plan counts (bubble ticks included)
-    assert priced["comm"]["collective-permute@pipeline"]["wire_bytes"] == printed["permute_bytes_theory"]
+    assert (
+        priced["comm"]["collective-permute@pipeline"]["wire_bytes"]
+        == printed["permute_bytes_theory"]
+    )
 
 
 def test_vocab_parallel_head_matches_theory():
@@ -229,7 +329,9 @@ def test_vocab_parallel_head_matches_theory():
     head = next(row for row in r["sharding"] if row["name"] == "lm_head_DV")
     assert head["local_shape"] == [64, 264 // 8]  # sharded on the vocabulary, not on d_model
     for kind in ("all-gather", "all-reduce"):
-        assert measured(r, kind, "fsdp") == pytest.approx(th[f"{kind}@fsdp"]["operand_bytes"], rel=0.10), kind
+        assert measured(r, kind, "fsdp") == pytest.approx(
+            th[f"{kind}@fsdp"]["operand_bytes"], rel=0.10
+        ), kind
     # by hand: layer weights gathered twice (forward + remat), embedding and head never; the head's
     # input [128 tokens, 64] twice and the targets once, each device sending its 16 tokens' share
     layer_w = 2 * 12288 + 2 * 36864

@@ -6,6 +6,7 @@ README command cannot go untested.
 
 Each README section runs in a fresh directory under pytest's tmp_path (a section continues an
 earlier one's directory where CONTINUES says so), so nothing is written into the checkout."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cpu_env import cpu_env
 from data_files import TEXTS
 
@@ -34,10 +34,10 @@ TINY = "--steps 2 --seq-len 32 --batch-size 8 --log-every 1 --eval-every 0 --tra
 @dataclasses.dataclass(frozen=True)
 class Shorten:
     why: str
-    flags: str = ""                        # appended: a repeated flag's last value wins
-    devices: int | None = None             # fake CPU devices when the command itself sets none (else 1)
+    flags: str = ""  # appended: a repeated flag's last value wins
+    devices: int | None = None  # fake CPU devices when the command itself sets none (else 1)
     replace: tuple[tuple[str, str], ...] = ()  # text replaced in the command (or the Python block)
-    prelude: str = ""                      # Python run before a Python block
+    prelude: str = ""  # Python run before a Python block
 
 
 # Command prefix (or a Python block's first line) -> how it is shortened. A training command always
@@ -47,62 +47,92 @@ SHORTEN = {
     "python -m train": Shorten(
         "the default run, tiny, keeping one eval batch and a short sample (the README promises both)",
         "--model tiny --steps 2 --seq-len 32 --batch-size 8 --log-every 1 --train.eval_batches 1"
-        " --train.sample_tokens 16 --run-dir runs/latest"),
+        " --train.sample_tokens 16 --run-dir runs/latest",
+    ),
     "python -m train --mesh data=2,fsdp=2,model=2": Shorten(
         "the 8-device run, tiny; its own run directory, so it does not resume the run above",
-        f"--model tiny {TINY} --run-dir runs/mesh"),
+        f"--model tiny {TINY} --run-dir runs/mesh",
+    ),
     "python -m train --mesh data=4,tensor=2": Shorten("refused before anything runs: as written"),
-    "python -m train plan": Shorten("plan trains nothing: it runs as written (compile time does not grow with the model)"),
-    "brigade plan": Shorten("plan trains nothing: it runs as written, on 8 fake CPU devices for the node's 8 GPUs",
-                            devices=8),
-    "python -m train report": Shorten("the README's /tmp/r is outside the test's directory",
-                                      replace=(("/tmp/r", "report-out"),)),
+    "python -m train plan": Shorten(
+        "plan trains nothing: it runs as written (compile time does not grow with the model)"
+    ),
+    "brigade plan": Shorten(
+        "plan trains nothing: it runs as written, on 8 fake CPU devices for the node's 8 GPUs",
+        devices=8,
+    ),
+    "python -m train report": Shorten(
+        "the README's /tmp/r is outside the test's directory", replace=(("/tmp/r", "report-out"),)
+    ),
     "from mesh.build import make_mesh": Shorten(
         "the API walk-through of examples/quickstart.ipynb, which asks for 8 fake CPU devices in its first"
         " cell; 4 steps instead of 40 (the restore onto another mesh needs only a checkpoint)",
-        devices=8, replace=(('"train.steps": 40', '"train.steps": 4'),)),
+        devices=8,
+        replace=(('"train.steps": 40', '"train.steps": 4'),),
+    ),
     "from checkpoint import hf": Shorten(
         "a fragment: the reader brings `tokens`, `prompt_tokens` and `path` (here: the tiny model in INPUTS)",
-        devices=8, prelude="import numpy as np\nfrom mesh.build import make_mesh\n"
-                           "tokens = prompt_tokens = np.array([[1, 2, 3, 4]], np.int32)\npath = 'path/to/Llama-3.2-1B'\n"),
+        devices=8,
+        prelude="import numpy as np\nfrom mesh.build import make_mesh\n"
+        "tokens = prompt_tokens = np.array([[1, 2, 3, 4]], np.int32)\npath = 'path/to/Llama-3.2-1B'\n",
+    ),
     "python -m train --config ckpt/hf/model.yaml": Shorten(
         "the fine-tune of the imported (tiny) model on the prepared chats, on the 8 devices its --mesh names",
-        f"{TINY} --run-dir runs/latest", devices=8),
+        f"{TINY} --run-dir runs/latest",
+        devices=8,
+    ),
     "python -m train --config ckpt/hf/model.yaml --config configs/finetune.yaml --init-from ckpt/hf --data data/chats"
-    " --lora.rank": Shorten("the LoRA fine-tune of the imported (tiny) model, on the 8 devices of the fine-tune above",
-                            TINY, devices=8),
-    "python -m train eval": Shorten("an evaluation runs as written: the fine-tune above, or the import, on one device"),
-    "python -m train sample": Shorten("sampling runs as written: 128 tokens of the fine-tuned tiny model"),
+    " --lora.rank": Shorten(
+        "the LoRA fine-tune of the imported (tiny) model, on the 8 devices of the fine-tune above",
+        TINY,
+        devices=8,
+    ),
+    "python -m train eval": Shorten(
+        "an evaluation runs as written: the fine-tune above, or the import, on one device"
+    ),
+    "python -m train sample": Shorten(
+        "sampling runs as written: 128 tokens of the fine-tuned tiny model"
+    ),
     "python -m train --steps 1000": Shorten(
         "two steps, so the final checkpoint is step 2 (the export below reads it)",
-        "--model tiny --steps 2 --seq-len 32 --batch-size 8 --eval-every 0 --train.sample_tokens 0"),
+        "--model tiny --steps 2 --seq-len 32 --batch-size 8 --eval-every 0 --train.sample_tokens 0",
+    ),
     "python -m checkpoint export runs/long/checkpoints/1000": Shorten(
-        "the run above ended at step 2", replace=(("checkpoints/1000", "checkpoints/2"),)),
+        "the run above ended at step 2", replace=(("checkpoints/1000", "checkpoints/2"),)
+    ),
     "python -m train --model moe-default": Shorten(
-        "the MoE preset of the tiny model", f"--model moe-tiny {TINY} --run-dir runs/moe"),
+        "the MoE preset of the tiny model", f"--model moe-tiny {TINY} --run-dir runs/moe"
+    ),
     "python -m train --model moe-default --mesh expert=8": Shorten(
         "the same, expert parallel; its own run directory, so it does not resume the run above",
-        f"--model moe-tiny {TINY} --run-dir runs/moe-expert"),
+        f"--model moe-tiny {TINY} --run-dir runs/moe-expert",
+    ),
     "python -m train --model moe-default --mesh data=2,expert=4": Shorten(
-        "the same, capacity dispatch; its own run directory", f"--model moe-tiny {TINY} --run-dir runs/moe-capacity"),
+        "the same, capacity dispatch; its own run directory",
+        f"--model moe-tiny {TINY} --run-dir runs/moe-capacity",
+    ),
     "python -m train --model tiny --model.max_seq_len 32768": Shorten(
         "the 32k-token context=8 run at 64 tokens (tests/test_context.py trains the 32k one)",
-        f"{TINY.replace('--seq-len 32', '--seq-len 64')} --run-dir runs/context"),
-    "brigade train": Shorten("the 1B run on 8 GPUs, tiny, on 8 fake CPU devices", f"--model tiny {TINY}", devices=8),
+        f"{TINY.replace('--seq-len 32', '--seq-len 64')} --run-dir runs/context",
+    ),
+    "brigade train": Shorten(
+        "the 1B run on 8 GPUs, tiny, on 8 fake CPU devices", f"--model tiny {TINY}", devices=8
+    ),
 }
 # Command prefix (or a Python block's first line) -> why it cannot run here.
 SKIP = {
     "pip install": "changes the environment this suite runs in (the accelerator extras need CUDA or a TPU VM)",
     "pytest": "the whole suite, which this test is part of",
     "python -m train.harness": "needs the user's task directory; tests/test_harness.py runs the launcher on local"
-                               " tasks it writes",
+    " tasks it writes",
     "import models, optax": "a sketch of the four extension points (the reader brings init, apply, batches);"
-                            " examples/extensions.ipynb runs them in full, executed by tests/test_notebook.py",
+    " examples/extensions.ipynb runs them in full, executed by tests/test_notebook.py",
 }
 # Section -> the earlier section whose directory it continues (it reads a run made there).
-CONTINUES = {"Run reports": "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)",
-             "Fine-tuning, evaluation and sampling: `configs/finetune.yaml`, `eval`, `sample`":
-                 "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)"}
+CONTINUES = {
+    "Run reports": "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)",
+    "Fine-tuning, evaluation and sampling: `configs/finetune.yaml`, `eval`, `sample`": "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)",
+}
 
 
 def _hf_model(path: Path) -> None:
@@ -113,17 +143,29 @@ def _hf_model(path: Path) -> None:
     from models import model as model_lib
     from models.config import preset
     from models.hf import Model
+
     cfg = preset("tiny")
     save_pretrained(Model(cfg, jax.device_get(model_lib.init(cfg, jax.random.key(0)))), str(path))
     _tokenizer(path / "tokenizer.json")
-    template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
-                "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": template}))
+    template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "chat_template": template})
+    )
 
 
 def _chats(path: Path) -> None:
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-                            + "\n" for q, a in zip(TEXTS[::2], TEXTS[1::2])))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            )
+            + "\n"
+            for q, a in zip(TEXTS[::2], TEXTS[1::2])
+        )
+    )
 
 
 def _finetune_config(path: Path) -> None:
@@ -134,42 +176,60 @@ def _finetune_config(path: Path) -> None:
 def _corpus(path: Path) -> None:
     zstandard = pytest.importorskip("zstandard")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(zstandard.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode()))
+    path.write_bytes(
+        zstandard.ZstdCompressor().compress(
+            "".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode()
+        )
+    )
 
 
 def _tokenizer(path: Path) -> None:
     hf_tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
+
     tok = hf_tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     # 264 ids: the tiny model's vocabulary, so the 1B command shortened to `tiny` trains on it.
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=264, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        TEXTS,
+        trainers.BpeTrainer(
+            vocab_size=264,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.save(str(path))
 
 
 # The inputs a README command assumes the reader has, made tiny in the section's directory before
 # the first command that names them: path -> maker.
-INPUTS = {"path/to/hf_model": _hf_model, "path/to/Llama-3.2-1B": _hf_model,
-          "corpus/docs.jsonl.zst": _corpus, "tokenizer.json": _tokenizer, "chats.jsonl": _chats,
-          "configs/finetune.yaml": _finetune_config}
+INPUTS = {
+    "path/to/hf_model": _hf_model,
+    "path/to/Llama-3.2-1B": _hf_model,
+    "corpus/docs.jsonl.zst": _corpus,
+    "tokenizer.json": _tokenizer,
+    "chats.jsonl": _chats,
+    "configs/finetune.yaml": _finetune_config,
+}
 # What a command leaves behind, where the README says so: command prefix -> paths, relative to its directory.
-LEAVES = {"python -m checkpoint hf import": ["ckpt/hf/model.yaml"],
-          "python -m train report runs/latest": ["runs/latest/report/report.md"],
-          "python -m checkpoint export": ["params"],
-          "python -m checkpoint hf export": ["out/hf_model/config.json"],
-          "python -m train --steps 1000": ["runs/long/checkpoints/2"],
-          "brigade prepare": ["data/web/index.json"]}
+LEAVES = {
+    "python -m checkpoint hf import": ["ckpt/hf/model.yaml"],
+    "python -m train report runs/latest": ["runs/latest/report/report.md"],
+    "python -m checkpoint export": ["params"],
+    "python -m checkpoint hf export": ["out/hf_model/config.json"],
+    "python -m train --steps 1000": ["runs/long/checkpoints/2"],
+    "brigade prepare": ["data/web/index.json"],
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Command:
     section: str
-    line: int                        # README line
-    words: tuple[str, ...]           # the command without leading VAR=VALUE assignments
+    line: int  # README line
+    words: tuple[str, ...]  # the command without leading VAR=VALUE assignments
     env: tuple[tuple[str, str], ...]  # those assignments
-    expected: tuple[str, ...] = ()   # the output lines the README shows
-    source: str = ""                 # a Python block's code
+    expected: tuple[str, ...] = ()  # the output lines the README shows
+    source: str = ""  # a Python block's code
 
     @property
     def text(self) -> str:
@@ -179,7 +239,9 @@ class Command:
 def _split_line(section: str, line: int, text: str) -> list[Command]:
     """One shell line -> its commands: `[--opt]` is run with the option, a lone `...` (the reader's
     own flags) is dropped, and `a && b` is two commands."""
-    words = [w for w in shlex.split(re.sub(r"\[(--[^\]]*)\]", r"\1", text), comments=True) if w != "..."]
+    words = [
+        w for w in shlex.split(re.sub(r"\[(--[^\]]*)\]", r"\1", text), comments=True) if w != "..."
+    ]
     out, current = [], []
     for w in words + ["&&"]:
         if w != "&&":
@@ -196,8 +258,12 @@ def _split_line(section: str, line: int, text: str) -> list[Command]:
 def _shell_commands(section: str, line: int, lang: str, body: str) -> list[Command]:
     lines = body.replace("\\\n", " ").splitlines()
     if lang in ("bash", "sh", "shell"):
-        return [c for i, t in enumerate(lines) if t.strip() and not t.lstrip().startswith("#")
-                for c in _split_line(section, line + 1 + i, t)]
+        return [
+            c
+            for i, t in enumerate(lines)
+            if t.strip() and not t.lstrip().startswith("#")
+            for c in _split_line(section, line + 1 + i, t)
+        ]
     # A console block: `$ ` lines are commands, the lines up to the next `$ ` their output.
     out: list[Command] = []
     for i, t in enumerate(lines):
@@ -207,7 +273,9 @@ def _shell_commands(section: str, line: int, lang: str, body: str) -> list[Comma
             out[-1] = dataclasses.replace(out[-1], expected=out[-1].expected + (t.strip(),))
     if not out:  # a text block (the file map): it must hold nothing that reads like a command
         for t in lines:
-            assert not re.match(r"\s*(python|pip|brigade|pytest|[A-Z_]+=)\b", t), f"README: {t!r} in a text block"
+            assert not re.match(r"\s*(python|pip|brigade|pytest|[A-Z_]+=)\b", t), (
+                f"README: {t!r} in a text block"
+            )
     return out
 
 
@@ -224,13 +292,17 @@ def readme_commands(text: str) -> list[Command]:
         elif lang in ("bash", "sh", "shell", "console", ""):
             out += _shell_commands(section, line, lang, body)
         else:
-            raise AssertionError(f"README line {line}: a ```{lang} block; say here whether it holds commands")
+            raise AssertionError(
+                f"README line {line}: a ```{lang} block; say here whether it holds commands"
+            )
     return out
 
 
 def _key(table: dict, cmd: Command) -> str:
     """The longest key of `table` that `cmd` starts with (whole words), else ''."""
-    return max((k for k in table if cmd.text.split()[:len(k.split())] == k.split()), key=len, default="")
+    return max(
+        (k for k in table if cmd.text.split()[: len(k.split())] == k.split()), key=len, default=""
+    )
 
 
 def _plan(cmd: Command) -> tuple[str, Shorten]:
@@ -238,7 +310,9 @@ def _plan(cmd: Command) -> tuple[str, Shorten]:
     skip, shorten = _key(SKIP, cmd), _key(SHORTEN, cmd)
     if skip and len(skip) > len(shorten):
         return "skip", Shorten(SKIP[skip])
-    return ("run" if cmd.words[0] in PROGRAMS else "unknown"), SHORTEN.get(shorten, Shorten("as written"))
+    return ("run" if cmd.words[0] in PROGRAMS else "unknown"), SHORTEN.get(
+        shorten, Shorten("as written")
+    )
 
 
 COMMANDS = readme_commands(README.read_text())
@@ -246,11 +320,13 @@ COMMANDS = readme_commands(README.read_text())
 
 def test_every_readme_command_runs_or_is_skipped_with_a_reason():
     unknown = [f"README line {c.line}: `{c.text}`" for c in COMMANDS if _plan(c)[0] == "unknown"]
-    assert not unknown, ("commands neither runnable here nor in SKIP:\n" + "\n".join(unknown))
+    assert not unknown, "commands neither runnable here nor in SKIP:\n" + "\n".join(unknown)
     # The tables name only what the README holds, so a stale entry cannot hide a missing command.
     for table in (SHORTEN, SKIP, LEAVES):
         for key in table:
-            assert any(_key(table, c) == key for c in COMMANDS), f"{key!r}: no README command starts so"
+            assert any(_key(table, c) == key for c in COMMANDS), (
+                f"{key!r}: no README command starts so"
+            )
     assert set(CONTINUES) | set(CONTINUES.values()) <= {c.section for c in COMMANDS}
 
 
@@ -261,19 +337,36 @@ def _run(cmd: Command, cwd: Path) -> subprocess.CompletedProcess:
     count = re.search(r"--xla_force_host_platform_device_count=(\d+)", readme_flags)
     # The suite's env (compilation cache, LLVM level), with the README's device count and flags.
     run_env = cpu_env(int(count.group(1)) if count else shorten.devices or 1, **env)
-    run_env["XLA_FLAGS"] += " " + re.sub(r"--xla_force_host_platform_device_count=\S+", "", readme_flags)
+    run_env["XLA_FLAGS"] += " " + re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", readme_flags
+    )
     text, source = " ".join(shlex.quote(w) for w in cmd.words), shorten.prelude + cmd.source
     for old, new in shorten.replace:
         text, source = text.replace(old, new), source.replace(old, new)
-    for path, make in INPUTS.items():  # a word naming it (a glob, or after `kind:`), or the Python code
-        named = any(fnmatch.fnmatch(path, w.split(":")[-1]) for w in shlex.split(text)) or path in source
+    for (
+        path,
+        make,
+    ) in INPUTS.items():  # a word naming it (a glob, or after `kind:`), or the Python code
+        named = (
+            any(fnmatch.fnmatch(path, w.split(":")[-1]) for w in shlex.split(text))
+            or path in source
+        )
         if named and not (cwd / path).exists():
             make(cwd / path)
     words = shlex.split(text) + shlex.split(shorten.flags)
     outside = [w for w in words[1:] if w.startswith("/")]
-    assert not outside, f"README line {cmd.line}: {outside} is outside the test's directory: add a replace to SHORTEN"
-    return subprocess.run([PROGRAMS[words[0]]] + words[1:], cwd=cwd, env=run_env, input=source or None,
-                          capture_output=True, text=True, timeout=900)
+    assert not outside, (
+        f"README line {cmd.line}: {outside} is outside the test's directory: add a replace to SHORTEN"
+    )
+    return subprocess.run(
+        [PROGRAMS[words[0]]] + words[1:],
+        cwd=cwd,
+        env=run_env,
+        input=source or None,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _check(cmd: Command, result: subprocess.CompletedProcess, cwd: Path) -> None:
@@ -293,8 +386,12 @@ def _check(cmd: Command, result: subprocess.CompletedProcess, cwd: Path) -> None
 
 def _repo_files(paths: list[str]) -> str:
     """What git sees at `paths` (ignored files too): a command that wrote into the checkout shows here."""
-    return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all", "--", *paths],
-                          cwd=REPO, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "--untracked-files=all", "--", *paths],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout
 
 
 @pytest.mark.slow
@@ -303,12 +400,21 @@ def test_readme_commands(tmp_path):
     shows, the files it says a command writes; and the checkout is left as it was."""
     # Where a command run in the checkout would write: the top directories its path arguments name.
     # Not runs/: ignored by git, it holds the developer's own runs, which other processes may start.
-    touched = sorted({w.split("/")[0] for c in COMMANDS for w in c.words + tuple(INPUTS)
-                      if "/" in w and not w.startswith(("-", "/")) and "=" not in w} - {"runs"})
+    touched = sorted(
+        {
+            w.split("/")[0]
+            for c in COMMANDS
+            for w in c.words + tuple(INPUTS)
+            if "/" in w and not w.startswith(("-", "/")) and "=" not in w
+        }
+        - {"runs"}
+    )
     before, dirs, done = _repo_files(touched), {}, set()
     for cmd in COMMANDS:
         if cmd.section not in dirs:
-            dirs[cmd.section] = dirs.get(CONTINUES.get(cmd.section), tmp_path / f"section{len(dirs)}")
+            dirs[cmd.section] = dirs.get(
+                CONTINUES.get(cmd.section), tmp_path / f"section{len(dirs)}"
+            )
             dirs[cmd.section].mkdir(exist_ok=True)
         if _plan(cmd)[0] != "run":
             continue
@@ -316,8 +422,9 @@ def test_readme_commands(tmp_path):
         _check(cmd, result, dirs[cmd.section])
         if (cmd.section, cmd.words) in done and cmd.words[:3] == ("python", "-m", "train"):
             # The README: "the same command again continues from the latest committed step".
-            assert re.search(r"already reached --steps|resum", result.stdout + result.stderr), \
+            assert re.search(r"already reached --steps|resum", result.stdout + result.stderr), (
                 f"README line {cmd.line}: the same command again did not continue the run:\n{result.stdout[-2000:]}"
+            )
         done.add((cmd.section, cmd.words))
     assert _repo_files(touched) == before, "a README command wrote into the checkout"
 
@@ -327,7 +434,9 @@ def _readme_test_command() -> str:
     block = re.search(r"## The two commands\s+```bash\n(.*?)```", README.read_text(), re.S)
     assert block, "README.md: no bash block under 'The two commands'"
     lines = [ln.split("#")[0].strip() for ln in block.group(1).splitlines() if "pytest" in ln]
-    assert len(lines) == 1, f"README.md: one test command expected under 'The two commands', got {lines}"
+    assert len(lines) == 1, (
+        f"README.md: one test command expected under 'The two commands', got {lines}"
+    )
     return lines[0]
 
 
@@ -335,14 +444,20 @@ def test_ci_runs_the_readme_test_command():
     """CI runs the README's test command in the same words, so CI cannot pass a command a newcomer
     is not shown (it once ran `python -m pytest`, whose path differs from plain `pytest`'s)."""
     ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
-    assert _readme_test_command() in ci, f".ci/run does not run the README's `{_readme_test_command()}`"
+    assert _readme_test_command() in ci, (
+        f".ci/run does not run the README's `{_readme_test_command()}`"
+    )
 
 
 def test_test_helpers_imported_one_way():
     """Test helpers are imported as top-level modules (tests/ is on pytest's path): `tests.x` is
     importable only when the project root is on the path as well, as with `python -m pytest`."""
-    wrong = [f"{p.name}: {ln.strip()}" for p in sorted((REPO / "tests").glob("*.py"))
-             for ln in p.read_text().splitlines() if re.match(r"\s*(from|import) tests\b", ln)]
+    wrong = [
+        f"{p.name}: {ln.strip()}"
+        for p in sorted((REPO / "tests").glob("*.py"))
+        for ln in p.read_text().splitlines()
+        if re.match(r"\s*(from|import) tests\b", ln)
+    ]
     assert not wrong, wrong
 
 
@@ -352,8 +467,14 @@ def test_plain_pytest_collects_every_file(tmp_path):
     the project root with nothing added to PYTHONPATH, collects every test file without an error."""
     env = {k: v for k, v in cpu_env(8).items() if k != "PYTHONPATH"}
     pytest_script = Path(sys.executable).parent / "pytest"
-    r = subprocess.run([str(pytest_script), "--collect-only", "-q", "-o", "addopts=", "-p", "no:cacheprovider"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [str(pytest_script), "--collect-only", "-q", "-o", "addopts=", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     errors = [ln for ln in r.stdout.splitlines() if ln.startswith("ERROR")]
     assert r.returncode == 0 and not errors, r.stdout[-3000:] + r.stderr[-2000:]
     files = {ln.split("::")[0] for ln in r.stdout.splitlines() if "::" in ln}

@@ -1,5 +1,6 @@
 """Failures beyond a clean kill: a hung step (watchdog), a crash under `--max-restarts`
 (supervisor), a checkpoint write that fails (full disk) and a checkpoint dir that cannot be made."""
+
 import json
 import os
 import re
@@ -10,19 +11,42 @@ import sys
 import time
 
 import pytest
-
 from cpu_env import cpu_env
+
 from train.goodput import CATEGORIES, Goodput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(1, PYTHONUNBUFFERED="1")
-CMD = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
-       "--train.sample_tokens", "0", "--logging.progress", "false", "--logging.tensorboard", "false"]
+CMD = [
+    "--model",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--train.sample_tokens",
+    "0",
+    "--logging.progress",
+    "false",
+    "--logging.tensorboard",
+    "false",
+]
 
 
 def train(args, run_dir, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "train", *CMD, "--run-dir", str(run_dir), *args], cwd=ROOT,
-                          env={**ENV, **(env or {})}, text=True, capture_output=True, timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "train", *CMD, "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        env={**ENV, **(env or {})},
+        text=True,
+        capture_output=True,
+        timeout=300,
+        **kw,
+    )
 
 
 def steps_logged(run_dir):
@@ -36,12 +60,20 @@ def steps_logged(run_dir):
 @pytest.mark.slow
 def test_watchdog_dumps_stacks_and_exits_4_on_a_hang(tmp_path):
     t0 = time.monotonic()
-    p = train(["--steps", "10", "--train.step_timeout", "3"], tmp_path, env={"BRIGADE_INJECT_HANG_STEPS": "4"})
+    p = train(
+        ["--steps", "10", "--train.step_timeout", "3"],
+        tmp_path,
+        env={"BRIGADE_INJECT_HANG_STEPS": "4"},
+    )
     assert p.returncode == 4, p.stderr[-3000:]
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: watchdog")]
-    assert len(lines) == 1 and "after step 4" in lines[0] and "step_timeout 3" in lines[0], p.stderr[-3000:]
+    assert len(lines) == 1 and "after step 4" in lines[0] and "step_timeout 3" in lines[0], (
+        p.stderr[-3000:]
+    )
     stacks = (tmp_path / "watchdog-stacks.0.txt").read_text()
-    assert " in fit\n" in stacks and "train/loop.py" in stacks  # where the main thread hung: the loop in fit()
+    assert (
+        " in fit\n" in stacks and "train/loop.py" in stacks
+    )  # where the main thread hung: the loop in fit()
     assert steps_logged(tmp_path) == [1, 2, 3]  # step 4 hung before it was logged
     assert time.monotonic() - t0 < 120
 
@@ -50,17 +82,45 @@ def test_watchdog_dumps_stacks_and_exits_4_on_a_hang(tmp_path):
 def test_supervisor_restarts_a_killed_run_and_reports_lost_steps(tmp_path):
     out = open(tmp_path / "supervisor.log", "w")
     ck_dir = tmp_path / "checkpoints"
-    sup = subprocess.Popen([sys.executable, "-m", "train", *CMD, "--run-dir", str(tmp_path), "--steps", "30",
-                            "--seq-len", "128", "--batch-size", "16", "--checkpoint.every", "4",
-                            "--max-restarts", "2"], cwd=ROOT, env=ENV, text=True, stdout=out, stderr=subprocess.STDOUT)
+    sup = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            *CMD,
+            "--run-dir",
+            str(tmp_path),
+            "--steps",
+            "30",
+            "--seq-len",
+            "128",
+            "--batch-size",
+            "16",
+            "--checkpoint.every",
+            "4",
+            "--max-restarts",
+            "2",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and sup.poll() is None:  # 3 steps past a committed checkpoint
+        while (
+            time.monotonic() < deadline and sup.poll() is None
+        ):  # 3 steps past a committed checkpoint
             saved = [int(d) for d in os.listdir(ck_dir) if d.isdigit()] if ck_dir.is_dir() else []
             if saved and max(steps_logged(tmp_path), default=0) >= max(saved) + 3:
                 break
             time.sleep(0.02)
-        pid = int(re.search(r"training started \(pid (\d+)", (tmp_path / "supervisor.log").read_text()).group(1))
+        pid = int(
+            re.search(
+                r"training started \(pid (\d+)", (tmp_path / "supervisor.log").read_text()
+            ).group(1)
+        )
         os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer, or a node fault
         assert sup.wait(timeout=240) == 0, (tmp_path / "supervisor.log").read_text()[-3000:]
     finally:
@@ -68,11 +128,17 @@ def test_supervisor_restarts_a_killed_run_and_reports_lost_steps(tmp_path):
             sup.kill()
     log = (tmp_path / "supervisor.log").read_text()
     (restart,) = [json.loads(ln) for ln in open(tmp_path / "restarts.jsonl")]
-    assert restart["exit_code"] == -signal.SIGKILL and restart["checkpoint_step"] >= max(saved), restart
+    assert restart["exit_code"] == -signal.SIGKILL and restart["checkpoint_step"] >= max(saved), (
+        restart
+    )
     assert restart["lost_steps"] == restart["last_logged_step"] - restart["checkpoint_step"] >= 0
-    assert "killed by SIGKILL" in log and f"restart 1/2 from step {restart['checkpoint_step']}" in log, log[-3000:]
+    assert (
+        "killed by SIGKILL" in log and f"restart 1/2 from step {restart['checkpoint_step']}" in log
+    ), log[-3000:]
     assert "1 restart(s)" in log
-    assert steps_logged(tmp_path) == list(range(1, 31))  # every step logged once, the redone ones too
+    assert steps_logged(tmp_path) == list(
+        range(1, 31)
+    )  # every step logged once, the redone ones too
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["restarts"] == 1 and summary["recomputed_steps"] == restart["lost_steps"]
     assert summary["time_lost_s"] > 0
@@ -80,7 +146,11 @@ def test_supervisor_restarts_a_killed_run_and_reports_lost_steps(tmp_path):
 
 def test_supervisor_does_not_restart_a_configuration_error(tmp_path):
     p = train(["--max-restarts", "3", "--resume", str(tmp_path / "missing")], tmp_path)
-    assert p.returncode == 2 and "restart" not in p.stderr and "no such checkpoint directory" in p.stderr, p.stderr
+    assert (
+        p.returncode == 2
+        and "restart" not in p.stderr
+        and "no such checkpoint directory" in p.stderr
+    ), p.stderr
 
 
 @pytest.mark.slow
@@ -97,73 +167,122 @@ def test_full_disk_during_a_save_keeps_committed_checkpoints(tmp_path):
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "saving step 12" in errors[0] and "intact (steps 4, 8)" in errors[0], errors[0]
-    assert "File too large" in errors[0] or "os_error_code" not in p.stderr, errors[0]  # the OS reason, when told
-    again = train(["--steps", "16", "--checkpoint.every", "4"], tmp_path)  # space is back: resume and finish
-    assert again.returncode == 0 and "resumed from" in again.stdout and "(step 8," in again.stdout, again.stdout
+    assert "File too large" in errors[0] or "os_error_code" not in p.stderr, errors[
+        0
+    ]  # the OS reason, when told
+    again = train(
+        ["--steps", "16", "--checkpoint.every", "4"], tmp_path
+    )  # space is back: resume and finish
+    assert (
+        again.returncode == 0 and "resumed from" in again.stdout and "(step 8," in again.stdout
+    ), again.stdout
 
 
 def test_checkpoint_dir_that_cannot_be_created(tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    p = train(["--steps", "2", "--checkpoint.dir", str(tmp_path / "file" / "ckpt")], tmp_path / "run")
-    assert p.returncode == 2 and p.stderr.startswith("error: --checkpoint.dir") and "cannot create" in p.stderr, p.stderr
+    p = train(
+        ["--steps", "2", "--checkpoint.dir", str(tmp_path / "file" / "ckpt")], tmp_path / "run"
+    )
+    assert (
+        p.returncode == 2
+        and p.stderr.startswith("error: --checkpoint.dir")
+        and "cannot create" in p.stderr
+    ), p.stderr
     assert p.stderr.count("\n") == 1
 
 
 def test_goodput_carries_over_a_restart():
     gp = Goodput(started_at=1000.0)
     totals = {f"time_{c}_s": 1.0 for c in CATEGORIES} | {"time_total_s": 10.0, "time_other_s": 3.0}
-    recs = [{"step": 4, "time": 900.0, **totals, "recomputed_steps": 0, "restarts": 0},
-            {"step": 7, "time": 950.0, **totals, "time_total_s": 30.0}]
-    gp.resume(recs, step=4)  # resumed at the checkpoint of step 4; the run died after logging step 7
+    recs = [
+        {"step": 4, "time": 900.0, **totals, "recomputed_steps": 0, "restarts": 0},
+        {"step": 7, "time": 950.0, **totals, "time_total_s": 30.0},
+    ]
+    gp.resume(
+        recs, step=4
+    )  # resumed at the checkpoint of step 4; the run died after logging step 7
     gp.add("productive", 5.0)
     out = gp.totals(now=1010.0)
     # lost: 20 s of work after step 4 (30 - 10) + 50 s down (950 -> 1000); total: 10 + 70 + 10 s now
-    assert out["time_lost_s"] == pytest.approx(1.0 + 70.0) and out["time_total_s"] == pytest.approx(90.0)
-    assert out["time_productive_s"] == pytest.approx(6.0) and out["goodput"] == pytest.approx(6.0 / 90.0)
+    assert out["time_lost_s"] == pytest.approx(1.0 + 70.0) and out["time_total_s"] == pytest.approx(
+        90.0
+    )
+    assert out["time_productive_s"] == pytest.approx(6.0) and out["goodput"] == pytest.approx(
+        6.0 / 90.0
+    )
     assert out["restarts"] == 1 and out["recomputed_steps"] == 3
-    assert sum(out[f"time_{c}_s"] for c in (*CATEGORIES, "other")) == pytest.approx(out["time_total_s"])
+    assert sum(out[f"time_{c}_s"] for c in (*CATEGORIES, "other")) == pytest.approx(
+        out["time_total_s"]
+    )
 
 
 def test_goodput_counts_an_earlier_resume_that_died_after_the_checkpoint():
     """Attempt 2 resumed at step 4, logged steps 5-6 and died; attempt 3 resumes at step 4 again:
     both restarts and both rounds of recomputed steps count (the record at step 4 knows neither)."""
     totals = {f"time_{c}_s": 1.0 for c in CATEGORIES} | {"time_total_s": 10.0, "time_other_s": 3.0}
-    recs = [{"step": 4, "time": 900.0, **totals, "recomputed_steps": 0, "restarts": 0},
-            {"step": 6, "time": 990.0, **totals, "time_total_s": 40.0, "recomputed_steps": 3, "restarts": 1}]
+    recs = [
+        {"step": 4, "time": 900.0, **totals, "recomputed_steps": 0, "restarts": 0},
+        {
+            "step": 6,
+            "time": 990.0,
+            **totals,
+            "time_total_s": 40.0,
+            "recomputed_steps": 3,
+            "restarts": 1,
+        },
+    ]
     gp = Goodput(started_at=1000.0)
     gp.resume(recs, step=4)
     assert gp.restarts == 2 and gp.recomputed_steps == 3 + 2
     gp = Goodput(started_at=1000.0)
-    gp.resume(recs, step=4, restarts=3)   # the run dir's count: one attempt died before logging
+    gp.resume(recs, step=4, restarts=3)  # the run dir's count: one attempt died before logging
     assert gp.restarts == 3
 
 
 def test_closed_loop_echoes_are_dropped_and_nothing_else():
     import io
+
     from checkpoint.echoes import QuietClosedLoopEchoes
+
     out = io.StringIO()
     err = QuietClosedLoopEchoes(out)
     err.write("progress 10%\r")  # passes through at once (a progress bar has no newline)
     assert out.getvalue() == "progress 10%\r"
-    err.write("Traceback (most recent call last):\n  File \"base_events.py\", line 806, in call_soon_threadsafe\n")
-    err.write("    self._check_closed()\nRuntimeError: Event loop is closed\nerror: checkpoint: saving step 12 ...\n")
-    err.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: a real one\n")
-    assert out.getvalue() == ("progress 10%\rerror: checkpoint: saving step 12 ...\n"
-                              "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: a real one\n")
+    err.write(
+        'Traceback (most recent call last):\n  File "base_events.py", line 806, in call_soon_threadsafe\n'
+    )
+    err.write(
+        "    self._check_closed()\nRuntimeError: Event loop is closed\nerror: checkpoint: saving step 12 ...\n"
+    )
+    err.write('Traceback (most recent call last):\n  File "x.py", line 1\nValueError: a real one\n')
+    assert out.getvalue() == (
+        "progress 10%\rerror: checkpoint: saving step 12 ...\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: a real one\n'
+    )
 
 
 def test_parsing_flags_and_the_supervisor_import_no_jax():
     """The supervisor parent must not import JAX (it would hold no devices, but a GPU build may init them)."""
-    code = ("import sys; from train.config import from_args; import train.supervisor, checkpoint.echoes, mesh.xla;"
-            " from_args(['--max-restarts', '2', '--comm.compression', 'int8']); print('jax' in sys.modules)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from train.config import from_args; import train.supervisor, checkpoint.echoes, mesh.xla;"
+        " from_args(['--max-restarts', '2', '--comm.compression', 'int8']); print('jax' in sys.modules)"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr[-2000:]
 
 
 def _python(code: str, *args: str) -> subprocess.CompletedProcess:
     """A short Python child that imports no JAX (the watchdog ends its process with os._exit)."""
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_watchdog_waits_do_not_count_as_a_hang_but_their_own_limit_does(tmp_path):
@@ -184,8 +303,11 @@ def test_watchdog_waits_do_not_count_as_a_hang_but_their_own_limit_does(tmp_path
     assert p.returncode == 4 and p.stdout == "commit waited out\n", p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(
-        "error: watchdog: still waiting for the restore of step 4 after 1s (limit 1s);"), p.stderr[-3000:]
-    assert 'File "<string>"' in (tmp_path / "stacks.txt").read_text()  # where the main thread waited
+        "error: watchdog: still waiting for the restore of step 4 after 1s (limit 1s);"
+    ), p.stderr[-3000:]
+    assert (
+        'File "<string>"' in (tmp_path / "stacks.txt").read_text()
+    )  # where the main thread waited
 
 
 def test_two_threads_ending_the_process_at_once_print_one_line():
@@ -203,7 +325,10 @@ def test_two_threads_ending_the_process_at_once_print_one_line():
     """
     p = _python(code)
     lines = p.stderr.splitlines()
-    assert p.returncode in (4, 5) and lines == [f"error: verdict {p.returncode}"], (p.returncode, p.stderr)
+    assert p.returncode in (4, 5) and lines == [f"error: verdict {p.returncode}"], (
+        p.returncode,
+        p.stderr,
+    )
 
 
 @pytest.mark.parametrize("status,restarts", [(2, 0), (3, 0), (5, 1)])
@@ -212,9 +337,12 @@ def test_supervisor_restarts_crashes_but_never_a_final_status(tmp_path, status, 
     (5) or the watchdog (4) is a crash, restarted up to --max-restarts times."""
     from train.rundir import MARKER
     from train.supervisor import supervise
+
     (tmp_path / MARKER).write_text("{}")  # a run directory, as the child leaves it
     child = [sys.executable, "-c", f"import sys; sys.exit({status})"]
-    code = supervise([], 1, str(tmp_path), str(tmp_path / "checkpoints"), backoff_s=0, program=child)
+    code = supervise(
+        [], 1, str(tmp_path), str(tmp_path / "checkpoints"), backoff_s=0, program=child
+    )
     assert code == status
     log = tmp_path / "restarts.jsonl"
     lines = [json.loads(ln) for ln in log.read_text().splitlines()] if log.exists() else []
@@ -225,7 +353,17 @@ def test_supervisor_writes_nothing_into_a_run_dir_its_child_never_claimed(tmp_pa
     """A child that dies before it claims --run-dir: a restarts.jsonl written there would make
     the restarted child refuse the directory as not a Brigade run directory."""
     from train.supervisor import supervise
+
     child = [sys.executable, "-c", "import sys; sys.exit(1)"]
-    assert supervise([], 1, str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints"), backoff_s=0,
-                     program=child) == 1
+    assert (
+        supervise(
+            [],
+            1,
+            str(tmp_path / "run"),
+            str(tmp_path / "run" / "checkpoints"),
+            backoff_s=0,
+            program=child,
+        )
+        == 1
+    )
     assert not (tmp_path / "run").exists()

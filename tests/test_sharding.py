@@ -4,6 +4,7 @@ A float32 run with a fixed seed must produce the same loss curve on one device a
 every parameter and Adam moment must be laid out exactly as the logical-axis rules say, with real
 per-device shards of global/(axis sizes); gradient accumulation must not change the gradients.
 """
+
 import functools
 
 import jax
@@ -32,15 +33,26 @@ def make_cfg(mesh: str, run_dir, **over):
     # the classic FSDP head everywhere (where `auto` would pick the vocab-parallel one, at 128 tokens
     # per FSDP group on data=2,fsdp=2,model=2): tests/test_equivalence_head.py compares that layout
     # per step and by its raw gradient, with the Adam settings that make such a comparison sharp
-    d = {"model.preset": "tiny", "model.dtype": "float32", "parallelism.mesh": mesh,
-         "parallelism.vocab_parallel": "off",
-         "train.batch_size": 8, "train.seq_len": 32, "train.steps": 5, "train.seed": 0,
-         # Adam's eps well above the gradients' rounding (tests/equivalence.py): with the default
-         # 1e-8 a coordinate whose gradient is rounding noise moves by a full +-lr on one mesh and
-         # not the other, and the 5-step parameters differ by that, not by a bug
-         "train.eps": 1e-3, "train.eval_every": 0, "train.sample_tokens": 0,
-         "logging.log_every": 1, "logging.progress": False, "logging.tensorboard": False,
-         "logging.run_dir": str(run_dir)}
+    d = {
+        "model.preset": "tiny",
+        "model.dtype": "float32",
+        "parallelism.mesh": mesh,
+        "parallelism.vocab_parallel": "off",
+        "train.batch_size": 8,
+        "train.seq_len": 32,
+        "train.steps": 5,
+        "train.seed": 0,
+        # Adam's eps well above the gradients' rounding (tests/equivalence.py): with the default
+        # 1e-8 a coordinate whose gradient is rounding noise moves by a full +-lr on one mesh and
+        # not the other, and the 5-step parameters differ by that, not by a bug
+        "train.eps": 1e-3,
+        "train.eval_every": 0,
+        "train.sample_tokens": 0,
+        "logging.log_every": 1,
+        "logging.progress": False,
+        "logging.tensorboard": False,
+        "logging.run_dir": str(run_dir),
+    }
     d.update(over)
     return build(d)
 
@@ -59,14 +71,19 @@ def fitted(tmp_path_factory):
             tr.fit()
             cache[key] = tr
         return cache[key]
+
     return get
 
 
 # ------------------------------------------------------------------ layout of the state
 
+
 def _adam_states(opt_state):
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-             if isinstance(s, optax.ScaleByAdamState)]
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
     assert len(found) == 1, opt_state
     return found[0]
 
@@ -84,8 +101,9 @@ def _expected_shard_shape(mesh, shape, spec):
 def check_state_layout(tr: Trainer, state):
     mesh, rules = tr.mesh, tr.rules
     axes = model_lib.param_axes(tr.model_cfg)
-    want = jax.tree.map(lambda names: logical_to_spec(names, rules), axes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    want = jax.tree.map(
+        lambda names: logical_to_spec(names, rules), axes, is_leaf=lambda x: isinstance(x, tuple)
+    )
     adam = _adam_states(state.opt_state)
     n_sharded = 0
     for tree_name, tree in (("params", state.params), ("mu", adam.mu), ("nu", adam.nu)):
@@ -115,8 +133,12 @@ def test_trained_state_layout(fitted, mesh):
     tr = fitted(mesh, kv4="model=4" in mesh)
     n_sharded = check_state_layout(tr, tr.state)
     # 3 trees x 12 leaves (9 matrices, 3 norm scales); the mesh decides which are split
-    assert n_sharded == {"data=8": 0, "fsdp=8": 3 * 9, "data=2,fsdp=2,model=2": 3 * 9,
-                         "model=4,fsdp=2": 3 * 9}[mesh]
+    assert (
+        n_sharded
+        == {"data=8": 0, "fsdp=8": 3 * 9, "data=2,fsdp=2,model=2": 3 * 9, "model=4,fsdp=2": 3 * 9}[
+            mesh
+        ]
+    )
 
 
 def test_concrete_shard_shapes(fitted):
@@ -140,6 +162,7 @@ def test_concrete_shard_shapes(fitted):
 
 # ------------------------------------------------------------------ THE BACKBONE
 
+
 def _losses(tr):
     assert [r["step"] for r in tr.history] == [1, 2, 3, 4, 5]
     return np.array([r["loss"] for r in tr.history])
@@ -155,7 +178,9 @@ def test_sharding_invariance(fitted, mesh):
     assert np.all(np.isfinite(ref)) and ref[-1] < ref[0]  # it is training, not a constant
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=f"mesh {mesh} vs one device")
     ref_norm = [r["grad_norm"] for r in fitted("", kv4).history]
-    np.testing.assert_allclose([r["grad_norm"] for r in fitted(mesh, kv4).history], ref_norm, rtol=1e-4)
+    np.testing.assert_allclose(
+        [r["grad_norm"] for r in fitted(mesh, kv4).history], ref_norm, rtol=1e-4
+    )
 
 
 def test_trained_params_match_one_device(fitted):
@@ -168,13 +193,22 @@ def test_trained_params_match_one_device(fitted):
 
 # ------------------------------------------------------------------ gradient accumulation
 
+
 @pytest.fixture(scope="module")
 def micro_setup(tmp_path_factory):
-    cfg = make_cfg("data=2,fsdp=2,model=2", tmp_path_factory.mktemp("micro"), **{"train.batch_size": 16})
+    cfg = make_cfg(
+        "data=2,fsdp=2,model=2", tmp_path_factory.mktemp("micro"), **{"train.batch_size": 16}
+    )
     tr = Trainer(cfg)
     state = tr.create_state()
-    pipe = make_pipeline(tr.cfg.data, batch_size=16, seq_len=32, seed=0, batch_sharding=tr.batch_sharding,
-                         vocab_size=264)
+    pipe = make_pipeline(
+        tr.cfg.data,
+        batch_size=16,
+        seq_len=32,
+        seed=0,
+        batch_sharding=tr.batch_sharding,
+        vocab_size=264,
+    )
     batch = pipe.device_batch(0)
     return tr, state, batch
 

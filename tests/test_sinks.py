@@ -1,5 +1,6 @@
 """train/sinks.py: the console (bar, plain lines, nothing), W&B offline (its run id kept in the run
 directory, so a second run on it continues the same W&B run), and a real run without a terminal."""
+
 import glob
 import json
 import os
@@ -7,16 +8,23 @@ import subprocess
 import sys
 
 import pytest
+from cpu_env import cpu_env
 
 from errors import UserError
-from cpu_env import cpu_env
 from train import sinks
 from train.config import build
 from train.metrics import MetricsLogger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORD = {"step": 120, "loss": 2.2541, "tokens_per_sec": 3114.4, "mfu": 0.3131, "data_wait_s": 0.0002,
-          "step_time_s": 0.1, "grad_norm": 0.5}
+RECORD = {
+    "step": 120,
+    "loss": 2.2541,
+    "tokens_per_sec": 3114.4,
+    "mfu": 0.3131,
+    "data_wait_s": 0.0002,
+    "step_time_s": 0.1,
+    "grad_norm": 0.5,
+}
 
 
 class Terminal:
@@ -27,19 +35,25 @@ class Terminal:
 def test_progress_modes():
     with open(os.devnull, "w") as log_file:
         assert sinks.progress_mode("auto", log_file) == "lines"
-        assert [sinks.progress_mode(v, log_file) for v in ("bar", "lines", "none", "false", "True")] == \
-            ["bar", "lines", "none", "none", "lines"]   # true/false: auto/none
+        assert [
+            sinks.progress_mode(v, log_file) for v in ("bar", "lines", "none", "false", "True")
+        ] == ["bar", "lines", "none", "none", "lines"]  # true/false: auto/none
     assert sinks.progress_mode("auto", Terminal()) == "bar"
-    with pytest.raises(UserError, match="--logging.progress: 'fancy' is not one of auto, bar, lines, none"):
+    with pytest.raises(
+        UserError, match="--logging.progress: 'fancy' is not one of auto, bar, lines, none"
+    ):
         build({"logging.progress": "fancy"})
-    assert build({"logging.progress": False}).logging.progress == "false"   # older configs: a bool
+    assert build({"logging.progress": False}).logging.progress == "false"  # older configs: a bool
 
 
 def test_step_line():
     assert sinks.step_line(RECORD) == "step 120 | loss 2.254 | 3,114 tok/s | mfu 31.3% | data 0.2%"
     more = {**RECORD, "mem_peak_bytes": 3 * 2**30, "step_time_max_over_median": 1.234}
     assert sinks.step_line(more).endswith("| data 0.2% | mem 3.00 GiB | slowest 1.23x median")
-    assert sinks.step_line({"step": 60, "eval_loss": 2.3012, "eval_ppl": 9.985}) == "step 60 | eval loss 2.301 | ppl 9.98"
+    assert (
+        sinks.step_line({"step": 60, "eval_loss": 2.3012, "eval_ppl": 9.985})
+        == "step 60 | eval loss 2.301 | ppl 9.98"
+    )
 
 
 def test_lines_and_none(tmp_path, capsys):
@@ -51,16 +65,21 @@ def test_lines_and_none(tmp_path, capsys):
         log.close()
     out = capsys.readouterr().out
     assert out == "brigade: start\n" + sinks.step_line(RECORD) + "\nbrigade: start\n"
-    for mode in ("lines", "none"):   # metrics.jsonl whatever the console shows
+    for mode in ("lines", "none"):  # metrics.jsonl whatever the console shows
         assert json.loads((tmp_path / mode / "metrics.jsonl").read_text()) == RECORD
 
 
 def test_unknown_or_missing_tracker_is_one_line(monkeypatch):
-    with pytest.raises(UserError, match="unknown option 'logging.mlflow'; valid logging options: .*wandb"):
+    with pytest.raises(
+        UserError, match="unknown option 'logging.mlflow'; valid logging options: .*wandb"
+    ):
         build({"logging.mlflow": "proj"})
     monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(UserError, match=r"--logging.wandb: the wandb package is not installed; pip install"
-                                        r" 'brigade\[wandb\]'"):
+    with pytest.raises(
+        UserError,
+        match=r"--logging.wandb: the wandb package is not installed; pip install"
+        r" 'brigade\[wandb\]'",
+    ):
         build({"logging.wandb": "proj"})
 
 
@@ -76,7 +95,10 @@ def offline(tmp_path, monkeypatch):
 
 def offline_runs(wandb_dir) -> list[str]:
     """The run id of each offline W&B run written under `wandb_dir`, oldest first."""
-    return [os.path.basename(d).rsplit("-", 1)[1] for d in sorted(glob.glob(f"{wandb_dir}/wandb/offline-run-*"))]
+    return [
+        os.path.basename(d).rsplit("-", 1)[1]
+        for d in sorted(glob.glob(f"{wandb_dir}/wandb/offline-run-*"))
+    ]
 
 
 def test_wandb_resume_continues_one_run(tmp_path, offline):
@@ -86,7 +108,7 @@ def test_wandb_resume_continues_one_run(tmp_path, offline):
     (run_dir / "config.json").write_text(json.dumps(config))
     (run_dir / "plan.json").write_text(json.dumps({"flops_per_step": 1e9}))
     ids = []
-    for first in (1, 3):   # a run, then its resume from step 2 on the same run directory
+    for first in (1, 3):  # a run, then its resume from step 2 on the same run directory
         log = MetricsLogger(str(run_dir), 4, first - 1, tensorboard=False, progress="none")
         wb = next(s for s in log._sinks if isinstance(s, sinks.WandbSink))
         assert wb.run.project == "brigade-test" and wb.run.settings.resume == "allow"
@@ -108,12 +130,42 @@ def test_run_without_a_terminal_prints_plain_lines(tmp_path, offline):
     """A real run whose stdout and stderr are pipes (a cluster's log files): plain step lines and no
     carriage return; --logging.wandb through the loop."""
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "train", "--model", "tiny", "--steps", "3", "--batch-size", "8",
-                        "--seq-len", "32", "--data", "synthetic", "--log-every", "1", "--eval-every", "0",
-                        "--train.sample_tokens", "0",
-                        "--logging.tensorboard", "false", "--checkpoint.every", "0", "--run-dir", str(run_dir),
-                        "--logging.wandb", "brigade-test"],
-                       cwd=ROOT, env=cpu_env(1), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--data",
+            "synthetic",
+            "--log-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--train.sample_tokens",
+            "0",
+            "--logging.tensorboard",
+            "false",
+            "--checkpoint.every",
+            "0",
+            "--run-dir",
+            str(run_dir),
+            "--logging.wandb",
+            "brigade-test",
+        ],
+        cwd=ROOT,
+        env=cpu_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("step ")]
     assert [ln.split(" | ")[0] for ln in lines] == ["step 1", "step 2", "step 3"], p.stdout

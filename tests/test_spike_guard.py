@@ -2,6 +2,7 @@
 recent losses is skipped (parameters and optimizer untouched, the data moves on), counted, and
 after --train.max_bad_steps skips in a row the run goes back to its last checkpoint; the window
 lives in the train state, so a checkpoint carries it."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,27 +13,46 @@ from train.config import build
 from train.loop import Trainer
 from train.state import LOSS_WINDOW, SPIKE_WARMUP, LossWindow
 
-BASE = {"model.preset": "tiny", "model.dtype": "float32", "train.batch_size": 8, "train.seq_len": 32,
-        "train.lr": 1e-2, "train.warmup_steps": 0, "train.eval_every": 0, "train.sample_tokens": 0,
-        "logging.log_every": 1, "logging.progress": False, "logging.tensorboard": False,
-        "train.spike_factor": 1.1}
+BASE = {
+    "model.preset": "tiny",
+    "model.dtype": "float32",
+    "train.batch_size": 8,
+    "train.seq_len": 32,
+    "train.lr": 1e-2,
+    "train.warmup_steps": 0,
+    "train.eval_every": 0,
+    "train.sample_tokens": 0,
+    "logging.log_every": 1,
+    "logging.progress": False,
+    "logging.tensorboard": False,
+    "train.spike_factor": 1.1,
+}
 
 
 def empty_window(factor=2.0) -> LossWindow:
     zero = jnp.zeros((), jnp.int32)
-    return LossWindow(losses=jnp.zeros(LOSS_WINDOW, jnp.float32), seen=zero, in_a_row=zero, skipped=zero,
-                      factor=factor)
+    return LossWindow(
+        losses=jnp.zeros(LOSS_WINDOW, jnp.float32),
+        seen=zero,
+        in_a_row=zero,
+        skipped=zero,
+        factor=factor,
+    )
 
 
 def test_window_median_warm_up_and_counts():
     w, losses = empty_window(), np.linspace(5.0, 1.0, 40).astype(np.float32)
     for i, loss in enumerate(losses):
-        assert not bool(w.is_spike(jnp.float32(1e9))) or i >= SPIKE_WARMUP  # nothing is judged while warming up
+        assert (
+            not bool(w.is_spike(jnp.float32(1e9))) or i >= SPIKE_WARMUP
+        )  # nothing is judged while warming up
         w = w.after(jnp.float32(loss), applied=jnp.bool_(True), spiked=jnp.bool_(False))
-        held = losses[max(0, i + 1 - LOSS_WINDOW):i + 1]  # the ring holds the last LOSS_WINDOW
+        held = losses[max(0, i + 1 - LOSS_WINDOW) : i + 1]  # the ring holds the last LOSS_WINDOW
         assert float(w.median()) == pytest.approx(float(np.median(held)), rel=1e-6)
     median = float(w.median())
-    assert bool(w.is_spike(jnp.float32(2.01 * median))) and not bool(w.is_spike(jnp.float32(1.99 * median)))
+    assert bool(w.is_spike(jnp.float32(2.01 * median))) and not bool(
+        w.is_spike(jnp.float32(1.99 * median))
+    )
     # a spike is counted, not pushed; a non-finite step (neither applied nor a spike) changes nothing
     spiked = w.after(jnp.float32(50.0), applied=jnp.bool_(False), spiked=jnp.bool_(True))
     assert (int(spiked.in_a_row), int(spiked.skipped), float(spiked.median())) == (1, 1, median)
@@ -46,7 +66,16 @@ def test_spike_factor_below_one_or_with_diloco_is_one_line():
     with pytest.raises(UserError, match=r"--train.spike_factor 0.5: must be 0 \(off\) or >= 1"):
         build({"train.spike_factor": 0.5})
     with pytest.raises(UserError, match=r"--train.spike_factor 2.0: not with --comm.sync_every 2"):
-        Trainer(build({**BASE, "train.spike_factor": 2.0, "comm.sync_every": 2, "parallelism.mesh": "data=8"}))
+        Trainer(
+            build(
+                {
+                    **BASE,
+                    "train.spike_factor": 2.0,
+                    "comm.sync_every": 2,
+                    "parallelism.mesh": "data=8",
+                }
+            )
+        )
 
 
 def _batch(tr: Trainer, rng, corrupt=False) -> dict:
@@ -58,57 +87,97 @@ def _batch(tr: Trainer, rng, corrupt=False) -> dict:
 
 
 def test_a_spike_is_skipped_and_the_run_then_matches_one_without_the_bad_batch(tmp_path):
-    tr = Trainer(build({**BASE, "train.steps": 16, "logging.run_dir": str(tmp_path)}))  # the loop test's step
-    step_fn, rng = tr.compile_step(tr.abstract_state(), tr.abstract_batch()), np.random.default_rng(0)
+    tr = Trainer(
+        build({**BASE, "train.steps": 16, "logging.run_dir": str(tmp_path)})
+    )  # the loop test's step
+    step_fn, rng = (
+        tr.compile_step(tr.abstract_state(), tr.abstract_batch()),
+        np.random.default_rng(0),
+    )
     state = tr.create_state()
     for _ in range(SPIKE_WARMUP + 2):
         state, m = step_fn(state, _batch(tr, rng))
-    before = jax.device_get(state)          # the state is donated to the next step: keep a copy
+    before = jax.device_get(state)  # the state is donated to the next step: keep a copy
     spiked, m = step_fn(state, _batch(tr, rng, corrupt=True))
     assert float(m["loss"]) > 1.1 * float(m["loss_running_median"]), m
     assert (int(m["spike_skipped_steps"]), int(m["spike_in_a_row"]), float(m["lr"])) == (1, 1, 0.0)
-    assert int(m["skipped_steps"]) == 0      # not a non-finite step
+    assert int(m["skipped_steps"]) == 0  # not a non-finite step
     after = jax.device_get(spiked)
-    for old, new in zip(jax.tree.leaves((before.params, before.opt_state)),
-                        jax.tree.leaves((after.params, after.opt_state))):
-        np.testing.assert_array_equal(old, new)  # parameters and optimizer (its count too) untouched
+    for old, new in zip(
+        jax.tree.leaves((before.params, before.opt_state)),
+        jax.tree.leaves((after.params, after.opt_state)),
+    ):
+        np.testing.assert_array_equal(
+            old, new
+        )  # parameters and optimizer (its count too) untouched
     assert int(after.step) == int(before.step) + 1
     good = _batch(tr, rng)
     with_spike, m1 = step_fn(spiked, good)
     without, m2 = step_fn(jax.device_put(before, tr.state_shardings), good)
     assert float(m1["loss"]) == float(m2["loss"]) and int(m1["spike_in_a_row"]) == 0
-    for a, b in zip(jax.tree.leaves(jax.device_get(with_spike.params)),
-                    jax.tree.leaves(jax.device_get(without.params))):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=0)
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(with_spike.params)),
+        jax.tree.leaves(jax.device_get(without.params)),
+    ):
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=0
+        )
 
 
-def test_spikes_in_the_loop_are_logged_counted_recovered_and_checkpointed(tmp_path, monkeypatch, capsys):
+def test_spikes_in_the_loop_are_logged_counted_recovered_and_checkpointed(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("BRIGADE_INJECT_SPIKE_STEPS", "10,13,14")  # 10 alone; 13-14 two in a row
-    cfg = {**BASE, "train.steps": 16, "train.max_bad_steps": 2, "checkpoint.every": 4,
-           "logging.run_dir": str(tmp_path)}
+    cfg = {
+        **BASE,
+        "train.steps": 16,
+        "train.max_bad_steps": 2,
+        "checkpoint.every": 4,
+        "logging.run_dir": str(tmp_path),
+    }
     tr = Trainer(build(cfg))
     tr.fit()
     out = capsys.readouterr().out
     rec = {r["step"]: r for r in tr.history}
     assert [r["step"] for r in tr.history] == list(range(1, 17))
-    assert rec[9]["spike_skipped_steps"] == 0 and rec[10]["spike_skipped_steps"] == 1 and rec[10]["lr"] == 0.0
+    assert (
+        rec[9]["spike_skipped_steps"] == 0
+        and rec[10]["spike_skipped_steps"] == 1
+        and rec[10]["lr"] == 0.0
+    )
     assert rec[11]["lr"] > 0 and rec[14]["spike_skipped_steps"] == 3
     assert "warning: step 10: 1 update(s) skipped since the last log as loss spikes" in out, out
-    assert "recovery:" in out and "weights of step 12" in out, out  # 2 in a row hand over to the checkpoint
+    assert "recovery:" in out and "weights of step 12" in out, (
+        out
+    )  # 2 in a row hand over to the checkpoint
     # the restored window is step 12's (one spike, at 10): the count rewinds with the weights
     assert rec[15]["spike_skipped_steps"] == 1 and rec[16]["spike_skipped_steps"] == 1
-    saved, _ = tr.restore(tr.open_checkpoints(), 16)  # what a resume reads back: the window with its count
-    assert (int(saved.spike.skipped), int(saved.spike.seen)) == (1, 11 + 2)  # step 12's (1 spike), then 15, 16
+    saved, _ = tr.restore(
+        tr.open_checkpoints(), 16
+    )  # what a resume reads back: the window with its count
+    assert (int(saved.spike.skipped), int(saved.spike.seen)) == (
+        1,
+        11 + 2,
+    )  # step 12's (1 spike), then 15, 16
     np.testing.assert_array_equal(np.asarray(saved.spike.losses), np.asarray(tr.state.spike.losses))
 
 
 def test_resume_across_a_spike_factor_toggle(tmp_path, capsys):
     """A checkpoint saved without the guard resumes with it (an empty window), and the other way
     round (the window dropped): the setting may change between attempts."""
+
     def fit(steps: int, factor: float) -> dict:
-        cfg = build({**BASE, "train.steps": steps, "train.spike_factor": factor, "checkpoint.every": 2,
-                     "logging.run_dir": str(tmp_path / "run")})
+        cfg = build(
+            {
+                **BASE,
+                "train.steps": steps,
+                "train.spike_factor": factor,
+                "checkpoint.every": 2,
+                "logging.run_dir": str(tmp_path / "run"),
+            }
+        )
         return Trainer(cfg).fit()
+
     fit(2, 0.0)
     assert fit(4, 1.1)["resumed_from"] == 2
     assert "the loss-spike window starts empty" in capsys.readouterr().out

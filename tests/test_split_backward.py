@@ -1,6 +1,7 @@
 """models/split_backward.py: a backward pass split into the input gradient (B) and the weight
 gradients (W) gives exactly jax.vjp's values, and W holds the weight-gradient matmuls only: no
 recomputed forward, no input-gradient chain."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,10 +46,14 @@ def test_split_equals_vjp_and_w_is_matmuls_only():
     np.testing.assert_allclose(dw, want_dw, rtol=1e-6, atol=1e-6)
     # W: two matmuls per layer (w and its transpose) and their sums; nothing of the forward
     w_prims = primitives(jax.make_jaxpr(split.w)(saved, W).jaxpr)
-    assert w_prims.count("dot_general") == 2 and "tanh" not in w_prims and "sin" not in w_prims, w_prims
+    assert w_prims.count("dot_general") == 2 and "tanh" not in w_prims and "sin" not in w_prims, (
+        w_prims
+    )
     # B computes no weight gradient: the same matmuls as the input-gradient-only vjp
     b_prims = primitives(jax.make_jaxpr(split.b)(X, W, G).jaxpr)
-    dx_only = primitives(jax.make_jaxpr(lambda x, w, g: jax.vjp(lambda x: stack(x, w), x)[1](g))(X, W, G).jaxpr)
+    dx_only = primitives(
+        jax.make_jaxpr(lambda x, w, g: jax.vjp(lambda x: stack(x, w), x)[1](g))(X, W, G).jaxpr
+    )
     assert b_prims.count("dot_general") == dx_only.count("dot_general")
     # what W reads: per layer, stacked [3, ...] (the layer inputs and output gradients it multiplies)
     assert all(s.shape[0] == 3 for s in saved), [s.shape for s in saved]
@@ -57,11 +62,13 @@ def test_split_equals_vjp_and_w_is_matmuls_only():
 def test_split_under_vmap_and_with_atomic_loops():
     """b and w batch under vmap (the pipeline's stage dim); a while loop producing both kinds of
     output stays whole in B and W reads its result."""
+
     def with_loop(x, w, g):
         dx, dw = backward(x, w, g)
         # a loop that needs dx: atomic, in B; its result also feeds a weight-gradient output
         acc = jax.lax.fori_loop(0, 3, lambda i, a: a + dx.sum() * i, jnp.float32(0))
         return dx * acc, (dw * acc, dw.sum())
+
     split = Split(with_loop, (X, W, G), keep_argnums=(1,))
     xs, gs = jnp.stack([X, 2 * X]), jnp.stack([G, -G])
     now, saved = jax.vmap(split.b, in_axes=(0, None, 0))(xs, W, gs)
@@ -77,24 +84,47 @@ def test_plan_counts_the_w_inputs_zb_h1_keeps(monkeypatch):
     W inputs (plan/search.py activation_bytes); that is what the split of the tiny decoder's stage
     backward keeps, counted here from the real program."""
     import dataclasses
+
     from mesh.build import make_mesh
     from mesh.rules import axis_rules, make_rules
     from models import model, pipeline_1f1b, split_backward
     from models.config import PRESETS, PipelineConfig
+
     cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
     kept = []
     b = split_backward.Split.b
-    monkeypatch.setattr(split_backward.Split, "b", lambda self, *a: kept.append(b(self, *a)[1]) or b(self, *a))
+    monkeypatch.setattr(
+        split_backward.Split, "b", lambda self, *a: kept.append(b(self, *a)[1]) or b(self, *a)
+    )
     params = model.abstract_params(cfg)
     B, T, P = 8, 16, 2
-    batch = {"inputs": jax.ShapeDtypeStruct((B, T), jnp.int32), "targets": jax.ShapeDtypeStruct((B, T), jnp.int32),
-             "weights": jax.ShapeDtypeStruct((B, T), jnp.float32)}
+    batch = {
+        "inputs": jax.ShapeDtypeStruct((B, T), jnp.int32),
+        "targets": jax.ShapeDtypeStruct((B, T), jnp.int32),
+        "weights": jax.ShapeDtypeStruct((B, T), jnp.float32),
+    }
     with jax.set_mesh(make_mesh("pipeline=2,model=4")), axis_rules(make_rules("")):
-        jax.eval_shape(jax.grad(lambda p, bt: pipeline_1f1b.decoder_loss(
-            cfg, p, bt, PipelineConfig(schedule="zb_h1", microbatches=P), lambda lg, mb: lg[..., 0], {})[0]),
-            params, batch)
-    J = cfg.n_layers // P  # the per-layer values leave the stage's layer scan stacked: [J, P stages, replicas, ...]
+        jax.eval_shape(
+            jax.grad(
+                lambda p, bt: pipeline_1f1b.decoder_loss(
+                    cfg,
+                    p,
+                    bt,
+                    PipelineConfig(schedule="zb_h1", microbatches=P),
+                    lambda lg, mb: lg[..., 0],
+                    {},
+                )[0]
+            ),
+            params,
+            batch,
+        )
+    J = (
+        cfg.n_layers // P
+    )  # the per-layer values leave the stage's layer scan stacked: [J, P stages, replicas, ...]
     per_layer = sum(x.size for x in kept[0] if x.ndim >= 5 and x.shape[:2] == (J, P))
     per_token_layer = per_layer / (J * P * (B // P) * T)
     d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-    assert per_token_layer == 8 * d + 2 * n * h + 2 * k * h + 4 * f, (per_token_layer, [x.shape for x in kept[0]])
+    assert per_token_layer == 8 * d + 2 * n * h + 2 * k * h + 4 * f, (
+        per_token_layer,
+        [x.shape for x in kept[0]],
+    )

@@ -2,28 +2,36 @@
 local paths as before, and an object store (`gs://`) played by fsspec's in-memory filesystem,
 which has no local path at all: a write that bypassed the abstraction would fail or land in the
 test's working directory, which every test checks stays empty."""
+
 import json
 import os
 
 import fsspec
 import numpy as np
 import pytest
+from data_files import jsonl_file
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import _registry as registry  # the implementations registered in this process
 
 from checkpoint import storage
-from data_files import jsonl_file
 from errors import UserError
 from train.data.prepare import prepare
 from train.data.sources import RangeReadShard, load_prepared
 from train.goodput import Goodput, read_records
-from train.rundir import MARKER, RunDirLock, check_writable_run_dir, drop_records_after, prepare_run_dir
+from train.rundir import (
+    MARKER,
+    RunDirLock,
+    check_writable_run_dir,
+    drop_records_after,
+    prepare_run_dir,
+)
 from train.sinks import JsonlSink
 
 
 class FakeGCS(MemoryFileSystem):
     """gs://BUCKET/... held in memory (gcsfs's place in fsspec's registry, for one test)."""
+
     protocol = ("gs", "gcs")
     store, pseudo_dirs = {}, [""]
 
@@ -31,7 +39,7 @@ class FakeGCS(MemoryFileSystem):
     def _strip_protocol(cls, path):
         path = str(path)
         for prefix in ("gs://", "gcs://"):
-            path = path[len(prefix):] if path.startswith(prefix) else path
+            path = path[len(prefix) :] if path.startswith(prefix) else path
         return MemoryFileSystem._strip_protocol(path)
 
 
@@ -60,12 +68,15 @@ def gcs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("where", ["local", "gcs"])
 def test_files_through_one_abstraction(where, tmp_path, gcs):
     root = str(tmp_path / "root") if where == "local" else f"{gcs}/root"
-    assert storage.is_local(root) == (where == "local") and storage.basename(storage.join(root, "a")) == "a"
+    assert (
+        storage.is_local(root) == (where == "local")
+        and storage.basename(storage.join(root, "a")) == "a"
+    )
     assert storage.dirname(storage.join(root, "a")) == root and not storage.exists(root)
     storage.makedirs(root)
     log = storage.join(root, "log.txt")
     storage.write_text(log, "one\n")
-    storage.write_text(log, "two\n")           # replaced whole, no temporary file left beside it
+    storage.write_text(log, "two\n")  # replaced whole, no temporary file left beside it
     storage.append_text(log, "three\n")
     assert storage.read_text(log) == "two\nthree\n" and storage.listdir(root) == ["log.txt"]
     assert storage.read_range(log, 4, 3) == b"thr" and storage.getsize(log) == 10
@@ -73,12 +84,14 @@ def test_files_through_one_abstraction(where, tmp_path, gcs):
     lines.write("a\n")
     lines.write("b\n")
     lines.close()
-    again = storage.AppendLog(storage.join(root, "metrics.jsonl"))  # a resumed run continues the file
+    again = storage.AppendLog(
+        storage.join(root, "metrics.jsonl")
+    )  # a resumed run continues the file
     again.write("c\n")
     again.close()
     assert storage.read_text(storage.join(root, "metrics.jsonl")) == "a\nb\nc\n"
     storage.remove(log)
-    storage.remove(log)                         # a missing file is no error
+    storage.remove(log)  # a missing file is no error
     assert sorted(storage.listdir(root)) == ["metrics.jsonl"]
     with pytest.raises(FileNotFoundError):
         storage.listdir(storage.join(root, "missing"))
@@ -97,7 +110,7 @@ def test_a_run_directory_on_an_object_store(gcs, capsys):
         sink.log({"step": step, "loss": 1.0 / step})
     sink.close()
     assert [r["step"] for r in read_records(run)] == [1, 2, 3]
-    prepare_run_dir(run, '{"model": {}}\n', 2, goodput)   # resumed from step 2: step 3 is redone
+    prepare_run_dir(run, '{"model": {}}\n', 2, goodput)  # resumed from step 2: step 3 is redone
     assert [r["step"] for r in read_records(run)] == [1, 2]
     assert json.loads(storage.read_text(f"{run}/resumes.jsonl"))["step"] == 2
     drop_records_after(run, 1)
@@ -112,11 +125,20 @@ def test_a_prepared_dataset_on_an_object_store_is_read_by_ranges(tmp_path, gcs, 
     jsonl_file(docs, [f"document {i}: " + "abc" * (i % 7) for i in range(300)])
     local = str(tmp_path / "ds")
     prepare([str(docs)], local, "byte", progress=False)
-    prepare([str(docs)], f"{gcs}/ds", "byte", progress=False, shard_tokens=1000)  # made locally, then uploaded
-    prepare([str(docs)], f"{gcs}/ds", "byte", progress=False, overwrite=True)     # the shards it no longer has go
+    prepare(
+        [str(docs)], f"{gcs}/ds", "byte", progress=False, shard_tokens=1000
+    )  # made locally, then uploaded
+    prepare(
+        [str(docs)], f"{gcs}/ds", "byte", progress=False, overwrite=True
+    )  # the shards it no longer has go
     assert sorted(storage.listdir(f"{gcs}/ds")) == sorted(os.listdir(local))
-    here, there = load_prepared(local, 0.3, verify=True), load_prepared(f"{gcs}/ds", 0.3, verify=True)
-    assert isinstance(there.train.shards[0], RangeReadShard) and isinstance(here.train.shards[0], np.memmap)
+    here, there = (
+        load_prepared(local, 0.3, verify=True),
+        load_prepared(f"{gcs}/ds", 0.3, verify=True),
+    )
+    assert isinstance(there.train.shards[0], RangeReadShard) and isinstance(
+        here.train.shards[0], np.memmap
+    )
     rng = np.random.default_rng(0)
     for stream_here, stream_there in ((here.train, there.train), (here.eval, there.eval)):
         v = rng.integers(0, stream_here.n_tokens, size=(4, 33))
@@ -124,7 +146,11 @@ def test_a_prepared_dataset_on_an_object_store_is_read_by_ranges(tmp_path, gcs, 
     shard, reads = there.train.shards[0], []
     monkeypatch.setattr(RangeReadShard, "GAP", 16)
     read_range = storage.read_range
-    monkeypatch.setattr(storage, "read_range", lambda p, offset, size: reads.append(size) or read_range(p, offset, size))
+    monkeypatch.setattr(
+        storage,
+        "read_range",
+        lambda p, offset, size: reads.append(size) or read_range(p, offset, size),
+    )
     far = np.array([[0, 1, 2], [len(shard) - 3, len(shard) - 2, len(shard) - 1]])
     np.testing.assert_array_equal(shard[far], np.asarray(here.train.shards[0])[far])
     assert reads == [3 * shard.dtype.itemsize] * 2  # two runs of nearby tokens, two small reads

@@ -1,5 +1,6 @@
 """train/: a real (short) training run on the default corpus, its metrics and sinks; the data
 pipeline (corpus split, window sampler, device placement, prefetch) and the optimizer."""
+
 import collections
 import glob
 import json
@@ -17,40 +18,72 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mesh.build import make_mesh
 from errors import UserError
+from mesh.build import make_mesh
 from models import model as model_lib
 from models.config import PRESETS
 from train import optim
 from train.config import TrainConfig, build
-from train.data import corpus
-from train.data import make_pipeline
+from train.data import corpus, make_pipeline
 from train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from train.goodput import CATEGORIES as GOODPUT_CATEGORIES  # noqa: E402
 
-STEP_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_device",
-             "mfu", "data_wait_s", "skipped_steps",  # the issue's keys + the NaN guard's count
-             "steps_since_log", "goodput", "time", "restarts", "recomputed_steps",  # + goodput (train/goodput.py)
-             *(f"time_{c}_s" for c in GOODPUT_CATEGORIES), "time_other_s", "time_total_s",
-             "compute_s", "host_s", "step_time_max_over_median", "slowest_process",  # + the straggler check
-             "host_rss_bytes"}  # + runtime memory (device counters too where the backend keeps them: not on CPU)
+STEP_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "step_time_s",
+    "tokens_per_sec",
+    "tokens_per_sec_per_device",
+    "mfu",
+    "data_wait_s",
+    "skipped_steps",  # the issue's keys + the NaN guard's count
+    "steps_since_log",
+    "goodput",
+    "time",
+    "restarts",
+    "recomputed_steps",  # + goodput (train/goodput.py)
+    *(f"time_{c}_s" for c in GOODPUT_CATEGORIES),
+    "time_other_s",
+    "time_total_s",
+    "compute_s",
+    "host_s",
+    "step_time_max_over_median",
+    "slowest_process",  # + the straggler check
+    "host_rss_bytes",
+}  # + runtime memory (device counters too where the backend keeps them: not on CPU)
 STEPS = 40
 
 
 # ------------------------------------------------------------------ one real run
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("train") / "run"
     run_dir.mkdir()
     (run_dir / "brigade-run.json").write_text("{}")  # an earlier run's directory ...
-    (run_dir / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')  # ... and its stale log: fit starts afresh
-    cfg = build({"model.preset": "tiny", "train.steps": STEPS, "train.lr": 3e-3, "train.batch_size": 8,
-                 "train.seq_len": 64, "train.eval_every": 20, "train.sample_tokens": 24,
-                 "logging.log_every": 1, "logging.progress": False, "logging.tensorboard": True,
-                 "logging.run_dir": str(run_dir)})
+    (run_dir / "metrics.jsonl").write_text(
+        '{"step": 99, "loss": 1.0}\n'
+    )  # ... and its stale log: fit starts afresh
+    cfg = build(
+        {
+            "model.preset": "tiny",
+            "train.steps": STEPS,
+            "train.lr": 3e-3,
+            "train.batch_size": 8,
+            "train.seq_len": 64,
+            "train.eval_every": 20,
+            "train.sample_tokens": 24,
+            "logging.log_every": 1,
+            "logging.progress": False,
+            "logging.tensorboard": True,
+            "logging.run_dir": str(run_dir),
+        }
+    )
     tr = Trainer(cfg)
     summary = tr.fit()
     return tr, summary, run_dir
@@ -90,18 +123,32 @@ def test_metrics_jsonl(run):
         assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"] / 8, rel=1e-6)
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
         # the step's split adds up to its time; one process: no straggler
-        assert r["compute_s"] + r["data_wait_s"] + r["host_s"] == pytest.approx(r["step_time_s"], rel=1e-6)
-        assert (r["step_time_max_over_median"], r["slowest_process"]) == (1.0, 0) and r["host_rss_bytes"] > 0
-        assert "mem_peak_bytes" not in r if jax.devices()[0].memory_stats() is None \
+        assert r["compute_s"] + r["data_wait_s"] + r["host_s"] == pytest.approx(
+            r["step_time_s"], rel=1e-6
+        )
+        assert (r["step_time_max_over_median"], r["slowest_process"]) == (1.0, 0) and r[
+            "host_rss_bytes"
+        ] > 0
+        assert (
+            "mem_peak_bytes" not in r
+            if jax.devices()[0].memory_stats() is None
             else r["mem_peak_bytes"] >= r["mem_bytes_in_use"] > 0
+        )
     assert steps == tr.history
     for r in steps:  # goodput: the categories add up to the total wall time
         parts = sum(r[f"time_{c}_s"] for c in (*GOODPUT_CATEGORIES, "other"))
         assert parts == pytest.approx(r["time_total_s"], rel=1e-3), r
         assert r["goodput"] == pytest.approx(r["time_productive_s"] / r["time_total_s"], rel=1e-3)
     last, summary = steps[-1], run[1]  # the final save and eval come after the last step's record
-    assert last["time_compile_s"] > 0 and last["time_eval_s"] > 0 and summary["time_checkpoint_s"] > 0
-    assert 0.0 < summary["goodput"] < 1.0 and summary["time_other_s"] < 0.4 * summary["time_total_s"] and summary["restarts"] == 0 and summary["recomputed_steps"] == 0
+    assert (
+        last["time_compile_s"] > 0 and last["time_eval_s"] > 0 and summary["time_checkpoint_s"] > 0
+    )
+    assert (
+        0.0 < summary["goodput"] < 1.0
+        and summary["time_other_s"] < 0.4 * summary["time_total_s"]
+        and summary["restarts"] == 0
+        and summary["recomputed_steps"] == 0
+    )
     assert summary["time_total_s"] >= last["time_total_s"]
     assert [r["time_total_s"] for r in steps] == sorted(r["time_total_s"] for r in steps)
     for r in evals:
@@ -117,11 +164,12 @@ def test_metrics_jsonl(run):
 
 def _tb_scalars(path):
     from tensorboardX.proto import event_pb2
+
     data, i, tags = open(path, "rb").read(), 0, collections.defaultdict(list)
     while i < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
-        n = struct.unpack("<Q", data[i:i + 8])[0]
+        n = struct.unpack("<Q", data[i : i + 8])[0]
         ev = event_pb2.Event()
-        ev.ParseFromString(data[i + 12:i + 12 + n])
+        ev.ParseFromString(data[i + 12 : i + 12 + n])
         i += 12 + n + 4
         for v in ev.summary.value:
             tags[v.tag].append((ev.step, v.simple_value))
@@ -135,7 +183,9 @@ def test_tensorboard_events(run):
     tags = _tb_scalars(files[0])
     assert STEP_KEYS - {"step"} <= set(tags)
     assert [s for s, _ in tags["loss"]] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([v for _, v in tags["loss"]], [r["loss"] for r in tr.history], rtol=1e-6)
+    np.testing.assert_allclose(
+        [v for _, v in tags["loss"]], [r["loss"] for r in tr.history], rtol=1e-6
+    )
     assert [s for s, _ in tags["eval_loss"]] == [20, 40]
 
 
@@ -153,10 +203,19 @@ def test_summary_and_sample(run):
 
 # ------------------------------------------------------------------ data: placement on the mesh
 
+
 def _pipeline(seed, first_step=0, sharding=None):
     from train.config import DataConfig
-    return make_pipeline(DataConfig(source="synthetic", prefetch=2), batch_size=8, seq_len=16, seed=seed,
-                         batch_sharding=sharding, start_step=first_step, vocab_size=264)
+
+    return make_pipeline(
+        DataConfig(source="synthetic", prefetch=2),
+        batch_size=8,
+        seq_len=16,
+        seed=seed,
+        batch_sharding=sharding,
+        start_step=first_step,
+        vocab_size=264,
+    )
 
 
 @pytest.mark.parametrize("spec", [P(("data", "fsdp", "expert"), None), P("data", "model"), P()])
@@ -180,7 +239,9 @@ def test_prefetch_and_eval_batches():
         for step in (5, 6, 7):  # batch s is a function of (seed, s) only: the prefetched ones too
             batch, waited = pipe.next()
             assert waited >= 0
-            np.testing.assert_array_equal(np.asarray(batch["inputs"]), pipe.global_batch(step)["inputs"])
+            np.testing.assert_array_equal(
+                np.asarray(batch["inputs"]), pipe.global_batch(step)["inputs"]
+            )
     finally:
         pipe.close()
     e1, e2 = pipe.eval_batches(2), pipe.eval_batches(2)
@@ -191,10 +252,11 @@ def test_prefetch_and_eval_batches():
 
 # ------------------------------------------------------------------ data: corpora
 
+
 def _docs(tokens):
     cuts = np.flatnonzero(tokens == corpus.EOS)
     assert len(cuts) and cuts[-1] == len(tokens) - 1  # every document ends with EOS
-    return [tokens[a + 1:b].tobytes() for a, b in zip(np.r_[-1, cuts[:-1]], cuts)]
+    return [tokens[a + 1 : b].tobytes() for a, b in zip(np.r_[-1, cuts[:-1]], cuts)]
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +266,9 @@ def default_corpus():
 
 def test_default_corpus_split(default_corpus):
     c = default_corpus
-    again = corpus.load("default", 0.02, 7)  # the split hashes document names: independent of the seed
+    again = corpus.load(
+        "default", 0.02, 7
+    )  # the split hashes document names: independent of the seed
     np.testing.assert_array_equal(c.train, again.train)
     np.testing.assert_array_equal(c.eval, again.eval)
     assert c.vocab_size == corpus.BYTE_VOCAB and c.train.dtype == np.uint16
@@ -215,8 +279,13 @@ def test_default_corpus_split(default_corpus):
     # documents as read from disk: the split is a partition of them, and any content found on
     # both sides must be a file that exists twice (e.g. identical __init__.py) under different names
     import sysconfig
-    named = corpus._read_tree(sysconfig.get_paths()["stdlib"], ".py", ("site-packages", "dist-packages", "__pycache__"))
-    contents = collections.Counter(np.frombuffer(d, np.uint8).astype(np.uint16).tobytes() for _, d in named)
+
+    named = corpus._read_tree(
+        sysconfig.get_paths()["stdlib"], ".py", ("site-packages", "dist-packages", "__pycache__")
+    )
+    contents = collections.Counter(
+        np.frombuffer(d, np.uint8).astype(np.uint16).tobytes() for _, d in named
+    )
     assert collections.Counter(train_docs) + collections.Counter(eval_docs) == contents
     shared = set(train_docs) & set(eval_docs)
     assert all(contents[d] > 1 for d in shared)
@@ -248,12 +317,16 @@ def test_encode_decode():
 
 # ------------------------------------------------------------------ optimizer
 
+
 def test_decay_mask_excludes_norms_and_embeddings():
     params = model_lib.abstract_params(PRESETS["tiny"])
     mask = optim.decay_mask(params, decay_embeddings=False)
     assert mask["embed_VD"] is False and mask["lm_head_DV"] is True
     assert mask["final_norm"]["scale"] is False
-    assert mask["blocks"]["attn_norm"]["scale"] is False and mask["blocks"]["mlp_norm"]["scale"] is False
+    assert (
+        mask["blocks"]["attn_norm"]["scale"] is False
+        and mask["blocks"]["mlp_norm"]["scale"] is False
+    )
     for w in ("wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD"):
         assert mask["blocks"]["attn"][w] is True
     for w in ("w_gate_DF", "w_up_DF", "w_down_FD"):
@@ -265,13 +338,19 @@ def test_weight_decay_applies_only_to_masked_params():
     """With zero gradients the AdamW update is exactly -lr * wd * p on decayed params, 0 elsewhere."""
     cfg = TrainConfig(lr=0.1, warmup_steps=0, steps=10, grad_clip=0.0, weight_decay=0.5)
     tx = optim.make(cfg)
-    params = jax.tree.map(lambda s: jnp.full(s.shape, 2.0, s.dtype), model_lib.abstract_params(PRESETS["tiny"]))
+    params = jax.tree.map(
+        lambda s: jnp.full(s.shape, 2.0, s.dtype), model_lib.abstract_params(PRESETS["tiny"])
+    )
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     mask = optim.decay_mask(params, False)
-    for (path, u), m in zip(jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(mask)):
+    for (path, u), m in zip(
+        jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(mask)
+    ):
         expect = -0.1 * 0.5 * 2.0 if m else 0.0
-        np.testing.assert_allclose(np.asarray(u), expect, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(u), expect, rtol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_grad_clip():
@@ -282,7 +361,7 @@ def test_grad_clip():
     assert float(optax.tree.norm(clipped)) == pytest.approx(1.0, rel=1e-5)
     state = tx.init(p)
     assert isinstance(state, optax.ApplyIfFiniteState)  # the NaN guard wraps the whole chain
-    assert state.inner_state[0] == optax.EmptyState()   # clipping is the first link of the chain
+    assert state.inner_state[0] == optax.EmptyState()  # clipping is the first link of the chain
     assert len(optim.make(TrainConfig(grad_clip=0.0)).init(p).inner_state) == 1  # 0 disables it
 
 
@@ -294,24 +373,41 @@ def test_lr_schedule_warmup_then_cosine():
     assert v[0] == pytest.approx(1e-3, rel=1e-5)
     assert v[5] == pytest.approx(1e-3 + 9e-3 * 0.5, rel=1e-5)
     assert v[10] == pytest.approx(1e-2, rel=1e-5)
-    assert np.all(np.diff(v[:11]) > 0)                     # linear warm-up
-    assert np.all(np.diff(v[10:111]) <= 1e-12)             # then decays
+    assert np.all(np.diff(v[:11]) > 0)  # linear warm-up
+    assert np.all(np.diff(v[10:111]) <= 1e-12)  # then decays
     assert v[60] == pytest.approx((1e-2 + 1e-3) / 2, rel=1e-4)  # cosine midpoint
     assert v[35] == pytest.approx(1e-3 + 0.9e-2 * 0.5 * (1 + math.cos(math.pi * 0.25)), rel=1e-4)
-    assert v[110] == pytest.approx(1e-3, rel=1e-5)         # lr * min_lr_ratio at the end
+    assert v[110] == pytest.approx(1e-3, rel=1e-5)  # lr * min_lr_ratio at the end
     assert v[130] == pytest.approx(1e-3, rel=1e-5)
-    short = optim.schedule(TrainConfig(lr=1e-2, warmup_steps=30, steps=5))  # warm-up clipped to the run
+    short = optim.schedule(
+        TrainConfig(lr=1e-2, warmup_steps=30, steps=5)
+    )  # warm-up clipped to the run
     assert float(short(4)) == pytest.approx(1e-2, rel=1e-5)
 
 
 # ------------------------------------------------------------------ NaN guard
 
+
 def _nan_run(tmp_path, monkeypatch, nan_steps: str, **extra):
     monkeypatch.setenv("BRIGADE_INJECT_NAN_STEPS", nan_steps)
-    cfg = build({"model.preset": "tiny", "model.dtype": "float32", "train.steps": 10, "train.batch_size": 8,
-                 "train.seq_len": 32, "train.eval_every": 0, "train.sample_tokens": 0, "logging.log_every": 1,
-                 "logging.progress": False, "logging.tensorboard": False, "logging.run_dir": str(tmp_path),
-                 "checkpoint.every": 3, "train.max_bad_steps": 3, **extra})
+    cfg = build(
+        {
+            "model.preset": "tiny",
+            "model.dtype": "float32",
+            "train.steps": 10,
+            "train.batch_size": 8,
+            "train.seq_len": 32,
+            "train.eval_every": 0,
+            "train.sample_tokens": 0,
+            "logging.log_every": 1,
+            "logging.progress": False,
+            "logging.tensorboard": False,
+            "logging.run_dir": str(tmp_path),
+            "checkpoint.every": 3,
+            "train.max_bad_steps": 3,
+            **extra,
+        }
+    )
     tr = Trainer(cfg)
     tr.fit()
     return tr
@@ -329,20 +425,56 @@ def test_nan_steps_are_skipped_not_applied(tmp_path, monkeypatch):
 def test_too_many_nan_steps_reload_the_last_checkpoint(tmp_path, monkeypatch, capsys):
     tr = _nan_run(tmp_path, monkeypatch, "5,6,7")
     out = capsys.readouterr()
-    assert "recovery: 3 skipped steps in a row (non-finite or spikes) at step 7" in out.out + out.err
-    assert "weights of step 6" in out.out + out.err   # checkpoints every 3 steps: 3, 6
+    assert (
+        "recovery: 3 skipped steps in a row (non-finite or spikes) at step 7" in out.out + out.err
+    )
+    assert "weights of step 6" in out.out + out.err  # checkpoints every 3 steps: 3, 6
     steps = [r["step"] for r in tr.history]
-    assert steps == list(range(1, 11))                 # the step count goes on (data window 7 skipped)
+    assert steps == list(range(1, 11))  # the step count goes on (data window 7 skipped)
     assert all(math.isfinite(r["loss"]) for r in tr.history[7:])
     assert int(tr.state.step) == 10
 
 
 def test_nan_steps_without_checkpoint_exit_3(tmp_path):
     env = dict(os.environ, BRIGADE_INJECT_NAN_STEPS="1,2,3")
-    p = subprocess.run([sys.executable, "-m", "train", "--model", "tiny", "--steps", "6", "--batch-size", "8",
-                        "--seq-len", "32", "--log-every", "1", "--eval-every", "0", "--train.sample_tokens", "0",
-                        "--logging.progress", "false", "--logging.tensorboard", "false", "--checkpoint.every", "0",
-                        "--train.max_bad_steps", "3", "--run-dir", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "6",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--log-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--train.sample_tokens",
+            "0",
+            "--logging.progress",
+            "false",
+            "--logging.tensorboard",
+            "false",
+            "--checkpoint.every",
+            "0",
+            "--train.max_bad_steps",
+            "3",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 3, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr and "no checkpoint to restore" in p.stderr.strip().splitlines()[-1]
+    assert (
+        "Traceback" not in p.stderr
+        and "no checkpoint to restore" in p.stderr.strip().splitlines()[-1]
+    )

@@ -2,6 +2,7 @@
 `python -m train report RUN_DIR` renders a run's plots and summary; `python -m train eval CKPT
 --data DIR` evaluates a checkpoint (train/evaluate.py); `python -m train sample CKPT --prompt TEXT`
 generates with it (train/sample_cli.py)."""
+
 from __future__ import annotations
 
 import os
@@ -12,40 +13,60 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from errors import UserError
+
     if argv[:1] not in (["plan"], ["report"]):
         from checkpoint.echoes import QuietClosedLoopEchoes
+
         sys.stderr = QuietClosedLoopEchoes(sys.stderr)
     try:
         from mesh.xla import apply_argv
-        apply_argv(argv, os.environ)  # XLA reads its flags when jax starts a backend: before any import of jax
+
+        apply_argv(
+            argv, os.environ
+        )  # XLA reads its flags when jax starts a backend: before any import of jax
         if argv and argv[0] == "plan":
             from plan.cli import main as plan_main
+
             return plan_main(argv[1:])
         if argv and argv[0] == "report":
             from train.report import main as report_main
+
             return report_main(argv[1:])
         if argv and argv[0] == "eval":
             from train.evaluate import main as eval_main
+
             return eval_main(argv[1:])
         if argv and argv[0] == "sample":
             from train.sample_cli import main as sample_main
+
             return sample_main(argv[1:])
         from train.config import from_args
+
         cfg, _ = from_args(argv)
         from train.rundir import start_named_run
-        named = start_named_run(cfg)  # once, before any child: every restart continues this one directory
+
+        named = start_named_run(
+            cfg
+        )  # once, before any child: every restart continues this one directory
         if cfg.train.max_restarts and not os.environ.get("BRIGADE_SUPERVISED"):
             from checkpoint import storage
             from train.supervisor import Fresh, supervise
+
             c = named.checkpoint
             fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
-            return supervise(argv, cfg.train.max_restarts, named.logging.run_dir,
-                             c.dir or storage.join(named.logging.run_dir, "checkpoints"), fresh=fresh)
+            return supervise(
+                argv,
+                cfg.train.max_restarts,
+                named.logging.run_dir,
+                c.dir or storage.join(named.logging.run_dir, "checkpoints"),
+                fresh=fresh,
+            )
         return _train(named)
     except UserError as e:
         return _final_error(f"error: {e}", 2, exit_now=getattr(e, "exit_now", False))
     except Exception as e:
         from train.resilience import DIVERGED_EXIT, Diverged
+
         if not isinstance(e, Diverged):
             raise
         return _final_error(f"error: {e}", DIVERGED_EXIT)
@@ -60,10 +81,13 @@ def _train(cfg) -> int:
     from mesh.build import start_mesh
     from train.loop import Trainer
     from train.watchdog import PeerHeartbeat
+
     mesh = start_mesh(cfg.parallelism)
     with PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout):
         try:
-            code = Trainer(cfg, mesh=mesh).fit()["exit_code"]  # 143 / 130 after SIGTERM / SIGINT, checkpoint committed
+            code = Trainer(cfg, mesh=mesh).fit()[
+                "exit_code"
+            ]  # 143 / 130 after SIGTERM / SIGINT, checkpoint committed
         except Exception as e:  # noqa: BLE001
             _exit_if_peer_lost(e)
             raise
@@ -75,12 +99,16 @@ def _leave_job() -> None:
     """jax.distributed's shutdown barrier, passed while the heartbeat still runs (at interpreter
     exit it would not be: a peer dying now would leave this process to JAX's C++ abort)."""
     import jax
+
     if not jax.distributed.is_initialized():
         return
     from train.resilience import injected_processes
     from train.watchdog import set_doing
+
     if jax.process_index() in injected_processes("KILL_AT_SHUTDOWN"):
-        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a process that dies after the run finished
+        os.kill(
+            os.getpid(), signal.SIGKILL
+        )  # fault injection: a process that dies after the run finished
     set_doing("waiting in jax.distributed's shutdown barrier (the run had finished)")
     jax.distributed.shutdown()
 
@@ -91,8 +119,10 @@ def _final_error(line: str, code: int, exit_now: bool = False) -> int:
     declared lost, exit 5, and restarted by its supervisor): tell them and leave at once."""
     if "jax" in sys.modules:
         import jax
+
         if jax.distributed.is_initialized():
             from train.watchdog import end_job
+
             end_job(line, code)
     print(line, file=sys.stderr)
     if exit_now:  # e.g. a failed save: its I/O still in flight would print noise at exit
@@ -106,21 +136,31 @@ def _exit_if_peer_lost(e: Exception) -> None:
     as a SaveFailed): name the peer (from the heartbeats) and leave with PEER_LOST_EXIT, a crash
     to restart, rather than a traceback, a final status 2, or a hang in the shutdown barrier."""
     import jax
+
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return
     from checkpoint.integrity import cross_process_failure
     from train.watchdog import PEER_LOST_EXIT, PeerHeartbeat, end_process
+
     lost = PeerHeartbeat().lost()
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    if not lost and cross_process_failure(e):  # every peer alive, but one came too late to a collective
-        end_process(f"error: process {jax.process_index()}: a cross-process wait timed out with every peer alive"
-                    f" ({first}): a peer is slower (compile, I/O, load) than --parallelism.peer_timeout allows;"
-                    f" raise it; exiting with status {PEER_LOST_EXIT}: restart every process to resume from the"
-                    f" last checkpoint", PEER_LOST_EXIT)
+    if not lost and cross_process_failure(
+        e
+    ):  # every peer alive, but one came too late to a collective
+        end_process(
+            f"error: process {jax.process_index()}: a cross-process wait timed out with every peer alive"
+            f" ({first}): a peer is slower (compile, I/O, load) than --parallelism.peer_timeout allows;"
+            f" raise it; exiting with status {PEER_LOST_EXIT}: restart every process to resume from the"
+            f" last checkpoint",
+            PEER_LOST_EXIT,
+        )
     if not lost:
         return
-    end_process(f"error: process {jax.process_index()}: {lost}; the step failed ({first}); exiting with status"
-                f" {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint", PEER_LOST_EXIT)
+    end_process(
+        f"error: process {jax.process_index()}: {lost}; the step failed ({first}); exiting with status"
+        f" {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint",
+        PEER_LOST_EXIT,
+    )
 
 
 def _exit_now(code: int) -> None:

@@ -2,12 +2,14 @@
 itself (its default, valid range and help text), values coerced to the field's type without ever
 truncating, a YAML file read as a mapping of sections. Dataclasses only: which sections a
 run has is train/config.py's table; the flags' names (short aliases, public names) are here."""
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import typing
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import yaml
 
@@ -36,16 +38,22 @@ def typed_fields(cls) -> list[tuple[dataclasses.Field, type]]:
 
 def coerce(key: str, tp: type, value: Any) -> Any:
     """A YAML/dict/CLI value -> the field's type; never truncates (2.5 or true for an int is an error)."""
-    if tp is str and isinstance(value, bool):   # YAML `true` for an auto|true|false option
+    if tp is str and isinstance(value, bool):  # YAML `true` for an auto|true|false option
         value = str(value).lower()
     if isinstance(value, str):
         try:
             return converter(tp)(value)
         except (ValueError, argparse.ArgumentTypeError):
             raise UserError(f"{key}: expected {tp.__name__}, got {value!r}") from None
-    ok = (isinstance(value, bool) if tp is bool else
-          isinstance(value, int) and not isinstance(value, bool) if tp is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float else False)
+    ok = (
+        isinstance(value, bool)
+        if tp is bool
+        else isinstance(value, int) and not isinstance(value, bool)
+        if tp is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if tp is float
+        else False
+    )
     if not ok:
         raise UserError(f"{key}: expected {tp.__name__}, got {value!r}")
     return tp(value)
@@ -56,10 +64,14 @@ def help_line(key: str, field: dataclasses.Field, shown_default: Any) -> str:
     where a reader of --help looks for them, then the field's own text."""
     text = field.metadata.get("help")
     if not text:  # a programming error, like a numeric field without a range
-        raise TypeError(f"option {key} has no help text; declare its field with ranged() or option()")
+        raise TypeError(
+            f"option {key} has no help text; declare its field with ranged() or option()"
+        )
     rng = field.metadata.get("range")
     valid = f" valid: {rng.spec}" if rng else ""
-    return f"(default: {shown_default}){valid}. {text}".replace("%", "%%")  # argparse %-formats help
+    return f"(default: {shown_default}){valid}. {text}".replace(
+        "%", "%%"
+    )  # argparse %-formats help
 
 
 def load_yaml(path: str, sections: Iterable[str]) -> dict[str, dict]:
@@ -76,7 +88,9 @@ def load_yaml(path: str, sections: Iterable[str]) -> dict[str, dict]:
     sections = list(sections)
     for section, values in data.items():
         if section not in sections:
-            raise UserError(f"--config {path}: unknown section '{section}'; valid: {', '.join(sections)}")
+            raise UserError(
+                f"--config {path}: unknown section '{section}'; valid: {', '.join(sections)}"
+            )
         if not isinstance(values, dict):
             raise UserError(f"--config {path}: section '{section}' must be a mapping")
     return data
@@ -89,14 +103,27 @@ SHOWN_DEFAULTS = {"checkpoint.dir": "<run_dir>/checkpoints"}
 
 # The stable short flags (README) and the field each one sets.
 ALIASES = {
-    "--model": "model.preset", "--mesh": "parallelism.mesh", "--mesh-dcn": "parallelism.mesh_dcn",
-    "--steps": "train.steps", "--batch-size": "train.batch_size", "--seq-len": "train.seq_len",
-    "--micro-batches": "train.micro_batches", "--lr": "train.lr", "--seed": "train.seed",
-    "--eval-every": "train.eval_every", "--data": "data.source", "--run-dir": "logging.run_dir",
-    "--log-every": "logging.log_every", "--peak-tflops": "logging.peak_tflops",
-    "--coordinator": "parallelism.coordinator", "--num-processes": "parallelism.num_processes",
-    "--process-id": "parallelism.process_id", "--resume": "checkpoint.resume",
-    "--max-restarts": "train.max_restarts", "--init-from": "checkpoint.init_from", "--optim.name": "train.optimizer",
+    "--model": "model.preset",
+    "--mesh": "parallelism.mesh",
+    "--mesh-dcn": "parallelism.mesh_dcn",
+    "--steps": "train.steps",
+    "--batch-size": "train.batch_size",
+    "--seq-len": "train.seq_len",
+    "--micro-batches": "train.micro_batches",
+    "--lr": "train.lr",
+    "--seed": "train.seed",
+    "--eval-every": "train.eval_every",
+    "--data": "data.source",
+    "--run-dir": "logging.run_dir",
+    "--log-every": "logging.log_every",
+    "--peak-tflops": "logging.peak_tflops",
+    "--coordinator": "parallelism.coordinator",
+    "--num-processes": "parallelism.num_processes",
+    "--process-id": "parallelism.process_id",
+    "--resume": "checkpoint.resume",
+    "--max-restarts": "train.max_restarts",
+    "--init-from": "checkpoint.init_from",
+    "--optim.name": "train.optimizer",
 }
 SHORT = {key: alias for alias, key in ALIASES.items()}
 

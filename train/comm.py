@@ -6,31 +6,37 @@ axes) sharded over those axes, so each device holds only its own replica's slice
 before the sync, error-feedback residuals, DiLoCo's parameter drift. The residuals and the drift
 live in the train state, so checkpoints keep them.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from mesh.collectives import compressed_psum
 from errors import UserError
-from train.sections import COMPRESSIONS, error_feedback_on, validate_comm as validate  # noqa: F401  (jax-free: flag parsing uses it)
+from mesh.collectives import compressed_psum
 from mesh.shard import spec_axes
+from train.sections import COMPRESSIONS, error_feedback_on  # noqa: F401  (jax-free: flag parsing uses it)
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncLayout:
     """What the data-parallel sync keeps in the state (per-replica arrays with a leading [R] dim)."""
+
     dp_axes: tuple[str, ...] = ()
-    error_feedback: bool = False                           # residual [R, ...]
-    outer_tx: optax.GradientTransformation | None = None   # DiLoCo: drift, per-replica opt_state, outer_opt
+    error_feedback: bool = False  # residual [R, ...]
+    outer_tx: optax.GradientTransformation | None = (
+        None  # DiLoCo: drift, per-replica opt_state, outer_opt
+    )
 
     def replicas(self, mesh: Mesh) -> int:
         return math.prod(mesh.shape[a] for a in self.dp_axes)
@@ -44,11 +50,16 @@ def sync_layout(comm_cfg, dp_axes: tuple[str, ...], grad_clip: float) -> tuple[S
     if not dp_axes:
         return SyncLayout(), 0.0
     if comm_cfg.sync_every > 1:
-        return SyncLayout(dp_axes, outer_tx=outer_optimizer(comm_cfg.outer_lr, comm_cfg.outer_momentum)), 0.0
+        return SyncLayout(
+            dp_axes, outer_tx=outer_optimizer(comm_cfg.outer_lr, comm_cfg.outer_momentum)
+        ), 0.0
     compressed = comm_cfg.compression != "none"
-    return (SyncLayout(dp_axes, error_feedback=error_feedback_on(comm_cfg.compression, comm_cfg.error_feedback)),
-            grad_clip if compressed else 0.0)
-
+    return (
+        SyncLayout(
+            dp_axes, error_feedback=error_feedback_on(comm_cfg.compression, comm_cfg.error_feedback)
+        ),
+        grad_clip if compressed else 0.0,
+    )
 
 
 def replica_spec(spec: P, dp_axes: tuple[str, ...]) -> P:
@@ -68,8 +79,17 @@ def init_residual(params: Any, n_dp: int) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Gradient sync
 
-def sync_grads(grads_R: Any, residual_R: Any | None, *, compression: str, dp_axes: tuple[str, ...],
-               param_specs: Any, topk_fraction: float = 0.01, mesh=None) -> tuple[Any, Any | None]:
+
+def sync_grads(
+    grads_R: Any,
+    residual_R: Any | None,
+    *,
+    compression: str,
+    dp_axes: tuple[str, ...],
+    param_specs: Any,
+    topk_fraction: float = 0.01,
+    mesh=None,
+) -> tuple[Any, Any | None]:
     """Sum the per-replica gradients over the data-parallel mesh axes.
 
     grads_R: [R, ...] per leaf, sharded `replica_specs(param_specs, dp_axes)`; each replica's
@@ -84,18 +104,24 @@ def sync_grads(grads_R: Any, residual_R: Any | None, *, compression: str, dp_axe
     them, so every such device quantises them alike and replicas stay identical).
     """
     if compression not in COMPRESSIONS:
-        raise UserError(f"--comm.compression: '{compression}' is not one of {', '.join(COMPRESSIONS)}")
+        raise UserError(
+            f"--comm.compression: '{compression}' is not one of {', '.join(COMPRESSIONS)}"
+        )
     if compression == "none" or not dp_axes:
         return jax.tree.map(lambda g: g.sum(0), grads_R), residual_R
     g_leaves, treedef = jax.tree.flatten(grads_R)
     specs = treedef.flatten_up_to(param_specs)
     r_leaves = treedef.flatten_up_to(residual_R) if residual_R is not None else None
-    groups = defaultdict(list)   # leaves whose local shards are replicated over the same axes
+    groups = defaultdict(list)  # leaves whose local shards are replicated over the same axes
     for i, s in enumerate(specs):
         groups[frozenset(spec_axes(s))].append(i)
 
     def local(g_leaves, r_leaves=None):
-        x = [g[0] + r[0] for g, r in zip(g_leaves, r_leaves)] if r_leaves is not None else [g[0] for g in g_leaves]
+        x = (
+            [g[0] + r[0] for g, r in zip(g_leaves, r_leaves)]
+            if r_leaves is not None
+            else [g[0] for g in g_leaves]
+        )
         out, res = [None] * len(x), [None] * len(x)
         for idx in groups.values():
             flat = jnp.concatenate([x[i].reshape(-1).astype(jnp.float32) for i in idx])
@@ -103,8 +129,8 @@ def sync_grads(grads_R: Any, residual_R: Any | None, *, compression: str, dp_axe
             start = 0
             for i in idx:
                 size = x[i].size
-                out[i] = total[start:start + size].reshape(x[i].shape).astype(g_leaves[i].dtype)
-                res[i] = residual[start:start + size].reshape((1, *x[i].shape))
+                out[i] = total[start : start + size].reshape(x[i].shape).astype(g_leaves[i].dtype)
+                res[i] = residual[start : start + size].reshape((1, *x[i].shape))
                 start += size
         return (out, res) if r_leaves is not None else out
 
@@ -113,7 +139,9 @@ def sync_grads(grads_R: Any, residual_R: Any | None, *, compression: str, dp_axe
     if r_leaves is None:
         out = jax.shard_map(local, in_specs=(rspecs,), out_specs=specs, **kw)(g_leaves)
         return treedef.unflatten(out), None
-    out, res = jax.shard_map(local, in_specs=(rspecs, rspecs), out_specs=(specs, rspecs), **kw)(g_leaves, r_leaves)
+    out, res = jax.shard_map(local, in_specs=(rspecs, rspecs), out_specs=(specs, rspecs), **kw)(
+        g_leaves, r_leaves
+    )
     return treedef.unflatten(out), treedef.unflatten(res)
 
 
@@ -130,16 +158,19 @@ def clip_replicas(grads_R: Any, max_norm: float, norms_R: jax.Array | None = Non
     `replica_norms(grads_R)` when the caller has it already."""
     norms_R = replica_norms(grads_R) if norms_R is None else norms_R
     scale_R = jnp.minimum(1.0, max_norm / jnp.maximum(norms_R, 1e-30))
-    return jax.tree.map(lambda g: g * scale_R.reshape(-1, *[1] * (g.ndim - 1)).astype(g.dtype), grads_R)
+    return jax.tree.map(
+        lambda g: g * scale_R.reshape(-1, *[1] * (g.ndim - 1)).astype(g.dtype), grads_R
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Local SGD / DiLoCo
 
+
 @flax.struct.dataclass
 class OuterState:
-    params: Any      # the global parameters every replica starts a round from (replicated over dp)
-    opt_state: Any   # the outer optimizer's state (Nesterov momentum buffer), like params
+    params: Any  # the global parameters every replica starts a round from (replicated over dp)
+    opt_state: Any  # the outer optimizer's state (Nesterov momentum buffer), like params
 
 
 def outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
@@ -164,13 +195,21 @@ def replica_params(outer_params: Any, drift_R: Any) -> Any:
     return jax.tree.map(lambda p, d: p[None] + d, outer_params, drift_R)
 
 
-def local_step(grad_fn: Callable, tx: optax.GradientTransformation, outer_params: Any, drift_R: Any,
-               inner_state_R: Any, batch_R: Any, dp_axes: tuple[str, ...]) -> tuple[Any, Any, Any]:
+def local_step(
+    grad_fn: Callable,
+    tx: optax.GradientTransformation,
+    outer_params: Any,
+    drift_R: Any,
+    inner_state_R: Any,
+    batch_R: Any,
+    dp_axes: tuple[str, ...],
+) -> tuple[Any, Any, Any]:
     """One inner optimizer step on every replica, no data-parallel communication.
 
     grad_fn(params, batch) -> (aux, grads) for one replica (aux: the loss, or a dict of metrics);
     batch_R: [R, ...] per leaf; inner_state_R: the inner optimizer's state with a leading [R] dim
     (`replicate(tx.init(params), R)`). -> (aux_R, new drift_R, new inner_state_R)."""
+
     def one(drift, inner, batch):
         params = jax.tree.map(jnp.add, outer_params, drift)
         aux, grads = grad_fn(params, batch)
@@ -185,7 +224,9 @@ def replicate(tree: Any, n_dp: int) -> Any:
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n_dp, *jnp.shape(x))), tree)
 
 
-def outer_step(outer: OuterState, drift_R: Any, outer_tx: optax.GradientTransformation) -> tuple[OuterState, Any]:
+def outer_step(
+    outer: OuterState, drift_R: Any, outer_tx: optax.GradientTransformation
+) -> tuple[OuterState, Any]:
     """End of a round (every H local steps): the outer gradient is minus the replicas' mean drift
     (the one data-parallel all-reduce of the round); the outer optimizer applies it to the
     global parameters, and every replica restarts from them (drift zero)."""

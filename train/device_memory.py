@@ -6,6 +6,7 @@ backend keeps none, so there they are None ("unavailable"; a metrics record leav
 rather than a guess. The host's resident set is read from /proc/self/statm where it exists
 (Linux), else left out too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,12 @@ def figures(devices: list) -> dict:
     """This process's memory: bytes in use and the peak since start on its fullest device (None
     where the backend keeps no counters), and the host process's resident set (None off Linux)."""
     stats = [s for s in (d.memory_stats() for d in devices) if s]
-    return {"mem_bytes_in_use": _largest(stats, "bytes_in_use"), "mem_peak_bytes": _largest(stats, "peak_bytes_in_use"),
-            "mem_limit_bytes": _largest(stats, "bytes_limit"), "host_rss_bytes": host_rss_bytes()}
+    return {
+        "mem_bytes_in_use": _largest(stats, "bytes_in_use"),
+        "mem_peak_bytes": _largest(stats, "peak_bytes_in_use"),
+        "mem_limit_bytes": _largest(stats, "bytes_limit"),
+        "host_rss_bytes": host_rss_bytes(),
+    }
 
 
 def host_rss_bytes() -> int | None:
@@ -49,6 +54,7 @@ def size_text(n: int | None) -> str:
 def is_out_of_memory(e: BaseException) -> bool:
     """XLA's allocation failure, at compile time or in a step: a JaxRuntimeError RESOURCE_EXHAUSTED."""
     import jax  # here, not at the top: `python -m train report` formats sizes with this module, without JAX
+
     return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
 
 
@@ -71,4 +77,5 @@ def out_of_memory_line(predicted_peak, devices: list, where):
             f" device (predicted), measured peak {size_text(now['mem_peak_bytes'])} of"
             f" {size_text(now['mem_limit_bytes'])} per device; recompute activations (--model.remat full), shard the"
             f" state over more devices (--mesh fsdp=N), split the batch (--micro-batches N) or use a smaller"
-            f" --batch-size") from None
+            f" --batch-size"
+        ) from None

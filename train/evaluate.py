@@ -14,6 +14,7 @@ The loss is Trainer.eval_loss (train/step.py eval_step): token losses weighted b
 loss mask, so a chat dataset's loss is over the assistant turns only. A set prepared with another
 tokenizer than the checkpoint's is refused, like --init-from (--data.allow_tokenizer_mismatch).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,13 +38,20 @@ from train.loop import Trainer
 SPLITS = evalsets.SPLITS
 # The run settings an evaluation takes from the checkpoint's own run unless a flag says otherwise:
 # they decide which windows and batches its held-out documents make.
-EVAL_SETTINGS = ("train.batch_size", "train.seq_len", "train.seed", "data.eval_fraction", "data.packing",
-                 "data.packing_mask")
+EVAL_SETTINGS = (
+    "train.batch_size",
+    "train.seq_len",
+    "train.seed",
+    "data.eval_fraction",
+    "data.packing",
+    "data.packing_mask",
+)
 
 
 @dataclasses.dataclass
 class Opened:
     """A checkpoint's step, its metadata and the run config to use it with."""
+
     cfg: Config
     src: Checkpointer
     step: int
@@ -66,8 +74,12 @@ class Opened:
 def command_parser(prog: str, description: str) -> ArgParser:
     """Every run flag (train/config.py) plus the checkpoint to use."""
     parser = make_parser(prog, description)
-    parser.add_argument("ckpt", metavar="CKPT", help="a run directory, a checkpoint directory, one step's directory"
-                                                     " or an HF import (as --resume PATH)")
+    parser.add_argument(
+        "ckpt",
+        metavar="CKPT",
+        help="a run directory, a checkpoint directory, one step's directory"
+        " or an HF import (as --resume PATH)",
+    )
     return parser
 
 
@@ -76,13 +88,21 @@ def open_model(ckpt: str, ns, carried: tuple[str, ...] = ()) -> Opened:
     metadata, then the `carried` settings of its run, then the flags in `ns` (any --section.field)."""
     src, step = open_checkpoint(ckpt)
     meta = src.meta(step)
-    model_cfg = config_from_meta(meta, f"checkpoint '{src.step_dir(step)}'")  # every field type-checked
+    model_cfg = config_from_meta(
+        meta, f"checkpoint '{src.step_dir(step)}'"
+    )  # every field type-checked
     saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-    run = {key: saved[section][name] for key in carried for section, _, name in [key.partition(".")]
-           if isinstance(saved.get(section), dict) and name in saved[section]}
+    run = {
+        key: saved[section][name]
+        for key in carried
+        for section, _, name in [key.partition(".")]
+        if isinstance(saved.get(section), dict) and name in saved[section]
+    }
     preset = meta["model"].get("preset")
-    model = {"model.preset": preset if isinstance(preset, str) else "default",
-             **{f"model.{f.name}": getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)}}
+    model = {
+        "model.preset": preset if isinstance(preset, str) else "default",
+        **{f"model.{f.name}": getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)},
+    }
     flags = {k: v for k, v in vars(ns).items() if "." in k}
     return Opened(build({**run, **model, **flags}, getattr(ns, "config", None)), src, step, meta)
 
@@ -90,7 +110,9 @@ def open_model(ckpt: str, ns, carried: tuple[str, ...] = ()) -> Opened:
 def parse_sets(specs: list[str] | None) -> list[tuple[str, str]]:
     """--data [NAME=]DIR, repeated -> [(name, DIR)]; the name defaults to DIR's base name."""
     if not specs:
-        raise UserError("eval: no --data; name the sets to evaluate with --data DIR or --data NAME=DIR (repeatable)")
+        raise UserError(
+            "eval: no --data; name the sets to evaluate with --data DIR or --data NAME=DIR (repeatable)"
+        )
     sets = evalsets.parse_specs(specs, "eval: --data")
     evalsets.check_prepared(sets, "eval: --data")
     return sets
@@ -103,24 +125,50 @@ def set_pipeline(opened: Opened, name: str, directory: str, split: str, sharding
 
     def check_tokenizer(record: dict, where: str) -> None:
         resume.check_tokenizer(opened.meta, record, d.allow_tokenizer_mismatch, where)
-    return evalsets.open_set(name, directory, split=split, data_cfg=d, batch_size=t.batch_size, seq_len=t.seq_len,
-                             seed=t.seed, vocab_size=cfg.model.vocab_size, sharding=sharding,
-                             where=f"eval: --data {name}={directory}", check_tokenizer=check_tokenizer,
-                             other_split_hint="--split all, " if split == "eval" else "")
+
+    return evalsets.open_set(
+        name,
+        directory,
+        split=split,
+        data_cfg=d,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        seed=t.seed,
+        vocab_size=cfg.model.vocab_size,
+        sharding=sharding,
+        where=f"eval: --data {name}={directory}",
+        check_tokenizer=check_tokenizer,
+        other_split_hint="--split all, " if split == "eval" else "",
+    )
 
 
 def make_eval_parser() -> ArgParser:
-    parser = command_parser("python -m train eval", "Mean loss and perplexity of a checkpoint on prepared datasets.")
+    parser = command_parser(
+        "python -m train eval", "Mean loss and perplexity of a checkpoint on prepared datasets."
+    )
     # --data names a set here (repeatable), not --data.source: this --data takes the run flag's alias
     # (a group copies its parser's conflict handler when it is made)
     parser.conflict_handler = "resolve"
     g = parser.add_argument_group("evaluation")
-    g.add_argument("--data", action="append", metavar="[NAME=]DIR",
-                   help="a prepared dataset to evaluate on, named NAME (default: DIR's base name); repeatable")
-    g.add_argument("--split", choices=SPLITS, default="eval",
-                   help="eval: the held-out documents (--data.eval_fraction); all: every document")
-    g.add_argument("--eval-batches", type=int, default=0, metavar="N",
-                   help="evaluate at most N batches of --batch-size windows per set; 0 = every window")
+    g.add_argument(
+        "--data",
+        action="append",
+        metavar="[NAME=]DIR",
+        help="a prepared dataset to evaluate on, named NAME (default: DIR's base name); repeatable",
+    )
+    g.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="eval",
+        help="eval: the held-out documents (--data.eval_fraction); all: every document",
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate at most N batches of --batch-size windows per set; 0 = every window",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -131,27 +179,55 @@ def main(argv: list[str]) -> int:
     if ns.eval_batches < 0:
         raise UserError(f"eval: --eval-batches {ns.eval_batches}: must be >= 0 (0 = every window)")
     if "data.source" in vars(ns):
-        raise UserError("eval: --data.source is the training data; name the sets to evaluate with --data [NAME=]DIR")
+        raise UserError(
+            "eval: --data.source is the training data; name the sets to evaluate with --data [NAME=]DIR"
+        )
     sets = parse_sets(ns.data)
     opened = open_model(ns.ckpt, ns, EVAL_SETTINGS)
     trainer = opened.trainer()
-    pipelines = [set_pipeline(opened, name, d, ns.split, trainer.batch_sharding) for name, d in sets]  # all checked
+    pipelines = [
+        set_pipeline(opened, name, d, ns.split, trainer.batch_sharding) for name, d in sets
+    ]  # all checked
     params = opened.params(trainer)
     t, results = opened.cfg.train, {}
     for (name, directory), pipeline in zip(sets, pipelines):
         batches, windows = evalsets.split_batches(pipeline, ns.eval_batches, trainer.batch_sharding)
         loss = trainer.eval_loss(params, batches)
-        results[name] = {"data": os.path.abspath(directory), "loss": loss, "perplexity": math.exp(min(loss, 709.0)),
-                         "windows": windows, "of_windows": pipeline.eval[0].n, "batches": len(batches)}
+        results[name] = {
+            "data": os.path.abspath(directory),
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 709.0)),
+            "windows": windows,
+            "of_windows": pipeline.eval[0].n,
+            "batches": len(batches),
+        }
     if jax.process_index() == 0:
-        print(json.dumps({"checkpoint": opened.src.step_dir(opened.step), "step": opened.step, "split": ns.split,
-                          "batch_size": t.batch_size, "seq_len": t.seq_len, "sets": results}) if ns.json
-              else "\n".join(_line(name, r, ns.split, t.seq_len) for name, r in results.items()), flush=True)
+        print(
+            json.dumps(
+                {
+                    "checkpoint": opened.src.step_dir(opened.step),
+                    "step": opened.step,
+                    "split": ns.split,
+                    "batch_size": t.batch_size,
+                    "seq_len": t.seq_len,
+                    "sets": results,
+                }
+            )
+            if ns.json
+            else "\n".join(_line(name, r, ns.split, t.seq_len) for name, r in results.items()),
+            flush=True,
+        )
     return 0
 
 
 def _line(name: str, r: dict, split: str, seq_len: int) -> str:
-    part = f"{r['windows']}" if r["windows"] == r["of_windows"] else f"{r['windows']} of {r['of_windows']}"
+    part = (
+        f"{r['windows']}"
+        if r["windows"] == r["of_windows"]
+        else f"{r['windows']} of {r['of_windows']}"
+    )
     what = "eval split" if split == "eval" else "all documents"
-    return (f"{name}: loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} ({what} of {r['data']}: {part}"
-            f" windows of {seq_len} tokens, {r['batches']} batches)")
+    return (
+        f"{name}: loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} ({what} of {r['data']}: {part}"
+        f" windows of {seq_len} tokens, {r['batches']} batches)"
+    )

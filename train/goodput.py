@@ -11,6 +11,7 @@ the sharded init), checkpoint (time the loop was blocked by saves, incl. the fin
 restore, eval (incl. the final sample), lost, other (start-up, logging: the rest of the wall
 time). goodput = productive / total.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,11 @@ _PREFIX = "time_"
 
 class Goodput:
     def __init__(self, started_at: float | None = None):
-        self.started_at = time.time() if started_at is None else started_at  # this attempt (unix time)
-        self.carried = {c: 0.0 for c in (*CATEGORIES, "total")}               # earlier attempts
-        self.spent = {c: 0.0 for c in CATEGORIES}                             # this attempt
+        self.started_at = (
+            time.time() if started_at is None else started_at
+        )  # this attempt (unix time)
+        self.carried = {c: 0.0 for c in (*CATEGORIES, "total")}  # earlier attempts
+        self.spent = {c: 0.0 for c in CATEGORIES}  # this attempt
         self.recomputed_steps = 0
         self.restarts = 0
 
@@ -66,8 +69,12 @@ class Goodput:
         out["other"] = max(0.0, total - sum(out.values()))
         out["total"] = total
         rec = {f"{_PREFIX}{k}_s": round(v, 4) for k, v in out.items()}
-        rec.update(goodput=out["productive"] / total if total > 0 else 0.0, time=now,
-                   recomputed_steps=self.recomputed_steps, restarts=self.restarts)
+        rec.update(
+            goodput=out["productive"] / total if total > 0 else 0.0,
+            time=now,
+            recomputed_steps=self.recomputed_steps,
+            restarts=self.restarts,
+        )
         return rec
 
 
@@ -92,7 +99,18 @@ def read_records(run_dir: str) -> list[dict]:
 def breakdown_text(rec: dict) -> str:
     """'goodput 83% (compile 6%, checkpoint 1%, ...)' from a totals() record."""
     total = rec[f"{_PREFIX}total_s"] or 1.0
-    parts = [f"{c.replace('_', ' ')} {100 * rec[f'{_PREFIX}{c}_s'] / total:.0f}%"
-             for c in (*CATEGORIES[1:], "other") if rec[f"{_PREFIX}{c}_s"] / total >= 0.005]
-    extra = f"; {rec['restarts']} restart(s), {rec['recomputed_steps']} step(s) recomputed" if rec["restarts"] else ""
-    return f"goodput {100 * rec['goodput']:.0f}% of {total:.1f}s" + (f" (lost to {', '.join(parts)})" if parts else "") + extra
+    parts = [
+        f"{c.replace('_', ' ')} {100 * rec[f'{_PREFIX}{c}_s'] / total:.0f}%"
+        for c in (*CATEGORIES[1:], "other")
+        if rec[f"{_PREFIX}{c}_s"] / total >= 0.005
+    ]
+    extra = (
+        f"; {rec['restarts']} restart(s), {rec['recomputed_steps']} step(s) recomputed"
+        if rec["restarts"]
+        else ""
+    )
+    return (
+        f"goodput {100 * rec['goodput']:.0f}% of {total:.1f}s"
+        + (f" (lost to {', '.join(parts)})" if parts else "")
+        + extra
+    )

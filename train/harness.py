@@ -22,6 +22,7 @@ by the rows: the batch's prompts are prefilled up to a grid length at most the s
 then every row steps one token at a time, fed its own prompt's next token while it has one and its
 sampled token after that (models/sample.py `_pick`), so each row sees exactly its own prompt.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,14 +45,35 @@ from train.sample_cli import checkpoint_tokenizer
 try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.models.utils import (
+        handle_stop_sequences,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-except ImportError:  # without the `eval` extra the module still imports; main() says what to install
+except (
+    ImportError
+):  # without the `eval` extra the module still imports; main() says what to install
     TemplateLM, register_model = object, None
 
-MODEL_ARGS = ("ckpt", "tokenizer", "mesh", "dtype", "batch_size", "max_length", "max_gen_toks", "seed")
-PASSED_BY_LM_EVAL = ("max_batch_size", "device")  # lm_eval's own flags: devices and batches are ours
-DEFAULT_BATCH, DEFAULT_GEN = 8, 256  # rows per call; tokens generated when a task names no max_gen_toks
+MODEL_ARGS = (
+    "ckpt",
+    "tokenizer",
+    "mesh",
+    "dtype",
+    "batch_size",
+    "max_length",
+    "max_gen_toks",
+    "seed",
+)
+PASSED_BY_LM_EVAL = (
+    "max_batch_size",
+    "device",
+)  # lm_eval's own flags: devices and batches are ours
+DEFAULT_BATCH, DEFAULT_GEN = (
+    8,
+    256,
+)  # rows per call; tokens generated when a task names no max_gen_toks
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 # stages and sequence shards: the scoring forward and the KV cache here lay out neither
 UNSUPPORTED_AXES = ("pipeline", "context")
@@ -75,22 +97,41 @@ def token_logprobs(cfg, params, tokens_BT, targets_BT):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prefill", "steps", "temperature", "top_k"))
-def continue_prompts(cfg, params, tokens_BT, lengths_B, key, *, prefill: int, steps: int, temperature: float,
-                     top_k: int):
+def continue_prompts(
+    cfg,
+    params,
+    tokens_BT,
+    lengths_B,
+    key,
+    *,
+    prefill: int,
+    steps: int,
+    temperature: float,
+    top_k: int,
+):
     """Right-padded prompts [B, prefill + steps] of `lengths_B` tokens (each >= prefill) -> the
     tokens at positions prefill .. prefill + steps - 1 [B, steps]: the row's prompt while it lasts,
     then picked ones. One prefill pass fills the cache; each step is one single-position pass."""
     b = tokens_BT.shape[0]
     cache = model.init_cache(cfg, b, prefill + steps)
-    logits_BTV, cache = model.apply(cfg, params, tokens_BT[:, :prefill],
-                                    jnp.broadcast_to(jnp.arange(prefill), (b, prefill)), cache)
+    logits_BTV, cache = model.apply(
+        cfg,
+        params,
+        tokens_BT[:, :prefill],
+        jnp.broadcast_to(jnp.arange(prefill), (b, prefill)),
+        cache,
+    )
 
     def step(carry, i):
         logits_BV, cache, key = carry
         key, sub = jax.random.split(key)
         pos = prefill + i
-        tok_B = jnp.where(pos < lengths_B, tokens_BT[:, pos], _pick(logits_BV, sub, temperature, top_k))
-        logits_B1V, cache = model.apply(cfg, params, tok_B[:, None], jnp.full((b, 1), pos, jnp.int32), cache)
+        tok_B = jnp.where(
+            pos < lengths_B, tokens_BT[:, pos], _pick(logits_BV, sub, temperature, top_k)
+        )
+        logits_B1V, cache = model.apply(
+            cfg, params, tok_B[:, None], jnp.full((b, 1), pos, jnp.int32), cache
+        )
         return (logits_B1V[:, -1], cache, key), tok_B
 
     _, toks_NB = jax.lax.scan(step, (logits_BTV[:, -1], cache, key), jnp.arange(steps))
@@ -98,29 +139,49 @@ def continue_prompts(cfg, params, tokens_BT, lengths_B, key, *, prefill: int, st
 
 
 def _int_arg(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).lstrip("-").isdigit() \
-            or int(value) < low:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, str))
+        or not str(value).lstrip("-").isdigit()
+        or int(value) < low
+    ):
         raise UserError(f"harness: model arg {name}={value!r}: expected an integer >= {low}")
     return int(value)
 
 
 def _tokenizer(spec, meta: dict) -> tokenizers.Tokenizer:
     """tokenizer=SPEC, else the checkpoint's own (as `sample` reads it); refused when it records none."""
-    return checkpoint_tokenizer(spec, meta, who="harness", how="model arg tokenizer=SPEC", required=True)
+    return checkpoint_tokenizer(
+        spec, meta, who="harness", how="model arg tokenizer=SPEC", required=True
+    )
 
 
 class BrigadeLM(TemplateLM):
     """lm_eval's LM over a Brigade checkpoint; model args as the module docstring and MODEL_ARGS say."""
 
-    def __init__(self, ckpt=None, tokenizer=None, mesh=None, dtype=None, batch_size=None, max_length=None,
-                 max_gen_toks=DEFAULT_GEN, seed=0, **other):
+    def __init__(
+        self,
+        ckpt=None,
+        tokenizer=None,
+        mesh=None,
+        dtype=None,
+        batch_size=None,
+        max_length=None,
+        max_gen_toks=DEFAULT_GEN,
+        seed=0,
+        **other,
+    ):
         super().__init__()
         unknown = sorted(k for k in other if k not in PASSED_BY_LM_EVAL)
         if unknown:
-            raise UserError(f"harness: unknown model arg {', '.join(unknown)}; valid: {', '.join(MODEL_ARGS)}")
+            raise UserError(
+                f"harness: unknown model arg {', '.join(unknown)}; valid: {', '.join(MODEL_ARGS)}"
+            )
         if not ckpt:
-            raise UserError("harness: no checkpoint; give model arg ckpt=CKPT (a run, checkpoint or step"
-                            " directory, or an HF import)")
+            raise UserError(
+                "harness: no checkpoint; give model arg ckpt=CKPT (a run, checkpoint or step"
+                " directory, or an HF import)"
+            )
         flags = {"parallelism.mesh": str(mesh).replace(";", ",")} if mesh else {}
         flags.update({"model.dtype": str(dtype)} if dtype else {})
         opened = open_model(str(ckpt), types.SimpleNamespace(**flags))
@@ -129,17 +190,28 @@ class BrigadeLM(TemplateLM):
         self.trainer = opened.trainer()
         shape = dict(self.trainer.mesh.shape)
         if any(shape.get(axis, 1) > 1 for axis in UNSUPPORTED_AXES):
-            raise UserError(f"harness: mesh={mesh}: the {' and '.join(UNSUPPORTED_AXES)} axes are for training;"
-                            f" evaluate on data, fsdp, expert and model")
+            raise UserError(
+                f"harness: mesh={mesh}: the {' and '.join(UNSUPPORTED_AXES)} axes are for training;"
+                f" evaluate on data, fsdp, expert and model"
+            )
         n = self.trainer.mesh.size  # the batch sharding splits n rows into n / dp per shard
         dp = n // self.trainer.batch_sharding.shard_shape((n, 1))[0]
-        rows = DEFAULT_BATCH if batch_size in (None, "auto") or str(batch_size).startswith("auto:") \
+        rows = (
+            DEFAULT_BATCH
+            if batch_size in (None, "auto") or str(batch_size).startswith("auto:")
             else _int_arg("batch_size", batch_size, 1)
+        )
         self.rows = -(-rows // dp) * dp  # every data-parallel shard gets whole rows
-        self._max_length = _int_arg("max_length", max_length, 2) if max_length is not None else self.cfg.max_seq_len
+        self._max_length = (
+            _int_arg("max_length", max_length, 2)
+            if max_length is not None
+            else self.cfg.max_seq_len
+        )
         if self._max_length > self.cfg.max_seq_len:
-            raise UserError(f"harness: model arg max_length={self._max_length}: above the model's max_seq_len"
-                            f" {self.cfg.max_seq_len}")
+            raise UserError(
+                f"harness: model arg max_length={self._max_length}: above the model's max_seq_len"
+                f" {self.cfg.max_seq_len}"
+            )
         self.max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         self.seed, self.draws = _int_arg("seed", seed, 0), 0
         self.params = opened.params(self.trainer)
@@ -148,7 +220,9 @@ class BrigadeLM(TemplateLM):
     # -- what lm_eval's TemplateLM asks of a model --------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        return self.tok.eos_id  # Brigade's documents end with it, so it also stands before a first token
+        return (
+            self.tok.eos_id
+        )  # Brigade's documents end with it, so it also stands before a first token
 
     @property
     def max_length(self) -> int:
@@ -169,36 +243,49 @@ class BrigadeLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt=True) -> str:
         if not self.tok.chat_template:
-            raise UserError("harness: --apply_chat_template: the tokenizer has no chat template (an HF model"
-                            " directory's chat_template.jinja or tokenizer_config.json holds one)")
-        return chat.render(self.tok, chat_history, add_generation_prompt, where="the harness's prompt")
+            raise UserError(
+                "harness: --apply_chat_template: the tokenizer has no chat template (an HF model"
+                " directory's chat_template.jinja or tokenizer_config.json holds one)"
+            )
+        return chat.render(
+            self.tok, chat_history, add_generation_prompt, where="the harness's prompt"
+        )
 
     # -- scoring ---------------------------------------------------------------------------------
     def _batches(self, items: list, length) -> list[tuple[list[int], list]]:
         """(original indices, items) in batches of self.rows, longest first (ties by content)."""
         order = sorted(range(len(items)), key=lambda i: (-length(items[i]), str(items[i])))
-        return [(order[i:i + self.rows], [items[j] for j in order[i:i + self.rows]])
-                for i in range(0, len(order), self.rows)]
+        return [
+            (order[i : i + self.rows], [items[j] for j in order[i : i + self.rows]])
+            for i in range(0, len(order), self.rows)
+        ]
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(context ids, continuation ids) -> (sum of the continuation's log-probs, all greedy). A
         sequence longer than max_length + 1 loses its oldest context tokens."""
         out: list = [None] * len(pairs)
-        windows = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in pairs]
+        windows = [(ctx + cont)[-(self.max_length + 1) :] for ctx, cont in pairs]
         for idx, batch in self._batches(windows, len):
             t = min(grid(max(len(w) - 1 for w in batch), up=True), self.max_length)
-            tokens_BT, targets_BT = np.zeros((self.rows, t), np.int32), np.zeros((self.rows, t), np.int32)
+            tokens_BT, targets_BT = (
+                np.zeros((self.rows, t), np.int32),
+                np.zeros((self.rows, t), np.int32),
+            )
             for r, w in enumerate(batch):
-                tokens_BT[r, :len(w) - 1], targets_BT[r, :len(w) - 1] = w[:-1], w[1:]
+                tokens_BT[r, : len(w) - 1], targets_BT[r, : len(w) - 1] = w[:-1], w[1:]
             with jax.set_mesh(self.trainer.mesh), axis_rules(self.trainer.rules):
-                logp_BT, greedy_BT = jax.device_get(token_logprobs(self.cfg, self.params, tokens_BT, targets_BT))
+                logp_BT, greedy_BT = jax.device_get(
+                    token_logprobs(self.cfg, self.params, tokens_BT, targets_BT)
+                )
             for r, (i, w) in enumerate(zip(idx, batch)):
                 n = len(w) - 1
                 k = min(len(pairs[i][1]), n)  # the continuation: the last k targets
-                out[i] = (float(logp_BT[r, n - k:n].sum()), bool(greedy_BT[r, n - k:n].all()))
+                out[i] = (float(logp_BT[r, n - k : n].sum()), bool(greedy_BT[r, n - k : n].all()))
         return out
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         results = self._score([(list(ctx), list(cont)) for _, ctx, cont in requests])
         for (strings, _, _), r in zip(requests, results):
             if strings is not None:
@@ -210,8 +297,12 @@ class BrigadeLM(TemplateLM):
         token predicted once, after the end-of-document token), the windows of all documents batched."""
         pairs, owner = [], []
         for i, (text,) in enumerate(req.args for req in requests):
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1)):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1
+                ),
+            ):
                 pairs.append((ctx, cont))
                 owner.append(i)
         totals = [0.0] * len(requests)
@@ -224,33 +315,51 @@ class BrigadeLM(TemplateLM):
     # -- generation ------------------------------------------------------------------------------
     def _gen_settings(self, gen_kwargs: dict) -> tuple[list[str], int, float, int]:
         """A task's generation kwargs -> (stop strings, max_gen_toks, temperature, top_k)."""
-        aliases = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # lm_eval's names for max_gen_toks
+        aliases = (
+            "max_new_tokens",
+            "max_tokens",
+            "max_completion_tokens",
+        )  # lm_eval's names for max_gen_toks
         unknown = sorted(set(gen_kwargs) - set(GEN_KWARGS) - set(aliases))
         if gen_kwargs.get("top_p") not in (None, 1, 1.0):
             unknown.append(f"top_p={gen_kwargs['top_p']}")
         if unknown:
-            raise UserError(f"harness: generation kwargs {', '.join(unknown)} are not supported; valid: "
-                            f"{', '.join(GEN_KWARGS)} (top_p only 1) and the aliases of max_gen_toks")
+            raise UserError(
+                f"harness: generation kwargs {', '.join(unknown)} are not supported; valid: "
+                f"{', '.join(GEN_KWARGS)} (top_p only 1) and the aliases of max_gen_toks"
+            )
         kw = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0
         max_gen = int(kw["max_gen_toks"])
         if max_gen >= self.max_length:
-            raise UserError(f"harness: max_gen_toks {max_gen} leaves no room for a prompt in max_length"
-                            f" {self.max_length}")
-        return handle_stop_sequences(kw.get("until"), eos=None), max_gen, temperature, int(kw.get("top_k") or 0)
+            raise UserError(
+                f"harness: max_gen_toks {max_gen} leaves no room for a prompt in max_length"
+                f" {self.max_length}"
+            )
+        return (
+            handle_stop_sequences(kw.get("until"), eos=None),
+            max_gen,
+            temperature,
+            int(kw.get("top_k") or 0),
+        )
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         if not model.decodes(self.cfg):
-            raise UserError(f"harness: model '{self.cfg.arch}' has no decoding cache (init_cache): it cannot"
-                            f" run generate_until tasks")
+            raise UserError(
+                f"harness: model '{self.cfg.arch}' has no decoding cache (init_cache): it cannot"
+                f" run generate_until tasks"
+            )
         out: list = [None] * len(requests)
         by_kwargs: dict[str, list[int]] = {}
         for i, req in enumerate(requests):  # the requests of each distinct gen_kwargs, in order
             by_kwargs.setdefault(repr(sorted(req.args[1].items())), []).append(i)
         for members in by_kwargs.values():
             until, max_gen, temperature, top_k = self._gen_settings(requests[members[0]].args[1])
-            prompts = [self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen):] or [self.eot_token_id]
-                       for i in members]
+            prompts = [
+                self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen) :]
+                or [self.eot_token_id]
+                for i in members
+            ]
             for idx, batch in self._batches(prompts, len):
                 texts = self._generate(batch, max_gen, temperature, top_k)
                 for j, text in zip(idx, texts):
@@ -259,26 +368,50 @@ class BrigadeLM(TemplateLM):
                     self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
         return out
 
-    def _generate(self, prompts: list[list[int]], max_gen: int, temperature: float, top_k: int) -> list[str]:
+    def _generate(
+        self, prompts: list[list[int]], max_gen: int, temperature: float, top_k: int
+    ) -> list[str]:
         """Prompts of one batch -> their continuations' text, cut at the end-of-document token."""
         lengths = [len(p) for p in prompts]
         prefill = grid(min(lengths), up=False)
         spread = max(lengths) - prefill
-        steps = min((grid(spread, up=True) if spread else 0) + max_gen, self.cfg.max_seq_len - prefill)
+        steps = min(
+            (grid(spread, up=True) if spread else 0) + max_gen, self.cfg.max_seq_len - prefill
+        )
         tokens_BT = np.zeros((self.rows, prefill + steps), np.int32)
-        lengths_B = np.full((self.rows,), prefill, np.int32)  # dummy rows: generate from zeros, unread
+        lengths_B = np.full(
+            (self.rows,), prefill, np.int32
+        )  # dummy rows: generate from zeros, unread
         for r, p in enumerate(prompts):
-            tokens_BT[r, :len(p)], lengths_B[r] = p, len(p)
-        self.draws += 1  # a fresh key per batch: the same seed and the same calls give the same text
+            tokens_BT[r, : len(p)], lengths_B[r] = p, len(p)
+        self.draws += (
+            1  # a fresh key per batch: the same seed and the same calls give the same text
+        )
         key = jax.random.fold_in(jax.random.key(self.seed), self.draws)
         with jax.set_mesh(self.trainer.mesh), axis_rules(self.trainer.rules):
-            toks_BN = np.asarray(jax.device_get(continue_prompts(
-                self.cfg, self.params, tokens_BT, lengths_B, key, prefill=prefill, steps=steps,
-                temperature=temperature, top_k=top_k)))
+            toks_BN = np.asarray(
+                jax.device_get(
+                    continue_prompts(
+                        self.cfg,
+                        self.params,
+                        tokens_BT,
+                        lengths_B,
+                        key,
+                        prefill=prefill,
+                        steps=steps,
+                        temperature=temperature,
+                        top_k=top_k,
+                    )
+                )
+            )
         texts = []
         for r, n in enumerate(lengths):
-            new = [int(t) for t in toks_BN[r, n - prefill:n - prefill + max_gen]]
-            texts.append(self.tok_decode(new[:new.index(self.eot_token_id)] if self.eot_token_id in new else new))
+            new = [int(t) for t in toks_BN[r, n - prefill : n - prefill + max_gen]]
+            texts.append(
+                self.tok_decode(
+                    new[: new.index(self.eot_token_id)] if self.eot_token_id in new else new
+                )
+            )
         return texts
 
 
@@ -292,11 +425,17 @@ def main(argv: list[str] | None = None) -> int:
     if register_model is None:
         raise UserError("harness: lm-evaluation-harness is not installed; pip install -e '.[eval]'")
     from lm_eval.__main__ import cli_evaluate
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    run = argv[:1] if argv[:1] == ["run"] else []  # lm_eval's subcommand, implied when none is given
-    if argv and not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv) \
-            and argv[0] not in ("ls", "validate", "-h", "--help"):
-        argv = [*run, "--model", "brigade", *argv[len(run):]]
+    run = (
+        argv[:1] if argv[:1] == ["run"] else []
+    )  # lm_eval's subcommand, implied when none is given
+    if (
+        argv
+        and not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv)
+        and argv[0] not in ("ls", "validate", "-h", "--help")
+    ):
+        argv = [*run, "--model", "brigade", *argv[len(run) :]]
     saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm_eval's parser reads sys.argv itself
     try:
         cli_evaluate()
@@ -304,14 +443,21 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except UserError:
         raise
-    except ValueError as e:  # lm_eval's word for bad input (an unknown task, a malformed arg): one line
-        raise UserError(f"lm_eval: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
-    except TypeError as e:  # lm_eval passes its flags --batch_size, --device, ... to the model as well
+    except (
+        ValueError
+    ) as e:  # lm_eval's word for bad input (an unknown task, a malformed arg): one line
+        raise UserError(
+            f"lm_eval: {(str(e).strip().splitlines() or [type(e).__name__])[0]}"
+        ) from None
+    except (
+        TypeError
+    ) as e:  # lm_eval passes its flags --batch_size, --device, ... to the model as well
         twice = re.search(r"multiple values for keyword argument '(\w+)'", str(e))
         if not twice:
             raise
-        raise UserError(f"harness: model arg {twice[1]} is also lm_eval's flag --{twice[1]}; give it there")\
-            from None
+        raise UserError(
+            f"harness: model arg {twice[1]} is also lm_eval's flag --{twice[1]}; give it there"
+        ) from None
     finally:
         sys.argv = saved
     return 0

@@ -5,6 +5,7 @@ in memory before anything is allocated), resume (train/resume.py picks the state
 the loop, the summary; an out-of-memory failure anywhere in it ends in one line. The run's
 pieces are computed once, in train/setup.py; what the loop reports to is train/run.py's Run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,10 +26,12 @@ from mesh.rules import axis_rules
 from mesh.spec import mesh_text
 from models import context, model
 from models.sample import generate
-from train import lora, resume, state as train_state
+from train import lora, resume
+from train import state as train_state
 from train.config import Config
 from train.data import make_pipeline
-from train.data.evalsets import EvalSet, describe as describe_sets, open_eval_source
+from train.data.evalsets import EvalSet, open_eval_source
+from train.data.evalsets import describe as describe_sets
 from train.data.external import IterableData
 from train.data.tokenizers import ByteTokenizer
 from train.device_memory import out_of_memory_line
@@ -36,8 +39,8 @@ from train.goodput import Goodput
 from train.memory import check_fits, step_bytes_per_device
 from train.metrics import summary
 from train.resilience import StopSignals, injected_steps
-from train.rundir import claim, start_named_run
 from train.run import Run, open_run
+from train.rundir import claim, start_named_run
 from train.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
 from train.step import eval_step
 from train.watchdog import doing, set_doing
@@ -46,8 +49,19 @@ from train.watchdog import doing, set_doing
 class Trainer:
     """Build everything from a Config, then `fit()`. Usable from notebooks as well as the CLI."""
 
-    def __init__(self, cfg: Config, *, mesh: Mesh | None = None, devices: list | None = None, on_log=None,
-                 data=None, eval_data=None, loss=None, optimizer=None, schedule=None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        mesh: Mesh | None = None,
+        devices: list | None = None,
+        on_log=None,
+        data=None,
+        eval_data=None,
+        loss=None,
+        optimizer=None,
+        schedule=None,
+    ):
         """`mesh`: the entry point's (else one is built from --mesh over `devices`, after starting
         the distributed runtime). `on_log(record)`: called with every metrics record as it is
         logged (the dicts written to metrics.jsonl), e.g. for a live plot in a notebook.
@@ -61,19 +75,44 @@ class Trainer:
         self.cfg = cfg
         self.on_log = on_log
         self.data, self.eval_data = data, eval_data
-        self.setup = s = setup(cfg, mesh if mesh is not None else start_mesh(cfg.parallelism, devices),
-                               loss=loss, optimizer=optimizer, schedule=schedule)
-        self.mesh, self.rules, self.model_cfg, self.compute_dtype = s.mesh, s.rules, cfg.model, s.compute_dtype
+        self.setup = s = setup(
+            cfg,
+            mesh if mesh is not None else start_mesh(cfg.parallelism, devices),
+            loss=loss,
+            optimizer=optimizer,
+            schedule=schedule,
+        )
+        self.mesh, self.rules, self.model_cfg, self.compute_dtype = (
+            s.mesh,
+            s.rules,
+            cfg.model,
+            s.compute_dtype,
+        )
         self.tx, self.lr, self.sync, self.local_clip = s.tx, s.lr, s.sync, s.local_clip
         self.batch_sharding, self.state_shardings = s.batch_sharding, s.state_shardings
-        self.local_devices = [d for d in s.mesh.devices.flat if d.process_index == jax.process_index()]
-        self.predicted_peak: int | None = None  # per device, from the compiled step's memory analysis
-        self.base = None  # --lora.rank > 0: the frozen base (train/lora.py), loaded when the run starts
+        self.local_devices = [
+            d for d in s.mesh.devices.flat if d.process_index == jax.process_index()
+        ]
+        self.predicted_peak: int | None = (
+            None  # per device, from the compiled step's memory analysis
+        )
+        self.base = (
+            None  # --lora.rank > 0: the frozen base (train/lora.py), loaded when the run starts
+        )
 
     # -- building blocks --------------------------------------------------------------------
     def create_state(self) -> train_state.TrainState:
-        return self._windowed(train_state.create(self.model_cfg, self.tx, self.mesh, self.rules, self.cfg.train.seed,
-                                                 self.sync, lora_cfg=self.cfg.lora))
+        return self._windowed(
+            train_state.create(
+                self.model_cfg,
+                self.tx,
+                self.mesh,
+                self.rules,
+                self.cfg.train.seed,
+                self.sync,
+                lora_cfg=self.cfg.lora,
+            )
+        )
 
     def model_params(self, state) -> dict:
         """What the model computes with: `state.params`, or a LoRA run's base with its adapters merged."""
@@ -81,7 +120,9 @@ class Trainer:
 
     @functools.cached_property
     def _merge(self):
-        return jax.jit(functools.partial(lora.model_params, self.cfg), out_shardings=self.setup.base_shardings)
+        return jax.jit(
+            functools.partial(lora.model_params, self.cfg), out_shardings=self.setup.base_shardings
+        )
 
     def load_lora_base(self, meta: dict) -> str:
         """--lora.rank > 0: the frozen base loaded into `self.base` (from --init-from, or the pointer
@@ -89,9 +130,14 @@ class Trainer:
         carries, with its step directory as --init-from (the pointer a resume or an export follows)
         -> the line for the log."""
         cfg = self.cfg
-        self.base, found, pointer, note = lora.load_base(cfg, self.mesh, self.rules, self.setup.base_shardings, meta)
-        self.cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_fingerprint=found),
-                                       checkpoint=dataclasses.replace(cfg.checkpoint, init_from=pointer))
+        self.base, found, pointer, note = lora.load_base(
+            cfg, self.mesh, self.rules, self.setup.base_shardings, meta
+        )
+        self.cfg = dataclasses.replace(
+            cfg,
+            lora=dataclasses.replace(cfg.lora, base_fingerprint=found),
+            checkpoint=dataclasses.replace(cfg.checkpoint, init_from=pointer),
+        )
         self.setup = dataclasses.replace(self.setup, cfg=self.cfg)
         return note
 
@@ -124,11 +170,18 @@ class Trainer:
     @functools.cached_property
     def _eval_fn(self):
         # one jitted function per Trainer: a fresh jax.jit per eval would retrace and recompile every time
-        return jax.jit(functools.partial(eval_step, self.model_cfg, pipeline=self.cfg.pipeline,
-                                         loss_fn=self.setup.loss_fn))
+        return jax.jit(
+            functools.partial(
+                eval_step, self.model_cfg, pipeline=self.cfg.pipeline, loss_fn=self.setup.loss_fn
+            )
+        )
 
     def eval_loss(self, params, batches) -> float:
-        with jax.set_mesh(self.mesh), axis_rules(self.rules), context.strategy(self.cfg.parallelism.context_strategy):
+        with (
+            jax.set_mesh(self.mesh),
+            axis_rules(self.rules),
+            context.strategy(self.cfg.parallelism.context_strategy),
+        ):
             sums = [self._eval_fn(params, b) for b in batches]
         total, count = np.sum([jax.device_get(s) for s in sums], axis=0)
         return float(total / max(count, 1.0))
@@ -138,7 +191,9 @@ class Trainer:
         prompt_tokens = tokenizer.encode([prompt or "\n"])[0][None, :].astype(np.int32)
         replicate_acts = {k: () for k in self.rules}  # a batch of one cannot be split over devices
         with jax.set_mesh(self.mesh), axis_rules(replicate_acts):
-            out = generate(self.model_cfg, params, prompt_tokens, jax.random.key(seed), max_new=n_tokens)
+            out = generate(
+                self.model_cfg, params, prompt_tokens, jax.random.key(seed), max_new=n_tokens
+            )
         return tokenizer.decode(np.asarray(jax.device_get(out))[0])
 
     # -- checkpoints (the policy is train/resume.py's) ----------------------------------------
@@ -146,7 +201,9 @@ class Trainer:
         """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints."""
         c = self.cfg.checkpoint
         directory = shared_directory(c.dir or os.path.join(self.cfg.logging.run_dir, RUN_SUBDIR))
-        return Checkpointer(directory, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save)
+        return Checkpointer(
+            directory, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save
+        )
 
     def resume_point(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
         """Where --resume says to continue from: (checkpoint directory, step), or None for a fresh start."""
@@ -168,8 +225,11 @@ class Trainer:
         run directory is locked for the whole run (train/rundir.py): a second run on it exits."""
         cfg = self._name_the_run()
         self.goodput = Goodput(self._started_at)
-        with claim(cfg.logging.run_dir, cfg.checkpoint.dir), committed_on_exit(self.open_checkpoints()) as saver, \
-                StopSignals() as signals:  # from here on a signal stops the run cleanly, even mid-compile
+        with (
+            claim(cfg.logging.run_dir, cfg.checkpoint.dir),
+            committed_on_exit(self.open_checkpoints()) as saver,
+            StopSignals() as signals,
+        ):  # from here on a signal stops the run cleanly, even mid-compile
             # -- setup: the data first (a bad --data is one line before the compile), then the step
             data = self._open_data()
             with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):
@@ -188,11 +248,23 @@ class Trainer:
         """The built-in pipeline of --data, or the Trainer's own iterable (train/data/external.py)."""
         cfg, t = self.cfg, self.cfg.train
         if self.data is not None:
-            return IterableData(self.data, self.eval_data, batch_size=t.batch_size, seq_len=t.seq_len,
-                                packing_mask=cfg.data.packing_mask, batch_sharding=self.batch_sharding,
-                                vocab_size=self.model_cfg.vocab_size)
-        return make_pipeline(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                             batch_sharding=self.batch_sharding, vocab_size=self.model_cfg.vocab_size)
+            return IterableData(
+                self.data,
+                self.eval_data,
+                batch_size=t.batch_size,
+                seq_len=t.seq_len,
+                packing_mask=cfg.data.packing_mask,
+                batch_sharding=self.batch_sharding,
+                vocab_size=self.model_cfg.vocab_size,
+            )
+        return make_pipeline(
+            cfg.data,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            seed=t.seed,
+            batch_sharding=self.batch_sharding,
+            vocab_size=self.model_cfg.vocab_size,
+        )
 
     def _compile_and_train(self, saver, signals: StopSignals, data) -> dict:
         """fit() from the compile to the summary (an out-of-memory failure anywhere in it: one line)."""
@@ -205,29 +277,56 @@ class Trainer:
         if point and point.step >= t.steps:
             return self._nothing_to_train(point)
         lora.check_start(cfg, resuming=point is not None)
-        sets = self._open_eval_sets(data) if t.eval_every else []  # a bad --data.eval_source: before the compile
+        sets = (
+            self._open_eval_sets(data) if t.eval_every else []
+        )  # a bad --data.eval_source: before the compile
         step_fn, compile_s = self._compile_checked()
         t0 = time.perf_counter()  # the restore (read whole to verify it), or a fresh start
-        state, meta, note = resume.initial_state(self.setup, self.abstract_state(), point, self.create_state, t0)
-        state = self._windowed(state)  # --init-from's parameters come without the spike guard's window
+        state, meta, note = resume.initial_state(
+            self.setup, self.abstract_state(), point, self.create_state, t0
+        )
+        state = self._windowed(
+            state
+        )  # --init-from's parameters come without the spike guard's window
         if lora.enabled(cfg.lora):  # the step's third argument: the frozen base
             note = "; ".join(filter(None, [note, self.load_lora_base(meta)]))
-            step_fn = functools.partial(lambda compiled, base, state, batch: compiled(state, batch, base),
-                                        step_fn, self.base)
-        gp.add("restore" if point or cfg.checkpoint.init_from else "compile",  # a fresh init: mostly its compile
-               time.perf_counter() - t0)
-        if isinstance(data, IterableData):  # a user iterable is restored from the checkpoint's position
+            step_fn = functools.partial(
+                lambda compiled, base, state, batch: compiled(state, batch, base),
+                step_fn,
+                self.base,
+            )
+        gp.add(
+            "restore"
+            if point or cfg.checkpoint.init_from
+            else "compile",  # a fresh init: mostly its compile
+            time.perf_counter() - t0,
+        )
+        if isinstance(
+            data, IterableData
+        ):  # a user iterable is restored from the checkpoint's position
             data.seek(step := int(state.step), meta.get("data", {}).get("loader"))
         else:  # the built-in pipeline's batches are a function of the step
             data.seek(step := int(state.step))
         batch, _ = data.next()
         evals = data.eval_batches(t.eval_batches) if t.eval_every else []
-        run = open_run(self.setup, self.abstract_state(), saver, data, point, state, self.goodput,
-                       opening=(compile_s, note, meta), on_log=self.on_log)
+        run = open_run(
+            self.setup,
+            self.abstract_state(),
+            saver,
+            data,
+            point,
+            state,
+            self.goodput,
+            opening=(compile_s, note, meta),
+            on_log=self.on_log,
+        )
         if sets:
             run.log.print(describe_sets(sets, t.seq_len))
         # -- the loop
-        stopped_by, hang_at = signals.received, injected_steps("HANG")  # a signal already: nothing to save
+        stopped_by, hang_at = (
+            signals.received,
+            injected_steps("HANG"),
+        )  # a signal already: nothing to save
         try:
             with run.heartbeat, run.watchdog:
                 while step < t.steps and not stopped_by:
@@ -240,7 +339,9 @@ class Trainer:
                     if step < t.steps and not stopped_by:
                         batch, waited = data.next()
                         run.stats.wait_s += waited
-                    if step % cfg.logging.log_every == 0 or step in (1, t.steps) or stopped_by:  # 1: the starting loss
+                    if (
+                        step % cfg.logging.log_every == 0 or step in (1, t.steps) or stopped_by
+                    ):  # 1: the starting loss
                         bad = run.record(step, metrics)
                         if t.max_bad_steps and bad >= t.max_bad_steps:
                             state = run.recover(state, step)
@@ -276,15 +377,27 @@ class Trainer:
 
         def check_tokenizer(record: dict, where: str) -> None:
             resume.check_tokenizer(meta, record, cfg.data.allow_tokenizer_mismatch, where, whose)
-        return open_eval_source(cfg.data, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                                eval_batches=t.eval_batches, vocab_size=self.model_cfg.vocab_size,
-                                sharding=self.batch_sharding, check_tokenizer=check_tokenizer)
 
-    def _eval_losses(self, state, evals: list[dict], sets: list[EvalSet]) -> tuple[float | None, dict[str, float]]:
+        return open_eval_source(
+            cfg.data,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            seed=t.seed,
+            eval_batches=t.eval_batches,
+            vocab_size=self.model_cfg.vocab_size,
+            sharding=self.batch_sharding,
+            check_tokenizer=check_tokenizer,
+        )
+
+    def _eval_losses(
+        self, state, evals: list[dict], sets: list[EvalSet]
+    ) -> tuple[float | None, dict[str, float]]:
         """-> (the loss on the training data's held-out batches, None without them; each eval set's loss)."""
         params = self.model_params(state)  # a LoRA run's merge, once for every set
-        return (self.eval_loss(params, evals) if evals else None,
-                {s.name: self.eval_loss(params, s.batches) for s in sets})
+        return (
+            self.eval_loss(params, evals) if evals else None,
+            {s.name: self.eval_loss(params, s.batches) for s in sets},
+        )
 
     def _compile_checked(self):
         """-> (the step compiled from the abstract state, seconds). Compiled before any state exists,
@@ -303,24 +416,43 @@ class Trainer:
 
     def _nothing_to_train(self, point: resume.ResumePoint) -> dict:
         if jax.process_index() == 0:
-            print(f"{point.src.step_dir(point.step)}: step {point.step} already reached --steps"
-                  f" {self.cfg.train.steps}; nothing to train (raise --steps to continue)", flush=True)
+            print(
+                f"{point.src.step_dir(point.step)}: step {point.step} already reached --steps"
+                f" {self.cfg.train.steps}; nothing to train (raise --steps to continue)",
+                flush=True,
+            )
         self.history, self.eval_history = [], []
         return {"steps": point.step, "resumed_from": point.step, "trained_steps": 0, "exit_code": 0}
 
-    def _finish(self, run: Run, data, state, point, compile_s: float, stopped_by: int | None) -> dict:
+    def _finish(
+        self, run: Run, data, state, point, compile_s: float, stopped_by: int | None
+    ) -> dict:
         """A sample, then the summary: logged, written to summary.json, returned; the final state
         and the records kept (`.state`, `.history`, `.eval_history`)."""
         t, t0 = self.cfg.train, time.perf_counter()
-        tokenizer = data.tokenizer()  # None when a prepared dataset's tokenizer file no longer loads
-        text = self.sample(self.model_params(state), t.prompt, t.sample_tokens, t.seed, tokenizer) \
-            if t.sample_tokens and tokenizer and model.decodes(self.model_cfg) and not stopped_by else ""
+        tokenizer = (
+            data.tokenizer()
+        )  # None when a prepared dataset's tokenizer file no longer loads
+        text = (
+            self.sample(self.model_params(state), t.prompt, t.sample_tokens, t.seed, tokenizer)
+            if t.sample_tokens and tokenizer and model.decodes(self.model_cfg) and not stopped_by
+            else ""
+        )
         self.goodput.add("eval", time.perf_counter() - t0)
         saved = run.saves.started
-        out = summary(run.history, run.eval_history, self.goodput, model_cfg=self.model_cfg, mesh=self.mesh,
-                      compile_s=compile_s, sample=text, resumed_from=point.step if point else None,
-                      checkpoint=run.saves.saver.step_dir(saved) if saved is not None else None, stopped_by=stopped_by,
-                      predicted_peak_bytes=self.predicted_peak)
+        out = summary(
+            run.history,
+            run.eval_history,
+            self.goodput,
+            model_cfg=self.model_cfg,
+            mesh=self.mesh,
+            compile_s=compile_s,
+            sample=text,
+            resumed_from=point.step if point else None,
+            checkpoint=run.saves.saver.step_dir(saved) if saved is not None else None,
+            stopped_by=stopped_by,
+            predicted_peak_bytes=self.predicted_peak,
+        )
         run.finish(out, self.cfg.logging.run_dir)
         self.state, self.history, self.eval_history = state, run.history, run.eval_history
         return out

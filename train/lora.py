@@ -13,6 +13,7 @@ The base comes in with --init-from (an HF import or a Brigade checkpoint); the r
 fingerprint (checkpoint.layout.fingerprint) in the config it saves, and a resume reloads the base
 from that pointer (or this run's --init-from) and refuses one whose fingerprint differs.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,15 @@ from models.config import ModelConfig
 from train.config import Config, LoraConfig
 
 # --lora.targets name -> (module, weight, its input dims after the layer dim)
-TARGET_WEIGHTS = {"q": ("attn", "wq_DNH", 1), "k": ("attn", "wk_DKH", 1), "v": ("attn", "wv_DKH", 1),
-                  "o": ("attn", "wo_NHD", 2), "gate": ("mlp", "w_gate_DF", 1), "up": ("mlp", "w_up_DF", 1),
-                  "down": ("mlp", "w_down_FD", 1)}
+TARGET_WEIGHTS = {
+    "q": ("attn", "wq_DNH", 1),
+    "k": ("attn", "wk_DKH", 1),
+    "v": ("attn", "wv_DKH", 1),
+    "o": ("attn", "wo_NHD", 2),
+    "gate": ("mlp", "w_gate_DF", 1),
+    "up": ("mlp", "w_up_DF", 1),
+    "down": ("mlp", "w_down_FD", 1),
+}
 
 
 def enabled(lora: LoraConfig | None) -> bool:
@@ -50,13 +57,23 @@ def _targets(cfg: ModelConfig, lora: LoraConfig) -> list[tuple[tuple[str, ...], 
     axes, out = model.param_axes(cfg), []
     for name in lora.target_list():
         module, weight, n_in = TARGET_WEIGHTS[name]
-        found = [((stack, module, weight), node[module][weight], n_in) for stack, node in axes.items()
-                 if isinstance(node, dict) and isinstance(node.get(module), dict) and weight in node[module]]
+        found = [
+            ((stack, module, weight), node[module][weight], n_in)
+            for stack, node in axes.items()
+            if isinstance(node, dict)
+            and isinstance(node.get(module), dict)
+            and weight in node[module]
+        ]
         if not found:
-            raise UserError(f"--lora.targets: '{name}' adapts {module}/{weight}, which this model does not have"
-                            f" (MoE experts are not adapted); valid here: "
-                            + ", ".join(t for t, (m, w, _) in TARGET_WEIGHTS.items()
-                                        if any(isinstance(n, dict) and w in n.get(m, {}) for n in axes.values())))
+            raise UserError(
+                f"--lora.targets: '{name}' adapts {module}/{weight}, which this model does not have"
+                f" (MoE experts are not adapted); valid here: "
+                + ", ".join(
+                    t
+                    for t, (m, w, _) in TARGET_WEIGHTS.items()
+                    if any(isinstance(n, dict) and w in n.get(m, {}) for n in axes.values())
+                )
+            )
         out += found
     return out
 
@@ -75,9 +92,15 @@ def _nest(items: dict) -> dict:
 def adapter_axes(cfg: ModelConfig, lora: LoraConfig) -> dict:
     """The logical axis names of the adapters: A keeps W's layer and input names, B its layer and
     output names; the rank dim is replicated (None)."""
-    return _nest({path: {"lora_a": (w_axes[0], *w_axes[1:1 + n_in], None),
-                         "lora_b": (w_axes[0], None, *w_axes[1 + n_in:])}
-                  for path, w_axes, n_in in _targets(cfg, lora)})
+    return _nest(
+        {
+            path: {
+                "lora_a": (w_axes[0], *w_axes[1 : 1 + n_in], None),
+                "lora_b": (w_axes[0], None, *w_axes[1 + n_in :]),
+            }
+            for path, w_axes, n_in in _targets(cfg, lora)
+        }
+    )
 
 
 def abstract_adapters(cfg: ModelConfig, lora: LoraConfig) -> dict:
@@ -86,8 +109,10 @@ def abstract_adapters(cfg: ModelConfig, lora: LoraConfig) -> dict:
     out = {}
     for path, _, n_in in _targets(cfg, lora):
         shape = _at(base, path).shape
-        out[path] = {"lora_a": jax.ShapeDtypeStruct((*shape[:1 + n_in], r), cfg.param_dtype),
-                     "lora_b": jax.ShapeDtypeStruct((shape[0], r, *shape[1 + n_in:]), cfg.param_dtype)}
+        out[path] = {
+            "lora_a": jax.ShapeDtypeStruct((*shape[: 1 + n_in], r), cfg.param_dtype),
+            "lora_b": jax.ShapeDtypeStruct((shape[0], r, *shape[1 + n_in :]), cfg.param_dtype),
+        }
     return _nest(out)
 
 
@@ -101,7 +126,7 @@ def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> dict:
         names = tuple(k.key for k in path)
         if names[-1] == "lora_a":
             fan_in = math.prod(s.shape[1:-1])
-            out[names] = jax.random.normal(next(keys), s.shape, s.dtype) * fan_in ** -0.5
+            out[names] = jax.random.normal(next(keys), s.shape, s.dtype) * fan_in**-0.5
         else:
             out[names] = jnp.zeros(s.shape, s.dtype)
     return _nest(out)
@@ -125,8 +150,11 @@ def base_shardings(cfg: Config, mesh, rules) -> dict:
 def abstract_base(cfg: Config, shardings: dict) -> dict:
     """ShapeDtypeStructs of the base as the step takes it (--lora.base_dtype, the base's shardings)."""
     dtype = base_dtype(cfg.model, cfg.lora)
-    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype, sharding=sh),
-                        model.abstract_params(cfg.model), shardings)
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype, sharding=sh),
+        model.abstract_params(cfg.model),
+        shardings,
+    )
 
 
 def model_params(cfg: Config, base: dict, adapters: dict) -> dict:
@@ -142,30 +170,47 @@ def check_run(cfg: Config) -> None:
     if not enabled(cfg.lora):
         return
     if cfg.comm.sync_every > 1:
-        raise UserError(f"--lora.rank {cfg.lora.rank}: not with --comm.sync_every {cfg.comm.sync_every} (DiLoCo);"
-                        f" use --comm.sync_every 1")
+        raise UserError(
+            f"--lora.rank {cfg.lora.rank}: not with --comm.sync_every {cfg.comm.sync_every} (DiLoCo);"
+            f" use --comm.sync_every 1"
+        )
     if cfg.model.n_experts and cfg.model.router_bias_rate > 0:
-        raise UserError(f"--lora.rank {cfg.lora.rank}: the router bias (--model.router_bias_rate"
-                        f" {cfg.model.router_bias_rate}) would update the frozen base; set it to 0")
+        raise UserError(
+            f"--lora.rank {cfg.lora.rank}: the router bias (--model.router_bias_rate"
+            f" {cfg.model.router_bias_rate}) would update the frozen base; set it to 0"
+        )
     if getattr(cfg.model, "arch", ""):  # only a registered model's config has the field
-        raise UserError(f"--lora.rank {cfg.lora.rank}: LoRA adapts the built-in decoder's projections; model"
-                        f" '{cfg.model.arch}' is a registered one")
+        raise UserError(
+            f"--lora.rank {cfg.lora.rank}: LoRA adapts the built-in decoder's projections; model"
+            f" '{cfg.model.arch}' is a registered one"
+        )
     base = model.abstract_params(cfg.model)
-    for path, _, n_in in _targets(cfg.model, cfg.lora):  # a rank above min(in, out) adds no expressiveness
+    for path, _, n_in in _targets(
+        cfg.model, cfg.lora
+    ):  # a rank above min(in, out) adds no expressiveness
         shape = _at(base, path).shape
-        fan_in, fan_out = math.prod(shape[1:1 + n_in]), math.prod(shape[1 + n_in:])
+        fan_in, fan_out = math.prod(shape[1 : 1 + n_in]), math.prod(shape[1 + n_in :])
         if cfg.lora.rank > min(fan_in, fan_out):
-            raise UserError(f"--lora.rank {cfg.lora.rank} is larger than {'/'.join(path[1:])}'s smaller dim"
-                            f" ({fan_in} in, {fan_out} out); use a rank <= {min(fan_in, fan_out)}, or drop that"
-                            f" target from --lora.targets")
+            raise UserError(
+                f"--lora.rank {cfg.lora.rank} is larger than {'/'.join(path[1:])}'s smaller dim"
+                f" ({fan_in} in, {fan_out} out); use a rank <= {min(fan_in, fan_out)}, or drop that"
+                f" target from --lora.targets"
+            )
 
 
 def check_start(cfg: Config, resuming: bool) -> None:
     """A fresh LoRA run needs a base to adapt: --init-from, or --lora.allow_random_base true."""
-    if enabled(cfg.lora) and not resuming and not cfg.checkpoint.init_from and not cfg.lora.allow_random_base:
-        raise UserError(f"--lora.rank {cfg.lora.rank} without --init-from: the adapters would train on random base"
-                        f" weights; pass --init-from PATH (an HF import or a Brigade checkpoint), or"
-                        f" --lora.allow_random_base true")
+    if (
+        enabled(cfg.lora)
+        and not resuming
+        and not cfg.checkpoint.init_from
+        and not cfg.lora.allow_random_base
+    ):
+        raise UserError(
+            f"--lora.rank {cfg.lora.rank} without --init-from: the adapters would train on random base"
+            f" weights; pass --init-from PATH (an HF import or a Brigade checkpoint), or"
+            f" --lora.allow_random_base true"
+        )
 
 
 def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[dict, str, str, str]:
@@ -177,8 +222,11 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
     saved = meta.get("config", {})
     path = cfg.checkpoint.init_from or saved.get("checkpoint", {}).get("init_from", "")
     want = saved.get("lora", {}).get("base_fingerprint", "") or cfg.lora.base_fingerprint
-    full = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                        model.abstract_params(cfg.model), shardings)
+    full = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+        model.abstract_params(cfg.model),
+        shardings,
+    )
     if path:
         src, step = open_checkpoint(path)
         params, where = src.restore_params(step, full), src.step_dir(step)
@@ -186,16 +234,24 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
     else:
         seed = saved.get("train", {}).get("seed", cfg.train.seed)
         with jax.set_mesh(mesh), axis_rules(rules):
-            params = jax.jit(lambda k: model.init(cfg.model, jax.random.fold_in(k, 1)), out_shardings=shardings)(
-                jax.random.key(seed))
+            params = jax.jit(
+                lambda k: model.init(cfg.model, jax.random.fold_in(k, 1)), out_shardings=shardings
+            )(jax.random.key(seed))
         where, pointer = f"a random init (seed {seed})", ""
     got = fingerprint(params)
     if want and got != want:
-        raise UserError(f"LoRA base {where}: its fingerprint {got} differs from the {want} this run's adapters were"
-                        f" trained on; the base changed: pass --init-from the original base, or start a new --run-dir")
+        raise UserError(
+            f"LoRA base {where}: its fingerprint {got} differs from the {want} this run's adapters were"
+            f" trained on; the base changed: pass --init-from the original base, or start a new --run-dir"
+        )
     dtype = base_dtype(cfg.model, cfg.lora)
     if dtype != cfg.model.param_dtype:
-        params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings,
-                         donate_argnums=(0,))(params)
-    note = f"LoRA: rank {cfg.lora.rank} adapters on the frozen base from {where} (fingerprint {got})"
+        params = jax.jit(
+            lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
+            out_shardings=shardings,
+            donate_argnums=(0,),
+        )(params)
+    note = (
+        f"LoRA: rank {cfg.lora.rank} adapters on the frozen base from {where} (fingerprint {got})"
+    )
     return params, got, pointer, note

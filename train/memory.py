@@ -5,6 +5,7 @@ killed by the OS (or die in the allocator) with nothing said. The figure is the 
 own (XLA's memory analysis, the same that `plan` reports), so the check costs nothing beyond
 the compile the run needs anyway.
 """
+
 from __future__ import annotations
 
 import jax
@@ -20,9 +21,16 @@ def step_bytes_per_device(compiled) -> dict[str, int]:
     m = compiled.memory_analysis()
     if m is None:  # a backend without memory analysis
         return {}
-    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes}
-    out["peak"] = getattr(m, "peak_memory_in_bytes", 0) or out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out = {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+    }
+    out["peak"] = (
+        getattr(m, "peak_memory_in_bytes", 0)
+        or out["argument"] + out["output"] - out["alias"] + out["temp"]
+    )
     return out
 
 
@@ -53,6 +61,7 @@ def _host_available() -> int:
     except OSError:
         pass
     import os
+
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -68,7 +77,8 @@ def check_fits(compiled, devices: list, mesh_text: str) -> None:
         f" temporaries {_size(need['temp'])}) on mesh {mesh_text}, more than the {_size(have)}"
         f" each device has ({what}); shard the state over more devices (--mesh fsdp=N), recompute"
         f" activations (--model.remat full), use a smaller --batch-size or more --micro-batches, or pass"
-        f" --train.skip_memory_check true to try anyway")
+        f" --train.skip_memory_check true to try anyway"
+    )
 
 
 HOST_KIND = "pinned_host"  # the memory kind offloaded activations and optimizer state live in
@@ -82,6 +92,8 @@ def check_host_offload(cfg, devices: list) -> None:
         wants.append("--train.offload_optimizer true")
     kinds = {m.kind for m in devices[0].addressable_memories()}
     if wants and HOST_KIND not in kinds:
-        raise UserError(f"{' and '.join(wants)} keeps arrays in '{HOST_KIND}' memory, which these"
-                        f" {devices[0].platform} devices do not have (theirs: {', '.join(sorted(kinds))}); valid"
-                        f" here: --model.remat none|full|dots, --train.offload_optimizer false")
+        raise UserError(
+            f"{' and '.join(wants)} keeps arrays in '{HOST_KIND}' memory, which these"
+            f" {devices[0].platform} devices do not have (theirs: {', '.join(sorted(kinds))}); valid"
+            f" here: --model.remat none|full|dots, --train.offload_optimizer false"
+        )

@@ -1,5 +1,6 @@
 """Throughput, MFU, step statistics, the logger that feeds the metric sinks (train/sinks.py) and
 the run's summary."""
+
 from __future__ import annotations
 
 import functools
@@ -15,23 +16,23 @@ from checkpoint import storage
 from mesh.spec import mesh_text
 from models.flops import param_count
 from train import sinks
-from train.sections import profile_window
 from train.device_memory import size_text
 from train.goodput import Goodput, breakdown_text
 from train.resilience import exit_code
+from train.sections import profile_window
 
 # Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.
 PEAK_TFLOPS = {
     "h200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
-    "h100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},   # SXM; PCIe is 756
+    "h100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},  # SXM; PCIe is 756
     "a100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
     "l4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
     "mi300x": {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4},
     "tpu v4": {"bfloat16": 275.0, "float32": 275.0},
-    "tpu v5 lite": {"bfloat16": 197.0, "float32": 197.0},   # v5e
+    "tpu v5 lite": {"bfloat16": 197.0, "float32": 197.0},  # v5e
     "tpu v5p": {"bfloat16": 459.0, "float32": 459.0},
     "tpu v5": {"bfloat16": 459.0, "float32": 459.0},
-    "tpu v6": {"bfloat16": 918.0, "float32": 918.0},         # Trillium
+    "tpu v6": {"bfloat16": 918.0, "float32": 918.0},  # Trillium
 }
 
 
@@ -49,14 +50,18 @@ def measured_host_flops(dtype: str, n: int = 1024, seconds: float = 0.3) -> floa
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def peak_flops(dtype: str, override_tflops: float = 0.0, devices: list | None = None) -> tuple[float, str]:
+def peak_flops(
+    dtype: str, override_tflops: float = 0.0, devices: list | None = None
+) -> tuple[float, str]:
     """-> (peak FLOP/s of `devices`, the mesh's (default: all), and where the figure came from).
 
     CPU fake devices share the host's cores, so their peak is the host's measured matmul rate
     (per process that holds some of them), not a multiple of the device count."""
     devices = list(devices) if devices is not None else jax.devices()
     if override_tflops > 0:
-        return override_tflops * 1e12 * len(devices), f"--peak-tflops {override_tflops} x {len(devices)}"
+        return override_tflops * 1e12 * len(
+            devices
+        ), f"--peak-tflops {override_tflops} x {len(devices)}"
     kind = devices[0].device_kind.lower()
     if devices[0].platform == "cpu":
         per_host = measured_host_flops(dtype)
@@ -65,7 +70,9 @@ def peak_flops(dtype: str, override_tflops: float = 0.0, devices: list | None = 
     for name, table in PEAK_TFLOPS.items():
         if name in kind:
             tf = table.get(dtype, table["bfloat16"])
-            return tf * 1e12 * len(devices), f"{devices[0].device_kind}: {tf:g} TFLOP/s x {len(devices)}"
+            return tf * 1e12 * len(
+                devices
+            ), f"{devices[0].device_kind}: {tf:g} TFLOP/s x {len(devices)}"
     return 0.0, f"unknown device '{devices[0].device_kind}': pass --peak-tflops for MFU"
 
 
@@ -74,16 +81,27 @@ class MetricsLogger:
     trackers its config.json turns on) and to the console (a bar, plain lines, or nothing);
     process 0 only. `progress`: --logging.progress (auto | bar | lines | none)."""
 
-    def __init__(self, run_dir: str, total_steps: int, first_step: int = 0, *, tensorboard: bool = True,
-                 progress: str = "auto"):
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        first_step: int = 0,
+        *,
+        tensorboard: bool = True,
+        progress: str = "auto",
+    ):
         self.main = jax.process_index() == 0
         self._sinks, self._console = [], None
         if not self.main:
             return
         storage.makedirs(run_dir)
         self._console = sinks.console(sinks.progress_mode(progress), total_steps, first_step)
-        self._sinks = [sinks.JsonlSink(run_dir, json_safe), *([sinks.TensorBoardSink(run_dir)] if tensorboard else []),
-                       *sinks.trackers(run_dir), self._console]
+        self._sinks = [
+            sinks.JsonlSink(run_dir, json_safe),
+            *([sinks.TensorBoardSink(run_dir)] if tensorboard else []),
+            *sinks.trackers(run_dir),
+            self._console,
+        ]
 
     def log(self, record: dict) -> None:
         for sink in self._sinks:
@@ -98,7 +116,9 @@ class MetricsLogger:
             self._console.print(msg)
 
     def close(self) -> None:
-        for sink in reversed(self._sinks):  # the console first: a tracker's closing lines go below the bar
+        for sink in reversed(
+            self._sinks
+        ):  # the console first: a tracker's closing lines go below the bar
             sink.close()
         self._sinks = []
 
@@ -123,6 +143,7 @@ class StepProfiler:
     def step(self, step: int):
         """Context for running step `step` (1-based): starts the trace at A, annotates inside."""
         import contextlib
+
         if self.window is None or not self.window[0] <= step < self.window[1]:
             return contextlib.nullcontext()
         if not self.active:
@@ -137,8 +158,10 @@ class StepProfiler:
             jax.block_until_ready(outputs)
             jax.profiler.stop_trace()
             self.active = False
-            return (f"profile: steps {self.spec} traced into {self.dir} (tensorboard --logdir {self.dir},"
-                    f" or open the .trace.json.gz in ui.perfetto.dev)")
+            return (
+                f"profile: steps {self.spec} traced into {self.dir} (tensorboard --logdir {self.dir},"
+                f" or open the .trace.json.gz in ui.perfetto.dev)"
+            )
         return ""
 
     def close(self) -> None:
@@ -152,12 +175,27 @@ class StepStats:
     (`device_s`: the host blocked on the devices), data wait (`wait_s`) and host overhead (the
     rest). Time the loop spends on saves, evals and recovery (`pause`) is not step time."""
 
-    _KNOWN = ("loss", "grad_norm", "lr", "skipped_steps", "bad_in_a_row", "spike_skipped_steps", "spike_in_a_row")
+    _KNOWN = (
+        "loss",
+        "grad_norm",
+        "lr",
+        "skipped_steps",
+        "bad_in_a_row",
+        "spike_skipped_steps",
+        "spike_in_a_row",
+    )
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float, n_devices: int, step: int):
+    def __init__(
+        self, tokens_per_step: int, flops_per_token: float, peak: float, n_devices: int, step: int
+    ):
         self.tokens, self.flops = tokens_per_step, flops_per_token * tokens_per_step
         self.peak, self.n_devices = peak, n_devices
-        self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
+        self.last_step, self.t_last, self.paused_s, self.wait_s = (
+            step,
+            time.perf_counter(),
+            0.0,
+            0.0,
+        )
         self.device_s = 0.0
 
     def pause(self, since: float) -> float:
@@ -175,49 +213,88 @@ class StepStats:
         gp.add("productive", busy - self.wait_s)
         gp.add("data_wait", self.wait_s)
         dt = busy / n
-        rec = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-               "step_time_s": dt, "tokens_per_sec": self.tokens / dt,
-               "tokens_per_sec_per_device": self.tokens / dt / self.n_devices,
-               "mfu": self.flops / dt / self.peak if self.peak else 0.0, "data_wait_s": self.wait_s / n,
-               "compute_s": self.device_s / n, "host_s": max(busy - self.wait_s - self.device_s, 0.0) / n,
-               "skipped_steps": int(m["skipped_steps"]), "steps_since_log": n}
+        rec = {
+            "step": step,
+            "loss": float(m["loss"]),
+            "grad_norm": float(m["grad_norm"]),
+            "lr": float(m["lr"]),
+            "step_time_s": dt,
+            "tokens_per_sec": self.tokens / dt,
+            "tokens_per_sec_per_device": self.tokens / dt / self.n_devices,
+            "mfu": self.flops / dt / self.peak if self.peak else 0.0,
+            "data_wait_s": self.wait_s / n,
+            "compute_s": self.device_s / n,
+            "host_s": max(busy - self.wait_s - self.device_s, 0.0) / n,
+            "skipped_steps": int(m["skipped_steps"]),
+            "steps_since_log": n,
+        }
         if "spike_skipped_steps" in m:
             rec["spike_skipped_steps"] = int(m["spike_skipped_steps"])
         # whatever else the step reports (e.g. MoE load balance): scalars, logged as they are
         rec.update({k: float(v) for k, v in m.items() if k not in self._KNOWN and np.ndim(v) == 0})
         rec.update(gp.totals())
-        self.last_step, self.t_last, self.paused_s, self.wait_s = step, time.perf_counter(), 0.0, 0.0
+        self.last_step, self.t_last, self.paused_s, self.wait_s = (
+            step,
+            time.perf_counter(),
+            0.0,
+            0.0,
+        )
         self.device_s = 0.0
         return rec, int(m["bad_in_a_row"]), int(m.get("spike_in_a_row", 0))
 
 
-def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model_cfg, mesh, compile_s: float,
-            sample: str, resumed_from: int | None, checkpoint: str | None, stopped_by: int | None,
-            predicted_peak_bytes: int | None = None) -> dict:
+def summary(
+    history: list[dict],
+    eval_history: list[dict],
+    gp: Goodput,
+    *,
+    model_cfg,
+    mesh,
+    compile_s: float,
+    sample: str,
+    resumed_from: int | None,
+    checkpoint: str | None,
+    stopped_by: int | None,
+    predicted_peak_bytes: int | None = None,
+) -> dict:
     """summary.json, from the logged records and the run's facts: medians of the steady steps
     (the first, which includes warm-up, is left out when there are others), where the time went,
     and memory: the largest figures logged beside the compiled step's predicted per-device peak."""
     steady = history[1:] or history
-    held_out = [r for r in eval_history if "eval_loss" in r]  # none when the training data holds none out
+    held_out = [
+        r for r in eval_history if "eval_loss" in r
+    ]  # none when the training data holds none out
 
     def largest(key):
         values = [r[key] for r in history if isinstance(r.get(key), int)]
         return max(values) if values else None
+
     return {
         "steps": history[-1]["step"] if history else (resumed_from or 0),
         "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
         "eval_loss": held_out[-1]["eval_loss"] if held_out else None,
         # the last eval's figures on each --data.eval_source set, named as in metrics.jsonl
-        **({k: v for k, v in eval_history[-1].items() if k.startswith("eval/")} if eval_history else {}),
-        "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])) if steady else 0.0,
+        **(
+            {k: v for k, v in eval_history[-1].items() if k.startswith("eval/")}
+            if eval_history
+            else {}
+        ),
+        "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady]))
+        if steady
+        else 0.0,
         "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
-        "compile_s": compile_s, "wall_s": time.time() - gp.started_at,
-        "params": param_count(model_cfg), "mesh": mesh_text(mesh.shape), "sample": sample,
-        "resumed_from": resumed_from, "checkpoint": checkpoint,
+        "compile_s": compile_s,
+        "wall_s": time.time() - gp.started_at,
+        "params": param_count(model_cfg),
+        "mesh": mesh_text(mesh.shape),
+        "sample": sample,
+        "resumed_from": resumed_from,
+        "checkpoint": checkpoint,
         "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
         "exit_code": exit_code(stopped_by),
-        "predicted_peak_bytes": predicted_peak_bytes, "mem_peak_bytes": largest("mem_peak_bytes"),
+        "predicted_peak_bytes": predicted_peak_bytes,
+        "mem_peak_bytes": largest("mem_peak_bytes"),
         "host_rss_bytes": largest("host_rss_bytes"),
         **gp.totals(),
     }
@@ -226,8 +303,11 @@ def summary(history: list[dict], eval_history: list[dict], gp: Goodput, *, model
 def eval_text(s: dict) -> str:
     """', eval loss 2.345 (chat 1.876, web 2.912)' from a summary: the held-out split's loss, then
     each eval set's; '' without evals."""
-    sets = [f"{k.split('/')[1]} {v:.3f}" for k, v in s.items()
-            if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)]
+    sets = [
+        f"{k.split('/')[1]} {v:.3f}"
+        for k, v in s.items()
+        if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)
+    ]
     held_out = f" {s['eval_loss']:.3f}" if s.get("eval_loss") is not None else ""
     if not held_out and not sets:
         return ""
@@ -237,19 +317,24 @@ def eval_text(s: dict) -> str:
 def summary_text(s: dict) -> str:
     """The lines the run ends with, from `summary`'s dict."""
     if s["stopped_by"]:
-        head = (f"stopped by {s['stopped_by']} after step {s['steps']}"
-                + (f", checkpoint {s['checkpoint']} committed" if s["checkpoint"] else "")
-                + f"; exit status {s['exit_code']}")
+        head = (
+            f"stopped by {s['stopped_by']} after step {s['steps']}"
+            + (f", checkpoint {s['checkpoint']} committed" if s["checkpoint"] else "")
+            + f"; exit status {s['exit_code']}"
+        )
         if s["first_loss"] is None:
             return head
         return head + f"\nloss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in {s['wall_s']:.1f}s"
-    lines = [f"done: {s['steps']} steps in {s['wall_s']:.1f}s (compile {s['compile_s']:.1f}s),"
-             f" loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}"
-             + eval_text(s)
-             + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%", breakdown_text(s),
-             f"memory per device: peak {size_text(s.get('mem_peak_bytes'))} measured,"
-             f" {size_text(s.get('predicted_peak_bytes'))} predicted by the compiled step;"
-             f" host RSS {size_text(s.get('host_rss_bytes'))}"]
+    lines = [
+        f"done: {s['steps']} steps in {s['wall_s']:.1f}s (compile {s['compile_s']:.1f}s),"
+        f" loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}"
+        + eval_text(s)
+        + f", {s['tokens_per_sec']:.0f} tokens/s, MFU {100 * s['mfu']:.1f}%",
+        breakdown_text(s),
+        f"memory per device: peak {size_text(s.get('mem_peak_bytes'))} measured,"
+        f" {size_text(s.get('predicted_peak_bytes'))} predicted by the compiled step;"
+        f" host RSS {size_text(s.get('host_rss_bytes'))}",
+    ]
     if s["sample"]:
         lines += ["--- sample ---", s["sample"], "--------------"]
     return "\n".join(lines)

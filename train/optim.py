@@ -1,6 +1,7 @@
 """The optimizer: optax's AdamW, Adafactor, Lion, SGD or Muon (--optim.name) with warm-up + cosine
 decay, global-norm clipping, decoupled weight decay under a mask and a non-finite skip; or any optax
 transformation in its place (Trainer(optimizer=...)), inside the same guards."""
+
 from __future__ import annotations
 
 import numbers
@@ -20,20 +21,29 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
     step that changes nothing) to lr at count warmup_steps, then a cosine decays to lr * min_lr_ratio."""
     warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=cfg.lr / max(warmup, 1), peak_value=cfg.lr, warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+        init_value=cfg.lr / max(warmup, 1),
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
 
 
 def decay_mask(params: dict, decay_embeddings: bool) -> dict:
     """Decay matrices only: never norm scales, the q/k/v biases or the MoE router bias (set by the
     train step, not by gradients); embeddings only when asked (GPT-3/Llama practice)."""
+
     def keep(path, _):
         names = [getattr(k, "key", "") for k in path]
-        if any("norm" in str(n) or str(n).startswith(("router_bias", "bq_", "bk_", "bv_")) for n in names):
+        if any(
+            "norm" in str(n) or str(n).startswith(("router_bias", "bq_", "bk_", "bv_"))
+            for n in names
+        ):
             return False
         if any(str(n).startswith("embed_") for n in names):
             return decay_embeddings
         return True
+
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
@@ -56,6 +66,7 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
     optax.apply_if_finite's skip and apply branches the same type. For float32 parameters this is
     the identity. Updates under half a weight's ulp (2^-9 of it in bfloat16) still round away:
     the price of 16-bit weights (float32 parameters, the default, keep every update)."""
+
     def init(params):
         return inner.init(_widen(params))
 
@@ -71,19 +82,25 @@ def as_schedule(lr) -> optax.Schedule:
         return lr
     if isinstance(lr, numbers.Real) and not isinstance(lr, bool):  # numpy scalars too
         return optax.constant_schedule(float(lr))
-    raise UserError(f"schedule=: expected a number or a function of the update count (an optax schedule),"
-                    f" got {type(lr).__name__}")
+    raise UserError(
+        f"schedule=: expected a number or a function of the update count (an optax schedule),"
+        f" got {type(lr).__name__}"
+    )
 
 
 def check_optimizer(optimizer, lr) -> None:
     """Trainer(optimizer=..., schedule=...): an optax transformation, and the rate it applies
     (what the log reports: optax keeps a rate inside the transformation, out of Brigade's sight)."""
     if not isinstance(optimizer, optax.GradientTransformation):
-        raise UserError(f"optimizer=: expected an optax.GradientTransformation (e.g. optax.lion(1e-4)), got"
-                        f" {type(optimizer).__name__}")
+        raise UserError(
+            f"optimizer=: expected an optax.GradientTransformation (e.g. optax.lion(1e-4)), got"
+            f" {type(optimizer).__name__}"
+        )
     if lr is None:
-        raise UserError("optimizer=: also pass schedule= (a number, or the function of the update count the"
-                        " optimizer's learning rate follows), which the logged lr reports")
+        raise UserError(
+            "optimizer=: also pass schedule= (a number, or the function of the update count the"
+            " optimizer's learning rate follows), which the logged lr reports"
+        )
 
 
 def muon_dims(params) -> dict:
@@ -93,15 +110,24 @@ def muon_dims(params) -> dict:
     one matrix each. Everything else (embeddings, the LM head, norms, biases, the router, and
     parameters named otherwise) gets None: optax's Muon updates those with its AdamW, as the Muon
     authors prescribe for all but the hidden matrices."""
+
     def dims(path, p):
         head, _, axes = str(getattr(path[-1], "key", "")).rpartition("_")
-        if not (head.startswith("w") and axes.isalpha() and axes.isupper() and "D" in axes
-                and len(axes) <= p.ndim):
+        if not (
+            head.startswith("w")
+            and axes.isalpha()
+            and axes.isupper()
+            and "D" in axes
+            and len(axes) <= p.ndim
+        ):
             return None
-        lead = p.ndim - len(axes)   # the scanned layers' dim, not in the name
+        lead = p.ndim - len(axes)  # the scanned layers' dim, not in the name
         other = tuple(lead + i for i, a in enumerate(axes) if a not in "DE")
         d = (lead + axes.index("D"),)
-        return optax.contrib.MuonDimensionNumbers(*((d, other) if axes.lstrip("E")[0] == "D" else (other, d)))
+        return optax.contrib.MuonDimensionNumbers(
+            *((d, other) if axes.lstrip("E")[0] == "D" else (other, d))
+        )
+
     return jax.tree_util.tree_map_with_path(dims, params)
 
 
@@ -121,26 +147,46 @@ def named(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTransformation:
     for AdamW carries over; Lion wants one 3-10x smaller (Chen et al. 2023)."""
     mask = lambda p: decay_mask(p, cfg.decay_embeddings)  # noqa: E731
 
-    def decayed(tx):  # tx's update holds the rate already: the decay follows it with -rate x weight_decay
-        return optax.chain(tx, optax.add_decayed_weights(lambda count: -cfg.weight_decay * lr(count), mask))
+    def decayed(
+        tx,
+    ):  # tx's update holds the rate already: the decay follows it with -rate x weight_decay
+        return optax.chain(
+            tx, optax.add_decayed_weights(lambda count: -cfg.weight_decay * lr(count), mask)
+        )
 
     if cfg.optimizer == "adamw":
-        return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+        return optax.adamw(
+            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+        )
     if cfg.optimizer == "lion":
         return optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
     if cfg.optimizer == "adafactor":
-        return optax.adafactor(lr, weight_decay_rate=lambda count: cfg.weight_decay * lr(count),
-                               weight_decay_mask=mask)
+        return optax.adafactor(
+            lr, weight_decay_rate=lambda count: cfg.weight_decay * lr(count), weight_decay_mask=mask
+        )
     if cfg.optimizer == "sgd":
         return decayed(optax.sgd(lr, momentum=cfg.b1 or None))
     if cfg.optimizer == "muon":
-        return decayed(optax.contrib.muon(lr, beta=cfg.b1, eps=cfg.eps, adam_b1=cfg.b1, adam_b2=cfg.b2,
-                                          muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2))
+        return decayed(
+            optax.contrib.muon(
+                lr,
+                beta=cfg.b1,
+                eps=cfg.eps,
+                adam_b1=cfg.b1,
+                adam_b2=cfg.b2,
+                muon_weight_dimension_numbers=muon_dims,
+                consistent_rms=0.2,
+            )
+        )
     raise UserError(f"--optim.name '{cfg.optimizer}': valid: {', '.join(OPTIMIZERS)}")
 
 
-def make(cfg: TrainConfig, clip: bool = True, lr: optax.Schedule | None = None,
-         optimizer: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
+def make(
+    cfg: TrainConfig,
+    clip: bool = True,
+    lr: optax.Schedule | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> optax.GradientTransformation:
     """`clip` False: no clipping here; the train step clips each replica's gradient before a
     compressed sync instead (clipping the synced sum would cut error feedback's bursts).
     `lr`: the schedule the optimizer follows (default `schedule(cfg)`). `optimizer`: a
@@ -151,8 +197,10 @@ def make(cfg: TrainConfig, clip: bool = True, lr: optax.Schedule | None = None,
     if optimizer is None:
         parts.append(named(cfg, lr or schedule(cfg)))
     elif cfg.optimizer != "adamw":  # two optimizers asked for: neither may be dropped in silence
-        raise UserError(f"optimizer=: replaces the configured optimizer; leave --optim.name at adamw (it is"
-                        f" '{cfg.optimizer}'), or drop optimizer=")
+        raise UserError(
+            f"optimizer=: replaces the configured optimizer; leave --optim.name at adamw (it is"
+            f" '{cfg.optimizer}'), or drop optimizer="
+        )
     else:
         parts += [optimizer, optax.scale_by_schedule(lambda count: 1.0)]
     # Non-finite gradients (an overflow, a bad batch) skip the update instead of poisoning the
@@ -184,5 +232,5 @@ def applied_lr(lr_schedule: optax.Schedule, opt_state_before, opt_state_after) -
     is Brigade's own (a user optimizer may keep schedule counts of its own before it: they advance
     together)."""
     before = _schedule_states(opt_state_before)[-1]
-    applied = opt_state_after.notfinite_count == 0   # optax.apply_if_finite took the update
+    applied = opt_state_after.notfinite_count == 0  # optax.apply_if_finite took the update
     return jnp.mean(jnp.where(applied, lr_schedule(before.count), 0.0))

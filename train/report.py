@@ -5,6 +5,7 @@ Reads what the loop writes into a run directory: `metrics.jsonl` (required), `co
 (default out: `<RUN_DIR>/report`). A metric missing from every record (goodput in older runs,
 eval loss with eval off) gets no plot rather than an empty one.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,34 @@ PLOTS = (
     ("tokens_per_sec.png", "Throughput", "tokens/s", ("tokens_per_sec",), False),
     ("mfu.png", "Model FLOPs utilisation", "MFU (%)", ("mfu",), False),
     ("data_wait.png", "Data wait per step", "seconds", ("data_wait_s",), False),
-    ("step_split.png", "Step time on the devices and on the host", "seconds per step", ("compute_s", "host_s"),
-     False),
-    ("stragglers.png", "Slowest process's step time / the others' median", "ratio", ("step_time_max_over_median",),
-     False),
-    ("memory.png", "Memory (the fullest device; the host process)", "GiB",
-     ("mem_peak_bytes", "mem_bytes_in_use", "host_rss_bytes"), False),
-    ("goodput.png", "Goodput (productive step time / wall time)", "goodput (%)", ("goodput*",), False),
+    (
+        "step_split.png",
+        "Step time on the devices and on the host",
+        "seconds per step",
+        ("compute_s", "host_s"),
+        False,
+    ),
+    (
+        "stragglers.png",
+        "Slowest process's step time / the others' median",
+        "ratio",
+        ("step_time_max_over_median",),
+        False,
+    ),
+    (
+        "memory.png",
+        "Memory (the fullest device; the host process)",
+        "GiB",
+        ("mem_peak_bytes", "mem_bytes_in_use", "host_rss_bytes"),
+        False,
+    ),
+    (
+        "goodput.png",
+        "Goodput (productive step time / wall time)",
+        "goodput (%)",
+        ("goodput*",),
+        False,
+    ),
     # the goodput breakdown: cumulative seconds per category, which add up to the wall time
     ("time.png", "Where the wall time went", "seconds (cumulative)", ("time_*",), True),
 )
@@ -40,11 +62,15 @@ BYTES = ("mem_", "host_rss_")  # stored in bytes, shown in GiB
 def read_run(run_dir: str) -> tuple[list[dict], dict, dict]:
     """-> (metrics records in step order, config, summary); UserError naming the missing file."""
     if not storage.isdir(run_dir):
-        raise UserError(f"report: '{run_dir}' is not a directory (expected a run directory such as runs/latest)")
+        raise UserError(
+            f"report: '{run_dir}' is not a directory (expected a run directory such as runs/latest)"
+        )
     path = storage.join(run_dir, "metrics.jsonl")
     if not storage.isfile(path):
-        raise UserError(f"report: '{run_dir}' has no metrics.jsonl (is it a run directory? `python -m train"
-                        f" --run-dir DIR` writes one)")
+        raise UserError(
+            f"report: '{run_dir}' has no metrics.jsonl (is it a run directory? `python -m train"
+            f" --run-dir DIR` writes one)"
+        )
     records = read_records(run_dir)  # lines cut short by a kill, or not records, are skipped
     if not records:
         raise UserError(f"report: {path} holds no metrics records yet")
@@ -54,14 +80,28 @@ def read_run(run_dir: str) -> tuple[list[dict], dict, dict]:
             return json.loads(storage.read_text(storage.join(run_dir, name)))
         except (OSError, json.JSONDecodeError):
             return {}
-    return sorted(records, key=lambda r: r["step"]), optional("config.json"), optional("summary.json")
+
+    return (
+        sorted(records, key=lambda r: r["step"]),
+        optional("config.json"),
+        optional("summary.json"),
+    )
 
 
 def _keys(records: list[dict], patterns: tuple[str, ...]) -> list[str]:
-    present = {k for r in records for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    present = {
+        k
+        for r in records
+        for k, v in r.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     out = []
     for p in patterns:
-        out += sorted(k for k in present if k.startswith(p[:-1])) if p.endswith("*") else [p] * (p in present)
+        out += (
+            sorted(k for k in present if k.startswith(p[:-1]))
+            if p.endswith("*")
+            else [p] * (p in present)
+        )
     return out
 
 
@@ -76,9 +116,12 @@ def plot(records: list[dict], out_dir: str) -> list[tuple[str, str]]:
     try:
         import matplotlib
     except ImportError:
-        raise UserError("report: plotting needs matplotlib: pip install 'brigade[report]'") from None
+        raise UserError(
+            "report: plotting needs matplotlib: pip install 'brigade[report]'"
+        ) from None
     matplotlib.use("Agg")  # files only: no display needed (servers, CI)
     import matplotlib.pyplot as plt
+
     made = []
     for name, title, ylabel, patterns, stacked in PLOTS:
         keys = [k for k in _keys(records, patterns) if not (stacked and k in TOTALS)]
@@ -89,8 +132,12 @@ def plot(records: list[dict], out_dir: str) -> list[tuple[str, str]]:
         fig, ax = plt.subplots(figsize=(7.2 if stacked else 6.4, 3.6), dpi=100)
         if stacked:
             rows = [r for r in records if all(isinstance(r.get(k), (int, float)) for k in keys)]
-            ax.stackplot([r["step"] for r in rows], *[[r[k] for r in rows] for k in keys],
-                         labels=[k.removeprefix("time_").removesuffix("_s") for k in keys], alpha=0.85)
+            ax.stackplot(
+                [r["step"] for r in rows],
+                *[[r[k] for r in rows] for k in keys],
+                labels=[k.removeprefix("time_").removesuffix("_s") for k in keys],
+                alpha=0.85,
+            )
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
         else:
             for k in keys:
@@ -101,7 +148,9 @@ def plot(records: list[dict], out_dir: str) -> list[tuple[str, str]]:
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        with storage.open_file(storage.join(out_dir, name), "wb") as f:  # a local or gs:// / s3:// folder
+        with storage.open_file(
+            storage.join(out_dir, name), "wb"
+        ) as f:  # a local or gs:// / s3:// folder
             fig.savefig(f, format="png")
         plt.close(fig)
         made.append((title, name))
@@ -122,19 +171,32 @@ def _memory(summary: dict, *keys: str) -> str | None:
     return " / ".join(size_text(summary.get(k)) for k in keys)
 
 
-def markdown(run_dir: str, records: list[dict], config: dict, summary: dict, plots: list[tuple[str, str]]) -> str:
+def markdown(
+    run_dir: str, records: list[dict], config: dict, summary: dict, plots: list[tuple[str, str]]
+) -> str:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     last = train[-1] if train else {}
     mesh = summary.get("mesh") or config.get("parallelism", {}).get("mesh") or "?"
     figures = [
         ("steps", summary.get("steps", last.get("step"))),
-        ("loss (first -> last)", f"{_fmt(train[0]['loss'])} -> {_fmt(last['loss'])}" if train else None),
+        (
+            "loss (first -> last)",
+            f"{_fmt(train[0]['loss'])} -> {_fmt(last['loss'])}" if train else None,
+        ),
         ("eval loss", evals[-1]["eval_loss"] if evals else None),
         ("tokens/s (median)", summary.get("tokens_per_sec")),
         ("MFU (median)", f"{100 * summary['mfu']:.2f}%" if "mfu" in summary else None),
-        ("goodput", f"{100 * summary['goodput']:.1f}%" if isinstance(summary.get("goodput"), (int, float)) else None),
-        ("device memory peak (measured / predicted)", _memory(summary, "mem_peak_bytes", "predicted_peak_bytes")),
+        (
+            "goodput",
+            f"{100 * summary['goodput']:.1f}%"
+            if isinstance(summary.get("goodput"), (int, float))
+            else None,
+        ),
+        (
+            "device memory peak (measured / predicted)",
+            _memory(summary, "mem_peak_bytes", "predicted_peak_bytes"),
+        ),
         ("host RSS (largest logged)", _memory(summary, "host_rss_bytes")),
         ("compile (s)", summary.get("compile_s")),
         ("wall time (s)", summary.get("wall_s")),
@@ -143,17 +205,29 @@ def markdown(run_dir: str, records: list[dict], config: dict, summary: dict, plo
         ("resumed from step", summary.get("resumed_from")),
         ("stopped by", summary.get("stopped_by")),
     ]
-    lines = [f"# Run report: `{storage.absolute(run_dir)}`", "",
-             f"{len(train)} logged steps and {len(evals)} evals from `metrics.jsonl`"
-             + ("" if summary else " (no summary.json: the run has not finished)") + ".", "",
-             "## Final figures", "", "| | |", "|---|---|"]
+    lines = [
+        f"# Run report: `{storage.absolute(run_dir)}`",
+        "",
+        f"{len(train)} logged steps and {len(evals)} evals from `metrics.jsonl`"
+        + ("" if summary else " (no summary.json: the run has not finished)")
+        + ".",
+        "",
+        "## Final figures",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in figures if v not in (None, "")]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{title}]({name})" for title, name in plots]
     if config:
         lines += ["", "## Config", "", "| section | settings |", "|---|---|"]
         for section, values in config.items():
-            text = ", ".join(f"{k}={v}" for k, v in values.items()) if isinstance(values, dict) else values
+            text = (
+                ", ".join(f"{k}={v}" for k, v in values.items())
+                if isinstance(values, dict)
+                else values
+            )
             lines.append(f"| {section} | {text} |")
     if summary.get("sample"):
         lines += ["", "## Sample", "", "```", summary["sample"], "```"]
@@ -175,10 +249,17 @@ def report(run_dir: str, out_dir: str | None = None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = ArgParser(prog="python -m train report", description="Plot a run's metrics and summarise it in markdown.")
+    p = ArgParser(
+        prog="python -m train report",
+        description="Plot a run's metrics and summarise it in markdown.",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
-    p.add_argument("--out", metavar="DIR", default=None, help="where to write report.md and the PNGs"
-                   " (default: RUN_DIR/report)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="where to write report.md and the PNGs (default: RUN_DIR/report)",
+    )
     ns = p.parse_args(argv)
     path = report(ns.run_dir, ns.out)
     pngs = sorted(f for f in storage.listdir(storage.dirname(path)) if f.endswith(".png"))

@@ -9,6 +9,7 @@ jax.distributed.initialize; its C++ handler owns SIGTERM), and `reached_preempti
 makes every process stop at the same step. SIGINT keeps Python's default there: a flag set in
 one process alone would make it save while its peers wait in the next step's collectives.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,12 +26,13 @@ class StopSignals:
         self._previous: dict[int, object] = {}
         self._multi = False
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         import jax
+
         self._multi = jax.process_count() > 1
         if threading.current_thread() is not threading.main_thread():
             return self  # only the main thread may install handlers (e.g. fit() in a worker thread)
-        for sig in (() if self._multi else (signal.SIGTERM, signal.SIGINT)):
+        for sig in () if self._multi else (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -47,6 +49,7 @@ class StopSignals:
     def requested(self, step: int) -> int | None:
         if self._multi:
             from jax.experimental import multihost_utils
+
             if multihost_utils.reached_preemption_sync_point(step):
                 self.received = signal.SIGTERM
             return self.received
@@ -86,7 +89,10 @@ def injected_delay(process: int) -> float:
         return float(seconds) if int(target) == process else 0.0
     except ValueError:
         from errors import UserError
-        raise UserError(f"BRIGADE_INJECT_STEP_DELAY={raw!r}: expected PROCESS:SECONDS, e.g. 1:0.5") from None
+
+        raise UserError(
+            f"BRIGADE_INJECT_STEP_DELAY={raw!r}: expected PROCESS:SECONDS, e.g. 1:0.5"
+        ) from None
 
 
 def _numbers(variable: str) -> set[int]:
@@ -95,4 +101,7 @@ def _numbers(variable: str) -> set[int]:
         return {int(x) for x in raw.split(",") if x.strip()}
     except ValueError:
         from errors import UserError
-        raise UserError(f"{variable}={raw!r}: expected comma-separated integers, e.g. 5,6") from None
+
+        raise UserError(
+            f"{variable}={raw!r}: expected comma-separated integers, e.g. 5,6"
+        ) from None

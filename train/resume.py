@@ -5,26 +5,35 @@ Every function takes what it needs explicitly: the run's setup (train/setup.py),
 state (traced once by the caller: the resume check, the restore, NaN recovery and --init-from all
 need it), the checkpoint directory and the step.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from checkpoint.integrity import UnreadableCheckpoint
 from checkpoint import storage
+from checkpoint.integrity import UnreadableCheckpoint
 from checkpoint.layout import replica_layout, tokenizer_record
 from checkpoint.manager import Checkpointer, open_checkpoint
 from checkpoint.saving import step_list
-from checkpoint.tiers import all_processes, drop_after, local_tier, saved_elsewhere, steps_everywhere
+from checkpoint.tiers import (
+    all_processes,
+    drop_after,
+    local_tier,
+    saved_elsewhere,
+    steps_everywhere,
+)
 from errors import UserError
 from mesh.spec import mesh_text
-from train import comm, lora, state as train_state
+from train import comm, lora
+from train import state as train_state
 from train.config import CommConfig
 from train.data.index import INDEX, read_index
 from train.data.sources import REPREPARE, parse_mixture
@@ -39,6 +48,7 @@ class ResumePoint:
     """The step a run continues from. `restored`: its (state, meta), when finding it meant reading
     it whole (--resume auto verifies the step it picks that way); None when only its metadata
     was read."""
+
     src: Checkpointer
     step: int
     restored: tuple[TrainState, dict] | None = None
@@ -54,23 +64,33 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
     local = local_tier(saver, c.local_dir, keep=c.local_keep, async_save=c.async_save)
     if c.resume == "none":
         if saver.all_steps():
-            raise UserError(f"--resume none, but {saver.directory} already holds checkpoints (steps"
-                            f" {step_list(saver.all_steps())}) that new saves would collide with; use another"
-                            f" --run-dir or --checkpoint.dir, or delete them")
+            raise UserError(
+                f"--resume none, but {saver.directory} already holds checkpoints (steps"
+                f" {step_list(saver.all_steps())}) that new saves would collide with; use another"
+                f" --run-dir or --checkpoint.dir, or delete them"
+            )
         point = None
-    elif c.resume in ("auto", "latest"):  # latest: train/rundir.py made it a PATH, unless --run-dir was given
-        point = (_newest_local(run, abstract, saver, local) if local else None) \
-            or _latest_intact(run, abstract, saver)
+    elif c.resume in (
+        "auto",
+        "latest",
+    ):  # latest: train/rundir.py made it a PATH, unless --run-dir was given
+        point = (_newest_local(run, abstract, saver, local) if local else None) or _latest_intact(
+            run, abstract, saver
+        )
     else:
         src, step = open_checkpoint(c.resume)
         if src.directory == saver.directory:
             src = saver
-        saved_abstract(run, abstract, src, step)   # a layout that cannot be converted fails before anything runs
+        saved_abstract(
+            run, abstract, src, step
+        )  # a layout that cannot be converted fails before anything runs
         newer = [s for s in saver.all_steps() if s > step]
         if newer:
-            raise UserError(f"--resume {c.resume}: step {step} is older than checkpoints already in"
-                            f" {saver.directory} (steps {step_list(newer)}), which this run would collide with;"
-                            f" use another --checkpoint.dir")
+            raise UserError(
+                f"--resume {c.resume}: step {step} is older than checkpoints already in"
+                f" {saver.directory} (steps {step_list(newer)}), which this run would collide with;"
+                f" use another --checkpoint.dir"
+            )
         point = ResumePoint(src, step)
     if local:
         drop_after(local, point.step if point else None)
@@ -79,8 +99,9 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
     return point
 
 
-def _newest_local(run: RunSetup, abstract: TrainState, saver: Checkpointer, local: Checkpointer
-                  ) -> ResumePoint | None:
+def _newest_local(
+    run: RunSetup, abstract: TrainState, saver: Checkpointer, local: Checkpointer
+) -> ResumePoint | None:
     """--resume auto with a local tier: the newest step that every process holds in its local
     tier and reads back whole, when it is newer than the persistent tier's newest step; else None
     (the persistent tier decides). The processes decide together: a step that one of them lacks,
@@ -93,8 +114,10 @@ def _newest_local(run: RunSetup, abstract: TrainState, saver: Checkpointer, loca
         restored, why, damaged = None, "", False
         try:
             why = saved_elsewhere(local, step, run.mesh) or (
-                "" if saved_abstract(run, abstract, local, step) is abstract
-                else f"local step {step} was saved with other --comm settings")
+                ""
+                if saved_abstract(run, abstract, local, step) is abstract
+                else f"local step {step} was saved with other --comm settings"
+            )
             restored = None if why else local.restore(step, abstract)
         except UserError as e:  # damaged, or saved with other settings: the persistent tier decides
             why, damaged = str(e), isinstance(e, UnreadableCheckpoint)
@@ -102,8 +125,10 @@ def _newest_local(run: RunSetup, abstract: TrainState, saver: Checkpointer, loca
             return ResumePoint(local, step, restored)
         if why:  # every process names the reason of its own copy
             moved = f"; set aside as {local.set_aside(step)}" if damaged else ""
-            print(f"warning: process {jax.process_index()}: {why}{moved}; not resuming from local step {step}",
-                  flush=True)
+            print(
+                f"warning: process {jax.process_index()}: {why}{moved}; not resuming from local step {step}",
+                flush=True,
+            )
     return None
 
 
@@ -123,25 +148,33 @@ def _latest_intact(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> 
             return None
         return restore(run, abstract, saver, step)  # the only way to find truncated array data
 
-    found, bad = newest_readable(saver, verify, lambda line: print(line, flush=True) if is_main else None)
+    found, bad = newest_readable(
+        saver, verify, lambda line: print(line, flush=True) if is_main else None
+    )
     if found is None:
         if bad:
-            raise UserError(f"no intact checkpoint in {saver.directory}: " + "; ".join(
-                f"step {s}: {e.file or 'see above'}: {e.reason}" for s, e in bad)
+            raise UserError(
+                f"no intact checkpoint in {saver.directory}: "
+                + "; ".join(f"step {s}: {e.file or 'see above'}: {e.reason}" for s, e in bad)
                 + " (nothing was deleted; to start fresh, move them aside or use another --checkpoint.dir;"
-                " to read one anyway, --resume PATH shows its error)")
+                " to read one anyway, --resume PATH shows its error)"
+            )
         return None
     step, restored = found
     for s, _ in bad:
         moved = saver.set_aside(s)
         if is_main:
-            print(f"warning: unreadable step {s} set aside as {moved} (nothing deleted);"
-                  f" resuming from step {step}", flush=True)
+            print(
+                f"warning: unreadable step {s} set aside as {moved} (nothing deleted);"
+                f" resuming from step {step}",
+                flush=True,
+            )
     return ResumePoint(saver, step, restored)
 
 
-def newest_readable(saver: Checkpointer, read: Callable[[int], Any], warn: Callable[[str], None]
-                    ) -> tuple[tuple[int, Any] | None, list[tuple[int, UnreadableCheckpoint]]]:
+def newest_readable(
+    saver: Checkpointer, read: Callable[[int], Any], warn: Callable[[str], None]
+) -> tuple[tuple[int, Any] | None, list[tuple[int, UnreadableCheckpoint]]]:
     """-> ((the newest committed step that `read` reads back, what it returned) or None, the
     newer steps that were unreadable with their errors), warning once for each of those."""
     bad = []
@@ -163,9 +196,15 @@ def saved_abstract(run: RunSetup, abstract: TrainState, src: Checkpointer, step:
     another replica count, is refused in one line naming why."""
     saved = src.meta(step).get("config", {}).get("comm")
     names = {f.name for f in dataclasses.fields(CommConfig)}
-    sync, local_clip = (comm.sync_layout(CommConfig(**{k: v for k, v in saved.items() if k in names}),
-                                         run.dp_axes, run.cfg.train.grad_clip)
-                        if isinstance(saved, dict) else (run.sync, run.local_clip))
+    sync, local_clip = (
+        comm.sync_layout(
+            CommConfig(**{k: v for k, v in saved.items() if k in names}),
+            run.dp_axes,
+            run.cfg.train.grad_clip,
+        )
+        if isinstance(saved, dict)
+        else (run.sync, run.local_clip)
+    )
     (n_saved, diloco), n_now = replica_layout(src.arrays(step)), run.sync.replicas(run.mesh)
     resized = n_saved is not None and n_saved != n_now
     layout = lambda sync, clip: (sync.error_feedback, sync.outer_tx is not None, clip > 0)  # noqa: E731
@@ -175,19 +214,33 @@ def saved_abstract(run: RunSetup, abstract: TrainState, src: Checkpointer, step:
         now = run.cfg.to_dict()["comm"]
         opts = ("compression", "error_feedback", "sync_every")
         text = lambda m: " ".join(f"--comm.{k} {m.get(k)}" for k in opts)  # noqa: E731
-        why = (f"DiLoCo's per-replica state (optimizer states and drift of {n_saved} data-parallel replicas)"
-               f" does not convert to this mesh's {n_now}" if diloco and resized else
-               f"DiLoCo's train state (per-replica optimizer states and drift) does not convert to or from"
-               f" this run's ({text(now)})")
-        raise UserError(f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
-                        f" resume with its settings and data-parallel size, or start a new --run-dir")
+        why = (
+            f"DiLoCo's per-replica state (optimizer states and drift of {n_saved} data-parallel replicas)"
+            f" does not convert to this mesh's {n_now}"
+            if diloco and resized
+            else f"DiLoCo's train state (per-replica optimizer states and drift) does not convert to or from"
+            f" this run's ({text(now)})"
+        )
+        raise UserError(
+            f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
+            f" resume with its settings and data-parallel size, or start a new --run-dir"
+        )
     tx = run.tx_with(clip=not local_clip)
     out = train_state.abstract(run.model_cfg, tx, run.mesh, run.rules, sync, lora_cfg=run.cfg.lora)
-    if n_saved is not None and (resized or out.residual is None):  # replicated here; `_convert` averages
-        out = out.replace(residual=jax.tree.map(
-            lambda a, sh: jax.ShapeDtypeStruct((n_saved, *a.shape), jnp.float32,
-                                               sharding=NamedSharding(run.mesh, jax.P(None, *sh.spec))),
-            abstract.params, run.state_shardings.params))
+    if n_saved is not None and (
+        resized or out.residual is None
+    ):  # replicated here; `_convert` averages
+        out = out.replace(
+            residual=jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct(
+                    (n_saved, *a.shape),
+                    jnp.float32,
+                    sharding=NamedSharding(run.mesh, jax.P(None, *sh.spec)),
+                ),
+                abstract.params,
+                run.state_shardings.params,
+            )
+        )
     return out
 
 
@@ -200,24 +253,39 @@ def _convert(run: RunSetup, want: TrainState, state: TrainState) -> tuple[TrainS
     adds the mean of the replicas' residuals, so what is pending stays the same."""
     opt_leaves = jax.tree.leaves(state.opt_state)
     if [x.shape for x in opt_leaves] != [x.shape for x in jax.tree.leaves(want.opt_state)]:
-        raise UserError("the checkpoint's optimizer state does not match this run's (another optimizer setting)")
-    out = state.replace(opt_state=jax.tree.unflatten(jax.tree.structure(want.opt_state), opt_leaves))
+        raise UserError(
+            "the checkpoint's optimizer state does not match this run's (another optimizer setting)"
+        )
+    out = state.replace(
+        opt_state=jax.tree.unflatten(jax.tree.structure(want.opt_state), opt_leaves)
+    )
     if state.residual is None and want.residual is None:
         return out, ""
     if want.residual is None:
         return out.replace(residual=None), "error-feedback residuals dropped"
     if state.residual is None:
-        zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want.residual),
-                        out_shardings=run.state_shardings.residual)()
+        zeros = jax.jit(
+            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want.residual),
+            out_shardings=run.state_shardings.residual,
+        )()
         return out.replace(residual=zeros), "error-feedback residuals start at zero"
-    n_old, n_new = jax.tree.leaves(state.residual)[0].shape[0], jax.tree.leaves(want.residual)[0].shape[0]
-    mean = jax.jit(lambda r: jax.tree.map(lambda x: jnp.broadcast_to(x.mean(0), (n_new, *x.shape[1:])), r),
-                   out_shardings=run.state_shardings.residual)
-    return (out.replace(residual=mean(state.residual)),
-            f"error-feedback residuals of {n_old} data-parallel replicas averaged onto this mesh's {n_new}")
+    n_old, n_new = (
+        jax.tree.leaves(state.residual)[0].shape[0],
+        jax.tree.leaves(want.residual)[0].shape[0],
+    )
+    mean = jax.jit(
+        lambda r: jax.tree.map(lambda x: jnp.broadcast_to(x.mean(0), (n_new, *x.shape[1:])), r),
+        out_shardings=run.state_shardings.residual,
+    )
+    return (
+        out.replace(residual=mean(state.residual)),
+        f"error-feedback residuals of {n_old} data-parallel replicas averaged onto this mesh's {n_new}",
+    )
 
 
-def restore(run: RunSetup, abstract: TrainState, src: Checkpointer, step: int) -> tuple[TrainState, dict]:
+def restore(
+    run: RunSetup, abstract: TrainState, src: Checkpointer, step: int
+) -> tuple[TrainState, dict]:
     """`step` read straight into this run's mesh and shardings and converted to its --comm layout;
     the meta gets `converted`, a note for the log, when a conversion changed something. A step
     that is unreadable (missing, truncated or corrupt files) raises UnreadableCheckpoint, a
@@ -226,30 +294,52 @@ def restore(run: RunSetup, abstract: TrainState, src: Checkpointer, step: int) -
     comm_converted = saved is not abstract
     held = any(name.startswith("spike/") for name, _, _ in src.arrays(step))
     if held != (saved.spike is not None):  # --train.spike_factor turned on or off since this save
-        saved = train_state.with_loss_window(saved, 1.0, run.mesh) if held else saved.replace(spike=None)
+        saved = (
+            train_state.with_loss_window(saved, 1.0, run.mesh)
+            if held
+            else saved.replace(spike=None)
+        )
     state, meta = src.restore(step, saved)
     if comm_converted:
         state, meta["converted"] = _convert(run, abstract, state)
     if held != (abstract.spike is not None):
-        state = train_state.with_loss_window(state.replace(spike=None), run.cfg.train.spike_factor, run.mesh)
+        state = train_state.with_loss_window(
+            state.replace(spike=None), run.cfg.train.spike_factor, run.mesh
+        )
         note = "the loss-spike window starts empty" if not held else "the loss-spike window dropped"
         meta["converted"] = "; ".join(filter(None, [meta.get("converted", ""), note]))
     return state, meta
 
 
-def initial_state(run: RunSetup, abstract: TrainState, point: ResumePoint | None,
-                  create: Callable[[], TrainState], since: float) -> tuple[TrainState, dict, str]:
+def initial_state(
+    run: RunSetup,
+    abstract: TrainState,
+    point: ResumePoint | None,
+    create: Callable[[], TrainState],
+    since: float,
+) -> tuple[TrainState, dict, str]:
     """The state a run starts from -> (state, the checkpoint's meta or {}, a line to log or ""):
     the resume point's, --init-from's parameters with a fresh optimizer (only a fresh run: a
     restarted fine-tune resumes from its own saves), or `create()`, a fresh init. `since`: when
     the search for the resume point began (perf_counter; it reads the checkpoint it picks)."""
     if point:
         state, meta = point.restored or restore(run, abstract, point.src, point.step)
-        return state, meta, (f"resumed from {point.src.step_dir(point.step)} (step {point.step}, saved on mesh"
-                             f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - since:.1f}s"
-                             + (f"; converted to this run's --comm settings: {meta['converted']}"
-                                if meta.get("converted") else ""))
-    if run.cfg.checkpoint.init_from and not lora.enabled(run.cfg.lora):  # LoRA's is the base (train/lora.py)
+        return (
+            state,
+            meta,
+            (
+                f"resumed from {point.src.step_dir(point.step)} (step {point.step}, saved on mesh"
+                f" {mesh_text(meta.get('mesh', {}))}) in {time.perf_counter() - since:.1f}s"
+                + (
+                    f"; converted to this run's --comm settings: {meta['converted']}"
+                    if meta.get("converted")
+                    else ""
+                )
+            ),
+        )
+    if run.cfg.checkpoint.init_from and not lora.enabled(
+        run.cfg.lora
+    ):  # LoRA's is the base (train/lora.py)
         state, note = init_from(run, abstract.params, run.cfg.checkpoint.init_from)
         return state, {}, note
     return create(), {}, ""
@@ -285,11 +375,16 @@ def saved_tokenizer(meta: dict) -> dict | None:
             return read_index(first, f"the checkpoint's --data {first}", REPREPARE)["tokenizer"]
     except UserError:  # a mixture or index that no longer reads: nothing to compare against
         return None
-    return {"kind": "byte", "id": "byte"} if first in ("default", "synthetic") or os.path.exists(first) else None
+    return (
+        {"kind": "byte", "id": "byte"}
+        if first in ("default", "synthetic") or os.path.exists(first)
+        else None
+    )
 
 
-def check_tokenizer(meta: dict, data_tokenizer: dict, allow: bool, what: str,
-                    whose: str = "the checkpoint's") -> None:
+def check_tokenizer(
+    meta: dict, data_tokenizer: dict, allow: bool, what: str, whose: str = "the checkpoint's"
+) -> None:
     """UserError (one line naming both) when data prepared with `data_tokenizer` (a dataset's
     record) meets a checkpoint (`meta`) that records another tokenizer: its ids would be other
     tokens to the model. `allow`: --data.allow_tokenizer_mismatch. A checkpoint recording none passes.
@@ -298,10 +393,12 @@ def check_tokenizer(meta: dict, data_tokenizer: dict, allow: bool, what: str,
     if allow or saved is None or saved["id"] == data_tokenizer.get("id"):
         return
     named = lambda r: r["id"] + (f" ({r['path']})" if r.get("path") else "")  # noqa: E731
-    raise UserError(f"{what}: {whose} tokenizer is {named(saved)} but the data's is {named(data_tokenizer)},"
-                    f" so its token ids would be other tokens to the model; prepare the data with"
-                    f" `python -m train.data prepare --tokenizer {saved.get('path') or saved['kind']}`, or pass"
-                    f" --data.allow_tokenizer_mismatch true")
+    raise UserError(
+        f"{what}: {whose} tokenizer is {named(saved)} but the data's is {named(data_tokenizer)},"
+        f" so its token ids would be other tokens to the model; prepare the data with"
+        f" `python -m train.data prepare --tokenizer {saved.get('path') or saved['kind']}`, or pass"
+        f" --data.allow_tokenizer_mismatch true"
+    )
 
 
 def check_init_tokenizer(run: RunSetup, data) -> None:
@@ -312,12 +409,17 @@ def check_init_tokenizer(run: RunSetup, data) -> None:
     if not path or not sources:
         return
     src, step = open_checkpoint(path)
-    check_tokenizer(src.meta(step), sources[0].tokenizer, run.cfg.data.allow_tokenizer_mismatch,
-                    f"--init-from {path}")
+    check_tokenizer(
+        src.meta(step),
+        sources[0].tokenizer,
+        run.cfg.data.allow_tokenizer_mismatch,
+        f"--init-from {path}",
+    )
 
 
-def recover(run: RunSetup, abstract: TrainState, saver: Checkpointer, state: TrainState, step: int,
-            log) -> TrainState:
+def recover(
+    run: RunSetup, abstract: TrainState, saver: Checkpointer, state: TrainState, step: int, log
+) -> TrainState:
     """--train.max_bad_steps skipped updates in a row (non-finite or, with --train.spike_factor,
     loss spikes): reload the last committed checkpoint that
     reads back (`log`: the run's MetricsLogger, for the warnings and the recovery line).
@@ -329,11 +431,15 @@ def recover(run: RunSetup, abstract: TrainState, saver: Checkpointer, state: Tra
     found, _ = newest_readable(saver, lambda s: restore(run, abstract, saver, s)[0], log.print)
     max_bad = run.cfg.train.max_bad_steps
     if found is None:
-        raise Diverged(f"{max_bad} skipped steps in a row (non-finite or spikes) at step {step} and no checkpoint"
-                       f" to restore in {saver.directory}" + (" that reads back" if saver.all_steps() else ""))
+        raise Diverged(
+            f"{max_bad} skipped steps in a row (non-finite or spikes) at step {step} and no checkpoint"
+            f" to restore in {saver.directory}" + (" that reads back" if saver.all_steps() else "")
+        )
     last, restored = found
-    log.print(f"recovery: {max_bad} skipped steps in a row (non-finite or spikes) at step {step}; restored the"
-              f" weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}")
+    log.print(
+        f"recovery: {max_bad} skipped steps in a row (non-finite or spikes) at step {step}; restored the"
+        f" weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}"
+    )
     return restored.replace(step=state.step)
 
 
@@ -341,9 +447,16 @@ def warn_changed_settings(meta: dict, config: dict, data, log) -> None:
     """One warning line listing the settings (`config`: this run's, as Config.to_dict()) and the
     data sources (`data`: the run's pipeline) that differ from the checkpoint's."""
     changed = changed_settings(meta.get("config", {}), config)
-    if "loader" in meta.get("data", {}):  # the data itself (sources, windows) as well as the settings
+    if "loader" in meta.get(
+        "data", {}
+    ):  # the data itself (sources, windows) as well as the settings
         changed = list(dict.fromkeys(changed + data.check_state(meta["data"]["loader"])))
     if changed:
-        log.print(f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
-                  + (" (the learning-rate schedule spans train.steps)" if any(
-                      c.startswith("train.steps ") for c in changed) else ""))
+        log.print(
+            f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
+            + (
+                " (the learning-rate schedule spans train.steps)"
+                if any(c.startswith("train.steps ") for c in changed)
+                else ""
+            )
+        )

@@ -2,6 +2,7 @@
 logger and the sinks, the step timer and its split (compute, data wait, host), memory, the
 straggler check, the loss-spike and non-finite warnings, recovery, saves, evals, the summary
 files; and the fault injections that drills act out."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import math
 import os
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -24,7 +25,14 @@ from train import resume
 from train.config import dump
 from train.device_memory import MEMORY_FIELDS, figures
 from train.goodput import Goodput
-from train.metrics import MetricsLogger, StepProfiler, StepStats, json_safe, peak_flops, summary_text
+from train.metrics import (
+    MetricsLogger,
+    StepProfiler,
+    StepStats,
+    json_safe,
+    peak_flops,
+    summary_text,
+)
 from train.resilience import Diverged, injected_delay, injected_steps
 from train.rundir import prepare_run_dir, run_dir_writes
 from train.setup import RunSetup
@@ -38,6 +46,7 @@ class Run:
     """What the loop reports to, passed explicitly: the logger and `on_log`, the saves, the step
     timer, the goodput, the profiler, the watchdog, the peer heartbeat and the straggler check;
     the records kept for the summary; the spike count last reported; the injected faults."""
+
     log: MetricsLogger
     goodput: Goodput
     on_log: Callable[[dict], None] | None
@@ -57,27 +66,54 @@ class Run:
     eval_history: list[dict] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def start(cls, run_setup: RunSetup, saves: Saves, log: MetricsLogger, goodput: Goodput, state, peak: float,
-              on_log, recover_from) -> Run:
+    def start(
+        cls,
+        run_setup: RunSetup,
+        saves: Saves,
+        log: MetricsLogger,
+        goodput: Goodput,
+        state,
+        peak: float,
+        on_log,
+        recover_from,
+    ) -> Run:
         """The reporters of a loop starting from `state`; its step timer starts now."""
         cfg, t, mesh, me = run_setup.cfg, run_setup.cfg.train, run_setup.mesh, jax.process_index()
         heartbeat = PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout)
         # faulthandler writes the stacks through a real file descriptor: a URL run dir gets them locally
-        stacks = os.path.join(cfg.logging.run_dir if storage.is_local(cfg.logging.run_dir) else tempfile.gettempdir(),
-                              f"watchdog-stacks.{me}.txt")
-        return cls(log=log, goodput=goodput, on_log=on_log, saves=saves,
-                   stats=StepStats(t.batch_size * t.seq_len, flops_per_token(cfg.model, t.seq_len), peak, mesh.size,
-                                   int(state.step)),
-                   profiler=StepProfiler(cfg.profile.steps, t.steps, cfg.logging.run_dir),
-                   heartbeat=heartbeat, watchdog=Watchdog(t.step_timeout, stacks, heartbeat.lost),
-                   stragglers=Stragglers(cfg.logging.straggler_threshold, me, jax.process_count()),
-                   devices=[d for d in mesh.devices.flat if d.process_index == me], recover_from=recover_from,
-                   spikes_reported=int(state.spike.skipped) if state.spike is not None else 0,
-                   delay_s=injected_delay(me), spike_at=injected_steps("SPIKE"), spike_target=cfg.model.vocab_size - 1)
+        stacks = os.path.join(
+            cfg.logging.run_dir if storage.is_local(cfg.logging.run_dir) else tempfile.gettempdir(),
+            f"watchdog-stacks.{me}.txt",
+        )
+        return cls(
+            log=log,
+            goodput=goodput,
+            on_log=on_log,
+            saves=saves,
+            stats=StepStats(
+                t.batch_size * t.seq_len,
+                flops_per_token(cfg.model, t.seq_len),
+                peak,
+                mesh.size,
+                int(state.step),
+            ),
+            profiler=StepProfiler(cfg.profile.steps, t.steps, cfg.logging.run_dir),
+            heartbeat=heartbeat,
+            watchdog=Watchdog(t.step_timeout, stacks, heartbeat.lost),
+            stragglers=Stragglers(cfg.logging.straggler_threshold, me, jax.process_count()),
+            devices=[d for d in mesh.devices.flat if d.process_index == me],
+            recover_from=recover_from,
+            spikes_reported=int(state.spike.skipped) if state.spike is not None else 0,
+            delay_s=injected_delay(me),
+            spike_at=injected_steps("SPIKE"),
+            spike_target=cfg.model.vocab_size - 1,
+        )
 
     def step(self, step_fn, state, batch, step: int):
         """Run step `step` (1-based) -> (state, metrics), timing how long the host blocks in it."""
-        if step in self.spike_at:  # fault injection: a corrupt batch, every target the last token id
+        if (
+            step in self.spike_at
+        ):  # fault injection: a corrupt batch, every target the last token id
             batch = {**batch, "targets": batch["targets"] * 0 + self.spike_target}
         t0 = time.perf_counter()
         with self.profiler.step(step):
@@ -108,20 +144,30 @@ class Run:
         self.stats.device_s += time.perf_counter() - t0
         rec, bad, spikes = self.stats.record(step, fetched, self.goodput)
         memory = figures(self.devices)
-        rec.update({k: memory[k] for k in MEMORY_FIELDS if memory[k] is not None})  # absent: no counters
+        rec.update(
+            {k: memory[k] for k in MEMORY_FIELDS if memory[k] is not None}
+        )  # absent: no counters
         fields, straggler = self.stragglers.observe(step, rec)
         rec.update(fields)
         self._emit(rec, self.history)
         self.log.advance(rec["steps_since_log"])
         if bad:
-            self.log.print(f"warning: step {step}: non-finite gradients, update skipped ({bad} in a row,"
-                           f" {rec['skipped_steps']} in total)")
+            self.log.print(
+                f"warning: step {step}: non-finite gradients, update skipped ({bad} in a row,"
+                f" {rec['skipped_steps']} in total)"
+            )
         total = rec.get("spike_skipped_steps", 0)
         if total > self.spikes_reported:
-            new, self.spikes_reported, median = total - self.spikes_reported, total, rec["loss_running_median"]
-            self.log.print(f"warning: step {step}: {new} update(s) skipped since the last log as loss spikes (loss"
-                           f" above --train.spike_factor x the running median {median:.3f}; {spikes} in a row,"
-                           f" {total} in total)")
+            new, self.spikes_reported, median = (
+                total - self.spikes_reported,
+                total,
+                rec["loss_running_median"],
+            )
+            self.log.print(
+                f"warning: step {step}: {new} update(s) skipped since the last log as loss spikes (loss"
+                f" above --train.spike_factor x the running median {median:.3f}; {spikes} in a row,"
+                f" {total} in total)"
+            )
         if straggler:
             self.log.print(straggler)
         return bad + spikes
@@ -130,7 +176,9 @@ class Run:
         """--train.max_bad_steps skipped steps in a row: back to the last committed checkpoint
         (its spike count too, from which the next spike warning counts)."""
         t0 = time.perf_counter()
-        with self.watchdog.waiting(f"recovery at step {step} (the last save's commit, then a restore)"):
+        with self.watchdog.waiting(
+            f"recovery at step {step} (the last save's commit, then a restore)"
+        ):
             state = self.recover_from(state, step)
         self.goodput.add("restore", self.stats.pause(t0))
         self.spikes_reported = int(state.spike.skipped) if state.spike is not None else 0
@@ -145,14 +193,20 @@ class Run:
         with self.watchdog.waiting(f"checkpoint step {step} to be handed to the saver"):
             skipped = self.saves.maybe_save(step, state, force=final)
         if skipped and final:
-            raise Diverged(f"step {step}: the parameters or optimizer state are not finite (NaN or inf), so"
-                           f" step {step} was not saved; {skipped}; lower --lr or raise --train.warmup_steps")
+            raise Diverged(
+                f"step {step}: the parameters or optimizer state are not finite (NaN or inf), so"
+                f" step {step} was not saved; {skipped}; lower --lr or raise --train.warmup_steps"
+            )
         if skipped:
-            self.log.print(f"warning: step {step}: the state is not finite (NaN or inf); checkpoint skipped ({skipped})")
+            self.log.print(
+                f"warning: step {step}: the state is not finite (NaN or inf); checkpoint skipped ({skipped})"
+            )
         self.goodput.add("checkpoint", self.stats.pause(t0))
         self.watchdog.beat(f"saving step {step}")
 
-    def evaluate(self, step: int, eval_losses: Callable[[], tuple[float | None, dict[str, float]]]) -> None:
+    def evaluate(
+        self, step: int, eval_losses: Callable[[], tuple[float | None, dict[str, float]]]
+    ) -> None:
         """Log the eval record of `step`: `eval_losses()` -> (the loss on the training data's held-out
         batches, or None when it holds none out; the loss on each --data.eval_source set, by name)."""
         t0 = time.perf_counter()
@@ -170,8 +224,10 @@ class Run:
         with self.watchdog.waiting(f"the commit of checkpoint step {saved}"):
             self.saves.wait()
         self.goodput.add("checkpoint", time.perf_counter() - t0)
-        self.log.print(f"checkpoint: step {saved} committed to {self.saves.saver.step_dir(saved)}"
-                       f" (waited {time.perf_counter() - t0:.1f}s for the last save)")
+        self.log.print(
+            f"checkpoint: step {saved} committed to {self.saves.saver.step_dir(saved)}"
+            f" (waited {time.perf_counter() - t0:.1f}s for the last save)"
+        )
 
     def finish(self, out: dict, run_dir: str) -> None:
         """The summary `out`: its lines logged, the sinks closed, summary.json written."""
@@ -179,12 +235,16 @@ class Run:
         self.log.close()
         if jax.process_index() == 0:
             with run_dir_writes(run_dir):
-                storage.write_text(storage.join(run_dir, "summary.json"),
-                                   json.dumps(json_safe(out), indent=2, allow_nan=False))
+                storage.write_text(
+                    storage.join(run_dir, "summary.json"),
+                    json.dumps(json_safe(out), indent=2, allow_nan=False),
+                )
 
 
 def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))  # capped: an untrained model's perplexity would flatten every plot
+    return math.exp(
+        min(loss, 50.0)
+    )  # capped: an untrained model's perplexity would flatten every plot
 
 
 def eval_record(step: int, loss: float | None, sets: dict[str, float]) -> dict:
@@ -203,32 +263,65 @@ def attention(s: RunSetup) -> str:
     c = s.cfg
     n = seq_shards(s.mesh, s.rules)
     kind = c.model.attention_kind(jax.default_backend(), c.train.seq_len, c.data.packing_mask)
-    return context.describe(context.by_positions(kind) if n > 1 else kind, n, c.parallelism.context_strategy)
+    return context.describe(
+        context.by_positions(kind) if n > 1 else kind, n, c.parallelism.context_strategy
+    )
 
 
-def open_run(run_setup: RunSetup, abstract, saver, data, point, state, goodput: Goodput, opening: tuple,
-             on_log) -> Run:
+def open_run(
+    run_setup: RunSetup,
+    abstract,
+    saver,
+    data,
+    point,
+    state,
+    goodput: Goodput,
+    opening: tuple,
+    on_log,
+) -> Run:
     """The run directory's files, the logger and the opening lines (`opening`: the compile's
     seconds, the resume note, the checkpoint's meta); -> what the loop reports to."""
     cfg, mesh, (compile_s, note, meta) = run_setup.cfg, run_setup.mesh, opening
-    with run_dir_writes(cfg.logging.run_dir):  # a full disk or a read-only directory: one line, exit 2
+    with run_dir_writes(
+        cfg.logging.run_dir
+    ):  # a full disk or a read-only directory: one line, exit 2
         if jax.process_index() == 0:
             prepare_run_dir(cfg.logging.run_dir, dump(cfg), point.step if point else None, goodput)
-        log = MetricsLogger(cfg.logging.run_dir, cfg.train.steps, int(state.step),
-                            tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
+        log = MetricsLogger(
+            cfg.logging.run_dir,
+            cfg.train.steps,
+            int(state.step),
+            tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress,
+        )
     for msg in warn_undersharded(mesh, state.params):
         log.print(f"warning: {msg}")
     peak, peak_src = peak_flops(run_setup.compute_dtype, cfg.logging.peak_tflops, mesh.devices.flat)
-    log.print(f"brigade: {param_count(cfg.model) / 1e6:.2f}M params, mesh {mesh_text(mesh.shape)}"
-              f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute, {attention(run_setup)},"
-              f" {data.describe()}, step compiled in {compile_s:.1f}s; peak: {peak_src}")
+    log.print(
+        f"brigade: {param_count(cfg.model) / 1e6:.2f}M params, mesh {mesh_text(mesh.shape)}"
+        f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute, {attention(run_setup)},"
+        f" {data.describe()}, step compiled in {compile_s:.1f}s; peak: {peak_src}"
+    )
     if note:
         recomputed = goodput.recomputed_steps if point else 0
         log.print(note + (f"; {recomputed} step(s) to recompute" if recomputed else ""))
     config = cfg.to_dict()
     if point:
         resume.warn_changed_settings(meta, config, data, log)
-    return Run.start(run_setup, Saves(saver, every=cfg.checkpoint.every, mesh=mesh, config=config,
-                                      seed=cfg.train.seed, data_position=data.state),
-                     log, goodput, state, peak, on_log,
-                     recover_from=lambda s, at: resume.recover(run_setup, abstract, saver, s, at, log))
+    return Run.start(
+        run_setup,
+        Saves(
+            saver,
+            every=cfg.checkpoint.every,
+            mesh=mesh,
+            config=config,
+            seed=cfg.train.seed,
+            data_position=data.state,
+        ),
+        log,
+        goodput,
+        state,
+        peak,
+        on_log,
+        recover_from=lambda s, at: resume.recover(run_setup, abstract, saver, s, at, log),
+    )

@@ -22,6 +22,7 @@ Without --run-dir (the default `runs/latest`) each run gets a fresh directory
 `runs/<YYYYmmdd-HHMMSS>-<model>-<mesh>` and `runs/latest` becomes a symbolic link to it
 (`start_named_run`); an explicit --run-dir is used as it is, and resumes its own checkpoints.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,7 +44,9 @@ MARKER = "brigade-run.json"
 LOCK = ".brigade-lock"
 # Config sections of Brigade's config.json: a legacy run directory (no marker) is recognised by them.
 _SECTIONS = {"model", "train", "parallelism", "data", "logging", "checkpoint"}
-DEFAULT_RUN_DIR = os.path.join("runs", "latest")  # logging.run_dir's default: a fresh named run under runs/
+DEFAULT_RUN_DIR = os.path.join(
+    "runs", "latest"
+)  # logging.run_dir's default: a fresh named run under runs/
 # The environments in which jax.distributed joins a multi-process job by itself (mesh/build.py).
 _CLUSTER_ENVS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
 
@@ -62,19 +65,25 @@ def is_run_dir(path: str) -> bool:
 def check_writable_run_dir(path: str, flag: str = "--run-dir") -> None:
     """UserError unless `path` is new, empty, or a Brigade run directory. Nothing is written."""
     if storage.is_local(path) and os.path.islink(path) and not os.path.isdir(path):
-        raise UserError(f"{flag} {path}: a broken symbolic link; point it at a directory or choose another path")
+        raise UserError(
+            f"{flag} {path}: a broken symbolic link; point it at a directory or choose another path"
+        )
     if not storage.exists(path):
         return
     if not storage.isdir(path):
-        raise UserError(f"{flag} {path}: exists and is not a directory; choose a new or empty directory")
+        raise UserError(
+            f"{flag} {path}: exists and is not a directory; choose a new or empty directory"
+        )
     # a lock alone is a run that died as it started
     entries = sorted(e for e in storage.listdir(path) if e != LOCK and not _is_job_log(path, e))
     if not entries or is_run_dir(path):
         return
     shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-    raise UserError(f"{flag} {path}: not a Brigade run directory (it holds {len(entries)} entr"
-                    f"{'y' if len(entries) == 1 else 'ies'}: {shown}; no {MARKER}), and a run would overwrite"
-                    f" files in it; choose a new or empty directory")
+    raise UserError(
+        f"{flag} {path}: not a Brigade run directory (it holds {len(entries)} entr"
+        f"{'y' if len(entries) == 1 else 'ies'}: {shown}; no {MARKER}), and a run would overwrite"
+        f" files in it; choose a new or empty directory"
+    )
 
 
 def claim(run_dir: str, checkpoint_dir: str = ""):
@@ -89,17 +98,26 @@ def claim(run_dir: str, checkpoint_dir: str = ""):
     if jax.process_index() == 0:
         try:
             stack.enter_context(RunDirLock(run_dir))
-            inside = storage.absolute(checkpoint_dir or run_dir).startswith(storage.join(storage.absolute(run_dir), ""))
-            if checkpoint_dir and not inside:  # its own layout (step directories): locked, not marked
+            inside = storage.absolute(checkpoint_dir or run_dir).startswith(
+                storage.join(storage.absolute(run_dir), "")
+            )
+            if (
+                checkpoint_dir and not inside
+            ):  # its own layout (step directories): locked, not marked
                 stack.enter_context(RunDirLock(checkpoint_dir, "--checkpoint.dir", own=False))
         except UserError as e:
             stack.close()
             error = e
-    if jax.process_count() > 1:  # every process leaves together: a refused lock must not strand the others
+    if (
+        jax.process_count() > 1
+    ):  # every process leaves together: a refused lock must not strand the others
         from jax.experimental import multihost_utils
+
         ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
         if not ok and error is None:
-            raise UserError(f"--run-dir {run_dir}: process 0 could not claim it (its error says why)")
+            raise UserError(
+                f"--run-dir {run_dir}: process 0 could not claim it (its error says why)"
+            )
     if error is not None:
         raise error
     return stack
@@ -119,7 +137,7 @@ class RunDirLock:
         """own: a run directory (checked and marked); False: only locked."""
         self.path, self.flag, self.own, self._fd = storage.absolute(path), flag, own, None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         self.acquire()
         return self
 
@@ -143,13 +161,20 @@ class RunDirLock:
             holder = _read_holder(fd)
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise UserError(f"{self.flag} {self.path}: cannot lock {LOCK} ({_reason(e)})") from None
-            raise UserError(f"{self.flag} {self.path} is in use by another run ({holder}); wait for it to"
-                            f" end, stop it, or use another --run-dir") from None
+                raise UserError(
+                    f"{self.flag} {self.path}: cannot lock {LOCK} ({_reason(e)})"
+                ) from None
+            raise UserError(
+                f"{self.flag} {self.path} is in use by another run ({holder}); wait for it to"
+                f" end, stop it, or use another --run-dir"
+            ) from None
         self._fd = fd
         try:
-            holder = {"host": socket.gethostname(), "pid": os.getpid(),
-                      "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+            holder = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
             marker = os.path.join(self.path, MARKER)
@@ -159,21 +184,30 @@ class RunDirLock:
                     f.write("\n")
         except OSError as e:
             self.release()
-            raise UserError(f"{self.flag} {self.path}: cannot write into it ({_reason(e)})") from None
+            raise UserError(
+                f"{self.flag} {self.path}: cannot write into it ({_reason(e)})"
+            ) from None
 
     def _claim_unlocked(self) -> None:
         """An object store has no flock (and an object written as a lock would outlive a killed
         run, blocking its restart): the directory is marked, not locked, and the run says so."""
-        print(f"note: {self.flag} {self.path} is on an object store: it is not locked against a second run;"
-              f" start one run at a time on it", flush=True)
+        print(
+            f"note: {self.flag} {self.path} is on an object store: it is not locked against a second run;"
+            f" start one run at a time on it",
+            flush=True,
+        )
         try:
             storage.makedirs(self.path)
             if self.own and not storage.exists(storage.join(self.path, MARKER)):
                 since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-                storage.write_text(storage.join(self.path, MARKER),
-                                   json.dumps({"created_by": "brigade", "created_at": since}) + "\n")
+                storage.write_text(
+                    storage.join(self.path, MARKER),
+                    json.dumps({"created_by": "brigade", "created_at": since}) + "\n",
+                )
         except OSError as e:
-            raise UserError(f"{self.flag} {self.path}: cannot write into it ({_reason(e)})") from None
+            raise UserError(
+                f"{self.flag} {self.path}: cannot write into it ({_reason(e)})"
+            ) from None
 
     def release(self) -> None:
         if self._fd is not None:
@@ -181,15 +215,19 @@ class RunDirLock:
             self._fd = None
 
 
-def prepare_run_dir(run_dir: str, config_text: str, resumed_step: int | None, goodput: Goodput) -> None:
+def prepare_run_dir(
+    run_dir: str, config_text: str, resumed_step: int | None, goodput: Goodput
+) -> None:
     """A run's start in its directory: config.json (`config_text`); after a resume, one line more
     in resumes.jsonl, the goodput of the attempts before carried over from metrics.jsonl, and
     the records that the resumed checkpoint does not cover dropped; a fresh run starts a fresh log."""
     storage.makedirs(run_dir)
     storage.write_text(storage.join(run_dir, "config.json"), config_text)
-    resumes = storage.join(run_dir, "resumes.jsonl")   # one line per attempt that resumed
+    resumes = storage.join(run_dir, "resumes.jsonl")  # one line per attempt that resumed
     if resumed_step is not None:
-        storage.append_text(resumes, json.dumps({"step": resumed_step, "time": goodput.started_at}) + "\n")
+        storage.append_text(
+            resumes, json.dumps({"step": resumed_step, "time": goodput.started_at}) + "\n"
+        )
         n_resumes = sum(1 for ln in storage.read_text(resumes).splitlines() if ln.strip())
         goodput.resume(read_records(run_dir), resumed_step, restarts=n_resumes)
         drop_records_after(run_dir, resumed_step)  # logged after that save by the run that died
@@ -217,8 +255,10 @@ def run_dir_writes(run_dir: str):
     try:
         yield
     except OSError as e:
-        raise UserError(f"--run-dir {run_dir}: cannot write {e.filename or 'into it'} ({e.strerror or e});"
-                        f" free space or fix the directory, then run the same command again") from None
+        raise UserError(
+            f"--run-dir {run_dir}: cannot write {e.filename or 'into it'} ({e.strerror or e});"
+            f" free space or fix the directory, then run the same command again"
+        ) from None
 
 
 def _read_holder(fd: int) -> str:
@@ -249,8 +289,10 @@ def start_named_run(cfg, now: datetime.datetime | None = None):
         # every process, and every requeue of the job, must write one directory: a name made of
         # the start time would differ between them
         why = f"{cluster[0]} is set" if cluster else "--num-processes/--coordinator"
-        raise UserError(f"--run-dir: a multi-process or cluster job ({why}) needs an explicit --run-dir, the"
-                        f" same for every process and every requeue, e.g. --run-dir runs/$SLURM_JOB_ID")
+        raise UserError(
+            f"--run-dir: a multi-process or cluster job ({why}) needs an explicit --run-dir, the"
+            f" same for every process and every requeue, e.g. --run-dir runs/$SLURM_JOB_ID"
+        )
     root = os.path.dirname(DEFAULT_RUN_DIR)
     resume = cfg.checkpoint.resume
     if resume == "latest":
@@ -258,17 +300,28 @@ def start_named_run(cfg, now: datetime.datetime | None = None):
     run_dir = _make_unique_dir(root, run_name(cfg, now or datetime.datetime.now()))
     _link_latest(DEFAULT_RUN_DIR, run_dir)
     continued = resume if resume not in (cfg.checkpoint.resume, "auto") else ""
-    print(f"run directory: {run_dir}" + (f" (continues {continued})" if continued else ""), flush=True)
-    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=run_dir),
-                               checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
+    print(
+        f"run directory: {run_dir}" + (f" (continues {continued})" if continued else ""), flush=True
+    )
+    return dataclasses.replace(
+        cfg,
+        logging=dataclasses.replace(cfg.logging, run_dir=run_dir),
+        checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume),
+    )
 
 
 def run_name(cfg, now: datetime.datetime) -> str:
     """'20261202-031500-tiny-data2.fsdp4': the start time, the model preset and the --mesh axes
     of size other than 1 ('N' for -1, the rest of the devices; 'dataN' for the default mesh)."""
     sizes = parse_spec(cfg.parallelism.mesh)
-    mesh = ".".join(f"{axis}{'N' if sizes[axis] == -1 else sizes[axis]}" for axis in AXES
-                    if sizes.get(axis, 1) != 1) or "dataN"
+    mesh = (
+        ".".join(
+            f"{axis}{'N' if sizes[axis] == -1 else sizes[axis]}"
+            for axis in AXES
+            if sizes.get(axis, 1) != 1
+        )
+        or "dataN"
+    )
     return f"{now:%Y%m%d-%H%M%S}-{cfg.model_preset or 'custom'}-{mesh}"
 
 
@@ -285,7 +338,9 @@ def _make_unique_dir(root: str, name: str) -> str:
             continue
         except OSError as e:
             raise UserError(f"--run-dir: cannot create {path} ({_reason(e)})") from None
-    raise UserError(f"--run-dir: {os.path.join(root, name)} and 998 suffixed names exist; pass --run-dir DIR")
+    raise UserError(
+        f"--run-dir: {os.path.join(root, name)} and 998 suffixed names exist; pass --run-dir DIR"
+    )
 
 
 def _link_latest(link: str, run_dir: str) -> None:
@@ -293,8 +348,12 @@ def _link_latest(link: str, run_dir: str) -> None:
     a reader never finds it missing. A real directory there, from a Brigade that wrote runs into
     runs/latest itself, is the user's data: it stays, and is no longer updated."""
     if os.path.exists(link) and not os.path.islink(link):
-        print(f"note: {link} is a run directory of an earlier Brigade version: it is kept as it is and no"
-              f" longer updated (this run is {run_dir})", file=sys.stderr, flush=True)
+        print(
+            f"note: {link} is a run directory of an earlier Brigade version: it is kept as it is and no"
+            f" longer updated (this run is {run_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     tmp = f"{link}.{os.getpid()}.tmp"
     try:
@@ -310,28 +369,57 @@ def _run_to_continue(link: str, now: dict) -> str:
     line naming the fields); -> its directory, which --resume PATH then reads, or auto (a fresh
     start) when there is no earlier run."""
     if not os.path.exists(link):  # the first run of a script that always says --resume latest
-        print(f"--resume latest: no earlier run to continue ({link} does not exist); starting a new one", flush=True)
+        print(
+            f"--resume latest: no earlier run to continue ({link} does not exist); starting a new one",
+            flush=True,
+        )
         return "auto"
     prev = os.path.relpath(os.path.realpath(link)) if os.path.islink(link) else link
     try:
         with open(os.path.join(prev, "config.json")) as f:
             saved = json.load(f)
     except (OSError, ValueError) as e:
-        raise UserError(f"--resume latest: {prev} has no readable config.json ({e}); --resume PATH continues"
-                        f" from a checkpoint anyway") from None
+        raise UserError(
+            f"--resume latest: {prev} has no readable config.json ({e}); --resume PATH continues"
+            f" from a checkpoint anyway"
+        ) from None
     changed = changed_settings(saved, now)
     if changed:
-        raise UserError(f"--resume latest: {prev} was run with other settings: {', '.join(changed)}; run with its"
-                        f" settings, or pass --resume {prev} to continue from it with these")
+        raise UserError(
+            f"--resume latest: {prev} was run with other settings: {', '.join(changed)}; run with its"
+            f" settings, or pass --resume {prev} to continue from it with these"
+        )
     return prev
 
 
 # Settings that change what a resumed run computes (the rest, e.g. eval or logging, do not).
-RESUME_SENSITIVE = {"train": ("steps", "batch_size", "seq_len", "micro_batches", "lr", "min_lr_ratio", "warmup_steps",
-                              "weight_decay", "decay_embeddings", "b1", "b2", "eps", "grad_clip", "seed"),
-                    "data": ("source", "eval_fraction", "packing", "packing_mask"),
-                    "comm": ("compression", "topk_fraction", "error_feedback", "sync_every", "outer_lr",
-                             "outer_momentum")}
+RESUME_SENSITIVE = {
+    "train": (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "micro_batches",
+        "lr",
+        "min_lr_ratio",
+        "warmup_steps",
+        "weight_decay",
+        "decay_embeddings",
+        "b1",
+        "b2",
+        "eps",
+        "grad_clip",
+        "seed",
+    ),
+    "data": ("source", "eval_fraction", "packing", "packing_mask"),
+    "comm": (
+        "compression",
+        "topk_fraction",
+        "error_feedback",
+        "sync_every",
+        "outer_lr",
+        "outer_momentum",
+    ),
+}
 
 
 def changed_settings(saved: dict, now: dict) -> list[str]:
@@ -339,6 +427,13 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
     data and comm fields, and every field of the model section (a changed param_dtype casts the
     restored parameters, a changed rope_theta or router changes what they compute)."""
     keys = {**RESUME_SENSITIVE, "model": tuple(now.get("model", {}))}
-    out = [f"{sec}.{k} {saved[sec][k]} -> {now[sec][k]}" for sec, names in keys.items() for k in names
-           if isinstance(saved.get(sec), dict) and k in saved[sec] and saved[sec][k] != now[sec][k]]
-    return [c + (" (the restored parameters are cast)" if c.startswith("model.param_dtype ") else "") for c in out]
+    out = [
+        f"{sec}.{k} {saved[sec][k]} -> {now[sec][k]}"
+        for sec, names in keys.items()
+        for k in names
+        if isinstance(saved.get(sec), dict) and k in saved[sec] and saved[sec][k] != now[sec][k]
+    ]
+    return [
+        c + (" (the restored parameters are cast)" if c.startswith("model.param_dtype ") else "")
+        for c in out
+    ]

@@ -9,6 +9,7 @@ one user message with the model directory's chat template and the assistant's ge
 as `prepare --format chat` renders training conversations (train/data/chat.py). --temperature 0
 is greedy; --seed picks the random draws otherwise (the same seed, the same text).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,23 +26,32 @@ from train.data import chat, tokenizers
 from train.evaluate import command_parser, open_model
 
 
-def checkpoint_tokenizer(spec: str, meta: dict, who: str = "sample", how: str = "--tokenizer SPEC",
-                         required: bool = False) -> tokenizers.Tokenizer:
+def checkpoint_tokenizer(
+    spec: str,
+    meta: dict,
+    who: str = "sample",
+    how: str = "--tokenizer SPEC",
+    required: bool = False,
+) -> tokenizers.Tokenizer:
     """SPEC, else the tokenizer the checkpoint records, else the byte tokenizer (`required`: one
     line instead). `who` and `how` name the command and its option in the messages."""
     if spec:
         return tokenizers.load(str(spec))
     record = resume.saved_tokenizer(meta)
     if record is None and required:
-        raise UserError(f"{who}: the checkpoint records no tokenizer (an HF import without tokenizer.json, or"
-                        f" an older run); give one with {how} (byte, an HF model directory, KIND:PATH)")
+        raise UserError(
+            f"{who}: the checkpoint records no tokenizer (an HF import without tokenizer.json, or"
+            f" an older run); give one with {how} (byte, an HF model directory, KIND:PATH)"
+        )
     if record is None or record["kind"] == "byte":
         return tokenizers.ByteTokenizer()
     try:
         return tokenizers.load(f"{record['kind']}:{record.get('path', '')}")
     except UserError as e:
-        raise UserError(f"{who}: the checkpoint's tokenizer {record['id']} does not load ({e}); give one with"
-                        f" {how}") from None
+        raise UserError(
+            f"{who}: the checkpoint's tokenizer {record['id']} does not load ({e}); give one with"
+            f" {how}"
+        ) from None
 
 
 def prompt_ids(tok: tokenizers.Tokenizer, prompt: str, as_chat: bool) -> np.ndarray:
@@ -49,10 +59,14 @@ def prompt_ids(tok: tokenizers.Tokenizer, prompt: str, as_chat: bool) -> np.ndar
     the chat template and the generation prompt."""
     if as_chat:
         if not tok.chat_template:
-            raise UserError(f"sample: --chat: the tokenizer ({tok.model_dir or tok.path or tok.kind}) has no chat"
-                            f" template (a HuggingFace model directory's chat_template.jinja or tokenizer_config.json"
-                            f" holds one); drop --chat, or give --tokenizer HF_MODEL_DIR")
-        prompt = chat.render(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt")
+            raise UserError(
+                f"sample: --chat: the tokenizer ({tok.model_dir or tok.path or tok.kind}) has no chat"
+                f" template (a HuggingFace model directory's chat_template.jinja or tokenizer_config.json"
+                f" holds one); drop --chat, or give --tokenizer HF_MODEL_DIR"
+            )
+        prompt = chat.render(
+            tok, [{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt"
+        )
     ids = tok.encode([prompt])[0]
     if not len(ids):
         raise UserError("sample: --prompt: empty; give the text to continue")
@@ -63,7 +77,9 @@ def _check_numbers(ns) -> None:
     if ns.max_new < 1:
         raise UserError(f"sample: --max-new {ns.max_new}: must be >= 1")
     if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
-        raise UserError(f"sample: --temperature {ns.temperature}: must be finite and >= 0 (0 = greedy)")
+        raise UserError(
+            f"sample: --temperature {ns.temperature}: must be finite and >= 0 (0 = greedy)"
+        )
     if ns.top_k < 0:
         raise UserError(f"sample: --top-k {ns.top_k}: must be >= 0 (0 = the whole vocabulary)")
 
@@ -72,24 +88,42 @@ def _check_prompt(ns, ids: np.ndarray, cfg) -> None:
     """The prompt's length and ids against the model, before its parameters are read."""
     m = cfg.model
     if len(ids) + ns.max_new > m.max_seq_len:
-        raise UserError(f"sample: the prompt's {len(ids)} tokens + --max-new {ns.max_new} exceed the model's"
-                        f" max_seq_len {m.max_seq_len}; shorten one")
+        raise UserError(
+            f"sample: the prompt's {len(ids)} tokens + --max-new {ns.max_new} exceed the model's"
+            f" max_seq_len {m.max_seq_len}; shorten one"
+        )
     if int(ids.max()) >= m.vocab_size:
-        raise UserError(f"sample: the prompt holds token id {int(ids.max())}, beyond the model's vocab_size"
-                        f" {m.vocab_size}: the tokenizer is not the model's; give its own with --tokenizer SPEC")
+        raise UserError(
+            f"sample: the prompt holds token id {int(ids.max())}, beyond the model's vocab_size"
+            f" {m.vocab_size}: the tokenizer is not the model's; give its own with --tokenizer SPEC"
+        )
     if not model.decodes(m):
-        raise UserError(f"sample: model '{cfg.model_preset}' has no decoding cache (init_cache), so it cannot generate")
+        raise UserError(
+            f"sample: model '{cfg.model_preset}' has no decoding cache (init_cache), so it cannot generate"
+        )
 
 
 def make_sample_parser():
-    parser = command_parser("python -m train sample", "Continue a prompt with a checkpoint's model.")
-    parser.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model directory's chat template")
+    parser = command_parser(
+        "python -m train sample", "Continue a prompt with a checkpoint's model."
+    )
+    parser.add_argument(
+        "--prompt", required=True, help="the text to continue (with --chat: the user's message)"
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model directory's chat template"
+    )
     parser.add_argument("--max-new", type=int, default=128, metavar="N", help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K likeliest; 0 = all")
-    parser.add_argument("--tokenizer", default="", metavar="SPEC",
-                        help="byte, KIND:PATH or an HF model directory (default: the one the checkpoint records)")
+    parser.add_argument(
+        "--top-k", type=int, default=40, metavar="K", help="sample among the K likeliest; 0 = all"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="SPEC",
+        help="byte, KIND:PATH or an HF model directory (default: the one the checkpoint records)",
+    )
     return parser
 
 
@@ -106,11 +140,18 @@ def main(argv: list[str]) -> int:
     params = opened.params(trainer)
     replicate_acts = {k: () for k in trainer.rules}  # a batch of one cannot be split over devices
     with jax.set_mesh(trainer.mesh), axis_rules(replicate_acts):
-        out_BN = generate(opened.cfg.model, params, ids[None, :].astype(np.int32), jax.random.key(opened.cfg.train.seed),
-                          max_new=ns.max_new, temperature=ns.temperature, top_k=ns.top_k)
+        out_BN = generate(
+            opened.cfg.model,
+            params,
+            ids[None, :].astype(np.int32),
+            jax.random.key(opened.cfg.train.seed),
+            max_new=ns.max_new,
+            temperature=ns.temperature,
+            top_k=ns.top_k,
+        )
     new = [int(i) for i in np.asarray(jax.device_get(out_BN))[0]]
     if tok.eos_id in new:  # the end of the document: what follows is a new one
-        new = new[:new.index(tok.eos_id)]
+        new = new[: new.index(tok.eos_id)]
     if jax.process_index() == 0:
         print(tok.decode(new), flush=True)
     return 0

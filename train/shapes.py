@@ -1,6 +1,7 @@
 """What a mesh can run, checked before anything is built or compiled: the one set of checks a
 training run and the mesh search (`plan --search`) both apply, so that a mesh the search offers
 is one the run accepts."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,8 @@ from errors import UserError
 from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
 from models import model, pipeline, pipeline_1f1b
-from models.schedules import EXPLICIT
 from models.config import PipelineConfig
+from models.schedules import EXPLICIT
 from train.config import TrainConfig
 
 
@@ -21,26 +22,38 @@ def batch_shards(mesh, rules) -> int:
     return axes_size(mesh, logical_to_spec(("batch",), rules)[0])
 
 
-def validate_batch(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig) -> None:
+def validate_batch(
+    mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig
+) -> None:
     """The batch split over the rules' batch axes and, with pipeline > 1, the schedule
     (models.pipeline.validate on layer groups: an MoE model pipelines groups of moe_every layers)."""
     t, m = train_cfg, model_cfg
     if t.batch_size % t.micro_batches:
-        raise UserError(f"--batch-size {t.batch_size} is not divisible by --micro-batches {t.micro_batches}")
+        raise UserError(
+            f"--batch-size {t.batch_size} is not divisible by --micro-batches {t.micro_batches}"
+        )
     spec = logical_to_spec(("batch",), rules)[0]
     n = axes_size(mesh, spec)
     per_micro = t.batch_size // t.micro_batches
     if per_micro % n:
         axes = (spec,) if isinstance(spec, str) else spec
         layout = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
-        raise UserError(f"--batch-size {t.batch_size} (/ --micro-batches {t.micro_batches} = {per_micro}) is not"
-                        f" divisible by the batch mesh axes {layout} = {n}; use a multiple of {n * t.micro_batches}")
+        raise UserError(
+            f"--batch-size {t.batch_size} (/ --micro-batches {t.micro_batches} = {per_micro}) is not"
+            f" divisible by the batch mesh axes {layout} = {n}; use a multiple of {n * t.micro_batches}"
+        )
     stages = mesh.shape["pipeline"]
     if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
         pc, per_group = pipeline_cfg, m.moe_every if m.n_experts else 1
-        pipeline.validate(n_layers=m.n_layers // per_group, batch=per_micro, stages=stages,
-                    microbatches=pc.microbatches_for(stages), repeats=pc.repeats, schedule=pc.schedule,
-                    batch_shards=n)
+        pipeline.validate(
+            n_layers=m.n_layers // per_group,
+            batch=per_micro,
+            stages=stages,
+            microbatches=pc.microbatches_for(stages),
+            repeats=pc.repeats,
+            schedule=pc.schedule,
+            batch_shards=n,
+        )
         if pc.schedule in EXPLICIT:
             pipeline_1f1b.check_model(m, pc.schedule)
             if isinstance(mesh, Mesh):  # a run's devices, not the search's abstract mesh
@@ -62,13 +75,19 @@ def validate_sequence(mesh, rules, train_cfg: TrainConfig) -> None:
     if t % need:
         why = [f"context {n_ctx} x 2 zigzag chunks"] if n_ctx > 1 else []
         why += [f"the residual stream's {n_res} sequence shards"] if n_res > n_ctx else []
-        raise UserError(f"--seq-len {t} is not divisible by {need} ({' and '.join(why)}); use a multiple of {need}")
+        raise UserError(
+            f"--seq-len {t} is not divisible by {need} ({' and '.join(why)}); use a multiple of {need}"
+        )
 
 
-def validate_run(mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig) -> None:
+def validate_run(
+    mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig
+) -> None:
     """Raise a one-line UserError for a config `mesh` cannot run, before anything is built or
     compiled: the one set of checks a training run and the mesh search both apply (parameter dims
     by their mesh axes, then the batch and the pipeline schedule)."""
-    check_divisible(mesh, model.abstract_params(model_cfg), model.param_axes(model_cfg), rules, HINTS)
+    check_divisible(
+        mesh, model.abstract_params(model_cfg), model.param_axes(model_cfg), rules, HINTS
+    )
     validate_batch(mesh, rules, model_cfg, train_cfg, pipeline_cfg)
     validate_sequence(mesh, rules, train_cfg)

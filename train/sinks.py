@@ -7,6 +7,7 @@ directory, which the run has written before its first record: config.json (the r
 config: its own option too), plan.json when the user saved one there. So a tracker such as
 MLflow is one class here and one line in `trackers`, not a change to the loop.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,8 @@ import os
 import secrets
 import sys
 import tempfile
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from checkpoint import storage
 from errors import UserError
@@ -23,7 +25,7 @@ from errors import UserError
 PROGRESS = ("auto", "bar", "lines", "none")
 # Older configs and scripts say true/false (the option was a bool): the same as auto/none.
 PROGRESS_ALIASES = {"true": "auto", "false": "none"}
-WANDB_ID = "wandb_id"    # in the run directory: the W&B run a resumed or restarted run continues
+WANDB_ID = "wandb_id"  # in the run directory: the W&B run a resumed or restarted run continues
 
 
 class Sink(Protocol):
@@ -47,8 +49,10 @@ def progress_mode(value: str, stream=None) -> str:
 def check_tracker(flag: str, module: str, extra: str) -> None:
     """UserError unless `module` can be imported (checked without importing it: that is slow)."""
     if importlib.util.find_spec(module) is None:
-        raise UserError(f"{flag}: the {module} package is not installed; pip install 'brigade[{extra}]', or leave"
-                        f" {flag} empty")
+        raise UserError(
+            f"{flag}: the {module} package is not installed; pip install 'brigade[{extra}]', or leave"
+            f" {flag} empty"
+        )
 
 
 def read_json(path: str) -> dict:
@@ -69,10 +73,15 @@ def trackers(run_dir: str) -> list[Sink]:
 
 def numbers(record: dict) -> dict:
     """The record's numeric values other than the step (what a tracker plots)."""
-    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: v
+        for k, v in record.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 # ------------------------------------------------------------------ files
+
 
 class JsonlSink:
     """metrics.jsonl: one JSON object per record, flushed at once (a reader tails it; on an object
@@ -86,8 +95,10 @@ class JsonlSink:
         try:
             self.f.write(json.dumps(self.encode(record), allow_nan=False) + "\n")
         except OSError as e:
-            raise UserError(f"--run-dir: cannot write {self.f.name} ({e.strerror}); free space or"
-                            f" choose another --run-dir, then run the same command again to resume") from None
+            raise UserError(
+                f"--run-dir: cannot write {self.f.name} ({e.strerror}); free space or"
+                f" choose another --run-dir, then run the same command again to resume"
+            ) from None
 
     def close(self) -> None:
         self.f.close()
@@ -112,7 +123,9 @@ class TensorBoardSink:
     """<run_dir>/tb: every numeric value of a record as a scalar at its step."""
 
     def __init__(self, run_dir: str):
-        self.writer = _summary_writer(storage.join(run_dir, "tb"))  # tensorboardX writes gs:// and s3:// itself
+        self.writer = _summary_writer(
+            storage.join(run_dir, "tb")
+        )  # tensorboardX writes gs:// and s3:// itself
 
     def log(self, record: dict) -> None:
         for k, v in numbers(record).items():
@@ -124,6 +137,7 @@ class TensorBoardSink:
 
 # ------------------------------------------------------------------ trackers
 
+
 class WandbSink:
     """--logging.wandb PROJECT: the records, the config (and plan.json's report if the run directory
     holds one), and the report's plots at the end. The run id is kept in <run_dir>/wandb_id, so
@@ -134,6 +148,7 @@ class WandbSink:
     def __init__(self, run_dir: str, project: str, config: dict):
         check_tracker("--logging.wandb", "wandb", "wandb")
         import wandb
+
         self.run_dir, self.wandb = run_dir, wandb
         id_path = storage.join(run_dir, WANDB_ID)
         run_id = storage.read_text(id_path).strip() if storage.isfile(id_path) else ""
@@ -141,15 +156,25 @@ class WandbSink:
             run_id = secrets.token_hex(6)  # W&B run ids: letters and digits
             storage.write_text(id_path, run_id + "\n")
         plan = read_json(storage.join(run_dir, "plan.json"))
-        local_dir = run_dir if storage.is_local(run_dir) else None  # W&B's own files need a local disk
+        local_dir = (
+            run_dir if storage.is_local(run_dir) else None
+        )  # W&B's own files need a local disk
         try:
-            self.run = wandb.init(project=project, id=run_id, resume="allow", dir=os.environ.get("WANDB_DIR") or local_dir,
-                                  name=storage.basename(storage.absolute(run_dir)), allow_val_change=True,
-                                  config={**config, **({"plan": plan} if plan else {})})
+            self.run = wandb.init(
+                project=project,
+                id=run_id,
+                resume="allow",
+                dir=os.environ.get("WANDB_DIR") or local_dir,
+                name=storage.basename(storage.absolute(run_dir)),
+                allow_val_change=True,
+                config={**config, **({"plan": plan} if plan else {})},
+            )
         except wandb.errors.Error as e:  # not logged in, no network, a project name W&B refuses
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--logging.wandb {project}: W&B did not start ({first}); run `wandb login`, or set"
-                            f" WANDB_MODE=offline and `wandb sync` later") from None
+            raise UserError(
+                f"--logging.wandb {project}: W&B did not start ({first}); run `wandb login`, or set"
+                f" WANDB_MODE=offline and `wandb sync` later"
+            ) from None
 
     def log(self, record: dict) -> None:
         self.run.log(numbers(record), step=record["step"])
@@ -158,29 +183,41 @@ class WandbSink:
         """The report's plots (train/report.py, when matplotlib is installed), then the run ends."""
         from train.goodput import read_records
         from train.report import plot
+
         records = sorted(read_records(self.run_dir), key=lambda r: r["step"])
         if records and importlib.util.find_spec("matplotlib") is not None:
             with tempfile.TemporaryDirectory() as out:
                 made = plot(records, out)
-                self.run.log({f"report/{name.removesuffix('.png')}": self.wandb.Image(os.path.join(out, name),
-                                                                                      caption=title)
-                              for title, name in made})
+                self.run.log(
+                    {
+                        f"report/{name.removesuffix('.png')}": self.wandb.Image(
+                            os.path.join(out, name), caption=title
+                        )
+                        for title, name in made
+                    }
+                )
         self.run.finish()
 
 
 # ------------------------------------------------------------------ the console
+
 
 class ProgressBar:
     """A tqdm bar on stderr with the last loss, tokens/s and MFU."""
 
     def __init__(self, total_steps: int, first_step: int):
         from tqdm.auto import tqdm
+
         self.bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def log(self, record: dict) -> None:
         if "loss" in record:
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
-                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                tok_s=f"{record['tokens_per_sec']:.0f}",
+                mfu=f"{100 * record['mfu']:.1f}%",
+                refresh=False,
+            )
 
     def advance(self, steps: int) -> None:
         self.bar.update(steps)
@@ -212,20 +249,30 @@ class ProgressLines:
 def step_line(record: dict) -> str:
     """A record as one line: a step's loss, throughput, MFU and data wait (then its peak device
     memory and the slowest process's step time over the median, when it has them), or an eval."""
-    sets = [f"{k.split('/')[1]} {v:.3f}" for k, v in record.items()  # --data.eval_source: eval/NAME/loss
-            if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)]
+    sets = [
+        f"{k.split('/')[1]} {v:.3f}"
+        for k, v in record.items()  # --data.eval_source: eval/NAME/loss
+        if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)
+    ]
     if "eval_loss" in record or sets:
         parts = [f"step {record['step']}"]
         if "eval_loss" in record:
             parts += [f"eval loss {record['eval_loss']:.3f}", f"ppl {record['eval_ppl']:.2f}"]
         return " | ".join(parts + [f"eval {s}" for s in sets])
-    parts = [f"step {record['step']}", f"loss {record['loss']:.3f}", f"{record['tokens_per_sec']:,.0f} tok/s",
-             f"mfu {100 * record['mfu']:.1f}%",
-             f"data {100 * record['data_wait_s'] / max(record['step_time_s'], 1e-12):.1f}%"]
+    parts = [
+        f"step {record['step']}",
+        f"loss {record['loss']:.3f}",
+        f"{record['tokens_per_sec']:,.0f} tok/s",
+        f"mfu {100 * record['mfu']:.1f}%",
+        f"data {100 * record['data_wait_s'] / max(record['step_time_s'], 1e-12):.1f}%",
+    ]
     if isinstance(record.get("mem_peak_bytes"), (int, float)):
         parts.append(f"mem {record['mem_peak_bytes'] / 2**30:.2f} GiB")
     # a single process has nobody to compare with: its ratio is exactly 1 and says nothing
-    if isinstance(record.get("step_time_max_over_median"), (int, float)) and record["step_time_max_over_median"] != 1.0:
+    if (
+        isinstance(record.get("step_time_max_over_median"), (int, float))
+        and record["step_time_max_over_median"] != 1.0
+    ):
         parts.append(f"slowest {record['step_time_max_over_median']:.2f}x median")
     return " | ".join(parts)
 
@@ -239,4 +286,8 @@ class Quiet(ProgressLines):
 
 def console(mode: str, total_steps: int, first_step: int):
     """The console sink of `progress_mode`'s answer."""
-    return {"bar": lambda: ProgressBar(total_steps, first_step), "lines": ProgressLines, "none": Quiet}[mode]()
+    return {
+        "bar": lambda: ProgressBar(total_steps, first_step),
+        "lines": ProgressLines,
+        "none": Quiet,
+    }[mode]()

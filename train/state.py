@@ -1,4 +1,5 @@
 """The train state (step, params, optimizer state), created already sharded on the mesh."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +8,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from errors import UserError
 from mesh.rules import axis_rules
@@ -15,24 +17,30 @@ from mesh.shard import tree_shardings
 from models import model
 from models.config import ModelConfig
 from train import comm, lora, optim
-from train.memory import HOST_KIND
 from train.comm import SyncLayout
+from train.memory import HOST_KIND
 
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array      # int32 scalar: train steps taken so far, skipped (non-finite) ones too; the
-                         # learning-rate schedule runs on the optimizer's own count, in opt_state
-    params: Any          # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params;
-                         # LoRA: the adapters only, the frozen base is the step's own argument: train/lora.py)
-    opt_state: Any       # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...]),
-                         # float32 whatever the param dtype (train/optim.py in_float32)
+    step: jax.Array  # int32 scalar: train steps taken so far, skipped (non-finite) ones too; the
+    # learning-rate schedule runs on the optimizer's own count, in opt_state
+    params: (
+        Any  # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params;
+    )
+    # LoRA: the adapters only, the frozen base is the step's own argument: train/lora.py)
+    opt_state: (
+        Any  # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...]),
+    )
+    # float32 whatever the param dtype (train/optim.py in_float32)
     # The data-parallel sync's own state (train/comm.py), [R, ...] per param and sharded over the
     # dp axes so each device holds its own replica's; None when not in use:
-    residual: Any = None   # error feedback: what the compressed gradient sync has not sent yet (float32)
-    drift: Any = None      # DiLoCo: each replica's params minus the global params since the last sync
+    residual: Any = (
+        None  # error feedback: what the compressed gradient sync has not sent yet (float32)
+    )
+    drift: Any = None  # DiLoCo: each replica's params minus the global params since the last sync
     outer_opt: Any = None  # DiLoCo: the outer optimizer's state (Nesterov momentum), like params
-    spike: Any = None      # --train.spike_factor > 0: the LossWindow the step compares each loss with
+    spike: Any = None  # --train.spike_factor > 0: the LossWindow the step compares each loss with
 
 
 # The loss-spike guard's window: the last LOSS_WINDOW losses of applied updates; no step is
@@ -44,10 +52,11 @@ LOSS_WINDOW, SPIKE_WARMUP = 32, 8
 class LossWindow:
     """--train.spike_factor: a ring of recent losses, kept in the state so that a checkpoint
     carries it and a resumed run judges its next step exactly as the uninterrupted run would."""
-    losses: jax.Array    # [LOSS_WINDOW] float32, the ring; slot `seen % LOSS_WINDOW` is the next
-    seen: jax.Array      # int32: losses pushed so far (applied updates)
+
+    losses: jax.Array  # [LOSS_WINDOW] float32, the ring; slot `seen % LOSS_WINDOW` is the next
+    seen: jax.Array  # int32: losses pushed so far (applied updates)
     in_a_row: jax.Array  # int32: updates skipped as spikes since the last applied one
-    skipped: jax.Array   # int32: updates skipped as spikes in total
+    skipped: jax.Array  # int32: updates skipped as spikes in total
     factor: float = flax.struct.field(pytree_node=False, default=0.0)  # the config's, never saved
 
     def median(self) -> jax.Array:
@@ -61,14 +70,18 @@ class LossWindow:
         """Whether `loss` exceeds factor x the running median, once the window is warm."""
         return (self.seen >= SPIKE_WARMUP) & (loss > self.factor * self.median())
 
-    def after(self, loss: jax.Array, applied: jax.Array, spiked: jax.Array) -> "LossWindow":
+    def after(self, loss: jax.Array, applied: jax.Array, spiked: jax.Array) -> LossWindow:
         """The window after a step: an applied update's loss pushed; a spike counted; a
         non-finite step (neither) changes nothing."""
         slot = self.seen % LOSS_WINDOW
         return self.replace(
-            losses=jnp.where(applied, self.losses.at[slot].set(loss.astype(jnp.float32)), self.losses),
-            seen=self.seen + applied, in_a_row=jnp.where(applied, 0, self.in_a_row + spiked),
-            skipped=self.skipped + spiked)
+            losses=jnp.where(
+                applied, self.losses.at[slot].set(loss.astype(jnp.float32)), self.losses
+            ),
+            seen=self.seen + applied,
+            in_a_row=jnp.where(applied, 0, self.in_a_row + spiked),
+            skipped=self.skipped + spiked,
+        )
 
 
 def with_loss_window(state: TrainState, factor: float, mesh: Mesh) -> TrainState:
@@ -84,9 +97,15 @@ def with_loss_window(state: TrainState, factor: float, mesh: Mesh) -> TrainState
         leaf = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)  # noqa: E731
     else:
         leaf = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)()  # noqa: E731
-    return state.replace(spike=LossWindow(losses=leaf((LOSS_WINDOW,), jnp.float32), seen=leaf((), jnp.int32),
-                                          in_a_row=leaf((), jnp.int32), skipped=leaf((), jnp.int32), factor=factor))
-
+    return state.replace(
+        spike=LossWindow(
+            losses=leaf((LOSS_WINDOW,), jnp.float32),
+            seen=leaf((), jnp.int32),
+            in_a_row=leaf((), jnp.int32),
+            skipped=leaf((), jnp.int32),
+            factor=factor,
+        )
+    )
 
 
 # Optimizer state that matches no parameter is replicated when it has at most this many elements
@@ -102,8 +121,12 @@ def like_params(tx: optax.GradientTransformation, abstract_params, param_sh, mes
     parameter's shape like that parameter (same shape, same divisibility); scalars and leaves of
     at most SMALL_STATE elements are replicated (`warn(line)` told of those that are not scalars);
     anything larger is a one-line UserError."""
-    params = {tuple(path): (tuple(p.shape), sh) for (path, p), sh
-              in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(param_sh))}
+    params = {
+        tuple(path): (tuple(p.shape), sh)
+        for (path, p), sh in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0], jax.tree.leaves(param_sh)
+        )
+    }
     by_shape = {}
     for shape, sh in params.values():
         by_shape.setdefault(shape, sh)
@@ -111,28 +134,36 @@ def like_params(tx: optax.GradientTransformation, abstract_params, param_sh, mes
 
     def pick(path, leaf):
         shape = tuple(leaf.shape)
-        own = next((params[tuple(path[k:])] for k in range(len(path)) if tuple(path[k:]) in params), None)
+        own = next(
+            (params[tuple(path[k:])] for k in range(len(path)) if tuple(path[k:]) in params), None
+        )
         if own is not None:
             (p_shape, sh), spec = own, (*own[1].spec, *[None] * (len(own[0]) - len(own[1].spec)))
             if shape == p_shape:
                 return sh
-            for dim in reversed(range(len(p_shape))):  # the last dim first: a row statistic drops it
-                if shape == p_shape[:dim] + p_shape[dim + 1:]:
-                    return NamedSharding(mesh, P(*spec[:dim], *spec[dim + 1:]))
+            for dim in reversed(
+                range(len(p_shape))
+            ):  # the last dim first: a row statistic drops it
+                if shape == p_shape[:dim] + p_shape[dim + 1 :]:
+                    return NamedSharding(mesh, P(*spec[:dim], *spec[dim + 1 :]))
         if shape in by_shape:
             return by_shape[shape]
         if leaf.size > SMALL_STATE:
-            raise UserError(f"optimizer state {jax.tree_util.keystr(path)} {shape} matches no parameter's shape, so"
-                            f" it cannot be sharded like the parameters; Brigade replicates only optimizer state of"
-                            f" at most {SMALL_STATE} elements; keep per-parameter state in the params' tree")
+            raise UserError(
+                f"optimizer state {jax.tree_util.keystr(path)} {shape} matches no parameter's shape, so"
+                f" it cannot be sharded like the parameters; Brigade replicates only optimizer state of"
+                f" at most {SMALL_STATE} elements; keep per-parameter state in the params' tree"
+            )
         if leaf.size > 1:
             small.append(f"{jax.tree_util.keystr(path)} {shape}")
         return replicated
 
     out = jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, abstract_params))
     if small and warn:
-        warn(f"warning: {len(small)} optimizer state array(s) match no parameter's shape and are replicated on every"
-             f" device (each at most {SMALL_STATE} elements): {', '.join(small[:3])}{', ...' * (len(small) > 3)}")
+        warn(
+            f"warning: {len(small)} optimizer state array(s) match no parameter's shape and are replicated on every"
+            f" device (each at most {SMALL_STATE} elements): {', '.join(small[:3])}{', ...' * (len(small) > 3)}"
+        )
     return out
 
 
@@ -144,8 +175,15 @@ def trainable(cfg: ModelConfig, lora_cfg=None) -> tuple[dict, dict]:
     return model.param_axes(cfg), model.abstract_params(cfg)
 
 
-def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout(),
-              warn=None, lora_cfg=None) -> TrainState:
+def shardings(
+    cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules,
+    sync: SyncLayout = SyncLayout(),
+    warn=None,
+    lora_cfg=None,
+) -> TrainState:
     """A TrainState of NamedShardings: params from the rules, optimizer state like its params
     (`like_params`; `warn`: told of replicated non-scalar state), scalars (counts, step)
     replicated; per-replica state over the dp axes. `lora_cfg`: the params are its adapters."""
@@ -153,30 +191,49 @@ def shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, ru
     param_sh = tree_shardings(mesh, axes, rules)
 
     def per_replica(tree):
-        return jax.tree.map(lambda sh: NamedSharding(mesh, comm.replica_spec(sh.spec, sync.dp_axes)), tree)
+        return jax.tree.map(
+            lambda sh: NamedSharding(mesh, comm.replica_spec(sh.spec, sync.dp_axes)), tree
+        )
 
     opt_sh = like_params(tx, abstract_params, param_sh, mesh, warn)
-    if isinstance(tx, optim.HostResident):  # --train.offload_optimizer: the state lives in host memory
+    if isinstance(
+        tx, optim.HostResident
+    ):  # --train.offload_optimizer: the state lives in host memory
         opt_sh = jax.tree.map(lambda sh: sh.with_memory_kind(HOST_KIND), opt_sh)
     out = TrainState(step=NamedSharding(mesh, P()), params=param_sh, opt_state=opt_sh)
     if sync.error_feedback:
         out = out.replace(residual=per_replica(param_sh))
     if sync.outer_tx is not None:
-        out = out.replace(opt_state=per_replica(opt_sh), drift=per_replica(param_sh),
-                          outer_opt=like_params(sync.outer_tx, abstract_params, param_sh, mesh))
+        out = out.replace(
+            opt_state=per_replica(opt_sh),
+            drift=per_replica(param_sh),
+            outer_opt=like_params(sync.outer_tx, abstract_params, param_sh, mesh),
+        )
     return out
 
 
-def abstract(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, sync: SyncLayout = SyncLayout(),
-             lora_cfg=None) -> TrainState:
+def abstract(
+    cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules,
+    sync: SyncLayout = SyncLayout(),
+    lora_cfg=None,
+) -> TrainState:
     """ShapeDtypeStructs with shardings: what `plan` compiles against, without allocating."""
     sh = shardings(cfg, tx, mesh, rules, sync, lora_cfg=lora_cfg)
-    shapes = jax.eval_shape(lambda: _fresh(cfg, tx, jax.random.key(0), sync, sync.replicas(mesh), lora_cfg))
+    shapes = jax.eval_shape(
+        lambda: _fresh(cfg, tx, jax.random.key(0), sync, sync.replicas(mesh), lora_cfg)
+    )
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
 
 
-def _fresh(cfg: ModelConfig, tx, key, sync: SyncLayout = SyncLayout(), n_dp: int = 1, lora_cfg=None) -> TrainState:
-    params = lora.init_adapters(cfg, lora_cfg, key) if lora.enabled(lora_cfg) else model.init(cfg, key)
+def _fresh(
+    cfg: ModelConfig, tx, key, sync: SyncLayout = SyncLayout(), n_dp: int = 1, lora_cfg=None
+) -> TrainState:
+    params = (
+        lora.init_adapters(cfg, lora_cfg, key) if lora.enabled(lora_cfg) else model.init(cfg, key)
+    )
     return _around(params, tx, sync, n_dp)
 
 
@@ -186,26 +243,46 @@ def _around(params, tx, sync: SyncLayout, n_dp: int) -> TrainState:
     if sync.error_feedback:
         out = out.replace(residual=comm.init_residual(params, n_dp))
     if sync.outer_tx is not None:
-        out = out.replace(opt_state=comm.replicate(out.opt_state, n_dp), drift=comm.init_drift(params, n_dp),
-                          outer_opt=sync.outer_tx.init(params))
+        out = out.replace(
+            opt_state=comm.replicate(out.opt_state, n_dp),
+            drift=comm.init_drift(params, n_dp),
+            outer_opt=sync.outer_tx.init(params),
+        )
     return out
 
 
-def create(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, seed: int,
-           sync: SyncLayout = SyncLayout(), lora_cfg=None) -> TrainState:
+def create(
+    cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules,
+    seed: int,
+    sync: SyncLayout = SyncLayout(),
+    lora_cfg=None,
+) -> TrainState:
     """Initialise under jit with output shardings: every device only ever holds its own shards.
     `lora_cfg`: fresh adapters (the base is loaded apart: train/lora.py)."""
     sh = shardings(cfg, tx, mesh, rules, sync, lora_cfg=lora_cfg)
     with jax.set_mesh(mesh), axis_rules(rules):
-        return jax.jit(lambda k: _fresh(cfg, tx, k, sync, sync.replicas(mesh), lora_cfg),
-                       out_shardings=sh)(jax.random.key(seed))
+        return jax.jit(
+            lambda k: _fresh(cfg, tx, k, sync, sync.replicas(mesh), lora_cfg), out_shardings=sh
+        )(jax.random.key(seed))
 
 
-def from_params(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules, params,
-                sync: SyncLayout = SyncLayout()) -> TrainState:
+def from_params(
+    cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules,
+    params,
+    sync: SyncLayout = SyncLayout(),
+) -> TrainState:
     """A fresh state around `params` (already sharded; donated): where fine-tuning starts. No
     random init is materialised, so the peak is one copy of the parameters plus the optimizer."""
     sh = shardings(cfg, tx, mesh, rules, sync)
     with jax.set_mesh(mesh), axis_rules(rules):
-        return jax.jit(lambda p: _around(p, tx, sync, sync.replicas(mesh)), out_shardings=sh,
-                       donate_argnums=(0,))(params)
+        return jax.jit(
+            lambda p: _around(p, tx, sync, sync.replicas(mesh)),
+            out_shardings=sh,
+            donate_argnums=(0,),
+        )(params)

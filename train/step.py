@@ -1,4 +1,5 @@
 """The pure train and eval steps: (state, batch) -> (state, metrics). No I/O here."""
+
 from __future__ import annotations
 
 import math
@@ -32,10 +33,14 @@ def token_losses(loss_fn, logits_BTV: jax.Array, batch) -> jax.Array:
         return token_xent(logits_BTV, batch["targets"])
     loss_BT = loss_fn(logits_BTV, batch)
     want = tuple(batch["targets"].shape)
-    if tuple(getattr(loss_BT, "shape", ())) != want or not jnp.issubdtype(getattr(loss_BT, "dtype", int), jnp.floating):
+    if tuple(getattr(loss_BT, "shape", ())) != want or not jnp.issubdtype(
+        getattr(loss_BT, "dtype", int), jnp.floating
+    ):
         got = f"{tuple(getattr(loss_BT, 'shape', ()))} {getattr(loss_BT, 'dtype', type(loss_BT).__name__)}"
-        raise UserError(f"loss=: returned {got}; expected per-token losses, a float array of the targets' shape [B,T]"
-                        f" = {want} (Brigade weights, sums and normalises them; return loss_BT, not its mean)")
+        raise UserError(
+            f"loss=: returned {got}; expected per-token losses, a float array of the targets' shape [B,T]"
+            f" = {want} (Brigade weights, sums and normalises them; return loss_BT, not its mean)"
+        )
     return loss_BT.astype(jnp.float32)
 
 
@@ -49,19 +54,37 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
     # context parallelism: the batch in the zigzag order its sequence shards hold (models/context.py)
     batch = context.to_layout(batch, context.context_size(), default_positions)
-    if pipeline_1f1b.runs(cfg, pipeline):  # the loss is computed per micro-batch inside the schedule
+    if pipeline_1f1b.runs(
+        cfg, pipeline
+    ):  # the loss is computed per micro-batch inside the schedule
         n = jnp.sum(batch["weights"]) if "weights" in batch else jnp.float32(batch["targets"].size)
         weights = {"aux": n * cfg.aux_loss_coef, "z": n * cfg.z_loss_coef} if cfg.n_experts else {}
         objective, xent, stats = pipeline_1f1b.decoder_loss(
-            cfg, params, batch, pipeline, lambda logits_bTV, mb: token_losses(loss_fn, logits_bTV, mb), weights)
+            cfg,
+            params,
+            batch,
+            pipeline,
+            lambda logits_bTV, mb: token_losses(loss_fn, logits_bTV, mb),
+            weights,
+        )
         return objective, (xent, n, _moe_sums(stats, n))
-    args = (cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"), pipeline)
-    chunk = loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0  # a custom loss reads logits
+    args = (
+        cfg,
+        params,
+        batch["inputs"],
+        batch.get("positions"),
+        batch.get("segment_ids"),
+        pipeline,
+    )
+    chunk = (
+        loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0
+    )  # a custom loss reads logits
     hidden = model.hidden(*args) if chunk else None
     if hidden is not None:
         (x_BTD, head_DV), stats = hidden
-        xent_BT = chunked_token_xent(x_BTD, head_DV, batch["targets"], chunk_tokens=chunk,
-                                     seq_shards=context.context_size())
+        xent_BT = chunked_token_xent(
+            x_BTD, head_DV, batch["targets"], chunk_tokens=chunk, seq_shards=context.context_size()
+        )
     else:
         logits_BTV, stats = model.forward(*args)
         xent_BT = token_losses(loss_fn, logits_BTV, batch)
@@ -78,8 +101,13 @@ def _moe_sums(stats: dict, n) -> dict:
     layers x the token count (additive over micro-batches), the token counts as they are."""
     if not stats:
         return {}
-    return {"aux": jnp.mean(stats["aux"]) * n, "z": jnp.mean(stats["z"]) * n, "counts": stats["counts"],
-            "dropped": stats["dropped"], "assigned": stats["assigned"]}
+    return {
+        "aux": jnp.mean(stats["aux"]) * n,
+        "z": jnp.mean(stats["z"]) * n,
+        "counts": stats["counts"],
+        "dropped": stats["dropped"],
+        "assigned": stats["assigned"],
+    }
 
 
 def loss_chunk(cfg: ModelConfig, shape_BT: tuple[int, int]) -> int:
@@ -89,13 +117,20 @@ def loss_chunk(cfg: ModelConfig, shape_BT: tuple[int, int]) -> int:
     if cfg.loss_chunk:
         return cfg.loss_chunk
     mesh = jax.sharding.get_abstract_mesh()
-    shards = 1 if mesh.empty else math.prod(
-        axes_size(mesh, e) for e in logical_to_spec(("logits_batch", "seq", "act_vocab")))
+    shards = (
+        1
+        if mesh.empty
+        else math.prod(
+            axes_size(mesh, e) for e in logical_to_spec(("logits_batch", "seq", "act_vocab"))
+        )
+    )
     logit_bytes = shape_BT[0] * shape_BT[1] * cfg.vocab_size * 4 / shards
     return LOSS_CHUNK if logit_bytes > LOSS_CHUNK_FROM else 0
 
 
-def loss_sums(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None) -> tuple[jax.Array, jax.Array]:
+def loss_sums(
+    cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None
+) -> tuple[jax.Array, jax.Array]:
     """-> (sum of token losses, number of tokens), in float32. Summing (not averaging)
     per micro-batch makes gradient accumulation exactly equal to one big batch."""
     _, (xent, n, _) = loss_terms(cfg, params, batch, pipeline, loss_fn)
@@ -108,8 +143,13 @@ def replica_split(dp_axes: tuple[str, ...]) -> tuple[int, dict]:
     other batch axes only."""
     n_dp = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in dp_axes)
     rules = current_rules()
-    return n_dp, {**rules, **{name: tuple(a for a in rules[name] if a not in dp_axes)
-                              for name in ("batch", "logits_batch")}}
+    return n_dp, {
+        **rules,
+        **{
+            name: tuple(a for a in rules[name] if a not in dp_axes)
+            for name in ("batch", "logits_batch")
+        },
+    }
 
 
 def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
@@ -120,15 +160,33 @@ def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
     return jnp.swapaxes(x, 0, 1)
 
 
-def grads_and_loss(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = (),
-                   pipeline=None, loss_fn=None):
+def grads_and_loss(
+    cfg: ModelConfig,
+    params,
+    batch,
+    micro_batches: int,
+    dp_axes: tuple[str, ...] = (),
+    pipeline=None,
+    loss_fn=None,
+):
     """Mean loss over all tokens and its gradient (see `grads_loss_stats`)."""
-    loss, grads, _ = grads_loss_stats(cfg, params, batch, micro_batches, dp_axes, pipeline=pipeline, loss_fn=loss_fn)
+    loss, grads, _ = grads_loss_stats(
+        cfg, params, batch, micro_batches, dp_axes, pipeline=pipeline, loss_fn=loss_fn
+    )
     return loss, grads
 
 
-def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = (),
-                     per_replica: bool = False, pipeline=None, loss_fn=None, param_fn=None):
+def grads_loss_stats(
+    cfg: ModelConfig,
+    params,
+    batch,
+    micro_batches: int,
+    dp_axes: tuple[str, ...] = (),
+    per_replica: bool = False,
+    pipeline=None,
+    loss_fn=None,
+    param_fn=None,
+):
     """Mean loss (cross-entropy, or `loss_fn`'s: see `token_losses`) over all tokens, the gradient of the objective (cross-entropy + MoE
     balance losses) and the MoE sums, accumulated over micro-batches in float32.
 
@@ -142,6 +200,7 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
     `param_fn`: the model's params as a function of `params`, which are then what is differentiated
     (LoRA: the adapters, merged into the frozen base inside the traced loss: train/lora.py).
     """
+
     def objective(p, mb):
         return loss_terms(cfg, p if param_fn is None else param_fn(p), mb, pipeline, loss_fn)
 
@@ -154,10 +213,12 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
         n = jnp.maximum(n, 1.0)
         return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
 
-    micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)   # [M, B/M, ...]
+    micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)  # [M, B/M, ...]
     n_dp, inner_rules = replica_split(dp_axes)
     if n_dp > 1:  # [M, B/M, ...] -> [M, n_dp, B/(M n_dp), ...]: dim 1 is the replica group
-        micro = jax.tree.map(lambda x: x.reshape(x.shape[0], n_dp, x.shape[1] // n_dp, *x.shape[2:]), micro)
+        micro = jax.tree.map(
+            lambda x: x.reshape(x.shape[0], n_dp, x.shape[1] // n_dp, *x.shape[2:]), micro
+        )
         grad_fn = jax.vmap(sums_and_grads, in_axes=(None, 0), spmd_axis_name=dp_axes)
     else:
         grad_fn = sums_and_grads
@@ -171,7 +232,9 @@ def grads_loss_stats(cfg: ModelConfig, params, batch, micro_batches: int, dp_axe
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
     (total, n, sums, g), _ = jax.lax.scan(body, zeros, micro)
-    if n_dp > 1:  # the one data-parallel reduction of the step (of the gradient: unless per_replica)
+    if (
+        n_dp > 1
+    ):  # the one data-parallel reduction of the step (of the gradient: unless per_replica)
         total, n, sums = jax.tree.map(lambda x: x.sum(0), (total, n, sums))
         g = g if per_replica else jax.tree.map(lambda x: x.sum(0), g)
     n = jnp.maximum(n, 1.0)
@@ -186,15 +249,31 @@ def moe_metrics(stats: dict) -> dict:
     """Float32 scalars for the log: the worst layer's busiest and idlest expert against the mean
     load, the share of assignments dropped (capacity dispatch), the balance losses (unweighted)."""
     ratio_LE = stats["counts"] / jnp.maximum(jnp.mean(stats["counts"], -1, keepdims=True), 1e-9)
-    return {"moe/load_max_over_mean": jnp.max(ratio_LE), "moe/load_min_over_mean": jnp.min(ratio_LE),
-            "moe/dropped_fraction": jnp.sum(stats["dropped"]) / jnp.maximum(jnp.sum(stats["assigned"]), 1.0),
-            "moe/aux_loss": stats["aux"], "moe/z_loss": stats["z"]}
+    return {
+        "moe/load_max_over_mean": jnp.max(ratio_LE),
+        "moe/load_min_over_mean": jnp.min(ratio_LE),
+        "moe/dropped_fraction": jnp.sum(stats["dropped"])
+        / jnp.maximum(jnp.sum(stats["assigned"]), 1.0),
+        "moe/aux_loss": stats["aux"],
+        "moe/z_loss": stats["z"],
+    }
 
 
-def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, micro_batches: int,
-               dp_axes: tuple[str, ...], state: TrainState, batch, comm_cfg=None,
-               param_specs=None, pipeline=None, local_clip: float = 0.0, loss_fn=None,
-               param_fn=None) -> tuple[TrainState, dict]:
+def train_step(
+    cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    lr_schedule,
+    micro_batches: int,
+    dp_axes: tuple[str, ...],
+    state: TrainState,
+    batch,
+    comm_cfg=None,
+    param_specs=None,
+    pipeline=None,
+    local_clip: float = 0.0,
+    loss_fn=None,
+    param_fn=None,
+) -> tuple[TrainState, dict]:
     """`comm_cfg` (train.config.CommConfig) with a compression other than none, and dp axes:
     the data-parallel gradient sync is train.comm.sync_grads (`param_specs`: the params'
     PartitionSpecs) instead of XLA's all-reduce; `local_clip` > 0 then clips each replica's
@@ -203,55 +282,99 @@ def train_step(cfg: ModelConfig, tx: optax.GradientTransformation, lr_schedule, 
     loss (`token_losses`). `param_fn`: the model's params from `state.params` (LoRA's merge:
     `grads_loss_stats`)."""
     compress = bool(dp_axes) and comm_cfg is not None and comm_cfg.compression != "none"
-    loss, grads, stats = grads_loss_stats(cfg, state.params, batch, micro_batches, dp_axes, per_replica=compress,
-                                          pipeline=pipeline, loss_fn=loss_fn, param_fn=param_fn)
+    loss, grads, stats = grads_loss_stats(
+        cfg,
+        state.params,
+        batch,
+        micro_batches,
+        dp_axes,
+        per_replica=compress,
+        pipeline=pipeline,
+        loss_fn=loss_fn,
+        param_fn=param_fn,
+    )
     residual = state.residual
     if compress:
         norms_R = comm.replica_norms(grads)
-        grad_norm = jnp.mean(norms_R)   # each replica's own, before compression
+        grad_norm = jnp.mean(norms_R)  # each replica's own, before compression
         if local_clip > 0:
             grads = comm.clip_replicas(grads, local_clip, norms_R)
-        grads, residual = comm.sync_grads(grads, state.residual, compression=comm_cfg.compression,
-                                          dp_axes=dp_axes, param_specs=param_specs,
-                                          topk_fraction=comm_cfg.topk_fraction)
+        grads, residual = comm.sync_grads(
+            grads,
+            state.residual,
+            compression=comm_cfg.compression,
+            dp_axes=dp_axes,
+            param_specs=param_specs,
+            topk_fraction=comm_cfg.topk_fraction,
+        )
     else:
         grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    ok = opt_state.notfinite_count == 0   # optax.apply_if_finite skipped nothing
+    ok = opt_state.notfinite_count == 0  # optax.apply_if_finite skipped nothing
     params = optax.apply_updates(state.params, updates)
     window, spiked = state.spike, jnp.zeros((), bool)
     if window is not None:  # --train.spike_factor: a finite update whose loss is a spike is undone
         spiked = ok & window.is_spike(loss)
         undo = lambda new, old: jnp.where(spiked, old, new)  # noqa: E731
-        params, opt_state = jax.tree.map(undo, params, state.params), jax.tree.map(undo, opt_state, state.opt_state)
+        params, opt_state = (
+            jax.tree.map(undo, params, state.params),
+            jax.tree.map(undo, opt_state, state.opt_state),
+        )
         window, ok = window.after(loss, applied=ok & ~spiked, spiked=spiked), ok & ~spiked
     if cfg.n_experts and cfg.router_bias_rate > 0:
         # aux-loss-free balancing: the router bias follows the loads, not the gradient (it has
         # none); it lives in params so that checkpoints and generation carry it
         moe = params["moe_blocks"]["moe"]
         new_bias = bias_update(moe["router_bias_E"], stats["counts"], cfg.router_bias_rate)
-        params = {**params, "moe_blocks": {**params["moe_blocks"], "moe": {
-            **moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])}}}  # a skipped step changes nothing
+        params = {
+            **params,
+            "moe_blocks": {
+                **params["moe_blocks"],
+                "moe": {**moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])},
+            },
+        }  # a skipped step changes nothing
     # the rate this update applied: the optimizer's own count (it stops on skipped steps and
     # rewinds with a restored checkpoint), not the step number; 0 for a skipped step
-    metrics = {"loss": loss, "grad_norm": grad_norm,
-               "lr": jnp.where(spiked, 0.0, applied_lr(lr_schedule, state.opt_state, opt_state)),
-               # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
-               "bad_in_a_row": opt_state.notfinite_count, "skipped_steps": opt_state.total_notfinite}
-    if window is not None:  # neither count resets on the other kind's skip: their sum is the run of skips
-        metrics.update(spike_in_a_row=window.in_a_row, spike_skipped_steps=window.skipped,
-                       loss_running_median=window.median())
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": jnp.where(spiked, 0.0, applied_lr(lr_schedule, state.opt_state, opt_state)),
+        # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
+        "bad_in_a_row": opt_state.notfinite_count,
+        "skipped_steps": opt_state.total_notfinite,
+    }
+    if (
+        window is not None
+    ):  # neither count resets on the other kind's skip: their sum is the run of skips
+        metrics.update(
+            spike_in_a_row=window.in_a_row,
+            spike_skipped_steps=window.skipped,
+            loss_running_median=window.median(),
+        )
     if stats:
         metrics.update(moe_metrics(stats))
-    if residual is not None:  # a skipped step (non-finite, or a spike) must leave the residuals as they were
+    if (
+        residual is not None
+    ):  # a skipped step (non-finite, or a spike) must leave the residuals as they were
         residual = jax.tree.map(lambda new, old: jnp.where(ok, new, old), residual, state.residual)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, residual=residual,
-                      spike=window), metrics
+    return TrainState(
+        step=state.step + 1, params=params, opt_state=opt_state, residual=residual, spike=window
+    ), metrics
 
 
-def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation,
-                   lr_schedule, micro_batches: int, dp_axes: tuple[str, ...], sync_every: int,
-                   state: TrainState, batch, pipeline=None, loss_fn=None) -> tuple[TrainState, dict]:
+def local_sgd_step(
+    cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    outer_tx: optax.GradientTransformation,
+    lr_schedule,
+    micro_batches: int,
+    dp_axes: tuple[str, ...],
+    sync_every: int,
+    state: TrainState,
+    batch,
+    pipeline=None,
+    loss_fn=None,
+) -> tuple[TrainState, dict]:
     """--comm.sync_every H > 1 (local SGD / DiLoCo): every data-parallel replica takes an inner
     optimizer step on its own rows of the batch with no data-parallel traffic; every H-th step the
     outer optimizer applies the replicas' mean drift to the global params (one all-reduce)."""
@@ -261,21 +384,40 @@ def local_sgd_step(cfg: ModelConfig, tx: optax.GradientTransformation, outer_tx:
 
     def grad_fn(params, b):
         with axis_rules(inner_rules):
-            loss, grads, _ = grads_loss_stats(cfg, params, b, micro_batches, pipeline=pipeline, loss_fn=loss_fn)
+            loss, grads, _ = grads_loss_stats(
+                cfg, params, b, micro_batches, pipeline=pipeline, loss_fn=loss_fn
+            )
         return (loss, optax.tree.norm(grads)), grads
 
-    (loss_R, gnorm_R), drift, opt_state = comm.local_step(grad_fn, tx, state.params, state.drift,
-                                                          state.opt_state, batch_R, dp_axes)
+    (loss_R, gnorm_R), drift, opt_state = comm.local_step(
+        grad_fn, tx, state.params, state.drift, state.opt_state, batch_R, dp_axes
+    )
     outer = comm.OuterState(params=state.params, opt_state=state.outer_opt)
-    outer, drift = jax.lax.cond((state.step + 1) % sync_every == 0, lambda o, d: comm.outer_step(o, d, outer_tx),
-                                lambda o, d: (o, d), outer, drift)
-    metrics = {"loss": loss_R.mean(), "grad_norm": gnorm_R.mean(),
-               "lr": applied_lr(lr_schedule, state.opt_state, opt_state),  # mean over replicas
-               "bad_in_a_row": opt_state.notfinite_count.max(), "skipped_steps": opt_state.total_notfinite.max()}
-    return state.replace(step=state.step + 1, params=outer.params, opt_state=opt_state, drift=drift,
-                         outer_opt=outer.opt_state), metrics
+    outer, drift = jax.lax.cond(
+        (state.step + 1) % sync_every == 0,
+        lambda o, d: comm.outer_step(o, d, outer_tx),
+        lambda o, d: (o, d),
+        outer,
+        drift,
+    )
+    metrics = {
+        "loss": loss_R.mean(),
+        "grad_norm": gnorm_R.mean(),
+        "lr": applied_lr(lr_schedule, state.opt_state, opt_state),  # mean over replicas
+        "bad_in_a_row": opt_state.notfinite_count.max(),
+        "skipped_steps": opt_state.total_notfinite.max(),
+    }
+    return state.replace(
+        step=state.step + 1,
+        params=outer.params,
+        opt_state=opt_state,
+        drift=drift,
+        outer_opt=outer.opt_state,
+    ), metrics
 
 
-def eval_step(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None) -> tuple[jax.Array, jax.Array]:
+def eval_step(
+    cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None
+) -> tuple[jax.Array, jax.Array]:
     """-> (sum of token losses, token count) for one held-out batch."""
     return loss_sums(cfg, params, batch, pipeline, loss_fn)

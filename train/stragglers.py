@@ -13,6 +13,7 @@ process (the one that waited least, the slowest, waits for nobody) plus its own 
 host overhead. A slow device delays every process alike and shows here as compute time on all
 of them (docs/troubleshooting.md says how to find it).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,10 @@ from train.watchdog import coordination_client
 _STEP_TIME = "brigade/steptime/"  # + process index: that process's latest per-step split (JSON)
 PARTS = {"compute_s": "compute", "data_wait_s": "data wait", "host_s": "host overhead"}
 STREAK = 3  # log intervals in a row above the threshold before the warning line
-_HINTS = {"data_wait_s": "its input pipeline is slow (its disk or network; --data.prefetch)",
-          "host_s": "something else runs on that host (CPU contention, swapping, a noisy neighbour)"}
+_HINTS = {
+    "data_wait_s": "its input pipeline is slow (its disk or network; --data.prefetch)",
+    "host_s": "something else runs on that host (CPU contention, swapping, a noisy neighbour)",
+}
 
 
 def compare(reports: dict[int, dict]) -> dict:
@@ -38,14 +41,24 @@ def compare(reports: dict[int, dict]) -> dict:
     slowest = max(sorted(own), key=own.get)
     others = [p for p in own if p != slowest]
     if not others:
-        return {"step_time_max_over_median": 1.0, "slowest_process": slowest, "slow_part": "compute_s",
-                "excess_s": 0.0}
+        return {
+            "step_time_max_over_median": 1.0,
+            "slowest_process": slowest,
+            "slow_part": "compute_s",
+            "excess_s": 0.0,
+        }
     median = statistics.median(own[p] for p in others)
-    excess = {k: reports[slowest][k] - statistics.median(reports[p][k] for p in others)
-              for k in ("data_wait_s", "host_s")}
+    excess = {
+        k: reports[slowest][k] - statistics.median(reports[p][k] for p in others)
+        for k in ("data_wait_s", "host_s")
+    }
     part = max(excess, key=excess.get)
-    return {"step_time_max_over_median": own[slowest] / max(median, 1e-9), "slowest_process": slowest,
-            "slow_part": part, "excess_s": excess[part]}
+    return {
+        "step_time_max_over_median": own[slowest] / max(median, 1e-9),
+        "slowest_process": slowest,
+        "slow_part": part,
+        "excess_s": excess[part],
+    }
 
 
 class Stragglers:
@@ -63,10 +76,18 @@ class Stragglers:
         reports = {self.me: mine}
         if self.client is not None:
             try:
-                self.client.key_value_set(f"{_STEP_TIME}{self.me}", json.dumps(mine), allow_overwrite=True)
-                if self.me == 0:  # each peer's latest (its split for this step, or the interval before)
-                    reports.update({int(k.rsplit("/", 1)[1]): json.loads(v)
-                                    for k, v in self.client.key_value_dir_get(_STEP_TIME)})
+                self.client.key_value_set(
+                    f"{_STEP_TIME}{self.me}", json.dumps(mine), allow_overwrite=True
+                )
+                if (
+                    self.me == 0
+                ):  # each peer's latest (its split for this step, or the interval before)
+                    reports.update(
+                        {
+                            int(k.rsplit("/", 1)[1]): json.loads(v)
+                            for k, v in self.client.key_value_dir_get(_STEP_TIME)
+                        }
+                    )
                     reports[0] = mine
             except Exception:  # noqa: BLE001  (the coordinator is gone: the peer heartbeat says so)
                 pass
@@ -74,7 +95,9 @@ class Stragglers:
             return {}, ""
         found = compare(reports)
         fields = {k: found[k] for k in ("step_time_max_over_median", "slowest_process")}
-        self.streak = self.streak + [step] if found["step_time_max_over_median"] > self.threshold else []
+        self.streak = (
+            self.streak + [step] if found["step_time_max_over_median"] > self.threshold else []
+        )
         if len(self.streak) != STREAK:  # once per episode: at the third interval in a row
             return fields, ""
         return fields, self._line(found, reports[found["slowest_process"]])
@@ -82,8 +105,10 @@ class Stragglers:
     def _line(self, found: dict, slow: dict) -> str:
         p, part = found["slowest_process"], found["slow_part"]
         parts = ", ".join(f"{name} {slow[k]:.3f}s" for k, name in PARTS.items())
-        return (f"warning: straggler: process {p} on host {slow['host']} has been"
-                f" {found['step_time_max_over_median']:.1f}x slower than the median of the other processes for"
-                f" {STREAK} log intervals (steps {self.streak[0]}-{self.streak[-1]}, --logging.straggler_threshold"
-                f" {self.threshold:g}); its {PARTS[part]} is {found['excess_s']:.3f}s per step above theirs"
-                f" ({parts} per step): {_HINTS[part]}")
+        return (
+            f"warning: straggler: process {p} on host {slow['host']} has been"
+            f" {found['step_time_max_over_median']:.1f}x slower than the median of the other processes for"
+            f" {STREAK} log intervals (steps {self.streak[0]}-{self.streak[-1]}, --logging.straggler_threshold"
+            f" {self.threshold:g}); its {PARTS[part]} is {found['excess_s']:.3f}s per step above theirs"
+            f" ({parts} per step): {_HINTS[part]}"
+        )

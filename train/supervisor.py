@@ -15,6 +15,7 @@ with status 5, every supervisor restarts its child, and they meet again at the c
 child that ends with 2 or 3 tells its peers, which end with the same status: no supervisor of
 the job restarts.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ from typing import NamedTuple
 from checkpoint import storage
 from train.goodput import read_records
 
-FINAL = {0: "finished", 2: "configuration or environment error", 3: "diverged",
-         130: "stopped by SIGINT", 143: "stopped by SIGTERM"}
+FINAL = {
+    0: "finished",
+    2: "configuration or environment error",
+    3: "diverged",
+    130: "stopped by SIGINT",
+    143: "stopped by SIGTERM",
+}
 REASONS = {4: "watchdog: no progress", 5: "lost a peer process", 1: "Python error"}
 CHILD_ENV = "BRIGADE_SUPERVISED"  # set in the child: it must not supervise itself
 
@@ -37,6 +43,7 @@ CHILD_ENV = "BRIGADE_SUPERVISED"  # set in the child: it must not supervise itse
 class Fresh(NamedTuple):
     """A run directory the supervisor named (no --run-dir was given) and the --resume its first
     child starts with (auto, none, or the path of the run that --resume latest continues)."""
+
     run_dir: str
     resume: str
 
@@ -47,7 +54,13 @@ def child_argv(argv: list[str], fresh: Fresh | None, saved_step: int | None) -> 
     collide with them). The last flag wins, so these override the user's."""
     if fresh is None:
         return argv
-    return [*argv, "--run-dir", fresh.run_dir, "--resume", "auto" if saved_step is not None else fresh.resume]
+    return [
+        *argv,
+        "--run-dir",
+        fresh.run_dir,
+        "--resume",
+        "auto" if saved_step is not None else fresh.resume,
+    ]
 
 
 def describe(code: int) -> str:
@@ -77,12 +90,20 @@ def _record(run_dir: str, restart: dict) -> None:
     directory: a file written into a directory the child never claimed (it died before, or it
     is the user's) would make the restarted child refuse that directory as not its own."""
     from train.rundir import is_run_dir
+
     if storage.isdir(run_dir) and is_run_dir(run_dir):
         storage.append_text(storage.join(run_dir, "restarts.jsonl"), json.dumps(restart) + "\n")
 
 
-def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, backoff_s: float = 2.0,
-              program: list[str] | None = None, fresh: Fresh | None = None) -> int:
+def supervise(
+    argv: list[str],
+    max_restarts: int,
+    run_dir: str,
+    ckpt_dir: str,
+    backoff_s: float = 2.0,
+    program: list[str] | None = None,
+    fresh: Fresh | None = None,
+) -> int:
     """Run `python -m train argv` (or `program` argv) until it ends for good; -> its final exit
     status. `fresh`: the directory named for a run without --run-dir (see child_argv)."""
     program = program or [sys.executable, "-m", "train"]
@@ -102,29 +123,52 @@ def supervise(argv: list[str], max_restarts: int, run_dir: str, ckpt_dir: str, b
             started = time.time()
             saved = _checkpoint_step(ckpt_dir) if restarts else None
             child = subprocess.Popen([*program, *child_argv(argv, fresh, saved)], env=env)
-            print(f"supervisor: training started (pid {child.pid}, restart {restarts}/{max_restarts})", flush=True)
+            print(
+                f"supervisor: training started (pid {child.pid}, restart {restarts}/{max_restarts})",
+                flush=True,
+            )
             code = child.wait()
             ended = time.time()
             if code in FINAL or stop["signal"] is not None or restarts >= max_restarts:
                 if code not in FINAL and stop["signal"] is None:
-                    print(f"supervisor: training {describe(code)}; giving up after {restarts} restart(s)"
-                          f" (--max-restarts {max_restarts})", file=sys.stderr, flush=True)
+                    print(
+                        f"supervisor: training {describe(code)}; giving up after {restarts} restart(s)"
+                        f" (--max-restarts {max_restarts})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 break
             restarts += 1
             logged, saved = _last_logged_step(run_dir), _checkpoint_step(ckpt_dir)
             lost = max(0, (logged or 0) - (saved or 0))
             lost_total += lost
-            print(f"supervisor: training {describe(code)} after {ended - started:.0f}s; restart {restarts}/"
-                  f"{max_restarts} from {'step ' + str(saved) if saved is not None else 'scratch'}"
-                  f" ({lost} logged step(s) to redo)", file=sys.stderr, flush=True)
-            _record(run_dir, {"restart": restarts, "exit_code": code, "reason": describe(code), "exited_at": ended,
-                              "last_logged_step": logged, "checkpoint_step": saved, "lost_steps": lost,
-                              "backoff_s": backoff_s})
+            print(
+                f"supervisor: training {describe(code)} after {ended - started:.0f}s; restart {restarts}/"
+                f"{max_restarts} from {'step ' + str(saved) if saved is not None else 'scratch'}"
+                f" ({lost} logged step(s) to redo)",
+                file=sys.stderr,
+                flush=True,
+            )
+            _record(
+                run_dir,
+                {
+                    "restart": restarts,
+                    "exit_code": code,
+                    "reason": describe(code),
+                    "exited_at": ended,
+                    "last_logged_step": logged,
+                    "checkpoint_step": saved,
+                    "lost_steps": lost,
+                    "backoff_s": backoff_s,
+                },
+            )
             time.sleep(backoff_s)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
     if restarts:
-        print(f"supervisor: {restarts} restart(s), {lost_total} logged step(s) recomputed; exit status {code}",
-              flush=True)
+        print(
+            f"supervisor: {restarts} restart(s), {lost_total} logged step(s) recomputed; exit status {code}",
+            flush=True,
+        )
     return code

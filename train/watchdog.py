@@ -18,6 +18,7 @@ coordination service's own, longer, heartbeat timeout aborts the process from C+
 that ends with a configuration error (exit 2) or a divergence (exit 3) publishes it, and its
 peers end with the same status, so no supervisor restarts a job that cannot succeed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,11 +28,11 @@ import sys
 import threading
 import time
 
-WATCHDOG_EXIT = 4    # no progress for --train.step_timeout seconds
-PEER_LOST_EXIT = 5   # a collective failed because another process is gone
-_ALIVE = "brigade/alive/"          # + process index: that process's heartbeat counter
-_FINAL = "brigade/final/"          # + process index: "<exit status> <one line>" of a final error
-_ACK = "brigade/ack/"              # + process index: it saw a peer's final error and is leaving too
+WATCHDOG_EXIT = 4  # no progress for --train.step_timeout seconds
+PEER_LOST_EXIT = 5  # a collective failed because another process is gone
+_ALIVE = "brigade/alive/"  # + process index: that process's heartbeat counter
+_FINAL = "brigade/final/"  # + process index: "<exit status> <one line>" of a final error
+_ACK = "brigade/ack/"  # + process index: it saw a peer's final error and is leaving too
 
 # Exactly one line ends a process: the watchdog, the heartbeat and the main thread may reach
 # their verdicts at the same moment; the first to take this lock speaks and exits.
@@ -74,13 +75,17 @@ class Watchdog:
     to `stacks_path` (and stderr) and exit. `describe_peers()` (if given) names lost processes."""
 
     def __init__(self, timeout_s: float, stacks_path: str, describe_peers=None):
-        self.timeout_s, self.stacks_path, self.describe_peers = timeout_s, stacks_path, describe_peers
+        self.timeout_s, self.stacks_path, self.describe_peers = (
+            timeout_s,
+            stacks_path,
+            describe_peers,
+        )
         self._last, self._what = time.monotonic(), "start"
         self._wait: tuple[str, float | None] | None = None  # inside waiting(): (what, its limit)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="brigade-watchdog", daemon=True)
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         if self.timeout_s > 0:
             self._thread.start()
         return self
@@ -119,7 +124,9 @@ class Watchdog:
         if self._wait is not None:
             head = f"still waiting for {self._wait[0]} after {idle:.0f}s (limit {limit:g}s)"
         else:
-            head = f"no progress for {idle:.0f}s (--train.step_timeout {limit:g}) after {self._what}"
+            head = (
+                f"no progress for {idle:.0f}s (--train.step_timeout {limit:g}) after {self._what}"
+            )
         peers = self.describe_peers() if self.describe_peers else ""
 
         def dump_stacks():
@@ -127,14 +134,19 @@ class Watchdog:
 
         with open(self.stacks_path, "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        end_process(f"error: watchdog: {head}{'; ' + peers if peers else ''}; stacks of all threads in"
-                    f" {self.stacks_path}; exiting with status {WATCHDOG_EXIT} so the job can restart from its"
-                    f" last checkpoint", WATCHDOG_EXIT, dump_stacks)
+        end_process(
+            f"error: watchdog: {head}{'; ' + peers if peers else ''}; stacks of all threads in"
+            f" {self.stacks_path}; exiting with status {WATCHDOG_EXIT} so the job can restart from its"
+            f" last checkpoint",
+            WATCHDOG_EXIT,
+            dump_stacks,
+        )
 
 
 def coordination_client():
     """The coordination-service client jax.distributed started, or None (single process)."""
     from jax._src import distributed
+
     return distributed.global_state.client
 
 
@@ -146,17 +158,23 @@ class PeerHeartbeat:
 
     One heartbeat runs per process: entering a second one while one runs reuses the running one."""
 
-    _running: "PeerHeartbeat | None" = None
+    _running: PeerHeartbeat | None = None
 
     def __init__(self, period_s: float = 1.0, timeout_s: float = 0.0):
         import jax
+
         self.client = coordination_client()
-        self.me, self.n, self.period_s, self.timeout_s = jax.process_index(), jax.process_count(), period_s, timeout_s
+        self.me, self.n, self.period_s, self.timeout_s = (
+            jax.process_index(),
+            jax.process_count(),
+            period_s,
+            timeout_s,
+        )
         self._owner = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="brigade-heartbeat", daemon=True)
 
-    def __enter__(self) -> "PeerHeartbeat":
+    def __enter__(self) -> PeerHeartbeat:
         if self.client is not None and self.n > 1 and PeerHeartbeat._running is None:
             PeerHeartbeat._running, self._owner = self, True
             self._thread.start()
@@ -176,7 +194,9 @@ class PeerHeartbeat:
 
     def _run(self) -> None:
         count, started = 0, time.monotonic()
-        changed: dict[int, tuple[str | None, float]] = {p: (None, started) for p in range(self.n) if p != self.me}
+        changed: dict[int, tuple[str | None, float]] = {
+            p: (None, started) for p in range(self.n) if p != self.me
+        }
         answered = started
         while not self._stop.is_set():
             try:
@@ -195,7 +215,9 @@ class PeerHeartbeat:
                 self._check(now, answered, changed)
             self._stop.wait(self.period_s)
 
-    def _check(self, now: float, answered: float, changed: dict[int, tuple[str | None, float]]) -> None:
+    def _check(
+        self, now: float, answered: float, changed: dict[int, tuple[str | None, float]]
+    ) -> None:
         gone = [p for p, (_, since) in changed.items() if now - since >= self.timeout_s]
         if now - answered >= self.timeout_s:
             what = "lost the coordinator (process 0): the coordination service has not answered"
@@ -203,9 +225,12 @@ class PeerHeartbeat:
             what = f"lost peer process(es) {', '.join(map(str, gone))}: no heartbeat"
         else:
             return
-        end_process(f"error: process {self.me}: {what} for {self.timeout_s:g}s (--parallelism.peer_timeout);"
-                    f" last activity here: {_doing[0]}; exiting with status {PEER_LOST_EXIT}: restart every"
-                    f" process to resume from the last checkpoint", PEER_LOST_EXIT)
+        end_process(
+            f"error: process {self.me}: {what} for {self.timeout_s:g}s (--parallelism.peer_timeout);"
+            f" last activity here: {_doing[0]}; exiting with status {PEER_LOST_EXIT}: restart every"
+            f" process to resume from the last checkpoint",
+            PEER_LOST_EXIT,
+        )
 
     def _follow_final_error(self, keys: dict[str, str]) -> None:
         """A peer ended with a final status (2: configuration or input error, 3: diverged): end this
@@ -218,8 +243,12 @@ class PeerHeartbeat:
                     self.client.key_value_set(f"{_ACK}{self.me}", "1", allow_overwrite=True)
                     _wait_for_peers(self.client, self.me, self.n)
 
-                end_process(f"error: process {self.me}: stopping because process {key[len(_FINAL):]} ended with"
-                            f" status {code}: {line.removeprefix('error: ')}", int(code), ack)
+                end_process(
+                    f"error: process {self.me}: stopping because process {key[len(_FINAL) :]} ended with"
+                    f" status {code}: {line.removeprefix('error: ')}",
+                    int(code),
+                    ack,
+                )
 
     def lost(self) -> str:
         """'' if every peer is alive, else one phrase naming the lost ones (takes ~3 periods)."""
@@ -230,9 +259,16 @@ class PeerHeartbeat:
             return "lost the coordinator (process 0): the coordination service does not answer"
         time.sleep(3 * self.period_s)
         after = self._read() or {}
-        gone = [p for p in range(self.n) if p != self.me and before.get(f"{_ALIVE}{p}") == after.get(f"{_ALIVE}{p}")]
-        return f"lost peer process(es) {', '.join(map(str, gone))} (no heartbeat for {3 * self.period_s:.0f}s)" \
-            if gone else ""
+        gone = [
+            p
+            for p in range(self.n)
+            if p != self.me and before.get(f"{_ALIVE}{p}") == after.get(f"{_ALIVE}{p}")
+        ]
+        return (
+            f"lost peer process(es) {', '.join(map(str, gone))} (no heartbeat for {3 * self.period_s:.0f}s)"
+            if gone
+            else ""
+        )
 
 
 def end_job(line: str, code: int) -> None:
@@ -244,7 +280,10 @@ def end_job(line: str, code: int) -> None:
 
     def tell_peers():
         import jax
-        client.key_value_set(f"{_FINAL}{jax.process_index()}", f"{code} {line}", allow_overwrite=True)
+
+        client.key_value_set(
+            f"{_FINAL}{jax.process_index()}", f"{code} {line}", allow_overwrite=True
+        )
         _wait_for_peers(client, jax.process_index(), jax.process_count())
 
     end_process(line, code, tell_peers)

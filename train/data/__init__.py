@@ -9,9 +9,11 @@ it the pipeline's interface.
 
 def make_pipeline(*args, **kwargs):
     from train.data.pipeline import make_pipeline as make
+
     return make(*args, **kwargs)
 
 
 def abstract_batch(*args, **kwargs):
     from train.data.pipeline import abstract_batch as abstract
+
     return abstract(*args, **kwargs)

@@ -24,6 +24,7 @@ whole's, and training must see the whole's. A template that renders a prefix dif
 the start of the whole (one that rewrites earlier turns, e.g. drops past reasoning) is refused,
 naming the record: its turns cannot be located in the tokens trained on.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,8 +39,10 @@ from train.data.formats import line_where
 FORMATS = ("text", "prompt_completion", "chat")
 FIELDS = {"prompt_completion": ("prompt", "completion"), "chat": ("messages",)}
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_SHAPE = {"prompt_completion": '{"prompt": "...", "completion": "..."}',
-          "chat": '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'}
+_SHAPE = {
+    "prompt_completion": '{"prompt": "...", "completion": "..."}',
+    "chat": '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
+}
 
 
 def check_options(tok, input_format: str, text_field: str) -> str | tuple[str, ...]:
@@ -51,8 +54,10 @@ def check_options(tok, input_format: str, text_field: str) -> str | tuple[str, .
     if input_format == "text":
         return text_field
     if text_field != "text":
-        raise UserError(f"prepare: --text-field is for --format text; --format {input_format} records hold"
-                        f" {' and '.join(FIELDS[input_format])}")
+        raise UserError(
+            f"prepare: --text-field is for --format text; --format {input_format} records hold"
+            f" {' and '.join(FIELDS[input_format])}"
+        )
     if input_format == "chat":
         _check_chat_tokenizer(tok)
     return FIELDS[input_format]
@@ -60,20 +65,27 @@ def check_options(tok, input_format: str, text_field: str) -> str | tuple[str, .
 
 def _check_chat_tokenizer(tok) -> None:
     if tok.model_dir is None:
-        raise UserError(f"prepare: --format chat needs --tokenizer HF_MODEL_DIR, a HuggingFace model directory with"
-                        f" tokenizer.json and a chat template; got --tokenizer {tok.path or tok.kind}")
+        raise UserError(
+            f"prepare: --format chat needs --tokenizer HF_MODEL_DIR, a HuggingFace model directory with"
+            f" tokenizer.json and a chat template; got --tokenizer {tok.path or tok.kind}"
+        )
     if not tok.chat_template:
-        raise UserError(f"prepare: --format chat: the model directory '{tok.model_dir}' has no chat template"
-                        f" (chat_template.jinja or tokenizer_config.json's chat_template); use --format"
-                        f" prompt_completion or text")
+        raise UserError(
+            f"prepare: --format chat: the model directory '{tok.model_dir}' has no chat template"
+            f" (chat_template.jinja or tokenizer_config.json's chat_template); use --format"
+            f" prompt_completion or text"
+        )
     compile_template(tok.chat_template, tok.model_dir)
 
 
 # ------------------------------------------------------------------ the template, as transformers renders it
 
+
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # transformers' own: jinja's default tojson escapes HTML characters, which templates do not expect
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -87,7 +99,9 @@ def compile_template(source: str, model_dir: str):
         import jinja2.ext
         import jinja2.sandbox
     except ImportError:
-        raise UserError("prepare: --format chat renders the chat template with jinja2: pip install jinja2") from None
+        raise UserError(
+            "prepare: --format chat renders the chat template with jinja2: pip install jinja2"
+        ) from None
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -95,7 +109,9 @@ def compile_template(source: str, model_dir: str):
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno
+            )
 
         def _body(self, caller):
             return caller()
@@ -103,36 +119,52 @@ def compile_template(source: str, model_dir: str):
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise UserError(f"prepare: --tokenizer {model_dir}: the chat template does not compile (line {e.lineno}:"
-                        f" {e.message})") from None
+        raise UserError(
+            f"prepare: --tokenizer {model_dir}: the chat template does not compile (line {e.lineno}:"
+            f" {e.message})"
+        ) from None
 
 
-def render(tok, messages: list[dict], add_generation_prompt: bool, where: str = "the conversation") -> str:
+def render(
+    tok, messages: list[dict], add_generation_prompt: bool, where: str = "the conversation"
+) -> str:
     """The template's text for `messages`, with the variables transformers gives it: the
     messages, add_generation_prompt, tools and documents (none), and the special tokens by name."""
     template = compile_template(tok.chat_template, tok.model_dir)
     try:
-        return template.render(messages=messages, tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **tok.special)
-    except Exception as e:  # the template is the model's code: anything it raises is about this record
+        return template.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **tok.special,
+        )
+    except (
+        Exception
+    ) as e:  # the template is the model's code: anything it raises is about this record
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"prepare: {line_where(where)}: the chat template fails on this conversation ({first})") \
-            from None
+        raise UserError(
+            f"prepare: {line_where(where)}: the chat template fails on this conversation ({first})"
+        ) from None
 
 
 # ------------------------------------------------------------------ records -> tokens and mask
 
+
 def _bad(where: str, input_format: str, problem: str) -> UserError:
-    return UserError(f"prepare: {line_where(where)}: {problem}; --format {input_format} records look like"
-                     f" {_SHAPE[input_format]}")
+    return UserError(
+        f"prepare: {line_where(where)}: {problem}; --format {input_format} records look like"
+        f" {_SHAPE[input_format]}"
+    )
 
 
 def check_record(input_format: str, record: dict, where: str) -> dict:
@@ -143,18 +175,29 @@ def check_record(input_format: str, record: dict, where: str) -> dict:
     if input_format == "prompt_completion":
         for name in FIELDS[input_format]:
             if not isinstance(record[name], str):
-                raise _bad(where, input_format, f"field '{name}' is {type(record[name]).__name__}, not a string")
+                raise _bad(
+                    where,
+                    input_format,
+                    f"field '{name}' is {type(record[name]).__name__}, not a string",
+                )
         return record
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise _bad(where, input_format, "field 'messages' is not a non-empty list")
     # keys whose value is null are dropped, as transformers does (a Parquet struct has every key in every row)
-    messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+    messages = [
+        {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+        for m in messages
+    ]
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise _bad(where, input_format, f"messages[{i}] has no string 'content'")
         if m.get("role") not in ROLES:
-            raise _bad(where, input_format, f"messages[{i}].role is {m.get('role')!r}; valid: {', '.join(ROLES)}")
+            raise _bad(
+                where,
+                input_format,
+                f"messages[{i}].role is {m.get('role')!r}; valid: {', '.join(ROLES)}",
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise _bad(where, input_format, "no assistant message (nothing to train on)")
     return {**record, "messages": messages}
@@ -167,11 +210,16 @@ def assistant_spans(tok, messages: list[dict], where: str) -> tuple[str, list[tu
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt, through = render(tok, messages[:i], True, where), render(tok, messages[:i + 1], False, where)
+        prompt, through = (
+            render(tok, messages[:i], True, where),
+            render(tok, messages[: i + 1], False, where),
+        )
         if not (through.startswith(prompt) and whole.startswith(through)):
-            raise UserError(f"prepare: {line_where(where)}: the chat template renders messages[:{i}] (with the"
-                            f" generation prompt) or messages[:{i + 1}] as other than the start of the whole"
-                            f" conversation, so assistant message {i} cannot be located in its tokens")
+            raise UserError(
+                f"prepare: {line_where(where)}: the chat template renders messages[:{i}] (with the"
+                f" generation prompt) or messages[:{i + 1}] as other than the start of the whole"
+                f" conversation, so assistant message {i} cannot be located in its tokens"
+            )
         spans.append((len(prompt), len(through)))
     return whole, spans
 
@@ -180,22 +228,32 @@ def chat_tokens(tok, messages: list[dict], where: str) -> tuple[np.ndarray, np.n
     """-> (ids [N] of the rendered conversation, uint8 mask [N]: 1 on tokens overlapping an assistant turn)."""
     text, spans = assistant_spans(tok, messages, where)
     ids, offsets = tok.encode_offsets(text)
-    start, end = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)  # a token of no characters has a place
+    start, end = (
+        offsets[:, 0],
+        np.maximum(offsets[:, 1], offsets[:, 0] + 1),
+    )  # a token of no characters has a place
     mask = np.zeros(len(ids), bool)
     for a, b in spans:
         mask |= (start < b) & (end > a)
     return ids, mask.astype(np.uint8)
 
 
-def encode_records(tok, input_format: str, docs: list[tuple[str, dict]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_records(
+    tok, input_format: str, docs: list[tuple[str, dict]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(where, record) pairs -> (tokens [N] int64, document lengths [D], loss mask [N] uint8);
     each document ends with the tokenizer's EOS."""
     records = [check_record(input_format, r, where) for where, r in docs]
     if input_format == "prompt_completion":
         prompts = tok.encode([r["prompt"] for r in records]) if records else []
         completions = tok.encode([r["completion"] for r in records]) if records else []
-        pieces = [(np.concatenate([p, c, [tok.eos_id]]), np.repeat(np.uint8([0, 1]), [len(p), len(c) + 1]))
-                  for p, c in zip(prompts, completions)]
+        pieces = [
+            (
+                np.concatenate([p, c, [tok.eos_id]]),
+                np.repeat(np.uint8([0, 1]), [len(p), len(c) + 1]),
+            )
+            for p, c in zip(prompts, completions)
+        ]
     else:
         pieces = []
         for (where, _), r in zip(docs, records):
@@ -203,5 +261,8 @@ def encode_records(tok, input_format: str, docs: list[tuple[str, dict]]) -> tupl
             pieces.append((np.append(ids, tok.eos_id), np.append(mask, 0).astype(np.uint8)))
     if not pieces:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8)
-    return (np.concatenate([t for t, _ in pieces]).astype(np.int64), np.array([len(t) for t, _ in pieces], np.int64),
-            np.concatenate([m for _, m in pieces]))
+    return (
+        np.concatenate([t for t, _ in pieces]).astype(np.int64),
+        np.array([len(t) for t, _ in pieces], np.int64),
+        np.concatenate([m for _, m in pieces]),
+    )

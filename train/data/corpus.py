@@ -4,6 +4,7 @@ file/directory, or synthetic tokens; byte-level tokenizer.
 Every source becomes two flat uint16 token arrays (train, eval): documents joined with EOS, the
 split made per document by a hash of its name so it is the same on every machine and process.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,9 @@ def decode(tokens) -> str:
 @dataclass
 class Corpus:
     name: str
-    train: np.ndarray   # uint16 [N]
-    eval: np.ndarray    # uint16 [M]
-    vocab_size: int     # smallest vocabulary that covers the tokens
+    train: np.ndarray  # uint16 [N]
+    eval: np.ndarray  # uint16 [M]
+    vocab_size: int  # smallest vocabulary that covers the tokens
 
 
 def _join(docs: list[bytes]) -> np.ndarray:
@@ -58,8 +59,9 @@ def _split(named_docs: list[tuple[str, bytes]], eval_fraction: float, name: str)
     return Corpus(name, _join(train), _join(held), BYTE_VOCAB)
 
 
-def _read_tree(root: str, suffix: str | None = None, skip_dirs: tuple[str, ...] = (),
-               strict: bool = False) -> list[tuple[str, bytes]]:
+def _read_tree(
+    root: str, suffix: str | None = None, skip_dirs: tuple[str, ...] = (), strict: bool = False
+) -> list[tuple[str, bytes]]:
     """(name relative to root, bytes) of every file under root, sorted, hidden files and directories
     skipped (as `prepare` does); an unreadable file is skipped, or with `strict` refused."""
     docs = []
@@ -73,7 +75,9 @@ def _read_tree(root: str, suffix: str | None = None, skip_dirs: tuple[str, ...] 
                 with open(path, "rb") as f:
                     docs.append((os.path.relpath(path, root), f.read()))
             except OSError as e:
-                if strict:  # the user's data: a file left out silently would be a silent change of corpus
+                if (
+                    strict
+                ):  # the user's data: a file left out silently would be a silent change of corpus
                     raise UserError(f"--data: cannot read '{path}': {e.strerror}") from None
                 continue  # unreadable stdlib files (permissions) are simply not part of the corpus
     return docs
@@ -82,8 +86,11 @@ def _read_tree(root: str, suffix: str | None = None, skip_dirs: tuple[str, ...] 
 def stdlib_corpus(eval_fraction: float) -> Corpus:
     """The .py files of the running interpreter's standard library (~30 MB on CPython 3.11)."""
     root = sysconfig.get_paths()["stdlib"]
-    return _split(_read_tree(root, ".py", ("site-packages", "dist-packages", "__pycache__")), eval_fraction,
-                  f"stdlib:{root}")
+    return _split(
+        _read_tree(root, ".py", ("site-packages", "dist-packages", "__pycache__")),
+        eval_fraction,
+        f"stdlib:{root}",
+    )
 
 
 def text_corpus(path: str, eval_fraction: float) -> Corpus:
@@ -98,16 +105,20 @@ def text_corpus(path: str, eval_fraction: float) -> Corpus:
         except OSError as e:
             raise UserError(f"--data: cannot read '{path}': {e.strerror}") from None
     else:
-        raise UserError(f"--data: '{path}' is not a file or directory; valid: default, synthetic, or a path to text")
+        raise UserError(
+            f"--data: '{path}' is not a file or directory; valid: default, synthetic, or a path to text"
+        )
     docs = [(n, d) for n, d in docs if d]
     for name, data in docs:
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
             shown = path if os.path.isfile(path) else os.path.join(path, name)
-            raise UserError(f"--data: '{shown}' is not UTF-8 text (byte {e.start}); byte-tokenising it would train on"
-                            f" binary data: give text, or `python -m train.data prepare ... --on-bad-utf8 skip`"
-                            f" to leave such files out") from None
+            raise UserError(
+                f"--data: '{shown}' is not UTF-8 text (byte {e.start}); byte-tokenising it would train on"
+                f" binary data: give text, or `python -m train.data prepare ... --on-bad-utf8 skip`"
+                f" to leave such files out"
+            ) from None
     if not docs:
         raise UserError(f"--data: '{path}' holds no non-empty files")
     return _split(docs, eval_fraction, f"text:{path}")
@@ -116,8 +127,12 @@ def text_corpus(path: str, eval_fraction: float) -> Corpus:
 def synthetic_corpus(seed: int, n_tokens: int = 1 << 22) -> Corpus:
     """Uniform random bytes: no structure to learn, for throughput benchmarks."""
     rng = np.random.default_rng(seed)
-    return Corpus("synthetic", rng.integers(0, 256, n_tokens, dtype=np.uint16),
-                  rng.integers(0, 256, n_tokens // 16, dtype=np.uint16), BYTE_VOCAB)
+    return Corpus(
+        "synthetic",
+        rng.integers(0, 256, n_tokens, dtype=np.uint16),
+        rng.integers(0, 256, n_tokens // 16, dtype=np.uint16),
+        BYTE_VOCAB,
+    )
 
 
 def load(source: str, eval_fraction: float, seed: int) -> Corpus:

@@ -10,11 +10,12 @@ step is the loss `eval` gives for that step's checkpoint with `--eval-batches` =
 
 Nothing here imports JAX at module level: DataConfig.validate parses --data.eval_source with it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,11 +32,12 @@ PREPARE_HINT = "make one with `python -m train.data prepare INPUTS --tokenizer T
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
     """One opened set: its name, directory, and the batches evaluated (placed like a train batch)."""
+
     name: str
     directory: str
     batches: list
-    windows: int      # the windows those batches hold (a wrapped row of the last batch is not counted)
-    of_windows: int   # the windows of the whole split
+    windows: int  # the windows those batches hold (a wrapped row of the last batch is not counted)
+    of_windows: int  # the windows of the whole split
 
 
 def parse_specs(specs: list[str], flag: str) -> list[tuple[str, str]]:
@@ -49,8 +51,10 @@ def parse_specs(specs: list[str], flag: str) -> list[tuple[str, str]]:
         if not name or not directory:
             raise UserError(f"{flag} {spec!r}: expected DIR or NAME=DIR (a prepared dataset)")
         if name in (n for n, _ in sets):
-            raise UserError(f"{flag} {spec!r}: the set name '{name}' is given twice; name each set once"
-                            f" with NAME=DIR")
+            raise UserError(
+                f"{flag} {spec!r}: the set name '{name}' is given twice; name each set once"
+                f" with NAME=DIR"
+            )
         sets.append((name, directory))
     return sets
 
@@ -60,12 +64,16 @@ def parse_source(spec: str) -> list[tuple[str, str]]:
     read, so a config validates anywhere); a name must be usable in a metric's name."""
     flag, parts = "--data.eval_source", [part.strip() for part in spec.split(",")]
     if not all(parts):
-        raise UserError(f"{flag} {spec!r}: an empty entry; expected [NAME=]DIR[,[NAME=]DIR ...] (prepared datasets)")
+        raise UserError(
+            f"{flag} {spec!r}: an empty entry; expected [NAME=]DIR[,[NAME=]DIR ...] (prepared datasets)"
+        )
     sets = parse_specs(parts, flag)
     for name, directory in sets:
         if not NAME_RE.fullmatch(name):
-            raise UserError(f"{flag} {name}={directory}: the set name '{name}' is logged as eval/{name}/loss; use"
-                            f" letters, digits, '_', '.' and '-' only (NAME=DIR)")
+            raise UserError(
+                f"{flag} {name}={directory}: the set name '{name}' is logged as eval/{name}/loss; use"
+                f" letters, digits, '_', '.' and '-' only (NAME=DIR)"
+            )
     return sets
 
 
@@ -73,33 +81,58 @@ def check_prepared(sets: list[tuple[str, str]], flag: str) -> None:
     """One line for the first set whose directory holds no prepared dataset."""
     for name, directory in sets:
         if not storage.isfile(storage.join(directory, INDEX)):
-            raise UserError(f"{flag} {name}={directory}: '{directory}' is not a prepared dataset (no {INDEX});"
-                            f" {PREPARE_HINT}")
+            raise UserError(
+                f"{flag} {name}={directory}: '{directory}' is not a prepared dataset (no {INDEX});"
+                f" {PREPARE_HINT}"
+            )
 
 
-def open_set(name: str, directory: str, *, split: str, data_cfg, batch_size: int, seq_len: int, seed: int,
-             vocab_size: int, sharding, where: str, check_tokenizer: Callable[[dict, str], None],
-             other_split_hint: str = ""):
+def open_set(
+    name: str,
+    directory: str,
+    *,
+    split: str,
+    data_cfg,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    vocab_size: int,
+    sharding,
+    where: str,
+    check_tokenizer: Callable[[dict, str], None],
+    other_split_hint: str = "",
+):
     """The set as a Pipeline whose eval windows are the split to evaluate: its held-out documents
     (as --data.eval_fraction and --seed hold them out of a training run), or (`all`) every
     document, read as one stream. `check_tokenizer(record, where)`: raises when the set's
     tokenizer is not the model's. One line (prefixed `where`) when the split holds no window."""
     from train.data.pipeline import Pipeline
     from train.data.sources import load_source
+
     d = data_cfg
     src = load_source(directory, d.eval_fraction if split == "eval" else 0.0, seed, d.verify)
     check_tokenizer(src.tokenizer, where)
     if split == "all":
         src = dataclasses.replace(src, eval=src.train)
     try:  # the model's vocabulary, and the train split the pipeline also cuts: name the set that fails
-        pipeline = Pipeline([(src, 1.0)], batch_size=batch_size, seq_len=seq_len, seed=seed, packing=d.packing,
-                            packing_mask=d.packing_mask, batch_sharding=sharding, vocab_size=vocab_size)
+        pipeline = Pipeline(
+            [(src, 1.0)],
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seed=seed,
+            packing=d.packing,
+            packing_mask=d.packing_mask,
+            batch_sharding=sharding,
+            vocab_size=vocab_size,
+        )
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     if not pipeline.eval[0].n:
-        raise UserError(f"{where}: its {'eval split' if split == 'eval' else 'data'} holds {src.eval.n_tokens}"
-                        f" tokens, not one window of --seq-len {seq_len} + 1; use {other_split_hint}a larger"
-                        f" --data.eval_fraction (now {d.eval_fraction}) or a shorter --seq-len")
+        raise UserError(
+            f"{where}: its {'eval split' if split == 'eval' else 'data'} holds {src.eval.n_tokens}"
+            f" tokens, not one window of --seq-len {seq_len} + 1; use {other_split_hint}a larger"
+            f" --data.eval_fraction (now {d.eval_fraction}) or a shorter --seq-len"
+        )
     return pipeline
 
 
@@ -108,6 +141,7 @@ def split_batches(pipeline, limit: int, sharding) -> tuple[list[dict], int]:
     they hold). Row g of the eval rows is window g of a permutation while g < windows, then they
     wrap round: those rows of the last batch weigh 0, so no window counts twice."""
     import jax
+
     windows, rows_per_batch = pipeline.eval[0].n, pipeline.B
     n = -(-windows // rows_per_batch)
     n = min(n, limit) if limit else n
@@ -116,21 +150,46 @@ def split_batches(pipeline, limit: int, sharding) -> tuple[list[dict], int]:
         rows = pipeline.eval_rows(i)
         fresh_B = np.arange(i * rows_per_batch, (i + 1) * rows_per_batch) < windows
         rows["weights"] = rows["weights"] * fresh_B[:, None]
-        batches.append({k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-                        for k, v in rows.items()})
+        batches.append(
+            {
+                k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+                for k, v in rows.items()
+            }
+        )
     return batches, min(n * rows_per_batch, windows)
 
 
-def open_eval_source(data_cfg, *, batch_size: int, seq_len: int, seed: int, eval_batches: int, vocab_size: int,
-                     sharding, check_tokenizer: Callable[[dict, str], None]) -> list[EvalSet]:
+def open_eval_source(
+    data_cfg,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    eval_batches: int,
+    vocab_size: int,
+    sharding,
+    check_tokenizer: Callable[[dict, str], None],
+) -> list[EvalSet]:
     """--data.eval_source, opened and checked (every set before any batch is made, so that a bad
     set is one line before the compile): each set's eval split, its first `eval_batches` batches."""
     sets = parse_source(data_cfg.eval_source)
     check_prepared(sets, "--data.eval_source")
-    pipelines = [open_set(name, directory, split="eval", data_cfg=data_cfg, batch_size=batch_size, seq_len=seq_len,
-                          seed=seed, vocab_size=vocab_size, sharding=sharding,
-                          where=f"--data.eval_source {name}={directory}", check_tokenizer=check_tokenizer)
-                 for name, directory in sets]
+    pipelines = [
+        open_set(
+            name,
+            directory,
+            split="eval",
+            data_cfg=data_cfg,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seed=seed,
+            vocab_size=vocab_size,
+            sharding=sharding,
+            where=f"--data.eval_source {name}={directory}",
+            check_tokenizer=check_tokenizer,
+        )
+        for name, directory in sets
+    ]
     out = []
     for (name, directory), pipeline in zip(sets, pipelines):
         batches, windows = split_batches(pipeline, eval_batches, sharding)
@@ -140,7 +199,11 @@ def open_eval_source(data_cfg, *, batch_size: int, seq_len: int, seed: int, eval
 
 def describe(sets: list[EvalSet], seq_len: int) -> str:
     """The run's opening line for its eval sets: what each eval covers of each set's eval split."""
+
     def covered(s: EvalSet) -> str:
         part = f"{s.windows}" if s.windows == s.of_windows else f"{s.windows} of {s.of_windows}"
         return f"{s.name} ({s.directory}) {part} windows in {len(s.batches)} batches"
-    return f"eval sets (their eval splits, windows of {seq_len} tokens): " + "; ".join(covered(s) for s in sets)
+
+    return f"eval sets (their eval splits, windows of {seq_len} tokens): " + "; ".join(
+        covered(s) for s in sets
+    )

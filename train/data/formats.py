@@ -17,6 +17,7 @@ batches, so these are read in the main process, streamed, and handed to the toke
 `Chunk`s of documents (~`chunk_bytes` of text each): memory holds a few chunks, never a whole file.
 The optional packages are imported only when such a file is read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,19 +28,23 @@ import json
 import os
 import re
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from errors import UserError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 COMPRESSED = {".gz": "gzip", ".zst": "Zstandard"}
-STREAMED_SUFFIXES = tuple(j + c for j in JSONL_SUFFIXES for c in COMPRESSED) + (".parquet", ".arrow")
+STREAMED_SUFFIXES = tuple(j + c for j in JSONL_SUFFIXES for c in COMPRESSED) + (
+    ".parquet",
+    ".arrow",
+)
 INSTALL = "pip install 'brigade[data]'"
 
 
 @dataclasses.dataclass
 class Chunk:
     """Documents read from a streamed file, and the file bytes they took (for the progress bar)."""
+
     docs: list[tuple[str, str]]
     n_bytes: int
 
@@ -70,15 +75,21 @@ def json_text(line: bytes, where: str, text_field: str | tuple[str, ...]) -> str
     try:
         record = json.loads(line)
     except ValueError:
-        raise UserError(f"prepare: {where}: not a JSON line; JSONL inputs need one object per line") from None
+        raise UserError(
+            f"prepare: {where}: not a JSON line; JSONL inputs need one object per line"
+        ) from None
     if isinstance(text_field, tuple):  # chat.py checks the fields, naming the record's line
         if not isinstance(record, dict):
-            raise UserError(f"prepare: {line_where(where)}: not a JSON object; JSONL inputs need one object per line")
+            raise UserError(
+                f"prepare: {line_where(where)}: not a JSON object; JSONL inputs need one object per line"
+            )
         return {k: record[k] for k in text_field if k in record}
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
-        raise UserError(f"prepare: {where}: no string field '{text_field}'; set --text-field"
-                        f" (fields here: {', '.join(record) if isinstance(record, dict) else 'none'})")
+        raise UserError(
+            f"prepare: {where}: no string field '{text_field}'; set --text-field"
+            f" (fields here: {', '.join(record) if isinstance(record, dict) else 'none'})"
+        )
     return text
 
 
@@ -106,7 +117,11 @@ def read_range(path: str, start: int, end: int, text_field: str) -> list[tuple[s
 
 def read_chunks(path: str, text_field: str, chunk_bytes: int) -> Iterator[Chunk]:
     """A streamed file's documents in file order, as Chunks of about `chunk_bytes` of text."""
-    rows = _records(path, text_field) if path.endswith((".parquet", ".arrow")) else _lines(path, text_field)
+    rows = (
+        _records(path, text_field)
+        if path.endswith((".parquet", ".arrow"))
+        else _lines(path, text_field)
+    )
     docs, size, done = [], 0, 0
     for where, text, position in rows:
         docs.append((where, text))
@@ -142,8 +157,10 @@ def _lines(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
                     where = f"{path} (line {n})"
                     yield where, json_text(line, where, text_field), raw.tell()
         except errors as e:
-            raise UserError(f"prepare: {path}: not valid {kind} data ({e or type(e).__name__}); the file is"
-                            f" corrupt or truncated") from None
+            raise UserError(
+                f"prepare: {path}: not valid {kind} data ({e or type(e).__name__}); the file is"
+                f" corrupt or truncated"
+            ) from None
 
 
 def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
@@ -153,33 +170,55 @@ def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
     try:
         with contextlib.ExitStack() as stack:
             schema, batches, position = (_parquet if parquet else _arrow)(path, text_field, stack)
-            if isinstance(text_field, tuple):  # a record format: rows as dicts of its fields (chat.py checks them)
+            if isinstance(
+                text_field, tuple
+            ):  # a record format: rows as dicts of its fields (chat.py checks them)
                 yield from _rows(path, text_field, schema, batches, position)
                 return
             if text_field not in schema.names:
-                raise UserError(f"prepare: {path}: no column '{text_field}'; set --text-field (columns:"
-                                f" {', '.join(schema.names)})")
+                raise UserError(
+                    f"prepare: {path}: no column '{text_field}'; set --text-field (columns:"
+                    f" {', '.join(schema.names)})"
+                )
             kind = schema.field(text_field).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-                raise UserError(f"prepare: {path}: column '{text_field}' holds {kind}, not text; set --text-field"
-                                f" to a string column")
+            if not (
+                pa.types.is_string(kind)
+                or pa.types.is_large_string(kind)
+                or pa.types.is_string_view(kind)
+            ):
+                raise UserError(
+                    f"prepare: {path}: column '{text_field}' holds {kind}, not text; set --text-field"
+                    f" to a string column"
+                )
             for i, text in _numbered(batches, lambda batch: batch.column(text_field).to_pylist()):
                 if text is None:
-                    raise UserError(f"prepare: {path} (row {i}): no text in column '{text_field}' (null)")
+                    raise UserError(
+                        f"prepare: {path} (row {i}): no text in column '{text_field}' (null)"
+                    )
                 yield f"{path} (row {i})", text, position(i + 1)
     except (pa.ArrowException, OSError) as e:
-        raise UserError(f"prepare: {path}: not a readable {'Parquet' if parquet else 'Arrow IPC stream'} file"
-                        f" ({str(e).splitlines()[0]})") from None
+        raise UserError(
+            f"prepare: {path}: not a readable {'Parquet' if parquet else 'Arrow IPC stream'} file"
+            f" ({str(e).splitlines()[0]})"
+        ) from None
 
 
-def _rows(path: str, fields: tuple[str, ...], schema, batches, position) -> Iterator[tuple[str, dict, int]]:
+def _rows(
+    path: str, fields: tuple[str, ...], schema, batches, position
+) -> Iterator[tuple[str, dict, int]]:
     """(where, the row's `fields` present in the file, bytes read so far) per row."""
     present = [f for f in fields if f in schema.names]
     if not present:
-        raise UserError(f"prepare: {path}: none of the record columns {', '.join(map(repr, fields))} (columns:"
-                        f" {', '.join(schema.names)})")
+        raise UserError(
+            f"prepare: {path}: none of the record columns {', '.join(map(repr, fields))} (columns:"
+            f" {', '.join(schema.names)})"
+        )
     for i, record in _numbered(batches, lambda batch: batch.select(present).to_pylist()):
-        yield f"{path} (row {i})", {k: v for k, v in record.items() if v is not None}, position(i + 1)
+        yield (
+            f"{path} (row {i})",
+            {k: v for k, v in record.items() if v is not None},
+            position(i + 1),
+        )
 
 
 def _numbered(batches, read) -> Iterator[tuple[int, object]]:
@@ -194,17 +233,26 @@ def _numbered(batches, read) -> Iterator[tuple[int, object]]:
 def _parquet(path: str, text_field: str | tuple[str, ...], stack: contextlib.ExitStack):
     """-> (schema, the record batches of the text column(s), bytes read after n rows)."""
     import pyarrow.parquet as pq
+
     f = stack.enter_context(pq.ParquetFile(path))
     total, size = max(f.metadata.num_rows, 1), os.path.getsize(path)
-    columns = [c for c in (text_field if isinstance(text_field, tuple) else (text_field,)) if c in f.schema_arrow.names]
+    columns = [
+        c
+        for c in (text_field if isinstance(text_field, tuple) else (text_field,))
+        if c in f.schema_arrow.names
+    ]
     # small batches: a batch of rows is held whole (the reader's default is 65,536 rows)
-    return (f.schema_arrow, lambda: f.iter_batches(batch_size=1024, columns=columns),
-            lambda rows: size * rows // total)  # row groups hold about equal bytes per row
+    return (
+        f.schema_arrow,
+        lambda: f.iter_batches(batch_size=1024, columns=columns),
+        lambda rows: size * rows // total,
+    )  # row groups hold about equal bytes per row
 
 
 def _arrow(path: str, text_field: str, stack: contextlib.ExitStack):
     """-> (schema, its record batches, bytes read so far): an Arrow IPC stream, memory-mapped."""
     import pyarrow as pa
+
     source = stack.enter_context(pa.memory_map(path))
     reader = pa.ipc.open_stream(source)
     return reader.schema, lambda: reader, lambda rows: source.tell()
@@ -227,18 +275,26 @@ def dataset_files(directory: str) -> list[str] | None:
             names = json.load(open(splits))["splits"]
         except (OSError, ValueError, KeyError, TypeError):
             names = ["?"]
-        raise UserError(f"prepare: '{directory}' is a datasets DatasetDict; name one split's directory, e.g."
-                        f" {os.path.join(directory, str(names[0]))} (splits: {', '.join(map(str, names))})")
+        raise UserError(
+            f"prepare: '{directory}' is a datasets DatasetDict; name one split's directory, e.g."
+            f" {os.path.join(directory, str(names[0]))} (splits: {', '.join(map(str, names))})"
+        )
     state = os.path.join(directory, "state.json")
     if not os.path.isfile(state):
         return None
     try:
-        files = [os.path.join(directory, f["filename"]) for f in json.load(open(state))["_data_files"]]
+        files = [
+            os.path.join(directory, f["filename"]) for f in json.load(open(state))["_data_files"]
+        ]
     except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"prepare: '{directory}' has a state.json that is not a datasets listing of its"
-                        f" _data_files") from None
+        raise UserError(
+            f"prepare: '{directory}' has a state.json that is not a datasets listing of its"
+            f" _data_files"
+        ) from None
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
-        raise UserError(f"prepare: '{directory}': {os.path.basename(missing[0])}, listed in its state.json, is"
-                        f" missing")
+        raise UserError(
+            f"prepare: '{directory}': {os.path.basename(missing[0])}, listed in its state.json, is"
+            f" missing"
+        )
     return files

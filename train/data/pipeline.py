@@ -14,6 +14,7 @@ uninterrupted run would have seen; each process builds only the rows its devices
 loader's position (`state(step)`: per source epoch and offset) is derived from the step and stored
 in the checkpoint only to check, on resume, that it still describes the same data.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,6 +33,7 @@ _EVAL = 0x7FFF_FFFF  # key stream of the eval order, disjoint from source indice
 
 
 # ------------------------------------------------------------------ order: permutation and mixture
+
 
 @functools.lru_cache(maxsize=256)
 def _round_keys(seed: int, stream: int, epoch: int) -> np.ndarray:
@@ -94,6 +96,7 @@ def rows_per_source(g: int, props: tuple[int, ...]) -> list[int]:
 
 # ------------------------------------------------------------------ windows -> rows
 
+
 class Windows:
     """The fixed windows of one stream: seq_len + 1 tokens each (inputs and shifted targets)."""
 
@@ -127,12 +130,20 @@ class Windows:
         inside = np.where(valid, v, start[:, None])
         tokens = np.where(valid, self.stream.gather(inside), self.eos_id)
         weights = valid[:, 1:] * self.stream.gather_mask(inside[:, 1:])
-        out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights.astype(np.float32)}
+        out = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "weights": weights.astype(np.float32),
+        }
         if packing_mask:
             doc = self.stream.doc_of(v)
-            out["weights"] *= doc[:, 1:] == doc[:, :-1]  # a target in the next document is not predictable
+            out["weights"] *= (
+                doc[:, 1:] == doc[:, :-1]
+            )  # a target in the next document is not predictable
             seg = (doc[:, :-1] - doc[:, :1] + 1).astype(np.int32)
-            pos = (v[:, :-1] - np.maximum(self.stream.doc_vstart[doc[:, :-1]], start[:, None])).astype(np.int32)
+            pos = (
+                v[:, :-1] - np.maximum(self.stream.doc_vstart[doc[:, :-1]], start[:, None])
+            ).astype(np.int32)
             out["segment_ids"] = np.where(valid[:, :-1], seg, 0)
             out["positions"] = np.where(valid[:, :-1], pos, 0)
         return out
@@ -142,13 +153,17 @@ def _check_vocab(src: Source, vocab_size: int) -> None:
     """An id >= the model's vocab_size would index past the embedding table (NaN losses, no hint of
     why): the model must cover both the tokenizer's vocabulary and the largest id actually present."""
     if src.max_token >= vocab_size and src.max_token >= src.vocab_size:
-        raise UserError(f"data '{src.name}' holds token id {src.max_token}, beyond both model.vocab_size={vocab_size}"
-                        f" and the vocabulary its index records ({src.vocab_size}): the index is wrong; re-run"
-                        f" `python -m train.data prepare`")
+        raise UserError(
+            f"data '{src.name}' holds token id {src.max_token}, beyond both model.vocab_size={vocab_size}"
+            f" and the vocabulary its index records ({src.vocab_size}): the index is wrong; re-run"
+            f" `python -m train.data prepare`"
+        )
     if max(src.vocab_size, src.max_token + 1) > vocab_size:
-        raise UserError(f"data '{src.name}' needs vocab_size >= {max(src.vocab_size, src.max_token + 1)} but"
-                        f" model.vocab_size={vocab_size} (largest token id {src.max_token}); raise"
-                        f" --model.vocab_size or use a smaller tokenizer")
+        raise UserError(
+            f"data '{src.name}' needs vocab_size >= {max(src.vocab_size, src.max_token + 1)} but"
+            f" model.vocab_size={vocab_size} (largest token id {src.max_token}); raise"
+            f" --model.vocab_size or use a smaller tokenizer"
+        )
 
 
 def batch_keys(packing_mask: bool) -> dict[str, type]:
@@ -159,20 +174,35 @@ def batch_keys(packing_mask: bool) -> dict[str, type]:
 def abstract_batch(data_cfg, batch_size: int, seq_len: int, sharding) -> dict:
     """ShapeDtypeStructs of one global batch as the pipeline builds it (for AOT compiles and `plan`)."""
     import jax
-    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=sharding)
-            for k, dt in batch_keys(data_cfg.packing_mask).items()}
+
+    return {
+        k: jax.ShapeDtypeStruct((batch_size, seq_len), dt, sharding=sharding)
+        for k, dt in batch_keys(data_cfg.packing_mask).items()
+    }
 
 
 # ------------------------------------------------------------------ the pipeline
+
 
 class Pipeline:
     """`next() -> (batch, waited_s)` from `start_step` on, prepared `prefetch` steps ahead on a
     background thread and placed on the devices sharded like `batch_sharding`; `host_rows`
     and `global_batch` are the same rows as numpy (tests, benchmarks)."""
 
-    def __init__(self, sources: list[tuple[Source, float]], *, batch_size: int, seq_len: int, seed: int,
-                 packing: bool = True, packing_mask: bool = False, batch_sharding=None, start_step: int = 0,
-                 prefetch: int = 2, vocab_size: int | None = None):
+    def __init__(
+        self,
+        sources: list[tuple[Source, float]],
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        packing: bool = True,
+        packing_mask: bool = False,
+        batch_sharding=None,
+        start_step: int = 0,
+        prefetch: int = 2,
+        vocab_size: int | None = None,
+    ):
         self.sources = [s for s, _ in sources]
         self.weights = [w for _, w in sources]
         self.B, self.T, self.seed = batch_size, seq_len, seed
@@ -186,13 +216,17 @@ class Pipeline:
         self.eval = [Windows(s.eval, seq_len, packing, eos) for s in self.sources]
         for src, win in zip(self.sources, self.train):
             if not packing and src.train.longest_doc < seq_len + 1:
-                raise UserError(f"--seq-len {seq_len}: longer than every document of '{src.name}' (longest"
-                                f" {src.train.longest_doc} tokens with EOS) with --data.packing false, so every row"
-                                f" would be mostly padding; use --data.packing true or --seq-len <="
-                                f" {max(src.train.longest_doc - 1, 1)}")
+                raise UserError(
+                    f"--seq-len {seq_len}: longer than every document of '{src.name}' (longest"
+                    f" {src.train.longest_doc} tokens with EOS) with --data.packing false, so every row"
+                    f" would be mostly padding; use --data.packing true or --seq-len <="
+                    f" {max(src.train.longest_doc - 1, 1)}"
+                )
             if win.n == 0:
-                raise UserError(f"--seq-len {seq_len}: the train split of '{src.name}' has only"
-                                f" {src.train.n_tokens} tokens; use a shorter --seq-len or more data")
+                raise UserError(
+                    f"--seq-len {seq_len}: the train split of '{src.name}' has only"
+                    f" {src.train.n_tokens} tokens; use a shorter --seq-len or more data"
+                )
         self._ahead: _Ahead | None = None
         self._evals: dict[int, list] = {}
 
@@ -200,13 +234,17 @@ class Pipeline:
     def host_rows(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
         """Rows lo..hi-1 of batch `step` (what one process builds for its devices)."""
         src, j = mix(np.arange(step * self.B + lo, step * self.B + hi), self.props)
-        out = {k: np.zeros((hi - lo, self.T), dt) for k, dt in batch_keys(self.packing_mask).items()}
+        out = {
+            k: np.zeros((hi - lo, self.T), dt) for k, dt in batch_keys(self.packing_mask).items()
+        }
         for k in np.unique(src):
             rows_k, n = src == k, self.train[k].n
             epoch, offset = np.divmod(j[rows_k], n)
             w = np.empty_like(offset)
             for e in np.unique(epoch):  # a batch may straddle an epoch boundary
-                w[epoch == e] = permute(offset[epoch == e], n, _round_keys(self.seed, int(k), int(e)))
+                w[epoch == e] = permute(
+                    offset[epoch == e], n, _round_keys(self.seed, int(k), int(e))
+                )
             for name, value in self.train[k].rows(w, self.packing_mask).items():
                 out[name][rows_k] = value
         return out
@@ -234,6 +272,7 @@ class Pipeline:
         span of those its devices hold (contiguous on a mesh built outermost-first), and copies
         each device its slice."""
         import jax
+
         shape = (self.B, self.T)
         index = self.sharding.addressable_devices_indices_map(shape)
         rows = [idx[0].indices(self.B)[:2] for idx in index.values()]
@@ -242,11 +281,21 @@ class Pipeline:
         if nan:
             block["weights"] = block["weights"] * np.float32("nan")
         devices = list(index)
-        parts = [value[r0 - lo:r1 - lo, idx[1]] for value in block.values() for (r0, r1), idx in zip(rows, index.values())]
-        placed = jax.device_put(parts, devices * len(block))  # one transfer call for every key and device
+        parts = [
+            value[r0 - lo : r1 - lo, idx[1]]
+            for value in block.values()
+            for (r0, r1), idx in zip(rows, index.values())
+        ]
+        placed = jax.device_put(
+            parts, devices * len(block)
+        )  # one transfer call for every key and device
         n = len(devices)
-        return {name: jax.make_array_from_single_device_arrays(shape, self.sharding, placed[i * n:(i + 1) * n])
-                for i, name in enumerate(block)}
+        return {
+            name: jax.make_array_from_single_device_arrays(
+                shape, self.sharding, placed[i * n : (i + 1) * n]
+            )
+            for i, name in enumerate(block)
+        }
 
     def device_batch(self, step: int) -> dict:
         return self._place(functools.partial(self.host_rows, step), nan=step + 1 in self._nan_steps)
@@ -287,42 +336,73 @@ class Pipeline:
     def name(self) -> str:
         if len(self.sources) == 1:
             return self.sources[0].name
-        return "mixture " + ", ".join(f"{s.name} {100 * w:.0f}%" for s, w in zip(self.sources, self.weights))
+        return "mixture " + ", ".join(
+            f"{s.name} {100 * w:.0f}%" for s, w in zip(self.sources, self.weights)
+        )
 
     def describe(self) -> str:
         train = sum(s.train.n_tokens for s in self.sources)
         ev = sum(s.eval.n_tokens for s in self.sources)
         docs = sum(s.train.n_docs for s in self.sources)
-        return (f"data {self.name}: {train / 1e6:.1f}M train tokens in {docs} documents, {ev / 1e6:.2f}M eval tokens,"
-                f" {sum(w.n for w in self.train)} windows of {self.T}"
-                + (", packed" if self.packing else ", one document per row")
-                + (" with segment masks" if self.packing_mask else ""))
+        return (
+            f"data {self.name}: {train / 1e6:.1f}M train tokens in {docs} documents, {ev / 1e6:.2f}M eval tokens,"
+            f" {sum(w.n for w in self.train)} windows of {self.T}"
+            + (", packed" if self.packing else ", one document per row")
+            + (" with segment masks" if self.packing_mask else "")
+        )
 
     def state(self, step: int) -> dict:
         """The loader position before batch `step`, JSON-able, for the checkpoint's meta."""
         used = rows_per_source(step * self.B, self.props)
-        return {"next_step": step, "seed": self.seed, "batch_size": self.B, "seq_len": self.T,
-                "packing": self.packing, "packing_mask": self.packing_mask, "rows": step * self.B,
-                "sources": [{"name": s.name, "fingerprint": s.fingerprint, "weight": round(w, 6), "windows": win.n,
-                             "rows": n, "epoch": n // win.n, "offset": n % win.n}
-                            for s, w, win, n in zip(self.sources, self.weights, self.train, used)]}
+        return {
+            "next_step": step,
+            "seed": self.seed,
+            "batch_size": self.B,
+            "seq_len": self.T,
+            "packing": self.packing,
+            "packing_mask": self.packing_mask,
+            "rows": step * self.B,
+            "sources": [
+                {
+                    "name": s.name,
+                    "fingerprint": s.fingerprint,
+                    "weight": round(w, 6),
+                    "windows": win.n,
+                    "rows": n,
+                    "epoch": n // win.n,
+                    "offset": n % win.n,
+                }
+                for s, w, win, n in zip(self.sources, self.weights, self.train, used)
+            ],
+        }
 
     def check_state(self, saved: dict) -> list[str]:
         """Differences between a checkpoint's saved `state` and this pipeline at the same step:
         empty when the resumed run sees exactly the batches the saved run would have."""
         now = self.state(int(saved.get("next_step", 0)))
-        diffs = [f"{name} {saved.get(k)} -> {now[k]}" for k, name in _SETTINGS.items() if saved.get(k) != now[k]]
+        diffs = [
+            f"{name} {saved.get(k)} -> {now[k]}"
+            for k, name in _SETTINGS.items()
+            if saved.get(k) != now[k]
+        ]
         old = saved.get("sources", [])
         if len(old) != len(now["sources"]):
-            return diffs + [f"data sources {[s.get('name') for s in old]} -> {[s['name'] for s in now['sources']]}"]
+            return diffs + [
+                f"data sources {[s.get('name') for s in old]} -> {[s['name'] for s in now['sources']]}"
+            ]
         for a, b in zip(old, now["sources"]):
-            diffs += [f"data source '{b['name']}' {k} {a.get(k)} -> {b[k]}" for k in b if k != "name" and a.get(k) != b[k]]
+            diffs += [
+                f"data source '{b['name']}' {k} {a.get(k)} -> {b[k]}"
+                for k in b
+                if k != "name" and a.get(k) != b[k]
+            ]
         return diffs
 
     def tokenizer(self):
         """The tokenizer the data was prepared with (to encode a prompt and decode a sample), or
         None when its file (the path in the index) no longer loads: a sample is not worth failing for."""
         from train.data import tokenizers
+
         info = self.sources[0].tokenizer
         if info["kind"] == "byte":
             return tokenizers.ByteTokenizer()
@@ -334,8 +414,13 @@ class Pipeline:
 
 # state() keys that are settings, named as the config names them (so a caller can merge these lines
 # with its own list of changed settings); the other keys follow from them and the step.
-_SETTINGS = {"seed": "train.seed", "batch_size": "train.batch_size", "seq_len": "train.seq_len",
-             "packing": "data.packing", "packing_mask": "data.packing_mask"}
+_SETTINGS = {
+    "seed": "train.seed",
+    "batch_size": "train.batch_size",
+    "seq_len": "train.seq_len",
+    "packing": "data.packing",
+    "packing_mask": "data.packing_mask",
+}
 
 
 class _Ahead:
@@ -379,11 +464,28 @@ class _Ahead:
         self._thread.join(timeout=5)
 
 
-def make_pipeline(data_cfg, *, batch_size: int, seq_len: int, seed: int, batch_sharding=None, start_step: int = 0,
-                  vocab_size: int | None = None) -> Pipeline:
+def make_pipeline(
+    data_cfg,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    batch_sharding=None,
+    start_step: int = 0,
+    vocab_size: int | None = None,
+) -> Pipeline:
     """The pipeline for a DataConfig (`--data.*`): loads (and verifies) every source of
     `data_cfg.source`, checks them against the model's vocab_size and seq_len."""
     sources = load_sources(data_cfg.source, data_cfg.eval_fraction, seed, data_cfg.verify)
-    return Pipeline(sources, batch_size=batch_size, seq_len=seq_len, seed=seed, packing=data_cfg.packing,
-                    packing_mask=data_cfg.packing_mask, batch_sharding=batch_sharding, start_step=start_step,
-                    prefetch=data_cfg.prefetch, vocab_size=vocab_size)
+    return Pipeline(
+        sources,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        packing=data_cfg.packing,
+        packing_mask=data_cfg.packing_mask,
+        batch_sharding=batch_sharding,
+        start_step=start_step,
+        prefetch=data_cfg.prefetch,
+        vocab_size=vocab_size,
+    )

@@ -15,6 +15,7 @@ directory or glob; JSONL lines in file order), whatever the number of workers. E
 into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing behind.
 `--overwrite` replaces only a directory that holds a prepared dataset and nothing else (check_out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,42 +36,87 @@ from checkpoint import storage
 from errors import ArgParser, UserError, one_line_errors
 from train.data import chat, formats, tokenizers
 from train.data.formats import JSONL_SUFFIXES
-from train.data.index import FORMAT, INDEX, MASKED_FORMAT, ShardWriter, listed_files, read_index, token_dtype
+from train.data.index import (
+    FORMAT,
+    INDEX,
+    MASKED_FORMAT,
+    ShardWriter,
+    listed_files,
+    read_index,
+    token_dtype,
+)
 
-TASK_BYTES = 4 << 20          # input bytes per worker task at most: amortises the IPC, keeps the bar moving
-MIN_TASK_BYTES = 16 << 10     # ... and at least (small inputs are still spread over the workers)
+TASK_BYTES = 4 << 20  # input bytes per worker task at most: amortises the IPC, keeps the bar moving
+MIN_TASK_BYTES = 16 << 10  # ... and at least (small inputs are still spread over the workers)
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="python -m train.data prepare", allow_abbrev=False,
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                description="Tokenise text files, globs, directories, JSONL, Parquet and HuggingFace datasets"
-                            " into memory-mapped token shards.")
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="text file, JSONL file (.jsonl, .jsonl.gz, .jsonl.zst), Parquet file, HuggingFace datasets"
-                        " directory (save_to_disk), other directory, or glob")
-    p.add_argument("--tokenizer", default="byte",
-                   help="byte | hf:FILE.json | sentencepiece:FILE.model | tiktoken:FILE.tiktoken (kind from the suffix"
-                        " if omitted)")
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--text-field", default="text", help="JSONL field, or Parquet/datasets column, holding the"
-                                                        " document text (--format text)")
-    p.add_argument("--format", dest="input_format", choices=chat.FORMATS, default="text",
-                   help="text: documents; prompt_completion: records {prompt, completion}, trained on the completion;"
-                        " chat: records {messages: [{role, content}, ...]} rendered with --tokenizer HF_MODEL_DIR's chat"
-                        " template, trained on the assistant turns")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes; 1 = in-process")
-    p.add_argument("--on-bad-utf8", choices=("fail", "skip"), default="fail",
-                   help="a document that is not UTF-8: stop with its name, or skip it and report the count")
-    p.add_argument("--eos-token", default=None, help="end-of-document token (default: found in the vocabulary)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 28, help="start a new shard after this many tokens")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --out directory, if it holds a prepared dataset and nothing else")
+    p = ArgParser(
+        prog="python -m train.data prepare",
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Tokenise text files, globs, directories, JSONL, Parquet and HuggingFace datasets"
+        " into memory-mapped token shards.",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text file, JSONL file (.jsonl, .jsonl.gz, .jsonl.zst), Parquet file, HuggingFace datasets"
+        " directory (save_to_disk), other directory, or glob",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte | hf:FILE.json | sentencepiece:FILE.model | tiktoken:FILE.tiktoken (kind from the suffix"
+        " if omitted)",
+    )
+    p.add_argument(
+        "--out", required=True, help="output directory (must not exist unless --overwrite)"
+    )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        help="JSONL field, or Parquet/datasets column, holding the document text (--format text)",
+    )
+    p.add_argument(
+        "--format",
+        dest="input_format",
+        choices=chat.FORMATS,
+        default="text",
+        help="text: documents; prompt_completion: records {prompt, completion}, trained on the completion;"
+        " chat: records {messages: [{role, content}, ...]} rendered with --tokenizer HF_MODEL_DIR's chat"
+        " template, trained on the assistant turns",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="tokenising processes; 1 = in-process",
+    )
+    p.add_argument(
+        "--on-bad-utf8",
+        choices=("fail", "skip"),
+        default="fail",
+        help="a document that is not UTF-8: stop with its name, or skip it and report the count",
+    )
+    p.add_argument(
+        "--eos-token", default=None, help="end-of-document token (default: found in the vocabulary)"
+    )
+    p.add_argument(
+        "--shard-tokens", type=int, default=1 << 28, help="start a new shard after this many tokens"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out directory, if it holds a prepared dataset and nothing else",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 # ------------------------------------------------------------------ inputs -> tasks
+
 
 def expand_inputs(inputs: list[str]) -> list[str]:
     """Files in a stable order: each input in command-line order; a directory's or glob's files sorted."""
@@ -153,7 +199,9 @@ def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "t
     if isinstance(task, formats.Chunk):
         docs, n_bytes = task.docs, task.n_bytes
     else:
-        docs = [d for path, start, end in task for d in formats.read_range(path, start, end, text_field)]
+        docs = [
+            d for path, start, end in task for d in formats.read_range(path, start, end, text_field)
+        ]
         n_bytes = sum(end - start for _, start, end in task)
     if input_format != "text":
         tokens, lengths, mask = chat.encode_records(_TOKENIZER, input_format, docs)
@@ -165,8 +213,10 @@ def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "t
                 raw = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 if on_bad_utf8 == "fail":
-                    raise UserError(f"prepare: {where} is not UTF-8 text (byte {e.start}); pass --on-bad-utf8"
-                                    f" skip to skip such documents") from None
+                    raise UserError(
+                        f"prepare: {where} is not UTF-8 text (byte {e.start}); pass --on-bad-utf8"
+                        f" skip to skip such documents"
+                    ) from None
                 skipped.append(where)
                 continue
         if raw:
@@ -174,17 +224,26 @@ def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "t
     ids = _TOKENIZER.encode(texts) if texts else []
     eos = np.array([_TOKENIZER.eos_id], np.int64)
     tokens = np.concatenate([x for t in ids for x in (t, eos)]) if ids else np.zeros(0, np.int64)
-    return _checked(tokens).astype(dtype), np.array([len(t) + 1 for t in ids], np.int64), n_bytes, skipped, None
+    return (
+        _checked(tokens).astype(dtype),
+        np.array([len(t) + 1 for t in ids], np.int64),
+        n_bytes,
+        skipped,
+        None,
+    )
 
 
 def _checked(tokens: np.ndarray) -> np.ndarray:
     if len(tokens) and int(tokens.max()) >= _TOKENIZER.vocab_size:
-        raise UserError(f"prepare: the tokenizer produced id {int(tokens.max())} >= its vocab_size"
-                        f" {_TOKENIZER.vocab_size}")
+        raise UserError(
+            f"prepare: the tokenizer produced id {int(tokens.max())} >= its vocab_size"
+            f" {_TOKENIZER.vocab_size}"
+        )
     return tokens
 
 
 # ------------------------------------------------------------------ output directory
+
 
 def _within(path: str, directory: str) -> bool:
     """Whether `path` is `directory` or lies inside it (both already real paths)."""
@@ -200,28 +259,46 @@ def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) ->
     local = storage.is_local(out)  # an object store holds no input, no current or home directory
     real = os.path.realpath(out) if local else out
     if local and os.path.lexists(out):  # a new directory cannot hold anything yet
-        guarded = {"the current directory": os.getcwd(), "the home directory": os.path.expanduser("~"), "/": os.sep}
-        guarded |= {f"the input '{p}'": p for p in [*(i for i in inputs if os.path.exists(i)), *files]}
+        guarded = {
+            "the current directory": os.getcwd(),
+            "the home directory": os.path.expanduser("~"),
+            "/": os.sep,
+        }
+        guarded |= {
+            f"the input '{p}'": p for p in [*(i for i in inputs if os.path.exists(i)), *files]
+        }
         for what, path in guarded.items():
             if _within(os.path.realpath(path), real):
-                raise UserError(f"prepare: --out '{out}' is or contains {what}; name a new directory for the dataset")
+                raise UserError(
+                    f"prepare: --out '{out}' is or contains {what}; name a new directory for the dataset"
+                )
     for spec in inputs:
         if local and os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
-            raise UserError(f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are all"
-                            f" read as input; name a directory outside it")
+            raise UserError(
+                f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are all"
+                f" read as input; name a directory outside it"
+            )
     if not storage.lexists(out):
         return
     if not overwrite:
-        raise UserError(f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite")
+        raise UserError(
+            f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite"
+        )
     only = "--overwrite replaces only a directory that holds a prepared dataset and nothing else"
     if (local and os.path.islink(out)) or not storage.isdir(out):
-        raise UserError(f"prepare: --out '{out}' is {'a symbolic link' if os.path.islink(out) else 'not a directory'};"
-                        f" {only}")
-    listed = listed_files(read_index(out, f"prepare: --out '{out}'", f"{only}; name a new directory"))
+        raise UserError(
+            f"prepare: --out '{out}' is {'a symbolic link' if os.path.islink(out) else 'not a directory'};"
+            f" {only}"
+        )
+    listed = listed_files(
+        read_index(out, f"prepare: --out '{out}'", f"{only}; name a new directory")
+    )
     foreign = sorted(set(storage.listdir(out)) - listed)
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise UserError(f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write; {only}")
+        raise UserError(
+            f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write; {only}"
+        )
 
 
 def _replace(out: str, tmp: str) -> None:
@@ -231,7 +308,9 @@ def _replace(out: str, tmp: str) -> None:
     if not os.path.exists(out):
         os.rename(tmp, out)
         return
-    listed = listed_files(read_index(out, f"prepare: --out '{out}'", "it changed while prepare ran"))
+    listed = listed_files(
+        read_index(out, f"prepare: --out '{out}'", "it changed while prepare ran")
+    )
     trash = tempfile.mkdtemp(prefix=f"{os.path.basename(out)}.old-", dir=os.path.dirname(out))
     old = os.path.join(trash, "dataset")
     os.rename(out, old)
@@ -255,33 +334,68 @@ def _make_tmp(out: str) -> str:
         os.makedirs(parent, exist_ok=True)
         return tempfile.mkdtemp(prefix=f"{os.path.basename(out)}.tmp-", dir=parent)
     except OSError as e:
-        raise UserError(f"prepare: cannot create a directory next to --out '{out}': {e.strerror}") from None
+        raise UserError(
+            f"prepare: cannot create a directory next to --out '{out}': {e.strerror}"
+        ) from None
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field: str = "text", workers: int = 1,
-            on_bad_utf8: str = "fail", eos_token: str | None = None, shard_tokens: int = 1 << 28,
-            overwrite: bool = False, progress: bool = True, input_format: str = "text") -> dict:
+def prepare(
+    inputs: list[str],
+    out: str,
+    tokenizer: str = "byte",
+    *,
+    text_field: str = "text",
+    workers: int = 1,
+    on_bad_utf8: str = "fail",
+    eos_token: str | None = None,
+    shard_tokens: int = 1 << 28,
+    overwrite: bool = False,
+    progress: bool = True,
+    input_format: str = "text",
+) -> dict:
     """Tokenise `inputs` into `out`; returns the index. Raises UserError (nothing left on disk) on bad input."""
     if workers < 1 or shard_tokens < 1:
-        raise UserError(f"prepare: --workers and --shard-tokens must be >= 1, got {workers} and {shard_tokens}")
+        raise UserError(
+            f"prepare: --workers and --shard-tokens must be >= 1, got {workers} and {shard_tokens}"
+        )
     files = expand_inputs(inputs)
     check_out(out, inputs, files, overwrite)
     tok = tokenizers.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
-    fields = chat.check_options(tok, input_format, text_field)  # what the readers take from each record
+    fields = chat.check_options(
+        tok, input_format, text_field
+    )  # what the readers take from each record
     info = tok.describe()
     dtype = token_dtype(tok.vocab_size)
     tasks = make_tasks(files, workers)
     out = storage.absolute(out)
-    tmp = _make_tmp(out) if storage.is_local(out) else tempfile.mkdtemp(prefix="brigade-prepare-")  # then uploaded
+    tmp = (
+        _make_tmp(out) if storage.is_local(out) else tempfile.mkdtemp(prefix="brigade-prepare-")
+    )  # then uploaded
     from tqdm import tqdm
-    bar = tqdm(total=sum(e - s for t in tasks for _, s, e in t), unit="B", unit_scale=True, desc="prepare",
-               disable=not progress, file=sys.stderr)
+
+    bar = tqdm(
+        total=sum(e - s for t in tasks for _, s, e in t),
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=not progress,
+        file=sys.stderr,
+    )
     try:
         writer = ShardWriter(tmp, dtype, shard_tokens, masked=input_format != "text")
         skipped: list[str] = []
         n_bytes = 0
-        with _results(chunked(tasks, fields), len(tasks), tokenizer, eos_token, fields, on_bad_utf8,
-                      dtype.name, workers, input_format) as results:
+        with _results(
+            chunked(tasks, fields),
+            len(tasks),
+            tokenizer,
+            eos_token,
+            fields,
+            on_bad_utf8,
+            dtype.name,
+            workers,
+            input_format,
+        ) as results:
             for tokens, lengths, nb, skip, mask in results:
                 writer.add(tokens, lengths, mask)
                 skipped += skip
@@ -291,14 +405,25 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
         bar.close()
         n_docs = sum(s["n_documents"] for s in writer.shards)
         if not n_docs:
-            raise UserError(f"prepare: no non-empty documents in {' '.join(inputs)}"
-                            + (f" ({len(skipped)} skipped as not UTF-8)" if skipped else ""))
-        index = {"format": MASKED_FORMAT if writer.masked else FORMAT, "input_format": input_format,
-                 "tokenizer": info, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                 "dtype": dtype.name, "n_tokens": sum(s["n_tokens"] for s in writer.shards), "n_documents": n_docs,
-                 "input_bytes": n_bytes, "skipped_not_utf8": len(skipped), "inputs": list(inputs),
-                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "shards": writer.shards}
+            raise UserError(
+                f"prepare: no non-empty documents in {' '.join(inputs)}"
+                + (f" ({len(skipped)} skipped as not UTF-8)" if skipped else "")
+            )
+        index = {
+            "format": MASKED_FORMAT if writer.masked else FORMAT,
+            "input_format": input_format,
+            "tokenizer": info,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "dtype": dtype.name,
+            "n_tokens": sum(s["n_tokens"] for s in writer.shards),
+            "n_documents": n_docs,
+            "input_bytes": n_bytes,
+            "skipped_not_utf8": len(skipped),
+            "inputs": list(inputs),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "shards": writer.shards,
+        }
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
         if storage.is_local(out):
@@ -310,9 +435,14 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", *, text_field:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)  # what an upload left behind (a local dataset was renamed away)
+    shutil.rmtree(
+        tmp, ignore_errors=True
+    )  # what an upload left behind (a local dataset was renamed away)
     if skipped:
-        print(f"prepare: skipped {len(skipped)} documents that are not UTF-8 (first: {skipped[0]})", file=sys.stderr)
+        print(
+            f"prepare: skipped {len(skipped)} documents that are not UTF-8 (first: {skipped[0]})",
+            file=sys.stderr,
+        )
     return index
 
 
@@ -322,18 +452,26 @@ class _results:
     is fed at most two tasks per worker ahead: `tasks` is a generator that reads streamed files
     as it goes, so their documents are held a few chunks at a time."""
 
-    def __init__(self, tasks, n_tasks, spec, eos_token, text_field, on_bad_utf8, dtype, workers, input_format):
+    def __init__(
+        self, tasks, n_tasks, spec, eos_token, text_field, on_bad_utf8, dtype, workers, input_format
+    ):
         self.tasks, self.spec, self.eos_token = tasks, spec, eos_token
-        self.work = functools.partial(_work, text_field=text_field, on_bad_utf8=on_bad_utf8, dtype=dtype,
-                                      input_format=input_format)
+        self.work = functools.partial(
+            _work,
+            text_field=text_field,
+            on_bad_utf8=on_bad_utf8,
+            dtype=dtype,
+            input_format=input_format,
+        )
         self.workers, self.pool = min(workers, n_tasks), None
 
     def __enter__(self):
         if self.workers <= 1:
             _init_worker(self.spec, self.eos_token, pool=False)
             return map(self.work, self.tasks)
-        self.pool = mp.get_context("spawn").Pool(self.workers, initializer=_init_worker,
-                                                initargs=(self.spec, self.eos_token, True))
+        self.pool = mp.get_context("spawn").Pool(
+            self.workers, initializer=_init_worker, initargs=(self.spec, self.eos_token, True)
+        )
         return self._in_order()
 
     def _in_order(self):
@@ -354,10 +492,22 @@ class _results:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    index = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, workers=args.workers,
-                    on_bad_utf8=args.on_bad_utf8, eos_token=args.eos_token, shard_tokens=args.shard_tokens,
-                    overwrite=args.overwrite, progress=not args.no_progress, input_format=args.input_format)
-    print(f"{args.out}: {index['n_documents']} {'documents' if args.input_format == 'text' else 'records'},"
-          f" {index['n_tokens']} tokens ({index['dtype']}) in {len(index['shards'])} shards, tokenizer"
-          f" {index['tokenizer']['id']} (vocab {index['vocab_size']})")
+    index = prepare(
+        args.inputs,
+        args.out,
+        args.tokenizer,
+        text_field=args.text_field,
+        workers=args.workers,
+        on_bad_utf8=args.on_bad_utf8,
+        eos_token=args.eos_token,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        input_format=args.input_format,
+    )
+    print(
+        f"{args.out}: {index['n_documents']} {'documents' if args.input_format == 'text' else 'records'},"
+        f" {index['n_tokens']} tokens ({index['dtype']}) in {len(index['shards'])} shards, tokenizer"
+        f" {index['tokenizer']['id']} (vocab {index['vocab_size']})"
+    )
     return 0

@@ -14,6 +14,7 @@ dataset has one (`prepare --format chat|prompt_completion`). A prepared dataset'
 hash of the document index (like the default corpus's hash of file names): independent of the
 seed, the same on every process.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,19 +30,24 @@ from train.data import corpus
 from train.data.index import INDEX, read_index, shard_files
 from train.data.tokenizers import file_sha256
 
-SOURCE_CHOICES = "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
+SOURCE_CHOICES = (
+    "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
+)
 
 
 @dataclasses.dataclass
 class Stream:
     """A virtual token sequence: segment i is shards[seg_shard[i]][seg_start[i]:][:len], placed at
     virtual positions seg_vstart[i]:seg_vstart[i+1]; document d spans doc_vstart[d]:doc_vstart[d+1]."""
+
     shards: list[np.ndarray]
-    seg_shard: np.ndarray     # int64 [S]
-    seg_start: np.ndarray     # int64 [S]
-    seg_vstart: np.ndarray    # int64 [S+1]
-    doc_vstart: np.ndarray    # int64 [D+1]
-    masks: list[np.ndarray] | None = None  # per shard its loss mask (uint8, 1 = trained on); None: all ones
+    seg_shard: np.ndarray  # int64 [S]
+    seg_start: np.ndarray  # int64 [S]
+    seg_vstart: np.ndarray  # int64 [S+1]
+    doc_vstart: np.ndarray  # int64 [D+1]
+    masks: list[np.ndarray] | None = (
+        None  # per shard its loss mask (uint8, 1 = trained on); None: all ones
+    )
 
     @property
     def n_tokens(self) -> int:
@@ -56,10 +62,18 @@ class Stream:
         return int(np.diff(self.doc_vstart).max()) if self.n_docs else 0
 
     @classmethod
-    def from_array(cls, tokens: np.ndarray, doc_starts: np.ndarray, mask: np.ndarray | None = None) -> "Stream":
+    def from_array(
+        cls, tokens: np.ndarray, doc_starts: np.ndarray, mask: np.ndarray | None = None
+    ) -> Stream:
         n = len(tokens)
-        return cls([tokens], np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([0, n], np.int64),
-                   np.append(doc_starts, n).astype(np.int64), None if mask is None else [mask])
+        return cls(
+            [tokens],
+            np.zeros(1, np.int64),
+            np.zeros(1, np.int64),
+            np.array([0, n], np.int64),
+            np.append(doc_starts, n).astype(np.int64),
+            None if mask is None else [mask],
+        )
 
     def gather(self, v: np.ndarray) -> np.ndarray:
         """Tokens at virtual positions v (any shape, 0 <= v < n_tokens) -> int32, same shape."""
@@ -93,9 +107,9 @@ class Source:
     train: Stream
     eval: Stream
     vocab_size: int
-    tokenizer: dict          # the index's tokenizer record; `id` decides what may be mixed
-    fingerprint: str         # changes when the tokens do: a resumed run checks it
-    max_token: int           # the largest token id in either split: the model's vocab_size must exceed it
+    tokenizer: dict  # the index's tokenizer record; `id` decides what may be mixed
+    fingerprint: str  # changes when the tokens do: a resumed run checks it
+    max_token: int  # the largest token id in either split: the model's vocab_size must exceed it
 
 
 def hash_u64(x: np.ndarray) -> np.ndarray:
@@ -112,6 +126,7 @@ def is_eval_doc(doc_index: np.ndarray, eval_fraction: float) -> np.ndarray:
 
 # ------------------------------------------------------------------ in-memory corpora (corpus.py)
 
+
 def _doc_starts(tokens: np.ndarray) -> np.ndarray:
     """Documents of a corpus.py array end with EOS; the start of each."""
     ends = np.flatnonzero(tokens == corpus.EOS) + 1
@@ -119,12 +134,21 @@ def _doc_starts(tokens: np.ndarray) -> np.ndarray:
 
 
 def from_corpus(c: corpus.Corpus, whole_docs: bool = True) -> Source:
-    streams = [Stream.from_array(t, _doc_starts(t) if whole_docs else np.zeros(1, np.int64)) for t in (c.train, c.eval)]
+    streams = [
+        Stream.from_array(t, _doc_starts(t) if whole_docs else np.zeros(1, np.int64))
+        for t in (c.train, c.eval)
+    ]
     fingerprint = hashlib.sha256(c.train.tobytes()).hexdigest()[:16]
     max_token = max(int(t.max()) for t in (c.train, c.eval) if len(t))
-    return Source(c.name, streams[0], streams[1], c.vocab_size, {"kind": "byte", "id": "byte",
-                                                                 "vocab_size": corpus.BYTE_VOCAB, "eos_id": corpus.EOS},
-                  fingerprint, max_token)
+    return Source(
+        c.name,
+        streams[0],
+        streams[1],
+        c.vocab_size,
+        {"kind": "byte", "id": "byte", "vocab_size": corpus.BYTE_VOCAB, "eos_id": corpus.EOS},
+        fingerprint,
+        max_token,
+    )
 
 
 # ------------------------------------------------------------------ prepared datasets
@@ -150,37 +174,63 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
     files = {key: storage.join(directory, sh[key]) for key in shard_files(sh)}
     for what, path in files.items():
         if not storage.isfile(path):
-            raise UserError(f"{where}: shard file {sh[what]} listed in {INDEX} is missing; {REPREPARE}")
+            raise UserError(
+                f"{where}: shard file {sh[what]} listed in {INDEX} is missing; {REPREPARE}"
+            )
     kinds = {"tokens": dtype, "mask": np.dtype(np.uint8)}  # one value per token in each
     for what in (k for k in kinds if k in files):
         size = storage.getsize(files[what])
         if size != sh["n_tokens"] * kinds[what].itemsize:
-            raise UserError(f"{where}: {sh[what]} holds {size} bytes, its index says {sh['n_tokens']}"
-                            f" {kinds[what].name} {what} (truncated or modified); {REPREPARE}")
+            raise UserError(
+                f"{where}: {sh[what]} holds {size} bytes, its index says {sh['n_tokens']}"
+                f" {kinds[what].name} {what} (truncated or modified); {REPREPARE}"
+            )
     # Datasets prepared before `max_token` was recorded: the shard is scanned for it here (one read,
     # what --data.verify does anyway) rather than refused, so they stay usable without re-preparing.
     max_token = sh.get("max_token")
     try:
-        digest, found = _scan(files["tokens"], dtype) if verify or max_token is None else (None, None)
-        digests = {"tokens": digest, **{k: file_sha256(files[k]) if verify else None for k in files if k != "tokens"}}
+        digest, found = (
+            _scan(files["tokens"], dtype) if verify or max_token is None else (None, None)
+        )
+        digests = {
+            "tokens": digest,
+            **{k: file_sha256(files[k]) if verify else None for k in files if k != "tokens"},
+        }
     except OSError as e:
-        raise UserError(f"{where}: cannot read {', '.join(sh[k] for k in files)}: {e.strerror}") from None
+        raise UserError(
+            f"{where}: cannot read {', '.join(sh[k] for k in files)}: {e.strerror}"
+        ) from None
     for what in files if verify else ():
         if digests[what] != sh["sha256"][what]:
-            raise UserError(f"{where}: {sh[what]} does not match the sha256 in {INDEX} (corrupt or modified);"
-                            f" {REPREPARE}, or --data.verify false to skip this check")
+            raise UserError(
+                f"{where}: {sh[what]} does not match the sha256 in {INDEX} (corrupt or modified);"
+                f" {REPREPARE}, or --data.verify false to skip this check"
+            )
     if found is not None and max_token is not None and found != max_token:
-        raise UserError(f"{where}: {sh['tokens']} holds token ids up to {found} but {INDEX} says max_token"
-                        f" {max_token}; {REPREPARE}")
+        raise UserError(
+            f"{where}: {sh['tokens']} holds token ids up to {found} but {INDEX} says max_token"
+            f" {max_token}; {REPREPARE}"
+        )
     try:
         with storage.open_file(files["offsets"], "rb") as f:
             off = np.load(f)
     except OSError as e:
         raise UserError(f"{where}: cannot read {sh['offsets']}: {e.strerror}") from None
-    except (ValueError, EOFError):  # not an array file, or a pickle (never loaded: it could run code)
-        raise UserError(f"{where}: {sh['offsets']} is not a .npy array of document offsets; {REPREPARE}") from None
-    ok = off.ndim == 1 and off.dtype.kind in "iu" and len(off) == sh["n_documents"] + 1 and off[0] == 0 \
-        and off[-1] == sh["n_tokens"] and bool((np.diff(off) > 0).all())
+    except (
+        ValueError,
+        EOFError,
+    ):  # not an array file, or a pickle (never loaded: it could run code)
+        raise UserError(
+            f"{where}: {sh['offsets']} is not a .npy array of document offsets; {REPREPARE}"
+        ) from None
+    ok = (
+        off.ndim == 1
+        and off.dtype.kind in "iu"
+        and len(off) == sh["n_documents"] + 1
+        and off[0] == 0
+        and off[-1] == sh["n_tokens"]
+        and bool((np.diff(off) > 0).all())
+    )
     if not ok:
         raise UserError(f"{where}: {sh['offsets']} does not match {sh['tokens']}; {REPREPARE}")
     tokens, mask = (_map(files[k], kinds[k], sh["n_tokens"]) if k in files else None for k in kinds)
@@ -189,15 +239,21 @@ def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tupl
 
 def _map(path: str, dtype: np.dtype, n: int):
     """A shard file as an array: memory-mapped, or read by ranges on an object store."""
-    return np.memmap(storage.local_path(path), dtype, mode="r", shape=(n,)) if storage.is_local(path) \
+    return (
+        np.memmap(storage.local_path(path), dtype, mode="r", shape=(n,))
+        if storage.is_local(path)
         else RangeReadShard(path, dtype, n)
+    )
 
 
 class RangeReadShard:
     """A token file on an object store, indexed like its memory map would be: the positions of a
     gather are grouped into runs of nearby tokens and each run is one ranged read (a batch's rows
     are windows of seq_len + 1 tokens), so nothing reads the whole shard."""
-    GAP = 1 << 16  # positions closer than this many tokens share one read (fewer requests, a little more data)
+
+    GAP = (
+        1 << 16
+    )  # positions closer than this many tokens share one read (fewer requests, a little more data)
 
     def __init__(self, path: str, dtype: np.dtype, n_tokens: int):
         self.path, self.dtype, self.n_tokens = path, dtype, n_tokens
@@ -212,7 +268,9 @@ class RangeReadShard:
         bounds = [0, *(np.flatnonzero(np.diff(wanted) > self.GAP) + 1), len(wanted)]
         for a, b in zip(bounds[:-1], bounds[1:]):  # one run of nearby positions: wanted[a:b]
             lo, hi = int(wanted[a]), int(wanted[b - 1]) + 1
-            raw = storage.read_range(self.path, lo * self.dtype.itemsize, (hi - lo) * self.dtype.itemsize)
+            raw = storage.read_range(
+                self.path, lo * self.dtype.itemsize, (hi - lo) * self.dtype.itemsize
+            )
             values[a:b] = np.frombuffer(raw, self.dtype)[wanted[a:b] - lo]
         return values[np.searchsorted(wanted, positions)]
 
@@ -224,20 +282,38 @@ def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
     opened = [_open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
     shards, offsets = [o[0] for o in opened], [o[1] for o in opened]
     # a shard without a mask in a dataset with masks (only by editing the index) weighs all its tokens
-    masks = [np.ones(len(o[0]), np.uint8) if o[3] is None else o[3] for o in opened] \
-        if any(o[3] is not None for o in opened) else None
+    masks = (
+        [np.ones(len(o[0]), np.uint8) if o[3] is None else o[3] for o in opened]
+        if any(o[3] is not None for o in opened)
+        else None
+    )
     doc_counts = [len(o) - 1 for o in offsets]
     held = is_eval_doc(np.arange(sum(doc_counts)), eval_fraction)
     starts = np.cumsum([0] + doc_counts)
-    split = [_select(shards, offsets, [m[starts[i]:starts[i + 1]] for i in range(len(shards))], masks)
-             for m in (~held, held)]
-    fingerprint = hashlib.sha256(json.dumps([s["sha256"] for s in index["shards"]]).encode()).hexdigest()[:16]
-    return Source(f"{storage.basename(directory)} ({index['tokenizer']['id']})", split[0], split[1],
-                  index["vocab_size"], index["tokenizer"], fingerprint, max(o[2] for o in opened))
+    split = [
+        _select(shards, offsets, [m[starts[i] : starts[i + 1]] for i in range(len(shards))], masks)
+        for m in (~held, held)
+    ]
+    fingerprint = hashlib.sha256(
+        json.dumps([s["sha256"] for s in index["shards"]]).encode()
+    ).hexdigest()[:16]
+    return Source(
+        f"{storage.basename(directory)} ({index['tokenizer']['id']})",
+        split[0],
+        split[1],
+        index["vocab_size"],
+        index["tokenizer"],
+        fingerprint,
+        max(o[2] for o in opened),
+    )
 
 
-def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.ndarray],
-            masks: list[np.ndarray] | None = None) -> Stream:
+def _select(
+    shards: list[np.ndarray],
+    offsets: list[np.ndarray],
+    keep: list[np.ndarray],
+    masks: list[np.ndarray] | None = None,
+) -> Stream:
     """The kept documents of every shard, end to end; runs of consecutive kept documents become
     one segment, so a mostly-kept shard is a handful of segments."""
     seg_shard, seg_start, seg_len, doc_len = [], [], [], []
@@ -245,17 +321,32 @@ def _select(shards: list[np.ndarray], offsets: list[np.ndarray], keep: list[np.n
         if not k.any():
             continue
         edge = np.diff(np.concatenate([[0], k.astype(np.int8), [0]]))
-        first, last = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)  # run = docs first..last-1
+        first, last = (
+            np.flatnonzero(edge == 1),
+            np.flatnonzero(edge == -1),
+        )  # run = docs first..last-1
         seg_shard.append(np.full(len(first), s))
         seg_start.append(off[first])
         seg_len.append(off[last] - off[first])
         doc_len.append(np.diff(off)[k])
     if not seg_shard:
-        return Stream(shards, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                      masks)
+        return Stream(
+            shards,
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+            np.zeros(1, np.int64),
+            np.zeros(1, np.int64),
+            masks,
+        )
     cat = lambda xs: np.concatenate(xs).astype(np.int64)  # noqa: E731
-    return Stream(shards, cat(seg_shard), cat(seg_start), np.concatenate([[0], np.cumsum(cat(seg_len))]),
-                  np.concatenate([[0], np.cumsum(cat(doc_len))]), masks)
+    return Stream(
+        shards,
+        cat(seg_shard),
+        cat(seg_start),
+        np.concatenate([[0], np.cumsum(cat(seg_len))]),
+        np.concatenate([[0], np.cumsum(cat(doc_len))]),
+        masks,
+    )
 
 
 # ------------------------------------------------------------------ --data.source
@@ -269,13 +360,21 @@ MIN_WEIGHT_RATIO = 1e-6
 def check_weights(entries: list[tuple[str, float | None]], where: str) -> list[tuple[str, float]]:
     """Each weight finite and > 0, the smallest >= MIN_WEIGHT_RATIO x the largest; else UserError."""
     for name, weight in entries:
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < float("inf"):
-            raise UserError(f"--data {where!r}: mixture entry '{name}' needs a positive weight (finite; got"
-                            f" {weight}), as in dirA:0.7,dirB:0.3")
+        if (
+            not isinstance(weight, (int, float))
+            or isinstance(weight, bool)
+            or not 0 < weight < float("inf")
+        ):
+            raise UserError(
+                f"--data {where!r}: mixture entry '{name}' needs a positive weight (finite; got"
+                f" {weight}), as in dirA:0.7,dirB:0.3"
+            )
     (lo_name, lo), (_, hi) = min(entries, key=lambda e: e[1]), max(entries, key=lambda e: e[1])
     if lo < hi * MIN_WEIGHT_RATIO:
-        raise UserError(f"--data {where!r}: the weight {lo} of '{lo_name}' is below {MIN_WEIGHT_RATIO:g} x the"
-                        f" largest ({hi}), too small to mix; raise it or leave that source out")
+        raise UserError(
+            f"--data {where!r}: the weight {lo} of '{lo_name}' is below {MIN_WEIGHT_RATIO:g} x the"
+            f" largest ({hi}), too small to mix; raise it or leave that source out"
+        )
     return [(name, float(weight)) for name, weight in entries]
 
 
@@ -299,30 +398,52 @@ def parse_mixture(source: str) -> list[tuple[str, float]]:
 
 def _mixture_yaml(path: str) -> list[tuple[str, float]]:
     import yaml
+
     try:
         with open(path) as f:
             items = yaml.safe_load(f)
     except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"--data {path}: cannot read the mixture file ({str(e).splitlines()[0]})") from None
-    if not (isinstance(items, list) and items and all(isinstance(i, dict) and isinstance(i.get("source"), str)
-                                                       and "weight" in i for i in items)):
-        raise UserError(f"--data {path}: a mixture file is a list of {{source: DIR, weight: POSITIVE}} entries")
+        raise UserError(
+            f"--data {path}: cannot read the mixture file ({str(e).splitlines()[0]})"
+        ) from None
+    if not (
+        isinstance(items, list)
+        and items
+        and all(
+            isinstance(i, dict) and isinstance(i.get("source"), str) and "weight" in i
+            for i in items
+        )
+    ):
+        raise UserError(
+            f"--data {path}: a mixture file is a list of {{source: DIR, weight: POSITIVE}} entries"
+        )
     entries = check_weights([(i["source"], i["weight"]) for i in items], path)
     base = os.path.dirname(os.path.abspath(path))  # relative sources are relative to the file
-    return [(name if name in ("default", "synthetic") or os.path.isabs(name) else os.path.join(base, name), weight)
-            for name, weight in entries]
+    return [
+        (
+            name
+            if name in ("default", "synthetic") or os.path.isabs(name)
+            else os.path.join(base, name),
+            weight,
+        )
+        for name, weight in entries
+    ]
 
 
 def load_source(spec: str, eval_fraction: float, seed: int, verify: bool = True) -> Source:
     if spec == "default":
         return from_corpus(corpus.stdlib_corpus(eval_fraction))
     if spec == "synthetic":
-        return from_corpus(corpus.synthetic_corpus(seed), whole_docs=False)  # random bytes: one long document
+        return from_corpus(
+            corpus.synthetic_corpus(seed), whole_docs=False
+        )  # random bytes: one long document
     if storage.isfile(storage.join(spec, INDEX)):
         return load_prepared(spec, eval_fraction, verify)
     if not storage.is_local(spec):  # text corpora are read from a local disk
-        raise UserError(f"--data: '{spec}' holds no prepared dataset ({INDEX}); on an object store --data takes"
-                        f" a prepared dataset (python -m train.data prepare); valid: {SOURCE_CHOICES}")
+        raise UserError(
+            f"--data: '{spec}' holds no prepared dataset ({INDEX}); on an object store --data takes"
+            f" a prepared dataset (python -m train.data prepare); valid: {SOURCE_CHOICES}"
+        )
     if not os.path.exists(spec):
         raise UserError(f"--data: '{spec}' is not a file or directory; valid: {SOURCE_CHOICES}")
     return from_corpus(corpus.text_corpus(spec, eval_fraction))
@@ -336,18 +457,24 @@ def dataset_vocab(source: str) -> int | None:
     for spec, _ in parse_mixture(source):
         if spec not in ("default", "synthetic") and storage.isfile(storage.join(spec, INDEX)):
             index = read_index(spec, f"--data {spec}", REPREPARE)
-            needs.append(max(index["vocab_size"], *(sh.get("max_token", 0) + 1 for sh in index["shards"])))
+            needs.append(
+                max(index["vocab_size"], *(sh.get("max_token", 0) + 1 for sh in index["shards"]))
+            )
     return max(needs) if needs else None
 
 
-def load_sources(source: str, eval_fraction: float, seed: int, verify: bool = True) -> list[tuple[Source, float]]:
+def load_sources(
+    source: str, eval_fraction: float, seed: int, verify: bool = True
+) -> list[tuple[Source, float]]:
     """Every source of `--data.source` with its normalised weight; all must share one tokenizer."""
     mix = parse_mixture(source)
     loaded = [(load_source(s, eval_fraction, seed, verify), w) for s, w in mix]
     ids = {src.tokenizer["id"] for src, _ in loaded}
     if len(ids) > 1:
-        raise UserError(f"--data {source!r}: the sources use different tokenizers ("
-                        + ", ".join(f"{src.name}: {src.tokenizer['id']}" for src, _ in loaded)
-                        + "); prepare them with the same --tokenizer")
+        raise UserError(
+            f"--data {source!r}: the sources use different tokenizers ("
+            + ", ".join(f"{src.name}: {src.tokenizer['id']}" for src, _ in loaded)
+            + "); prepare them with the same --tokenizer"
+        )
     total = sum(w for _, w in mix)
     return [(src, w / total) for src, w in loaded]
