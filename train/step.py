@@ -211,7 +211,7 @@ def grads_loss_stats(
     if micro_batches == 1 and not (per_replica and dp_axes):
         total, n, sums, g = sums_and_grads(params, batch)
         n = jnp.maximum(n, 1.0)
-        return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
+        return total / n, _mean_grads(g, n, total), _normalise(sums, n)
 
     micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)  # [M, B/M, ...]
     n_dp, inner_rules = replica_split(dp_axes)
@@ -238,7 +238,18 @@ def grads_loss_stats(
         total, n, sums = jax.tree.map(lambda x: x.sum(0), (total, n, sums))
         g = g if per_replica else jax.tree.map(lambda x: x.sum(0), g)
     n = jnp.maximum(n, 1.0)
-    return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
+    return total / n, _mean_grads(g, n, total), _normalise(sums, n)
+
+
+def _mean_grads(g, n, total):
+    """The gradient sums over `n` tokens as a mean, NaN throughout when the loss `total` is not
+    finite. A non-finite loss is divergence whatever its gradient says: a custom loss's NaN can
+    leave the gradient finite (a constant, a stop_gradient, a masked branch), and the step's guard
+    (optax.apply_if_finite) reads the gradient only, so such a step used to be applied and the run
+    went on to `loss nan` with exit status 0. Made NaN here, it is skipped, counted and recovered
+    from (--train.max_bad_steps) as every non-finite step is."""
+    finite = jnp.isfinite(total)
+    return jax.tree.map(lambda x: jnp.where(finite, x / n, jnp.nan), g)
 
 
 def _normalise(sums: dict, n) -> dict:
