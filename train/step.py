@@ -11,7 +11,7 @@ import optax
 from errors import UserError
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 from mesh.shard import axes_size
-from models import context, model, pipeline_1f1b
+from models import context, model, pipeline_1f1b, registry
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, ModelConfig
 from models.loss import chunked_token_xent, token_xent
 from models.moe import bias_update
@@ -53,7 +53,14 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
     (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
     # context parallelism: the batch in the zigzag order its sequence shards hold (models/context.py)
-    batch = context.to_layout(batch, context.context_size(), default_positions)
+    n_context = context.context_size()
+    registry.check_sequence_order(cfg, n_context)
+    batch = context.to_layout(batch, n_context, default_positions)
+    if batch.get("positions") is None and registry.given_positions(cfg):
+        # a registered model that masks by positions gets them on every mesh, not only on a context
+        # axis (where to_layout made them explicit): one device and context=2 run the same program
+        positions_BT = default_positions(batch.get("segment_ids"), batch["inputs"].shape)
+        batch = {**batch, "positions": positions_BT}
     if pipeline_1f1b.runs(
         cfg, pipeline
     ):  # the loss is computed per micro-batch inside the schedule
