@@ -23,7 +23,10 @@ amax history per layer in the train state and starts from a guessed scale. A tok
 from that token alone, so it is the same however the step is cut into micro-batches or sharded
 (tests/test_fp8.py checks both), with no state; it is also finer than a per-tensor scale (an
 outlier token no longer coarsens every other token's rounding), the direction of the fine-grained
-recipes (DeepSeek-V3's 1x128 activation tiles, MXFP8's 1x32 blocks).
+recipes (DeepSeek-V3's 1x128 activation tiles, MXFP8's 1x32 blocks). What no recipe removes: a
+sharded matmul sums in another float32 order, and a value that lands within that rounding error of
+an FP8 rounding boundary rounds the other way (a step of 6-25%); such a crossing is rare, and the
+power-of-two scales keep the scale itself from being one.
 
 The rounding is written as quantise-then-dequantise around an ordinary einsum, which reproduces the
 numerics on any backend. Which FP8 GEMMs XLA:GPU forms from per-token scales (its FP8 rewrite was
