@@ -38,13 +38,16 @@ from models.hf import (
 
 
 # -- HF directories -------------------------------------------------------------------------------
-def from_pretrained(path: str, dtype: str = "float32", *, mesh=None, rules=None) -> Model:
+def from_pretrained(
+    path: str, dtype: str = "float32", *, mesh=None, rules=None, allow_nonfinite: bool = False
+) -> Model:
     """A local HF checkpoint directory -> Model (params and compute in `dtype`). With `mesh`, every
-    parameter is placed sharded by the logical-axis rules (default: mesh/rules.py)."""
+    parameter is placed sharded by the logical-axis rules (default: mesh/rules.py). A tensor
+    holding NaN or infinity is one line naming it, unless `allow_nonfinite`."""
     import jax
 
     model_type, cfg = config_from_hf(read_config(path), dtype, os.path.join(path, "config.json"))
-    params = load_params(path, model_type, cfg)
+    params = load_params(path, model_type, cfg, allow_nonfinite)
     if mesh is None:
         return Model(cfg, jax.device_put(params), path)
     from mesh.rules import make_rules
@@ -83,9 +86,12 @@ def save_pretrained(
 
 
 # -- Brigade checkpoints --------------------------------------------------------------------------
-def import_checkpoint(hf_dir: str, out: str, dtype: str = "float32") -> str:
+def import_checkpoint(
+    hf_dir: str, out: str, dtype: str = "float32", allow_nonfinite: bool = False
+) -> str:
     """HF directory -> a params-only Brigade checkpoint `out/0/` (what `--init-from` starts from),
-    plus `out/model.yaml`, the model section to train it with (`--config out/model.yaml`)."""
+    plus `out/model.yaml`, the model section to train it with (`--config out/model.yaml`). Weights
+    holding NaN or infinity are refused (nothing written) unless `allow_nonfinite`."""
     import yaml
 
     from checkpoint.layout import params_only_meta
@@ -95,7 +101,7 @@ def import_checkpoint(hf_dir: str, out: str, dtype: str = "float32") -> str:
     model_type, cfg = config_from_hf(
         read_config(hf_dir), dtype, os.path.join(hf_dir, "config.json")
     )
-    params = load_params(hf_dir, model_type, cfg)
+    params = load_params(hf_dir, model_type, cfg, allow_nonfinite)
     # The model section as the training config writes it (its preset, then every field), so that
     # `--config out/model.yaml` rebuilds exactly this ModelConfig.
     model_section = {"preset": "default", **dataclasses.asdict(cfg)}
@@ -227,6 +233,12 @@ def add_commands(sub) -> None:
     i.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="parameter dtype (default: float32)"
     )
+    i.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="import tensors that hold NaN or infinity (refused by default; --init-from refuses"
+        " them whatever this says)",
+    )
     e = hf_sub.add_parser(
         "export", help="Brigade checkpoint (run, checkpoint or step directory) -> HF directory"
     )
@@ -242,7 +254,7 @@ def add_commands(sub) -> None:
 def run(args: argparse.Namespace) -> None:
     """`python -m checkpoint hf import|export` with its parsed arguments; prints what it wrote."""
     if args.hf_command == "import":
-        step_dir = import_checkpoint(args.hf_dir, args.out, args.dtype)
+        step_dir = import_checkpoint(args.hf_dir, args.out, args.dtype, args.allow_nonfinite)
         print(
             f"imported {args.hf_dir} to {step_dir} (parameters only); train from it with:"
             f" python -m train --config {os.path.join(args.out, 'model.yaml')} --init-from {args.out}"

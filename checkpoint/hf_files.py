@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
+from checkpoint import finite
 from errors import UserError
 from models.config import ModelConfig
 from models.hf import (
@@ -313,16 +314,21 @@ def params_from_hf(
     read: Callable[[str], np.ndarray],
     model_type: str,
     cfg: ModelConfig,
+    allow_nonfinite: bool = False,
 ) -> dict:
     """HF tensors -> Brigade params (numpy, cfg.param_dtype), checking every name and shape first.
     `shapes`: every tensor `source` holds, {HF name: shape}; `read(name)` its data, called only after
-    all names and shapes passed (`source` names it in errors, e.g. the HF directory)."""
+    all names and shapes passed (`source` names it in errors, e.g. the HF directory). A tensor
+    holding NaN or infinity (after the cast: a float32 beyond bfloat16's range becomes one) is
+    refused naming it, unless `allow_nonfinite` (checkpoint/finite.py)."""
     dtype = np.dtype(_np_dtype(cfg.param_dtype))
     params = {}
     for row, shape, names in _plan(source, shapes, model_type, cfg):
         out = np.empty(shape, dtype)
         for idx, name in names:
-            out[idx] = LAYOUTS[row.layout].to_brigade(read(name), cfg.head_dim).astype(dtype)
+            piece = LAYOUTS[row.layout].to_brigade(read(name), cfg.head_dim).astype(dtype)
+            finite.check_host(source, name, piece, allow_nonfinite)
+            out[idx] = piece
         _set(params, row.brigade, out)
     return params
 
@@ -349,11 +355,13 @@ def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
     return out
 
 
-def load_params(path: str, model_type: str, cfg: ModelConfig) -> dict:
+def load_params(
+    path: str, model_type: str, cfg: ModelConfig, allow_nonfinite: bool = False
+) -> dict:
     """The HF directory's tensors -> Brigade params (numpy, cfg.param_dtype), every name and shape
-    checked against the file headers first."""
+    checked against the file headers first, every value for finiteness as it is read."""
     tensors = HFTensors(path)
-    return params_from_hf(path, tensors.shapes, tensors.get, model_type, cfg)
+    return params_from_hf(path, tensors.shapes, tensors.get, model_type, cfg, allow_nonfinite)
 
 
 def write_files(

@@ -14,6 +14,13 @@ run's model config first:
     init_cache(cfg, batch, length, dtype=None) -> cache   optional: what `apply` decodes with;
                                         without it the model trains but `sample` refuses it in one line
 
+Positions: on a mesh with a `context` axis the sequence is cut into chunks and reordered (the
+zig-zag layout of models/context.py) before the model sees it, so token index t is no longer
+position t and a model that masks by index would attend to the future. A model registered with
+`takes_positions=True` promises to mask (and embed positions) by `positions_BT`, which it then
+always receives (on any mesh: 0..T-1, restarting at each document when packed); any other model is
+refused on a context axis in one line.
+
 The config is a `ModelConfig` (its fields are the model's hyperparameters: vocab_size, d_model,
 n_layers, d_ff, dtype, param_dtype, init_std, max_seq_len ... the model reads those it needs)
 carrying the registered name in `arch`, so the functions in models/model.py, which every caller
@@ -54,6 +61,7 @@ class Model(NamedTuple):
     forward: Callable | None = (
         None  # (cfg, params, tokens, positions, segment_ids, pipeline) -> (logits, stats)
     )
+    takes_positions: bool = False  # masks by positions_BT, so a reordered sequence is safe
 
 
 _MODELS: dict[str, tuple[Model, RegisteredConfig]] = {}
@@ -69,11 +77,14 @@ def register(
     config: ModelConfig | None = None,
     init_cache: Callable | None = None,
     forward: Callable | None = None,
+    takes_positions: bool = False,
 ) -> RegisteredConfig:
     """Make `name` a model `--model` accepts -> its config (`config`'s fields, default the `tiny`
     preset's, with `arch=name`). `forward`: the training forward with MoE statistics, as
     models.model.forward returns them; default `apply` without a cache and no statistics.
-    Registering a name again replaces it (a notebook re-running its cell)."""
+    `takes_positions`: the model masks by the positions it is given, not by token index, and may
+    then train with a `context` axis (see the module's docstring). Registering a name again
+    replaces it (a notebook re-running its cell)."""
     from models.config import PRESETS
 
     if name in PRESETS:
@@ -81,7 +92,10 @@ def register(
     base = config if config is not None else PRESETS["tiny"]
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
     cfg = RegisteredConfig(**fields, arch=name).validate()
-    _MODELS[name] = (Model(init, apply, param_axes, init_cache, forward), cfg)
+    _MODELS[name] = (
+        Model(init, apply, param_axes, init_cache, forward, bool(takes_positions)),
+        cfg,
+    )
     return cfg
 
 
@@ -115,6 +129,30 @@ def lookup(cfg: ModelConfig, builtin: Model) -> Model:
             f" {', '.join(sorted(_MODELS)) or 'none'} (import the module that calls models.register)"
         )
     return _MODELS[arch][0]
+
+
+def _registered(cfg: ModelConfig) -> Model | None:
+    """The registered model `cfg` belongs to; None for the built-in decoder."""
+    return lookup(cfg, None) if getattr(cfg, "arch", "") else None
+
+
+def given_positions(cfg: ModelConfig) -> bool:
+    """Whether the model is a registered one that takes positions: it gets them on every mesh."""
+    impl = _registered(cfg)
+    return impl is not None and impl.takes_positions
+
+
+def check_sequence_order(cfg: ModelConfig, context: int) -> None:
+    """One line for a registered model that masks by index on a mesh whose `context` axis (of
+    size `context`) reorders the sequence (models/context.py): it would see future tokens."""
+    impl = _registered(cfg)
+    if context > 1 and impl is not None and not impl.takes_positions:
+        raise UserError(
+            f"model '{cfg.arch}' on a context axis of {context}: the sequence reaches each device"
+            f" in zig-zag order, not token order, so a model masking by index would attend to"
+            f" later tokens; register it with takes_positions=True (then mask by positions_BT), or"
+            f" use a mesh without a context axis"
+        )
 
 
 def default_forward(

@@ -92,6 +92,15 @@ def bad_inputs(root) -> dict[str, tuple[str, str]]:
     good = gzip.compress(b'{"text": "a"}\n' * 1000)
     (root / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])
     (root / "plain.jsonl.gz").write_bytes(b'{"text": "not gzip"}\n')
+    zstandard = pytest.importorskip("zstandard")
+    # cut mid-file (the reader used to hand the half line to the JSON parser: "not a JSON line"),
+    # and cut exactly after a line break inside the frame (it used to pass, silently shorter)
+    lines = b"".join(json.dumps({"text": t}).encode() + b"\n" for t in TEXTS)
+    whole = zstandard.ZstdCompressor().compress(lines)
+    (root / "cut.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    frames = zstandard.ZstdCompressor().compress(lines[:100]) + whole
+    (root / "cut-after-a-frame.jsonl.zst").write_bytes(frames[:-3])
+    (root / "plain.jsonl.zst").write_bytes(b'{"text": "not zstd"}\n')
     (root / "dict").mkdir()
     (root / "dict" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     return {
@@ -104,6 +113,9 @@ def bad_inputs(root) -> dict[str, tuple[str, str]]:
         "fake": ("fake.parquet", "fake.parquet: not a readable Parquet file"),
         "cut": ("cut.jsonl.gz", "cut.jsonl.gz: not valid gzip data"),
         "plain": ("plain.jsonl.gz", "plain.jsonl.gz: not valid gzip data"),
+        "cut-zst": ("cut.jsonl.zst", "cut.jsonl.zst: not valid Zstandard data (the file ends"),
+        "cut-zst-2": ("cut-after-a-frame.jsonl.zst", "frame.jsonl.zst: not valid Zstandard data"),
+        "plain-zst": ("plain.jsonl.zst", "plain.jsonl.zst: not valid Zstandard data"),
         "dict": ("dict", "is a datasets DatasetDict; name one split's directory, e.g."),
     }
 

@@ -101,6 +101,26 @@ def test_prepare_overwrites_its_own_dataset(tmp_path):
     ]  # no .tmp-/.old- left behind
 
 
+def test_prepare_overwrite_refuses_a_listed_name_that_is_a_directory(tmp_path, capsys):
+    """A dataset whose index names a directory where a shard file belongs: `--overwrite` is one
+    line and exit 2 before anything is written, and the directory's files stay (it used to raise
+    IsADirectoryError from the clean-up, after the old dataset had been moved aside)."""
+    ds = tmp_path / "ds"
+    prepare.prepare([jsonl_file(tmp_path / "a.jsonl", TEXTS[:3])], str(ds), progress=False)
+    shard = json.load(open(ds / "index.json"))["shards"][0]["tokens"]
+    (ds / shard).unlink()
+    (ds / shard).mkdir()
+    (ds / shard / "mine.txt").write_text("the user's")
+    before = file_hashes(tmp_path)
+    code = prepare.main(
+        [str(tmp_path / "a.jsonl"), "--out", str(ds), "--overwrite", "--no-progress"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"'{shard}', which its index names as a file of the dataset, is a directory" in err
+    assert file_hashes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["a.jsonl", "ds"]
+
+
 # ------------------------------------------------------------------ bad datasets, mixtures, tokenizers, --data
 
 

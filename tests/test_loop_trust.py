@@ -58,6 +58,32 @@ def test_a_non_finite_state_is_never_committed_and_metrics_stay_json(tmp_path):
     assert diverged and all("loss" in r["nonfinite"] for r in diverged), recs
 
 
+def test_a_non_finite_loss_with_finite_gradients_is_divergence(tmp_path):
+    """A custom loss that is NaN while its gradient is finite (zero): every update is skipped as
+    non-finite, and --train.max_bad_steps of them with no checkpoint is Diverged (exit status 3),
+    not a run that ends with `loss nan` and exit status 0."""
+    import jax.numpy as jnp
+
+    def nan_loss(logits_BTV, batch):
+        return 0.0 * logits_BTV[..., 0] + jnp.float32(jnp.nan)
+
+    tr = Trainer(
+        build(
+            {
+                **BASE,
+                "logging.run_dir": str(tmp_path),
+                "train.steps": 4,
+                "train.max_bad_steps": 2,
+                "checkpoint.every": 0,
+            }
+        ),
+        loss=nan_loss,
+    )
+    with pytest.raises(Diverged, match="2 skipped steps in a row .* at step 2 and no checkpoint"):
+        tr.fit()
+    assert [(r["step"], r["skipped_steps"]) for r in strict_records(tmp_path)] == [(1, 1), (2, 2)]
+
+
 def test_resume_tolerates_a_damaged_metrics_log_and_names_changed_model_settings(tmp_path, capsys):
     trainer(tmp_path, **{"train.steps": 2}).fit()
     with open(tmp_path / "metrics.jsonl", "a") as f:  # lines a kill or an editor left behind

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from checkpoint import storage
+from checkpoint import finite, storage
 from checkpoint.integrity import UnreadableCheckpoint
 from checkpoint.layout import replica_layout, tokenizer_record
 from checkpoint.manager import Checkpointer, open_checkpoint
@@ -356,6 +356,7 @@ def init_from(run: RunSetup, abstract_params: Any, path: str) -> tuple[TrainStat
         if os.path.exists(hint) and "does not match" in str(e):
             raise UserError(f"{e} (the model config it was made with: --config {hint})") from None
         raise
+    finite.check_params(params, f"--init-from {src.step_dir(step)}")  # NaN weights: loss nan
     state = train_state.from_params(run.model_cfg, run.tx, run.mesh, run.rules, params, run.sync)
     return state, f"initialised the parameters from {src.step_dir(step)} (fresh optimizer)"
 

@@ -11,7 +11,7 @@ import optax
 from errors import UserError
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 from mesh.shard import axes_size
-from models import context, model, pipeline_1f1b
+from models import context, model, pipeline_1f1b, registry
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, ModelConfig
 from models.loss import chunked_token_xent, token_xent
 from models.moe import bias_update
@@ -53,7 +53,14 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
     (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
     # context parallelism: the batch in the zigzag order its sequence shards hold (models/context.py)
-    batch = context.to_layout(batch, context.context_size(), default_positions)
+    n_context = context.context_size()
+    registry.check_sequence_order(cfg, n_context)
+    batch = context.to_layout(batch, n_context, default_positions)
+    if batch.get("positions") is None and registry.given_positions(cfg):
+        # a registered model that masks by positions gets them on every mesh, not only on a context
+        # axis (where to_layout made them explicit): one device and context=2 run the same program
+        positions_BT = default_positions(batch.get("segment_ids"), batch["inputs"].shape)
+        batch = {**batch, "positions": positions_BT}
     if pipeline_1f1b.runs(
         cfg, pipeline
     ):  # the loss is computed per micro-batch inside the schedule
@@ -211,7 +218,7 @@ def grads_loss_stats(
     if micro_batches == 1 and not (per_replica and dp_axes):
         total, n, sums, g = sums_and_grads(params, batch)
         n = jnp.maximum(n, 1.0)
-        return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
+        return total / n, _mean_grads(g, n, total), _normalise(sums, n)
 
     micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)  # [M, B/M, ...]
     n_dp, inner_rules = replica_split(dp_axes)
@@ -238,7 +245,18 @@ def grads_loss_stats(
         total, n, sums = jax.tree.map(lambda x: x.sum(0), (total, n, sums))
         g = g if per_replica else jax.tree.map(lambda x: x.sum(0), g)
     n = jnp.maximum(n, 1.0)
-    return total / n, jax.tree.map(lambda x: x / n, g), _normalise(sums, n)
+    return total / n, _mean_grads(g, n, total), _normalise(sums, n)
+
+
+def _mean_grads(g, n, total):
+    """The gradient sums over `n` tokens as a mean, NaN throughout when the loss `total` is not
+    finite. A non-finite loss is divergence whatever its gradient says: a custom loss's NaN can
+    leave the gradient finite (a constant, a stop_gradient, a masked branch), and the step's guard
+    (optax.apply_if_finite) reads the gradient only, so such a step used to be applied and the run
+    went on to `loss nan` with exit status 0. Made NaN here, it is skipped, counted and recovered
+    from (--train.max_bad_steps) as every non-finite step is."""
+    finite = jnp.isfinite(total)
+    return jax.tree.map(lambda x: jnp.where(finite, x / n, jnp.nan), g)
 
 
 def _normalise(sums: dict, n) -> dict:

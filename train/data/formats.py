@@ -150,7 +150,7 @@ def _lines(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
         else:
             zstandard = _optional("zstandard", path)
             errors += (zstandard.ZstdError,)
-            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+            stream = io.BufferedReader(_ZstdFrames(raw, zstandard))
         try:
             for n, line in enumerate(stream, 1):
                 if line.strip():
@@ -161,6 +161,43 @@ def _lines(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
                 f"prepare: {path}: not valid {kind} data ({e or type(e).__name__}); the file is"
                 f" corrupt or truncated"
             ) from None
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a Zstandard file (one frame or several in a row). zstandard's own
+    stream reader ends quietly where a truncated file ends, so a cut file's half line would reach
+    the JSON parser (or a cut at a line break would pass unnoticed): here a file that ends inside a
+    frame raises EOFError, which `_lines` reports as gzip's truncation is reported."""
+
+    def __init__(self, raw, zstandard):
+        self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
+        self._frame, self._in_frame, self._pending = self._new(), False, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            block = self._raw.read(1 << 16)
+            if not block:
+                if self._in_frame:
+                    raise EOFError("the file ends inside a Zstandard frame")
+                return 0
+            self._pending = self._decompress(block)
+        n = min(len(buffer), len(self._pending))
+        buffer[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+    def _decompress(self, block: bytes) -> bytes:
+        out = []
+        while block:
+            self._in_frame = True
+            out.append(self._frame.decompress(block))
+            if not self._frame.eof:
+                break
+            # a frame ended: what follows it in the block starts the next one
+            block, self._frame, self._in_frame = self._frame.unused_data, self._new(), False
+        return b"".join(out)
 
 
 def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:

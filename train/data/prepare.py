@@ -293,12 +293,23 @@ def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) ->
     listed = listed_files(
         read_index(out, f"prepare: --out '{out}'", f"{only}; name a new directory")
     )
-    foreign = sorted(set(storage.listdir(out)) - listed)
+    present = set(storage.listdir(out))
+    foreign = sorted(present - listed)
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise UserError(
             f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write; {only}"
         )
+    # prepare writes plain files only: a listed name that is a directory or a link holds (or points
+    # at) something else, which deleting the old shards must not touch
+    for name in sorted(present & listed):
+        target = storage.join(out, name)
+        if (local and os.path.islink(target)) or storage.isdir(target):
+            kind = "a symbolic link" if local and os.path.islink(target) else "a directory"
+            raise UserError(
+                f"prepare: --out '{out}': '{name}', which its index names as a file of the dataset,"
+                f" is {kind}; {only}"
+            )
 
 
 def _replace(out: str, tmp: str) -> None:
@@ -316,10 +327,9 @@ def _replace(out: str, tmp: str) -> None:
     os.rename(out, old)
     os.rename(tmp, out)
     for name in listed:
-        try:
-            os.remove(os.path.join(old, name))
-        except FileNotFoundError:
-            pass
+        path = os.path.join(old, name)
+        if os.path.isfile(path) and not os.path.islink(path):  # what prepare wrote: plain files
+            os.remove(path)
     try:
         os.rmdir(old)
         os.rmdir(trash)
