@@ -95,3 +95,28 @@ def test_allowed_import_then_init_from_refuses_naming_the_parameter(hf_dir, tmp_
         UserError, match=r"--init-from .*: parameter blocks/attn/wq_DNH holds NaN or infinity"
     ):
         Trainer(cfg, devices=jax.devices()[:2]).init_from(out)
+
+
+def test_lora_base_with_nonfinite_weights_is_refused(hf_dir, tmp_path):
+    """A LoRA run reads its frozen --init-from base itself (train/lora.py), not through the
+    --init-from restore: the same check applies there."""
+    from train.config import build
+    from train.loop import Trainer
+
+    src, out = _damaged(hf_dir, tmp_path, Q_PROJ, np.nan), str(tmp_path / "ckpt")
+    assert checkpoint_main(["hf", "import", src, "--out", out, "--allow-nonfinite"]) == 0
+    cfg = build(
+        {
+            "parallelism.mesh": "fsdp=2",
+            "train.seq_len": 32,
+            "train.batch_size": 2,
+            "checkpoint.init_from": out,
+            "lora.rank": 4,
+            "logging.run_dir": str(tmp_path / "run"),
+        },
+        os.path.join(out, "model.yaml"),
+    )
+    with pytest.raises(
+        UserError, match=r"--init-from .*: parameter blocks/attn/wq_DNH holds NaN or infinity"
+    ):
+        Trainer(cfg, devices=jax.devices()[:2]).load_lora_base({})

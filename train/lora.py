@@ -21,6 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from checkpoint import finite
 from checkpoint.layout import fingerprint, merged
 from checkpoint.manager import open_checkpoint
 from errors import UserError
@@ -230,6 +231,7 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
     if path:
         src, step = open_checkpoint(path)
         params, where = src.restore_params(step, full), src.step_dir(step)
+        finite.check_params(params, f"--init-from {where}")  # NaN weights: loss nan (LoRA base)
         pointer = where
     else:
         seed = saved.get("train", {}).get("seed", cfg.train.seed)
