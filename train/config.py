@@ -309,11 +309,12 @@ class LoggingConfig:
 
     def validate(self) -> LoggingConfig:
         check_ranges(self, functools.partial(public_flag, "logging"))
-        from train.sinks import check_tracker, progress_mode
+        from train.sinks import check_tracker, check_wandb_mode, progress_mode
 
         progress_mode(self.progress)
         if self.wandb:
             check_tracker("--logging.wandb", "wandb", "wandb")
+            check_wandb_mode()
         return self
 
 

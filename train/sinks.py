@@ -26,6 +26,9 @@ PROGRESS = ("auto", "bar", "lines", "none")
 # Older configs and scripts say true/false (the option was a bool): the same as auto/none.
 PROGRESS_ALIASES = {"true": "auto", "false": "none"}
 WANDB_ID = "wandb_id"  # in the run directory: the W&B run a resumed or restarted run continues
+# what wandb accepts in WANDB_MODE (wandb.sdk.wandb_settings.Settings.mode); set to anything else,
+# even empty, wandb.init fails with a pydantic traceback
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
 
 
 class Sink(Protocol):
@@ -52,6 +55,17 @@ def check_tracker(flag: str, module: str, extra: str) -> None:
         raise UserError(
             f"{flag}: the {module} package is not installed; pip install 'brigade[{extra}]', or leave"
             f" {flag} empty"
+        )
+
+
+def check_wandb_mode(env=None) -> None:
+    """UserError unless WANDB_MODE is unset or one of WANDB_MODES (checked at the config's
+    validation, before the run starts, rather than when wandb.init reads it)."""
+    mode = (os.environ if env is None else env).get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        raise UserError(
+            f"WANDB_MODE={mode!r} (with --logging.wandb): not a W&B mode; valid: "
+            f"{', '.join(WANDB_MODES)}, or unset it"
         )
 
 
@@ -147,6 +161,7 @@ class WandbSink:
 
     def __init__(self, run_dir: str, project: str, config: dict):
         check_tracker("--logging.wandb", "wandb", "wandb")
+        check_wandb_mode()
         import wandb
 
         self.run_dir, self.wandb = run_dir, wandb
