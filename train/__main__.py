@@ -9,7 +9,10 @@ import os
 import signal
 import sys
 
+from errors import quiet_closed_stdout
 
+
+@quiet_closed_stdout  # `python -m train ... | head`: the run goes on, its lines go nowhere
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from errors import UserError
