@@ -309,9 +309,13 @@ class LoggingConfig:
 
     def validate(self) -> LoggingConfig:
         check_ranges(self, functools.partial(public_flag, "logging"))
-        from train.sinks import check_tracker, check_wandb_mode, progress_mode
+        from checkpoint.storage import require_backend
+        from train.sinks import check_tensorboard, check_tracker, check_wandb_mode, progress_mode
 
         progress_mode(self.progress)
+        require_backend(self.run_dir, "--run-dir")  # gs:// without gcsfs: one line, at once
+        if self.tensorboard:
+            check_tensorboard(self.run_dir)
         if self.wandb:
             check_tracker("--logging.wandb", "wandb", "wandb")
             check_wandb_mode()
@@ -354,6 +358,9 @@ class CheckpointConfig:
 
     def validate(self) -> CheckpointConfig:
         check_ranges(self, functools.partial(public_flag, "checkpoint"))
+        from checkpoint.storage import require_backend
+
+        require_backend(self.dir, "--checkpoint.dir")
         if not self.resume:
             raise UserError("--resume: expected auto, latest, none or a checkpoint PATH, got ''")
         if self.local_dir and self.local_every < 1:
