@@ -237,4 +237,6 @@ def _tuple(types) -> tuple:
 
 
 def _short(value: Any) -> str:
-    return reprlib.Repr(maxstring=60, maxother=60).repr(value)
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 60
+    return short.repr(value)

@@ -30,7 +30,7 @@ import importlib.metadata
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from errors import UserError
+from errors import UserError, expect, expect_callable
 from models.config import ModelConfig, option
 
 ENTRY_POINTS = "brigade.models"
@@ -73,8 +73,18 @@ def register(
     """Make `name` a model `--model` accepts -> its config (`config`'s fields, default the `tiny`
     preset's, with `arch=name`). `forward`: the training forward with MoE statistics, as
     models.model.forward returns them; default `apply` without a cache and no statistics.
-    Registering a name again replaces it (a notebook re-running its cell)."""
+    Registering a name again replaces it (a notebook re-running its cell). Every argument is
+    checked here: a wrong one would fail much later, inside jit or a training thread."""
     from models.config import PRESETS
+
+    expect("models.register", "name", name, str, "the model's name (what --model takes)")
+    if not name.strip() or "," in name or name != name.strip():
+        raise UserError(f"models.register: name {name!r}: give a non-empty name without commas")
+    for arg, fn in (("init", init), ("apply", apply), ("param_axes", param_axes)):
+        expect_callable("models.register", arg, fn)
+    for arg, fn in (("init_cache=", init_cache), ("forward=", forward)):
+        expect_callable("models.register", arg, fn, optional=True)
+    expect("models.register", "config=", config, (ModelConfig, type(None)), "a ModelConfig")
 
     if name in PRESETS:
         raise UserError(f"models.register: '{name}' is a built-in preset; choose another name")
@@ -105,6 +115,7 @@ def config(name: str, presets: dict[str, ModelConfig]) -> ModelConfig:
 
 def lookup(cfg: ModelConfig, builtin: Model) -> Model:
     """The model `cfg` belongs to: `builtin` (the decoder) unless it is a registered model's."""
+    expect("models.model", "cfg", cfg, ModelConfig, "a ModelConfig (a Config's .model)")
     arch = getattr(cfg, "arch", "")  # only a RegisteredConfig has the field
     if not arch:
         return builtin

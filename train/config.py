@@ -13,9 +13,10 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 from typing import Any
 
-from errors import ArgParser, UserError
+from errors import ArgParser, UserError, expect
 from mesh.xla import PRESETS as XLA_PRESETS
 from models import registry
 from models.config import (
@@ -497,6 +498,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None = None) -> Config:
     """Resolve a Config from optional YAML files (a later file's values win) and `{section.field:
     value}` overrides."""
+    _check_build_args(cli, yaml_path)
     raw: dict[str, dict] = {s: {} for s in SECTIONS}
     for path in [yaml_path] if isinstance(yaml_path, str) else yaml_path or []:
         for section, values in load_yaml(path, SECTIONS).items():
@@ -542,9 +544,21 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None =
     return Config(model_preset=preset_name, **sections).validate()
 
 
+def _check_build_args(cli, yaml_path) -> None:
+    """build()'s arguments: TypeError naming the one of the wrong type (a preset name given as
+    the overrides failed with AttributeError on `.items`)."""
+    expect("build", "overrides", cli, (dict, type(None)), "a dict {'section.field': value}")
+    for key in cli or {}:
+        expect("build", "an overrides key", key, str, "'section.field' text, e.g. 'train.lr'")
+    paths = yaml_path if isinstance(yaml_path, (list, tuple)) else [yaml_path]
+    for path in paths if yaml_path is not None else []:
+        expect("build", "yaml_path", path, (str, os.PathLike), "a YAML file's path (or a list)")
+
+
 def from_args(
     argv: list[str], parser: argparse.ArgumentParser | None = None
 ) -> tuple[Config, argparse.Namespace]:
+    expect("from_args", "argv", argv, (list, tuple), "a list of arguments, e.g. ['--lr', '0.1']")
     parser = parser or make_parser()
     ns = parser.parse_args(argv)
     cli = {k: v for k, v in vars(ns).items() if "." in k}
