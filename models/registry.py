@@ -78,8 +78,10 @@ def register(
     from models.config import PRESETS
 
     expect("models.register", "name", name, str, "the model's name (what --model takes)")
-    if not name.strip() or "," in name or name != name.strip():
-        raise UserError(f"models.register: name {name!r}: give a non-empty name without commas")
+    if not name.strip() or name != name.strip():
+        raise UserError(
+            f"models.register: name {name!r}: give a non-empty name, no spaces around it"
+        )
     for arg, fn in (("init", init), ("apply", apply), ("param_axes", param_axes)):
         expect_callable("models.register", arg, fn)
     for arg, fn in (("init_cache=", init_cache), ("forward=", forward)):

@@ -80,7 +80,7 @@ def test_a_wrong_argument_type_is_one_clear_type_error(call, words):
 def test_register_refuses_an_empty_name_and_generate_a_nan_temperature():
     from errors import UserError
 
-    with pytest.raises(UserError, match="name '': give a non-empty name"):
+    with pytest.raises(UserError, match="name '': give a non-empty name, no spaces"):
         models.register("", _init, _init, _init)
     with pytest.raises(UserError, match=r"^generate: temperature nan: must be a finite number"):
         generate(CFG.model, {}, [[1]], 0, max_new=4, temperature=float("nan"))
