@@ -56,6 +56,7 @@ def _size(n: float) -> str:
 
 
 def describe(path: str) -> dict:
+    """What `inspect` prints, as a dict (`path` as open_checkpoint takes it)."""
     from checkpoint.manager import open_checkpoint
 
     ck, step = open_checkpoint(path)

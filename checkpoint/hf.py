@@ -23,7 +23,7 @@ from typing import Any
 
 from checkpoint.hf_files import hf_tensors, load_params, read_config, write_files
 from checkpoint.layout import fingerprint, lora_base, merged
-from errors import ArgParser, UserError
+from errors import ArgParser, UserError, expect
 from models.config import ModelConfig
 from models.hf import (
     ARCHITECTURES,
@@ -46,6 +46,9 @@ def from_pretrained(
     holding NaN or infinity is one line naming it, unless `allow_nonfinite`."""
     import jax
 
+    expect("from_pretrained", "path", path, (str, os.PathLike), "an HF directory's path")
+    path = os.fspath(path)
+
     model_type, cfg = config_from_hf(read_config(path), dtype, os.path.join(path, "config.json"))
     params = load_params(path, model_type, cfg, allow_nonfinite)
     if mesh is None:
@@ -65,6 +68,9 @@ def save_pretrained(
     `max_shard_bytes`), loadable by transformers' `AutoModelForCausalLM.from_pretrained(path)`.
     The files are written beside `path` first and moved in once all are complete, so a refusal or
     a failed write leaves `path` as it was (not created, when it did not exist)."""
+    expect("save_pretrained", "model", model, Model, "a Model (from_pretrained, load_checkpoint)")
+    expect("save_pretrained", "path", path, (str, os.PathLike), "a directory's path")
+    path = os.fspath(path)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     tensors = hf_tensors(model, dtype)
@@ -93,6 +99,10 @@ def import_checkpoint(
     plus `out/model.yaml`, the model section to train it with (`--config out/model.yaml`). Weights
     holding NaN or infinity are refused (nothing written) unless `allow_nonfinite`."""
     import yaml
+
+    for name, value in (("hf_dir", hf_dir), ("out", out)):
+        expect("import_checkpoint", name, value, (str, os.PathLike), "a directory's path")
+    hf_dir, out = os.fspath(hf_dir), os.fspath(out)
 
     from checkpoint.layout import params_only_meta
     from checkpoint.manager import Checkpointer

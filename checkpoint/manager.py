@@ -31,7 +31,7 @@ from checkpoint.integrity import (
     diagnose,
 )
 from checkpoint.layout import RUN_SUBDIR, check_meta, is_params_only  # noqa: F401  (RUN_SUBDIR: for callers)
-from errors import UserError
+from errors import UserError, expect
 from mesh.shard import path_names
 
 
@@ -438,7 +438,8 @@ def open_checkpoint(path: str) -> tuple[Checkpointer, int]:
     directory (`.../checkpoints/40`), a checkpoint directory (its latest committed step), a
     run directory (its `checkpoints/`) or a local tier's directory (the copy of its first process
     that holds a step: `process-0/`, else the next)."""
-    path = storage.absolute(path)
+    expect("open_checkpoint", "path", path, (str, os.PathLike), "a directory's path")
+    path = storage.absolute(os.fspath(path))
     if not storage.isdir(path):
         raise UserError(f"'{path}': no such checkpoint directory")
     base = storage.basename(path)

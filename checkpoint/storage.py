@@ -17,11 +17,23 @@ object store
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 import time
 
+from errors import UserError
+
 SCHEMES = ("gs://", "s3://", "az://", "hf://")
+# scheme -> the package epath's fsspec backend needs for it, and the extra of pyproject.toml that
+# installs it (None: not one of Brigade's extras)
+BACKENDS = {
+    "gs://": ("gcsfs", "gcs"),
+    "s3://": ("s3fs", "s3"),
+    "az://": ("adlfs", None),
+    "hf://": ("huggingface_hub", None),
+}
 
 
 def is_local(p: str | os.PathLike) -> bool:
@@ -38,9 +50,40 @@ def local_path(p: str | os.PathLike) -> str:
 
 def path(p: str | os.PathLike):
     """`p` as an `epath.Path` (imported here: it costs ~0.2 s that local-only commands skip)."""
+    require_backend(p)
     from etils import epath
 
     return epath.Path(p)
+
+
+def require_backend(p: str | os.PathLike, flag: str = "") -> None:
+    """UserError naming the package to install when `p`'s scheme needs one that is missing (fsspec
+    would raise an ImportError from deep inside the first read or write); `flag`, where given,
+    is the option that named `p`. With TensorFlow installed, epath uses its gfile instead, which
+    needs none of them."""
+    text = os.fspath(p)
+    for scheme, (package, extra) in BACKENDS.items():
+        if not text.startswith(scheme) or package in sys.modules:
+            continue
+        from fsspec.registry import registry  # the implementations registered in this process
+
+        if scheme[:-3] in registry:  # imported already, or registered by the program itself
+            continue
+        if importlib.util.find_spec(package) is None and not _tensorflow_serves():
+            how = f"pip install {package}" + (
+                f" (or pip install 'brigade[{extra}]')" if extra else ""
+            )
+            raise UserError(
+                f"{flag + ' ' if flag else ''}{text}: {scheme} paths need the {package} package,"
+                f" which is not installed; {how}"
+            )
+
+
+def _tensorflow_serves() -> bool:
+    """Whether epath reads URLs through TensorFlow's gfile (etils.epath.gpath's own rule)."""
+    if os.environ.get("EPATH_USE_TF", "").lower() in ("false", "no", "f", "0"):
+        return False
+    return importlib.util.find_spec("tensorflow") is not None
 
 
 def join(p: str, *names: str) -> str:

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from errors import ArgParser, UserError, one_line_errors
+from errors import ArgParser, UserError, number, one_line_errors
 from mesh.spec import AXES
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
@@ -242,12 +242,22 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma list of mesh axes and/or 'all' (default: every axis of size > 1, and all)",
     )
-    p.add_argument("--iters", type=int, default=20, help="timed runs per point (median reported)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed runs first (compile, allocation)")
+    p.add_argument(
+        "--iters",
+        type=number(int, ">=1"),
+        default=20,
+        help="timed runs per point (median reported)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=number(int, ">=0"),
+        default=3,
+        help="untimed runs first (compile, allocation)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
         "--cpu-devices",
-        type=int,
+        type=number(int, ">=0"),
         default=0,
         help="fake CPU devices to create (CPU only; 0 = as configured)",
     )
@@ -256,8 +266,8 @@ def make_parser() -> argparse.ArgumentParser:
         default="",
         help="HOST:PORT of process 0 (multi-process); empty = auto-detect",
     )
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--num-processes", type=number(int, ">=1"), default=1)
+    p.add_argument("--process-id", type=number(int, ">=0"), default=0)
     return p
 
 
@@ -270,10 +280,6 @@ def _main(args) -> int:
     ops = _choices("--ops", args.ops, OPS)
     dtypes = _choices("--dtypes", args.dtypes, DTYPES)
     sizes = parse_sizes(args.sizes)
-    if args.iters < 1 or args.warmup < 0:
-        raise UserError(
-            f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}"
-        )
     import jax
 
     if args.cpu_devices:

@@ -9,7 +9,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from errors import UserError
+from errors import UserError, expect
 from mesh.spec import AXES, MeshShape, resolve
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,11 @@ def make_mesh(
     With `dcn_spec` the mesh is hybrid: each axis = dcn part (across hosts/slices) x ici part,
     built so that ici neighbours share a host/slice.
     """
+    for name, value in (("spec", spec), ("dcn_spec", dcn_spec)):
+        expect(
+            "make_mesh", name, value, (str, dict, type(None)), "--mesh text, e.g. 'data=2,model=4'"
+        )
+    expect("make_mesh", "devices", devices, (list, tuple, type(None)), "a list of devices or None")
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve(spec, len(devices), dcn_spec)
     return mesh_from_shape(shape, devices)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
-from errors import UserError
+from errors import UserError, expect
 
 # Outermost first. The most talkative axis (model, then expert, then context) is innermost so that
 # it lands on the closest devices (same NVLink island / ICI neighbours); data and pipeline go
@@ -123,5 +124,6 @@ def resolve(
 def mesh_text(sizes) -> str:
     """A mesh's axis sizes as `--mesh` text, axes of size 1 left out: {'data': 4, 'fsdp': 1,
     'model': 2} (or a Mesh's `.shape`) -> 'data=4,model=2'; '1 device' when every axis is 1."""
+    expect("mesh_text", "sizes", sizes, Mapping, "axis sizes such as a Mesh's .shape")
     names = [a for a in AXES if a in sizes] + [a for a in sizes if a not in AXES]
     return ",".join(f"{a}={sizes[a]}" for a in names if sizes[a] > 1) or "1 device"

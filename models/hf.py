@@ -541,3 +541,22 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {
         n: tuple(s.shape) for n, s in path_names(abstract, is_leaf=lambda x: hasattr(x, "shape"))
     }
+
+
+# -- deprecated for one release: the names and the command that moved to checkpoint/ (hf_moved.py)
+def __getattr__(name: str):
+    """`models.hf.from_pretrained` & co. still import, with a DeprecationWarning naming their new
+    home (models/hf_moved.py); any other unknown name is an AttributeError as usual."""
+    from models.hf_moved import moved
+
+    return moved(name)
+
+
+if (
+    __name__ == "__main__"
+):  # `python -m models.hf import|export ...`: moved to python -m checkpoint hf
+    import sys
+
+    from models.hf_moved import moved_command
+
+    sys.exit(moved_command(sys.argv[1:]))

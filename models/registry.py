@@ -37,7 +37,7 @@ import importlib.metadata
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from errors import UserError
+from errors import UserError, expect, expect_callable
 from models.config import ModelConfig, option
 
 ENTRY_POINTS = "brigade.models"
@@ -84,8 +84,21 @@ def register(
     models.model.forward returns them; default `apply` without a cache and no statistics.
     `takes_positions`: the model masks by the positions it is given, not by token index, and may
     then train with a `context` axis (see the module's docstring). Registering a name again
-    replaces it (a notebook re-running its cell)."""
+    replaces it (a notebook re-running its cell). Every argument is checked here: a wrong one
+    would fail much later, inside jit or a training thread."""
     from models.config import PRESETS
+
+    expect("models.register", "name", name, str, "the model's name (what --model takes)")
+    if not name.strip() or name != name.strip():
+        raise UserError(
+            f"models.register: name {name!r}: give a non-empty name, no spaces around it"
+        )
+    for arg, fn in (("init", init), ("apply", apply), ("param_axes", param_axes)):
+        expect_callable("models.register", arg, fn)
+    for arg, fn in (("init_cache=", init_cache), ("forward=", forward)):
+        expect_callable("models.register", arg, fn, optional=True)
+    expect("models.register", "config=", config, (ModelConfig, type(None)), "a ModelConfig")
+    expect("models.register", "takes_positions=", takes_positions, bool, "True or False")
 
     if name in PRESETS:
         raise UserError(f"models.register: '{name}' is a built-in preset; choose another name")
@@ -119,6 +132,7 @@ def config(name: str, presets: dict[str, ModelConfig]) -> ModelConfig:
 
 def lookup(cfg: ModelConfig, builtin: Model) -> Model:
     """The model `cfg` belongs to: `builtin` (the decoder) unless it is a registered model's."""
+    expect("models.model", "cfg", cfg, ModelConfig, "a ModelConfig (a Config's .model)")
     arch = getattr(cfg, "arch", "")  # only a RegisteredConfig has the field
     if not arch:
         return builtin

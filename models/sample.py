@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
 
+from errors import check_number, expect
 from models import model
 from models.config import ModelConfig
 
@@ -21,7 +23,6 @@ def _pick(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int) 
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "temperature", "top_k"))
 def generate(
     cfg: ModelConfig,
     params,
@@ -35,7 +36,21 @@ def generate(
     """prompt [B,T0] int32 -> generated tokens [B, max_new] (the prompt is not repeated).
 
     One prefill pass fills the cache with the prompt; each new token then costs one
-    single-position pass over the cache."""
+    single-position pass over the cache. The arguments are checked before jit sees them."""
+    expect("generate", "cfg", cfg, ModelConfig, "a ModelConfig (a Config's .model)")
+    for name, value in (("max_new", max_new), ("top_k", top_k)):
+        expect("generate", name, value, numbers.Integral, "an integer")
+    expect("generate", "temperature", temperature, numbers.Real, "a number")
+    check_number("generate: max_new", max_new, int, ">=1")
+    check_number("generate: top_k", top_k, int, ">=0")
+    check_number("generate: temperature", temperature, float, ">=0")
+    return _generate(
+        cfg, params, prompt_BT, key, max_new=max_new, temperature=temperature, top_k=top_k
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "temperature", "top_k"))
+def _generate(cfg, params, prompt_BT, key, *, max_new, temperature, top_k) -> jax.Array:
     b, t0 = prompt_BT.shape
     cache = model.init_cache(cfg, b, t0 + max_new)
     logits_BTV, cache = model.apply(

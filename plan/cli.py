@@ -9,8 +9,9 @@
 from __future__ import annotations
 
 import json
+import math
 
-from errors import UserError
+from errors import UserError, number
 from mesh.build import start_mesh
 from mesh.rules import make_rules
 from mesh.spec import AXES, resolve
@@ -29,6 +30,16 @@ from plan.report import (
 from train.config import build, make_parser
 from train.setup import setup
 
+# `--search N` enumerates every ordered factorisation of N over the mesh axes, then prices those the
+# model allows: ~70 us a candidate to reject, 20-40 ms one to price (70b, --batch-size N, one busy
+# laptop core). 65,536 (20,349 candidates, 1,801 priced) ranks in 36 s, 2^20 (53,130) in ~40 s,
+# 61,440 (222,768, 2,058 priced) in 81 s; N with many small divisors is what costs: 430,080 has
+# 1,336,608 candidates (5.4 min), and the enumeration loops over every integer up to N for each
+# axis (a prime 1,000,000,007: billions of steps). 2^20 devices is more than any machine built.
+# Refused above either bound, in one line.
+MAX_SEARCH_DEVICES = 1 << 20
+MAX_SEARCH_MESHES = 250_000
+
 
 def add_args(parser) -> None:
     """The flags `plan` adds to the run's own."""
@@ -41,50 +52,53 @@ def add_args(parser) -> None:
     )
     g.add_argument(
         "--devices",
-        type=int,
+        type=number(int, f"[0, {MAX_SEARCH_DEVICES}]"),
         default=0,
         metavar="N",
         help="with --hardware: predict --mesh on N devices from formulas, without compiling",
     )
     g.add_argument(
         "--search",
-        type=int,
+        type=number(int, f"[0, {MAX_SEARCH_DEVICES}]"),
         default=0,
         metavar="N",
         help="rank every valid mesh of N devices by predicted step time (with --hardware)",
     )
-    g.add_argument("--top", type=int, default=10, metavar="K", help="--search: meshes shown")
+    g.add_argument(
+        "--top", type=number(int, ">=1"), default=10, metavar="K", help="--search: meshes shown"
+    )
     g.add_argument(
         "--cluster-size",
-        type=int,
+        type=number(int, ">=0"),
         default=0,
         metavar="N",
         help="devices whose failure stops the job, for goodput (0 = the mesh's devices)",
     )
     g.add_argument(
         "--fail-rate",
-        type=float,
+        type=number(float, ">=0"),
         default=0.001,
         metavar="X",
         help="failures per device per day (default 0.1%%: 10 a day on 10,000 GPUs)",
     )
     g.add_argument(
         "--restart-s",
-        type=float,
+        type=number(float, ">=0"),
         default=300.0,
         metavar="S",
         help="seconds to reschedule, restart and recompile after a failure (restore time is added)",
     )
     g.add_argument(
         "--ckpt-write-gbps",
-        type=float,
+        type=number(float, ">=0"),
         default=0.0,
         metavar="X",
         help="GB/s per device to checkpoint storage (0 = the profile's)",
     )
 
 
-def main(argv: list[str]) -> int:
+def make_plan_parser():
+    """The run's flags (train/config.py) and plan's own."""
     parser = make_parser(
         "python -m train plan",
         "Compile the train step ahead of time and report memory,"
@@ -99,7 +113,11 @@ def main(argv: list[str]) -> int:
         help="with --mesh pipeline=P > 1: draw the pipeline schedule to PATH (PNG, needs matplotlib)",
     )
     add_args(parser)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    ns = make_plan_parser().parse_args(argv)
     cfg = build({k: v for k, v in vars(ns).items() if "." in k}, getattr(ns, "config", None))
     if ns.search or ns.devices:  # formulas only: the target device count need not exist here
         report, text = analytic(ns, cfg)
@@ -134,9 +152,6 @@ def _hardware(ns, n_devices: int, cfg) -> Hardware:
         raise UserError(
             f"--search/--devices need --hardware NAME; valid: {', '.join(hardware.PROFILES)}"
         )
-    for flag in ("search", "devices", "top", "cluster_size"):
-        if getattr(ns, flag) < 0:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(ns, flag)}")
     return hardware.get(
         ns.hardware, n_devices, cfg.model.compute_dtype("cpu")
     )  # dtype: for the CPU profile
@@ -165,6 +180,7 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     hw = _hardware(ns, n, cfg)
     rules = make_rules(p.rules)
     if ns.search:
+        check_search_size(ns.search)
         rows = search.search(
             cfg.model,
             n,
@@ -247,3 +263,29 @@ def with_cost(report: dict, ns, cfg, mesh) -> str:
     good = _goodput(ns, cfg, pred, mem["params_bytes"] + mem["optimizer_bytes"], hw)
     report["cost"], report["goodput"] = pred, good
     return f"collectives from the {pred['comm_source']}\n" + render_cost(pred, good)
+
+
+def mesh_count(n: int, axes: int = len(AXES)) -> int:
+    """How many meshes `--search n` enumerates: the ordered factorisations of n into `axes`
+    factors, C(e + axes - 1, axes - 1) for each prime power p^e of n, multiplied."""
+    count, p = 1, 2
+    while p * p <= n:
+        e = 0
+        while n % p == 0:
+            n, e = n // p, e + 1
+        count *= math.comb(e + axes - 1, axes - 1)
+        p += 1
+    return count * (axes if n > 1 else 1)
+
+
+def check_search_size(n: int) -> None:
+    """UserError for a `--search N` that cannot be ranked in about a minute (MAX_SEARCH_*)."""
+    if n > MAX_SEARCH_DEVICES:
+        raise UserError(f"--search {n}: at most {MAX_SEARCH_DEVICES} devices (2^20) are ranked")
+    meshes = mesh_count(n)
+    if meshes > MAX_SEARCH_MESHES:
+        raise UserError(
+            f"--search {n}: its many divisors make {meshes} candidate meshes, more than the"
+            f" {MAX_SEARCH_MESHES} ranked in about a minute; a size with fewer small factors"
+            f" ranks (up to {MAX_SEARCH_DEVICES} = 2^20: {mesh_count(MAX_SEARCH_DEVICES)} meshes)"
+        )

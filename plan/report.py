@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 
+from errors import expect
 from mesh.shard import path_names
 from mesh.spec import mesh_text
 from models import pipeline as pipeline_lib
@@ -90,6 +91,7 @@ def _cost_analysis(compiled) -> dict | None:
 
 def analyze(s: RunSetup) -> dict:
     """Compile the step of the run `s` (train.setup.setup) and return the full report as a dict."""
+    expect("analyze", "s", s, RunSetup, "a RunSetup: train.setup.setup(cfg, mesh) or trainer.setup")
     cfg, t, m = s.cfg, s.cfg.train, s.cfg.model
     state = abstract_state(s)
     compiled = compile_step(s, state, abstract_batch(s))

@@ -139,7 +139,7 @@ def test_table_output(capsys):
         (["--sizes", "12X"], "--sizes: '12X' is not a size"),
         (["--sizes", "1M:1K"], "--sizes: MAX 1K is below MIN 1M"),
         (["--dtypes", "float64"], "--dtypes: unknown 'float64'; valid: float32"),
-        (["--iters", "0"], "--iters must be >= 1"),
+        (["--iters", "0"], "--iters 0: must be an integer >= 1"),
     ],
 )
 def test_bad_input_is_one_line(capsys, argv, culprit):

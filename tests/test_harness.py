@@ -378,7 +378,7 @@ def _imported_without_tokenizer(world) -> str:
             {"ckpt": "{run}", "temperature": 1, "top": 2},
             ["unknown model arg temperature, top", "valid: ckpt, tokenizer"],
         ),
-        ({"ckpt": "{run}", "batch_size": 0}, ["batch_size=0", "integer >= 1"]),
+        ({"ckpt": "{run}", "batch_size": 0}, ["model arg batch_size 0: must be an integer >= 1"]),
         ({"ckpt": "{run}", "max_length": 300}, ["max_length=300", "max_seq_len 256"]),
         ({"ckpt": "{run}", "mesh": "pipeline=2;data=4"}, ["pipeline and context axes"]),
         ({"ckpt": "{run}", "tokenizer": "{root}/nope.json"}, ["--tokenizer", "no such file"]),

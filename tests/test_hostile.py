@@ -293,6 +293,33 @@ CASES = [
         ["section 'train' must be a mapping"],
     ),
     (
+        "yaml-section-twice",
+        "train",
+        yaml("train: {lr: 0.5}\ntrain: {steps: 3}\n"),
+        ["key 'train'", "lines 1 and 2"],
+    ),
+    (
+        "yaml-alias-bomb",
+        "train",
+        yaml(
+            "a: &a [x, x, x, x, x, x, x, x, x]\n"
+            + "".join(
+                f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")
+            )
+            + "train: {prompt: *i}\n"
+        ),
+        ["aliases expand to", "100000"],
+    ),
+    (
+        "yaml-binary",
+        "train",
+        with_files(
+            {"c.yaml": b"\x89PNG\r\n\x1a\n\xff" * 8},
+            lambda ws: [*TINY, "--run-dir", str(ws / "new-run"), "--config", str(ws / "c.yaml")],
+        ),
+        ["c.yaml", "not UTF-8"],
+    ),
+    (
         "yaml-missing-file",
         "train",
         lambda ws: [*TINY, "--config", str(ws / "none.yaml")],

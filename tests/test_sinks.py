@@ -83,6 +83,24 @@ def test_unknown_or_missing_tracker_is_one_line(monkeypatch):
         build({"logging.wandb": "proj"})
 
 
+@pytest.mark.parametrize("mode", ["bogus", "", "OFFLINE"])
+def test_a_wandb_mode_wandb_refuses_is_one_line(tmp_path, monkeypatch, mode):
+    """wandb.init's own answer to a bad WANDB_MODE is a pydantic traceback, after the run began."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", mode)
+    line = (
+        f"^WANDB_MODE={mode!r} \\(with --logging.wandb\\): not a W&B mode; valid: online,"
+        f" offline, shared, disabled, dryrun, run, or unset it$"
+    )
+    with pytest.raises(UserError, match=line):
+        build({"logging.wandb": "proj"})
+    with pytest.raises(UserError, match=line):  # a sink made from a run's config.json
+        sinks.WandbSink(str(tmp_path), "proj", {})
+    assert build({"logging.wandb": ""}).logging.wandb == ""  # no W&B: WANDB_MODE is not ours
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert build({"logging.wandb": "proj"}).logging.wandb == "proj"
+
+
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")

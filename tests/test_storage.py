@@ -5,6 +5,7 @@ test's working directory, which every test checks stays empty."""
 
 import json
 import os
+import sys
 
 import fsspec
 import numpy as np
@@ -154,3 +155,69 @@ def test_a_prepared_dataset_on_an_object_store_is_read_by_ranges(tmp_path, gcs, 
     far = np.array([[0, 1, 2], [len(shard) - 3, len(shard) - 2, len(shard) - 1]])
     np.testing.assert_array_equal(shard[far], np.asarray(here.train.shards[0])[far])
     assert reads == [3 * shard.dtype.itemsize] * 2  # two runs of nearby tokens, two small reads
+
+
+# ------------------------------------------------------------------ a scheme without its package
+
+
+@pytest.fixture
+def without(monkeypatch):
+    """-> hide(package): `package` is not installed and fsspec has no filesystem for its schemes."""
+    real = storage.importlib.util.find_spec
+
+    def hide(package: str, protocols: tuple[str, ...]) -> None:
+        monkeypatch.delitem(sys.modules, package, raising=False)
+        for name in protocols:
+            monkeypatch.delitem(registry, name, raising=False)
+        monkeypatch.setattr(
+            storage.importlib.util,
+            "find_spec",
+            lambda name, *a: None if name == package else real(name, *a),
+        )
+
+    return hide
+
+
+@pytest.mark.parametrize(
+    "package, url, words",
+    [
+        ("gcsfs", "gs://bucket/run", ["pip install gcsfs", "pip install 'brigade[gcs]'"]),
+        ("s3fs", "s3://bucket/run", ["pip install s3fs", "pip install 'brigade[s3]'"]),
+    ],
+)
+def test_a_url_whose_package_is_missing_is_one_line(tmp_path, capsys, without, package, url, words):
+    from train.__main__ import main as train_main
+    from train.data.prepare import main as prepare_main
+
+    without(package, ("gs", "gcs") if package == "gcsfs" else ("s3", "s3a"))
+    with pytest.raises(UserError) as e:
+        storage.exists(url)
+    assert str(e.value).startswith(f"{url}: {url[:5]} paths need the {package} package"), e.value
+    (tmp_path / "in.txt").write_text("some text\n")
+    for command, argv, flag in [
+        (train_main, ["--model", "tiny", "--run-dir", url], "--run-dir"),
+        (train_main, ["--model", "tiny", "--checkpoint.dir", url], "--checkpoint.dir"),
+        (train_main, ["--model", "tiny", "--data", url, "--run-dir", str(tmp_path / "r")], url),
+        (prepare_main, [str(tmp_path / "in.txt"), "--out", url, "--workers", "1"], url),
+    ]:
+        assert command(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert flag in err and all(w in err for w in words), err
+
+
+def test_tensorboard_events_on_a_url_name_their_package(monkeypatch, without):
+    from train.config import build
+
+    monkeypatch.setattr(storage, "require_backend", lambda *a: None)  # s3fs: the test above
+    without("boto3", ())
+    with pytest.raises(
+        UserError,
+        match=r"^--logging.tensorboard: TensorBoard events in s3://b/r need the boto3 package,"
+        r" which is not installed; pip install boto3 \(or pip install 'brigade\[s3\]'\), or"
+        r" --logging.tensorboard false$",
+    ):
+        build({"logging.run_dir": "s3://b/r"})
+    assert not build(
+        {"logging.run_dir": "s3://b/r", "logging.tensorboard": False}
+    ).logging.tensorboard

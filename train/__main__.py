@@ -9,7 +9,10 @@ import os
 import signal
 import sys
 
+from errors import quiet_closed_stdout
 
+
+@quiet_closed_stdout  # `python -m train ... | head`: the run goes on, its lines go nowhere
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from errors import UserError
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         from train.config import from_args
 
         cfg, _ = from_args(argv)
+        from train import faults
+
+        faults.current().check(cfg.train.steps)  # before the run directory is made
         from train.rundir import start_named_run
 
         named = start_named_run(
@@ -102,10 +108,10 @@ def _leave_job() -> None:
 
     if not jax.distributed.is_initialized():
         return
-    from train.resilience import injected_processes
+    from train import faults
     from train.watchdog import set_doing
 
-    if jax.process_index() in injected_processes("KILL_AT_SHUTDOWN"):
+    if jax.process_index() in faults.current().kill_at_shutdown:
         os.kill(
             os.getpid(), signal.SIGKILL
         )  # fault injection: a process that dies after the run finished

@@ -11,9 +11,8 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-import yaml
-
 from errors import UserError
+from train.yaml_load import load as load_bounded
 
 
 def parse_bool(s: str) -> bool:
@@ -76,13 +75,7 @@ def help_line(key: str, field: dataclasses.Field, shown_default: Any) -> str:
 
 def load_yaml(path: str, sections: Iterable[str]) -> dict[str, dict]:
     """`--config FILE`: a mapping of `sections` (each a mapping of options); UserError otherwise."""
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise UserError(f"--config: cannot read '{path}': {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"--config: '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = load_bounded(path, "--config") or {}  # size, UTF-8, aliases, keys given twice
     if not isinstance(data, dict):
         raise UserError(f"--config: '{path}' must be a mapping of sections")
     sections = list(sections)

@@ -13,9 +13,10 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 from typing import Any
 
-from errors import ArgParser, UserError
+from errors import ArgParser, UserError, expect
 from mesh.xla import PRESETS as XLA_PRESETS
 from models import registry
 from models.config import (
@@ -309,11 +310,16 @@ class LoggingConfig:
 
     def validate(self) -> LoggingConfig:
         check_ranges(self, functools.partial(public_flag, "logging"))
-        from train.sinks import check_tracker, progress_mode
+        from checkpoint.storage import require_backend
+        from train.sinks import check_tensorboard, check_tracker, check_wandb_mode, progress_mode
 
         progress_mode(self.progress)
+        require_backend(self.run_dir, "--run-dir")  # gs:// without gcsfs: one line, at once
+        if self.tensorboard:
+            check_tensorboard(self.run_dir)
         if self.wandb:
             check_tracker("--logging.wandb", "wandb", "wandb")
+            check_wandb_mode()
         return self
 
 
@@ -353,6 +359,9 @@ class CheckpointConfig:
 
     def validate(self) -> CheckpointConfig:
         check_ranges(self, functools.partial(public_flag, "checkpoint"))
+        from checkpoint.storage import require_backend
+
+        require_backend(self.dir, "--checkpoint.dir")
         if not self.resume:
             raise UserError("--resume: expected auto, latest, none or a checkpoint PATH, got ''")
         if self.local_dir and self.local_every < 1:
@@ -489,6 +498,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None = None) -> Config:
     """Resolve a Config from optional YAML files (a later file's values win) and `{section.field:
     value}` overrides."""
+    _check_build_args(cli, yaml_path)
     raw: dict[str, dict] = {s: {} for s in SECTIONS}
     for path in [yaml_path] if isinstance(yaml_path, str) else yaml_path or []:
         for section, values in load_yaml(path, SECTIONS).items():
@@ -534,9 +544,21 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None =
     return Config(model_preset=preset_name, **sections).validate()
 
 
+def _check_build_args(cli, yaml_path) -> None:
+    """build()'s arguments: TypeError naming the one of the wrong type (a preset name given as
+    the overrides failed with AttributeError on `.items`)."""
+    expect("build", "overrides", cli, (dict, type(None)), "a dict {'section.field': value}")
+    for key in cli or {}:
+        expect("build", "an overrides key", key, str, "'section.field' text, e.g. 'train.lr'")
+    paths = yaml_path if isinstance(yaml_path, (list, tuple)) else [yaml_path]
+    for path in paths if yaml_path is not None else []:
+        expect("build", "yaml_path", path, (str, os.PathLike), "a YAML file's path (or a list)")
+
+
 def from_args(
     argv: list[str], parser: argparse.ArgumentParser | None = None
 ) -> tuple[Config, argparse.Namespace]:
+    expect("from_args", "argv", argv, (list, tuple), "a list of arguments, e.g. ['--lr', '0.1']")
     parser = parser or make_parser()
     ns = parser.parse_args(argv)
     cli = {k: v for k, v in vars(ns).items() if "." in k}

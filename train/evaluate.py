@@ -27,7 +27,7 @@ import jax
 from checkpoint.hf import config_from_meta, load_checkpoint
 from checkpoint.layout import lora_base
 from checkpoint.manager import Checkpointer, open_checkpoint
-from errors import ArgParser, UserError, one_line_errors
+from errors import ArgParser, UserError, number, one_line_errors
 from mesh.build import start_mesh
 from models.config import ModelConfig
 from train import resume
@@ -164,7 +164,7 @@ def make_eval_parser() -> ArgParser:
     )
     g.add_argument(
         "--eval-batches",
-        type=int,
+        type=number(int, ">=0"),
         default=0,
         metavar="N",
         help="evaluate at most N batches of --batch-size windows per set; 0 = every window",
@@ -176,8 +176,6 @@ def make_eval_parser() -> ArgParser:
 @one_line_errors
 def main(argv: list[str]) -> int:
     ns = make_eval_parser().parse_args(argv)
-    if ns.eval_batches < 0:
-        raise UserError(f"eval: --eval-batches {ns.eval_batches}: must be >= 0 (0 = every window)")
     if "data.source" in vars(ns):
         raise UserError(
             "eval: --data.source is the training data; name the sets to evaluate with --data [NAME=]DIR"

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from errors import UserError, one_line_errors
+from errors import UserError, check_number, one_line_errors
 from mesh.rules import axis_rules
 from models import model
 from models.sample import _pick
@@ -139,14 +139,14 @@ def continue_prompts(
 
 
 def _int_arg(name: str, value, low: int) -> int:
+    """A model arg that is an integer >= low (lm_eval passes model args as text)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, str))
-        or not str(value).lstrip("-").isdigit()
-        or int(value) < low
+        or not re.fullmatch(r"-?\d+", str(value).strip())
     ):
         raise UserError(f"harness: model arg {name}={value!r}: expected an integer >= {low}")
-    return int(value)
+    return check_number(f"harness: model arg {name}", int(value), int, f">={low}")
 
 
 def _tokenizer(spec, meta: dict) -> tokenizers.Tokenizer:

@@ -26,7 +26,7 @@ from mesh.rules import axis_rules
 from mesh.spec import mesh_text
 from models import context, model
 from models.sample import generate
-from train import lora, resume
+from train import faults, lora, resume, trainer_args
 from train import state as train_state
 from train.config import Config
 from train.data import make_pipeline
@@ -38,7 +38,7 @@ from train.device_memory import out_of_memory_line
 from train.goodput import Goodput
 from train.memory import check_fits, step_bytes_per_device
 from train.metrics import summary
-from train.resilience import StopSignals, injected_steps
+from train.resilience import StopSignals
 from train.run import Run, open_run
 from train.rundir import claim, start_named_run
 from train.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
@@ -72,6 +72,15 @@ class Trainer:
         replacing AdamW, `schedule`: its learning rate (a number or a function of the update
         count; required with `optimizer`, what the log reports; without `optimizer`, AdamW's)."""
         self._started_at = time.time()  # goodput counts this attempt's wall time from here
+        trainer_args.check(
+            cfg,
+            mesh=mesh,
+            devices=devices,
+            on_log=on_log,
+            data=data,
+            eval_data=eval_data,
+            loss=loss,
+        )
         self.cfg = cfg
         self.on_log = on_log
         self.data, self.eval_data = data, eval_data
@@ -82,6 +91,8 @@ class Trainer:
             optimizer=optimizer,
             schedule=schedule,
         )
+        # the BRIGADE_INJECT_* drills, checked before anything compiles
+        faults.current().check(cfg.train.steps, jax.process_count(), own_data=data is not None)
         self.mesh, self.rules, self.model_cfg, self.compute_dtype = (
             s.mesh,
             s.rules,
@@ -325,7 +336,7 @@ class Trainer:
         # -- the loop
         stopped_by, hang_at = (
             signals.received,
-            injected_steps("HANG"),
+            faults.current().hang_steps,
         )  # a signal already: nothing to save
         try:
             with run.heartbeat, run.watchdog:

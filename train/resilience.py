@@ -12,7 +12,6 @@ one process alone would make it save while its peers wait in the next step's col
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -65,43 +64,3 @@ class Diverged(RuntimeError):
 
 
 DIVERGED_EXIT = 3
-
-
-def injected_steps(fault: str) -> set[int]:
-    """Fault injection for tests and drills: BRIGADE_INJECT_<FAULT>_STEPS=5,6,7 -> {5, 6, 7}."""
-    return _numbers(f"BRIGADE_INJECT_{fault}_STEPS")
-
-
-def injected_processes(fault: str) -> set[int]:
-    """Fault injection for multi-process drills: BRIGADE_INJECT_<FAULT>_PROCESSES=1 -> {1}, the
-    process indices that act out the fault (every process of a job may share one environment)."""
-    return _numbers(f"BRIGADE_INJECT_{fault}_PROCESSES")
-
-
-def injected_delay(process: int) -> float:
-    """Fault injection for straggler drills: BRIGADE_INJECT_STEP_DELAY=PROCESS:SECONDS -> SECONDS
-    for that process (it sleeps that long after each step), 0.0 for every other."""
-    raw = os.environ.get("BRIGADE_INJECT_STEP_DELAY", "")
-    if not raw:
-        return 0.0
-    try:
-        target, seconds = raw.split(":")
-        return float(seconds) if int(target) == process else 0.0
-    except ValueError:
-        from errors import UserError
-
-        raise UserError(
-            f"BRIGADE_INJECT_STEP_DELAY={raw!r}: expected PROCESS:SECONDS, e.g. 1:0.5"
-        ) from None
-
-
-def _numbers(variable: str) -> set[int]:
-    raw = os.environ.get(variable, "")
-    try:
-        return {int(x) for x in raw.split(",") if x.strip()}
-    except ValueError:
-        from errors import UserError
-
-        raise UserError(
-            f"{variable}={raw!r}: expected comma-separated integers, e.g. 5,6"
-        ) from None

@@ -21,7 +21,7 @@ from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
 from models import context
 from models.flops import flops_per_token, param_count
-from train import resume
+from train import faults, resume
 from train.config import dump
 from train.device_memory import MEMORY_FIELDS, figures
 from train.goodput import Goodput
@@ -33,7 +33,7 @@ from train.metrics import (
     peak_flops,
     summary_text,
 )
-from train.resilience import Diverged, injected_delay, injected_steps
+from train.resilience import Diverged
 from train.rundir import prepare_run_dir, run_dir_writes
 from train.setup import RunSetup
 from train.shapes import seq_shards
@@ -104,8 +104,8 @@ class Run:
             devices=[d for d in mesh.devices.flat if d.process_index == me],
             recover_from=recover_from,
             spikes_reported=int(state.spike.skipped) if state.spike is not None else 0,
-            delay_s=injected_delay(me),
-            spike_at=injected_steps("SPIKE"),
+            delay_s=faults.current().delay_s(me),
+            spike_at=faults.current().spike_steps,
             spike_target=cfg.model.vocab_size - 1,
         )
 

@@ -12,12 +12,10 @@ is greedy; --seed picks the random draws otherwise (the same seed, the same text
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
-from errors import UserError, one_line_errors
+from errors import UserError, number, one_line_errors
 from mesh.rules import axis_rules
 from models import model
 from models.sample import generate
@@ -73,17 +71,6 @@ def prompt_ids(tok: tokenizers.Tokenizer, prompt: str, as_chat: bool) -> np.ndar
     return ids
 
 
-def _check_numbers(ns) -> None:
-    if ns.max_new < 1:
-        raise UserError(f"sample: --max-new {ns.max_new}: must be >= 1")
-    if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
-        raise UserError(
-            f"sample: --temperature {ns.temperature}: must be finite and >= 0 (0 = greedy)"
-        )
-    if ns.top_k < 0:
-        raise UserError(f"sample: --top-k {ns.top_k}: must be >= 0 (0 = the whole vocabulary)")
-
-
 def _check_prompt(ns, ids: np.ndarray, cfg) -> None:
     """The prompt's length and ids against the model, before its parameters are read."""
     m = cfg.model
@@ -113,10 +100,18 @@ def make_sample_parser():
     parser.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model directory's chat template"
     )
-    parser.add_argument("--max-new", type=int, default=128, metavar="N", help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
     parser.add_argument(
-        "--top-k", type=int, default=40, metavar="K", help="sample among the K likeliest; 0 = all"
+        "--max-new", type=number(int, ">=1"), default=128, metavar="N", help="tokens to generate"
+    )
+    parser.add_argument(
+        "--temperature", type=number(float, ">=0"), default=0.8, metavar="T", help="0 = greedy"
+    )
+    parser.add_argument(
+        "--top-k",
+        type=number(int, ">=0"),
+        default=40,
+        metavar="K",
+        help="sample among the K likeliest; 0 = all",
     )
     parser.add_argument(
         "--tokenizer",
@@ -131,7 +126,6 @@ def make_sample_parser():
 def main(argv: list[str]) -> int:
     """Prints the generated text (only the new tokens); --seed is the run flag (train.seed)."""
     ns = make_sample_parser().parse_args(argv)
-    _check_numbers(ns)
     opened = open_model(ns.ckpt, ns)
     tok = checkpoint_tokenizer(ns.tokenizer, opened.meta)
     ids = prompt_ids(tok, ns.prompt, ns.chat)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from errors import expect
 from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules, sequence_parallel
 from mesh.shard import data_parallel_axes, tree_shardings
 from models import context, model
@@ -87,6 +88,8 @@ def setup(
 ) -> RunSetup:
     """Each value from the ones before it; one line (UserError) for shapes the mesh cannot split.
     `loss`, `optimizer`, `schedule`: the Trainer's extension points (train/loop.py)."""
+    expect("setup", "cfg", cfg, Config, "a train.config.Config (from train.config.build)")
+    expect("setup", "mesh", mesh, Mesh, "a jax Mesh (mesh.build.make_mesh)")
     if optimizer is not None:
         optim.check_optimizer(optimizer, schedule)
     lr = optim.schedule(cfg.train) if schedule is None else optim.as_schedule(schedule)

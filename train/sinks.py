@@ -26,6 +26,15 @@ PROGRESS = ("auto", "bar", "lines", "none")
 # Older configs and scripts say true/false (the option was a bool): the same as auto/none.
 PROGRESS_ALIASES = {"true": "auto", "false": "none"}
 WANDB_ID = "wandb_id"  # in the run directory: the W&B run a resumed or restarted run continues
+# what wandb accepts in WANDB_MODE (wandb.sdk.wandb_settings.Settings.mode); set to anything else,
+# even empty, wandb.init fails with a pydantic traceback
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+# tensorboardX writes a URL run directory's events itself, with these (gcsfs brings the first):
+# scheme -> (module, package, the extra that installs it)
+TENSORBOARD_BACKENDS = {
+    "gs://": ("google.cloud.storage", "google-cloud-storage", "gcs"),
+    "s3://": ("boto3", "boto3", "s3"),
+}
 
 
 class Sink(Protocol):
@@ -52,6 +61,35 @@ def check_tracker(flag: str, module: str, extra: str) -> None:
         raise UserError(
             f"{flag}: the {module} package is not installed; pip install 'brigade[{extra}]', or leave"
             f" {flag} empty"
+        )
+
+
+def check_tensorboard(run_dir: str) -> None:
+    """UserError when TensorBoard events cannot be written to a URL `run_dir` for lack of the
+    package tensorboardX writes it with (it would raise ImportError when the run starts)."""
+    for scheme, (module, package, extra) in TENSORBOARD_BACKENDS.items():
+        if not run_dir.startswith(scheme):
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # its parent package (google.cloud) is missing too
+            found = False
+        if not found:
+            raise UserError(
+                f"--logging.tensorboard: TensorBoard events in {run_dir} need the {package}"
+                f" package, which is not installed; pip install {package} (or pip install"
+                f" 'brigade[{extra}]'), or --logging.tensorboard false"
+            )
+
+
+def check_wandb_mode(env=None) -> None:
+    """UserError unless WANDB_MODE is unset or one of WANDB_MODES (checked at the config's
+    validation, before the run starts, rather than when wandb.init reads it)."""
+    mode = (os.environ if env is None else env).get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        raise UserError(
+            f"WANDB_MODE={mode!r} (with --logging.wandb): not a W&B mode; valid: "
+            f"{', '.join(WANDB_MODES)}, or unset it"
         )
 
 
@@ -123,6 +161,7 @@ class TensorBoardSink:
     """<run_dir>/tb: every numeric value of a record as a scalar at its step."""
 
     def __init__(self, run_dir: str):
+        check_tensorboard(run_dir)
         self.writer = _summary_writer(
             storage.join(run_dir, "tb")
         )  # tensorboardX writes gs:// and s3:// itself
@@ -147,6 +186,7 @@ class WandbSink:
 
     def __init__(self, run_dir: str, project: str, config: dict):
         check_tracker("--logging.wandb", "wandb", "wandb")
+        check_wandb_mode()
         import wandb
 
         self.run_dir, self.wandb = run_dir, wandb

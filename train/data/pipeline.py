@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from errors import UserError
+from train import faults
 from train.data.sources import Source, Stream, hash_u64, load_sources
-from train.resilience import injected_steps
 
 ROUNDS = 6
 _EVAL = 0x7FFF_FFFF  # key stream of the eval order, disjoint from source indices
@@ -302,7 +302,7 @@ class Pipeline:
 
     @functools.cached_property
     def _nan_steps(self) -> set[int]:
-        return injected_steps("NAN")  # fault injection: those steps' loss weights are NaN
+        return faults.current().nan_steps  # fault injection: those steps' loss weights are NaN
 
     def seek(self, step: int) -> None:
         """Start at batch `step`: the loop opens the data (so a bad source is one line before the

@@ -33,7 +33,7 @@ import tempfile
 import numpy as np
 
 from checkpoint import storage
-from errors import ArgParser, UserError, one_line_errors
+from errors import ArgParser, UserError, number, one_line_errors
 from train.data import chat, formats, tokenizers
 from train.data.formats import JSONL_SUFFIXES
 from train.data.index import (
@@ -90,7 +90,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers",
-        type=int,
+        type=number(int, ">=1"),
         default=os.cpu_count() or 1,
         help="tokenising processes; 1 = in-process",
     )
@@ -104,7 +104,10 @@ def make_parser() -> argparse.ArgumentParser:
         "--eos-token", default=None, help="end-of-document token (default: found in the vocabulary)"
     )
     p.add_argument(
-        "--shard-tokens", type=int, default=1 << 28, help="start a new shard after this many tokens"
+        "--shard-tokens",
+        type=number(int, ">=1"),
+        default=1 << 28,
+        help="start a new shard after this many tokens",
     )
     p.add_argument(
         "--overwrite",

@@ -397,15 +397,9 @@ def parse_mixture(source: str) -> list[tuple[str, float]]:
 
 
 def _mixture_yaml(path: str) -> list[tuple[str, float]]:
-    import yaml
+    from train.yaml_load import load  # bounded: size, UTF-8, aliases, keys given twice
 
-    try:
-        with open(path) as f:
-            items = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(
-            f"--data {path}: cannot read the mixture file ({str(e).splitlines()[0]})"
-        ) from None
+    items = load(path, "--data")
     if not (
         isinstance(items, list)
         and items
