@@ -38,7 +38,13 @@ import sys
 from checkpoint import storage
 from errors import UserError
 from mesh.spec import AXES, parse_spec
-from train.goodput import Goodput, read_records
+from train.goodput import (
+    AFTER_CLEAN_END,
+    AFTER_FAILURE,
+    Goodput,
+    read_json_lines,
+    read_records,
+)
 
 MARKER = "brigade-run.json"
 LOCK = ".brigade-lock"
@@ -225,11 +231,15 @@ def prepare_run_dir(
     storage.write_text(storage.join(run_dir, "config.json"), config_text)
     resumes = storage.join(run_dir, "resumes.jsonl")  # one line per attempt that resumed
     if resumed_step is not None:
-        storage.append_text(
-            resumes, json.dumps({"step": resumed_step, "time": goodput.started_at}) + "\n"
+        goodput.resume(
+            read_records(run_dir),
+            resumed_step,
+            ended=read_json_lines(storage.join(run_dir, "summary.json"), whole=True),
+            earlier=read_json_lines(resumes),
         )
-        n_resumes = sum(1 for ln in storage.read_text(resumes).splitlines() if ln.strip())
-        goodput.resume(read_records(run_dir), resumed_step, restarts=n_resumes)
+        after = AFTER_FAILURE if goodput.after_failure else AFTER_CLEAN_END
+        line = {"step": resumed_step, "time": goodput.started_at, "after": after}
+        storage.append_text(resumes, json.dumps(line) + "\n")
         drop_records_after(run_dir, resumed_step)  # logged after that save by the run that died
     else:
         for path in (storage.join(run_dir, "metrics.jsonl"), resumes):
