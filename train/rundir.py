@@ -38,6 +38,7 @@ import sys
 from checkpoint import storage
 from errors import UserError
 from mesh.spec import AXES, parse_spec
+from train import named_runs
 from train.goodput import (
     AFTER_CLEAN_END,
     AFTER_FAILURE,
@@ -308,6 +309,7 @@ def start_named_run(cfg, now: datetime.datetime | None = None):
     if resume == "latest":
         resume = _run_to_continue(DEFAULT_RUN_DIR, cfg.to_dict())
     run_dir = _make_unique_dir(root, run_name(cfg, now or datetime.datetime.now()))
+    named_runs.note_made(run_dir, DEFAULT_RUN_DIR)  # a refused run gives it back (named_runs)
     _link_latest(DEFAULT_RUN_DIR, run_dir)
     continued = resume if resume not in (cfg.checkpoint.resume, "auto") else ""
     print(
@@ -374,17 +376,34 @@ def _link_latest(link: str, run_dir: str) -> None:
 
 
 def _run_to_continue(link: str, now: dict) -> str:
-    """--resume latest without --run-dir: the run `link` points at, when it was started with the
-    settings this run has in every field that changes the state layout or the math (else one
-    line naming the fields); -> its directory, which --resume PATH then reads, or auto (a fresh
-    start) when there is no earlier run."""
-    if not os.path.exists(link):  # the first run of a script that always says --resume latest
+    """--resume latest without --run-dir: the run `link` points at (a dangling link: the newest
+    run that exists, said in one line), when it was started with the settings this run has in
+    every field that changes the state layout or the math (else one line naming the fields);
+    -> its directory, which --resume PATH then reads, or auto (a fresh start) when there is no
+    earlier run."""
+    dangling = named_runs.dangling_target(link)
+    if dangling is not None:  # its run was deleted or moved: the newest that exists (named_runs)
+        prev = named_runs.newest_run(os.path.dirname(link))
+        print(
+            f"warning: --resume latest: {link} is a dangling link (to {dangling}, which does not"
+            f" exist); "
+            + (
+                f"continuing the newest run that exists, {prev}"
+                if prev
+                else f"no other run under {os.path.dirname(link)}; starting a new one"
+            ),
+            flush=True,
+        )
+        if prev is None:
+            return "auto"
+    elif not os.path.exists(link):  # the first run of a script that always says --resume latest
         print(
             f"--resume latest: no earlier run to continue ({link} does not exist); starting a new one",
             flush=True,
         )
         return "auto"
-    prev = os.path.relpath(os.path.realpath(link)) if os.path.islink(link) else link
+    else:
+        prev = os.path.relpath(os.path.realpath(link)) if os.path.islink(link) else link
     try:
         with open(os.path.join(prev, "config.json")) as f:
             saved = json.load(f)
