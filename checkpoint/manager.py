@@ -30,7 +30,12 @@ from checkpoint.integrity import (
     cross_process_failure,
     diagnose,
 )
-from checkpoint.layout import RUN_SUBDIR, check_meta, is_params_only  # noqa: F401  (RUN_SUBDIR: for callers)
+from checkpoint.layout import (  # noqa: F401  (RUN_SUBDIR: for callers)
+    RUN_SUBDIR,
+    check_meta,
+    is_params_only,
+    lora_mismatch,
+)
 from errors import UserError
 from mesh.shard import path_names
 
@@ -413,6 +418,9 @@ class Checkpointer:
             if n not in want
         ]
         if bad:
+            lora = lora_mismatch(self.meta(step), saved, want, self.step_dir(step))
+            if lora:  # adapters for a whole model, or the reverse: their arrays would only confuse
+                raise UserError(lora)
             raise UserError(
                 f"checkpoint {self.step_dir(step)}{what} does not match this model config"
                 f" ({len(bad)} arrays differ): "
