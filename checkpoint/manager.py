@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from checkpoint import storage
+from checkpoint.array_store import check_array_store
 from checkpoint.echoes import quiet_failed_read_echoes
 from checkpoint.integrity import (
     StepNames,
@@ -36,6 +37,7 @@ from checkpoint.layout import (  # noqa: F401  (RUN_SUBDIR: for callers)
     is_params_only,
     lora_mismatch,
 )
+from checkpoint.owner import Owner, Retention
 from errors import UserError
 from mesh.shard import path_names
 
@@ -134,12 +136,15 @@ class Checkpointer:
         create: bool = True,
         process_local: bool = False,
         flag: str = "--checkpoint.dir",
+        run_owner: Owner | None = None,
     ):
         """process_local: this process's own copy on host-local storage (the local tier,
         checkpoint/tiers.py): it writes every shard it holds and commits without the other
         processes, which do the same into their own directories. `flag`: the option named when
-        the directory cannot be created."""
+        the directory cannot be created. `run_owner`: the run saving here and the steps it wrote,
+        the only ones retention deletes (checkpoint/owner.py); None: every step counts as its own."""
         directory = storage.absolute(directory)
+        check_array_store(directory, flag)  # s3:// and the like would fail at the first save
         owner = (
             process_local or jax.process_index() == 0
         )  # who creates, checks and tidies the directory
@@ -154,7 +159,7 @@ class Checkpointer:
                 raise UserError(f"{flag}: '{directory}' is not writable")
         elif not storage.isdir(directory):
             raise UserError(f"'{directory}': no such checkpoint directory")
-        self.directory, self.process_local = directory, process_local
+        self.directory, self.process_local, self.run_owner = directory, process_local, run_owner
         self.companions: list = []  # savers of the same run closed with this one (the local tier)
         if create and owner and storage.is_local(directory):  # object stores have no symbolic links
             self._set_aside_links()
@@ -171,10 +176,8 @@ class Checkpointer:
             else None
         )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep if keep > 0 else None,
-            keep_period=keep_every
-            if keep_every > 0
-            else None,  # steps % keep_every == 0 are never deleted
+            # the newest `keep` of this run's own steps, steps % keep_every == 0, others' steps
+            preservation_policy=Retention(keep, keep_every, run_owner),
             enable_async_checkpointing=async_save,
             create=create
             and not process_local,  # Orbax's create: a barrier for the other processes
@@ -303,6 +306,8 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Returns once the device arrays are copied to host memory (so the caller may donate or
         overwrite them); with async_save the files are written and committed in the background."""
+        if self.run_owner is not None:
+            self.run_owner.wrote(step)  # before Orbax's retention, which consults it, runs
         self._mngr.save(
             step,
             args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import time
 
@@ -18,9 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from checkpoint.layout import RUN_SUBDIR
 from checkpoint.manager import Checkpointer, open_checkpoint, shared_directory
 from checkpoint.saving import committed_on_exit
+from errors import UserError
 from mesh.build import start_mesh
 from mesh.rules import axis_rules
 from mesh.spec import mesh_text
@@ -40,8 +39,9 @@ from train.memory import check_fits, step_bytes_per_device
 from train.metrics import summary
 from train.resilience import StopSignals, injected_steps
 from train.run import Run, open_run
-from train.rundir import claim, start_named_run
+from train.rundir import claim, start_named_run, withdraw_named_run
 from train.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
+from train.startup import Skeleton, check_before_creating, checkpoint_dir, local_tier_dir
 from train.step import eval_step
 from train.watchdog import doing, set_doing
 
@@ -197,12 +197,17 @@ class Trainer:
         return tokenizer.decode(np.asarray(jax.device_get(out))[0])
 
     # -- checkpoints (the policy is train/resume.py's) ----------------------------------------
-    def open_checkpoints(self) -> Checkpointer:
-        """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints."""
+    def open_checkpoints(self, owner=None) -> Checkpointer:
+        """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints.
+        `owner`: the run as its owner (train/startup.py): retention deletes its own steps alone."""
         c = self.cfg.checkpoint
-        directory = shared_directory(c.dir or os.path.join(self.cfg.logging.run_dir, RUN_SUBDIR))
+        directory = shared_directory(checkpoint_dir(self.cfg))
         return Checkpointer(
-            directory, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save
+            directory,
+            keep=c.keep,
+            keep_every=c.keep_every,
+            async_save=c.async_save,
+            run_owner=owner,
         )
 
     def resume_point(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
@@ -225,15 +230,20 @@ class Trainer:
         run directory is locked for the whole run (train/rundir.py): a second run on it exits."""
         cfg = self._name_the_run()
         self.goodput = Goodput(self._started_at)
-        with (
-            claim(cfg.logging.run_dir, cfg.checkpoint.dir),
-            committed_on_exit(self.open_checkpoints()) as saver,
-            StopSignals() as signals,
-        ):  # from here on a signal stops the run cleanly, even mid-compile
-            # -- setup: the data first (a bad --data is one line before the compile), then the step
-            data = self._open_data()
-            with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):
-                return self._compile_and_train(saver, signals, data)
+        try:  # what can be refused without creating anything is, first (train/startup.py)
+            owner = check_before_creating(cfg, shared_directory(checkpoint_dir(cfg)))
+            data = self._open_data()  # a bad --data, or a vocabulary too small for it
+            skeleton = Skeleton(cfg.logging.run_dir, checkpoint_dir(cfg), local_tier_dir(cfg))
+            with (
+                claim(cfg.logging.run_dir, cfg.checkpoint.dir, undo=skeleton.undo),
+                committed_on_exit(self.open_checkpoints(owner)) as saver,
+                StopSignals() as signals,
+            ):  # from here on a signal stops the run cleanly, even mid-compile
+                with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):
+                    return self._compile_and_train(saver, signals, data)
+        except UserError:
+            withdraw_named_run(cfg)  # refused before it wrote anything: no runs/<name> left
+            raise
 
     def _name_the_run(self) -> Config:
         """The default run dir made a fresh named one (train/rundir.py start_named_run) when a run

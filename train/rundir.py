@@ -93,10 +93,12 @@ def check_writable_run_dir(path: str, flag: str = "--run-dir") -> None:
     )
 
 
-def claim(run_dir: str, checkpoint_dir: str = ""):
+def claim(run_dir: str, checkpoint_dir: str = "", undo=None):
     """Lock the run directory (and a --checkpoint.dir outside it, which two runs could share
     just as well) on process 0, and tell every process whether that worked: a context manager;
-    UserError on every process when another run holds one of them."""
+    UserError on every process when another run holds one of them. `undo()`: called on process
+    0 when a UserError (a refusal) leaves the block, before the locks are released: it takes
+    back what the refused run created (train/startup.py Skeleton)."""
     import jax
     import numpy as np
 
@@ -127,7 +129,17 @@ def claim(run_dir: str, checkpoint_dir: str = ""):
             )
     if error is not None:
         raise error
+    if undo is not None and jax.process_index() == 0:
+        stack.push(lambda kind, exc, tb: _undo_refused(undo, kind))
     return stack
+
+
+def _undo_refused(undo, kind) -> bool:
+    """Leaving a claimed run: a refusal's skeleton is taken back; never suppresses the error."""
+    if kind is not None and issubclass(kind, UserError):
+        with contextlib.suppress(OSError):  # a leftover skeleton is untidy; the error matters
+            undo()
+    return False
 
 
 def _is_job_log(path: str, name: str) -> bool:
@@ -353,6 +365,12 @@ def _make_unique_dir(root: str, name: str) -> str:
     raise UserError(
         f"--run-dir: {os.path.join(root, name)} and 998 suffixed names exist; pass --run-dir DIR"
     )
+
+
+def withdraw_named_run(cfg) -> None:
+    """A named run (start_named_run) that was refused before it wrote anything: its empty
+    directory removed and runs/latest pointed back where it was (train/named_runs.py)."""
+    named_runs.withdraw(cfg.logging.run_dir, DEFAULT_RUN_DIR)
 
 
 def _link_latest(link: str, run_dir: str) -> None:
