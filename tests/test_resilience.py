@@ -167,6 +167,11 @@ def test_full_disk_during_a_save_keeps_committed_checkpoints(tmp_path):
     assert p.returncode == 2, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    # Brigade's line, not Orbax's ERROR:absl records: those are in the file the line names
+    # (the size limit also cuts JAX's compilation cache files: its warning may be there too)
+    assert "ERROR:absl" not in p.stderr, p.stderr[-3000:]
+    report = tmp_path / "orbax-errors.txt"
+    assert errors[0].endswith(f"(Orbax's report: {report})") and "12" in report.read_text()
     assert "saving step 12" in errors[0] and "intact (steps 4, 8)" in errors[0], errors[0]
     assert "File too large" in errors[0] or "os_error_code" not in p.stderr, errors[
         0

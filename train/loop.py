@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoint.manager import Checkpointer, open_checkpoint, shared_directory
+from checkpoint.orbax_log import kept_in
 from checkpoint.saving import committed_on_exit
 from errors import UserError
 from mesh.build import start_mesh
@@ -230,20 +231,27 @@ class Trainer:
         run directory is locked for the whole run (train/rundir.py): a second run on it exits."""
         cfg = self._name_the_run()
         self.goodput = Goodput(self._started_at)
-        try:  # what can be refused without creating anything is, first (train/startup.py)
-            owner = check_before_creating(cfg, shared_directory(checkpoint_dir(cfg)))
-            data = self._open_data()  # a bad --data, or a vocabulary too small for it
-            skeleton = Skeleton(cfg.logging.run_dir, checkpoint_dir(cfg), local_tier_dir(cfg))
-            with (
-                claim(cfg.logging.run_dir, cfg.checkpoint.dir, undo=skeleton.undo),
-                committed_on_exit(self.open_checkpoints(owner)) as saver,
-                StopSignals() as signals,
-            ):  # from here on a signal stops the run cleanly, even mid-compile
-                with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):
-                    return self._compile_and_train(saver, signals, data)
-        except UserError:
-            withdraw_named_run(cfg)  # refused before it wrote anything: no runs/<name> left
-            raise
+        # Orbax's error records go to a file of the run dir, not onto the one line that ends a run
+        with kept_in(cfg.logging.run_dir, jax.process_index()):
+            try:
+                return self._claim_and_train(cfg)
+            except UserError:
+                withdraw_named_run(cfg)  # refused before it wrote anything: no runs/<name> left
+                raise
+
+    def _claim_and_train(self, cfg: Config) -> dict:
+        """What can be refused without creating anything is, first (train/startup.py); then the
+        run claims its directories (a later refusal takes back what it created) and trains."""
+        owner = check_before_creating(cfg, shared_directory(checkpoint_dir(cfg)))
+        data = self._open_data()  # a bad --data, or a vocabulary too small for it
+        skeleton = Skeleton(cfg.logging.run_dir, checkpoint_dir(cfg), local_tier_dir(cfg))
+        with (
+            claim(cfg.logging.run_dir, cfg.checkpoint.dir, undo=skeleton.undo),
+            committed_on_exit(self.open_checkpoints(owner)) as saver,
+            StopSignals() as signals,
+        ):  # from here on a signal stops the run cleanly, even mid-compile
+            with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):
+                return self._compile_and_train(saver, signals, data)
 
     def _name_the_run(self) -> Config:
         """The default run dir made a fresh named one (train/rundir.py start_named_run) when a run
