@@ -330,11 +330,11 @@ class Checkpointer:
             )
         return out["state"], meta
 
-    def set_aside(self, step: int) -> str:
+    def set_aside(self, step: int, suffix: str = ".unreadable") -> str:
         """Rename an unreadable step to `<step>.unreadable` (Orbax then no longer lists it, and this
         run may save that step again); nothing is deleted. -> the new path."""
         src = self.step_dir(step)
-        dst = f"{src}.unreadable"
+        dst = f"{src}{suffix}"
         if self.process_local or jax.process_index() == 0:
             dst = _unused(dst)
             storage.rename(src, dst)

@@ -105,3 +105,27 @@ def test_a_runs_own_directory_keeps_its_rotation(tmp_path):
     owner = checkpoint_owner(str(run), str(alone), adopt=False, writer=True)
     _save(Checkpointer(str(alone), keep=1, run_owner=owner), (9, 10))
     assert _steps(alone) == [7, 8, 10]
+
+
+def test_a_local_tier_keeps_another_runs_steps(tmp_path):
+    """The local tier (--checkpoint.local_dir) by the same rule: another run's copy is refused
+    unless adopted; adopted, its steps are set aside as <step>.foreign where the run would
+    delete its own (the steps after the one it resumes from), never deleted."""
+    from checkpoint.tiers import drop_after
+
+    theirs = tmp_path / "local" / "process-0"
+    first = checkpoint_owner(str(tmp_path / "a"), str(theirs), adopt=False, writer=True)
+    _save(Checkpointer(str(theirs), keep=0, process_local=True, run_owner=first), (3, 6, 9))
+    with pytest.raises(UserError, match=r"^--checkpoint.local_dir .* belongs to another run"):
+        checkpoint_owner(
+            str(tmp_path / "b"), str(theirs), False, True, flag="--checkpoint.local_dir"
+        )
+    (tmp_path / "a").mkdir()  # the other run's directory exists: its record is not a moved one
+    owner = checkpoint_owner(str(tmp_path / "b"), str(theirs), adopt=True, writer=True)
+    tier = Checkpointer(str(theirs), keep=2, process_local=True, run_owner=owner)
+    drop_after(tier, 3)  # resuming from step 3: 6 and 9 are not this run's to delete
+    assert _steps(theirs) == [3] and {"6.foreign", "9.foreign"} <= set(os.listdir(theirs))
+    _save(tier, (4, 5, 7))
+    assert _steps(theirs) == [3, 5, 7]  # its own newest two; another run's 3 stays
+    drop_after(Checkpointer(str(theirs), process_local=True, run_owner=owner), None)
+    assert _steps(theirs) == [] and "3.foreign" in os.listdir(theirs)  # --resume none: aside

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from checkpoint.manager import Checkpointer, open_checkpoint, shared_directory
 from checkpoint.orbax_log import kept_in
 from checkpoint.saving import committed_on_exit
+from checkpoint.tiers import local_tier
 from errors import UserError
 from mesh.build import start_mesh
 from mesh.rules import axis_rules
@@ -198,18 +199,24 @@ class Trainer:
         return tokenizer.decode(np.asarray(jax.device_get(out))[0])
 
     # -- checkpoints (the policy is train/resume.py's) ----------------------------------------
-    def open_checkpoints(self, owner=None) -> Checkpointer:
-        """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints.
-        `owner`: the run as its owner (train/startup.py): retention deletes its own steps alone."""
+    def open_checkpoints(self, owners=(None, None)) -> Checkpointer:
+        """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints (and its
+        local tier, with --checkpoint.local_dir). `owners`: the run as the owner of each of them
+        (train/startup.py): retention deletes the run's own steps alone."""
         c = self.cfg.checkpoint
         directory = shared_directory(checkpoint_dir(self.cfg))
-        return Checkpointer(
+        saver = Checkpointer(
             directory,
             keep=c.keep,
             keep_every=c.keep_every,
             async_save=c.async_save,
-            run_owner=owner,
+            run_owner=owners[0],
         )
+        if owners[1] is not None:  # opened now with its owner; resume and saves find it
+            local_tier(
+                saver, c.local_dir, keep=c.local_keep, async_save=c.async_save, run_owner=owners[1]
+            )
+        return saver
 
     def resume_point(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
         """Where --resume says to continue from: (checkpoint directory, step), or None for a fresh start."""
@@ -242,12 +249,12 @@ class Trainer:
     def _claim_and_train(self, cfg: Config) -> dict:
         """What can be refused without creating anything is, first (train/startup.py); then the
         run claims its directories (a later refusal takes back what it created) and trains."""
-        owner = check_before_creating(cfg, shared_directory(checkpoint_dir(cfg)))
+        owners = check_before_creating(cfg, shared_directory(checkpoint_dir(cfg)))
         data = self._open_data()  # a bad --data, or a vocabulary too small for it
         skeleton = Skeleton(cfg.logging.run_dir, checkpoint_dir(cfg), local_tier_dir(cfg))
         with (
             claim(cfg.logging.run_dir, cfg.checkpoint.dir, undo=skeleton.undo),
-            committed_on_exit(self.open_checkpoints(owner)) as saver,
+            committed_on_exit(self.open_checkpoints(owners)) as saver,
             StopSignals() as signals,
         ):  # from here on a signal stops the run cleanly, even mid-compile
             with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):

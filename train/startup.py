@@ -45,20 +45,21 @@ def local_tier_dir(cfg) -> str:
     return process_dir(local, jax.process_index()) if local else ""
 
 
-def check_before_creating(cfg, directory: str) -> Owner:
+def check_before_creating(cfg, directory: str) -> tuple[Owner, Owner | None]:
     """Everything about the run's directories that can be refused before one is created: the
     checkpoint directory `directory` on storage Orbax writes arrays to, and this run's to save
-    into (train/ownership.py); the local tier's directory creatable and writable, outside it.
-    -> the run as the checkpoint directory's owner."""
+    into (train/ownership.py); the local tier's directory creatable and writable, outside it,
+    and this run's too. -> the run as the owner of its checkpoint directory and of this
+    process's local tier (None without one)."""
     c = cfg.checkpoint
     flag = "--checkpoint.dir" if c.dir else "--run-dir"
     check_array_store(directory, flag)
-    owner = checkpoint_owner(
-        cfg.logging.run_dir, directory, c.adopt, writer=jax.process_index() == 0
-    )
-    if c.local_dir:
-        _check_local_dir(c.local_dir, directory)
-    return owner
+    run_dir = cfg.logging.run_dir
+    owner = checkpoint_owner(run_dir, directory, c.adopt, writer=jax.process_index() == 0)
+    if not c.local_dir:
+        return owner, None
+    _check_local_dir(c.local_dir, directory)
+    return owner, checkpoint_owner(run_dir, local_tier_dir(cfg), c.adopt, True, LOCAL_FLAG)
 
 
 def _check_local_dir(local_dir: str, shared: str) -> None:
