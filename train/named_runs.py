@@ -40,6 +40,19 @@ def dangling_target(link: str) -> str | None:
     return None
 
 
+def instead_of_dangling(link: str) -> str | None:
+    """--resume latest when `link` dangles: the newest run that exists (None: none), said in
+    one line with where the link points."""
+    root, prev = os.path.dirname(link), newest_run(os.path.dirname(link))
+    then = f"continuing the newest run that exists, {prev}" if prev else "no other run under"
+    print(
+        f"warning: --resume latest: {link} is a dangling link (to {dangling_target(link)}, which"
+        f" does not exist); " + (then if prev else f"{then} {root}; starting a new one"),
+        flush=True,
+    )
+    return prev
+
+
 def note_made(run_dir: str, link: str) -> None:
     """start_named_run made `run_dir` and is about to point `link` at it: remember the link's
     target before, for `withdraw`."""

@@ -130,16 +130,14 @@ def claim(run_dir: str, checkpoint_dir: str = "", undo=None):
     if error is not None:
         raise error
     if undo is not None and jax.process_index() == 0:
-        stack.push(lambda kind, exc, tb: _undo_refused(undo, kind))
+
+        def undo_refusal(kind, exc, tb) -> bool:  # runs first on leaving: before the unlock
+            if kind is not None and issubclass(kind, UserError):
+                undo()
+            return False  # the error goes on
+
+        stack.push(undo_refusal)
     return stack
-
-
-def _undo_refused(undo, kind) -> bool:
-    """Leaving a claimed run: a refusal's skeleton is taken back; never suppresses the error."""
-    if kind is not None and issubclass(kind, UserError):
-        with contextlib.suppress(OSError):  # a leftover skeleton is untidy; the error matters
-            undo()
-    return False
 
 
 def _is_job_log(path: str, name: str) -> bool:
@@ -399,19 +397,8 @@ def _run_to_continue(link: str, now: dict) -> str:
     every field that changes the state layout or the math (else one line naming the fields);
     -> its directory, which --resume PATH then reads, or auto (a fresh start) when there is no
     earlier run."""
-    dangling = named_runs.dangling_target(link)
-    if dangling is not None:  # its run was deleted or moved: the newest that exists (named_runs)
-        prev = named_runs.newest_run(os.path.dirname(link))
-        print(
-            f"warning: --resume latest: {link} is a dangling link (to {dangling}, which does not"
-            f" exist); "
-            + (
-                f"continuing the newest run that exists, {prev}"
-                if prev
-                else f"no other run under {os.path.dirname(link)}; starting a new one"
-            ),
-            flush=True,
-        )
+    if named_runs.dangling_target(link) is not None:  # its run deleted or moved (named_runs)
+        prev = named_runs.instead_of_dangling(link)
         if prev is None:
             return "auto"
     elif not os.path.exists(link):  # the first run of a script that always says --resume latest

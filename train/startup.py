@@ -108,12 +108,16 @@ class Skeleton:
         return sorted(set(out))
 
     def undo(self) -> bool:
-        """Remove what the run created since, if it is all skeleton -> whether anything was."""
+        """Remove what the run created since, if it is all skeleton -> whether anything was. An
+        OSError (a file appearing meanwhile) leaves the rest: untidy, never unsafe."""
         new = self._new()
         if not new or not all(_skeleton(p) for p in new):
             return False
-        for path in new:
-            _remove(path)  # an OSError (a file appearing meanwhile) leaves the rest: untidy, safe
+        try:
+            for path in new:
+                _remove(path)
+        except OSError:
+            return False
         return True
 
 
