@@ -4,6 +4,7 @@ run's is refused in one line unless adopted (--checkpoint.adopt true), and reten
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -83,10 +84,11 @@ def test_retention_never_deletes_steps_the_run_did_not_write(tmp_path):
     assert record["adopted_from"] == str(run)
     with pytest.raises(UserError, match=f"belongs to another run \\({mine};"):
         checkpoint_owner(str(run), str(ck), adopt=False, writer=True)
-    # a record naming a run directory that no longer exists, on the run's own directory: moved
-    moved = tmp_path / "moved"
-    os.rename(mine, moved)
-    assert checkpoint_owner(str(run), str(ck), adopt=False, writer=True).written == {40, 50, 60}
+    # a record is about the directory it was written in: a copy's steps are the copy's own
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    owner = checkpoint_owner(str(copy), str(copy / "checkpoints"), adopt=False, writer=True)
+    assert owner.written == {10, 20, 30, 60} and read_record(str(copy / "checkpoints")) is None
 
 
 def test_a_runs_own_directory_keeps_its_rotation(tmp_path):

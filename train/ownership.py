@@ -13,15 +13,15 @@ checkpoint directory that belongs to another run is refused in one line, unless 
   another run directory as the one it was saved from.
 
 The directory inside this run's own run directory (the default `<run-dir>/checkpoints`) is this
-run's unless its record names another run directory that exists: a run that adopted it since
-(a copy of a run directory counts as that too, and needs the flag once); a record naming a
-directory that no longer exists is the run's own, moved.
+run's unless its record names another run: one that adopted it since. A record copied or moved
+along with its directory is of copies and counts as none (checkpoint/owner.py): a copied run
+directory's steps are the copy's own.
 
 Retention deletes only the steps the run wrote itself (the record's `written`). A directory of
-this run's own without a record (written before records existed) counts its steps as the run's
-own; a directory elsewhere without one, and an adopted directory, keep every step they held
-when this run came: they were not this run's to delete. (Deleting an adopted directory's older
-steps would be defensible once the adopting run has saved newer ones, but the adopting run
+this run's own without a record (written before records existed, or copied) counts its steps as
+the run's own; a directory elsewhere without one, and an adopted directory, keep every step they
+held when this run came: they were not this run's to delete. (Deleting an adopted directory's
+older steps would be defensible once the adopting run has saved newer ones, but the adopting run
 cannot know that the run it took them from will never be resumed from them again.)
 """
 
@@ -75,13 +75,10 @@ def _saved_from(directory: str, step: int) -> str:
 def _holder(run_dir: str, directory: str, record: dict | None, steps: list[int]) -> str:
     """The other run that `directory` belongs to, or "" when it is this run's to save into."""
     run, ck = _real(run_dir), _real(directory)
-    inside = _within(ck, run)
     if record is not None and "unreadable" not in record:
-        named = record["run_dir"]
-        if _real(named) == run or (inside and not storage.exists(named)):
-            return ""  # this run's; or its run directory was moved here from where it names
-        return named  # even inside this run's directory: another run adopted it since
-    if inside:
+        named = record["run_dir"]  # even inside this run's directory: a run that adopted it
+        return "" if _real(named) == run else named
+    if _within(ck, run):
         return ""
     parent = storage.dirname(ck)
     for candidate in (ck, parent):

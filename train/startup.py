@@ -55,7 +55,7 @@ def check_before_creating(cfg, directory: str) -> tuple[Owner, Owner | None]:
     flag = "--checkpoint.dir" if c.dir else "--run-dir"
     check_array_store(directory, flag)
     run_dir = cfg.logging.run_dir
-    owner = checkpoint_owner(run_dir, directory, c.adopt, writer=jax.process_index() == 0)
+    owner = checkpoint_owner(run_dir, directory, c.adopt, jax.process_index() == 0, flag)
     if not c.local_dir:
         return owner, None
     _check_local_dir(c.local_dir, directory)
