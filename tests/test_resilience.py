@@ -272,6 +272,9 @@ def test_continuing_a_cleanly_ended_run_later_is_idle_not_lost(exit_code):
     assert out["goodput"] == pytest.approx((40.0 + 30.0) / 100.0)
     assert out["restarts"] == 0 and out["recomputed_steps"] == 0 and not gp.after_failure
     assert "900s idle between attempts, not counted" in breakdown_text(out)
+    fresh_dir = Goodput(started_at=1900.0)  # --resume latest: another run's step, a new run dir
+    fresh_dir.resume([], step=100, ended=None, earlier=[])
+    assert fresh_dir.totals(now=1900.0)["restarts"] == 0 and not fresh_dir.after_failure
 
 
 def test_an_attempt_that_died_unlogged_after_a_clean_end_is_lost_from_its_start():

@@ -68,7 +68,9 @@ class Goodput:
         died = sorted(
             t for t in starts if clean and _num(t) and clean["time"] < t < self.started_at
         )
-        self.after_failure = not clean or bool(died)
+        # no record and no attempt before in this run dir: it continues another run's
+        # checkpoint (--resume PATH, --resume latest), which is no restart after a failure
+        self.after_failure = bool(died) or (not clean and bool(records or earlier))
         if restarts is None and earlier is not None:
             restarts = sum(
                 ln.get("after") != AFTER_CLEAN_END for ln in earlier if isinstance(ln, dict)
