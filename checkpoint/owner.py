@@ -8,8 +8,9 @@ A checkpoint directory a run saves into holds RECORD, written by the run at each
      "adopted_from": the run the directory belonged to before (--checkpoint.adopt), or "",
      "since": when that run first saved here, "directory": the directory it was written in}
 
-A record is about the directory it was written in: one found elsewhere (the directory, or the
-run directory around it, was copied or moved) is of copies, and reads as none (`read_record`).
+A record is about the directory it was written in (`directory`): one found elsewhere (the
+directory, or the run directory around it, was copied or moved) describes the original, and
+train/ownership.py takes it for a copy.
 
 A step that is not in `written` (another run's, a step saved before the record existed in a
 directory outside the run's own, a step of the run this one adopted the directory from) is
@@ -32,9 +33,8 @@ RECORD = "brigade-owner.json"
 
 
 def read_record(directory: str) -> dict | None:
-    """The directory's RECORD, None when it has none or it was written for another directory (a
-    copy, or a move); a record that does not parse (or is of the wrong shape) reads as
-    `{"unreadable": why}`: its steps are then nobody's known own."""
+    """The directory's RECORD, None when it has none; a record that does not parse (or is of the
+    wrong shape) reads as `{"unreadable": why}`: its steps are then nobody's known own."""
     path = storage.join(directory, RECORD)
     try:
         text = storage.read_text(path)
@@ -52,9 +52,7 @@ def read_record(directory: str) -> dict | None:
         and isinstance(record.get("written"), list)
         and all(isinstance(s, int) and not isinstance(s, bool) for s in record["written"])
     )
-    if not ok:
-        return {"unreadable": "not an object of run_dir and written steps"}
-    return record if record.get("directory") == storage.absolute(directory) else None
+    return record if ok else {"unreadable": "not an object of run_dir and written steps"}
 
 
 @dataclasses.dataclass

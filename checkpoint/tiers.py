@@ -139,4 +139,7 @@ def drop_after(tier: Checkpointer, step: int | None) -> None:
                     tier.delete(s)
                 else:
                     moved = tier.set_aside(s, ".foreign")
-                    print(f"note: local step {s}, another run's, set aside as {moved}", flush=True)
+                    print(
+                        f"note: local step {s}, not saved by this run, set aside as {moved}",
+                        flush=True,
+                    )

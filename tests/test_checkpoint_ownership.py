@@ -88,7 +88,7 @@ def test_retention_never_deletes_steps_the_run_did_not_write(tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
     owner = checkpoint_owner(str(copy), str(copy / "checkpoints"), adopt=False, writer=True)
-    assert owner.written == {10, 20, 30, 60} and read_record(str(copy / "checkpoints")) is None
+    assert owner.written == {10, 20, 30, 60} and owner.adopted_from == ""
 
 
 def test_a_runs_own_directory_keeps_its_rotation(tmp_path):
@@ -131,3 +131,15 @@ def test_a_local_tier_keeps_another_runs_steps(tmp_path):
     assert _steps(theirs) == [3, 5, 7]  # its own newest two; another run's 3 stays
     drop_after(Checkpointer(str(theirs), process_local=True, run_owner=owner), None)
     assert _steps(theirs) == [] and "3.foreign" in os.listdir(theirs)  # --resume none: aside
+
+
+def test_a_copied_directory_elsewhere_is_no_other_runs_and_keeps_its_steps(tmp_path, capsys):
+    """A checkpoint directory copied outside any run directory (a local tier copied to fork a
+    run): its record and its steps' metadata describe the original, so it is no other run's;
+    its steps, copies this run did not save, are kept."""
+    run, ck = _other_run(tmp_path)
+    copy = tmp_path / "scratch" / "ck"
+    shutil.copytree(ck, copy)
+    owner = checkpoint_owner(str(tmp_path / "fork"), str(copy), adopt=False, writer=True)
+    assert owner.written == set() and owner.adopted_from == ""
+    assert f"{copy}: a copy of {ck}; its steps 10, 20, 30 are kept" in capsys.readouterr().out

@@ -13,9 +13,9 @@ checkpoint directory that belongs to another run is refused in one line, unless 
   another run directory as the one it was saved from.
 
 The directory inside this run's own run directory (the default `<run-dir>/checkpoints`) is this
-run's unless its record names another run: one that adopted it since. A record copied or moved
-along with its directory is of copies and counts as none (checkpoint/owner.py): a copied run
-directory's steps are the copy's own.
+run's unless its record names another run: one that adopted it since. A record found in another
+directory than the one it was written for came along with a copy (or a move): the copy is no
+other run's, inside its run directory its steps are the copy's own, elsewhere they are kept.
 
 Retention deletes only the steps the run wrote itself (the record's `written`). A directory of
 this run's own without a record (written before records existed, or copied) counts its steps as
@@ -72,8 +72,9 @@ def _saved_from(directory: str, step: int) -> str:
     return run_dir if isinstance(run_dir, str) else ""
 
 
-def _holder(run_dir: str, directory: str, record: dict | None, steps: list[int]) -> str:
-    """The other run that `directory` belongs to, or "" when it is this run's to save into."""
+def _holder(run_dir: str, directory: str, record: dict | None, steps: list[int], copy: bool) -> str:
+    """The other run that `directory` belongs to, or "" when it is this run's to save into.
+    `copy`: its record was written for another directory (it is a copy of that one)."""
     run, ck = _real(run_dir), _real(directory)
     if record is not None and "unreadable" not in record:
         named = record["run_dir"]  # even inside this run's directory: a run that adopted it
@@ -84,7 +85,9 @@ def _holder(run_dir: str, directory: str, record: dict | None, steps: list[int])
     for candidate in (ck, parent):
         if candidate != run and storage.isdir(candidate) and is_run_dir(candidate):
             return candidate
-    named = _saved_from(directory, steps[-1]) if steps else ""
+    if copy or not steps:  # a copy's metadata names the run it was copied from
+        return ""
+    named = _saved_from(directory, steps[-1])
     return named if named and _real(named) != run else ""
 
 
@@ -96,14 +99,22 @@ def checkpoint_owner(
     is not set. Reads only: the record is written at this run's first save. `writer`: this
     process keeps the record."""
     record = read_record(directory) if storage.isdir(directory) else None
+    copied = record.get("directory") if record and "unreadable" not in record else None
+    if copied is not None and copied == storage.absolute(directory):
+        copied = None
+    record = None if copied is not None else record  # it describes the original, not this copy
     steps = _steps(directory)
-    holder = _holder(run_dir, directory, record, steps)
+    holder = _holder(run_dir, directory, record, steps, copy=copied is not None)
     if holder and not adopt:
         held = f"; it holds steps {step_list(steps)}" if steps else ""
+        instead = (
+            f"leave {flag} empty (this run's own <run-dir>/checkpoints) or choose another"
+            if flag == "--checkpoint.dir"
+            else f"choose another {flag}"
+        )
         raise UserError(
             f"{flag} {directory} belongs to another run ({holder}{held}): saving there would"
-            f" resume from that run's checkpoints and delete its older ones; leave {flag} empty"
-            f" (this run's own <run-dir>/checkpoints) or choose another directory, or pass"
+            f" resume from that run's checkpoints and delete its older ones; {instead}, or pass"
             f" {ADOPT_FLAG} to continue from them (this run then never deletes them)"
         )
     owner = Owner(storage.absolute(directory), storage.absolute(run_dir), set(), writer=writer)
@@ -119,7 +130,9 @@ def checkpoint_owner(
             writer, f"{flag} {directory}: its owner record is unreadable ({why}); its steps", steps
         )
     elif _within(_real(directory), _real(run_dir)):
-        owner.written = set(steps)  # the run's own directory, from before records existed
+        owner.written = set(steps)  # the run's own directory, from before records (or a copy)
+    elif copied is not None:
+        _note(writer, f"{flag} {directory}: a copy of {copied}; its steps", steps)
     else:
         _note(writer, f"{flag} {directory}: steps saved before this run came here,", steps)
     return owner
