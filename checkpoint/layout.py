@@ -176,8 +176,8 @@ def lora_mismatch(meta: dict, saved: dict, wanted: dict, step_dir: str) -> str:
     model's arrays are wanted, a whole model's given to a LoRA run, or adapters of another rank
     or targets. The line names the base and the flags that would read it; "" when LoRA is not
     the reason (the caller lists the arrays that differ)."""
-    adapters = lambda arrays: {n: s for n, s in arrays.items() if n.endswith(_ADAPTER)}  # noqa: E731
-    held, want = adapters(saved), adapters(wanted)
+    held = {n: s for n, s in saved.items() if n.endswith(_ADAPTER)}
+    want = {n: s for n, s in wanted.items() if n.endswith(_ADAPTER)}
     if held == want:  # none on either side, or the same: the difference is elsewhere
         return ""
     lora = meta.get("config", {}).get("lora", {}) if isinstance(meta.get("config"), dict) else {}

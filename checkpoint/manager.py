@@ -141,8 +141,8 @@ class Checkpointer:
         """process_local: this process's own copy on host-local storage (the local tier,
         checkpoint/tiers.py): it writes every shard it holds and commits without the other
         processes, which do the same into their own directories. `flag`: the option named when
-        the directory cannot be created. `run_owner`: the run saving here and the steps it wrote,
-        the only ones retention deletes (checkpoint/owner.py); None: every step counts as its own."""
+        the directory cannot be created. `run_owner`: the run saving here and the steps it
+        wrote, the only ones retention deletes (checkpoint/owner.py); None: every step is its own."""
         directory = storage.absolute(directory)
         check_array_store(directory, flag)  # s3:// and the like would fail at the first save
         owner = (
