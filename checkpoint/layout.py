@@ -167,6 +167,47 @@ def lora_base(meta: dict) -> dict | None:
     }
 
 
+_ADAPTER = ("/lora_a", "/lora_b")  # the leaf names of a LoRA run's adapters
+
+
+def lora_mismatch(meta: dict, saved: dict, wanted: dict, step_dir: str) -> str:
+    """Why a checkpoint's arrays (`saved`: name -> shape) cannot become the tree a reader wants
+    (`wanted`, alike), when the reason is LoRA: a LoRA run's adapters given where a whole
+    model's arrays are wanted, a whole model's given to a LoRA run, or adapters of another rank
+    or targets. The line names the base and the flags that would read it; "" when LoRA is not
+    the reason (the caller lists the arrays that differ)."""
+    held = {n: s for n, s in saved.items() if n.endswith(_ADAPTER)}
+    want = {n: s for n, s in wanted.items() if n.endswith(_ADAPTER)}
+    if held == want:  # none on either side, or the same: the difference is elsewhere
+        return ""
+    lora = meta.get("config", {}).get("lora", {}) if isinstance(meta.get("config"), dict) else {}
+    flags = (
+        f"--lora.rank {lora.get('rank')} --lora.alpha {lora.get('alpha')} --lora.targets"
+        f" {lora.get('targets')}"
+    )
+    base = (lora_base(meta) or {}).get("path") or "a random init (--lora.allow_random_base)"
+    if held and not want:
+        return (
+            f"checkpoint {step_dir} holds LoRA adapters ({flags.replace('--lora.', '')}) trained"
+            f" on the base {base}, not a whole model's parameters: to train them on, pass {flags}"
+            f" (the base comes from the checkpoint); to train new adapters on that base, pass"
+            f" --init-from {base} with --lora.rank; to use them as a whole model, merge them into"
+            f" the base first: python -m checkpoint hf export {step_dir} --out HF_DIR, then"
+            f" python -m checkpoint hf import HF_DIR --out CKPT and --init-from CKPT"
+        )
+    if want and not held:
+        what = "parameters" if is_params_only(meta) else "training state"
+        return (
+            f"checkpoint {step_dir} holds a whole model's {what}, not LoRA adapters: to train"
+            f" adapters on it as the frozen base, start a new run with --init-from {step_dir}"
+            f" and --lora.rank; to continue training it whole, leave --lora.rank at 0"
+        )
+    return (
+        f"checkpoint {step_dir} holds LoRA adapters of other shapes than this run's ({flags}"
+        f" when saved): pass those to read them"
+    )
+
+
 def _bit_sums(x: jax.Array) -> jax.Array:
     """[2] uint32: the sum of `x`'s bit patterns and their sum weighted by (2 x flat index + 1),
     modulo 2^32. Integer sums are exact in any order, so they do not depend on the sharding."""

@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from checkpoint import storage
+from checkpoint.array_store import check_array_store
 from checkpoint.echoes import quiet_failed_read_echoes
 from checkpoint.integrity import (
     StepNames,
@@ -30,7 +31,13 @@ from checkpoint.integrity import (
     cross_process_failure,
     diagnose,
 )
-from checkpoint.layout import RUN_SUBDIR, check_meta, is_params_only  # noqa: F401  (RUN_SUBDIR: for callers)
+from checkpoint.layout import (  # noqa: F401  (RUN_SUBDIR: for callers)
+    RUN_SUBDIR,
+    check_meta,
+    is_params_only,
+    lora_mismatch,
+)
+from checkpoint.owner import Owner, Retention
 from errors import UserError, expect
 from mesh.shard import path_names
 
@@ -129,12 +136,15 @@ class Checkpointer:
         create: bool = True,
         process_local: bool = False,
         flag: str = "--checkpoint.dir",
+        run_owner: Owner | None = None,
     ):
         """process_local: this process's own copy on host-local storage (the local tier,
         checkpoint/tiers.py): it writes every shard it holds and commits without the other
         processes, which do the same into their own directories. `flag`: the option named when
-        the directory cannot be created."""
+        the directory cannot be created. `run_owner`: the run saving here and the steps it
+        wrote, the only ones retention deletes (checkpoint/owner.py); None: every step is its own."""
         directory = storage.absolute(directory)
+        check_array_store(directory, flag)  # s3:// and the like would fail at the first save
         owner = (
             process_local or jax.process_index() == 0
         )  # who creates, checks and tidies the directory
@@ -149,7 +159,7 @@ class Checkpointer:
                 raise UserError(f"{flag}: '{directory}' is not writable")
         elif not storage.isdir(directory):
             raise UserError(f"'{directory}': no such checkpoint directory")
-        self.directory, self.process_local = directory, process_local
+        self.directory, self.process_local, self.run_owner = directory, process_local, run_owner
         self.companions: list = []  # savers of the same run closed with this one (the local tier)
         if create and owner and storage.is_local(directory):  # object stores have no symbolic links
             self._set_aside_links()
@@ -166,10 +176,8 @@ class Checkpointer:
             else None
         )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep if keep > 0 else None,
-            keep_period=keep_every
-            if keep_every > 0
-            else None,  # steps % keep_every == 0 are never deleted
+            # the newest `keep` of this run's own steps, steps % keep_every == 0, others' steps
+            preservation_policy=Retention(keep, keep_every, run_owner),
             enable_async_checkpointing=async_save,
             create=create
             and not process_local,  # Orbax's create: a barrier for the other processes
@@ -298,6 +306,8 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Returns once the device arrays are copied to host memory (so the caller may donate or
         overwrite them); with async_save the files are written and committed in the background."""
+        if self.run_owner is not None:
+            self.run_owner.wrote(step)  # before Orbax's retention, which consults it, runs
         self._mngr.save(
             step,
             args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
@@ -320,11 +330,11 @@ class Checkpointer:
             )
         return out["state"], meta
 
-    def set_aside(self, step: int) -> str:
+    def set_aside(self, step: int, suffix: str = ".unreadable") -> str:
         """Rename an unreadable step to `<step>.unreadable` (Orbax then no longer lists it, and this
         run may save that step again); nothing is deleted. -> the new path."""
         src = self.step_dir(step)
-        dst = f"{src}.unreadable"
+        dst = f"{src}{suffix}"
         if self.process_local or jax.process_index() == 0:
             dst = _unused(dst)
             storage.rename(src, dst)
@@ -413,6 +423,9 @@ class Checkpointer:
             if n not in want
         ]
         if bad:
+            lora = lora_mismatch(self.meta(step), saved, want, self.step_dir(step))
+            if lora:  # adapters for a whole model, or the reverse: their arrays would only confuse
+                raise UserError(lora)
             raise UserError(
                 f"checkpoint {self.step_dir(step)}{what} does not match this model config"
                 f" ({len(bad)} arrays differ): "

@@ -46,7 +46,7 @@ def process_dir(local_dir: str, process: int) -> str:
 
 
 def local_tier(
-    saver: Checkpointer, local_dir: str, *, keep: int, async_save: bool
+    saver: Checkpointer, local_dir: str, *, keep: int, async_save: bool, run_owner=None
 ) -> Checkpointer | None:
     """The local tier of the run saving into `saver` (the persistent tier): opened on the first
     ask and closed with `saver` (it is one of its companions); None without `local_dir`. Every
@@ -68,7 +68,12 @@ def local_tier(
                 f" (or holding it); choose a directory outside it, on storage local to each host"
             )
         tier = Checkpointer(
-            own, keep=keep, async_save=async_save, process_local=True, flag=LOCAL_FLAG
+            own,
+            keep=keep,
+            async_save=async_save,
+            process_local=True,
+            flag=LOCAL_FLAG,
+            run_owner=run_owner,  # its own steps alone are deleted (checkpoint/owner.py)
         )
     except UserError as e:
         error = e
@@ -123,8 +128,18 @@ def saved_elsewhere(tier: Checkpointer, step: int, mesh: Mesh) -> str:
 
 def drop_after(tier: Checkpointer, step: int | None) -> None:
     """Delete this process's local steps after `step` (all with None): they belong to a trajectory
-    the run no longer continues (this run resumes from `step`), and new saves would collide."""
+    the run no longer continues (this run resumes from `step`), and new saves would collide. A
+    step this run did not write (its tier was adopted: checkpoint/owner.py) is set aside as
+    `<step>.foreign` instead, never deleted."""
+    owner = tier.run_owner
     for s in tier.all_steps():
         if step is None or s > step:
             with contextlib.suppress(FileNotFoundError):
-                tier.delete(s)
+                if owner is None or s in owner.written:
+                    tier.delete(s)
+                else:
+                    moved = tier.set_aside(s, ".foreign")
+                    print(
+                        f"note: local step {s}, not saved by this run, set aside as {moved}",
+                        flush=True,
+                    )

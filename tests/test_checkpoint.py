@@ -21,6 +21,7 @@ import pytest
 from cpu_env import cpu_env
 
 from checkpoint.manager import Checkpointer, open_checkpoint
+from checkpoint.owner import RECORD
 from errors import UserError
 from train.config import build, from_args
 from train.loop import Trainer
@@ -72,7 +73,8 @@ def straight(tmp_path_factory):
 
 def test_resume_same_mesh_is_bit_identical(straight, tmp_path):
     ref_dir, ref = straight
-    assert sorted(os.listdir(ref_dir / "checkpoints")) == ["4", "8"]
+    # the steps, and the record of which of them this run wrote (checkpoint/owner.py)
+    assert sorted(os.listdir(ref_dir / "checkpoints")) == ["4", "8", RECORD]
 
     first = Trainer(make_cfg(tmp_path, **{"train.steps": 4}))
     first.fit()
@@ -89,7 +91,7 @@ def test_resume_same_mesh_is_bit_identical(straight, tmp_path):
     assert [r["loss"] for r in second.history] == ref[4:]  # bit-identical on CPU
     recs = records(tmp_path)  # appended to, with the dead run's step 5 dropped
     assert [r["step"] for r in recs] == list(range(1, 9)) and [r["loss"] for r in recs] == ref
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "8"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "8", RECORD]
 
     again = Trainer(make_cfg(tmp_path)).fit()  # already at --steps: report, train nothing
     assert again["trained_steps"] == 0 and again["steps"] == 8 and again["exit_code"] == 0

@@ -69,3 +69,80 @@ def test_a_newer_format_is_refused_in_one_line_and_never_set_aside(tmp_path):
 )
 def test_replica_layout_reads_the_leading_dim_of_per_replica_arrays(arrays, want):
     assert replica_layout(arrays) == want
+
+
+def _saved(tmp_path, name: str, params: dict, config: dict) -> Checkpointer:
+    """A step 2 holding `params` (and the step), saved with `config` in its meta as a run saves."""
+    ck = Checkpointer(str(tmp_path / name), keep=0, async_save=False)
+    ck.save(2, {"step": np.int32(2), "params": params}, {"step": 2, "config": config})
+    ck.close()
+    return Checkpointer(str(tmp_path / name), create=False)
+
+
+def _zeros(tree) -> dict:
+    import jax
+
+    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), tree)
+
+
+def test_lora_adapters_and_whole_models_given_for_each_other_say_so(tmp_path):
+    """A LoRA run's checkpoint (its params are the adapters) given to a whole model's resume or
+    --init-from names the base and the flags, instead of listing every array that differs; a
+    whole model's checkpoint given to a LoRA run says what it holds and how to adapt it."""
+    import jax
+
+    from models import model
+    from train import lora
+
+    lora_cfg = build(
+        {
+            "model.preset": "tiny",
+            "lora.rank": 4,
+            "lora.targets": "q,v",
+            "checkpoint.init_from": "/bases/tiny-hf/0",
+            "lora.base_fingerprint": "0123456789abcdef",
+        }
+    )
+    adapters = lora.abstract_adapters(lora_cfg.model, lora_cfg.lora)
+    ck = _saved(tmp_path, "lora", _zeros(adapters), lora_cfg.to_dict())
+    whole = {
+        "step": jax.ShapeDtypeStruct((), np.int32),
+        "params": model.abstract_params(lora_cfg.model),
+    }
+    for read in (
+        lambda: ck.check_compatible(2, whole),
+        lambda: ck.restore_params(2, whole["params"]),
+    ):
+        with pytest.raises(UserError) as e:
+            read()
+        line = str(e.value)
+        assert line.startswith(f"checkpoint {ck.step_dir(2)} holds LoRA adapters (rank 4"), line
+        assert "trained on the base /bases/tiny-hf/0" in line and "arrays differ" not in line, line
+        assert "--lora.rank 4 --lora.alpha 16.0 --lora.targets q,v" in line, line
+        assert f"python -m checkpoint hf export {ck.step_dir(2)}" in line and "\n" not in line
+
+    full = _saved(
+        tmp_path, "full", _zeros(whole["params"]), build({"model.preset": "tiny"}).to_dict()
+    )
+    with pytest.raises(UserError) as e:
+        full.check_compatible(2, {"step": whole["step"], "params": adapters})
+    assert str(e.value) == (
+        f"checkpoint {full.step_dir(2)} holds a whole model's training state, not LoRA adapters:"
+        f" to train adapters on it as the frozen base, start a new run with --init-from"
+        f" {full.step_dir(2)} and --lora.rank; to continue training it whole, leave --lora.rank"
+        f" at 0"
+    )
+
+    rank8 = build({"model.preset": "tiny", "lora.rank": 8, "lora.targets": "q,v"})
+    with pytest.raises(
+        UserError, match=r"holds LoRA adapters of other shapes than this run's \(--lora.rank 4 "
+    ):
+        ck.check_compatible(
+            2, {"step": whole["step"], "params": lora.abstract_adapters(rank8.model, rank8.lora)}
+        )
+    # a model of other dims (no LoRA on either side) still lists the arrays that differ
+    wide = build({"model.preset": "tiny", "model.d_model": 128})
+    with pytest.raises(UserError, match=r"does not match this model config \(\d+ arrays differ\)"):
+        full.check_compatible(
+            2, {"step": whole["step"], "params": model.abstract_params(wide.model)}
+        )

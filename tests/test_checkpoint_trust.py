@@ -320,6 +320,37 @@ def run(module, *args):
     return p.returncode, p.stdout, p.stderr
 
 
+def test_orbax_error_records_go_to_a_file_the_line_names(saved, tmp_path, caplog, capfd):
+    """A --resume of a step whose _CHECKPOINT_METADATA is garbage: Orbax logs its own error
+    records (several) before Brigade's one line; none reaches the screen or a log handler, the
+    line names the file that holds them (a refused run's directory is taken back: the system's
+    temporary directory then)."""
+    from errors import UserError
+    from train.config import build
+    from train.loop import Trainer
+
+    ck = copy(saved, tmp_path)
+    (ck / "4" / "_CHECKPOINT_METADATA").write_text("garbage{{")
+    cfg = build(
+        {
+            "model.preset": "tiny",
+            "data.source": "synthetic",
+            "logging.run_dir": str(tmp_path / "run"),
+            "checkpoint.resume": str(ck / "4"),
+        }
+    )
+    caplog.set_level(logging.INFO)
+    with pytest.raises(UserError) as e:
+        Trainer(cfg).fit()
+    line = str(e.value)
+    assert line.startswith(f"checkpoint {ck / '4'} is unreadable (file _CHECKPOINT_METADATA:"), line
+    report = line.rsplit("(Orbax's report: ", 1)[1].rstrip(")")
+    assert "Failed to json parse Metadata file" in open(report).read()
+    os.remove(report)
+    assert not any("orbax" in r.pathname and r.levelno >= logging.ERROR for r in caplog.records)
+    assert "ERROR:absl" not in capfd.readouterr().err and not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_damaged_metadata_in_real_runs(tmp_path):
     from train.config import from_args

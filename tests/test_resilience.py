@@ -13,7 +13,7 @@ import time
 import pytest
 from cpu_env import cpu_env
 
-from train.goodput import CATEGORIES, Goodput
+from train.goodput import CATEGORIES, Goodput, breakdown_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(1, PYTHONUNBUFFERED="1")
@@ -70,6 +70,7 @@ def test_watchdog_dumps_stacks_and_exits_4_on_a_hang(tmp_path):
     assert len(lines) == 1 and "after step 4" in lines[0] and "step_timeout 3" in lines[0], (
         p.stderr[-3000:]
     )
+    assert "Thread 0x" not in p.stderr and "Current thread" not in p.stderr  # in the file only
     stacks = (tmp_path / "watchdog-stacks.0.txt").read_text()
     assert (
         " in fit\n" in stacks and "train/loop.py" in stacks
@@ -166,6 +167,11 @@ def test_full_disk_during_a_save_keeps_committed_checkpoints(tmp_path):
     assert p.returncode == 2, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    # Brigade's line, not Orbax's ERROR:absl records: those are in the file the line names
+    # (the size limit also cuts JAX's compilation cache files: its warning may be there too)
+    assert "ERROR:absl" not in p.stderr, p.stderr[-3000:]
+    report = tmp_path / "orbax-errors.txt"
+    assert errors[0].endswith(f"(Orbax's report: {report})") and "12" in report.read_text()
     assert "saving step 12" in errors[0] and "intact (steps 4, 8)" in errors[0], errors[0]
     assert "File too large" in errors[0] or "os_error_code" not in p.stderr, errors[
         0
@@ -239,6 +245,88 @@ def test_goodput_counts_an_earlier_resume_that_died_after_the_checkpoint():
     assert gp.restarts == 3
 
 
+def _attempt_records(t_end: float, step: int = 100) -> tuple[list[dict], dict]:
+    """metrics.jsonl records of an attempt that ran steps 1..`step` and ended cleanly at `t_end`,
+    and its summary.json (written a little after the last record: the final commit)."""
+    totals = {f"time_{c}_s": 0.0 for c in (*CATEGORIES, "other")}
+    recs = [
+        {"step": s, "time": t_end - 2.0 - (step - s), **totals, "time_total_s": 58.0 - (step - s)}
+        | {"time_productive_s": 40.0 - (step - s) * 0.5, "restarts": 0, "recomputed_steps": 0}
+        for s in (1, step // 2, step)
+    ]
+    summary = {**recs[-1], "time_total_s": 60.0, "time": t_end, "exit_code": 0, "steps": step}
+    return recs, {k: v for k, v in summary.items() if k != "step"}
+
+
+@pytest.mark.parametrize("exit_code", [0, 143])
+def test_continuing_a_cleanly_ended_run_later_is_idle_not_lost(exit_code):
+    """A run that finished (or was stopped by SIGTERM with its checkpoint committed) continued 15
+    minutes later: those 15 minutes are idle, outside the total, not lost."""
+    recs, summary = _attempt_records(t_end=1000.0)
+    gp = Goodput(started_at=1900.0)
+    gp.resume(recs, step=100, ended={**summary, "exit_code": exit_code}, earlier=[])
+    gp.add("productive", 30.0)
+    out = gp.totals(now=1940.0)
+    assert out["time_lost_s"] == 0.0 and out["idle_between_attempts_s"] == pytest.approx(900.0)
+    assert out["time_total_s"] == pytest.approx(60.0 + 40.0)  # the idle 900 s are not in it
+    assert out["goodput"] == pytest.approx((40.0 + 30.0) / 100.0)
+    assert out["restarts"] == 0 and out["recomputed_steps"] == 0 and not gp.after_failure
+    assert "900s idle between attempts, not counted" in breakdown_text(out)
+    fresh_dir = Goodput(started_at=1900.0)  # --resume latest: another run's step, a new run dir
+    fresh_dir.resume([], step=100, ended=None, earlier=[])
+    assert fresh_dir.totals(now=1900.0)["restarts"] == 0 and not fresh_dir.after_failure
+
+
+def test_an_attempt_that_died_unlogged_after_a_clean_end_is_lost_from_its_start():
+    """Clean end at 1000; attempt 2 started at 1300 and was killed before it logged anything;
+    attempt 3 starts at 1500: 300 s idle, then 200 s lost, and attempt 3 is a restart."""
+    recs, summary = _attempt_records(t_end=1000.0)
+    earlier = [{"step": 100, "time": 1300.0, "after": "clean end"}]
+    gp = Goodput(started_at=1500.0)
+    gp.resume(recs, step=100, ended=summary, earlier=earlier)
+    out = gp.totals(now=1500.0)
+    assert out["idle_between_attempts_s"] == pytest.approx(300.0) and out[
+        "time_lost_s"
+    ] == pytest.approx(200.0)
+    assert out["time_total_s"] == pytest.approx(60.0 + 200.0)
+    assert gp.after_failure and out["restarts"] == 1
+
+
+def test_a_summary_older_than_the_last_record_is_no_clean_end():
+    """Attempt 1 ended cleanly at step 100 (summary.json); attempt 2 continued, logged step 150
+    and crashed: its summary is attempt 1's, older than the last record, so the gap is lost."""
+    recs, summary = _attempt_records(t_end=1000.0)
+    more = {**recs[-1], "step": 150, "time": 1100.0, "time_total_s": 150.0, "restarts": 0}
+    gp = Goodput(started_at=1200.0)
+    gp.resume([*recs, more], step=100, ended=summary, earlier=[])
+    out = gp.totals(now=1200.0)
+    # the work after step 100 (150 - 58) and the 100 s from the last record to this start
+    assert (
+        out["time_lost_s"] == pytest.approx(92.0 + 100.0) and out["idle_between_attempts_s"] == 0.0
+    )
+    assert gp.after_failure and out["restarts"] == 1 and out["recomputed_steps"] == 50
+
+
+def test_the_run_dir_records_whether_a_resume_followed_a_clean_end(tmp_path):
+    """prepare_run_dir reads summary.json and resumes.jsonl: a continuation after a clean end is
+    recorded as such and counts no restart; the next resume after a crash does."""
+    from train.rundir import prepare_run_dir
+
+    recs, summary = _attempt_records(t_end=1000.0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    gp = Goodput(started_at=1900.0)
+    prepare_run_dir(str(tmp_path), "{}", 100, gp)
+    assert gp.totals(now=1900.0)["time_lost_s"] == 0.0
+    gp = Goodput(started_at=2000.0)  # the continuation was killed before it logged anything
+    prepare_run_dir(str(tmp_path), "{}", 100, gp)
+    lines = [json.loads(ln) for ln in (tmp_path / "resumes.jsonl").read_text().splitlines()]
+    assert [ln["after"] for ln in lines] == ["clean end", "failure"]
+    out = gp.totals(now=2000.0)
+    assert out["restarts"] == 1 and out["idle_between_attempts_s"] == pytest.approx(900.0)
+    assert out["time_lost_s"] == pytest.approx(100.0)
+
+
 def test_closed_loop_echoes_are_dropped_and_nothing_else():
     import io
 
@@ -301,10 +389,12 @@ def test_watchdog_waits_do_not_count_as_a_hang_but_their_own_limit_does(tmp_path
     """
     p = _python(code, str(tmp_path / "stacks.txt"))
     assert p.returncode == 4 and p.stdout == "commit waited out\n", p.stderr[-3000:]
-    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(
+    # the stacks go to the file; stderr holds the one line naming it and nothing else
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
         "error: watchdog: still waiting for the restore of step 4 after 1s (limit 1s);"
     ), p.stderr[-3000:]
+    assert f"stacks of all threads in {tmp_path / 'stacks.txt'};" in lines[0], lines[0]
     assert (
         'File "<string>"' in (tmp_path / "stacks.txt").read_text()
     )  # where the main thread waited

@@ -276,6 +276,42 @@ def test_resume_latest_checks_the_settings_of_the_run_it_continues(tmp_path, mon
     )
 
 
+def test_resume_latest_through_a_dangling_link_names_it_and_continues_the_newest_run(
+    tmp_path, monkeypatch, capsys
+):
+    """runs/latest points at a run that was deleted: --resume latest says so, naming the link's
+    target, and continues the newest run that exists (it only reads that run); with none left it
+    starts a new one, saying why."""
+    monkeypatch.chdir(tmp_path)
+    settings = {"model.preset": "tiny", "train.steps": 4}
+    runs = []
+    for minute in (0, 1, 2):  # three runs; the newest is then deleted
+        run = start_named_run(build(settings), NOON + datetime.timedelta(minutes=minute))
+        with open(os.path.join(run.logging.run_dir, "config.json"), "w") as f:
+            f.write(dump(run))
+        runs.append(run.logging.run_dir)
+    (tmp_path / "runs" / "20260102-115900-tiny-dataN").mkdir()  # older, never started: no config
+    for name in os.listdir(runs[2]):
+        os.remove(os.path.join(runs[2], name))
+    os.rmdir(runs[2])
+    capsys.readouterr()
+    later = NOON + datetime.timedelta(minutes=5)
+    cont = start_named_run(build({**settings, "checkpoint.resume": "latest"}), later)
+    out = capsys.readouterr().out
+    assert cont.checkpoint.resume == runs[1], out  # the newest run that still exists
+    assert (
+        f"runs/latest is a dangling link (to {os.path.basename(runs[2])}, which does not exist);"
+        f" continuing the newest run that exists, {runs[1]}" in out
+    ), out
+    for run in runs[:2] + [cont.logging.run_dir]:  # nothing left to continue
+        for name in os.listdir(run):
+            os.remove(os.path.join(run, name))
+        os.rmdir(run)
+    fresh = start_named_run(build({**settings, "checkpoint.resume": "latest"}), later)
+    assert fresh.checkpoint.resume == "auto"
+    assert "no other run under runs; starting a new one" in capsys.readouterr().out
+
+
 def test_the_supervisor_gives_every_restart_the_one_named_run():
     argv = ["--model", "tiny", "--resume", "latest"]
     fresh = Fresh("runs/20260102-120000-tiny-dataN", "runs/20260101-080000-tiny-dataN")

@@ -49,6 +49,7 @@ STEP_KEYS = {
     *(f"time_{c}_s" for c in GOODPUT_CATEGORIES),
     "time_other_s",
     "time_total_s",
+    "idle_between_attempts_s",  # between a clean end and a continuation: in no total
     "compute_s",
     "host_s",
     "step_time_max_over_median",

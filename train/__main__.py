@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         from train import faults
 
         faults.current().check(cfg.train.steps)  # before the run directory is made
-        from train.rundir import start_named_run
+        from train.rundir import start_named_run, withdraw_named_run
 
         named = start_named_run(
             cfg
@@ -60,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
 
             c = named.checkpoint
             fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
-            return supervise(
+            code = supervise(
                 argv,
                 cfg.train.max_restarts,
                 named.logging.run_dir,
                 c.dir or storage.join(named.logging.run_dir, "checkpoints"),
                 fresh=fresh,
             )
+            withdraw_named_run(named)  # a child refused before writing: no empty runs/<name>
+            return code
         return _train(named)
     except UserError as e:
         return _final_error(f"error: {e}", 2, exit_now=getattr(e, "exit_now", False))

@@ -345,6 +345,11 @@ class CheckpointConfig:
         "",
         "PATH: start a fresh run from these parameters (e.g. an HF import), with a fresh optimizer",
     )
+    adopt: bool = option(
+        False,
+        "save into a --checkpoint.dir that belongs to another run, continuing from its"
+        " steps (which this run then never deletes)",
+    )
     local_dir: str = option(
         "",
         "host-local directory (fast disk, RAM disk) for frequent saves, each process"

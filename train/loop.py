@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import time
 
@@ -18,9 +17,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from checkpoint.layout import RUN_SUBDIR
 from checkpoint.manager import Checkpointer, open_checkpoint, shared_directory
+from checkpoint.orbax_log import kept_in
 from checkpoint.saving import committed_on_exit
+from checkpoint.tiers import local_tier
+from errors import UserError
 from mesh.build import start_mesh
 from mesh.rules import axis_rules
 from mesh.spec import mesh_text
@@ -40,8 +41,9 @@ from train.memory import check_fits, step_bytes_per_device
 from train.metrics import summary
 from train.resilience import StopSignals
 from train.run import Run, open_run
-from train.rundir import claim, start_named_run
+from train.rundir import claim, start_named_run, withdraw_named_run
 from train.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
+from train.startup import Skeleton, check_before_creating, checkpoint_dir, local_tier_dir
 from train.step import eval_step
 from train.watchdog import doing, set_doing
 
@@ -208,13 +210,24 @@ class Trainer:
         return tokenizer.decode(np.asarray(jax.device_get(out))[0])
 
     # -- checkpoints (the policy is train/resume.py's) ----------------------------------------
-    def open_checkpoints(self) -> Checkpointer:
-        """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints."""
+    def open_checkpoints(self, owners=(None, None)) -> Checkpointer:
+        """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints (and its
+        local tier, with --checkpoint.local_dir). `owners`: the run as the owner of each of them
+        (train/startup.py): retention deletes the run's own steps alone."""
         c = self.cfg.checkpoint
-        directory = shared_directory(c.dir or os.path.join(self.cfg.logging.run_dir, RUN_SUBDIR))
-        return Checkpointer(
-            directory, keep=c.keep, keep_every=c.keep_every, async_save=c.async_save
+        directory = shared_directory(checkpoint_dir(self.cfg))
+        saver = Checkpointer(
+            directory,
+            keep=c.keep,
+            keep_every=c.keep_every,
+            async_save=c.async_save,
+            run_owner=owners[0],
         )
+        if owners[1] is not None:  # opened now with its owner; resume and saves find it
+            local_tier(
+                saver, c.local_dir, keep=c.local_keep, async_save=c.async_save, run_owner=owners[1]
+            )
+        return saver
 
     def resume_point(self, saver: Checkpointer) -> tuple[Checkpointer, int] | None:
         """Where --resume says to continue from: (checkpoint directory, step), or None for a fresh start."""
@@ -236,13 +249,25 @@ class Trainer:
         run directory is locked for the whole run (train/rundir.py): a second run on it exits."""
         cfg = self._name_the_run()
         self.goodput = Goodput(self._started_at)
+        # Orbax's error records go to a file of the run dir, not onto the one line that ends a run
+        with kept_in(cfg.logging.run_dir, jax.process_index()):
+            try:
+                return self._claim_and_train(cfg)
+            except UserError:
+                withdraw_named_run(cfg)  # refused before it wrote anything: no runs/<name> left
+                raise
+
+    def _claim_and_train(self, cfg: Config) -> dict:
+        """What can be refused without creating anything is, first (train/startup.py); then the
+        run claims its directories (a later refusal takes back what it created) and trains."""
+        owners = check_before_creating(cfg, shared_directory(checkpoint_dir(cfg)))
+        data = self._open_data()  # a bad --data, or a vocabulary too small for it
+        skeleton = Skeleton(cfg.logging.run_dir, checkpoint_dir(cfg), local_tier_dir(cfg))
         with (
-            claim(cfg.logging.run_dir, cfg.checkpoint.dir),
-            committed_on_exit(self.open_checkpoints()) as saver,
+            claim(cfg.logging.run_dir, cfg.checkpoint.dir, undo=skeleton.undo),
+            committed_on_exit(self.open_checkpoints(owners)) as saver,
             StopSignals() as signals,
         ):  # from here on a signal stops the run cleanly, even mid-compile
-            # -- setup: the data first (a bad --data is one line before the compile), then the step
-            data = self._open_data()
             with out_of_memory_line(lambda: self.predicted_peak, self.local_devices, doing):
                 return self._compile_and_train(saver, signals, data)
 

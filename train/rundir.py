@@ -38,7 +38,14 @@ import sys
 from checkpoint import storage
 from errors import UserError
 from mesh.spec import AXES, parse_spec
-from train.goodput import Goodput, read_records
+from train import named_runs
+from train.goodput import (
+    AFTER_CLEAN_END,
+    AFTER_FAILURE,
+    Goodput,
+    read_json_lines,
+    read_records,
+)
 
 MARKER = "brigade-run.json"
 LOCK = ".brigade-lock"
@@ -86,10 +93,12 @@ def check_writable_run_dir(path: str, flag: str = "--run-dir") -> None:
     )
 
 
-def claim(run_dir: str, checkpoint_dir: str = ""):
+def claim(run_dir: str, checkpoint_dir: str = "", undo=None):
     """Lock the run directory (and a --checkpoint.dir outside it, which two runs could share
     just as well) on process 0, and tell every process whether that worked: a context manager;
-    UserError on every process when another run holds one of them."""
+    UserError on every process when another run holds one of them. `undo()`: called on process
+    0 when a UserError (a refusal) leaves the block, before the locks are released: it takes
+    back what the refused run created (train/startup.py Skeleton)."""
     import jax
     import numpy as np
 
@@ -120,6 +129,14 @@ def claim(run_dir: str, checkpoint_dir: str = ""):
             )
     if error is not None:
         raise error
+    if undo is not None and jax.process_index() == 0:
+
+        def undo_refusal(kind, exc, tb) -> bool:  # runs first on leaving: before the unlock
+            if kind is not None and issubclass(kind, UserError):
+                undo()
+            return False  # the error goes on
+
+        stack.push(undo_refusal)
     return stack
 
 
@@ -225,11 +242,15 @@ def prepare_run_dir(
     storage.write_text(storage.join(run_dir, "config.json"), config_text)
     resumes = storage.join(run_dir, "resumes.jsonl")  # one line per attempt that resumed
     if resumed_step is not None:
-        storage.append_text(
-            resumes, json.dumps({"step": resumed_step, "time": goodput.started_at}) + "\n"
+        goodput.resume(
+            read_records(run_dir),
+            resumed_step,
+            ended=read_json_lines(storage.join(run_dir, "summary.json"), whole=True),
+            earlier=read_json_lines(resumes),
         )
-        n_resumes = sum(1 for ln in storage.read_text(resumes).splitlines() if ln.strip())
-        goodput.resume(read_records(run_dir), resumed_step, restarts=n_resumes)
+        after = AFTER_FAILURE if goodput.after_failure else AFTER_CLEAN_END
+        line = {"step": resumed_step, "time": goodput.started_at, "after": after}
+        storage.append_text(resumes, json.dumps(line) + "\n")
         drop_records_after(run_dir, resumed_step)  # logged after that save by the run that died
     else:
         for path in (storage.join(run_dir, "metrics.jsonl"), resumes):
@@ -298,6 +319,7 @@ def start_named_run(cfg, now: datetime.datetime | None = None):
     if resume == "latest":
         resume = _run_to_continue(DEFAULT_RUN_DIR, cfg.to_dict())
     run_dir = _make_unique_dir(root, run_name(cfg, now or datetime.datetime.now()))
+    named_runs.note_made(run_dir, DEFAULT_RUN_DIR)  # a refused run gives it back (named_runs)
     _link_latest(DEFAULT_RUN_DIR, run_dir)
     continued = resume if resume not in (cfg.checkpoint.resume, "auto") else ""
     print(
@@ -343,6 +365,12 @@ def _make_unique_dir(root: str, name: str) -> str:
     )
 
 
+def withdraw_named_run(cfg) -> None:
+    """A named run (start_named_run) that was refused before it wrote anything: its empty
+    directory removed and runs/latest pointed back where it was (train/named_runs.py)."""
+    named_runs.withdraw(cfg.logging.run_dir, DEFAULT_RUN_DIR)
+
+
 def _link_latest(link: str, run_dir: str) -> None:
     """Point `link` at `run_dir` atomically (a symlink under a temporary name renamed over it), so
     a reader never finds it missing. A real directory there, from a Brigade that wrote runs into
@@ -364,17 +392,23 @@ def _link_latest(link: str, run_dir: str) -> None:
 
 
 def _run_to_continue(link: str, now: dict) -> str:
-    """--resume latest without --run-dir: the run `link` points at, when it was started with the
-    settings this run has in every field that changes the state layout or the math (else one
-    line naming the fields); -> its directory, which --resume PATH then reads, or auto (a fresh
-    start) when there is no earlier run."""
-    if not os.path.exists(link):  # the first run of a script that always says --resume latest
+    """--resume latest without --run-dir: the run `link` points at (a dangling link: the newest
+    run that exists, said in one line), when it was started with the settings this run has in
+    every field that changes the state layout or the math (else one line naming the fields);
+    -> its directory, which --resume PATH then reads, or auto (a fresh start) when there is no
+    earlier run."""
+    if named_runs.dangling_target(link) is not None:  # its run deleted or moved (named_runs)
+        prev = named_runs.instead_of_dangling(link)
+        if prev is None:
+            return "auto"
+    elif not os.path.exists(link):  # the first run of a script that always says --resume latest
         print(
             f"--resume latest: no earlier run to continue ({link} does not exist); starting a new one",
             flush=True,
         )
         return "auto"
-    prev = os.path.relpath(os.path.realpath(link)) if os.path.islink(link) else link
+    else:
+        prev = os.path.relpath(os.path.realpath(link)) if os.path.islink(link) else link
     try:
         with open(os.path.join(prev, "config.json")) as f:
             saved = json.load(f)

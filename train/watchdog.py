@@ -72,7 +72,8 @@ def doing() -> str:
 
 class Watchdog:
     """`beat(what)` after every unit of progress; if none comes for `timeout_s`, dump the stacks
-    to `stacks_path` (and stderr) and exit. `describe_peers()` (if given) names lost processes."""
+    to `stacks_path` (stderr only gets the line naming it) and exit. `describe_peers()` (if
+    given) names lost processes."""
 
     def __init__(self, timeout_s: float, stacks_path: str, describe_peers=None):
         self.timeout_s, self.stacks_path, self.describe_peers = (
@@ -128,18 +129,19 @@ class Watchdog:
                 f"no progress for {idle:.0f}s (--train.step_timeout {limit:g}) after {self._what}"
             )
         peers = self.describe_peers() if self.describe_peers else ""
-
-        def dump_stacks():
+        # the stacks go to the file alone: the screen (and a scheduler's log) gets the one line
+        # naming it; only when the file cannot be written do they go to stderr instead
+        try:
+            with open(self.stacks_path, "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            where = f"stacks of all threads in {self.stacks_path}"
+        except OSError as e:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-
-        with open(self.stacks_path, "w") as f:
-            faulthandler.dump_traceback(file=f, all_threads=True)
+            where = f"stacks of all threads above ({self.stacks_path}: {e.strerror or e})"
         end_process(
-            f"error: watchdog: {head}{'; ' + peers if peers else ''}; stacks of all threads in"
-            f" {self.stacks_path}; exiting with status {WATCHDOG_EXIT} so the job can restart from its"
-            f" last checkpoint",
+            f"error: watchdog: {head}{'; ' + peers if peers else ''}; {where}; exiting with status"
+            f" {WATCHDOG_EXIT} so the job can restart from its last checkpoint",
             WATCHDOG_EXIT,
-            dump_stacks,
         )
 
 
