@@ -41,7 +41,7 @@ def compute_dtype(cfg: ModelConfig) -> str:
     return cfg.compute_dtype(jax.default_backend())
 
 
-def _module(cfg: ModelConfig, params: dict) -> Decoder:
+def module(cfg: ModelConfig, params: dict) -> Decoder:
     gdef, abstract_state = _graph(cfg, compute_dtype(cfg))
     state = jax.tree.map(
         lambda x: x, abstract_state
@@ -84,12 +84,12 @@ def _fresh_dicts(tree: dict) -> dict:
 def _apply(
     cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=None, segment_ids_BT=None
 ):
-    logits_BTV, cache, _ = _module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
+    logits_BTV, cache, _ = module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
     return logits_BTV, cache
 
 
 def _forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT, segment_ids_BT, pipeline):
-    logits_BTV, _, stats = _module(cfg, params)(
+    logits_BTV, _, stats = module(cfg, params)(
         tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline
     )
     return logits_BTV, stats
@@ -174,7 +174,7 @@ def hidden(
     or None for a registered model (its forward returns logits only)."""
     if registry.lookup(cfg, DECODER) is not DECODER:
         return None
-    head, _, stats = _module(cfg, params)(
+    head, _, stats = module(cfg, params)(
         tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline, logits=False
     )
     return head, stats

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 from mesh.shard import entry_axes
 from models.config import SCHEDULES, PipelineConfig
+from models.pieces import over_groups
 from models.schedules import (
     bubble_fraction,
     iteration,
@@ -371,3 +372,56 @@ def _pipeline(
     # [R, P, J] is layer order; the replicas' means are averaged once, here
     aux = jax.tree.map(lambda a: a.sum(axis=2).reshape(L, *a.shape[4:]), aux_RPAJ)
     return out_PMAbTD, aux
+
+
+# ------------------------------------------------------------------------------ a model's stack
+
+
+def stages() -> int:
+    """The pipeline axis's size on the mesh in context (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or "pipeline" not in mesh.shape else mesh.shape["pipeline"]
+
+
+def replicas(replica_axes: tuple[str, ...]) -> int:
+    """How many data replicas pipeline_apply splits each micro-batch into (its dim A)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_axes = [a for a in current_rules()["batch"] if a not in current_rules()["stages"]]
+    return math.prod(mesh.shape[a] for a in batch_axes if a in replica_axes)
+
+
+def sum_counts(stats: dict, names: tuple[str, ...], pieces: int) -> dict:
+    """Stats that are sums over tokens (`names`) from the pipeline's means over `pieces` of the batch."""
+    return {k: v * pieces if k in names else v for k, v in stats.items()}
+
+
+def stack_forward(pieces, stack, x_BTD, positions_BT, segment_ids_BT=None, *, pipeline=None):
+    """The model's layer groups on x_BTD -> (x_BTD, stats stacked [G, ...]): through pipeline_apply
+    on a mesh with pipeline > 1 (`pipeline`'s schedule, default PipelineConfig(); the explicit
+    schedules run the same forward ticks), else a scan (or unrolled loop) over the groups."""
+    seg = () if segment_ids_BT is None else (segment_ids_BT,)
+    policy, P = pieces.remat_policy, stages()
+    if P > 1:
+        pc = pipeline or PipelineConfig()
+        M = pc.microbatches_for(P)
+        x_BTD, stats = pipeline_apply(
+            pieces.group,
+            stack,
+            x_BTD,
+            positions_BT,
+            *seg,
+            stages=P,
+            microbatches=M,
+            repeats=pc.repeats,
+            schedule=pc.schedule,
+            remat_policy=policy,
+            remat_stage=pc.remat_stage,
+            has_aux=True,
+            scan_layers=pieces.scan_layers,
+            replica_axes=pc.replica_axes,
+        )
+        return x_BTD, sum_counts(stats, pieces.count_stats, M * replicas(pc.replica_axes))
+    step = lambda x_BTD, params_G: pieces.group(x_BTD, params_G, positions_BT, *seg)
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy, prevent_cse=not pieces.scan_layers)
+    return over_groups(step, x_BTD, stack, pieces.scan_layers)

@@ -39,13 +39,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from errors import UserError
 from mesh import xla
 from mesh.rules import axis_rules, logical_to_spec
-from mesh.shard import constrain, entry_axes
-from models.pipeline import _REPLICAS, FULL_REMAT, _act_names, _inner_rules, _mesh_size, _pin
+from mesh.shard import entry_axes
+from models.pipeline import (
+    _REPLICAS,
+    FULL_REMAT,
+    _act_names,
+    _inner_rules,
+    _mesh_size,
+    _pin,
+    replicas,
+    stages,
+    sum_counts,
+)
 from models.schedules import (
     EXPLICIT,
     backward_item,
@@ -563,9 +572,7 @@ class _Program:
 def runs(cfg, pipeline) -> bool:
     """Whether the train step's objective goes through `decoder_loss`: --pipeline.schedule 1f1b or
     interleaved_1f1b on a mesh whose pipeline axis is > 1 (elsewhere the schedule is moot)."""
-    from models import transformer  # imported here: it imports the pipeline
-
-    if pipeline is None or pipeline.schedule not in EXPLICIT or transformer._pipeline_stages() < 2:
+    if pipeline is None or pipeline.schedule not in EXPLICIT or stages() < 2:
         return False
     check_model(cfg, pipeline.schedule)
     check_backend(cfg, pipeline.schedule)
@@ -608,85 +615,31 @@ def decoder_loss(
     from models import model as model_lib  # imported here: both import the pipeline
     from models import transformer
 
-    module = model_lib._module(cfg, params)
-    dtype, stages = module.dtype, transformer._pipeline_stages()
-    per_group = cfg.moe_every if cfg.n_experts else 1
-    n_groups, n_dense = cfg.n_layers // per_group, (per_group - 1 if cfg.n_experts else 1)
-    dense_gdef, dense = nnx.split(module.blocks) if n_dense else (None, None)
-    moe_gdef, moe = nnx.split(module.moe_blocks) if cfg.n_experts else (None, None)
-    dense = (
-        jax.tree.map(lambda a: a.reshape(n_groups, n_dense, *a.shape[1:]), dense)
-        if n_dense
-        else None
-    )
-    norm_gdef, norm = nnx.split(module.final_norm)
-    outer = {
-        "embed_VD": module.embed_VD[...],
-        "norm": norm,
-        "head_DV": None if cfg.tie_embeddings else module.lm_head_DV[...],
-    }
-    tokens_BT = batch["inputs"]
+    pieces, outer, stack = model_lib.module(cfg, params).pieces(token_loss)
+    P = stages()
+    n_groups = cfg.n_layers // pieces.per_group
     positions_BT = batch.get("positions")
     if positions_BT is None:
-        positions_BT = (
-            jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-            if batch.get("segment_ids") is None
-            else transformer.segment_positions(batch["segment_ids"])
+        positions_BT = transformer.default_positions(
+            batch.get("segment_ids"), batch["inputs"].shape
         )
-    mbatch = {**batch, "positions": positions_BT}
-    mbatch.setdefault("weights", jnp.ones(tokens_BT.shape, jnp.float32))
-
-    def embed(o, mb):
-        return constrain(
-            jnp.take(o["embed_VD"], mb["inputs"], axis=0).astype(dtype), transformer.ACT_BTD
-        )
-
-    def group(x_bTD, xs, mb):  # one group of layers, as the Decoder runs it
-        dense_g, moe_g = xs
-        stats = {}
-        for j in range(per_group):
-            if j < n_dense:
-                layer = nnx.merge(dense_gdef, jax.tree.map(lambda a: a[j], dense_g))
-                x_bTD, _ = layer(x_bTD, mb["positions"], None, mb.get("segment_ids"))
-            else:
-                x_bTD, _, stats = nnx.merge(moe_gdef, moe_g)(
-                    x_bTD, mb["positions"], None, mb.get("segment_ids")
-                )
-        return x_bTD, stats
-
-    def head(o, y_bTD, mb):
-        x_bTD = constrain(
-            nnx.merge(norm_gdef, o["norm"])(y_bTD), ("logits_batch", "seq", "act_embed")
-        )
-        head_DV = o["embed_VD"].T if o["head_DV"] is None else o["head_DV"]
-        logits_bTV = constrain(
-            jnp.einsum(
-                "btd,dv->btv", x_bTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
-            ),
-            ("logits_batch", "seq", "act_vocab"),
-        )
-        return jnp.sum(token_loss(logits_bTV, mb) * mb["weights"])
-
-    M = pipeline.microbatches_for(stages)
+    M = pipeline.microbatches_for(P)
     objective, (loss_sum, stats) = loss(
-        embed,
-        group,
-        head,
+        lambda o, mb: pieces.embed(o, mb["inputs"]),
+        lambda x_bTD, p, mb: pieces.group(x_bTD, p, mb["positions"], mb.get("segment_ids")),
+        pieces.head,
         outer,
-        (dense, moe),
-        mbatch,
+        stack,
+        {**batch, "positions": positions_BT},
         {k: w / n_groups for k, w in stat_weights.items()},
-        stages=stages,
+        stages=P,
         microbatches=M,
         repeats=pipeline.repeats,
-        remat_policy=transformer.REMAT[cfg.remat],
+        remat_policy=pieces.remat_policy,
         has_aux=True,
         scan_layers=cfg.scan_layers,
         replica_axes=pipeline.replica_axes,
         zero_bubble=pipeline.schedule == "zb_h1",
     )
-    return (
-        objective,
-        loss_sum,
-        transformer._sum_counts(stats, M * transformer._replicas(pipeline.replica_axes)),
-    )
+    pieces_M = M * replicas(pipeline.replica_axes)
+    return objective, loss_sum, sum_counts(stats, pieces.count_stats, pieces_M)
