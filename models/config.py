@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from errors import UserError
+from models.pipeline.timetables import SCHEDULES, TIMETABLES
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_offload")
 MATMUL_PRECISIONS = ("default", "fp8")
@@ -403,9 +404,6 @@ class ModelConfig:
         return "float32" if platform == "cpu" else "bfloat16"
 
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
@@ -424,10 +422,8 @@ class PipelineConfig:
     )
     schedule: str = option(
         "gpipe",
-        f"pipeline schedule: {' | '.join(SCHEDULES)} (1f1b: each stage alternates"
-        f" forward and backward, keeping at most 2(P-1) micro-batches, not M;"
-        f" interleaved_1f1b: the same over R chunks per device, bubble / R;"
-        f" zb_h1: 1f1b with each backward split, the weight gradients deferred)",
+        f"pipeline schedule: {' | '.join(SCHEDULES)}"
+        f" ({'; '.join(f'{t.name}: {t.about}' for t in TIMETABLES.values() if t.about)})",
     )
     remat_stage: bool = option(
         False, "also recompute each stage in the backward pass (less memory)"

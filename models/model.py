@@ -19,8 +19,10 @@ from errors import UserError
 from models import registry
 from models.attention import KVCache
 from models.config import ModelConfig
-from models.pipeline import PipelineConfig
-from models.transformer import Decoder
+from models import pipeline as pipeline_lib
+from models.config import PipelineConfig
+from models.loss import token_xent
+from models.transformer import Decoder, default_positions
 
 # Shardings come from the logical-axis table through jit out_shardings, not from Flax's eager
 # per-variable constraints (which need a mesh while constructing and differ per trace level).
@@ -162,22 +164,48 @@ def forward(
     return impl.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline)
 
 
-def hidden(
+def objective(
     cfg: ModelConfig,
     params: dict,
-    tokens_BT: jax.Array,
-    positions_BT: jax.Array | None = None,
-    segment_ids_BT: jax.Array | None = None,
+    batch: dict,
+    *,
     pipeline: PipelineConfig | None = None,
+    token_loss=None,
+    stat_weights: dict | None = None,
+    loss_chunk: int = 0,
 ):
-    """The training forward up to the LM head -> ((hidden states [B,T,D], head [D,V]), MoE stats),
-    or None for a registered model (its forward returns logits only)."""
-    if registry.lookup(cfg, DECODER) is not DECODER:
-        return None
-    head, _, stats = module(cfg, params)(
-        tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline, logits=False
+    """The training objective of one batch -> (objective, loss sum, MoE stats: [L_moe, ...] arrays,
+    {} if dense), float32. The loss sum is sum(per-token loss x batch["weights"]): cross-entropy, or
+    `token_loss(logits_BTV, batch) -> loss_BT`; the objective adds, for each stat named in
+    `stat_weights`, weight x its mean over the MoE layers. The built-in decoder runs through
+    models/pipeline under `pipeline`'s schedule on a mesh with pipeline > 1, whichever schedule it
+    is; `loss_chunk` > 0: the cross-entropy that many tokens at a time where the head sees the whole
+    batch (models/loss.py). A registered model runs its own forward (`forward`)."""
+    impl = registry.lookup(cfg, DECODER)
+    if impl is DECODER:
+        pieces, outer, stack = module(cfg, params).pieces(token_loss)
+        if batch.get("positions") is None:
+            positions = default_positions(batch.get("segment_ids"), batch["inputs"].shape)
+            batch = {**batch, "positions": positions}
+        return pipeline_lib.objective(
+            pieces,
+            (outer, stack),
+            batch,
+            pipeline=pipeline,
+            stat_weights=stat_weights,
+            loss_chunk=loss_chunk,
+        )
+    logits_BTV, stats = forward(
+        cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"), pipeline
     )
-    return head, stats
+    loss_BT = (
+        token_xent(logits_BTV, batch["targets"])
+        if token_loss is None
+        else token_loss(logits_BTV, batch)
+    )
+    weights_BT = batch.get("weights")
+    loss_sum = jnp.sum(loss_BT if weights_BT is None else loss_BT * weights_BT)
+    return pipeline_lib.with_stat_terms(loss_sum, stats, stat_weights or {}), loss_sum, stats
 
 
 def decodes(cfg: ModelConfig) -> bool:

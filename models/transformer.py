@@ -144,14 +144,12 @@ class Decoder(nnx.Module):
         segment_ids_BT: jax.Array | None = None,
         *,
         pipeline: PipelineConfig | None = None,
-        logits: bool = True,
     ):
         """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
         `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
         On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
-        models/pipeline with `pipeline`'s schedule (default: PipelineConfig()). `logits=False`:
-        ((the final-normed hidden states [B,T,D], the LM head [D,V] in the compute dtype), cache,
-        stats) instead, for a loss that applies the head chunk by chunk (models/loss.py)."""
+        models/pipeline with `pipeline`'s schedule (default: PipelineConfig()). The training
+        objective is not made here but of the same pieces (models/model.py objective)."""
         pieces, outer, stack = self.pieces()
         if positions_BT is None:
             positions_BT = default_positions(segment_ids_BT, tokens_BT.shape)
@@ -163,6 +161,4 @@ class Decoder(nnx.Module):
         else:
             x_BTD, stats, cache = pieces.decode(stack, x_BTD, positions_BT, cache, segment_ids_BT)
         x_BTD, head_DV = pieces.final(outer, x_BTD)
-        if not logits:
-            return (x_BTD, head_DV), cache, stats
         return pieces.logits(x_BTD, head_DV), cache, stats

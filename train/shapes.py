@@ -11,9 +11,9 @@ from jax.sharding import Mesh
 from errors import UserError
 from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
-from models import model, pipeline, pipeline_1f1b
+from models import model, pipeline
 from models.config import PipelineConfig
-from models.schedules import EXPLICIT
+from models.pipeline import explicit
 from train.config import TrainConfig
 
 
@@ -54,10 +54,10 @@ def validate_batch(
             schedule=pc.schedule,
             batch_shards=n,
         )
-        if pc.schedule in EXPLICIT:
-            pipeline_1f1b.check_model(m, pc.schedule)
+        if pc.schedule in pipeline.EXPLICIT:
+            explicit.check_model(m, pc.schedule)
             if isinstance(mesh, Mesh):  # a run's devices, not the search's abstract mesh
-                pipeline_1f1b.check_backend(m, pc.schedule)
+                explicit.check_backend(m, pc.schedule)
 
 
 def seq_shards(mesh, rules, name: str = "seq") -> int:
