@@ -28,8 +28,8 @@ from flax import nnx
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import pipeline as pipeline_lib
-from models.config import PRESETS
 from models.pipeline import EXPLICIT, explicit, schedule_bubble, timetable
+from models.presets import PRESETS
 from models.transformer import Block
 from plan.hlo import parse_collectives, summarize
 

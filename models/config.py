@@ -1,17 +1,13 @@
-"""ModelConfig, PipelineConfig and the named presets (Llama shapes); the field helpers every config
-section uses, `ranged` (a numeric field with its valid range) and `option` (a string or bool field),
-both with the help text `--help` shows; `check_ranges`, the one check of a section against its ranges."""
+"""ModelConfig and PipelineConfig, the `model` and `pipeline` config sections; the named presets
+are in models/presets.py, the field helpers (`ranged`, `option`, `check_ranges`) in
+models/fields.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
-import typing
-from collections.abc import Callable
-from typing import Any
 
 from errors import UserError
+from models.fields import check_ranges, option, ranged
 from models.pipeline.timetables import SCHEDULES, TIMETABLES
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_offload")
@@ -29,93 +25,6 @@ ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity")
 KERNELS = ("auto", "ragged", "blocks")
 EXCHANGES = ("auto", "fixed", "ragged")
-
-# ------------------------------------------------------------------ declared ranges
-
-_BOUND = re.compile(r"(>=?)\s*(\S+)")
-_INTERVAL = re.compile(r"([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])")
-
-
-def _number(text: str) -> int | float:
-    # ints stay exact: float(2**63 - 1) would round up and admit 2**63
-    return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """Where a numeric option may lie, written `>0`, `>=1`, `[0, 1)` or `(0, 1]`. NaN is never in
-    a range and inf only where the range names it with a closed bracket (`[0, inf]`)."""
-
-    spec: str
-    lo: int | float
-    hi: int | float
-    lo_open: bool
-    hi_open: bool
-
-    @classmethod
-    def parse(cls, spec: str) -> Range:
-        if m := _BOUND.fullmatch(spec.strip()):
-            return cls(spec, _number(m[2]), math.inf, m[1] == ">", True)
-        if m := _INTERVAL.fullmatch(spec.strip()):
-            return cls(spec, _number(m[2]), _number(m[3]), m[1] == "(", m[4] == ")")
-        raise ValueError(f"range {spec!r}: expected >X, >=X or an interval like [0, 1)")
-
-    @property
-    def allows_inf(self) -> bool:
-        return (self.hi == math.inf and not self.hi_open) or (
-            self.lo == -math.inf and not self.lo_open
-        )
-
-    def admits(self, value: int | float) -> bool:
-        if math.isnan(value) or (math.isinf(value) and not self.allows_inf):
-            return False
-        return (value > self.lo if self.lo_open else value >= self.lo) and (
-            value < self.hi if self.hi_open else value <= self.hi
-        )
-
-    def describe(self, tp: type) -> str:
-        """`an integer >= 1`, `a finite number > 0`, `a number in [0, 1)`: how messages state it."""
-        if self.hi == math.inf and self.hi_open:
-            return f"{'an integer' if tp is int else 'a finite number'} {'>' if self.lo_open else '>='} {self.lo}"
-        return f"{'an integer' if tp is int else 'a number'} in {self.spec}"
-
-
-def ranged(default: int | float, spec: str, help: str = "", why: str = "") -> Any:
-    """A numeric dataclass field with its valid range (`Range` syntax) and the text `--help` shows
-    for it; `why` is added to the message of a value outside the range where the range alone does
-    not explain itself."""
-    return dataclasses.field(
-        default=default, metadata={"range": Range.parse(spec), "why": why, "help": help}
-    )
-
-
-def option(default: str | bool, help: str) -> Any:
-    """A string or bool dataclass field and the text `--help` shows for it."""
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
-def numeric_fields(cls) -> list[dataclasses.Field]:
-    """The int and float fields of a config dataclass (bool is not numeric here)."""
-    hints = typing.get_type_hints(cls)
-    return [f for f in dataclasses.fields(cls) if hints[f.name] in (int, float)]
-
-
-def check_ranges(section: Any, flag_of: Callable[[str], str]) -> None:
-    """UserError `FLAG VALUE: must be RANGE` for the first numeric field of `section` outside its
-    declared range; `flag_of(field)` is the option as the user writes it."""
-    hints = typing.get_type_hints(type(section))
-    for f in numeric_fields(type(section)):
-        rng = f.metadata.get("range")
-        if rng is None:  # a programming error: every numeric option declares where it may lie
-            raise TypeError(
-                f"{type(section).__name__}.{f.name} has no declared range; define it with ranged()"
-            )
-        value = getattr(section, f.name)
-        if not rng.admits(value):
-            why = f" ({f.metadata['why']})" if f.metadata["why"] else ""
-            raise UserError(
-                f"{flag_of(f.name)} {value}: must be {rng.describe(hints[f.name])}{why}"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,72 +357,3 @@ class PipelineConfig:
 
     def microbatches_for(self, stages: int) -> int:
         return self.microbatches or stages
-
-
-def _llama(vocab, d, layers, heads, kv, ff, seq, theta=500000.0) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=vocab,
-        d_model=d,
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=kv,
-        d_ff=ff,
-        max_seq_len=seq,
-        rope_theta=theta,
-        dtype="auto",
-    )
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # tests: small enough that a step compiles in about a second on CPU
-    "tiny": ModelConfig(
-        vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=256
-    ),
-    # CPU demo: 3.3M parameters, byte-level vocabulary; activations of this size fit easily, so no remat
-    "default": ModelConfig(remat="none"),
-    # Llama shapes (https://arxiv.org/abs/2302.13971, Llama 2/3 GQA)
-    "125m": _llama(32000, 768, 12, 12, 12, 2048, 2048, theta=10000.0),
-    "1b": _llama(128256, 2048, 16, 32, 8, 8192, 4096),
-    "7b": _llama(32000, 4096, 32, 32, 32, 11008, 4096, theta=10000.0),
-    "70b": _llama(128256, 8192, 80, 64, 8, 28672, 4096),
-}
-
-
-def _moe(base: ModelConfig, **moe) -> ModelConfig:
-    return dataclasses.replace(base, **moe)
-
-
-PRESETS.update(
-    {
-        # tests: 8 experts of width 64, top-2, on the tiny shape
-        "moe-tiny": _moe(PRESETS["tiny"], n_experts=8, experts_per_token=2, d_ff_expert=64),
-        # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the dense default)
-        "moe-default": _moe(PRESETS["default"], n_experts=8, experts_per_token=2, d_ff_expert=384),
-        # Mixtral 8x7B (https://arxiv.org/abs/2401.04088): 8 experts, top-2, every layer
-        "mixtral-8x7b": _moe(
-            _llama(32000, 4096, 32, 32, 8, 14336, 32768, theta=1e6),
-            n_experts=8,
-            experts_per_token=2,
-            d_ff_expert=14336,
-        ),
-        # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1 shared,
-        # sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every layer MoE (V3's
-        # first 3 are dense), no multi-token prediction.
-        "deepseek-v3": _moe(
-            _llama(129280, 7168, 61, 128, 128, 18432, 4096, theta=10000.0),
-            n_experts=256,
-            experts_per_token=8,
-            d_ff_expert=2048,
-            n_shared_experts=1,
-            router="sigmoid",
-            router_bias_rate=0.001,
-            aux_loss_coef=0.0001,
-        ),
-    }
-)
-
-
-def preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise UserError(f"--model: unknown preset '{name}'; valid presets: {', '.join(PRESETS)}")
-    return PRESETS[name]

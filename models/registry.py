@@ -74,7 +74,7 @@ def register(
     preset's, with `arch=name`). `forward`: the training forward with MoE statistics, as
     models.model.forward returns them; default `apply` without a cache and no statistics.
     Registering a name again replaces it (a notebook re-running its cell)."""
-    from models.config import PRESETS
+    from models.presets import PRESETS
 
     if name in PRESETS:
         raise UserError(f"models.register: '{name}' is a built-in preset; choose another name")

@@ -29,7 +29,8 @@ from equivalence import (
 from checkpoint.layout import make_meta
 from checkpoint.manager import Checkpointer
 from errors import UserError
-from models.config import PipelineConfig, preset
+from models.config import PipelineConfig
+from models.presets import preset
 from plan import cost, hardware, search
 from train import resume
 from train.config import build

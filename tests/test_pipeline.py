@@ -18,7 +18,8 @@ from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model
 from models import pipeline as pipeline_lib
-from models.config import PRESETS, PipelineConfig
+from models.config import PipelineConfig
+from models.presets import PRESETS
 from models.transformer import Block
 from plan.hlo import parse_collectives
 

@@ -16,8 +16,9 @@ from mesh.build import make_mesh
 from mesh.rules import axis_rules, make_rules
 from models import model
 from models import pipeline as pipeline_lib
+from models.config import PipelineConfig
 from models.pipeline import explicit, timetables
-from models.config import PRESETS, PipelineConfig
+from models.presets import PRESETS
 from plan.hlo import parse_collectives
 
 RULES = make_rules("layers=pipeline")

@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
+from models.config import PipelineConfig
 from models.pipeline import timetables
-from models.config import PipelineConfig, preset
+from models.presets import preset
 from plan import cli, hardware, search
 from train.config import build
 

@@ -88,8 +88,9 @@ def test_plan_counts_the_w_inputs_zb_h1_keeps(monkeypatch):
     from mesh.build import make_mesh
     from mesh.rules import axis_rules, make_rules
     from models import model
+    from models.config import PipelineConfig
     from models.pipeline import split_backward
-    from models.config import PRESETS, PipelineConfig
+    from models.presets import PRESETS
 
     cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
     kept = []
