@@ -14,7 +14,7 @@ from mesh.shard import axes_size
 from models import context, model
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, ModelConfig
 from models.loss import token_xent
-from models.moe import bias_update
+from models.moe_router import bias_update
 from models.transformer import default_positions
 from train import comm
 from train.optim import applied_lr
