@@ -17,7 +17,8 @@ ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
 # attention is 1.5-1.8x faster on CPU, but from here its [T,T] scores take 3x the memory and grow x4
 # per doubling (BENCHMARKS.md, Long context)
 BLOCKWISE_FROM = 2048
-# --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is chunked
+# --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is
+# chunked
 LOSS_CHUNK, LOSS_CHUNK_FROM = 1024, 256 << 20
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # --parallelism.context_strategy (models/context.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -29,7 +30,8 @@ EXCHANGES = ("auto", "fixed", "ragged")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The `model` config section; a preset (`--model`) sets every field, flags and YAML override it."""
+    """The `model` config section; a preset (`--model`) sets every field, flags and YAML override
+    it."""
 
     vocab_size: int = ranged(
         264,
@@ -224,7 +226,8 @@ class ModelConfig:
 
         need(
             self.attn_head_dim or self.d_model % self.n_heads == 0,
-            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set attn_head_dim)",
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set"
+            " attn_head_dim)",
         )
         need(
             self.rope_high_freq_factor > self.rope_low_freq_factor,
@@ -238,8 +241,9 @@ class ModelConfig:
         )
         need(
             self.n_heads % self.n_kv_heads == 0,
-            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (grouped-query attention);"
-            f" valid n_kv_heads: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}",
+            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            " (grouped-query attention); valid n_kv_heads:"
+            f" {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}",
         )
         need(
             self.remat in REMAT_POLICIES,
@@ -247,7 +251,8 @@ class ModelConfig:
         )
         need(
             self.matmul_precision in MATMUL_PRECISIONS,
-            f"matmul_precision '{self.matmul_precision}' is not one of {', '.join(MATMUL_PRECISIONS)}",
+            f"matmul_precision '{self.matmul_precision}' is not one of"
+            f" {', '.join(MATMUL_PRECISIONS)}",
         )
         need(
             self.attention in ATTENTIONS,
@@ -285,12 +290,14 @@ class ModelConfig:
         )
         need(
             self.ep_exchange != "ragged" or self.dispatch == "dropless",
-            f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'",
+            "ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size);"
+            f" got '{self.dispatch}'",
         )
 
     def attention_kind(self, platform: str, seq_len: int, packed: bool = False) -> str:
-        """What attention runs at this sequence length (`packed`: with segment ids): dense, blockwise,
-        cudnn, or jax (jax.nn.dot_product_attention's own choice: cuDNN where it supports the case)."""
+        """What attention runs at this sequence length (`packed`: with segment ids): dense,
+        blockwise, cudnn, or jax (jax.nn.dot_product_attention's own choice: cuDNN where it supports
+        the case)."""
         if self.attention == "cudnn" and platform != "gpu":
             raise UserError(
                 f"model: attention 'cudnn' needs an NVIDIA GPU, this backend is {platform};"

@@ -57,7 +57,8 @@ class Range:
     def describe(self, tp: type) -> str:
         """`an integer >= 1`, `a finite number > 0`, `a number in [0, 1)`: how messages state it."""
         if self.hi == math.inf and self.hi_open:
-            return f"{'an integer' if tp is int else 'a finite number'} {'>' if self.lo_open else '>='} {self.lo}"
+            kind = "an integer" if tp is int else "a finite number"
+            return f"{kind} {'>' if self.lo_open else '>='} {self.lo}"
         return f"{'an integer' if tp is int else 'a number'} in {self.spec}"
 
 

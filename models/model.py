@@ -1,9 +1,10 @@
 """The functional face of the model: params are a plain nested dict of arrays.
 
 The trainer, checkpoints and converters only see `init`, `apply`, `forward`, `param_axes`,
-`abstract_params` and `init_cache`, which dispatch on the config (models/registry.py: the built-in
-decoder, or a registered model); the NNX module graph is rebuilt from the dict inside each trace (trace-time
-cost only), which keeps jitted steps on plain pytrees (the cheapest per-step path we measured).
+`abstract_params`, `init_cache` and the train step's `objective`, which dispatch on the config
+(models/registry.py: the built-in decoder, or a registered model); the NNX module graph is rebuilt
+from the dict inside each trace (trace-time cost only), which keeps jitted steps on plain pytrees
+(the cheapest per-step path we measured).
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from errors import UserError
+from models import pipeline as pipeline_lib
 from models import registry
 from models.attention import KVCache
-from models.config import ModelConfig
-from models import pipeline as pipeline_lib
-from models.config import PipelineConfig
+from models.config import ModelConfig, PipelineConfig
 from models.loss import token_xent
 from models.transformer import Decoder, default_positions
 
@@ -61,8 +61,8 @@ def _param_axes(cfg: ModelConfig) -> dict:
     return _fresh_dicts(_decoder_leaves(cfg, compute_dtype(cfg))[1])
 
 
-# `plan --search` asks for the same configs' shapes and axes thousands of times; rebuilding them from
-# the module graph (an NNX flatten and merge each) was 70% of a 4,096-device search.
+# `plan --search` asks for the same configs' shapes and axes thousands of times; rebuilding them
+# from the module graph (an NNX flatten and merge each) was 70% of a 4,096-device search.
 @functools.lru_cache(maxsize=64)
 def _decoder_leaves(cfg: ModelConfig, dtype: str) -> tuple[dict, dict]:
     """(ShapeDtypeStructs, logical axes) of the built-in decoder's params; shared, never mutated."""
@@ -154,8 +154,8 @@ def forward(
     segment_ids_BT: jax.Array | None = None,
     pipeline: PipelineConfig | None = None,
 ):
-    """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if dense).
-    `pipeline`: the schedule used when the mesh has a pipeline axis > 1."""
+    """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if
+    dense). `pipeline`: the schedule used when the mesh has a pipeline axis > 1."""
     impl = registry.lookup(cfg, DECODER)
     if impl.forward is None:
         return registry.default_forward(

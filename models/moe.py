@@ -1,4 +1,5 @@
-"""Mixture-of-Experts feed-forward layer: router, dropless and capacity dispatch, expert parallelism.
+"""Mixture-of-Experts feed-forward layer: router, dropless and capacity dispatch, expert
+parallelism.
 
 Shape letters besides the model's: E experts, X experts held by one device (E / expert-axis size),
 J experts chosen per token (top-k), U tokens of one device (B*T flattened), A = U*J (token, choice)
@@ -74,8 +75,11 @@ def experts(
     x_spec, w_spec, wd_spec = (logical_to_spec(n) for n in (TOKENS_BT, W_EDF, W_EFD))
     if mesh.empty:
         return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+
     # size-1 axes stay automatic: collectives over them would still be emitted as copies
-    real = lambda entry: tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)
+    def real(entry):
+        return tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)
+
     x_spec, w_spec, wd_spec = (P(*(real(e) or None for e in s)) for s in (x_spec, w_spec, wd_spec))
     named = spec_axes(x_spec) | spec_axes(w_spec) | spec_axes(wd_spec)
     if not named:

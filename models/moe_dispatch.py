@@ -83,8 +83,13 @@ def _ragged_dispatch(
     start_DX = _excl_cumsum(counts_SDX.sum(0), 1)  # each receiver's expert groups
     at_SDX = start_DX[None] + _excl_cumsum(counts_SDX, 0)  # where source s's rows land
     from_SE = _excl_cumsum(counts_SE, 1)  # where each source's rows start
-    vary = lambda z: lax.pcast(z, tuple(ep_axes), to="varying")  # buffers differ per device
-    flat = lambda c: c.reshape(-1).astype(jnp.int32)
+
+    def vary(z):  # buffers differ per device
+        return lax.pcast(z, tuple(ep_axes), to="varying")
+
+    def flat(c):
+        return c.reshape(-1).astype(jnp.int32)
+
     recv_SX = counts_SDX[:, me]
     x_RD = a2a(
         x_UD[tok_A[order_A]],
@@ -225,7 +230,8 @@ def dispatch_local(
 
 
 def _combine(y_JUD, gate_A, tp_axes):
-    """Each token's expert outputs weighted by its gates -> [U,D], summed over tensor-parallel shards."""
+    """Each token's expert outputs weighted by its gates -> [U,D], summed over tensor-parallel
+    shards."""
     k, n, _ = y_JUD.shape
     y_UD = jnp.einsum("jud,ju->ud", y_JUD, gate_A.reshape(k, n).astype(y_JUD.dtype))
     return lax.psum(y_UD, tp_axes) if tp_axes else y_UD

@@ -9,7 +9,8 @@ The params as the pieces see them (`Decoder.pieces` splits the module): `outer`,
 the layer stack ({"embed_VD", "norm": the final norm's state, "head_DV": None when tied}), and
 `stack`, the layer groups' params with every leaf [G, ...]: (dense [G, n_dense, ...] or None, MoE
 [G, ...] or None). A group is moe_every layers, moe_every - 1 dense then one MoE (a dense model:
-one dense layer), so every group has the same structure and the stack scans, and pipelines, by group.
+one dense layer), so every group has the same structure and the stack scans, and pipelines, by
+group.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from models.config import ModelConfig
 from models.layers import head_logits
 from models.loss import chunked_token_xent, token_xent
 
-# the residual stream between blocks: its sequence dim is also split over `model` with sequence parallelism
+# the residual stream between blocks: its sequence dim is also split over `model` with sequence
+# parallelism
 ACT_BTD = ("batch", "res_seq", "act_embed")
 HIDDEN_BTD = ("logits_batch", "seq", "act_embed")  # the final-normed states the head reads
 LOGITS_BTV = ("logits_batch", "seq", "act_vocab")
@@ -36,12 +38,20 @@ LOGITS_BTV = ("logits_batch", "seq", "act_vocab")
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    # save projection outputs (dots without batch dims); recompute attention scores, norms, activations
+    # save projection outputs (dots without batch dims); recompute attention scores, norms and
+    # activations
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # the same outputs, moved to pinned host memory after the forward and back for the backward
     # (XLA's host offloading; device memory then holds one layer's at a time)
     "dots_offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+
+
+def layers_per_group(cfg: ModelConfig) -> int:
+    """Layers per repeating group: moe_every for an MoE model (moe_every - 1 dense, then one MoE),
+    else 1. The pipelines split the stack by groups, so the run's checks and `plan` count stages in
+    groups too."""
+    return cfg.moe_every if cfg.n_experts else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +73,7 @@ class DecoderPieces:
 
     @property
     def per_group(self) -> int:
-        return self.cfg.moe_every if self.cfg.n_experts else 1
+        return layers_per_group(self.cfg)
 
     @property
     def n_dense(self) -> int:
@@ -91,7 +101,8 @@ class DecoderPieces:
         return x_BTD, stats
 
     def decode_group(self, x_BTD, params_G, positions_BT, cache_G, segment_ids_BT=None):
-        """`group` reading and writing a KV cache ([per_group, ...] stacked) -> (x_BTD, stats, cache_G)."""
+        """`group` reading and writing a KV cache ([per_group, ...] stacked) -> (x_BTD, stats,
+        cache_G)."""
         return self.layers(x_BTD, params_G, positions_BT, segment_ids_BT, cache_G)
 
     def layers(self, x_BTD, params_G, positions_BT, segment_ids_BT, cache_G):
@@ -99,9 +110,9 @@ class DecoderPieces:
         dense_G, moe_G = params_G
         new_caches, stats = [], {}
         for j in range(self.per_group):
-            c = None if cache_G is None else jax.tree.map(lambda a: a[j], cache_G)
+            c = None if cache_G is None else jax.tree.map(lambda a, j=j: a[j], cache_G)
             if j < self.n_dense:
-                layer = nnx.merge(self.dense_gdef, jax.tree.map(lambda a: a[j], dense_G))
+                layer = nnx.merge(self.dense_gdef, jax.tree.map(lambda a, j=j: a[j], dense_G))
                 x_BTD, c = layer(x_BTD, positions_BT, c, segment_ids_BT)
             else:
                 layer = nnx.merge(self.moe_gdef, moe_G)
@@ -124,7 +135,8 @@ class DecoderPieces:
     def head(self, outer: dict, x_BTD: jax.Array, batch: dict, chunk: int = 0) -> jax.Array:
         """The last layer group's output -> the batch's loss sum (float32): per-token losses times
         batch["weights"] (when given). `chunk` > 0: the cross-entropy `chunk` tokens at a time
-        (models/loss.py), never holding the [B,T,V] logits; a custom token_loss reads whole logits."""
+        (models/loss.py), never holding the [B,T,V] logits; a custom token_loss reads whole
+        logits."""
         x_BTD, head_DV = self.final(outer, x_BTD)
         if chunk and self.token_loss is None:
             loss_BT = chunked_token_xent(

@@ -28,7 +28,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=256
     ),
-    # CPU demo: 3.3M parameters, byte-level vocabulary; activations of this size fit easily, so no remat
+    # CPU demo: 3.3M parameters, byte-level vocabulary; activations of this size fit easily, so no
+    # remat
     "default": ModelConfig(remat="none"),
     # Llama shapes (https://arxiv.org/abs/2302.13971, Llama 2/3 GQA)
     "125m": _llama(32000, 768, 12, 12, 12, 2048, 2048, theta=10000.0),
@@ -46,7 +47,8 @@ PRESETS.update(
     {
         # tests: 8 experts of width 64, top-2, on the tiny shape
         "moe-tiny": _moe(PRESETS["tiny"], n_experts=8, experts_per_token=2, d_ff_expert=64),
-        # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the dense default)
+        # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the
+        # dense default)
         "moe-default": _moe(PRESETS["default"], n_experts=8, experts_per_token=2, d_ff_expert=384),
         # Mixtral 8x7B (https://arxiv.org/abs/2401.04088): 8 experts, top-2, every layer
         "mixtral-8x7b": _moe(
@@ -55,9 +57,9 @@ PRESETS.update(
             experts_per_token=2,
             d_ff_expert=14336,
         ),
-        # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1 shared,
-        # sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every layer MoE (V3's
-        # first 3 are dense), no multi-token prediction.
+        # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1
+        # shared, sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every
+        # layer MoE (V3's first 3 are dense), no multi-token prediction.
         "deepseek-v3": _moe(
             _llama(129280, 7168, 61, 128, 128, 18432, 4096, theta=10000.0),
             n_experts=256,

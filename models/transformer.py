@@ -146,10 +146,10 @@ class Decoder(nnx.Module):
         pipeline: PipelineConfig | None = None,
     ):
         """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
-        `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
-        On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
-        models/pipeline with `pipeline`'s schedule (default: PipelineConfig()). The training
-        objective is not made here but of the same pieces (models/model.py objective)."""
+        `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each
+        segment. On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups
+        through models/pipeline with `pipeline`'s schedule (default: PipelineConfig()). The train
+        objective is made of the same pieces elsewhere (models/model.py `objective`)."""
         pieces, outer, stack = self.pieces()
         if positions_BT is None:
             positions_BT = default_positions(segment_ids_BT, tokens_BT.shape)

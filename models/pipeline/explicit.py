@@ -153,7 +153,8 @@ def _schedule(fns, outer, stack, batch, aux_weights, *, backward, **kw):
 
 
 def check_model(cfg, schedule: str) -> None:
-    """One line for a model these schedules do not run (on any backend: `plan --search` asks too)."""
+    """One line for a model these schedules do not run (on any backend: `plan --search` asks
+    too)."""
     if getattr(cfg, "arch", ""):
         raise UserError(
             f"--pipeline.schedule {schedule} runs the built-in decoder only, not the registered"

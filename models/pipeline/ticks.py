@@ -118,10 +118,13 @@ class Run:
     def carry0(self) -> dict:
         prog, x_shape = self.prog, self.x_shape
         P, A, R, J, K = prog.P, prog.A, prog.R, prog.J, prog.K
-        zeros = lambda *lead: jnp.zeros((*lead, *x_shape.shape), x_shape.dtype)  # noqa: E731
-        f32 = lambda tree, *lead: jax.tree.map(
-            lambda a: jnp.zeros((*lead, *a.shape), jnp.float32), tree
-        )  # noqa: E731
+
+        def zeros(*lead):
+            return jnp.zeros((*lead, *x_shape.shape), x_shape.dtype)
+
+        def f32(tree, *lead):
+            return jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), jnp.float32), tree)
+
         aux_shape = jax.eval_shape(
             lambda: prog.stage(
                 zeros(),
