@@ -139,7 +139,7 @@ def dispatch_local(
     over `ep_axes` (dropless: `exchange`, see `exchange_for`); weights arrive sharded over
     `embed_axes` (FSDP: gathered here) and `tp_axes` (tensor parallel inside each expert: the
     partial outputs are summed at the end)."""
-    # One function on purpose (~70 lines): it is the body shard_map runs on each device, and its
+    # One function on purpose (~110 lines): it is the body shard_map runs on each device, and its
     # stages (sort by expert, exchange, expert FFN, return, un-sort) share the sort permutation
     # and the counts; pieces would pass those between them without making any clearer.
     b, t, d = x_BTD.shape

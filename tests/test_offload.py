@@ -1,5 +1,5 @@
 """Host offloading. Activations: `--model.remat dots_offload` (the projections' outputs that `dots`
-saves, kept in pinned host memory between the forward and the backward pass; models/transformer.py
+saves, kept in pinned host memory between the forward and the backward pass; models/pieces.py
 REMAT). Optimizer state: `--train.offload_optimizer true` (the state lives in pinned host memory
 between steps; the step brings it to the device for the update and back; train/setup.py).
 
