@@ -195,6 +195,7 @@ def objective(
             stat_weights=stat_weights,
             loss_chunk=loss_chunk,
         )
+    pipeline_lib.engine_for(cfg, pipeline)  # one line for a schedule it cannot run (explicit ones)
     logits_BTV, stats = forward(
         cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"), pipeline
     )
