@@ -50,7 +50,7 @@ from models.pipeline.checks import validate
 from models.pipeline.layout import batch_axes, inner_rules, mesh_size, replica_axes_of
 from models.pipeline.program import Program
 from models.pipeline.ticks import Run
-from models.pipeline.timetables import timetable
+from models.pipeline.timetables import FORWARD_SCAN, TIMETABLES, timetable
 
 FULL_REMAT = jax.checkpoint_policies.nothing_saveable
 
@@ -149,7 +149,12 @@ def _schedule(fns, outer, stack, batch, aux_weights, *, backward, **kw):
         return Run(prog, outer, stack, batch, aux_weights, backward).run()
 
 
-# ------------------------------------------------------------------------------ what it runs
+# ------------------------------------------------------------------------------ what it can run
+
+
+def _forward_scan_names() -> str:
+    """The schedules that run any model on any pool: those of the forward-scan engine."""
+    return ", ".join(t.name for t in TIMETABLES.values() if t.engine == FORWARD_SCAN)
 
 
 def check_model(cfg, schedule: str) -> None:
@@ -158,7 +163,7 @@ def check_model(cfg, schedule: str) -> None:
     if getattr(cfg, "arch", ""):
         raise UserError(
             f"--pipeline.schedule {schedule} runs the built-in decoder only, not the registered"
-            f" model '{cfg.arch}'; valid schedules for it: gpipe, circular"
+            f" model '{cfg.arch}'; valid schedules for it: {_forward_scan_names()}"
         )
 
 
@@ -175,5 +180,5 @@ def check_backend(cfg, schedule: str) -> None:
             f"--pipeline.schedule {schedule} runs MoE models (model.n_experts={cfg.n_experts}) on"
             f" {devices} CPU devices only with PJRT_NPROC={need} or more (XLA:CPU's thread pool,"
             f" now {have}: its in-process collectives stop with fewer); set it before starting,"
-            f" or use a schedule that runs MoE with any pool: gpipe, circular"
+            f" or use a schedule that runs MoE with any pool: {_forward_scan_names()}"
         )
