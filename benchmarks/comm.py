@@ -30,7 +30,7 @@ from mesh.build import make_mesh  # noqa: E402
 from mesh.rules import axis_rules, logical_to_spec, make_rules  # noqa: E402
 from mesh.spec import mesh_text  # noqa: E402
 from models import model as model_lib  # noqa: E402
-from models.config import preset  # noqa: E402
+from models.presets import preset  # noqa: E402
 from plan.hlo import parse_collectives, summarize  # noqa: E402
 from train import comm  # noqa: E402
 

@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 
 from checkpoint import hf  # noqa: E402
 from models import model  # noqa: E402
-from models.config import preset  # noqa: E402
 from models.hf import Model  # noqa: E402
+from models.presets import preset  # noqa: E402
 
 
 def timed(fn):

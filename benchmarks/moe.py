@@ -30,7 +30,7 @@ import numpy as np
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import moe
-from models.config import PRESETS
+from models.presets import PRESETS
 from plan.report import analyze
 from train.config import build
 from train.loop import Trainer

@@ -28,9 +28,8 @@ from flax import nnx
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import pipeline as pipeline_lib
-from models import pipeline_1f1b
-from models.config import PRESETS
-from models.schedules import EXPLICIT, schedule_bubble, ticks_1f1b
+from models.pipeline import EXPLICIT, explicit, schedule_bubble, timetable
+from models.presets import PRESETS
 from models.transformer import Block
 from plan.hlo import parse_collectives, summarize
 
@@ -88,7 +87,7 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
     ):  # the loss is part of the schedule: the stack's input and the loss ride in the batch
 
         def loss(p, x, pos):
-            return pipeline_1f1b.loss(
+            return explicit.loss(
                 lambda _, mb: mb["x"],
                 lambda x, lp, mb: layer(x, lp, mb["pos"]),
                 lambda _, y, mb: jnp.sum(jnp.square(y)) / x.size,
@@ -99,7 +98,7 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
                 microbatches=M,
                 repeats=R,
                 remat_policy=remat,
-                zero_bubble=schedule == "zb_h1",
+                schedule=schedule,
             )[0]
     else:
         # circular: the layer stack stored in stage order, so each device's chunks are local
@@ -227,9 +226,7 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ticks = (ticks_1f1b if r["schedule"] in EXPLICIT else pipeline_lib.n_ticks)(
-            r["P"], r["M"], r["R"]
-        )
+        ticks = timetable(r["schedule"]).ticks(r["P"], r["M"], r["R"])
         measured = 1 - base / r["step_s"]
         print(
             f"| {r['P']} | {r['schedule']} | {r['R']} | {r['M']} | {ticks} | {r['step_s']:.3f} | "

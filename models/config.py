@@ -1,15 +1,14 @@
-"""ModelConfig, PipelineConfig and the named presets (Llama shapes); the field helpers every config
-section uses, `ranged` (a numeric field with its valid range) and `option` (a string or bool field),
-both with the help text `--help` shows; `check_ranges`, the one check of a section against its ranges."""
+"""ModelConfig and PipelineConfig, the `model` and `pipeline` config sections; the named presets
+are in models/presets.py, the field helpers (`ranged`, `option`, `check_ranges`) in
+models/fields.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from collections.abc import Callable
-from typing import Any
 
-from errors import Range, UserError, check_number
+from errors import UserError
+from models.fields import check_ranges, option, ranged
+from models.pipeline.timetables import SCHEDULES, TIMETABLES
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_offload")
 MATMUL_PRECISIONS = ("default", "fp8")
@@ -18,7 +17,8 @@ ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
 # attention is 1.5-1.8x faster on CPU, but from here its [T,T] scores take 3x the memory and grow x4
 # per doubling (BENCHMARKS.md, Long context)
 BLOCKWISE_FROM = 2048
-# --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is chunked
+# --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is
+# chunked
 LOSS_CHUNK, LOSS_CHUNK_FROM = 1024, 256 << 20
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # --parallelism.context_strategy (models/context.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,48 +27,11 @@ DISPATCHES = ("dropless", "capacity")
 KERNELS = ("auto", "ragged", "blocks")
 EXCHANGES = ("auto", "fixed", "ragged")
 
-# ------------------------------------------------------------------ declared ranges
-# (Range and check_number are errors.py's: CLI flags and environment variables share them)
-
-
-def ranged(default: int | float, spec: str, help: str = "", why: str = "") -> Any:
-    """A numeric dataclass field with its valid range (`Range` syntax) and the text `--help` shows
-    for it; `why` is added to the message of a value outside the range where the range alone does
-    not explain itself."""
-    return dataclasses.field(
-        default=default, metadata={"range": Range.parse(spec), "why": why, "help": help}
-    )
-
-
-def option(default: str | bool, help: str) -> Any:
-    """A string or bool dataclass field and the text `--help` shows for it."""
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
-def numeric_fields(cls) -> list[dataclasses.Field]:
-    """The int and float fields of a config dataclass (bool is not numeric here)."""
-    hints = typing.get_type_hints(cls)
-    return [f for f in dataclasses.fields(cls) if hints[f.name] in (int, float)]
-
-
-def check_ranges(section: Any, flag_of: Callable[[str], str]) -> None:
-    """UserError `FLAG VALUE: must be RANGE` for the first numeric field of `section` outside its
-    declared range; `flag_of(field)` is the option as the user writes it."""
-    hints = typing.get_type_hints(type(section))
-    for f in numeric_fields(type(section)):
-        rng = f.metadata.get("range")
-        if rng is None:  # a programming error: every numeric option declares where it may lie
-            raise TypeError(
-                f"{type(section).__name__}.{f.name} has no declared range; define it with ranged()"
-            )
-        check_number(
-            flag_of(f.name), getattr(section, f.name), hints[f.name], rng, f.metadata["why"]
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The `model` config section; a preset (`--model`) sets every field, flags and YAML override it."""
+    """The `model` config section; a preset (`--model`) sets every field, flags and YAML override
+    it."""
 
     vocab_size: int = ranged(
         264,
@@ -263,7 +226,8 @@ class ModelConfig:
 
         need(
             self.attn_head_dim or self.d_model % self.n_heads == 0,
-            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set attn_head_dim)",
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set"
+            " attn_head_dim)",
         )
         need(
             self.rope_high_freq_factor > self.rope_low_freq_factor,
@@ -277,8 +241,9 @@ class ModelConfig:
         )
         need(
             self.n_heads % self.n_kv_heads == 0,
-            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (grouped-query attention);"
-            f" valid n_kv_heads: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}",
+            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            " (grouped-query attention); valid n_kv_heads:"
+            f" {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}",
         )
         need(
             self.remat in REMAT_POLICIES,
@@ -286,7 +251,8 @@ class ModelConfig:
         )
         need(
             self.matmul_precision in MATMUL_PRECISIONS,
-            f"matmul_precision '{self.matmul_precision}' is not one of {', '.join(MATMUL_PRECISIONS)}",
+            f"matmul_precision '{self.matmul_precision}' is not one of"
+            f" {', '.join(MATMUL_PRECISIONS)}",
         )
         need(
             self.attention in ATTENTIONS,
@@ -324,12 +290,14 @@ class ModelConfig:
         )
         need(
             self.ep_exchange != "ragged" or self.dispatch == "dropless",
-            f"ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size); got '{self.dispatch}'",
+            "ep_exchange 'ragged' needs dispatch 'dropless' (capacity buffers are fixed-size);"
+            f" got '{self.dispatch}'",
         )
 
     def attention_kind(self, platform: str, seq_len: int, packed: bool = False) -> str:
-        """What attention runs at this sequence length (`packed`: with segment ids): dense, blockwise,
-        cudnn, or jax (jax.nn.dot_product_attention's own choice: cuDNN where it supports the case)."""
+        """What attention runs at this sequence length (`packed`: with segment ids): dense,
+        blockwise, cudnn, or jax (jax.nn.dot_product_attention's own choice: cuDNN where it supports
+        the case)."""
         if self.attention == "cudnn" and platform != "gpu":
             raise UserError(
                 f"model: attention 'cudnn' needs an NVIDIA GPU, this backend is {platform};"
@@ -352,9 +320,6 @@ class ModelConfig:
         return "float32" if platform == "cpu" else "bfloat16"
 
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
@@ -373,10 +338,8 @@ class PipelineConfig:
     )
     schedule: str = option(
         "gpipe",
-        f"pipeline schedule: {' | '.join(SCHEDULES)} (1f1b: each stage alternates"
-        f" forward and backward, keeping at most 2(P-1) micro-batches, not M;"
-        f" interleaved_1f1b: the same over R chunks per device, bubble / R;"
-        f" zb_h1: 1f1b with each backward split, the weight gradients deferred)",
+        f"pipeline schedule: {' | '.join(SCHEDULES)}"
+        f" ({'; '.join(f'{t.name}: {t.about}' for t in TIMETABLES.values() if t.about)})",
     )
     remat_stage: bool = option(
         False, "also recompute each stage in the backward pass (less memory)"
@@ -401,72 +364,3 @@ class PipelineConfig:
 
     def microbatches_for(self, stages: int) -> int:
         return self.microbatches or stages
-
-
-def _llama(vocab, d, layers, heads, kv, ff, seq, theta=500000.0) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=vocab,
-        d_model=d,
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=kv,
-        d_ff=ff,
-        max_seq_len=seq,
-        rope_theta=theta,
-        dtype="auto",
-    )
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # tests: small enough that a step compiles in about a second on CPU
-    "tiny": ModelConfig(
-        vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=256
-    ),
-    # CPU demo: 3.3M parameters, byte-level vocabulary; activations of this size fit easily, so no remat
-    "default": ModelConfig(remat="none"),
-    # Llama shapes (https://arxiv.org/abs/2302.13971, Llama 2/3 GQA)
-    "125m": _llama(32000, 768, 12, 12, 12, 2048, 2048, theta=10000.0),
-    "1b": _llama(128256, 2048, 16, 32, 8, 8192, 4096),
-    "7b": _llama(32000, 4096, 32, 32, 32, 11008, 4096, theta=10000.0),
-    "70b": _llama(128256, 8192, 80, 64, 8, 28672, 4096),
-}
-
-
-def _moe(base: ModelConfig, **moe) -> ModelConfig:
-    return dataclasses.replace(base, **moe)
-
-
-PRESETS.update(
-    {
-        # tests: 8 experts of width 64, top-2, on the tiny shape
-        "moe-tiny": _moe(PRESETS["tiny"], n_experts=8, experts_per_token=2, d_ff_expert=64),
-        # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the dense default)
-        "moe-default": _moe(PRESETS["default"], n_experts=8, experts_per_token=2, d_ff_expert=384),
-        # Mixtral 8x7B (https://arxiv.org/abs/2401.04088): 8 experts, top-2, every layer
-        "mixtral-8x7b": _moe(
-            _llama(32000, 4096, 32, 32, 8, 14336, 32768, theta=1e6),
-            n_experts=8,
-            experts_per_token=2,
-            d_ff_expert=14336,
-        ),
-        # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1 shared,
-        # sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every layer MoE (V3's
-        # first 3 are dense), no multi-token prediction.
-        "deepseek-v3": _moe(
-            _llama(129280, 7168, 61, 128, 128, 18432, 4096, theta=10000.0),
-            n_experts=256,
-            experts_per_token=8,
-            d_ff_expert=2048,
-            n_shared_experts=1,
-            router="sigmoid",
-            router_bias_rate=0.001,
-            aux_loss_coef=0.0001,
-        ),
-    }
-)
-
-
-def preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise UserError(f"--model: unknown preset '{name}'; valid presets: {', '.join(PRESETS)}")
-    return PRESETS[name]

@@ -64,7 +64,7 @@ def chunked_token_xent(
     unchunked head's, so values and gradients are the same.
 
     x_BTD: the final-normed hidden states; head_DV: the LM head (tied: embed_VD.T), cast to
-    `compute_dtype` (default: x's) as models/transformer.py casts it; the logits accumulate in
+    `compute_dtype` (default: x's) as models/pieces.py casts it; the logits accumulate in
     float32. `seq_shards`: the number of contiguous blocks the sequence dim is sharded into over a
     mesh axis; T is viewed as [seq_shards, T/seq_shards] and chunked inside each block, the block
     dim kept whole, so every chunk holds tokens of every sequence shard and GSPMD never reshards T.

@@ -1,9 +1,10 @@
 """The functional face of the model: params are a plain nested dict of arrays.
 
 The trainer, checkpoints and converters only see `init`, `apply`, `forward`, `param_axes`,
-`abstract_params` and `init_cache`, which dispatch on the config (models/registry.py: the built-in
-decoder, or a registered model); the NNX module graph is rebuilt from the dict inside each trace (trace-time
-cost only), which keeps jitted steps on plain pytrees (the cheapest per-step path we measured).
+`abstract_params`, `init_cache` and the train step's `objective`, which dispatch on the config
+(models/registry.py: the built-in decoder, or a registered model); the NNX module graph is rebuilt
+from the dict inside each trace (trace-time cost only), which keeps jitted steps on plain pytrees
+(the cheapest per-step path we measured).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from errors import UserError
+from models import pipeline as pipeline_lib
 from models import registry
 from models.attention import KVCache
-from models.config import ModelConfig
-from models.pipeline import PipelineConfig
-from models.transformer import Decoder
+from models.config import ModelConfig, PipelineConfig
+from models.loss import token_xent
+from models.transformer import Decoder, default_positions
 
 # Shardings come from the logical-axis table through jit out_shardings, not from Flax's eager
 # per-variable constraints (which need a mesh while constructing and differ per trace level).
@@ -41,7 +43,7 @@ def compute_dtype(cfg: ModelConfig) -> str:
     return cfg.compute_dtype(jax.default_backend())
 
 
-def _module(cfg: ModelConfig, params: dict) -> Decoder:
+def module(cfg: ModelConfig, params: dict) -> Decoder:
     gdef, abstract_state = _graph(cfg, compute_dtype(cfg))
     state = jax.tree.map(
         lambda x: x, abstract_state
@@ -59,8 +61,8 @@ def _param_axes(cfg: ModelConfig) -> dict:
     return _fresh_dicts(_decoder_leaves(cfg, compute_dtype(cfg))[1])
 
 
-# `plan --search` asks for the same configs' shapes and axes thousands of times; rebuilding them from
-# the module graph (an NNX flatten and merge each) was 70% of a 4,096-device search.
+# `plan --search` asks for the same configs' shapes and axes thousands of times; rebuilding them
+# from the module graph (an NNX flatten and merge each) was 70% of a 4,096-device search.
 @functools.lru_cache(maxsize=64)
 def _decoder_leaves(cfg: ModelConfig, dtype: str) -> tuple[dict, dict]:
     """(ShapeDtypeStructs, logical axes) of the built-in decoder's params; shared, never mutated."""
@@ -84,12 +86,12 @@ def _fresh_dicts(tree: dict) -> dict:
 def _apply(
     cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=None, segment_ids_BT=None
 ):
-    logits_BTV, cache, _ = _module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
+    logits_BTV, cache, _ = module(cfg, params)(tokens_BT, positions_BT, cache, segment_ids_BT)
     return logits_BTV, cache
 
 
 def _forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT, segment_ids_BT, pipeline):
-    logits_BTV, _, stats = _module(cfg, params)(
+    logits_BTV, _, stats = module(cfg, params)(
         tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline
     )
     return logits_BTV, stats
@@ -152,8 +154,8 @@ def forward(
     segment_ids_BT: jax.Array | None = None,
     pipeline: PipelineConfig | None = None,
 ):
-    """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if dense).
-    `pipeline`: the schedule used when the mesh has a pipeline axis > 1."""
+    """Training forward -> (logits [B,T,V] float32, MoE stats: dict of [L_moe, ...] arrays, {} if
+    dense). `pipeline`: the schedule used when the mesh has a pipeline axis > 1."""
     impl = registry.lookup(cfg, DECODER)
     if impl.forward is None:
         return registry.default_forward(
@@ -162,22 +164,49 @@ def forward(
     return impl.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, pipeline)
 
 
-def hidden(
+def objective(
     cfg: ModelConfig,
     params: dict,
-    tokens_BT: jax.Array,
-    positions_BT: jax.Array | None = None,
-    segment_ids_BT: jax.Array | None = None,
+    batch: dict,
+    *,
     pipeline: PipelineConfig | None = None,
+    token_loss=None,
+    stat_weights: dict | None = None,
+    loss_chunk: int = 0,
 ):
-    """The training forward up to the LM head -> ((hidden states [B,T,D], head [D,V]), MoE stats),
-    or None for a registered model (its forward returns logits only)."""
-    if registry.lookup(cfg, DECODER) is not DECODER:
-        return None
-    head, _, stats = _module(cfg, params)(
-        tokens_BT, positions_BT, None, segment_ids_BT, pipeline=pipeline, logits=False
+    """The training objective of one batch -> (objective, loss sum, MoE stats: [L_moe, ...] arrays,
+    {} if dense), float32. The loss sum is sum(per-token loss x batch["weights"]): cross-entropy, or
+    `token_loss(logits_BTV, batch) -> loss_BT`; the objective adds, for each stat named in
+    `stat_weights`, weight x its mean over the MoE layers. The built-in decoder runs through
+    models/pipeline under `pipeline`'s schedule on a mesh with pipeline > 1, whichever schedule it
+    is; `loss_chunk` > 0: the cross-entropy that many tokens at a time where the head sees the whole
+    batch (models/loss.py). A registered model runs its own forward (`forward`)."""
+    impl = registry.lookup(cfg, DECODER)
+    if impl is DECODER:
+        pieces, outer, stack = module(cfg, params).pieces(token_loss)
+        if batch.get("positions") is None:
+            positions = default_positions(batch.get("segment_ids"), batch["inputs"].shape)
+            batch = {**batch, "positions": positions}
+        return pipeline_lib.objective(
+            pieces,
+            (outer, stack),
+            batch,
+            pipeline=pipeline,
+            stat_weights=stat_weights,
+            loss_chunk=loss_chunk,
+        )
+    pipeline_lib.engine_for(cfg, pipeline)  # one line for a schedule it cannot run (explicit ones)
+    logits_BTV, stats = forward(
+        cfg, params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"), pipeline
     )
-    return head, stats
+    loss_BT = (
+        token_xent(logits_BTV, batch["targets"])
+        if token_loss is None
+        else token_loss(logits_BTV, batch)
+    )
+    weights_BT = batch.get("weights")
+    loss_sum = jnp.sum(loss_BT if weights_BT is None else loss_BT * weights_BT)
+    return pipeline_lib.with_stat_terms(loss_sum, stats, stat_weights or {}), loss_sum, stats
 
 
 def decodes(cfg: ModelConfig) -> bool:

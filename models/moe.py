@@ -1,4 +1,5 @@
-"""Mixture-of-Experts feed-forward layer: router, dropless and capacity dispatch, expert parallelism.
+"""Mixture-of-Experts feed-forward layer: router, dropless and capacity dispatch, expert
+parallelism.
 
 Shape letters besides the model's: E experts, X experts held by one device (E / expert-axis size),
 J experts chosen per token (top-k), U tokens of one device (B*T flattened), A = U*J (token, choice)
@@ -11,6 +12,10 @@ assignments by destination, exchanges them over the expert axis, computes only i
 and sends the rows back. Dropless exchange (`ep_exchange`, see `exchange_for`): fixed-size
 worst-case buffers with all_to_all (XLA:CPU has no ragged all-to-all), or lax.ragged_all_to_all
 moving only the real rows (GPU/TPU; an exact emulation on CPU for tests).
+
+Files: the router in models/moe_router.py, one device's dispatch and expert compute in
+models/moe_dispatch.py, the grouped matmuls in models/moe_kernels.py; here the layer and the
+shard_map that runs the experts on the mesh.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from errors import UserError
@@ -29,14 +33,8 @@ from mesh.rules import logical_to_spec
 from mesh.shard import entry_axes, spec_axes
 from models.config import ModelConfig
 from models.layers import MLP, param
-from models.moe_kernels import (
-    batched_like,
-    block_size,
-    gmm_blocks,
-    gmm_ragged,
-    gmm_sorted,
-    rank_in_group,
-)
+from models.moe_dispatch import dispatch_local, exchange_for
+from models.moe_router import route
 
 W_EDF = ("experts", "expert_embed", "expert_mlp")
 W_EFD = ("experts", "expert_mlp", "expert_embed")
@@ -49,279 +47,6 @@ def kernel_for(cfg: ModelConfig) -> str:
     if cfg.dropless_kernel != "auto":
         return cfg.dropless_kernel
     return "blocks" if jax.default_backend() == "cpu" else "ragged"
-
-
-# ------------------------------------------------------------------ router
-
-
-def route(
-    cfg: ModelConfig, x_BTD: jax.Array, router_DE: jax.Array, bias_E: jax.Array | None = None
-):
-    """float32 router -> (expert ids [B,T,J] int32, combine weights [B,T,J] float32, stats).
-
-    softmax (Mixtral): top-k of the softmax, the k weights renormalised; sigmoid (DeepSeek-V3):
-    top-k of the sigmoid scores, renormalised. `bias_E` (aux-loss-free balancing) shifts only the
-    choice of experts, never the weights. With k = 1 nothing is renormalised (Switch), else the
-    router would get no gradient. Stats are over all tokens: Switch load-balancing loss
-    E * sum_e f_e P_e (f_e: share of assignments, P_e: mean router probability), z-loss
-    mean(logsumexp(logits)^2), and assignments per expert."""
-    e, k = cfg.n_experts, cfg.experts_per_token
-    logits_BTE = jnp.einsum(
-        "btd,de->bte",
-        x_BTD.astype(jnp.float32),
-        router_DE.astype(jnp.float32),
-        precision=lax.Precision.HIGHEST,
-    )
-    probs_BTE = (
-        jax.nn.softmax(logits_BTE, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits_BTE)
-    )
-    select_BTE = (
-        probs_BTE if bias_E is None else probs_BTE + lax.stop_gradient(bias_E.astype(jnp.float32))
-    )
-    idx_BTJ = _top_k(select_BTE, k)
-    gate_BTJ = jnp.take_along_axis(probs_BTE, idx_BTJ, axis=-1)
-    if k > 1:
-        gate_BTJ = gate_BTJ / jnp.sum(gate_BTJ, -1, keepdims=True)
-    counts_E = jnp.sum(jax.nn.one_hot(idx_BTJ, e, dtype=jnp.float32), axis=(0, 1, 2))
-    share_BTE = (
-        probs_BTE if cfg.router == "softmax" else probs_BTE / jnp.sum(probs_BTE, -1, keepdims=True)
-    )
-    n_assigned = idx_BTJ.size
-    aux = e * jnp.sum(counts_E / n_assigned * jnp.mean(share_BTE, axis=(0, 1)))
-    z = jnp.mean(jax.nn.logsumexp(logits_BTE, -1) ** 2)
-    stats = {"aux": aux, "z": z, "counts": counts_E, "assigned": jnp.float32(n_assigned)}
-    return idx_BTJ.astype(jnp.int32), gate_BTJ, stats
-
-
-def _top_k(s_BTE: jax.Array, k: int) -> jax.Array:
-    """The k largest entries' indices, largest first, ties to the lower index (as lax.top_k), by k
-    argmaxes: GSPMD all-gathers lax.top_k's operand over the batch (every device then ranks every
-    token), while an argmax stays on each device's own tokens. k is a handful."""
-    picks = []
-    for _ in range(k):
-        picks.append(jnp.argmax(s_BTE, -1).astype(jnp.int32))
-        s_BTE = jnp.where(
-            jax.nn.one_hot(picks[-1], s_BTE.shape[-1], dtype=jnp.bool_), -jnp.inf, s_BTE
-        )
-    return jnp.stack(picks, -1)
-
-
-def bias_update(bias_LE: jax.Array, counts_LE: jax.Array, rate: float) -> jax.Array:
-    """DeepSeek-V3 aux-loss-free balancing: raise the bias of under-loaded experts, lower the
-    over-loaded ones, by a fixed step (the sign of the load error)."""
-    err_LE = jnp.mean(counts_LE, -1, keepdims=True) - counts_LE
-    return bias_LE + rate * jnp.sign(err_LE).astype(bias_LE.dtype)
-
-
-# ------------------------------------------------------------------ per-device expert compute
-
-
-def exchange_for(cfg: ModelConfig) -> str:
-    """How dropless dispatch moves rows over the expert axis: "fixed" (worst-case buffers, plain
-    all_to_all), "ragged" (lax.ragged_all_to_all: only the real rows) or "emulated" (the ragged
-    algorithm with `ragged_all_to_all_emulated`: XLA:CPU cannot compile ragged-all-to-all, so
-    ep_exchange=ragged on CPU is a test path, not a faster one)."""
-    cpu = jax.default_backend() == "cpu"
-    if cfg.ep_exchange == "auto":
-        return "fixed" if cpu else "ragged"
-    return "emulated" if cfg.ep_exchange == "ragged" and cpu else cfg.ep_exchange
-
-
-def ragged_all_to_all_emulated(
-    operand,
-    output,
-    input_offsets,
-    send_sizes,
-    output_offsets,
-    recv_sizes,
-    *,
-    axis_name,
-    axis_index_groups=None,
-):
-    """`lax.ragged_all_to_all` (same arguments, same result) from a fixed-size all_to_all: each of
-    the K slices travels in a buffer as long as `operand`, K x the bytes of the real thing."""
-    if axis_index_groups is not None:
-        raise NotImplementedError("ragged_all_to_all_emulated: axis_index_groups")
-    m = operand.shape[0]
-    j_M = jnp.arange(m)
-    src_KM = jnp.where(j_M < send_sizes[:, None], input_offsets[:, None] + j_M, m)
-    buf_KM = operand.at[src_KM].get(mode="fill", fill_value=0)
-    # slice i of the K goes to device i // (K / n); a device receives its slices source by source
-    buf_KM = lax.all_to_all(buf_KM, axis_name, 0, 0, tiled=True)
-    at_K = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    dst_KM = jnp.where(j_M < recv_sizes[:, None], at_K[:, None] + j_M, output.shape[0])
-    return output.at[dst_KM].set(buf_KM, mode="drop")
-
-
-def _excl_cumsum(c, axis):
-    return jnp.cumsum(c, axis) - c
-
-
-def _ragged_dispatch(
-    x_UD, e_A, tok_A, ffn, *, rows: int, x_count: int, ep: int, ep_axes, exchange: str
-):
-    """Dropless expert parallelism that moves only the real rows: assignments sorted by global
-    expert id, one ragged slice per (destination, local expert), so each receiver's buffer comes
-    out sorted by its local expert with no further sort. Every device learns every device's counts
-    (an all-gather of E ints) and so can compute all offsets of both exchanges itself.
-    `ffn(x_RD, sizes_X)`: the grouped matmul on rows sorted by local expert -> y [A,D], sorted
-    back to assignment order. `rows`: the static receive buffer (worst case: never overflows)."""
-    a2a = lax.ragged_all_to_all if exchange == "ragged" else ragged_all_to_all_emulated
-    a, d = e_A.shape[0], x_UD.shape[1]
-    order_A = jnp.argsort(e_A, stable=True)
-    counts_E = jnp.zeros((ep * x_count,), jnp.int32).at[e_A].add(1)
-    counts_SE = lax.all_gather(counts_E, ep_axes)  # [source, E]
-    counts_SDX = counts_SE.reshape(ep, ep, x_count)  # [source, destination, local expert]
-    me = lax.axis_index(ep_axes)
-    start_DX = _excl_cumsum(counts_SDX.sum(0), 1)  # each receiver's expert groups
-    at_SDX = start_DX[None] + _excl_cumsum(counts_SDX, 0)  # where source s's rows land
-    from_SE = _excl_cumsum(counts_SE, 1)  # where each source's rows start
-    vary = lambda z: lax.pcast(z, tuple(ep_axes), to="varying")  # buffers differ per device
-    flat = lambda c: c.reshape(-1).astype(jnp.int32)
-    recv_SX = counts_SDX[:, me]
-    x_RD = a2a(
-        x_UD[tok_A[order_A]],
-        vary(jnp.zeros((rows, d), x_UD.dtype)),
-        flat(from_SE[me]),
-        flat(counts_E),
-        flat(at_SDX[me]),
-        flat(recv_SX),
-        axis_name=ep_axes,
-    )
-    y_RD = ffn(x_RD, recv_SX.sum(0))
-    # back along the same slices, reversed
-    ys_AD = a2a(
-        y_RD,
-        vary(jnp.zeros((a, d), y_RD.dtype)),
-        flat(at_SDX[:, me]),
-        flat(recv_SX),
-        flat(lax.dynamic_slice_in_dim(from_SE, me * x_count, x_count, axis=1)),
-        flat(counts_E),
-        axis_name=ep_axes,
-    )
-    return jnp.zeros_like(ys_AD).at[order_A].set(ys_AD)
-
-
-def dispatch_local(
-    x_BTD,
-    idx_BTJ,
-    gate_BTJ,
-    wg_XDF,
-    wu_XDF,
-    wd_XFD,
-    *,
-    n_experts: int,
-    mode: str,
-    capacity_factor: float,
-    kernel: str,
-    exchange: str = "fixed",
-    vmapped: bool = False,
-    ep_axes=(),
-    ep: int = 1,
-    embed_axes=(),
-    tp_axes=(),
-    token_axes=(),
-):
-    """One device's share of the MoE layer: its tokens in, their expert outputs out (-> y [B,T,D],
-    dropped assignments). With ep > 1 this runs inside shard_map and the rows travel by all-to-all
-    over `ep_axes` (dropless: `exchange`, see `exchange_for`); weights arrive sharded over
-    `embed_axes` (FSDP: gathered here) and `tp_axes` (tensor parallel inside each expert: the
-    partial outputs are summed at the end)."""
-    # One function on purpose (~70 lines): it is the body shard_map runs on each device, and its
-    # stages (sort by expert, exchange, expert FFN, return, un-sort) share the sort permutation
-    # and the counts; pieces would pass those between them without making any clearer.
-    b, t, d = x_BTD.shape
-    k = idx_BTJ.shape[-1]
-    n = b * t
-    if embed_axes:
-        wg_XDF, wu_XDF = (
-            lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (wg_XDF, wu_XDF)
-        )
-        wd_XFD = lax.all_gather(wd_XFD, embed_axes, axis=2, tiled=True)
-    x_count = wg_XDF.shape[0]
-    x_UD = x_BTD.reshape(n, d)
-    if tp_axes:  # varying once here: the backward sums one [U,D] gradient over tp_axes, not one per
-        x_UD = lax.pcast(x_UD, tuple(tp_axes), to="varying")  # matmul over the whole padded buffer
-    # assignments in priority order: every token's first choice before any second choice (Switch)
-    e_A = idx_BTJ.reshape(n, k).T.reshape(-1)
-    tok_A = jnp.tile(jnp.arange(n), k)
-    gate_A = gate_BTJ.reshape(n, k).T.reshape(-1)
-    dest_A = e_A // x_count
-    if mode == "dropless" and ep > 1 and exchange != "fixed":
-        rows = ep * n * min(k, x_count)  # what a device receives if every token picks its experts
-        ws = (wg_XDF, wu_XDF, wd_XFD)
-
-        def ffn(x_RD, sizes_X):
-            if kernel == "ragged":
-                return gmm_sorted(x_RD, sizes_X, *(batched_like(x_RD, *ws) if vmapped else ws))
-            group_R = jnp.sum(
-                jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1
-            )  # X: padding
-            return gmm_blocks(x_RD, group_R, *ws, block_size(n * k, x_count))
-
-        y_AD = _ragged_dispatch(
-            x_UD,
-            e_A,
-            tok_A,
-            ffn,
-            rows=rows,
-            x_count=x_count,
-            ep=ep,
-            ep_axes=ep_axes,
-            exchange=exchange,
-        )
-        return _combine(y_AD.reshape(k, n, d), gate_A, tp_axes).reshape(b, t, d), jnp.float32(0.0)
-    if mode == "capacity":
-        cap = max(1, math.ceil(capacity_factor * n * k / n_experts))
-        rank_A, _ = rank_in_group(e_A, n_experts)
-        keep_A = rank_A < cap
-        slot_A = jnp.where(keep_A, e_A * cap + rank_A, n_experts * cap)  # rows per device: X * cap
-        per_dest = x_count * cap
-        dropped = jnp.sum(~keep_A).astype(jnp.float32)
-    else:
-        # a token sends at most min(J, X) rows to one device: buffers that size never overflow
-        per_dest = n * min(k, x_count) if ep > 1 else n * k
-        rank_A, _ = rank_in_group(dest_A, ep)
-        slot_A = dest_A * per_dest + rank_A
-        dropped = jnp.float32(0.0)
-    rows = ep * per_dest
-    send_RD = jnp.zeros((rows, d), x_UD.dtype).at[slot_A].set(x_UD[tok_A], mode="drop")
-    if mode == "capacity":
-        if ep > 1:
-            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)  # -> [source, X, cap]
-        x_XRD = (
-            send_RD.reshape(ep, x_count, cap, d).transpose(1, 0, 2, 3).reshape(x_count, ep * cap, d)
-        )
-        y_XRD = jnp.einsum(
-            "xrf,xfd->xrd",
-            jax.nn.silu(jnp.einsum("xrd,xdf->xrf", x_XRD, wg_XDF))
-            * jnp.einsum("xrd,xdf->xrf", x_XRD, wu_XDF),
-            wd_XFD,
-        )
-        y_RD = y_XRD.reshape(x_count, ep, cap, d).transpose(1, 0, 2, 3).reshape(rows, d)
-    else:
-        group_R = jnp.full((rows,), x_count, jnp.int32).at[slot_A].set(e_A % x_count, mode="drop")
-        if ep > 1:
-            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)
-            group_R = lax.all_to_all(group_R, ep_axes, 0, 0, tiled=True)
-        if kernel == "ragged":
-            ws = (wg_XDF, wu_XDF, wd_XFD)
-            y_RD = gmm_ragged(send_RD, group_R, *(batched_like(send_RD, *ws) if vmapped else ws))
-        else:
-            y_RD = gmm_blocks(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD, block_size(n * k, x_count))
-    if ep > 1:
-        y_RD = lax.all_to_all(y_RD, ep_axes, 0, 0, tiled=True)
-    y_JUD = y_RD.at[slot_A].get(mode="fill", fill_value=0).reshape(k, n, d)  # dropped rows: 0
-    if token_axes:
-        dropped = lax.psum(dropped, token_axes)
-    return _combine(y_JUD, gate_A, tp_axes).reshape(b, t, d), dropped
-
-
-def _combine(y_JUD, gate_A, tp_axes):
-    """Each token's expert outputs weighted by its gates -> [U,D], summed over tensor-parallel shards."""
-    k, n, _ = y_JUD.shape
-    y_UD = jnp.einsum("jud,ju->ud", y_JUD, gate_A.reshape(k, n).astype(y_JUD.dtype))
-    return lax.psum(y_UD, tp_axes) if tp_axes else y_UD
 
 
 def experts(
@@ -350,8 +75,11 @@ def experts(
     x_spec, w_spec, wd_spec = (logical_to_spec(n) for n in (TOKENS_BT, W_EDF, W_EFD))
     if mesh.empty:
         return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+
     # size-1 axes stay automatic: collectives over them would still be emitted as copies
-    real = lambda entry: tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)
+    def real(entry):
+        return tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)
+
     x_spec, w_spec, wd_spec = (P(*(real(e) or None for e in s)) for s in (x_spec, w_spec, wd_spec))
     named = spec_axes(x_spec) | spec_axes(w_spec) | spec_axes(wd_spec)
     if not named:

@@ -86,7 +86,7 @@ def register(
     then train with a `context` axis (see the module's docstring). Registering a name again
     replaces it (a notebook re-running its cell). Every argument is checked here: a wrong one
     would fail much later, inside jit or a training thread."""
-    from models.config import PRESETS
+    from models.presets import PRESETS
 
     expect("models.register", "name", name, str, "the model's name (what --model takes)")
     if not name.strip() or name != name.strip():

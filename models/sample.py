@@ -13,7 +13,7 @@ from models import model
 from models.config import ModelConfig
 
 
-def _pick(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
+def pick_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
     if temperature <= 0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits_BV = logits_BV / temperature
@@ -60,7 +60,7 @@ def _generate(cfg, params, prompt_BT, key, *, max_new, temperature, top_k) -> ja
     def step(carry, i):
         logits_BV, cache, key = carry
         key, sub = jax.random.split(key)
-        tok_B = _pick(logits_BV, sub, temperature, top_k)
+        tok_B = pick_token(logits_BV, sub, temperature, top_k)
         pos_B1 = jnp.full((b, 1), t0 + i, jnp.int32)
         logits_B1V, cache = model.apply(cfg, params, tok_B[:, None], pos_B1, cache)
         return (logits_B1V[:, -1], cache, key), tok_B

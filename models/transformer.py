@@ -8,32 +8,19 @@ so checkpoints do not depend on it.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mesh.rules import current_rules
 from mesh.shard import constrain
 from models import pipeline as pipeline_lib
 from models.attention import Attention, KVCache
-from models.config import ModelConfig
-from models.layers import MLP, RMSNorm, head_logits, param
+from models.config import ModelConfig, PipelineConfig
+from models.layers import MLP, RMSNorm, param
 from models.moe import MoE
-
-# the residual stream between blocks: its sequence dim is also split over `model` with sequence parallelism
-ACT_BTD = ("batch", "res_seq", "act_embed")
-
-REMAT = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # save projection outputs (dots without batch dims); recompute attention scores, norms, activations
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # the same outputs, moved to pinned host memory after the forward and back for the backward
-    # (XLA's host offloading; device memory then holds one layer's at a time)
-    "dots_offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-}
+from models.pieces import ACT_BTD, DecoderPieces
 
 
 class Block(nnx.Module):
@@ -108,7 +95,8 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
 class Decoder(nnx.Module):
     """Dense layers live in `blocks` ([L_dense, ...]), MoE layers in `moe_blocks` ([L_moe, ...]).
     The forward pass runs groups of `moe_every` layers (moe_every - 1 dense, then one MoE; a dense
-    model: groups of one dense layer), scanning over the groups as MaxText does."""
+    model: groups of one dense layer), scanning over the groups as MaxText does. The math is
+    models/pieces.py's: `pieces` splits the module into the pieces and their params."""
 
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
@@ -127,6 +115,27 @@ class Decoder(nnx.Module):
                 rngs, (cfg.d_model, cfg.vocab_size), ("vocab_embed", "vocab"), pdt, std=cfg.init_std
             )
 
+    def pieces(self, token_loss=None) -> tuple[DecoderPieces, dict, tuple]:
+        """-> (the pieces, outer params, stack params [G, ...]) (models/pieces.py); `token_loss`:
+        the head's custom per-token loss (DecoderPieces)."""
+        cfg = self.cfg
+        pieces = DecoderPieces(cfg, self.dtype, None, None, None, token_loss)
+        n_groups = cfg.n_layers // pieces.per_group
+        dense_gdef, dense = nnx.split(self.blocks) if pieces.n_dense else (None, None)
+        moe_gdef, moe = nnx.split(self.moe_blocks) if cfg.n_experts else (None, None)
+        if pieces.n_dense:
+            dense = jax.tree.map(lambda a: a.reshape(n_groups, pieces.n_dense, *a.shape[1:]), dense)
+        norm_gdef, norm = nnx.split(self.final_norm)
+        pieces = dataclasses.replace(
+            pieces, dense_gdef=dense_gdef, moe_gdef=moe_gdef, norm_gdef=norm_gdef
+        )
+        outer = {
+            "embed_VD": self.embed_VD[...],
+            "norm": norm,
+            "head_DV": None if cfg.tie_embeddings else self.lm_head_DV[...],
+        }
+        return pieces, outer, (dense, moe)
+
     def __call__(
         self,
         tokens_BT: jax.Array,
@@ -134,127 +143,22 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         segment_ids_BT: jax.Array | None = None,
         *,
-        pipeline: pipeline_lib.PipelineConfig | None = None,
-        logits: bool = True,
+        pipeline: PipelineConfig | None = None,
     ):
         """tokens [B,T] int32 -> (logits [B,T,V] float32, cache, MoE stats stacked [L_moe, ...]).
-        `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each segment.
-        On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups through
-        models/pipeline.py with `pipeline`'s schedule (default: PipelineConfig()). `logits=False`:
-        ((the final-normed hidden states [B,T,D], the LM head [D,V] in the compute dtype), cache,
-        stats) instead, for a loss that applies the head chunk by chunk (models/loss.py)."""
-        # ~75 lines on purpose: `group` (one layer group) is shared by the three ways of running the
-        # stack (pipeline, scan, unrolled), which read best side by side with it.
-        cfg = self.cfg
+        `cache` holds [L,...] stacked KVCaches; `segment_ids_BT` restricts attention to each
+        segment. On a mesh with pipeline > 1 the training forward (no cache) runs the layer groups
+        through models/pipeline with `pipeline`'s schedule (default: PipelineConfig()). The train
+        objective is made of the same pieces elsewhere (models/model.py `objective`)."""
+        pieces, outer, stack = self.pieces()
         if positions_BT is None:
             positions_BT = default_positions(segment_ids_BT, tokens_BT.shape)
-        x_BTD = constrain(
-            jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.dtype), ACT_BTD
-        )
-
-        per_group = cfg.moe_every if cfg.n_experts else 1
-        n_groups = cfg.n_layers // per_group
-        n_dense = per_group - 1 if cfg.n_experts else 1  # dense layers per group
-        grouped = lambda tree, size: jax.tree.map(
-            lambda a: a.reshape(n_groups, size, *a.shape[1:]), tree
-        )
-        dense_gdef, dense = nnx.split(self.blocks) if n_dense else (None, None)
-        moe_gdef, moe = nnx.split(self.moe_blocks) if cfg.n_experts else (None, None)
-        dense = grouped(dense, n_dense) if n_dense else None
-        caches = grouped(cache, per_group) if cache is not None else None
-
-        def group(x_BTD, xs, positions_BT, *seg):
-            # positions and segment ids are arguments, not closed over: the pipeline splits them
-            # into micro-batches alongside x
-            dense_state, moe_state, group_cache = xs
-            segment_ids_BT = seg[0] if seg else None
-            new_caches, stats = [], {}
-            for j in range(per_group):
-                c = None if group_cache is None else jax.tree.map(lambda a: a[j], group_cache)
-                if j < n_dense:
-                    layer = nnx.merge(dense_gdef, jax.tree.map(lambda a: a[j], dense_state))
-                    x_BTD, c = layer(x_BTD, positions_BT, c, segment_ids_BT)
-                else:
-                    x_BTD, c, stats = nnx.merge(moe_gdef, moe_state)(
-                        x_BTD, positions_BT, c, segment_ids_BT
-                    )
-                new_caches.append(c)
-            new_cache = (
-                None if group_cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
+        x_BTD = pieces.embed(outer, tokens_BT)
+        if cache is None:
+            x_BTD, stats = pipeline_lib.stack_forward(
+                pieces, stack, x_BTD, positions_BT, segment_ids_BT, pipeline=pipeline
             )
-            return x_BTD, (new_cache, stats)
-
-        seg = () if segment_ids_BT is None else (segment_ids_BT,)
-        policy = REMAT[cfg.remat]
-        stages = _pipeline_stages()
-        if stages > 1 and cache is None:
-            pc = pipeline or pipeline_lib.PipelineConfig()
-
-            def one_group(x_BTD, xs, *args):
-                x_BTD, (_, stats) = group(x_BTD, (*xs, None), *args)
-                return x_BTD, stats
-
-            M = pc.microbatches_for(stages)
-            x_BTD, stats = pipeline_lib.pipeline_apply(
-                one_group,
-                (dense, moe),
-                x_BTD,
-                positions_BT,
-                *seg,
-                stages=stages,
-                microbatches=M,
-                repeats=pc.repeats,
-                schedule=pc.schedule,
-                remat_policy=policy,
-                remat_stage=pc.remat_stage,
-                has_aux=True,
-                scan_layers=cfg.scan_layers,
-                replica_axes=pc.replica_axes,
-            )
-            stats = _sum_counts(stats, M * _replicas(pc.replica_axes))
-            caches = None
         else:
-            step = lambda x_BTD, xs: group(x_BTD, xs, positions_BT, *seg)
-            if (
-                policy is not None and cache is None
-            ):  # no remat when decoding: there is no backward pass
-                step = jax.checkpoint(step, policy=policy, prevent_cse=not cfg.scan_layers)
-            if cfg.scan_layers:
-                x_BTD, (caches, stats) = jax.lax.scan(step, x_BTD, (dense, moe, caches))
-            else:
-                outs = []
-                for g in range(n_groups):
-                    x_BTD, out = step(x_BTD, jax.tree.map(lambda a: a[g], (dense, moe, caches)))
-                    outs.append(out)
-                caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        if cache is not None:
-            cache = jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), caches)
-
-        x_BTD = constrain(self.final_norm(x_BTD), ("logits_batch", "seq", "act_embed"))
-        head_DV = (self.embed_VD[...].T if cfg.tie_embeddings else self.lm_head_DV[...]).astype(
-            self.dtype
-        )
-        if not logits:
-            return (x_BTD, head_DV), cache, stats
-        logits_BTV = head_logits(x_BTD, head_DV)
-        return constrain(logits_BTV, ("logits_batch", "seq", "act_vocab")), cache, stats
-
-
-def _pipeline_stages() -> int:
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty or "pipeline" not in mesh.shape else mesh.shape["pipeline"]
-
-
-def _replicas(replica_axes: tuple[str, ...]) -> int:
-    """How many data replicas pipeline_apply splits each micro-batch into (its dim A)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    batch_axes = [a for a in current_rules()["batch"] if a not in current_rules()["stages"]]
-    return math.prod(mesh.shape[a] for a in batch_axes if a in replica_axes)
-
-
-# MoE stats that are sums over tokens; the pipeline returns every stat's mean over batch pieces
-_COUNT_STATS = ("counts", "assigned", "dropped")
-
-
-def _sum_counts(stats: dict, pieces: int) -> dict:
-    return {k: v * pieces if k in _COUNT_STATS else v for k, v in stats.items()}
+            x_BTD, stats, cache = pieces.decode(stack, x_BTD, positions_BT, cache, segment_ids_BT)
+        x_BTD, head_DV = pieces.final(outer, x_BTD)
+        return pieces.logits(x_BTD, head_DV), cache, stats

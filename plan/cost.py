@@ -9,7 +9,7 @@ hardware profile (plan/hardware.py).
                 where it does not (XLA:CPU: the many small memory-bound ops run one after another,
                 between matmuls already timed at their measured rate); stretched by the pipeline
                 bubble (P-1)/(R x M + P-1), M = --pipeline.microbatches and R = --pipeline.repeats
-                (the schedule the run executes, models/pipeline.py), not the gradient
+                (the schedule the run executes, models/pipeline), not the gradient
                 accumulation of --micro-batches, which repeats the whole pipeline. Without bytes
                 of the target's own backend (the analytic search; a GPU/TPU profile priced from a
                 CPU compile) T_compute = T_flops.
@@ -38,7 +38,6 @@ import numpy as np
 from mesh.spec import AXES
 from models import pipeline
 from models.flops import flops_per_token, matmul_param_count
-from models.schedules import EXPLICIT, schedule_bubble
 from plan.hardware import Hardware
 from plan.theory import rows_per_shard
 
@@ -135,7 +134,7 @@ def hardware_flops_per_step(cfg, batch_size: int, seq_len: int, schedule: str = 
         "dots_offload": attn_fwd,
         "full": blocks_fwd + attn_fwd,
     }[cfg.remat]
-    if schedule in EXPLICIT:
+    if schedule in pipeline.EXPLICIT:
         recompute += blocks_fwd + attn_fwd
     return model_flops_per_step(cfg, batch_size, seq_len) + recompute * tokens
 
@@ -153,7 +152,7 @@ def pipeline_comm(
     batch_shards: int,
 ) -> dict:
     """Activations forward and their gradients backward between neighbouring stages, per device
-    per step: models.pipeline's count (one [b, T, D] send each way per tick, bubble ticks included,
+    per step: models/pipeline/gpipe.py's count (one [b, T, D] send each way per tick, bubble ticks included,
     b = one pipeline micro-batch's rows on one batch shard), for each of the `micro_batches`
     passes of gradient accumulation."""
     p = sizes.get("pipeline", 1)
@@ -221,7 +220,9 @@ def predict(
     t_memory = device_bytes / (hw.hbm_bw * hw.memory_efficiency)
     t_compute = max(t_flops, t_memory) if hw.memory_overlap else t_flops + t_memory
     p = sizes.get("pipeline", 1)
-    bubble = schedule_bubble(schedule, p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
+    bubble = (
+        pipeline.schedule_bubble(schedule, p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
+    )
     t_busy = t_compute / (1 - bubble)
     where = placement(sizes, hw, dcn)
     rows, t_overlappable, t_exposed = {}, 0.0, 0.0

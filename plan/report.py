@@ -17,7 +17,7 @@ from mesh.shard import path_names
 from mesh.spec import mesh_text
 from models import pipeline as pipeline_lib
 from models.flops import active_param_count, flops_per_token, param_count
-from models.schedules import schedule_bubble
+from models.pieces import layers_per_group
 from plan.hardware import Hardware
 from plan.hlo import KINDS, parse_collectives, summarize
 from plan.theory import local_bytes, on_backend, rows_per_shard, run_spec, theory
@@ -156,10 +156,10 @@ def analyze(s: RunSetup) -> dict:
 
 def pipeline_report(s: RunSetup, measured: dict) -> dict:
     """The schedule, its bubble and the stage-to-stage traffic: collective-permutes over 'pipeline'
-    in the compiled HLO next to models.pipeline's count (one micro-batch per tick and direction)."""
+    in the compiled HLO next to models.pipeline.permute_bytes_theory's count (one micro-batch per tick and direction)."""
     m, t, pc, P = s.cfg.model, s.cfg.train, s.cfg.pipeline, s.mesh.shape["pipeline"]
     M_, R = pc.microbatches_for(P), pc.repeats
-    n_groups = m.n_layers // (m.moe_every if m.n_experts else 1)
+    n_groups = m.n_layers // layers_per_group(m)
     shards = batch_shards(s.mesh, s.rules)
     th = pipeline_lib.permute_bytes_theory(
         batch=rows_per_shard(t.batch_size, t.micro_batches, shards),
@@ -179,7 +179,7 @@ def pipeline_report(s: RunSetup, measured: dict) -> dict:
         "repeats": R,
         "schedule": pc.schedule,
         "batch_shards": shards,
-        "bubble": schedule_bubble(pc.schedule, P, M_, R),
+        "bubble": pipeline_lib.schedule_bubble(pc.schedule, P, M_, R),
         "permute_bytes_hlo": hlo,
         "permute_bytes_theory": th["sent"] * t.micro_batches,
         "permute_bytes_useful": th["useful"] * t.micro_batches,

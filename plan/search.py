@@ -26,15 +26,7 @@ from mesh.spec import AXES, mesh_text
 from models import model as model_lib
 from models.blockwise import BLOCK_K
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, PipelineConfig
-from models.schedules import (
-    CHUNKED,
-    EXPLICIT,
-    bubble_counted,
-    in_flight_1f1b,
-    ring_slots,
-    schedule_bubble,
-    w_slots,
-)
+from models.pipeline import EXPLICIT, TIMETABLES, bubble_counted, schedule_bubble, timetable
 from plan import cost
 from plan.hardware import Hardware
 from plan.theory import RunSpec, abstract_mesh, rows_per_shard, theory
@@ -115,13 +107,15 @@ def pipeline_choices(
 def schedule_choices(
     cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipeline_cfg: PipelineConfig, rules
 ) -> list[PipelineConfig]:
-    """`pipeline_cfg` under every other schedule the run accepts at its micro-batch count: gpipe,
-    1f1b, zb_h1, and circular and interleaved_1f1b at 2 and 4 chunks per device where the layers divide.
-    Their bubbles and activation memory differ, the rest of the step does not."""
+    """`pipeline_cfg` under every other schedule the run accepts at its micro-batch count: those
+    that run each stage's layers once (gpipe, 1f1b, zb_h1), then those with chunks (circular and
+    interleaved_1f1b) at 2 and 4 chunks per device where the layers divide, in the order of
+    models/pipeline/timetables.py. Their bubbles and activation memory differ, the rest of the step
+    does not."""
     out = []
-    for schedule, repeats in [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1)] + [
-        (s, r) for s in CHUNKED for r in (2, 4)
-    ]:
+    once = [(t.name, 1) for t in TIMETABLES.values() if not t.chunked]
+    chunked = [(t.name, r) for t in TIMETABLES.values() if t.chunked for r in (2, 4)]
+    for schedule, repeats in once + chunked:
         pc = dataclasses.replace(pipeline_cfg, schedule=schedule, repeats=repeats)
         if pc != pipeline_cfg and not check(cfg, sizes, train_cfg, pc, rules):
             out.append(pc)
@@ -181,7 +175,7 @@ def activation_bytes(
     LM head runs after the pipeline, on the whole pass. zb_h1 also keeps, for up to P micro-batches,
     what its deferred weight gradients read (each projection's input and output gradient, the norms'
     input and gradient). 1f1b and interleaved_1f1b keep only the
-    stage inputs of the micro-batches in flight (the ring of models.schedules.ring_slots, one [D]
+    stage inputs of the micro-batches in flight (the ring of the timetable's ring_slots, one [D]
     per token each), recompute one chunk's layers per backward (one micro-batch's saved set of
     L/(P x repeats) layers) and run the head per micro-batch."""
     tp, p = sizes["model"], sizes["pipeline"]
@@ -209,15 +203,14 @@ def activation_bytes(
     layers = cfg.n_layers // p
     head_tokens = pass_tokens
     kept = 0
+    tt = timetable(schedule)
     if p > 1 and schedule in EXPLICIT:
-        kept = ring_slots(p, pipeline_microbatches, repeats) * res * tokens
-        if (
-            schedule == "zb_h1"
-        ):  # the W inputs of w_slots micro-batches: each projection's input and output
-            w_in = (
-                8 * res + (2 * n * h + 2 * k * h + 4 * f) / tp
-            )  # gradient, the norms' (the split's, counted)
-            kept += w_slots(p, pipeline_microbatches) * w_in * layers * tokens
+        kept = tt.ring_slots(p, pipeline_microbatches, repeats) * res * tokens
+        if tt.splits_backward:
+            # the W inputs of w_slots micro-batches: each projection's input and output gradient,
+            # the norms' (the split's, counted)
+            w_in = 8 * res + (2 * n * h + 2 * k * h + 4 * f) / tp
+            kept += tt.w_slots(p, pipeline_microbatches) * w_in * layers * tokens
         held = kept + saved * (layers // repeats) * tokens
         head_tokens = tokens
     else:
@@ -632,7 +625,7 @@ def compare_schedules(
                 "microbatches": M,
                 "bubble_formula": schedule_bubble(choice.schedule, P, M, R),
                 "bubble_counted": bubble_counted(choice.schedule, P, M, R),
-                "in_flight": max(in_flight_1f1b(P, M, R)) if choice.schedule in EXPLICIT else M * R,
+                "in_flight": timetable(choice.schedule).in_flight(P, M, R),
                 "activations": row["memory"]["activations"],
                 "total": row["memory"]["total"],
                 "fits": row["fits"],

@@ -25,7 +25,7 @@ from models import model as model_lib
 from models import pipeline as pipeline_lib
 from models.attention import fused_qkv
 from models.config import ModelConfig, PipelineConfig
-from models.moe import exchange_for
+from models.moe_dispatch import exchange_for
 from train.config import CommConfig, TrainConfig
 from train.shapes import batch_shards, seq_shards
 
@@ -162,7 +162,7 @@ def theory(run: RunSpec, params) -> dict:
             add("reduce-scatter", fsdp_axes, full * per_pass, n_f, (n_f - 1) / n_f)
             if (
                 is_expert and n_f > 1
-            ):  # models/moe.py gathers them inside shard_map: an explicit psum_scatter
+            ):  # models/moe_dispatch.py gathers them inside shard_map: an explicit psum_scatter
                 explicit_rs[_axes_key(fsdp_axes)] += full * per_pass
         add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
         # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
@@ -344,13 +344,13 @@ def _lookup_bytes(run: RunSpec, path: str, sds, n_fsdp: int) -> float:
 
 
 def all_to_all_theory(run: RunSpec) -> dict:
-    """MoE token exchange per device per step, as models/moe.py sizes its fixed buffers: every
+    """MoE token exchange per device per step, as models/moe_dispatch.py sizes its fixed buffers: every
     MoE layer sends its dispatch buffer and gets it back (forward), the backward pass does both
     again, and remat recomputes the forward. Dropless buffers hold tokens x min(k, experts per
     device) rows per destination (the worst case: nothing can overflow), plus the int32 expert id
     of each row; capacity buffers hold `capacity` rows per expert. `ideal_bytes` is what a ragged
     all-to-all (GPU/TPU) would move at a perfectly even load: the k rows of each token, which is
-    what the ragged exchange (models.moe.exchange_for) moves."""
+    what the ragged exchange (models.moe_dispatch.exchange_for) moves."""
     m, t = run.model, run.train
     expert_spec = logical_to_spec(("experts",), run.rules)
     ep = axes_size(run.mesh, expert_spec[0])

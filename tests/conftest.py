@@ -39,7 +39,7 @@ _FIRST = (
     "test_equivalence_pipeline.py",
     "test_equivalence_schedules.py",
     "test_multiprocess.py",
-    "test_pipeline_1f1b.py",
+    "test_pipeline_explicit.py",
     "test_resilience.py",
     "test_pipeline.py",
     "test_checkpoint.py",

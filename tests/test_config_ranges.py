@@ -10,7 +10,8 @@ import typing
 import pytest
 
 from errors import UserError
-from models.config import PRESETS, Range, check_ranges, numeric_fields, ranged
+from models.fields import Range, check_ranges, numeric_fields, ranged
+from models.presets import PRESETS
 from train.__main__ import main
 from train.config import SECTIONS, build, from_args, public_flag
 

@@ -28,7 +28,8 @@ from errors import UserError
 from mesh.build import make_mesh
 from mesh.rules import DEFAULT_RULES, axis_rules
 from models import context
-from models.config import LOSS_CHUNK, preset
+from models.config import LOSS_CHUNK
+from models.presets import preset
 from models.transformer import segment_positions
 from plan.report import analyze
 from train.config import build

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from errors import UserError
-from models.config import preset
+from models.presets import preset
 from plan import cost, hardware
 from plan.hardware import Hardware
 

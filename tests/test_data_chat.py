@@ -224,7 +224,7 @@ def test_mask_through_packed_windows_and_the_loss(chat_ds):
     )
 
     from models import model
-    from models.config import preset
+    from models.presets import preset
     from train.step import loss_sums
 
     cfg = dataclasses.replace(preset("tiny"), vocab_size=320, dtype="float32")

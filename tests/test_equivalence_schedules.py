@@ -1,7 +1,8 @@
-"""The explicit pipeline schedules (1f1b, interleaved_1f1b, zb_h1; models/pipeline_1f1b.py) against one
-device through the Trainer's real train step: a float32 dense model of 8 layers, compared per step
-after the warm-up (loss, gradient norm, every parameter; tests/equivalence.py), on pipeline=2 and
-4 with data, fsdp and model axes, M = P, 2P and 4P, the layers scanned and unrolled in a stage.
+"""The explicit pipeline schedules (1f1b, interleaved_1f1b, zb_h1; models/pipeline/explicit.py)
+against one device through the Trainer's real train step: a float32 dense model of 8 layers,
+compared per step after the warm-up (loss, gradient norm, every parameter; tests/equivalence.py),
+on pipeline=2 and 4 with data, fsdp and model axes, M = P, 2P and 4P, the layers scanned and
+unrolled in a stage.
 
 A dense model's loss is a mean over the batch's tokens whatever the micro-batching, so the one-device
 reference needs no gradient accumulation (the MoE comparison in test_equivalence_pipeline.py

@@ -11,7 +11,7 @@ import models
 from errors import UserError
 from mesh.build import make_mesh
 from models import model
-from models.config import PRESETS
+from models.presets import PRESETS
 from plan.report import analyze
 from train import state as train_state
 from train.config import build

@@ -18,9 +18,8 @@ from equivalence import (
     trainer_cache,
 )
 
-from models import layers, transformer
+from models import layers, pieces
 from models import loss as loss_mod
-from train import step as step_mod
 
 VOCAB = 264
 
@@ -87,7 +86,7 @@ def test_token_xent_matches_the_masked_sum_outside_the_vocabulary_too():
 def autodiff_head():
     """Trace the model with the plain einsum head and the masked-sum cross-entropy; yields the
     names of the replacements that were traced (so that a test can tell they were)."""
-    saved = transformer.head_logits, loss_mod.head_logits, step_mod.token_xent, loss_mod.token_xent
+    saved = pieces.head_logits, loss_mod.head_logits, pieces.token_xent, loss_mod.token_xent
     traced = set()
 
     def head(x, h):
@@ -98,14 +97,12 @@ def autodiff_head():
         traced.add("xent")
         return masked_xent(logits, targets)
 
-    transformer.head_logits = loss_mod.head_logits = head
-    step_mod.token_xent = loss_mod.token_xent = xent
+    pieces.head_logits = loss_mod.head_logits = head
+    pieces.token_xent = loss_mod.token_xent = xent
     try:
         yield traced
     finally:
-        transformer.head_logits, loss_mod.head_logits, step_mod.token_xent, loss_mod.token_xent = (
-            saved
-        )
+        pieces.head_logits, loss_mod.head_logits, pieces.token_xent, loss_mod.token_xent = saved
 
 
 @pytest.mark.slow

@@ -354,7 +354,7 @@ def test_cli_errors_exit_2_one_line(tmp_path, capsys):
 
 
 def test_export_refuses_what_hf_cannot_express():
-    from models.config import preset
+    from models.presets import preset
 
     cfg = preset("moe-tiny")
     assert hf_tables.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]

@@ -22,7 +22,7 @@ from errors import UserError  # noqa: E402
 from models import flops  # noqa: E402
 from models import hf as hf_tables  # noqa: E402
 from models import model as model_lib  # noqa: E402
-from models.config import preset  # noqa: E402
+from models.presets import preset  # noqa: E402
 
 CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

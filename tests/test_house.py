@@ -1,6 +1,7 @@
 """The shape of the house: the import graph flows one way (mesh -> models -> checkpoint -> train
--> plan), no module imports itself back through others, no source file outgrows a room, and the
-README's "Where things are" map names files and functions that exist."""
+-> plan), no module imports itself back through others, no module reaches into another's private
+names, no source file outgrows a room, and the README's "Where things are" map names files and
+functions that exist."""
 
 from __future__ import annotations
 
@@ -205,3 +206,35 @@ def test_the_docs_and_code_speak_of_the_project_alone():
                         if OUTSIDE.search(line):
                             found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()[:100]}")
     assert not found, "\n".join(found)
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """A name with a leading underscore belongs to its module alone: a helper that two modules
+    share gets a public name (`from x import _y` or `x._y` in another module is refused)."""
+    mods = _modules()
+    wrong = []
+    for mod, path in mods.items():
+        tree = ast.parse(open(path).read())
+        aliases = {}  # a local name bound to another project module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    elif node.module in mods and _private(a.name):
+                        wrong.append(f"{mod}: from {node.module} import {a.name}")
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname: a.name for a in node.names if a.asname and a.name in mods}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and aliases.get(node.value.id, mod) != mod
+                and _private(node.attr)
+            ):
+                wrong.append(f"{mod}: {node.value.id}.{node.attr}")
+    assert not wrong, wrong
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")

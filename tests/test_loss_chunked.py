@@ -17,7 +17,7 @@ from train import step
 
 
 def full_xent(x_BTD, head_DV, targets_BT):
-    """The unchunked head, as models/transformer.py computes it, and train/step.py's loss."""
+    """The unchunked head, as models/pieces.py computes it (the head and its loss)."""
     logits_BTV = jnp.einsum(
         "btd,dv->btv", x_BTD, head_DV.astype(x_BTD.dtype), preferred_element_type=jnp.float32
     )

@@ -17,7 +17,7 @@ from mesh.rules import DEFAULT_RULES, logical_to_spec, make_rules, parse_overrid
 from mesh.shard import check_divisible, tree_shardings, warn_undersharded
 from mesh.spec import AXES, parse_spec, resolve
 from models import model as model_lib
-from models.config import PRESETS
+from models.presets import PRESETS
 
 TINY = PRESETS["tiny"]
 HINTS = {

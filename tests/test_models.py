@@ -14,9 +14,9 @@ import pytest
 
 from errors import UserError
 from models import model as model_lib
-from models.config import PRESETS, preset
 from models.flops import flops_per_token, matmul_param_count, param_count
 from models.layers import rope
+from models.presets import PRESETS, preset
 from models.sample import generate
 from train.step import loss_sums
 

@@ -16,9 +16,9 @@ from errors import UserError
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model as model_lib
-from models import moe
-from models.config import PRESETS
+from models import moe, moe_dispatch, moe_router
 from models.flops import active_param_count, matmul_param_count, param_count
+from models.presets import PRESETS
 from plan.hlo import parse_collectives
 from train.config import build
 from train.loop import Trainer
@@ -259,7 +259,7 @@ def test_bias_balancing_evens_out_the_load():
     bias = jnp.zeros((cfg.n_experts,))
     before = _imbalance(counts(bias))
     for _ in range(60):
-        bias = moe.bias_update(bias[None], counts(bias)[None], cfg.router_bias_rate)[0]
+        bias = moe_router.bias_update(bias[None], counts(bias)[None], cfg.router_bias_rate)[0]
     assert before > 3.5 and _imbalance(counts(bias)) < 2.5, (before, _imbalance(counts(bias)))
 
 
@@ -374,7 +374,9 @@ def test_ragged_all_to_all_emulation_follows_the_documented_example():
             ]
         )
     ]
-    body = lambda *a: moe.ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="x")[None]
+    body = lambda *a: moe_dispatch.ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="x")[
+        None
+    ]
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))(*args)
     np.testing.assert_array_equal(out, [[1, 3, 0, 0], [2, 2, 4, 0]])
 
@@ -382,7 +384,7 @@ def test_ragged_all_to_all_emulation_follows_the_documented_example():
 def test_exchange_choice_per_backend():
     assert jax.default_backend() == "cpu"
     for asked, got in (("auto", "fixed"), ("fixed", "fixed"), ("ragged", "emulated")):
-        assert moe.exchange_for(dataclasses.replace(CFG, ep_exchange=asked)) == got
+        assert moe_dispatch.exchange_for(dataclasses.replace(CFG, ep_exchange=asked)) == got
 
 
 def _exchange_loss(x, w, cfg, exchange, kernel, probe):
@@ -468,7 +470,7 @@ def test_moe_micro_batches_reduce_data_parallel_grads_once(tmp_path, over):
     data-axis gradient all-reduce runs once per step, outside the micro-batch loop. (aux loss off:
     f_e P_e of a micro-batch is not additive, so it differs by construction.) gpu-defaults: the
     ragged exchange (emulated here) and the ragged_dot kernel, whose weights are made to follow the
-    vmap's batching (models.moe._batched_like)."""
+    vmap's batching (models.moe_kernels.batched_like)."""
     tr = make_trainer(
         "data=2,expert=4", tmp_path, **{"train.batch_size": 16, "model.aux_loss_coef": 0.0, **over}
     )

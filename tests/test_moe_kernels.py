@@ -13,9 +13,9 @@ from jax import lax
 
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
-from models import moe
-from models.config import PRESETS
+from models import moe, moe_router
 from models.moe_kernels import gmm_blocks
+from models.presets import PRESETS
 
 D, F = 16, 24
 
@@ -101,7 +101,7 @@ def test_top_k_by_argmax_equals_lax_top_k_with_ties():
         jnp.array([1, 3, 3, 0, 3, 2, 2, 1.0])
     )  # ties: the lower index first, as lax.top_k
     for k in (1, 2, 4):
-        np.testing.assert_array_equal(moe._top_k(s, k), lax.top_k(s, k)[1])
+        np.testing.assert_array_equal(moe_router.top_k(s, k), lax.top_k(s, k)[1])
 
 
 def test_router_stays_on_each_devices_tokens():

@@ -1,5 +1,5 @@
 """Host offloading. Activations: `--model.remat dots_offload` (the projections' outputs that `dots`
-saves, kept in pinned host memory between the forward and the backward pass; models/transformer.py
+saves, kept in pinned host memory between the forward and the backward pass; models/pieces.py
 REMAT). Optimizer state: `--train.offload_optimizer true` (the state lives in pinned host memory
 between steps; the step brings it to the device for the update and back; train/setup.py).
 
@@ -29,7 +29,8 @@ from equivalence import (
 from checkpoint.layout import make_meta
 from checkpoint.manager import Checkpointer
 from errors import UserError
-from models.config import PipelineConfig, preset
+from models.config import PipelineConfig
+from models.presets import preset
 from plan import cost, hardware, search
 from train import resume
 from train.config import build

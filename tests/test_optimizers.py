@@ -21,7 +21,7 @@ from errors import UserError
 from mesh.build import make_mesh
 from mesh.rules import axis_rules
 from models import model
-from models.config import preset
+from models.presets import preset
 from train import optim, resume
 from train.config import OPTIMIZERS, TrainConfig, build, from_args
 from train.setup import abstract_state, setup

@@ -1,7 +1,8 @@
-"""Pipeline parallelism (models/pipeline.py): the pipelined stack equals the sequential layer scan,
-forward and gradients, on pipeline meshes combined with data/fsdp/model; activations move between
-stages by collective-permute over 'pipeline'; each device keeps only its stages' parameters; and
-a bad schedule stops before tracing any layer (the schedule itself: test_pipeline_schedule.py)."""
+"""Pipeline parallelism (models/pipeline/gpipe.py, the forward-scan engine): the pipelined stack
+equals the sequential layer scan, forward and gradients, on pipeline meshes combined with
+data/fsdp/model; activations move between stages by collective-permute over 'pipeline'; each device
+keeps only its stages' parameters; and a bad schedule stops before tracing any layer (the schedule
+itself: test_pipeline_schedule.py)."""
 
 import dataclasses
 import functools
@@ -17,7 +18,8 @@ from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import model
 from models import pipeline as pipeline_lib
-from models.config import PRESETS
+from models.config import PipelineConfig
+from models.presets import PRESETS
 from models.transformer import Block
 from plan.hlo import parse_collectives
 
@@ -139,7 +141,7 @@ def compiled_cases():
                     loss_of(lambda p, x, pos: sequential(layer, p, x, pos)), argnums=(0, 1)
                 )
             )(params, x, pos)
-            cfg = pipeline_lib.PipelineConfig(
+            cfg = PipelineConfig(
                 microbatches=M,
                 repeats=R,
                 schedule=schedule,

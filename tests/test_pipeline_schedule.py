@@ -1,6 +1,6 @@
-"""Pipeline schedules (models/pipeline.py) without a mesh: the stage order, the bubble fraction,
-the order in which a schedule visits the layer chunks, the chart and its plot, and every bad
-schedule setting in one line."""
+"""Pipeline schedules (models/pipeline: timetables.py, charts.py, checks.py) without a mesh: the
+stage order, the bubble fraction, the order in which a schedule visits the layer chunks, the chart
+and its plot, and every bad schedule setting in one line."""
 
 import jax.numpy as jnp
 import pytest

@@ -224,7 +224,7 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
     n = 16 // 4 * 64  # tokens per device: the batch is split 4 ways in both meshes
     act = n * 64 * 4
     # per layer: attention out + its remat + the fused q/k/v input grad, expert psum, the tokens'
-    # [U,D] gradient (one psum: models/moe.py marks them varying over 'model' before dispatch), gate grads
+    # [U,D] gradient (one psum: models/moe_dispatch.py marks them varying over 'model' before dispatch), gate grads
     layer = 3 * act + act + act + 2 * n * 4
     assert th["all-reduce@model"]["operand_bytes"] == 2 * layer + 2 * act + 3 * n * 4
     if (

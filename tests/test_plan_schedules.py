@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from models import schedules
-from models.config import PipelineConfig, preset
+from models.config import PipelineConfig
+from models.pipeline import timetables
+from models.presets import preset
 from plan import cli, hardware, search
 from train.config import build
 
@@ -23,8 +24,8 @@ MESH_70B = {"model": 8, "pipeline": 4, "data": 32}
 def test_bubble_counted_in_the_timetable_is_the_formula(schedule, R, P, M):
     if R > 1 and M % P:
         pytest.skip("chunked schedules need M a multiple of P")
-    assert schedules.bubble_counted(schedule, P, M, R) == pytest.approx(
-        schedules.bubble_fraction(P, M, R), abs=1e-12
+    assert timetables.bubble_counted(schedule, P, M, R) == pytest.approx(
+        timetables.bubble_fraction(P, M, R), abs=1e-12
     )
 
 

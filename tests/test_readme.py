@@ -141,8 +141,8 @@ def _hf_model(path: Path) -> None:
 
     from checkpoint.hf import save_pretrained
     from models import model as model_lib
-    from models.config import preset
     from models.hf import Model
+    from models.presets import preset
 
     cfg = preset("tiny")
     save_pretrained(Model(cfg, jax.device_get(model_lib.init(cfg, jax.random.key(0)))), str(path))

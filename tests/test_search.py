@@ -10,7 +10,8 @@ import pytest
 from errors import UserError
 from mesh.rules import make_rules
 from mesh.spec import AXES
-from models.config import PipelineConfig, preset
+from models.config import PipelineConfig
+from models.presets import preset
 from plan import cli, hardware, search
 from plan.report import analyze, run_flags
 from plan.theory import on_backend, run_spec, theory

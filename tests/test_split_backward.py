@@ -1,12 +1,12 @@
-"""models/split_backward.py: a backward pass split into the input gradient (B) and the weight
-gradients (W) gives exactly jax.vjp's values, and W holds the weight-gradient matmuls only: no
-recomputed forward, no input-gradient chain."""
+"""models/pipeline/split_backward.py: a backward pass split into the input gradient (B) and the
+weight gradients (W) gives exactly jax.vjp's values, and W holds the weight-gradient matmuls only:
+no recomputed forward, no input-gradient chain."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.split_backward import Split
+from models.pipeline.split_backward import Split
 
 K = jax.random.split(jax.random.key(0), 4)
 X = jax.random.normal(K[0], (6, 8))
@@ -15,7 +15,7 @@ G = jax.random.normal(K[2], (6, 8))
 
 
 def stack(x, w):
-    """A pipeline stage as models/pipeline_1f1b.py runs it: a scan over layers, each rematerialised,
+    """A pipeline stage as models/pipeline/explicit.py runs it: a scan over layers, each rematerialised,
     the weights closed over and picked by the layer index (their gradient is a scan carry)."""
     layer = jax.checkpoint(lambda h, k: h + jnp.tanh(jnp.sin(h) @ w[k]) @ w[k].T)
     return jax.lax.scan(lambda h, k: (layer(h, k), None), x, jnp.arange(w.shape[0]))[0]
@@ -87,8 +87,10 @@ def test_plan_counts_the_w_inputs_zb_h1_keeps(monkeypatch):
 
     from mesh.build import make_mesh
     from mesh.rules import axis_rules, make_rules
-    from models import model, pipeline_1f1b, split_backward
-    from models.config import PRESETS, PipelineConfig
+    from models import model
+    from models.config import PipelineConfig
+    from models.pipeline import split_backward
+    from models.presets import PRESETS
 
     cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
     kept = []
@@ -106,13 +108,12 @@ def test_plan_counts_the_w_inputs_zb_h1_keeps(monkeypatch):
     with jax.set_mesh(make_mesh("pipeline=2,model=4")), axis_rules(make_rules("")):
         jax.eval_shape(
             jax.grad(
-                lambda p, bt: pipeline_1f1b.decoder_loss(
+                lambda p, bt: model.objective(
                     cfg,
                     p,
                     bt,
-                    PipelineConfig(schedule="zb_h1", microbatches=P),
-                    lambda lg, mb: lg[..., 0],
-                    {},
+                    pipeline=PipelineConfig(schedule="zb_h1", microbatches=P),
+                    token_loss=lambda lg, mb: lg[..., 0],
                 )[0]
             ),
             params,

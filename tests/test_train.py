@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from errors import UserError
 from mesh.build import make_mesh
 from models import model as model_lib
-from models.config import PRESETS
+from models.presets import PRESETS
 from train import optim
 from train.config import TrainConfig, build
 from train.data import corpus, make_pipeline

@@ -152,7 +152,7 @@ POOL = (
 @pytest.mark.parametrize("nproc", [None, "16", "3"])
 def test_cpu_pool_threads_counts_the_threads_xla_starts(nproc):
     """cpu_pool_threads is the size of the pool the installed XLA:CPU really starts for 8 fake
-    devices (the MoE pipeline check in models/pipeline_1f1b.py relies on it)."""
+    devices (the MoE pipeline check in models/pipeline/explicit.py relies on it)."""
     env = {k: v for k, v in os.environ.items() if k not in xla.NPROC_VARS}
     env.update(
         {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},

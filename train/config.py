@@ -21,14 +21,13 @@ from mesh.xla import PRESETS as XLA_PRESETS
 from models import registry
 from models.config import (
     CONTEXT_STRATEGIES,
-    PRESETS,
     ModelConfig,
     PipelineConfig,
     check_ranges,
     option,
-    preset,
     ranged,
 )
+from models.presets import PRESETS, preset
 from train.cli import (
     ALIASES,
     PUBLIC_NAMES,

@@ -20,7 +20,7 @@ exact for the real tokens.
 Generation uses the model's KV cache (models/model.py init_cache), whose write position is shared
 by the rows: the batch's prompts are prefilled up to a grid length at most the shortest prompt,
 then every row steps one token at a time, fed its own prompt's next token while it has one and its
-sampled token after that (models/sample.py `_pick`), so each row sees exactly its own prompt.
+sampled token after that (models/sample.py `pick_token`), so each row sees exactly its own prompt.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 from errors import UserError, check_number, one_line_errors
 from mesh.rules import axis_rules
 from models import model
-from models.sample import _pick
+from models.sample import pick_token
 from train.data import chat, tokenizers
 from train.evaluate import open_model
 from train.sample_cli import checkpoint_tokenizer
@@ -127,7 +127,7 @@ def continue_prompts(
         key, sub = jax.random.split(key)
         pos = prefill + i
         tok_B = jnp.where(
-            pos < lengths_B, tokens_BT[:, pos], _pick(logits_BV, sub, temperature, top_k)
+            pos < lengths_B, tokens_BT[:, pos], pick_token(logits_BV, sub, temperature, top_k)
         )
         logits_B1V, cache = model.apply(
             cfg, params, tok_B[:, None], jnp.full((b, 1), pos, jnp.int32), cache

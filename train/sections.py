@@ -8,7 +8,7 @@ import dataclasses
 import functools
 
 from errors import UserError
-from models.config import check_ranges, option, ranged
+from models.fields import check_ranges, option, ranged
 from train.cli import parse_bool, public_flag
 
 

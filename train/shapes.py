@@ -11,9 +11,10 @@ from jax.sharding import Mesh
 from errors import UserError
 from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
-from models import model, pipeline, pipeline_1f1b
+from models import model, pipeline
 from models.config import PipelineConfig
-from models.schedules import EXPLICIT
+from models.pieces import layers_per_group
+from models.pipeline import explicit
 from train.config import TrainConfig
 
 
@@ -26,7 +27,7 @@ def validate_batch(
     mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig
 ) -> None:
     """The batch split over the rules' batch axes and, with pipeline > 1, the schedule
-    (models.pipeline.validate on layer groups: an MoE model pipelines groups of moe_every layers)."""
+    (models.pipeline.validate on layer groups: models.pieces.layers_per_group)."""
     t, m = train_cfg, model_cfg
     if t.batch_size % t.micro_batches:
         raise UserError(
@@ -44,7 +45,7 @@ def validate_batch(
         )
     stages = mesh.shape["pipeline"]
     if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
-        pc, per_group = pipeline_cfg, m.moe_every if m.n_experts else 1
+        pc, per_group = pipeline_cfg, layers_per_group(m)
         pipeline.validate(
             n_layers=m.n_layers // per_group,
             batch=per_micro,
@@ -54,10 +55,10 @@ def validate_batch(
             schedule=pc.schedule,
             batch_shards=n,
         )
-        if pc.schedule in EXPLICIT:
-            pipeline_1f1b.check_model(m, pc.schedule)
+        if pc.schedule in pipeline.EXPLICIT:
+            explicit.check_model(m, pc.schedule)
             if isinstance(mesh, Mesh):  # a run's devices, not the search's abstract mesh
-                pipeline_1f1b.check_backend(m, pc.schedule)
+                explicit.check_backend(m, pc.schedule)
 
 
 def seq_shards(mesh, rules, name: str = "seq") -> int:

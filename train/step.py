@@ -11,10 +11,10 @@ import optax
 from errors import UserError
 from mesh.rules import axis_rules, current_rules, logical_to_spec
 from mesh.shard import axes_size
-from models import context, model, pipeline_1f1b, registry
+from models import context, model, registry
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, ModelConfig
-from models.loss import chunked_token_xent, token_xent
-from models.moe import bias_update
+from models.loss import token_xent
+from models.moe_router import bias_update
 from models.transformer import default_positions
 from train import comm
 from train.optim import applied_lr
@@ -51,7 +51,8 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     The objective adds the MoE balance losses (means over MoE layers) weighted by the token count,
     so that dividing by the total count gives mean cross-entropy + coefficient x loss, also across
     micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
-    (models.pipeline.PipelineConfig): the schedule on a mesh with pipeline > 1."""
+    (models.config.PipelineConfig): the schedule on a mesh with pipeline > 1, any of them
+    (models.model.objective)."""
     # context parallelism: the batch in the zigzag order its sequence shards hold (models/context.py)
     n_context = context.context_size()
     registry.check_sequence_order(cfg, n_context)
@@ -61,46 +62,22 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
         # axis (where to_layout made them explicit): one device and context=2 run the same program
         positions_BT = default_positions(batch.get("segment_ids"), batch["inputs"].shape)
         batch = {**batch, "positions": positions_BT}
-    if pipeline_1f1b.runs(
-        cfg, pipeline
-    ):  # the loss is computed per micro-batch inside the schedule
-        n = jnp.sum(batch["weights"]) if "weights" in batch else jnp.float32(batch["targets"].size)
-        weights = {"aux": n * cfg.aux_loss_coef, "z": n * cfg.z_loss_coef} if cfg.n_experts else {}
-        objective, xent, stats = pipeline_1f1b.decoder_loss(
-            cfg,
-            params,
-            batch,
-            pipeline,
-            lambda logits_bTV, mb: token_losses(loss_fn, logits_bTV, mb),
-            weights,
-        )
-        return objective, (xent, n, _moe_sums(stats, n))
-    args = (
+    n = jnp.sum(batch["weights"]) if "weights" in batch else jnp.float32(batch["targets"].size)
+    weights = {"aux": n * cfg.aux_loss_coef, "z": n * cfg.z_loss_coef} if cfg.n_experts else {}
+    custom = (
+        None if loss_fn is None else (lambda logits_BTV, mb: token_losses(loss_fn, logits_BTV, mb))
+    )
+    objective, xent, stats = model.objective(
         cfg,
         params,
-        batch["inputs"],
-        batch.get("positions"),
-        batch.get("segment_ids"),
-        pipeline,
+        batch,
+        pipeline=pipeline,
+        token_loss=custom,
+        stat_weights=weights,
+        # a custom loss reads whole logits
+        loss_chunk=loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0,
     )
-    chunk = (
-        loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0
-    )  # a custom loss reads logits
-    hidden = model.hidden(*args) if chunk else None
-    if hidden is not None:
-        (x_BTD, head_DV), stats = hidden
-        xent_BT = chunked_token_xent(
-            x_BTD, head_DV, batch["targets"], chunk_tokens=chunk, seq_shards=context.context_size()
-        )
-    else:
-        logits_BTV, stats = model.forward(*args)
-        xent_BT = token_losses(loss_fn, logits_BTV, batch)
-    weights_BT = batch.get("weights", jnp.ones_like(xent_BT))
-    xent, n = jnp.sum(xent_BT * weights_BT), jnp.sum(weights_BT)
-    if not stats:
-        return xent, (xent, n, {})
-    sums = _moe_sums(stats, n)
-    return xent + cfg.aux_loss_coef * sums["aux"] + cfg.z_loss_coef * sums["z"], (xent, n, sums)
+    return objective, (xent, n, _moe_sums(stats, n))
 
 
 def _moe_sums(stats: dict, n) -> dict:

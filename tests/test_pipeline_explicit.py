@@ -1,6 +1,7 @@
-"""The 1F1B pipeline schedule (models/pipeline_1f1b.py, models/schedules.py): its timetable, chart
-and memory bound, the same loss and gradients as the sequential stack, the plain model and GPipe,
-and bad settings in one line."""
+"""The explicit pipeline schedules (models/pipeline/explicit.py; their timetables in
+models/pipeline/timetables.py): 1F1B's, interleaved 1F1B's and ZB-H1's timetable, chart and memory
+bound, the same loss and gradients as the sequential stack, the plain model and GPipe, and bad
+settings in one line."""
 
 import contextlib
 import dataclasses
@@ -13,9 +14,11 @@ import pytest
 from errors import UserError
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, make_rules
-from models import model, pipeline_1f1b, schedules
+from models import model
 from models import pipeline as pipeline_lib
-from models.config import PRESETS, PipelineConfig
+from models.config import PipelineConfig
+from models.pipeline import explicit, timetables
+from models.presets import PRESETS
 from plan.hlo import parse_collectives
 
 RULES = make_rules("layers=pipeline")
@@ -33,7 +36,7 @@ def test_timetable_is_one_forward_one_backward(P, M):
     kept."""
     table = [
         [tuple(None if c is None else c[0] for c in fb) for fb in row]
-        for row in schedules.table_1f1b(P, M)
+        for row in timetables.table_1f1b(P, M)
     ]
     assert all(len(row) == M + 2 * (P - 1) for row in table)
     f_tick = [{f: t for t, (f, _) in enumerate(row) if f is not None} for row in table]
@@ -56,8 +59,8 @@ def test_timetable_is_one_forward_one_backward(P, M):
         )
         warm, gap = min(M, 2 * (P - 1 - s)), max(0, 2 * (P - 1 - s) - M)
         assert kinds == "." * s + "F" * warm + "X" * (M - warm) + "." * gap + "B" * warm + "." * s
-    assert schedules.in_flight_1f1b(P, M) == [min(M, 2 * (P - 1 - s)) for s in range(P)]
-    assert max(schedules.in_flight_1f1b(P, M)) <= schedules.ring_slots(P, M) <= 2 * (P - 1)
+    assert timetables.in_flight_1f1b(P, M) == [min(M, 2 * (P - 1 - s)) for s in range(P)]
+    assert max(timetables.in_flight_1f1b(P, M)) <= timetables.ring_slots(P, M) <= 2 * (P - 1)
 
 
 @pytest.mark.parametrize(
@@ -69,7 +72,7 @@ def test_interleaved_timetable(P, M, R):
     virtual stage's backward in its forward's tick); per device at most one forward and one
     backward per tick (the table's cells); a ring of ring_slots never overwrites a stage input
     before its backward reads it; the phases cover exactly the ticks with forwards / backwards."""
-    V, table = R * P, schedules.table_1f1b(P, M, R)
+    V, table = R * P, timetables.table_1f1b(P, M, R)
     fwd, bwd = {}, {}
     for s, row in enumerate(table):
         for t, (f, b) in enumerate(row):
@@ -84,20 +87,20 @@ def test_interleaved_timetable(P, M, R):
             all(bwd[m, v] == bwd[m, v + 1] + 1 for v in range(V - 1))
             and bwd[m, V - 1] == fwd[m, V - 1]
         )
-    (_, _, warm), (_, start, steady), (_, end, cool) = schedules.phases_1f1b(P, M, R)
-    assert warm + steady + cool == schedules.ticks_1f1b(P, M, R) == len(table[0])
+    (_, _, warm), (_, start, steady), (_, end, cool) = timetables.phases_1f1b(P, M, R)
+    assert warm + steady + cool == timetables.ticks_1f1b(P, M, R) == len(table[0])
     assert min(bwd.values()) == start and max(fwd.values()) == end - 1
-    K = schedules.ring_slots(P, M, R)
+    K = timetables.ring_slots(P, M, R)
     for s, row in enumerate(table):
         ring = {}
         for t, (f, b) in enumerate(row):
             if b is not None and not (
                 s == P - 1 and b[1] == R - 1
             ):  # the head's backward reads this tick's input
-                assert ring[schedules.backward_item(t, s, P, M, R)[2] % K] == b
+                assert ring[timetables.backward_item(t, s, P, M, R)[2] % K] == b
             if f is not None:
-                ring[schedules.forward_item(t, s, P, M, R)[2] % K] = f
-    assert max(schedules.in_flight_1f1b(P, M, R)) <= K
+                ring[timetables.forward_item(t, s, P, M, R)[2] % K] = f
+    assert max(timetables.in_flight_1f1b(P, M, R)) <= K
 
 
 @pytest.mark.parametrize("P, M", [(2, 2), (2, 5), (4, 4), (4, 8), (4, 16)])
@@ -106,7 +109,7 @@ def test_zero_bubble_timetable(P, M):
     gradients once, at tick m + 2(P-1), after its input gradient (stage s holds its W inputs s
     ticks: at most s + 1 micro-batches); the W slot runs in M ticks, 1F1B's backward in M + P - 1;
     the bubble counted in the table (F, B, W one unit each) is the formula's and below 1F1B's."""
-    zb, one_f = schedules.table_zb(P, M), schedules.table_1f1b(P, M)
+    zb, one_f = timetables.table_zb(P, M), timetables.table_1f1b(P, M)
     assert [[(f, b) for f, b, _ in row] for row in zb] == one_f
     for s, row in enumerate(zb):
         b_tick = {c[0]: t for t, (_, c, _) in enumerate(row) if c is not None}
@@ -114,23 +117,23 @@ def test_zero_bubble_timetable(P, M):
         assert sorted(w_tick) == list(range(M)) and all(
             w_tick[m] == m + 2 * (P - 1) >= b_tick[m] for m in range(M)
         )
-    assert schedules.w_in_flight(P, M) == [min(s + 1, M) for s in range(P)]
-    assert max(schedules.w_in_flight(P, M)) <= schedules.w_slots(P, M)
+    assert timetables.w_in_flight(P, M) == [min(s + 1, M) for s in range(P)]
+    assert max(timetables.w_in_flight(P, M)) <= timetables.w_slots(P, M)
     w_ticks = {t for row in zb for t, (_, _, c) in enumerate(row) if c is not None}
     b_ticks = {t for row in one_f for t, (_, c) in enumerate(row) if c is not None}
     assert len(w_ticks) == M and len(b_ticks) == M + P - 1
-    counted = schedules.bubble_counted("zb_h1", P, M)
+    counted = timetables.bubble_counted("zb_h1", P, M)
     assert (
         counted
-        == pytest.approx(schedules.schedule_bubble("zb_h1", P, M))
+        == pytest.approx(timetables.schedule_bubble("zb_h1", P, M))
         == pytest.approx(2 * (P - 1) / (3 * M + 2 * (P - 1)))
     )
     assert (
         counted
-        < schedules.bubble_counted("1f1b", P, M)
-        == pytest.approx(schedules.bubble_fraction(P, M))
+        < timetables.bubble_counted("1f1b", P, M)
+        == pytest.approx(timetables.bubble_fraction(P, M))
     )
-    phases = schedules.phases("zb_h1", P, M)
+    phases = timetables.timetable("zb_h1").slots(P, M)
     assert (
         sum(c for _, _, c, _ in phases) == len(zb[0])
         and sum(c for _, _, c, k in phases if "W" in k) == M
@@ -229,20 +232,21 @@ def test_bad_config_is_one_line(kw, culprit):
 
 
 def test_train_step_routing(monkeypatch):
-    """The train step runs the explicit schedules (1f1b, zb_h1) only on a pipeline mesh; on CPU it
-    runs MoE models only with threads enough in XLA:CPU's pool (mesh/xla.py), else one line."""
+    """The train step's objective (models.pipeline.objective) runs the explicit engine for 1f1b
+    and zb_h1 only on a pipeline mesh (a plain scan without one, the forward scan for gpipe); on
+    CPU it runs MoE models only with threads enough in XLA:CPU's pool (mesh/xla.py), else one line."""
+    engine_for = pipeline_lib.engine_for
     for schedule in ("1f1b", "zb_h1"):
         pc = PipelineConfig(schedule=schedule)
-        assert not pipeline_1f1b.runs(PRESETS["tiny"], pc)  # no mesh
+        assert engine_for(PRESETS["tiny"], pc) == "plain"  # no mesh
         with jax.set_mesh(make_mesh("pipeline=2,data=4")):
-            assert pipeline_1f1b.runs(PRESETS["tiny"], pc) and not pipeline_1f1b.runs(
-                PRESETS["tiny"], PipelineConfig()
-            )
+            assert engine_for(PRESETS["tiny"], pc) == "explicit"
+            assert engine_for(PRESETS["tiny"], PipelineConfig()) == "forward_scan"
             monkeypatch.setenv("PJRT_NPROC", "32")
-            assert pipeline_1f1b.runs(PRESETS["moe-tiny"], pc)
+            assert engine_for(PRESETS["moe-tiny"], pc) == "explicit"
             monkeypatch.setenv("PJRT_NPROC", "8")
             with pytest.raises(UserError) as e:
-                pipeline_1f1b.runs(PRESETS["moe-tiny"], pc)
+                engine_for(PRESETS["moe-tiny"], pc)
         assert (
             f"--pipeline.schedule {schedule} runs MoE models (model.n_experts=8) on 8 CPU devices only with"
             f" PJRT_NPROC=32 or more (XLA:CPU's thread pool, now 8"
@@ -258,7 +262,7 @@ def test_loss_validates_before_tracing():
         UserError,
         match=r"not divisible by --pipeline.microbatches=5; valid microbatches: \[2, 4, 8",
     ):
-        pipeline_1f1b.loss(embed, layer, head, outer, stack, batch, stages=2, microbatches=5)
+        explicit.loss(embed, layer, head, outer, stack, batch, stages=2, microbatches=5)
 
 
 # ------------------------------------------------------------------ equivalence: a toy model
@@ -343,7 +347,7 @@ def test_matches_sequential_stack(mesh, P, M, R):
     )(outer, stack, batch, M)
 
     def f(o, s, b):
-        obj, (loss_sum, aux) = pipeline_1f1b.loss(
+        obj, (loss_sum, aux) = explicit.loss(
             embed,
             layer,
             head,
@@ -353,9 +357,9 @@ def test_matches_sequential_stack(mesh, P, M, R):
             {"aux": AUX_WEIGHT},
             stages=P,
             microbatches=M,
+            schedule="zb_h1" if R == 0 else "1f1b" if R == 1 else "interleaved_1f1b",
             repeats=max(R, 1),
             has_aux=True,
-            zero_bubble=R == 0,
         )
         return obj, (loss_sum, aux)
 
@@ -411,9 +415,9 @@ def optax_norm(tree):
 @pytest.mark.slow
 def test_decoder_matches_plain_model_and_gpipe():
     """The tiny decoder (float32): the train step's objective (train.step.loss_terms) and its
-    gradient on one device-group without pipeline, with GPipe, and through 1F1B
-    (pipeline_1f1b.decoder_loss), pipeline=2 with data and fsdp axes, M = 2P."""
-    from train.step import loss_terms, token_losses
+    gradient on one device-group without pipeline, with GPipe, and through 1F1B (the explicit
+    engine, the same entry), pipeline=2 with data and fsdp axes, M = 2P."""
+    from train.step import loss_terms
 
     cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
     params = model.init(cfg, jax.random.key(0))
@@ -429,17 +433,10 @@ def test_decoder_matches_plain_model_and_gpipe():
 
     plain = run("data=8", lambda p, b: loss_terms(cfg, p, b)[0])
     gpipe = run("pipeline=2,data=2,fsdp=2", lambda p, b: loss_terms(cfg, p, b, pc)[0])
-    one_f = run(
-        "pipeline=2,data=2,fsdp=2",
-        lambda p, b: pipeline_1f1b.decoder_loss(
-            cfg,
-            p,
-            b,
-            dataclasses.replace(pc, schedule="1f1b"),
-            lambda lg, mb: token_losses(None, lg, mb),
-            {},
-        )[0],
-    )
+    one_f_pc = dataclasses.replace(pc, schedule="1f1b")
+    one_f = run("pipeline=2,data=2,fsdp=2", lambda p, b: loss_terms(cfg, p, b, one_f_pc)[0])
+    with jax.set_mesh(make_mesh("pipeline=2,data=2,fsdp=2")):
+        assert pipeline_lib.engine_for(cfg, one_f_pc) == "explicit"
     for want in (plain, gpipe):
         np.testing.assert_allclose(one_f[0], want[0], rtol=1e-5)
         np.testing.assert_allclose(optax_norm(one_f[1]), optax_norm(want[1]), rtol=1e-5)
@@ -472,7 +469,7 @@ def test_temp_memory_is_flat_in_microbatches():
             for k, dt in (("tokens", jnp.int32), ("targets", jnp.int32), ("w", jnp.float32))
         }
         if schedule != "gpipe":
-            f = lambda o, s, b: pipeline_1f1b.loss(
+            f = lambda o, s, b: explicit.loss(
                 embed,
                 layer,
                 head,
@@ -481,8 +478,8 @@ def test_temp_memory_is_flat_in_microbatches():
                 b,
                 stages=4,
                 microbatches=M,
+                schedule=schedule,
                 has_aux=True,
-                zero_bubble=schedule == "zb_h1",
             )[0]
         else:
             f = lambda o, s, b: head(

@@ -1,7 +1,7 @@
 """Split a backward pass in two: the part its caller needs now (B: the input gradient, on the
 pipeline's critical path) and the part that can wait (W: the weight gradients), without computing
 anything twice. Zero-bubble pipeline schedules run B as soon as the next stage's gradient arrives
-and W later, in ticks that would otherwise be idle (models/pipeline_1f1b.py, `zb_h1`).
+and W later, in ticks that would otherwise be idle (explicit.py, `zb_h1`).
 
 `jax.vjp` computes both at once. Here the backward is traced to a jaxpr and its equations are
 partitioned by what each output needs: B holds every equation an input gradient needs (the
@@ -11,8 +11,8 @@ output gradient g) B returns as `saved`; that is the memory a zero-bubble schedu
 
 The partition follows the data through the structure JAX gives a layer stack:
   - call-like equations (jit, remat, custom_jvp/vjp calls) are inlined first;
-  - a `scan` (the stack's layers, blockwise attention) is split into a B scan and a W scan: the carry
-    the B outputs need (the input gradient, closed under what it reads) stays in B, the weight
+  - a `scan` (the stack's layers, blockwise attention) is split into a B scan and a W scan: the
+    carry the B outputs need (the input gradient, closed under what it reads) stays in B, the weight
     gradients' accumulators go to W, and every per-iteration value W reads from B leaves the B scan
     as a stacked output and enters the W scan as an input;
   - any other equation (a `while`, a `shard_map` such as the MoE experts') is atomic: in B if B
@@ -96,8 +96,7 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts, args):
         if eqn.primitive.name in _INLINE:
             outs = _eval_inlined(*_body(eqn), invals)
         elif eqn.primitive.name == "scan":
-            body = eqn.params["jaxpr"]
-            nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+            body, ncar = eqn.params["jaxpr"], eqn.params["num_carry"]
 
             def step(c, carry, x, body=body, ncar=ncar):
                 out = _eval_inlined(body.jaxpr, body.consts, [*c, *carry, *x])
@@ -238,7 +237,8 @@ class _ScanSplit:
         own_w = (
             {carry_in[i] for i in self.carry_w} | set(consts_in) | set(xs_in) | set(bj.constvars)
         )
-        # what W reads per iteration from B: B-defined values and the B carry's value at that iteration
+        # what W reads per iteration from B: B-defined values and the B carry's value at that
+        # iteration
         self.stash = [v for v in plan.reads_w if v not in own_w]
         self.stash_keys = [_Stash() for _ in self.stash]
         rb, rw = set(plan.reads_b), set(plan.reads_w)
@@ -247,7 +247,10 @@ class _ScanSplit:
         self.xs_b = [k for k, v in enumerate(xs_in) if v in rb]
         self.xs_w = [k for k, v in enumerate(xs_in) if v in rw]
         outer = eqn.invars
-        lit = lambda vs: [v for v in vs if isinstance(v, core.Var)]
+
+        def lit(vs):
+            return [v for v in vs if isinstance(v, core.Var)]
+
         self.outer_reads_b = lit(
             [outer[k] for k in self.consts_b]
             + [outer[nc + i] for i in self.carry_b]

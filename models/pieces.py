@@ -1,0 +1,187 @@
+"""The built-in decoder in three pieces, pure functions of its parameters: the embedding (tokens ->
+x_BTD), the repeating layer group (x_BTD, one group's params, positions, segment ids -> x_BTD, MoE
+stats) and the head with its loss (x_BTD, batch -> loss sum). `Decoder.__call__`
+(models/transformer.py) is made of them, and models/pipeline runs them under every schedule, the
+plain scan included, so a change to the decoder's layers (a new family's block, a per-layer
+attention pattern) is made here once and every schedule runs it.
+
+The params as the pieces see them (`Decoder.pieces` splits the module): `outer`, what lies outside
+the layer stack ({"embed_VD", "norm": the final norm's state, "head_DV": None when tied}), and
+`stack`, the layer groups' params with every leaf [G, ...]: (dense [G, n_dense, ...] or None, MoE
+[G, ...] or None). A group is moe_every layers, moe_every - 1 dense then one MoE (a dense model:
+one dense layer), so every group has the same structure and the stack scans, and pipelines, by
+group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mesh.shard import constrain
+from models import context
+from models.config import ModelConfig
+from models.layers import head_logits
+from models.loss import chunked_token_xent, token_xent
+
+# the residual stream between blocks: its sequence dim is also split over `model` with sequence
+# parallelism
+ACT_BTD = ("batch", "res_seq", "act_embed")
+HIDDEN_BTD = ("logits_batch", "seq", "act_embed")  # the final-normed states the head reads
+LOGITS_BTV = ("logits_batch", "seq", "act_vocab")
+
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # save projection outputs (dots without batch dims); recompute attention scores, norms and
+    # activations
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the same outputs, moved to pinned host memory after the forward and back for the backward
+    # (XLA's host offloading; device memory then holds one layer's at a time)
+    "dots_offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+def layers_per_group(cfg: ModelConfig) -> int:
+    """Layers per repeating group: moe_every for an MoE model (moe_every - 1 dense, then one MoE),
+    else 1. The pipelines split the stack by groups, so the run's checks and `plan` count stages in
+    groups too."""
+    return cfg.moe_every if cfg.n_experts else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderPieces:
+    """The decoder's pieces for one config; the graph definitions are the modules' (nnx.split).
+    `token_loss(logits_BTV, batch) -> loss_BT`: a custom per-token loss (train/step.py
+    token_losses); None: cross-entropy against batch["targets"], which the head may chunk."""
+
+    cfg: ModelConfig
+    dtype: Any
+    dense_gdef: Any  # nnx.GraphDef of one dense layer (None: no dense layers)
+    moe_gdef: Any  # ... of one MoE layer (None: a dense model)
+    norm_gdef: Any  # ... of the final norm
+    token_loss: Callable | None = None
+
+    # MoE stats that are sums over tokens (the rest are means); the pipelines average every stat
+    # over the pieces of the batch, so these are scaled back by the piece count
+    count_stats = ("counts", "assigned", "dropped")
+
+    @property
+    def per_group(self) -> int:
+        return layers_per_group(self.cfg)
+
+    @property
+    def n_dense(self) -> int:
+        """Dense layers per group."""
+        return self.per_group - 1 if self.cfg.n_experts else 1
+
+    @property
+    def remat_policy(self):
+        return REMAT[self.cfg.remat]
+
+    @property
+    def scan_layers(self) -> bool:
+        return self.cfg.scan_layers
+
+    # -------------------------------------------------------------------------- the pieces
+
+    def embed(self, outer: dict, tokens_BT: jax.Array) -> jax.Array:
+        x_VD = outer["embed_VD"]
+        return constrain(jnp.take(x_VD, tokens_BT, axis=0).astype(self.dtype), ACT_BTD)
+
+    def group(self, x_BTD, params_G, positions_BT, segment_ids_BT=None):
+        """One group of layers -> (x_BTD, the MoE layer's stats or {}). Positions and segment ids
+        are arguments, not closed over: a pipeline splits them into micro-batches alongside x."""
+        x_BTD, stats, _ = self.layers(x_BTD, params_G, positions_BT, segment_ids_BT, None)
+        return x_BTD, stats
+
+    def decode_group(self, x_BTD, params_G, positions_BT, cache_G, segment_ids_BT=None):
+        """`group` reading and writing a KV cache ([per_group, ...] stacked) -> (x_BTD, stats,
+        cache_G)."""
+        return self.layers(x_BTD, params_G, positions_BT, segment_ids_BT, cache_G)
+
+    def layers(self, x_BTD, params_G, positions_BT, segment_ids_BT, cache_G):
+        """The one definition of a group's layers, for `group` and `decode_group`."""
+        dense_G, moe_G = params_G
+        new_caches, stats = [], {}
+        for j in range(self.per_group):
+            c = None if cache_G is None else jax.tree.map(lambda a, j=j: a[j], cache_G)
+            if j < self.n_dense:
+                layer = nnx.merge(self.dense_gdef, jax.tree.map(lambda a, j=j: a[j], dense_G))
+                x_BTD, c = layer(x_BTD, positions_BT, c, segment_ids_BT)
+            else:
+                layer = nnx.merge(self.moe_gdef, moe_G)
+                x_BTD, c, stats = layer(x_BTD, positions_BT, c, segment_ids_BT)
+            new_caches.append(c)
+        if cache_G is not None:
+            cache_G = jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
+        return x_BTD, stats, cache_G
+
+    def final(self, outer: dict, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """-> (the final-normed states [B,T,D], the LM head [D,V] in the compute dtype)."""
+        x_BTD = constrain(nnx.merge(self.norm_gdef, outer["norm"])(x_BTD), HIDDEN_BTD)
+        head_DV = outer["embed_VD"].T if outer["head_DV"] is None else outer["head_DV"]
+        return x_BTD, head_DV.astype(self.dtype)
+
+    def logits(self, x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
+        """The final-normed states -> logits [B,T,V] float32."""
+        return constrain(head_logits(x_BTD, head_DV), LOGITS_BTV)
+
+    def head(self, outer: dict, x_BTD: jax.Array, batch: dict, chunk: int = 0) -> jax.Array:
+        """The last layer group's output -> the batch's loss sum (float32): per-token losses times
+        batch["weights"] (when given). `chunk` > 0: the cross-entropy `chunk` tokens at a time
+        (models/loss.py), never holding the [B,T,V] logits; a custom token_loss reads whole
+        logits."""
+        x_BTD, head_DV = self.final(outer, x_BTD)
+        if chunk and self.token_loss is None:
+            loss_BT = chunked_token_xent(
+                x_BTD,
+                head_DV,
+                batch["targets"],
+                chunk_tokens=chunk,
+                seq_shards=context.context_size(),
+            )
+        else:
+            logits_BTV = self.logits(x_BTD, head_DV)
+            loss_BT = (
+                token_xent(logits_BTV, batch["targets"])
+                if self.token_loss is None
+                else self.token_loss(logits_BTV, batch)
+            )
+        weights_BT = batch.get("weights")
+        return jnp.sum(loss_BT if weights_BT is None else loss_BT * weights_BT)
+
+    def decode(self, stack, x_BTD, positions_BT, cache, segment_ids_BT=None):
+        """Every group with the KV cache ([L, ...] stacked) -> (x_BTD, stats [G, ...], cache).
+        Decoding has no backward pass: no remat, no pipeline."""
+        n_groups = self.cfg.n_layers // self.per_group
+        caches = jax.tree.map(lambda a: a.reshape(n_groups, self.per_group, *a.shape[1:]), cache)
+
+        def step(x_BTD, xs):
+            params_G, cache_G = xs
+            x_BTD, stats, cache_G = self.decode_group(
+                x_BTD, params_G, positions_BT, cache_G, segment_ids_BT
+            )
+            return x_BTD, (stats, cache_G)
+
+        x_BTD, (stats, caches) = over_groups(step, x_BTD, (stack, caches), self.scan_layers)
+        cache = jax.tree.map(lambda a: a.reshape(self.cfg.n_layers, *a.shape[2:]), caches)
+        return x_BTD, stats, cache
+
+
+def over_groups(step: Callable, x, xs, scan: bool):
+    """`lax.scan(step, x, xs)`, or with `scan` False the same as an unrolled Python loop over the
+    groups (compile time grows with depth; XLA sees every layer)."""
+    if scan:
+        return jax.lax.scan(step, x, xs)
+    n = jax.tree.leaves(xs)[0].shape[0]
+    outs = []
+    for g in range(n):
+        x, out = step(x, jax.tree.map(lambda a, g=g: a[g], xs))
+        outs.append(out)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)

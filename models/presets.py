@@ -1,0 +1,80 @@
+"""The named model presets (`--model NAME`): the test and CPU demo shapes, Llama, Mixtral and
+DeepSeek-V3 shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from errors import UserError
+from models.config import ModelConfig
+
+
+def _llama(vocab, d, layers, heads, kv, ff, seq, theta=500000.0) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_ff=ff,
+        max_seq_len=seq,
+        rope_theta=theta,
+        dtype="auto",
+    )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # tests: small enough that a step compiles in about a second on CPU
+    "tiny": ModelConfig(
+        vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=256
+    ),
+    # CPU demo: 3.3M parameters, byte-level vocabulary; activations of this size fit easily, so no
+    # remat
+    "default": ModelConfig(remat="none"),
+    # Llama shapes (https://arxiv.org/abs/2302.13971, Llama 2/3 GQA)
+    "125m": _llama(32000, 768, 12, 12, 12, 2048, 2048, theta=10000.0),
+    "1b": _llama(128256, 2048, 16, 32, 8, 8192, 4096),
+    "7b": _llama(32000, 4096, 32, 32, 32, 11008, 4096, theta=10000.0),
+    "70b": _llama(128256, 8192, 80, 64, 8, 28672, 4096),
+}
+
+
+def _moe(base: ModelConfig, **moe) -> ModelConfig:
+    return dataclasses.replace(base, **moe)
+
+
+PRESETS.update(
+    {
+        # tests: 8 experts of width 64, top-2, on the tiny shape
+        "moe-tiny": _moe(PRESETS["tiny"], n_experts=8, experts_per_token=2, d_ff_expert=64),
+        # CPU demo: the default shape with 8 experts of width 384, top-2 (active FFN width 768 = the
+        # dense default)
+        "moe-default": _moe(PRESETS["default"], n_experts=8, experts_per_token=2, d_ff_expert=384),
+        # Mixtral 8x7B (https://arxiv.org/abs/2401.04088): 8 experts, top-2, every layer
+        "mixtral-8x7b": _moe(
+            _llama(32000, 4096, 32, 32, 8, 14336, 32768, theta=1e6),
+            n_experts=8,
+            experts_per_token=2,
+            d_ff_expert=14336,
+        ),
+        # DeepSeek-V3 shape (https://arxiv.org/abs/2412.19437): 256 fine-grained experts, top-8, 1
+        # shared, sigmoid router with aux-loss-free bias balancing. Stand-ins: GQA for MLA, every
+        # layer MoE (V3's first 3 are dense), no multi-token prediction.
+        "deepseek-v3": _moe(
+            _llama(129280, 7168, 61, 128, 128, 18432, 4096, theta=10000.0),
+            n_experts=256,
+            experts_per_token=8,
+            d_ff_expert=2048,
+            n_shared_experts=1,
+            router="sigmoid",
+            router_bias_rate=0.001,
+            aux_loss_coef=0.0001,
+        ),
+    }
+)
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise UserError(f"--model: unknown preset '{name}'; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
