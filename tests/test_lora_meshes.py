@@ -22,7 +22,8 @@ from checkpoint.layout import params_only_meta
 from checkpoint.manager import Checkpointer
 from mesh.build import make_mesh
 from models import model
-from plan.report import analyze, render
+from plan.render import render
+from plan.report import analyze
 from train import lora
 from train.config import build
 from train.setup import setup

@@ -31,7 +31,7 @@ from checkpoint.manager import Checkpointer
 from errors import UserError
 from models.config import PipelineConfig
 from models.presets import preset
-from plan import cost, hardware, search
+from plan import cost, estimate, hardware, search
 from train import resume
 from train.config import build
 from train.memory import check_host_offload
@@ -121,7 +121,7 @@ def test_plan_counts_host_and_device_bytes_apart(schedule):
     cfg, hw = preset("7b"), hardware.get("h100")
     rows = {}
     for remat in ("dots", "dots_offload"):
-        rows[remat] = search.evaluate(
+        rows[remat] = estimate.evaluate(
             dataclasses.replace(cfg, remat=remat),
             {"pipeline": 2, "fsdp": 4},
             hw,
@@ -145,7 +145,7 @@ def test_plan_counts_the_optimizer_state_in_host_memory():
     and out are a host-link row."""
     cfg, hw = preset("7b"), hardware.get("h100")
     rows = {
-        off: search.evaluate(
+        off: estimate.evaluate(
             cfg, {"fsdp": 8}, hw, 8, 4096, train_cfg=build({"train.offload_optimizer": off}).train
         )
         for off in (False, True)
@@ -164,7 +164,7 @@ def test_plan_counts_the_optimizer_state_in_host_memory():
 def test_search_offloads_only_a_mesh_that_does_not_fit():
     """7B on one H100: its state (~100 GiB) does not fit in 80 GB; the search offers the layout with
     the optimizer state in host memory, and says so in its flags. On 8 H100s sharding fits without."""
-    from plan.report import run_flags
+    from plan.render import run_flags
 
     hw = hardware.get("h100")
     (row,) = search.search(preset("7b"), 1, hw, batch_size=1, seq_len=4096)

@@ -432,7 +432,8 @@ def test_moe_on_pipeline_mesh_matches_data_parallel(tmp_path):
 def test_plan_reports_pipeline(tmp_path):
     """`plan` on pipeline=4: a quarter of the layer-stack bytes per device of pipeline=1, the
     stage-to-stage permutes of the compiled step equal to the schedule's count, and the chart."""
-    from plan.report import analyze, render
+    from plan.render import render
+    from plan.report import analyze
 
     over = {"model.n_layers": 4}
     flat, pp = (

@@ -239,7 +239,7 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
 @pytest.mark.slow
 def test_local_sgd_reports_bytes_per_sync_and_per_step():
     """DiLoCo: the outer all-reduce sits in a lax.cond branch run every H-th step; the HLO holds it once."""
-    from plan import cost, hardware
+    from plan import compiled_cost, hardware
 
     r = analyze(Trainer(cfg("data=4,fsdp=2", **{"comm.sync_every": 4, "train.seq_len": 64})).setup)
     th = r["theory_detail"]["all-reduce@data"]
@@ -262,7 +262,7 @@ def test_local_sgd_reports_bytes_per_sync_and_per_step():
             "train.seq_len": 64,
         }
     )
-    pred = cost.from_plan(r, hw, c.model, 16, 64, 1, {"data": 4, "fsdp": 2})
+    pred = compiled_cost.from_plan(r, hw, c.model, 16, 64, 1, {"data": 4, "fsdp": 2})
     got = pred["comm"]["all-reduce@data"]
     hlo = r["collectives_detail"]["all-reduce"]["by_axes"]["data"]["wire_bytes"]
     assert got["wire_bytes"] == pytest.approx(hlo / 4) and got["per_sync_wire_bytes"] == hlo
@@ -282,9 +282,11 @@ def test_memory_traffic_counts_every_layer():
 def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedule, repeats):
     """--micro-batches (gradient accumulation) repeats the whole pipeline; the bubble comes from
     the schedule the run validates and plan prints: (P-1)/(R*M+P-1), M = --pipeline.microbatches."""
-    from plan import cost, hardware
-    from plan.report import pipeline_report, render_cost
-    from plan.theory import run_spec, theory
+    from plan import compiled_cost, hardware
+    from plan.render import render_cost
+    from plan.report import pipeline_report
+    from plan.run_spec import run_spec
+    from plan.theory import theory
 
     P, M, G, R = 2, 4, 2, repeats
     c = cfg(
@@ -308,7 +310,9 @@ def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedu
         "pipeline": printed,
         "theory_detail": theory(run_spec(tr.setup), tr.abstract_state().params),
     }
-    priced = cost.from_plan(report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape))
+    priced = compiled_cost.from_plan(
+        report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape)
+    )
     assert printed["microbatches"] == M and printed["repeats"] == R
     assert printed["bubble"] == priced["bubble"] == pytest.approx((P - 1) / (R * M + P - 1))
     assert priced["bubble"] != pytest.approx((P - 1) / (G + P - 1))  # not the accumulation count

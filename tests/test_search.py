@@ -9,12 +9,14 @@ import pytest
 
 from errors import UserError
 from mesh.rules import make_rules
-from mesh.spec import AXES
+from mesh.spec import AXES, mesh_text
 from models.config import PipelineConfig
 from models.presets import preset
-from plan import cli, hardware, search
-from plan.report import analyze, run_flags
-from plan.theory import on_backend, run_spec, theory
+from plan import cli, estimate, hardware, search
+from plan.render import run_flags
+from plan.report import analyze
+from plan.run_spec import run_spec
+from plan.theory import on_backend, theory
 from train.config import TrainConfig, build
 from train.loop import Trainer
 
@@ -41,7 +43,7 @@ def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():
         sizes = dict(zip(("pipeline", "data", "fsdp", "expert", "model"), shape))
         if sizes["expert"] > 1:
             continue  # a dense model has no experts
-        text = search.mesh_text(sizes)
+        text = mesh_text(sizes)
         cfg = build(
             {
                 "model.preset": "tiny",
@@ -70,15 +72,15 @@ def test_moe_pipeline_stages_hold_whole_layer_groups():
     t = TrainConfig(batch_size=16, seq_len=32)
     four = {**dict.fromkeys(AXES, 1), "pipeline": 4, "data": 2}
     two = {**dict.fromkeys(AXES, 1), "pipeline": 2, "data": 4}
-    assert "pipeline=4" in search.check(
+    assert "pipeline=4" in estimate.check(
         moe, four, t, gpipe, make_rules()
     )  # 4 layers % 4 == 0, 2 groups % 4 != 0
-    assert "--pipeline.repeats=2" in search.check(
+    assert "--pipeline.repeats=2" in estimate.check(
         moe, two, t, circular, make_rules()
     )  # 2 groups % (2 x 2) != 0
-    assert search.check(moe, two, t, gpipe, make_rules()) is None
+    assert estimate.check(moe, two, t, gpipe, make_rules()) is None
     assert (
-        search.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None
+        estimate.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None
     )  # 4 groups
     found = {r["mesh"] for r in search.search(moe, 8, hw, batch_size=16, seq_len=32)}
     assert "pipeline=2,data=4" in found and not any(m.startswith("pipeline=4") for m in found)
@@ -120,7 +122,7 @@ def test_search_splits_the_batch_as_the_rules_say():
         )
     )  # the run agrees
     # 4 rows per device: the activations of fsdp=8 with 32 rows under the default split over fsdp
-    default_32 = search.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
+    default_32 = estimate.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
     assert found["fsdp=8"]["memory"]["activations"] == default_32["memory"]["activations"]
 
 
@@ -128,7 +130,7 @@ def test_pipeline_fsdp_gathers_the_stage_weights_every_tick():
     """On a pipeline mesh every tick (bubble ticks too) gathers its layers' FSDP-sharded weights:
     (M + P-1) ticks a pass, once with --pipeline.gather_once; the embedding and head once."""
     tiny, hw = preset("tiny"), hardware.get("h100")
-    gathered = lambda pc: search.evaluate(
+    gathered = lambda pc: estimate.evaluate(
         tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32, pipeline_cfg=pc
     )["theory"]["all-gather@fsdp"]["operand_bytes"]
     once = gathered(PipelineConfig(microbatches=4, gather_once=True))
@@ -168,8 +170,8 @@ def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
 def test_tensor_parallel_across_nodes_ranks_below_inside_a_node():
     """The placement rule: the same model=8 sync costs more over InfiniBand than over NVLink."""
     m7, hw = preset("7b"), hardware.get("h100")
-    inside = search.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048)
-    across = search.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048, dcn={"model": 4})
+    inside = estimate.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048)
+    across = estimate.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048, dcn={"model": 4})
     assert inside["placement"]["model"] == "intra" and across["placement"]["model"] == "inter"
     assert across["t_step_s"] > inside["t_step_s"]
 
@@ -193,9 +195,9 @@ def test_big_searches_run_in_seconds():
 
 def test_evaluate_refuses_an_invalid_mesh_in_one_line():
     with pytest.raises(UserError, match=r"mesh model=8: model.n_heads=4|mesh model=8: .*heads"):
-        search.evaluate(preset("tiny"), {"model": 8}, hardware.get("h100"), 16, 32)
+        estimate.evaluate(preset("tiny"), {"model": 8}, hardware.get("h100"), 16, 32)
     with pytest.raises(UserError, match="pipeline=3"):
-        search.evaluate(preset("7b"), {"pipeline": 3}, hardware.get("h100"), 16, 32)
+        estimate.evaluate(preset("7b"), {"pipeline": 3}, hardware.get("h100"), 16, 32)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +222,7 @@ def compiled():
 @pytest.mark.parametrize("mesh,sizes", [("data=8", {"data": 8}), ("fsdp=8", {"fsdp": 8})])
 def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
     tr, report = compiled(mesh)
-    row = search.evaluate(
+    row = estimate.evaluate(
         preset("tiny"), sizes, hardware.get("cpu", 8), 16, 256, train_cfg=tr.cfg.train
     )
     assert row["theory"] == report["theory_detail"]  # the analytic search uses plan's own formulas
@@ -286,7 +288,7 @@ def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
         over["comm.sync_every"] = 4
     tr = Trainer(build(over))
     sizes = {a: tr.mesh.shape[a] for a in tr.mesh.axis_names}
-    row = search.evaluate(
+    row = estimate.evaluate(
         tr.model_cfg,
         sizes,
         hardware.get("cpu", 8),
@@ -307,8 +309,8 @@ def test_sequence_parallelism_saves_activations_and_moves_the_same_bytes():
     (full remat keeps only each layer's input, so most of the saved set), and the wire bytes are
     Megatron's: a reduce-scatter plus an all-gather per all-reduce."""
     m70, hw, sizes = preset("70b"), hardware.get("h100"), {"fsdp": 8, "model": 8, "data": 2}
-    plain = search.evaluate(m70, sizes, hw, 16, 8192)
-    sp = search.evaluate(m70, sizes, hw, 16, 8192, sequence_parallel=True)
+    plain = estimate.evaluate(m70, sizes, hw, 16, 8192)
+    sp = estimate.evaluate(m70, sizes, hw, 16, 8192, sequence_parallel=True)
     assert sp["sequence_parallel"] and not plain["sequence_parallel"]
     assert sp["memory"]["activations"] < plain["memory"]["activations"] / 4
     assert sp["t_comm_s"] == pytest.approx(plain["t_comm_s"])
@@ -322,8 +324,8 @@ def test_context_axis_is_priced_as_a_token_axis():
     weight sharding, so the same parameter memory and weight traffic; context adds the K/V
     all-gather and, while a layer runs, the other shards' K/V."""
     m7, hw = preset("7b"), hardware.get("h100")
-    ctx = search.evaluate(m7, {"context": 4, "model": 2}, hw, 1, 32768)
-    fsdp = search.evaluate(m7, {"fsdp": 4, "model": 2}, hw, 4, 8192)
+    ctx = estimate.evaluate(m7, {"context": 4, "model": 2}, hw, 1, 32768)
+    fsdp = estimate.evaluate(m7, {"fsdp": 4, "model": 2}, hw, 4, 8192)
     assert ctx["memory"]["params"] == pytest.approx(fsdp["memory"]["params"])
     assert (
         ctx["theory"]["all-gather@context"]["operand_bytes"]
