@@ -39,9 +39,8 @@ class SaveFailed(UserError):
     def __init__(self, saver: Checkpointer, step: int, err: Exception):
         kept = saver.all_steps()
         tmp = re.search(r"/(\d+)" + re.escape(TMP_SUFFIX), str(err))
-        step = (
-            int(tmp.group(1)) if tmp else step
-        )  # a background save fails a step later than it started
+        # a background save fails a step later than it started
+        step = int(tmp.group(1)) if tmp else step
         super().__init__(
             f"checkpoint: saving step {step} to {saver.directory} failed ({_write_error(err)});"
             f" committed checkpoints are intact (steps {step_list(kept) if kept else 'none'});"
