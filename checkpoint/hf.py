@@ -25,10 +25,10 @@ from checkpoint.hf_files import hf_tensors, load_params, read_config, write_file
 from checkpoint.layout import fingerprint, lora_base, merged
 from errors import ArgParser, UserError, expect
 from models.config import ModelConfig
-from models.hf import (
+from models.hf import Model
+from models.hf_config import (
     ARCHITECTURES,
     DTYPES,
-    Model,
     config_from_hf,
     config_to_hf,
     is_int,

@@ -19,16 +19,8 @@ import numpy as np
 from checkpoint import finite
 from errors import UserError
 from models.config import ModelConfig
-from models.hf import (
-    IGNORED_SUFFIXES,
-    LAYOUTS,
-    ROWS,
-    Model,
-    Row,
-    expected_shapes,
-    is_int,
-    short_json,
-)
+from models.hf import IGNORED_SUFFIXES, LAYOUTS, ROWS, Model, Row, expected_shapes
+from models.hf_config import is_int, short_json
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

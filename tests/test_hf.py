@@ -20,7 +20,7 @@ from checkpoint import hf  # noqa: E402
 from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
 from checkpoint.hf_files import INDEX, SAFETENSORS  # noqa: E402
 from errors import UserError  # noqa: E402
-from models import hf as hf_tables  # noqa: E402
+from models import hf_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8)
@@ -176,7 +176,7 @@ def test_export_reimport_exact_and_loads_in_transformers(tmp_path, case):
 
 def test_llama3_rope_scaling(tmp_path):
     """Llama 3.1's long-context RoPE ("llama3"), at positions past original_max_position_embeddings."""
-    if not hf_tables._LLAMA3_ROPE:
+    if not hf_config._LLAMA3_ROPE:
         make_hf(tmp_path, num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3)
         with pytest.raises(UserError, match='rope_type="llama3" is not supported'):
             hf.from_pretrained(str(tmp_path))
@@ -357,13 +357,13 @@ def test_export_refuses_what_hf_cannot_express():
     from models.presets import preset
 
     cfg = preset("moe-tiny")
-    assert hf_tables.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]
-    assert hf_tables.config_to_hf(preset("tiny"))["architectures"] == ["LlamaForCausalLM"]
+    assert hf_config.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]
+    assert hf_config.config_to_hf(preset("tiny"))["architectures"] == ["LlamaForCausalLM"]
     for field, value in (("n_shared_experts", 1), ("router", "sigmoid"), ("moe_every", 2)):
         with pytest.raises(
             UserError, match=f"model.{field}={value} has no HuggingFace Mixtral equivalent"
         ):
-            hf_tables.config_to_hf(dataclasses.replace(cfg, **{field: value}))
+            hf_config.config_to_hf(dataclasses.replace(cfg, **{field: value}))
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from checkpoint import hf  # noqa: E402
 from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
 from checkpoint.hf_files import INDEX, SAFETENSORS, load_params, read_config  # noqa: E402
 from errors import UserError  # noqa: E402
-from models import hf as hf_tables  # noqa: E402
+from models import hf_config  # noqa: E402
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
@@ -42,7 +42,7 @@ def good(tmp_path_factory):
         )
         weight_map.update(dict.fromkeys(part, shard))
     (root / "sharded" / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    model_type, cfg = hf_tables.config_from_hf(read_config(str(root / "single")))
+    model_type, cfg = hf_config.config_from_hf(read_config(str(root / "single")))
     one, two = (load_params(str(root / d), model_type, cfg) for d in ("single", "sharded"))
     assert all(
         jax.tree.leaves(jax.tree.map(np.array_equal, one, two))
