@@ -73,9 +73,8 @@ def timed_restores(directory: str, step: int, abstract, repeats: int, verify: bo
     for _ in range(repeats):
         t0 = time.perf_counter()
         if verify:
-            restored, _ = ck.restore(
-                step, abstract
-            )  # reads every chunk once to verify, then restores
+            # reads every chunk once to verify, then restores
+            restored, _ = ck.restore(step, abstract)
         else:
             restored = ck._mngr.restore(
                 step,

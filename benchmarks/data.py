@@ -30,13 +30,13 @@ os.environ["XLA_FLAGS"] = (
 
 import numpy as np  # noqa: E402
 
-TRAIN_TOKENS_PER_S = (
-    2428  # BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
-)
+# BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
+TRAIN_TOKENS_PER_S = 2428
 
 
 def stdlib_sample(directory: str, mb: int) -> list[str]:
-    """Copies of stdlib .py files (sorted) up to `mb` MB, so the input is real code, not one repeated file."""
+    """Copies of stdlib .py files (sorted) up to `mb` MB, so the input is real code, not one
+    repeated file."""
     root, files, total = sysconfig.get_paths()["stdlib"], [], 0
     for dirpath, dirnames, names in os.walk(root):
         dirnames[:] = sorted(
@@ -106,7 +106,8 @@ def rate(fn, tokens_per_call: int, min_s: float = 2.0) -> float:
 
 
 def grain_rate(pipe, B: int, min_s: float = 2.0) -> float:
-    """The same windows through Grain: MapDataset.range(n).shuffle(seed).repeat() -> gather -> batch."""
+    """The same windows through Grain: MapDataset.range(n).shuffle(seed).repeat() -> gather ->
+    batch."""
     import grain
 
     win = pipe.train[0]

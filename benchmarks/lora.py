@@ -9,10 +9,11 @@ batch 8 x 128 tokens. LoRA adapts q,k,v,o,gate,up,down at `--rank` (alpha 2 x ra
 frozen base (the base's values do not change the step's work). Step time: the median of every timed
 step, the two modes interleaved rep by rep (each rep `--steps` steps after one untimed), so a load
 change on the shared machine hits both alike; the process's CPU seconds per step (all XLA threads),
-which other processes' load inflates less than wall time; and the compiled FLOPs per device. Memory per device: `plan`'s accounting of the state
-(trainable params, their gradients and optimizer state, the LoRA run's frozen base) and what the
-compiler measured for the compiled step (memory_analysis: arguments, i.e. the state, base and batch
-the step takes, and temporaries; the outputs alias the donated state).
+which other processes' load inflates less than wall time; and the compiled FLOPs per device. Memory
+per device: `plan`'s accounting of the state (trainable params, their gradients and optimizer state,
+the LoRA run's frozen base) and what the compiler measured for the compiled step (memory_analysis:
+arguments, i.e. the state, base and batch the step takes, and temporaries; the outputs alias the
+donated state).
 """
 
 import argparse
@@ -125,7 +126,9 @@ class Mode:
 
 
 def table(rows: list[dict], a) -> str:
-    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    def mib(b: float) -> str:
+        return f"{b / 2**20:.2f}"
+
     lines = [
         f"benchmarks/lora.py: 125m layer shape, {a.layers} layers, vocab {a.vocab}, batch 8 x 128, float32,"
         f" mesh {a.mesh}; median of {a.reps} x {a.steps} interleaved steps; memory in MiB per device",

@@ -165,9 +165,8 @@ def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
     mesh = make_mesh(mesh_spec)
     ep = dict(zip(mesh.axis_names, mesh.devices.shape))["expert"]
     n, x_count = x.shape[0] * x.shape[1] // mesh.devices.size, e // ep
-    idx = np.asarray(moe.route(cfg, x, w[0])[0]).reshape(
-        mesh.devices.size, n * k
-    )  # each device's rows
+    # each device's rows
+    idx = np.asarray(moe.route(cfg, x, w[0])[0]).reshape(mesh.devices.size, n * k)
     own = np.mean([np.sum(idx[i] // x_count == i % ep) for i in range(mesh.devices.size)])
     fixed = ep * n * min(k, x_count)
     print(

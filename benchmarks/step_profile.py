@@ -37,9 +37,13 @@ KINDS = (
 
 def vocab_fusions(hlo: str, vocab: int) -> set[str]:
     """Names of XLA:CPU's matmul ops (`ynn_fusion`: YNNPACK dot fusions, or a plain `dot`) with a
-    vocab-sized dim in their output or an operand: the logits and the two gradients of the LM head."""
+    vocab-sized dim in their output or an operand: the logits and the two gradients of the LM
+    head."""
     shapes = dict(re.findall(r"%(\S+) = (\S+\[[\d,]*\])", hlo))
-    has_vocab = lambda shape: re.search(rf"[\[,]{vocab}[,\]]", shape) is not None  # noqa: E731
+
+    def has_vocab(shape: str) -> bool:
+        return re.search(rf"[\[,]{vocab}[,\]]", shape) is not None
+
     out = set()
     for name, shape, operands in re.findall(
         r"%((?:ynn_fusion|dot)[.\d]*) = (\S+\[[\d,]*\])[^(]*\(([^)]*)\)", hlo

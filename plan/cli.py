@@ -159,9 +159,8 @@ def _hardware(ns, n_devices: int, cfg) -> Hardware:
         raise UserError(
             f"--search/--devices need --hardware NAME; valid: {', '.join(hardware.PROFILES)}"
         )
-    return hardware.get(
-        ns.hardware, n_devices, cfg.model.compute_dtype("cpu")
-    )  # dtype: for the CPU profile
+    # dtype: for the CPU profile
+    return hardware.get(ns.hardware, n_devices, cfg.model.compute_dtype("cpu"))
 
 
 def _goodput(ns, cfg, pred: dict, state_bytes: float, hw: Hardware) -> dict:

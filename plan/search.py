@@ -93,9 +93,8 @@ def _price(
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=True,
             )
-    except (
-        UserError
-    ):  # --parallelism.vocab_parallel on, and the mesh does not divide the vocabulary
+    except UserError:
+        # --parallelism.vocab_parallel on, and the mesh does not divide the vocabulary
         return None
     return row
 
