@@ -4,7 +4,8 @@ with its own defaults, synthetic data, one fake CPU device per device of the mes
 peer1). Median step time of steps >= 3 per run, then the median over reps; the throughput ratio is
 MaxText's time / Brigade's.
 
-    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp,moe,moe_ep8,peer1] [--reps 2] [--steps 16]
+    python benchmarks/peer.py --maxtext-python PATH
+        [--shapes peer,larger,tp,dp_fsdp,moe,moe_ep8,peer1] [--reps 2] [--steps 16]
 
 PATH is the python of an environment with MaxText installed (`pip install maxtext==0.2.5` needs
 Python >= 3.12); also read from $MAXTEXT_PYTHON.
@@ -185,7 +186,8 @@ def main():
     a = ap.parse_args()
     if not a.maxtext_python or not os.path.exists(a.maxtext_python):
         sys.exit(
-            "--maxtext-python PATH: the python of an environment with MaxText installed (or $MAXTEXT_PYTHON)"
+            "--maxtext-python PATH: the python of an environment with MaxText installed"
+            " (or $MAXTEXT_PYTHON)"
         )
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -194,7 +196,7 @@ def main():
     print("|---|---|---|---|---|")
     for name in a.shapes.split(","):
         mt, us = [], []
-        for r in range(a.reps):
+        for _ in range(a.reps):
             with tempfile.TemporaryDirectory() as tmp:
                 mt.append(maxtext(a.maxtext_python, SHAPES[name], a.steps, tmp))
                 us.append(brigade(SHAPES[name], a.steps, os.path.join(tmp, "ours"), a.extra))
