@@ -97,8 +97,8 @@ class Checkpointer:
                     storage.makedirs(directory)
             except OSError as e:
                 raise UserError(f"{flag}: cannot create '{directory}': {e.strerror or e}") from None
-            # an object store says whether a write is allowed only when one is tried (the first
-            # save)
+            # an object store says whether a write is allowed only when one is
+            # tried (the first save)
             if owner and storage.is_local(directory) and not os.access(directory, os.W_OK):
                 raise UserError(f"{flag}: '{directory}' is not writable")
         elif not storage.isdir(directory):

@@ -66,8 +66,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "stages": ("pipeline",),
 }
 
-# The config option that sets each parameter dim's size, so that a divisibility error names what to
-# change.
+# The config option that sets each parameter dim's size, so that a divisibility error
+# names what to change.
 HINTS = {
     "heads": "model.n_heads",
     "kv_heads": "model.n_kv_heads",

@@ -139,9 +139,9 @@ class Attention(nnx.Module):
                 cache.index + x_BTD.shape[1],
             )
             s = cache.k.shape[1]
-            # Slot s holds the key of position s: a query at position p sees the cached keys at
-            # positions <= p (slots past `index` are empty), and with a window only the last W of
-            # them.
+            # Slot s holds the key of position s: a query at position p sees the cached
+            # keys at positions <= p (slots past `index` are empty), and with a window
+            # only the last W of them.
             mask_B1TS = visible(
                 positions_BT[:, None, :, None],
                 jnp.arange(s)[None, None, None, :],

@@ -22,16 +22,16 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# config.json keys each family's HF model reads that add tensors Brigade has no place for (true is
-# refused)
+# config.json keys each family's HF model reads that add tensors Brigade has no place
+# for (true is refused)
 _BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
 # families whose config.json may set head_dim apart from hidden_size / num_attention_heads
 _FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3")
 # Gemma 2/3 differ from the Llama block in ways the stacked decoder does not express: tanh
-# soft-capping of attention and final logits, norms after attention and MLP too (sandwich), RMSNorm
-# scaled by 1 + w, embeddings scaled by sqrt(hidden_size), GeGLU, and local/global layers
-# alternating with their own RoPE bases. Refused by name, with the keys that carry those
-# differences.
+# soft-capping of attention and final logits, norms after attention and MLP too
+# (sandwich), RMSNorm scaled by 1 + w, embeddings scaled by sqrt(hidden_size), GeGLU, and
+# local/global layers alternating with their own RoPE bases. Refused by name, with the
+# keys that carry those differences.
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
 _GEMMA_KEYS = (
     "attn_logit_softcapping",

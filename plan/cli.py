@@ -141,8 +141,8 @@ def main(argv: list[str]) -> int:
         pipeline_lib.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
     report = analyze(s)
     if ns.hardware and hardware.platform_of(ns.hardware) == report["backend"]:
-        # the compile's bytes price only its own backend (plan.compiled_cost.from_plan): no second
-        # compile else
+        # the compile's bytes price only its own backend (plan.compiled_cost.from_plan):
+        # no second compile else
         report["memory_traffic"] = memory_traffic(s, report)
     cost_text = with_cost(report, ns, cfg, mesh) if ns.hardware else ""
     if ns.json:

@@ -264,8 +264,8 @@ def _dynamic_counts(edges, comps, entry):
             indeg[callee] -= 1
             if indeg[callee] == 0:
                 queue.append(callee)
-    # A computation nothing reachable calls (a fragment without ENTRY wiring) still ran at least
-    # once.
+    # A computation nothing reachable calls (a fragment without ENTRY wiring)
+    # still ran at least once.
     return {c: count[c] or 1 for c in set(comps) | set(count)}, known
 
 

@@ -13,6 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+# the imports below wait for the skips above (E402): without transformers and torch nothing runs
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from test_hf import assert_export_is_exact, tokens, torch_logits  # noqa: E402
@@ -30,7 +31,8 @@ CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
 }
 CASES = {  # family -> (config overrides, the ModelConfig fields the import must set)
-    # Qwen2.5-0.5B's shape of things: tied embeddings, GQA; every layer sliding (max_window_layers 0)
+    # Qwen2.5-0.5B's shape of things: tied embeddings, GQA; every layer sliding
+    # (max_window_layers 0)
     "qwen2": (
         dict(
             tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=0
@@ -139,9 +141,8 @@ def test_training_sharded_with_bias_norm_and_window(tmp_path):
     for name, shard in (("bq_NH", (2, 2, 16)), ("bk_KH", (2, 1, 16)), ("bv_KH", (2, 1, 16))):
         assert tuple(attn[name].sharding.spec)[1:] == ("model", None), name
         assert attn[name].sharding.shard_shape(attn[name].shape) == shard, name
-        assert np.abs(np.asarray(jax.device_get(attn[name]))).max() > 0, (
-            name
-        )  # zeros at init, trained
+        # zeros at init, trained
+        assert np.abs(np.asarray(jax.device_get(attn[name]))).max() > 0, name
     for name in ("q_norm", "k_norm"):
         scale = attn[name]["scale"]
         assert scale.shape == (2, 16) and scale.sharding.is_fully_replicated

@@ -51,8 +51,9 @@ def test_1f1b_activations_are_flat_in_microbatches_and_gpipe_linear():
 
 
 def test_70b_example_fits_with_1f1b_where_gpipe_does_not():
-    """The README's 70B layout on 1,024 H100s: GPipe keeps all 32 micro-batches' activations and does
-    not fit; 1f1b and interleaved_1f1b keep a bounded ring and do, at the same bubble (or less)."""
+    """The README's 70B layout on 1,024 H100s: GPipe keeps all 32 micro-batches' activations and
+    does not fit; 1f1b and interleaved_1f1b keep a bounded ring and do, at the same bubble
+    (or less)."""
     rows = schedules.compare_schedules(
         preset("70b"),
         MESH_70B,
@@ -80,8 +81,8 @@ def test_70b_example_fits_with_1f1b_where_gpipe_does_not():
 
 
 def test_search_ranks_schedules_and_places_70b_on_a_layout_that_fits():
-    """On the 70B example's device count and batch, the search offers that mesh on a layout that fits
-    (GPipe alone, as the run's own settings price it, does not)."""
+    """On the 70B example's device count and batch, the search offers that mesh on a layout that
+    fits (GPipe alone, as the run's own settings price it, does not)."""
     m70, hw = preset("70b"), hardware.get("h100")
     rows = search.search(
         m70, 1024, hw, batch_size=1024, seq_len=4096, pipeline_cfg=PipelineConfig(microbatches=32)
@@ -134,7 +135,8 @@ def test_plan_devices_prints_the_schedule_table():
 
 def test_schedule_choices_follow_the_runs_checks():
     """Chunk counts that do not divide the layers are not offered; MoE models get every schedule
-    (XLA:CPU's thread pool is checked by a run on CPU, not by a plan, which prices other hardware)."""
+    (XLA:CPU's thread pool is checked by a run on CPU, not by a plan, which prices other
+    hardware)."""
     t = estimate.with_batch(None, 64, 128, 1)
     choices = schedules.schedule_choices(
         dataclasses.replace(preset("7b"), n_layers=8),

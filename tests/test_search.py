@@ -29,16 +29,16 @@ def test_factorizations():
 
 
 def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():
-    """The search's divisibility logic is the trainer's: build a Trainer for every factorisation of 8."""
+    """The search's divisibility logic is the trainer's: build a Trainer for every factorisation of
+    8."""
     tiny, hw = preset("tiny"), hardware.get("h100")
     two = PipelineConfig(microbatches=2)
     found = {
         r["mesh"] for r in search.search(tiny, 8, hw, batch_size=16, seq_len=32, pipeline_cfg=two)
     }
     assert found and "model=8" not in found  # 4 heads cannot split 8 ways
-    assert (
-        "pipeline=2,data=4" in found and "pipeline=4,data=2" not in found
-    )  # 2 layers; M=2 < 4 stages
+    # 2 layers; M=2 < 4 stages
+    assert "pipeline=2,data=4" in found and "pipeline=4,data=2" not in found
     for shape in search.factorizations(8):
         sizes = dict(zip(("pipeline", "data", "fsdp", "expert", "model"), shape))
         if sizes["expert"] > 1:
@@ -64,24 +64,24 @@ def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():
 def test_moe_pipeline_stages_hold_whole_layer_groups():
     """An MoE model pipelines groups of moe_every layers: n_layers % pipeline == 0 is not enough,
     a run needs (n_layers / moe_every) % (pipeline x repeats) == 0, and the search asks the same."""
+    # 2 groups
     moe, hw = (
         dataclasses.replace(preset("moe-tiny"), n_layers=4, moe_every=2),
         hardware.get("h100"),
-    )  # 2 groups
+    )
     gpipe, circular = PipelineConfig(), PipelineConfig(schedule="circular", repeats=2)
     t = TrainConfig(batch_size=16, seq_len=32)
     four = {**dict.fromkeys(AXES, 1), "pipeline": 4, "data": 2}
     two = {**dict.fromkeys(AXES, 1), "pipeline": 2, "data": 4}
-    assert "pipeline=4" in estimate.check(
-        moe, four, t, gpipe, make_rules()
-    )  # 4 layers % 4 == 0, 2 groups % 4 != 0
-    assert "--pipeline.repeats=2" in estimate.check(
-        moe, two, t, circular, make_rules()
-    )  # 2 groups % (2 x 2) != 0
+    # 4 layers % 4 == 0, 2 groups % 4 != 0
+    assert "pipeline=4" in estimate.check(moe, four, t, gpipe, make_rules())
+    # 2 groups % (2 x 2) != 0
+    assert "--pipeline.repeats=2" in estimate.check(moe, two, t, circular, make_rules())
     assert estimate.check(moe, two, t, gpipe, make_rules()) is None
+    # 4 groups
     assert (
         estimate.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None
-    )  # 4 groups
+    )
     found = {r["mesh"] for r in search.search(moe, 8, hw, batch_size=16, seq_len=32)}
     assert "pipeline=2,data=4" in found and not any(m.startswith("pipeline=4") for m in found)
     with pytest.raises(UserError, match="pipeline=4"):  # and the run refuses it too
@@ -110,6 +110,7 @@ def test_search_splits_the_batch_as_the_rules_say():
     assert "fsdp=8" not in {
         r["mesh"] for r in search.search(tiny, 8, hw, batch_size=4, seq_len=32)
     }  # default split
+    # the run agrees
     Trainer(
         build(
             {
@@ -120,7 +121,7 @@ def test_search_splits_the_batch_as_the_rules_say():
                 "train.seq_len": 32,
             }
         )
-    )  # the run agrees
+    )
     # 4 rows per device: the activations of fsdp=8 with 32 rows under the default split over fsdp
     default_32 = estimate.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
     assert found["fsdp=8"]["memory"]["activations"] == default_32["memory"]["activations"]
@@ -130,14 +131,15 @@ def test_pipeline_fsdp_gathers_the_stage_weights_every_tick():
     """On a pipeline mesh every tick (bubble ticks too) gathers its layers' FSDP-sharded weights:
     (M + P-1) ticks a pass, once with --pipeline.gather_once; the embedding and head once."""
     tiny, hw = preset("tiny"), hardware.get("h100")
-    gathered = lambda pc: estimate.evaluate(
-        tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32, pipeline_cfg=pc
-    )["theory"]["all-gather@fsdp"]["operand_bytes"]
+
+    def gathered(pc):
+        row = estimate.evaluate(tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32, pipeline_cfg=pc)
+        return row["theory"]["all-gather@fsdp"]["operand_bytes"]
+
     once = gathered(PipelineConfig(microbatches=4, gather_once=True))
     three, five = gathered(PipelineConfig(microbatches=2)), gathered(PipelineConfig(microbatches=4))
-    assert three > once and (five - once) == pytest.approx(
-        2 * (three - once)
-    )  # (5-1) / (3-1) extra passes
+    # (5-1) / (3-1) extra passes
+    assert three > once and (five - once) == pytest.approx(2 * (three - once))
 
 
 def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
@@ -158,9 +160,8 @@ def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
 def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
     rows = search.search(preset("7b"), 8, hardware.get("h100"), batch_size=8, seq_len=4096)
     by_mesh = {r["mesh"]: r for r in rows}
-    assert (
-        "offload" in by_mesh["data=8"]
-    )  # 7B x (4 + 4 + 8) bytes = 108 GB > 80 GB: fits only offloaded
+    # 7B x (4 + 4 + 8) bytes = 108 GB > 80 GB: fits only offloaded
+    assert "offload" in by_mesh["data=8"]
     best = rows[0]
     assert best["fits"] and (best["sizes"]["fsdp"] > 1 or best["sizes"]["model"] > 1)
     assert all(link == "intra" for link in best["placement"].values())  # one node: NVLink only
@@ -237,7 +238,8 @@ def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
 
 
 def test_plan_cli_flags(capsys):
-    """`plan --search N --hardware NAME` and `plan --devices N --hardware NAME`, without compiling."""
+    """`plan --search N --hardware NAME` and `plan --devices N --hardware NAME`, without
+    compiling."""
     parser = argparse.ArgumentParser()
     cli.add_args(parser)
     cfg = build({"model.preset": "7b", "train.batch_size": 8, "train.seq_len": 4096})
@@ -259,8 +261,9 @@ def test_plan_cli_flags(capsys):
         row["placement"] == {"model": "intra", "data": "inter", "pipeline": "inter"} and row["fits"]
     )
     assert row["goodput"]["failures_per_day"] == pytest.approx(1.024)
-    # gradient accumulation is not the pipeline's micro-batching: 32 passes of 32 rows, each cut into
-    # M = 4 pipeline micro-batches of 8 rows, cannot split over data=32, and the run would refuse it too
+    # gradient accumulation is not the pipeline's micro-batching: 32 passes of 32 rows, each
+    # cut into M = 4 pipeline micro-batches of 8 rows, cannot split over data=32, and the
+    # run would refuse it too
     with pytest.raises(
         UserError, match=r"micro-batch size 32/4 = 8 .* not divisible by the 32 batch shards"
     ):
