@@ -77,8 +77,8 @@ def reference(trainers):
 
 
 CASES = [  # mesh, strategy, packed documents, more overrides: each strategy with and without packed
-    # documents, with blockwise and dense attention, beside fsdp, data, model (sequence parallel, chunked
-    # loss) and pipeline
+    # documents, with blockwise and dense attention, beside fsdp, data, model (sequence parallel,
+    # chunked loss) and pipeline
     ("context=8", "all_gather", False, {"model.attention": "blockwise"}),
     ("context=4,fsdp=2", "ring", True, {"model.attention": "blockwise"}),
     ("context=4,data=2", "all_gather", True, {}),
@@ -112,7 +112,8 @@ def test_context_parallel_step_matches_one_device(
 
 @pytest.mark.slow
 def test_context_parallel_moe_matches_one_device(trainers):
-    """MoE (routed experts inside shard_map) with the sequence over `context` and experts over `expert`."""
+    """MoE (routed experts inside shard_map) with the sequence over `context` and experts over
+    `expert`."""
     over = {"model.preset": "moe-tiny"}
     ref = trainers("", True, **over)
     p0, batches = initial_params(ref), synthetic_batches(VOCAB)
