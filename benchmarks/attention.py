@@ -2,7 +2,8 @@
 per sequence length, interleaved, on one device. What `--model.attention auto`'s switch-over
 length (models.config.BLOCKWISE_FROM) rests on.
 
-    python benchmarks/attention.py [--lengths 512,1024,2048,4096] [--reps 5] [--heads 4 --kv-heads 2 --head-dim 64]
+    python benchmarks/attention.py [--lengths 512,1024,2048,4096] [--reps 5]
+        [--heads 4 --kv-heads 2 --head-dim 64]
 
 Causal self-attention of batch 1, float32, the default model's heads (4 query, 2 KV, 64 wide).
 """
@@ -15,10 +16,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from models.context import local_attention  # noqa: E402
+from models.context import local_attention
 
 
 def compiled(kind: str, t: int, n: int, k: int, h: int):
@@ -52,7 +53,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     a = ap.parse_args()
     print(
-        f"{'T':>6} {'dense ms':>9} {'blockwise ms':>13} {'ratio':>6} {'dense MiB':>10} {'blockwise MiB':>14}"
+        f"{'T':>6} {'dense ms':>9} {'blockwise ms':>13} {'ratio':>6}"
+        f" {'dense MiB':>10} {'blockwise MiB':>14}"
     )
     for t in (int(x) for x in a.lengths.split(",")):
         fns = {
@@ -72,7 +74,8 @@ def main():
             kind: fn.memory_analysis().temp_size_in_bytes / 2**20 for kind, (fn, _) in fns.items()
         }
         print(
-            f"{t:>6} {ms['dense']:>9.1f} {ms['blockwise']:>13.1f} {ms['blockwise'] / ms['dense']:>6.2f}"
+            f"{t:>6} {ms['dense']:>9.1f} {ms['blockwise']:>13.1f}"
+            f" {ms['blockwise'] / ms['dense']:>6.2f}"
             f" {mib['dense']:>10.1f} {mib['blockwise']:>14.1f}",
             flush=True,
         )

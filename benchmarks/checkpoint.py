@@ -1,7 +1,8 @@
 """Checkpoint benchmark: how long an Orbax save blocks the train loop (async vs sync), the save
 throughput next to this disk's raw write speed, and restore time on the same and another mesh.
 
-    python benchmarks/checkpoint.py [--d-model 512 --layers 8 --repeats 3 --dir /tmp/brigade_ckpt_bench]
+    python benchmarks/checkpoint.py [--d-model 512 --layers 8 --repeats 3]
+        [--dir /tmp/brigade_ckpt_bench]
 
 The train state (params + AdamW moments, float32) of the model below is ~300 MB, sharded over
 fsdp=8 fake CPU devices; every figure is the median of --repeats runs in the same process.
@@ -73,9 +74,8 @@ def timed_restores(directory: str, step: int, abstract, repeats: int, verify: bo
     for _ in range(repeats):
         t0 = time.perf_counter()
         if verify:
-            restored, _ = ck.restore(
-                step, abstract
-            )  # reads every chunk once to verify, then restores
+            # reads every chunk once to verify, then restores
+            restored, _ = ck.restore(step, abstract)
         else:
             restored = ck._mngr.restore(
                 step,
@@ -117,8 +117,9 @@ def main() -> None:
     n_bytes = state_bytes(state)
     meta = make_meta(0, {}, mesh, 0)
     mb = n_bytes / 1e6
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
     print(
-        f"state: {mb:.0f} MB ({sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.1f}M params + AdamW),"
+        f"state: {mb:.0f} MB ({n_params / 1e6:.1f}M params + AdamW),"
         f" mesh fsdp=8, {args.repeats} repeats, dir {args.dir}"
     )
 
@@ -130,10 +131,12 @@ def main() -> None:
     med = statistics.median
     print(f"raw disk write (numpy + fsync):   {raw:8.0f} MB/s")
     print(
-        f"sync save:  blocked {med(s_block):6.2f} s, committed {med(s_total):6.2f} s -> {mb / med(s_total):6.0f} MB/s"
+        f"sync save:  blocked {med(s_block):6.2f} s, committed {med(s_total):6.2f} s"
+        f" -> {mb / med(s_total):6.0f} MB/s"
     )
     print(
-        f"async save: blocked {med(a_block):6.2f} s, committed {med(a_total):6.2f} s -> {mb / med(a_total):6.0f} MB/s"
+        f"async save: blocked {med(a_block):6.2f} s, committed {med(a_total):6.2f} s"
+        f" -> {mb / med(a_total):6.0f} MB/s"
     )
     print(
         f"async blocks {100 * med(a_block) / med(s_block):.1f}% of sync (target < 10%);"
@@ -155,8 +158,8 @@ def main() -> None:
         plain = med(timed_restores(d, step, ab, args.repeats, verify=False))
         checked = med(timed_restores(d, step, ab, args.repeats, verify=True))
         print(
-            f"restore {name:28s} {plain:6.2f} s ({mb / plain:5.0f} MB/s); with Brigade's pre-restore"
-            f" verification {checked:6.2f} s"
+            f"restore {name:28s} {plain:6.2f} s ({mb / plain:5.0f} MB/s);"
+            f" with Brigade's pre-restore verification {checked:6.2f} s"
         )
     for suffix in ("_async", "_sync"):
         shutil.rmtree(args.dir + suffix, ignore_errors=True)

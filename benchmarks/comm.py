@@ -15,24 +15,24 @@ cost, not a network saving.
 
 from __future__ import annotations
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import statistics
+import time
 
 import common  # noqa: F401  (8 fake devices before JAX starts; repo on sys.path)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 
-from mesh import bench  # noqa: E402
-from mesh.build import make_mesh  # noqa: E402
-from mesh.rules import axis_rules, logical_to_spec, make_rules  # noqa: E402
-from mesh.spec import mesh_text  # noqa: E402
-from models import model as model_lib  # noqa: E402
-from models.presets import preset  # noqa: E402
-from plan.hlo import parse_collectives, summarize  # noqa: E402
-from train import comm  # noqa: E402
+from mesh import bench
+from mesh.build import make_mesh
+from mesh.rules import axis_rules, logical_to_spec, make_rules
+from mesh.spec import mesh_text
+from models import model as model_lib
+from models.presets import preset
+from plan.hlo import parse_collectives, summarize
+from train import comm
 
 SETTINGS = (
     ("none (float32, XLA)", "none"),
@@ -101,18 +101,20 @@ def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
             )
     base = rows[0]["wire_bytes"]
     print(
-        f"\n## Gradient sync over {','.join(dp)} (n={n_dp}), model `{model}` ({n_params / 1e6:.2f}M params),"
-        f" mesh {mesh_text(mesh.shape)}: per-device wire bytes per step from the compiled HLO\n"
+        f"\n## Gradient sync over {','.join(dp)} (n={n_dp}), model `{model}`"
+        f" ({n_params / 1e6:.2f}M params), mesh {mesh_text(mesh.shape)}: per-device wire bytes per"
+        " step from the compiled HLO\n"
     )
     print(
-        "| setting | collectives over dp | wire bytes / device | float32 / this | sync time (CPU, ms) |"
+        "| setting | collectives over dp | wire bytes / device | float32 / this"
+        " | sync time (CPU, ms) |"
     )
     print("|---|---|---|---|---|")
     for r in rows:
         kinds = ", ".join(f"{n} {k}" for k, n in r["kinds"].items() if n)
         print(
-            f"| {r['setting']} | {kinds} | {r['wire_bytes'] / 1e6:.3f} MB | {base / r['wire_bytes']:.2f}x |"
-            f" {r['time_ms']:.1f} |"
+            f"| {r['setting']} | {kinds} | {r['wire_bytes'] / 1e6:.3f} MB"
+            f" | {base / r['wire_bytes']:.2f}x | {r['time_ms']:.1f} |"
         )
     return rows
 
@@ -127,7 +129,8 @@ def main() -> None:
     args = p.parse_args()
     mesh = make_mesh(args.mesh)
     print(
-        f"## Collectives (`python -m mesh.bench --mesh {args.mesh} --sizes {args.sizes} --iters {args.iters}`)\n"
+        f"## Collectives (`python -m mesh.bench --mesh {args.mesh} --sizes {args.sizes}"
+        f" --iters {args.iters}`)\n"
     )
     print("| op | axes | n | size | time (us) | algbw GB/s | busbw GB/s |")
     print("|---|---|---|---|---|---|---|")

@@ -5,7 +5,7 @@ python benchmarks/compile_depth.py
 
 import time
 
-import common  # noqa: F401
+import common  # sets XLA_FLAGS first; the peer shape (common.PEER)
 
 from train import state as train_state
 from train.config import build

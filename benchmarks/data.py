@@ -28,15 +28,15 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-TRAIN_TOKENS_PER_S = (
-    2428  # BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
-)
+# BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
+TRAIN_TOKENS_PER_S = 2428
 
 
 def stdlib_sample(directory: str, mb: int) -> list[str]:
-    """Copies of stdlib .py files (sorted) up to `mb` MB, so the input is real code, not one repeated file."""
+    """Copies of stdlib .py files (sorted) up to `mb` MB, so the input is real code, not one
+    repeated file."""
     root, files, total = sysconfig.get_paths()["stdlib"], [], 0
     for dirpath, dirnames, names in os.walk(root):
         dirnames[:] = sorted(
@@ -106,7 +106,8 @@ def rate(fn, tokens_per_call: int, min_s: float = 2.0) -> float:
 
 
 def grain_rate(pipe, B: int, min_s: float = 2.0) -> float:
-    """The same windows through Grain: MapDataset.range(n).shuffle(seed).repeat() -> gather -> batch."""
+    """The same windows through Grain: MapDataset.range(n).shuffle(seed).repeat() -> gather ->
+    batch."""
     import grain
 
     win = pipe.train[0]
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
         files = stdlib_sample(os.path.join(work, "txt"), args.mb)
         bpe = train_bpe(os.path.join(work, "bpe.json"), files)
         print(
-            f"prepare: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB, {os.cpu_count()} cores"
+            f"prepare: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB,"
+            f" {os.cpu_count()} cores"
         )
         print("| tokenizer | workers | MB/s | tokens |\n|---|---|---|---|")
         for tok, label in (("byte", "byte"), (bpe, "HF BPE 4k")):
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
                 mbs, n = bench_prepare(work, files, tok, workers)
                 print(f"| {label} | {workers} | {mbs:.1f} | {n / 1e6:.1f}M |")
         print(
-            f"| HF BPE 4k, the library alone (`encode_batch`, all threads, no I/O) | - | {hf_alone(bpe, files):.1f} | |"
+            "| HF BPE 4k, the library alone (`encode_batch`, all threads, no I/O) | -"
+            f" | {hf_alone(bpe, files):.1f} | |"
         )
 
         data = os.path.join(work, "ds-byte-2")
@@ -178,14 +181,17 @@ def main(argv=None) -> int:
                 tag = f"{B}x{T}" + (" +mask" if mask else "")
                 r = rate(pipe.global_batch, B * T)
                 print(
-                    f"| {tag} | host rows (numpy) | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |"
+                    f"| {tag} | host rows (numpy) | {r / 1e6:.2f}M"
+                    f" | {r / TRAIN_TOKENS_PER_S:,.0f} |"
                 )
-                r = rate(lambda s: jax.block_until_ready(pipe.device_batch(s)), B * T)
+                # rate() calls it before the loop moves on; the default binds this pipeline
+                r = rate(lambda s, pipe=pipe: jax.block_until_ready(pipe.device_batch(s)), B * T)
                 print(f"| {tag} | on 8 devices | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |")
                 if not mask:
                     r = grain_rate(pipe, B)
                     print(
-                        f"| {tag} | Grain MapDataset, 2 threads | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |"
+                        f"| {tag} | Grain MapDataset, 2 threads | {r / 1e6:.2f}M"
+                        f" | {r / TRAIN_TOKENS_PER_S:,.0f} |"
                     )
 
         if args.train_steps:
@@ -227,8 +233,9 @@ def train_wait(steps: int) -> None:
     dt = (time.perf_counter() - t0) / steps
     pipe.close()
     print(
-        f"\ndefault model, {steps} steps of {t.batch_size}x{t.seq_len} on 1 device: {dt:.3f} s/step,"
-        f" data_wait_s {np.mean(waits) * 1e3:.2f} ms/step = {100 * np.mean(waits) / dt:.3f}% of the step"
+        f"\ndefault model, {steps} steps of {t.batch_size}x{t.seq_len} on 1 device:"
+        f" {dt:.3f} s/step, data_wait_s {np.mean(waits) * 1e3:.2f} ms/step"
+        f" = {100 * np.mean(waits) / dt:.3f}% of the step"
     )
 
 

@@ -1,7 +1,9 @@
 """HuggingFace conversion speed: save_pretrained, from_pretrained, import to a Brigade checkpoint,
 export back, and transformers loading the export; the largest logit difference on the way.
 
-    python benchmarks/hf.py [--preset 125m] [--dir /tmp/brigade_hf_bench]   # needs torch + transformers
+    python benchmarks/hf.py [--preset 125m] [--dir /tmp/brigade_hf_bench]
+
+It needs torch and transformers.
 """
 
 import argparse
@@ -15,13 +17,13 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from checkpoint import hf  # noqa: E402
-from models import model  # noqa: E402
-from models.hf import Model  # noqa: E402
-from models.presets import preset  # noqa: E402
+from checkpoint import hf
+from models import model
+from models.hf import Model
+from models.presets import preset
 
 
 def timed(fn):
@@ -60,7 +62,8 @@ def main() -> None:
     print(
         f"{n / 1e6:.1f}M params, {size / 2**20:.0f} MiB safetensors: save_pretrained {t_save:.1f}s,"
         f" from_pretrained {t_load:.1f}s, import {t_import:.1f}s, export {t_export:.1f}s,"
-        f" transformers loads the export {t_hf:.1f}s; max |logit diff| vs transformers {np.abs(ours - ref).max():.2e}"
+        f" transformers loads the export {t_hf:.1f}s;"
+        f" max |logit diff| vs transformers {np.abs(ours - ref).max():.2e}"
     )
     shutil.rmtree(out, ignore_errors=True)
 

@@ -1,7 +1,8 @@
 """LoRA against full fine-tuning on the same model and mesh (8 fake CPU devices): step time and
 per-device memory.
 
-    python benchmarks/lora.py [--mesh fsdp=4,model=2] [--layers 2] [--vocab 8192] [--rank 16] [--reps 3] [--steps 3]
+    python benchmarks/lora.py [--mesh fsdp=4,model=2] [--layers 2] [--vocab 8192] [--rank 16]
+        [--reps 3] [--steps 3]
 
 The model is the 125m preset's layer shape (d_model 768, 12 heads, d_ff 2048) cut to `--layers`
 layers and a `--vocab` vocabulary, so that both steps run on 2 CPU cores in about a minute; float32,
@@ -9,10 +10,11 @@ batch 8 x 128 tokens. LoRA adapts q,k,v,o,gate,up,down at `--rank` (alpha 2 x ra
 frozen base (the base's values do not change the step's work). Step time: the median of every timed
 step, the two modes interleaved rep by rep (each rep `--steps` steps after one untimed), so a load
 change on the shared machine hits both alike; the process's CPU seconds per step (all XLA threads),
-which other processes' load inflates less than wall time; and the compiled FLOPs per device. Memory per device: `plan`'s accounting of the state
-(trainable params, their gradients and optimizer state, the LoRA run's frozen base) and what the
-compiler measured for the compiled step (memory_analysis: arguments, i.e. the state, base and batch
-the step takes, and temporaries; the outputs alias the donated state).
+which other processes' load inflates less than wall time; and the compiled FLOPs per device. Memory
+per device: `plan`'s accounting of the state (trainable params, their gradients and optimizer state,
+the LoRA run's frozen base) and what the compiler measured for the compiled step (memory_analysis:
+arguments, i.e. the state, base and batch the step takes, and temporaries; the outputs alias the
+donated state).
 """
 
 import argparse
@@ -125,26 +127,32 @@ class Mode:
 
 
 def table(rows: list[dict], a) -> str:
-    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    def mib(b: float) -> str:
+        return f"{b / 2**20:.2f}"
+
     lines = [
-        f"benchmarks/lora.py: 125m layer shape, {a.layers} layers, vocab {a.vocab}, batch 8 x 128, float32,"
-        f" mesh {a.mesh}; median of {a.reps} x {a.steps} interleaved steps; memory in MiB per device",
-        "| mode | trainable params | s/step | CPU s/step | compiled GFLOP/device | plan params | plan frozen base | plan grads | plan optimizer |"
-        " plan total | measured arguments | measured temp |",
+        f"benchmarks/lora.py: 125m layer shape, {a.layers} layers, vocab {a.vocab},"
+        f" batch 8 x 128, float32, mesh {a.mesh}; median of {a.reps} x {a.steps} interleaved"
+        " steps; memory in MiB per device",
+        "| mode | trainable params | s/step | CPU s/step | compiled GFLOP/device | plan params"
+        " | plan frozen base | plan grads | plan optimizer | plan total | measured arguments"
+        " | measured temp |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p, m = r["plan"], r["measured"]
         lines.append(
-            f"| {r['mode']} | {r['trainable_params'] / 1e6:.2f}M | {r['step_s']:.3f} | {r['cpu_s']:.3f} |"
-            f" {r['compiled_flops_per_device'] / 1e9:.1f} | {mib(p['params'])} |"
-            f" {mib(p['frozen_base'])} | {mib(p['gradients'])} | {mib(p['optimizer'])} | {mib(p['total'])} |"
-            f" {mib(m['argument'])} | {mib(m['temp'])} |"
+            f"| {r['mode']} | {r['trainable_params'] / 1e6:.2f}M | {r['step_s']:.3f}"
+            f" | {r['cpu_s']:.3f} | {r['compiled_flops_per_device'] / 1e9:.1f}"
+            f" | {mib(p['params'])} | {mib(p['frozen_base'])} | {mib(p['gradients'])}"
+            f" | {mib(p['optimizer'])} | {mib(p['total'])} | {mib(m['argument'])}"
+            f" | {mib(m['temp'])} |"
         )
     full, low = rows
     lines.append(
-        f"LoRA / full: step time {low['step_s'] / full['step_s']:.2f}, CPU time {low['cpu_s'] / full['cpu_s']:.2f},"
-        f" compiled FLOPs {low['compiled_flops_per_device'] / full['compiled_flops_per_device']:.2f}, plan total"
+        f"LoRA / full: step time {low['step_s'] / full['step_s']:.2f},"
+        f" CPU time {low['cpu_s'] / full['cpu_s']:.2f}, compiled FLOPs"
+        f" {low['compiled_flops_per_device'] / full['compiled_flops_per_device']:.2f}, plan total"
         f" {low['plan']['total'] / full['plan']['total']:.2f}, optimizer"
         f" {low['plan']['optimizer'] / full['plan']['optimizer']:.3f}, measured arguments"
         f" {low['measured']['argument'] / full['measured']['argument']:.2f}, temp"

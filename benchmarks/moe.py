@@ -1,8 +1,8 @@
 """MoE benchmarks on CPU (8 fake devices):
 
-    python benchmarks/moe.py kernels [--reps 5]     # the MoE layer alone, forward + backward, 1 device
-    python benchmarks/moe.py steps [--steps 6]      # train steps of moe-default: dispatch x mesh, + plan bytes
-    python benchmarks/moe.py exchange [--reps 5]    # dropless expert=8: fixed vs ragged exchange, rows and time
+    python benchmarks/moe.py kernels [--reps 5]   # the MoE layer alone, forward + backward
+    python benchmarks/moe.py steps [--steps 6]    # moe-default's train steps: dispatch x mesh, plan
+    python benchmarks/moe.py exchange [--reps 5]  # dropless expert=8: fixed vs ragged exchange
 
 `kernels` times the dropless grouped-matmul kernels (lax.ragged_dot vs padded blocks) and capacity
 dispatch at moe-default's layer shape (16 x 128 tokens, d_model 256, 8 experts of 384, top-2),
@@ -79,14 +79,14 @@ def kernels(reps: int) -> None:
         "capacity 1.25": layer(dataclasses.replace(cfg, dispatch="capacity"), None),
     }
     print(
-        f"MoE layer fwd+bwd, 2048 tokens, D={d}, {e} experts of F={f}, top-{cfg.experts_per_token}, 1 device:"
+        f"MoE layer fwd+bwd, 2048 tokens, D={d}, {e} experts of F={f},"
+        f" top-{cfg.experts_per_token}, 1 device:"
     )
     for name, fn in variants.items():
         print(f"  {name:<38}{1e3 * _time(fn, x, *w, reps=reps):8.1f} ms")
     fn = jax.jit(jax.grad(dense_active, argnums=(0, 1, 2, 3)))
-    print(
-        f"  {f'dense SwiGLU of width k*F={k * f} (floor)':<38}{1e3 * _time(fn, x, *wide, reps=reps):8.1f} ms"
-    )
+    name = f"dense SwiGLU of width k*F={k * f} (floor)"
+    print(f"  {name:<38}{1e3 * _time(fn, x, *wide, reps=reps):8.1f} ms")
 
 
 def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "capacity")) -> None:
@@ -139,14 +139,15 @@ def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "
                         times.append(time.perf_counter() - t0)
                 r = analyze(tr.setup) if mesh == "expert=8" else None
             line = (
-                f"  {mesh:<10}{dispatch:<10}{statistics.median(times[1:]):7.3f} s/step  compile {compile_s:5.1f} s"
-                f"  dropped {float(m['moe/dropped_fraction']):.3f}"
+                f"  {mesh:<10}{dispatch:<10}{statistics.median(times[1:]):7.3f} s/step"
+                f"  compile {compile_s:5.1f} s  dropped {float(m['moe/dropped_fraction']):.3f}"
             )
             if r:
                 th = r["theory_detail"]["all-to-all@expert"]
                 line += (
                     f"  all-to-all {r['collectives']['all-to-all'] / 2**20:.2f} MiB measured,"
-                    f" {th['operand_bytes'] / 2**20:.2f} MiB theory, {th['ideal_bytes'] / 2**20:.2f} MiB ragged ideal"
+                    f" {th['operand_bytes'] / 2**20:.2f} MiB theory,"
+                    f" {th['ideal_bytes'] / 2**20:.2f} MiB ragged ideal"
                 )
             print(line, flush=True)
 
@@ -165,17 +166,18 @@ def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
     mesh = make_mesh(mesh_spec)
     ep = dict(zip(mesh.axis_names, mesh.devices.shape))["expert"]
     n, x_count = x.shape[0] * x.shape[1] // mesh.devices.size, e // ep
-    idx = np.asarray(moe.route(cfg, x, w[0])[0]).reshape(
-        mesh.devices.size, n * k
-    )  # each device's rows
+    # each device's rows
+    idx = np.asarray(moe.route(cfg, x, w[0])[0]).reshape(mesh.devices.size, n * k)
     own = np.mean([np.sum(idx[i] // x_count == i % ep) for i in range(mesh.devices.size)])
     fixed = ep * n * min(k, x_count)
     print(
-        f"dropless {mesh_spec}, {n} tokens x top-{k} per device, rows of d_model sent per direction and device:"
+        f"dropless {mesh_spec}, {n} tokens x top-{k} per device, rows of d_model sent per direction"
+        " and device:"
     )
     print(
         f"  fixed buffers {fixed} ({fixed - fixed // ep} leave the device); ragged {n * k}"
-        f" ({n * k - own:.0f} leave on average): {fixed / (n * k):.1f}x fewer rows, receive buffer kept at {fixed}"
+        f" ({n * k - own:.0f} leave on average): {fixed / (n * k):.1f}x fewer rows, receive buffer"
+        f" kept at {fixed}"
     )
 
     def layer(exchange):
@@ -188,9 +190,8 @@ def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
     with jax.set_mesh(mesh), axis_rules(make_rules()):
         xs = jax.device_put(x, logical_to_spec(moe.TOKENS_BT))
         for name in ("fixed", "emulated"):
-            print(
-                f"  layer fwd+bwd, {name:<9}{1e3 * _time(layer(name), xs, *w, reps=reps):8.1f} ms (CPU)"
-            )
+            ms = 1e3 * _time(layer(name), xs, *w, reps=reps)
+            print(f"  layer fwd+bwd, {name:<9}{ms:8.1f} ms (CPU)")
 
 
 def main():

@@ -9,7 +9,7 @@ import statistics
 import tempfile
 import time
 
-import common  # noqa: F401  (sets XLA_FLAGS first)
+import common  # sets XLA_FLAGS first
 import jax
 import optax
 
@@ -49,9 +49,9 @@ def hand_written(overrides: dict, steps: int) -> float:
                 logits, _ = model_lib.apply(cfg, p, tokens[:, :-1])
                 return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-            l, g = jax.value_and_grad(loss)(params)
+            loss_value, g = jax.value_and_grad(loss)(params)
             u, opt = tx.update(g, opt, params)
-            return optax.apply_updates(params, u), opt, l
+            return optax.apply_updates(params, u), opt, loss_value
 
         f = jax.jit(
             step,
@@ -59,12 +59,12 @@ def hand_written(overrides: dict, steps: int) -> float:
             out_shardings=(sh.params, sh.opt_state, None),
             donate_argnums=(0, 1),
         )
-        params, opt, l = f(params, opt, tokens)
-        l.block_until_ready()
+        params, opt, loss_value = f(params, opt, tokens)
+        loss_value.block_until_ready()
         t0 = time.perf_counter()
         for _ in range(steps):
-            params, opt, l = f(params, opt, tokens)
-        l.block_until_ready()
+            params, opt, loss_value = f(params, opt, tokens)
+        loss_value.block_until_ready()
     return (time.perf_counter() - t0) / steps
 
 

@@ -1,9 +1,11 @@
 """Brigade against MaxText side by side: the same decoder shape, mesh and machine, the two
 frameworks' runs interleaved (MaxText, Brigade, MaxText, ...) so that both see the same load; each
-with its own defaults, synthetic data, one fake CPU device per device of the mesh (8, or 1 for peer1). Median step time of steps >= 3 per run,
-then the median over reps; the throughput ratio is MaxText's time / Brigade's.
+with its own defaults, synthetic data, one fake CPU device per device of the mesh (8, or 1 for
+peer1). Median step time of steps >= 3 per run, then the median over reps; the throughput ratio is
+MaxText's time / Brigade's.
 
-    python benchmarks/peer.py --maxtext-python PATH [--shapes peer,larger,tp,dp_fsdp,moe,moe_ep8,peer1] [--reps 2] [--steps 16]
+    python benchmarks/peer.py --maxtext-python PATH
+        [--shapes peer,larger,tp,dp_fsdp,moe,moe_ep8,peer1] [--reps 2] [--steps 16]
 
 PATH is the python of an environment with MaxText installed (`pip install maxtext==0.2.5` needs
 Python >= 3.12); also read from $MAXTEXT_PYTHON.
@@ -19,14 +21,15 @@ import subprocess
 import sys
 import tempfile
 
-# name -> (d_model, layers, heads, d_ff, vocab, seq, global batch, {axis: size}[, (experts, top-k)]);
-# for an MoE shape d_ff is each expert's width
+# name -> (d_model, layers, heads, d_ff, vocab, seq, global batch, {axis: size}[, (experts,
+# top-k)]); for an MoE shape d_ff is each expert's width
 SHAPES = {
     "peer": (256, 2, 4, 1024, 32000, 128, 8, {"fsdp": 8}),
     "larger": (512, 4, 8, 2048, 32000, 256, 8, {"fsdp": 8}),
     "tp": (256, 2, 4, 1024, 32000, 128, 8, {"fsdp": 4, "model": 2}),
     "dp_fsdp": (256, 2, 4, 1024, 32000, 128, 8, {"data": 2, "fsdp": 4}),
-    # the peer shape on one device (one fake CPU device, all host threads): the 1 -> 8 devices scaling
+    # the peer shape on one device (one fake CPU device, all host threads): the 1 -> 8 devices
+    # scaling
     "peer1": (256, 2, 4, 1024, 32000, 128, 8, {"data": 1}),
     # 8 experts of width 512, top-2 (the active FFN width of the dense shapes), dropless, experts
     # split over expert=2 and fsdp=4
@@ -183,7 +186,8 @@ def main():
     a = ap.parse_args()
     if not a.maxtext_python or not os.path.exists(a.maxtext_python):
         sys.exit(
-            "--maxtext-python PATH: the python of an environment with MaxText installed (or $MAXTEXT_PYTHON)"
+            "--maxtext-python PATH: the python of an environment with MaxText installed"
+            " (or $MAXTEXT_PYTHON)"
         )
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -192,7 +196,7 @@ def main():
     print("|---|---|---|---|---|")
     for name in a.shapes.split(","):
         mt, us = [], []
-        for r in range(a.reps):
+        for _ in range(a.reps):
             with tempfile.TemporaryDirectory() as tmp:
                 mt.append(maxtext(a.maxtext_python, SHAPES[name], a.steps, tmp))
                 us.append(brigade(SHAPES[name], a.steps, os.path.join(tmp, "ours"), a.extra))

@@ -1,12 +1,13 @@
 """Pipeline parallelism: step time (forward + backward of a Block stack) and per-device memory for
-pipeline=1/2/4, gpipe, circular (repeats 2), 1f1b, zb_h1 and interleaved_1f1b (repeats 2), M in {P, 2P, 4P};
-measured vs predicted bubble.
+pipeline=1/2/4, gpipe, circular (repeats 2), 1f1b, zb_h1 and interleaved_1f1b (repeats 2), M in
+{P, 2P, 4P}; measured vs predicted bubble.
 
-    python benchmarks/pipeline.py [--layers 8] [--d-model 128] [--batch 32] [--seq 64] [--steps 5] [--model-order]
-                                  [--schedules gpipe,circular,1f1b,zb_h1,interleaved_1f1b] [--fixed-micro-batch]
+    python benchmarks/pipeline.py [--layers 8] [--d-model 128] [--batch 32] [--seq 64] [--steps 5]
+        [--model-order] [--schedules gpipe,circular,1f1b,zb_h1,interleaved_1f1b]
+        [--fixed-micro-batch]
 
-`--fixed-micro-batch`: the batch grows with M (batch = M x batch/P rows), which is how 1F1B is used to
-shrink the bubble: its temp memory stays flat, GPipe's grows with M.
+`--fixed-micro-batch`: the batch grows with M (batch = M x batch/P rows), which is how 1F1B is used
+to shrink the bubble: its temp memory stays flat, GPipe's grows with M.
 
 Every configuration computes every tick on every stage (bubble ticks too: their results are
 masked), so on a CPU whose 8 fake devices share the same cores the step time is proportional to
@@ -82,9 +83,8 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
             return jax.lax.scan(lambda x, lp: (body(x, lp), None), x, p)[0]
 
         loss = mean_square(stack)
-    elif (
-        schedule in EXPLICIT
-    ):  # the loss is part of the schedule: the stack's input and the loss ride in the batch
+    elif schedule in EXPLICIT:
+        # the loss is part of the schedule: the stack's input and the loss ride in the batch
 
         def loss(p, x, pos):
             return explicit.loss(
@@ -151,7 +151,10 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
         repeats=R,
         batch_shards=8 // P,
     )
-    timed = lambda: jax.block_until_ready(step(p, *xs))
+
+    def timed():
+        return jax.block_until_ready(step(p, *xs))
+
     return timed, {
         "P": P,
         "M": M,
@@ -217,12 +220,13 @@ def main():
         print(json.dumps(r), flush=True)
     base = rows[0]["step_s"]
     print(
-        f"\n{args.layers} Blocks, d_model {args.d_model}, batch {args.batch} x seq {args.seq}, float32, "
-        f"mesh pipeline=P,data=8/P, full remat; min of {args.steps} round-robin steps"
+        f"\n{args.layers} Blocks, d_model {args.d_model}, batch {args.batch} x seq {args.seq},"
+        f" float32, mesh pipeline=P,data=8/P, full remat; min of {args.steps} round-robin steps"
     )
     print(
-        "| pipeline | schedule | R | M | ticks | step s | ms/tick | idle measured | bubble predicted |"
-        " args MiB/dev | temp MiB/dev | permute KiB/dev HLO (theory) | compile s |"
+        "| pipeline | schedule | R | M | ticks | step s | ms/tick | idle measured"
+        " | bubble predicted | args MiB/dev | temp MiB/dev | permute KiB/dev HLO (theory)"
+        " | compile s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

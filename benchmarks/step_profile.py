@@ -2,7 +2,8 @@
 whose per-op times are summed by kind (collectives, the rendezvous and waits around them, the
 vocabulary matmuls of the LM head, copies, the rest). Shares are of the device threads' busy time.
 
-    python benchmarks/step_profile.py [--mesh fsdp=8] [--steps 6] [--trace-steps 3] [--set section.field=value ...]
+    python benchmarks/step_profile.py [--mesh fsdp=8] [--steps 6] [--trace-steps 3]
+        [--set section.field=value ...]
 
 The vocabulary matmuls are found in the compiled HLO (XLA:CPU's names): the matmul ops whose
 output or an operand has a vocab-sized dim (the logits, and the two gradients of the head).
@@ -16,7 +17,7 @@ import statistics
 import tempfile
 import time
 
-import common  # noqa: F401  (sets XLA_FLAGS first)
+import common  # sets XLA_FLAGS first
 import jax
 
 from mesh.build import make_mesh
@@ -37,9 +38,13 @@ KINDS = (
 
 def vocab_fusions(hlo: str, vocab: int) -> set[str]:
     """Names of XLA:CPU's matmul ops (`ynn_fusion`: YNNPACK dot fusions, or a plain `dot`) with a
-    vocab-sized dim in their output or an operand: the logits and the two gradients of the LM head."""
+    vocab-sized dim in their output or an operand: the logits and the two gradients of the LM
+    head."""
     shapes = dict(re.findall(r"%(\S+) = (\S+\[[\d,]*\])", hlo))
-    has_vocab = lambda shape: re.search(rf"[\[,]{vocab}[,\]]", shape) is not None  # noqa: E731
+
+    def has_vocab(shape: str) -> bool:
+        return re.search(rf"[\[,]{vocab}[,\]]", shape) is not None
+
     out = set()
     for name, shape, operands in re.findall(
         r"%((?:ynn_fusion|dot)[.\d]*) = (\S+\[[\d,]*\])[^(]*\(([^)]*)\)", hlo
@@ -119,8 +124,8 @@ def main() -> None:
                     jax.block_until_ready(metrics)
             split = shares(d, vocab_fusions(hlo, cfg.model.vocab_size))
     print(
-        f"mesh {args.mesh or '1 device'} ({jax.device_count()} devices), {s.compute_dtype}: median step"
-        f" {statistics.median(times):.3f} s over {args.steps}"
+        f"mesh {args.mesh or '1 device'} ({jax.device_count()} devices), {s.compute_dtype}:"
+        f" median step {statistics.median(times):.3f} s over {args.steps}"
     )
     for kind, share in split.items():
         print(f"  {100 * share:5.1f}%  {kind}")

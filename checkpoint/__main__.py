@@ -1,5 +1,6 @@
-"""`python -m checkpoint inspect PATH [--json]`, `python -m checkpoint export PATH --params-only OUT`
-and `python -m checkpoint hf import|export` (HuggingFace <-> Brigade, checkpoint/hf.py).
+"""`python -m checkpoint inspect PATH [--json]`,
+`python -m checkpoint export PATH --params-only OUT` and `python -m checkpoint hf import|export`
+(HuggingFace <-> Brigade, checkpoint/hf.py).
 
 PATH is one step's directory (`runs/x/checkpoints/40`), a checkpoint directory (its latest step),
 a run directory (its `checkpoints/`) or a --checkpoint.local_dir (its first process's copy).
@@ -93,7 +94,8 @@ def inspect_text(info: dict) -> str:
     data = meta.get("data", {})
     lines = [
         f"checkpoint {info['path']}",
-        f"step: {info['step']} (steps in this directory: {', '.join(map(str, info['steps_in_dir']))})"
+        f"step: {info['step']}"
+        f" (steps in this directory: {', '.join(map(str, info['steps_in_dir']))})"
         + ("; parameters only" if is_params_only(meta) else ""),
         f"mesh: {mesh_text(meta.get('mesh', {}))} ({meta.get('devices', '?')} devices,"
         f" {meta.get('processes', '?')} process{'' if meta.get('processes') == 1 else 'es'})",
@@ -101,8 +103,8 @@ def inspect_text(info: dict) -> str:
         f" source {data.get('source', '?')}",
         *(
             [
-                f"local tier: process {meta['local']['process']}'s own copy (the shards it held of the mesh"
-                f" above; restores only onto that layout)"
+                f"local tier: process {meta['local']['process']}'s own copy"
+                " (the shards it held of the mesh above; restores only onto that layout)"
             ]
             if "local" in meta
             else []

@@ -1,4 +1,5 @@
-"""Keep the echoes of an Orbax/tensorstore failure out of the one-line error output (no JAX import)."""
+"""Keep the echoes of an Orbax/tensorstore failure out of the one-line error output (no JAX
+import)."""
 
 from __future__ import annotations
 

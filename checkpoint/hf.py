@@ -1,12 +1,13 @@
-"""HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3) <-> Brigade: `from_pretrained`,
-`save_pretrained`, and Brigade checkpoints to and from HF directories, with their CLI under
-`python -m checkpoint`:
+"""HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3) <-> Brigade:
+`from_pretrained`, `save_pretrained`, and Brigade checkpoints to and from HF directories, with their
+CLI under `python -m checkpoint`:
 
-    python -m checkpoint hf import HF_DIR --out CKPT [--dtype float32]   # a params-only Brigade checkpoint
-    python -m checkpoint hf export CKPT --out HF_DIR [--dtype bfloat16]  # any Brigade checkpoint -> HF layout
+    python -m checkpoint hf import HF_DIR --out CKPT [--dtype float32]   # a params-only checkpoint
+    python -m checkpoint hf export CKPT --out HF_DIR [--dtype bfloat16]  # any checkpoint -> HF
 
-What converts to what (the tables, config.json <-> ModelConfig) is models/hf.py's; the HF files
-and their tensors are checkpoint/hf_files.py's; this module joins them to Brigade checkpoints.
+What converts to what is models/hf.py's (the tables) and models/hf_config.py's (config.json <->
+ModelConfig); the HF files and their tensors are checkpoint/hf_files.py's; this module joins them
+to Brigade checkpoints.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from checkpoint.hf_files import hf_tensors, load_params, read_config, write_file
 from checkpoint.layout import fingerprint, lora_base, merged
 from errors import ArgParser, UserError, expect
 from models.config import ModelConfig
-from models.hf import (
+from models.hf import Model
+from models.hf_config import (
     ARCHITECTURES,
     DTYPES,
-    Model,
     config_from_hf,
     config_to_hf,
     is_int,
@@ -131,9 +132,10 @@ def import_checkpoint(
 
 
 def _tokenizer_record(hf_dir: str) -> dict | None:
-    """The model directory's tokenizer.json as `prepare --tokenizer HF_DIR` records it in a dataset's
-    index (train/data/tokenizers.py describe: the same `id`, kind and the file's sha256), so that
-    --init-from and `eval` can tell data of another tokenizer; None without a tokenizer.json."""
+    """The model directory's tokenizer.json as `prepare --tokenizer HF_DIR` records it in a
+    dataset's index (train/data/tokenizers.py describe: the same `id`, kind and the file's sha256),
+    so that --init-from and `eval` can tell data of another tokenizer; None without a
+    tokenizer.json."""
     path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(path):
         return None
@@ -172,8 +174,8 @@ def _lora_merged(cfg: ModelConfig, adapters: dict, lora: dict, source: str) -> d
 
     if not lora["path"]:
         raise UserError(
-            f"{source}: a LoRA run on a random base (--lora.allow_random_base), which was never saved;"
-            f" nothing to merge its adapters into"
+            f"{source}: a LoRA run on a random base (--lora.allow_random_base), which was never"
+            " saved; nothing to merge its adapters into"
         )
     ck, step = open_checkpoint(lora["path"])
     base = jax.tree.map(lambda x: np.asarray(x, cfg.param_dtype), ck.restore_params_to_host(step))
@@ -197,7 +199,8 @@ def config_from_meta(meta: Any, source: str) -> ModelConfig:
     hints, fields = typing.get_type_hints(ModelConfig), {}
     for f in dataclasses.fields(ModelConfig):
         if f.name not in model:
-            continue  # a field newer than the checkpoint: its default; check_params catches a wrong one
+            # a field newer than the checkpoint: its default; check_params catches a wrong one
+            continue
         value, kind = model[f.name], hints[f.name]
         ok = (
             isinstance(value, bool)
@@ -210,7 +213,8 @@ def config_from_meta(meta: Any, source: str) -> ModelConfig:
         )
         if not ok:
             raise UserError(
-                f"{source}: metadata model.{f.name} must be {kind.__name__}, got {short_json(value)}"
+                f"{source}: metadata model.{f.name} must be {kind.__name__},"
+                f" got {short_json(value)}"
             )
         fields[f.name] = kind(value)
     try:
@@ -226,7 +230,8 @@ def _check_new_dir(out: str) -> None:
 
 # -- CLI: python -m checkpoint hf import|export ---------------------------------------------------
 def add_commands(sub) -> None:
-    """The `hf` command, with `import` and `export` under it, on `python -m checkpoint`'s subparsers."""
+    """The `hf` command, with `import` and `export` under it, on `python -m checkpoint`'s
+    subparsers."""
     h = sub.add_parser(
         "hf",
         help="convert between HuggingFace and Brigade checkpoints (import, export)",
@@ -267,7 +272,8 @@ def run(args: argparse.Namespace) -> None:
         step_dir = import_checkpoint(args.hf_dir, args.out, args.dtype, args.allow_nonfinite)
         print(
             f"imported {args.hf_dir} to {step_dir} (parameters only); train from it with:"
-            f" python -m train --config {os.path.join(args.out, 'model.yaml')} --init-from {args.out}"
+            f" python -m train --config {os.path.join(args.out, 'model.yaml')}"
+            f" --init-from {args.out}"
         )
         return
     _check_new_dir(args.out)
@@ -277,5 +283,6 @@ def run(args: argparse.Namespace) -> None:
     save_pretrained(model, args.out, dtype=args.dtype)
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
     print(
-        f"exported {args.ckpt} ({n / 1e6:.2f}M parameters) to {args.out} ({ARCHITECTURES[model.model_type]})"
+        f"exported {args.ckpt} ({n / 1e6:.2f}M parameters) to {args.out}"
+        f" ({ARCHITECTURES[model.model_type]})"
     )

@@ -12,23 +12,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from checkpoint import finite
+from checkpoint.hf_rows import get_path, hf_names, plan_rows, rows_for, set_path
 from errors import UserError
 from models.config import ModelConfig
-from models.hf import (
-    IGNORED_SUFFIXES,
-    LAYOUTS,
-    ROWS,
-    Model,
-    Row,
-    expected_shapes,
-    is_int,
-    short_json,
-)
+from models.hf import LAYOUTS, Model
+from models.hf_config import is_int, short_json
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -63,7 +56,8 @@ def read_json(file: str):
 
 def read_header(file: str) -> dict[str, dict]:
     """A safetensors file's header {tensor: {dtype, shape, data_offsets}}, checked against the file
-    before a byte of tensor data is read: what it claims must lie within the file, tightly packed."""
+    before a byte of tensor data is read: what it claims must lie within the file, tightly
+    packed."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
@@ -78,12 +72,14 @@ def read_header(file: str) -> dict[str, dict]:
             raise UserError(f"{file}: the safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise UserError(
-            f"{file}: the safetensors header is not a JSON object of tensors (got {short_json(header)})"
+            f"{file}: the safetensors header is not a JSON object of tensors"
+            f" (got {short_json(header)})"
         )
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise UserError(
-            f"{file}: the safetensors __metadata__ must be an object of strings, got {short_json(meta)}"
+            f"{file}: the safetensors __metadata__ must be an object of strings,"
+            f" got {short_json(meta)}"
         )
     data, spans = size - 8 - n, []
     for name, entry in header.items():
@@ -112,7 +108,8 @@ def _check_entry(where: str, entry, data_bytes: int) -> tuple[int, int]:
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in ST_DTYPES:
         raise UserError(
-            f"{where}: dtype {short_json(dtype)} is not supported (supported: {', '.join(ST_DTYPES)})"
+            f"{where}: dtype {short_json(dtype)} is not supported"
+            f" (supported: {', '.join(ST_DTYPES)})"
         )
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise UserError(
@@ -156,7 +153,8 @@ def _read_index(path: str) -> dict[str, str] | None:
         or not all(isinstance(v, str) for v in weight_map.values())
     ):
         raise UserError(
-            f'{index}: expected {{"weight_map": {{tensor: shard file, ...}}}}, got {short_json(doc)}'
+            f'{index}: expected {{"weight_map": {{tensor: shard file, ...}}}},'
+            f" got {short_json(doc)}"
         )
     for tensor, shard in weight_map.items():
         # the index names files to open: it may not point outside the directory it describes
@@ -187,8 +185,8 @@ class HFTensors:
         for tensor, name in weight_map.items():
             if tensor not in headers[name]:
                 raise UserError(
-                    f"{os.path.join(path, INDEX)}: lists {short_json(tensor)} in {short_json(name)},"
-                    f" which does not hold it"
+                    f"{os.path.join(path, INDEX)}: lists {short_json(tensor)}"
+                    f" in {short_json(name)}, which does not hold it"
                 )
         self.file_of, self._open = weight_map, {}
         self.shapes = {
@@ -209,7 +207,8 @@ class HFTensors:
 
 
 def read_config(path: str) -> dict:
-    """The parsed config.json of the HF directory `path` (its keys' types are checked by config_from_hf)."""
+    """The parsed config.json of the HF directory `path` (its keys' types are checked by
+    config_from_hf)."""
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         raise UserError(f"'{path}': no such HuggingFace checkpoint directory")
@@ -220,94 +219,7 @@ def read_config(path: str) -> dict:
     return read_json(file)  # its types are checked by config_from_hf
 
 
-# -- HF tensors <-> params: the rows of models/hf.py's tables applied ------------------------------
-def _names(template: str, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
-    """Every (index into the Brigade array's stacked dims, HF name) of a row: the template's
-    placeholders, layer then expert, enumerate the leading dims of `shape`."""
-    keys = [k for k in ("l", "e") if "{" + k + "}" in template]
-    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[: len(keys)]))
-
-
-def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """np.ndindex, lazily: a config.json claiming a billion layers fails at the first missing tensor
-    (np.ndindex and itertools.product first build every range)."""
-    if not dims:
-        yield ()
-        return
-    for i in range(dims[0]):
-        for rest in _indices(dims[1:]):
-            yield (i, *rest)
-
-
-def _rows(model_type: str, cfg: ModelConfig) -> list[Row]:
-    return [r for r in ROWS[model_type] if not (cfg.tie_embeddings and r.brigade == "lm_head_DV")]
-
-
-def _set(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split("/")
-    for p in parents:
-        tree = tree.setdefault(p, {})
-    tree[leaf] = value
-
-
-def _get(tree: dict, path: str):
-    for p in path.split("/"):
-        tree = tree[p]
-    return tree
-
-
-def _hf_shape(row: Row, shape: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
-    """The HF tensor shape of one slice of a Brigade array of `shape` (traced: nothing allocated)."""
-    import jax
-
-    stacked = sum("{" + k + "}" in row.hf for k in ("l", "e"))
-    piece = jax.ShapeDtypeStruct(shape[stacked:], np.int8)
-    return tuple(jax.eval_shape(lambda w: LAYOUTS[row.layout].to_hf(w, head_dim), piece).shape)
-
-
-def _plan(
-    source: str, shapes: Mapping[str, tuple[int, ...]], model_type: str, cfg: ModelConfig
-) -> list[tuple[Row, tuple, list]]:
-    """Every row with its Brigade shape and (index, HF name) pairs, each tensor checked present with
-    the shape config.json implies from the tensor shapes alone (a file's header): nothing is
-    allocated before the source is known to hold it."""
-    want = expected_shapes(cfg)
-    uncovered = sorted(set(want) - {r.brigade for r in _rows(model_type, cfg)})
-    if uncovered:  # a parameter the table does not fill would be left uninitialised
-        raise UserError(
-            f"the {model_type} conversion has no HF tensor for Brigade parameters {', '.join(uncovered)}"
-        )
-    plan, used = [], set()
-    for row in _rows(model_type, cfg):
-        shape = want[row.brigade]
-        hf_shape, names = _hf_shape(row, shape, cfg.head_dim), []
-        for idx, name in _names(row.hf, shape):
-            if name not in shapes:
-                raise UserError(f"'{source}': tensor {name} is missing (needed for {row.brigade})")
-            if shapes[name] != hf_shape:
-                raise UserError(
-                    f"'{source}': tensor {name} has shape {shapes[name]},"
-                    f" config.json implies {hf_shape}"
-                )
-            names.append((idx, name))
-        used.update(name for _, name in names)
-        plan.append((row, shape, names))
-    extra = sorted(
-        n
-        for n in shapes
-        if n not in used
-        and not n.endswith(IGNORED_SUFFIXES)
-        and not (cfg.tie_embeddings and n == "lm_head.weight")
-    )
-    if extra:
-        raise UserError(
-            f"'{source}': {len(extra)} tensors this {model_type} conversion does not know: "
-            + ", ".join(map(short_json, extra[:5]))
-            + (" ..." if len(extra) > 5 else "")
-        )
-    return plan
-
-
+# -- HF tensors <-> params: along the rows (checkpoint/hf_rows.py) ------------------------------
 def params_from_hf(
     source: str,
     shapes: Mapping[str, tuple[int, ...]],
@@ -317,19 +229,19 @@ def params_from_hf(
     allow_nonfinite: bool = False,
 ) -> dict:
     """HF tensors -> Brigade params (numpy, cfg.param_dtype), checking every name and shape first.
-    `shapes`: every tensor `source` holds, {HF name: shape}; `read(name)` its data, called only after
-    all names and shapes passed (`source` names it in errors, e.g. the HF directory). A tensor
+    `shapes`: every tensor `source` holds, {HF name: shape}; `read(name)` its data, called only
+    after all names and shapes passed (`source` names it in errors, e.g. the HF directory). A tensor
     holding NaN or infinity (after the cast: a float32 beyond bfloat16's range becomes one) is
     refused naming it, unless `allow_nonfinite` (checkpoint/finite.py)."""
     dtype = np.dtype(_np_dtype(cfg.param_dtype))
     params = {}
-    for row, shape, names in _plan(source, shapes, model_type, cfg):
+    for row, shape, names in plan_rows(source, shapes, model_type, cfg):
         out = np.empty(shape, dtype)
         for idx, name in names:
             piece = LAYOUTS[row.layout].to_brigade(read(name), cfg.head_dim).astype(dtype)
             finite.check_host(source, name, piece, allow_nonfinite)
             out[idx] = piece
-        _set(params, row.brigade, out)
+        set_path(params, row.brigade, out)
     return params
 
 
@@ -346,9 +258,9 @@ def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
     cfg = model.cfg
     dt = np.dtype(_np_dtype(dtype or cfg.param_dtype))
     out = {}
-    for row in _rows(model.model_type, cfg):
-        arr = np.asarray(jax.device_get(_get(model.params, row.brigade)))
-        for idx, name in _names(row.hf, arr.shape):
+    for row in rows_for(model.model_type, cfg):
+        arr = np.asarray(jax.device_get(get_path(model.params, row.brigade)))
+        for idx, name in hf_names(row.hf, arr.shape):
             out[name] = np.ascontiguousarray(
                 LAYOUTS[row.layout].to_hf(arr[idx], cfg.head_dim).astype(dt)
             )

@@ -67,7 +67,8 @@ def _first_line(e: Exception) -> str:
 
 
 def _orbax_parser(rel: str) -> Callable[[Any], Any] | None:
-    """Orbax's own parser of the JSON file `rel`, so that a file it would choke on is caught here."""
+    """Orbax's own parser of the JSON file `rel`, so that a file it would choke on is caught
+    here."""
     if rel == "_CHECKPOINT_METADATA":
         from orbax.checkpoint._src.metadata import step_metadata_serialization
 
@@ -94,7 +95,8 @@ def shape_problem(rel: str, raw: Any) -> str:
 
 def step_metadata_problem(step_path: str) -> str:
     """Why Orbax cannot read this step's `_CHECKPOINT_METADATA` although it parses as JSON ('' if it
-    can, or if the file is missing or not JSON: Orbax then lists the step and check_files names it)."""
+    can, or if the file is missing or not JSON: Orbax then lists the step and check_files names
+    it)."""
     try:
         with storage.open_file(storage.join(step_path, "_CHECKPOINT_METADATA"), "rb") as f:
             raw = json.loads(f.read())
@@ -137,6 +139,40 @@ class StepNames:
         return iter(listed)
 
 
+def unused_path(path: str) -> str:
+    """`path`, or `path2`, `path3`, ... : the first that does not exist (nothing is overwritten)."""
+    out, n = path, 1
+    while storage.lexists(out):
+        n += 1
+        out = f"{path}{n}"
+    return out
+
+
+def set_aside_links(directory: str) -> None:
+    """Rename each step of the (local) checkpoint `directory` that is a symbolic link to
+    `<step>.symlink`: the link itself, never its target. Orbax would list it as a step and, once it
+    is old enough, fail every save trying to delete it; a link is also no checkpoint this
+    directory's retention may delete through."""
+    for name in sorted(os.listdir(directory)):
+        link = os.path.join(directory, name)
+        if not (name.isdigit() and os.path.islink(link)):
+            continue
+        target, dst = os.readlink(link), unused_path(f"{link}.symlink")
+        try:
+            os.rename(link, dst)
+        except OSError as e:
+            raise UserError(
+                f"checkpoint step {link} is a symbolic link (to {target}) and cannot be set"
+                f" aside ({e.strerror}); move it out of {directory}"
+            ) from None
+        print(
+            f"warning: checkpoint step {link} is a symbolic link (to {target}); set aside as"
+            f" {dst} (the link only, its target untouched) so that removing old steps never"
+            " deletes through it",
+            flush=True,
+        )
+
+
 def check_files(step_dir: str, check_meta: Callable[[Any, str], Any]) -> None:
     """UnreadableCheckpoint if one of the step's metadata files is missing, is not valid JSON or is
     JSON of the wrong shape (`check_meta(parsed, step_dir)` checks meta/metadata). Cheap: nothing
@@ -168,7 +204,8 @@ def diagnose(step_dir: str, err: Exception, check: Callable[[], None]) -> Unread
     """The UnreadableCheckpoint for `err`, raised while reading the step in `step_dir`. Orbax wraps
     tensorstore's error (which names the file or the OCDBT key) in one that names neither
     ('Encountered error while reading array index ... <bound method pybind11...>'), so the
-    innermost cause speaks; with no file in any message, `check` (the metadata check) may name one."""
+    innermost cause speaks; with no file in any message, `check` (the metadata check) may name
+    one."""
     chain = [err]
     while chain[-1].__cause__ is not None and len(chain) < 8:
         chain.append(chain[-1].__cause__)

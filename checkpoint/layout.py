@@ -3,15 +3,16 @@ the HuggingFace converter share.
 
 A checkpoint directory holds one directory per committed step:
 
-    <dir>/<step>/state/   STATE_ITEM: the arrays, an Orbax PyTree (OCDBT/tensorstore; every process
-                          writes only its own shards). A full checkpoint holds the TrainState: `step`,
-                          `params`, `opt_state` (with the schedule's count) and, by the data-parallel
-                          sync layout, `residual` (error feedback) or `drift` + `outer_opt` (DiLoCo);
-                          those per-replica arrays carry a leading [R] dim (R data-parallel replicas).
-                          A parameters-only checkpoint (export, HF import) holds `{"params": ...}`.
-                          A LoRA run's (--lora.rank > 0) `params` are its adapters only (`lora_base`).
-    <dir>/<step>/meta/    META_ITEM: JSON (META_SCHEMA): the format version, the resolved config, the
-                          model section, the mesh, the data position, the library versions.
+    <dir>/<step>/state/   STATE_ITEM: the arrays, an Orbax PyTree (OCDBT/tensorstore; every
+                          process writes only its own shards). A full checkpoint holds the
+                          TrainState: `step`, `params`, `opt_state` (with the schedule's count)
+                          and, by the data-parallel sync layout, `residual` (error feedback) or
+                          `drift` + `outer_opt` (DiLoCo); those per-replica arrays carry a leading
+                          [R] dim (R data-parallel replicas). A parameters-only checkpoint
+                          (export, HF import) holds `{"params": ...}`. A LoRA run's
+                          (--lora.rank > 0) `params` are its adapters only (`lora_base`).
+    <dir>/<step>/meta/    META_ITEM: JSON (META_SCHEMA): the format version, the resolved config,
+                          the model section, the mesh, the data position, the library versions.
 
 Orbax writes a step under `<step>` + TMP_SUFFIX and renames it when complete, so only committed
 steps are listed. The arrays need nothing else to continue exactly: there is no RNG state in the
@@ -55,7 +56,8 @@ def versions() -> dict[str, str]:
 
 
 def make_meta(step: int, config: dict, mesh: jax.sharding.Mesh, seed: int) -> dict:
-    """config: the full resolved config (Config.to_dict()); its `model` section is the model config."""
+    """config: the full resolved config (Config.to_dict()); its `model` section is the model
+    config."""
     return {
         "format": FORMAT_VERSION,
         "step": step,
@@ -151,7 +153,7 @@ def is_params_only(meta: dict) -> bool:
     return meta.get("contents") == PARAMS_ONLY
 
 
-# -- LoRA: a run's checkpoint holds its adapters; the frozen base is a pointer -----------------------
+# -- LoRA: a run's checkpoint holds its adapters; the frozen base is a pointer ---------------------
 def lora_base(meta: dict) -> dict | None:
     """A LoRA run's base, from its step's meta: {"path": the --init-from checkpoint ("" for a random
     base), "fingerprint": `fingerprint` of its parameters, "scale": alpha / rank}; None when the
@@ -235,9 +237,10 @@ def fingerprint(params) -> str:
 
 def merged(base, adapters, scale: float, dtype=None):
     """`base` with each adapted weight W replaced by W + scale x A B: `adapters` mirrors the base's
-    tree down to the weights it adapts, each a {"lora_a": A [lead..., in..., r], "lora_b": B [lead...,
-    r, out...]} (lead: the dims W shares with both, the layer stack). In float32, then `dtype`
-    (default: W's). Jittable; the HF export calls it on host (numpy) arrays."""
+    tree down to the weights it adapts, each a {"lora_a": A [lead..., in..., r],
+    "lora_b": B [lead..., r, out...]} (lead: the dims W shares with both, the layer stack). In
+    float32, then `dtype` (default: W's). Jittable; the HF export calls it on host (numpy)
+    arrays."""
 
     def walk(node, adapter):
         if isinstance(adapter, dict) and set(adapter) == {"lora_a", "lora_b"}:

@@ -10,7 +10,6 @@ mid-save leaves the previous step as the latest and the half-written one is neve
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import shutil
@@ -30,82 +29,27 @@ from checkpoint.integrity import (
     check_files,
     cross_process_failure,
     diagnose,
+    set_aside_links,
+    unused_path,
 )
-from checkpoint.layout import (  # noqa: F401  (RUN_SUBDIR: for callers)
+from checkpoint.layout import (
     RUN_SUBDIR,
     check_meta,
     is_params_only,
     lora_mismatch,
 )
-from checkpoint.owner import Owner, Retention
+from checkpoint.orbax_setup import checkpoint_manager, quiet_routine_records
+from checkpoint.owner import Owner
 from errors import UserError, expect
 from mesh.shard import path_names
 
-
-class _QuietBackgroundSaveErrors(logging.Filter):
-    """Orbax logs a failed background write (e.g. a full disk) with long tracebacks from its
-    threads before the error reaches the caller, which reports it in one line
-    (checkpoint.saving.SaveFailed); keep Orbax's record, as one line, without the traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and "orbax" in record.pathname:
-            record.msg, record.args = record.getMessage().splitlines()[0][:300], ()
-            record.exc_info = record.exc_text = None
-        return True
-
-
-class _QuietLocalSaves(logging.Filter):
-    """Orbax warns at every save of a process-local checkpoint (the local tier) that it logs no
-    global write speed for it: nothing to act on, once per save."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Global object size logging disabled" not in record.getMessage()
-
-
-logging.getLogger("absl").addFilter(_QuietBackgroundSaveErrors())
-logging.getLogger("absl").addFilter(_QuietLocalSaves())
+quiet_routine_records()
 quiet_failed_read_echoes()
 
 
-_is_array = lambda x: hasattr(x, "shape")  # noqa: E731  (ShapeDtypeStruct, jax.Array, ArrayMetadata)
-
-
-def _type_handlers(process_local: bool) -> ocp.type_handlers.TypeHandlerRegistry:
-    """Orbax's standard handlers, with replica-parallel saving only where it can pay off.
-
-    Replica-parallel saving splits the writing of a replicated shard over its replicas; that only
-    helps when the replicas live on different hosts. On one host it buys nothing and costs an
-    eager `lax.slice` per (array, replica) that XLA compiles on the first save: 3.7 s of blocked
-    loop for the tiny model on data=4,model=2 (measured; 0.05 s without).
-
-    process_local: every process writes every shard it holds (the replica of its first shard, not
-    replica 0, which may live on another process) and finalizes alone: the configuration of
-    Orbax's emergency (local) checkpoint manager."""
-    th = ocp.type_handlers
-    scalar = th.ScalarHandler()
-    array = (
-        th.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)
-        if process_local
-        else th.ArrayHandler(use_replica_parallel=None if jax.process_count() > 1 else False)
-    )
-    return th.create_type_handler_registry(
-        (int, scalar),
-        (float, scalar),
-        (bytes, scalar),
-        (np.number, scalar),
-        (np.ndarray, th.NumpyHandler()),
-        (jax.Array, array),
-        (str, th.StringHandler()),
-    )
-
-
-def _unused(path: str) -> str:
-    """`path`, or `path2`, `path3`, ... : the first that does not exist (nothing is overwritten)."""
-    out, n = path, 1
-    while storage.lexists(out):
-        n += 1
-        out = f"{path}{n}"
-    return out
+def _is_array(x) -> bool:
+    """A leaf of a tree of arrays: a ShapeDtypeStruct, a jax.Array or Orbax's ArrayMetadata."""
+    return hasattr(x, "shape")
 
 
 def shared_directory(path: str) -> str:
@@ -142,19 +86,19 @@ class Checkpointer:
         checkpoint/tiers.py): it writes every shard it holds and commits without the other
         processes, which do the same into their own directories. `flag`: the option named when
         the directory cannot be created. `run_owner`: the run saving here and the steps it
-        wrote, the only ones retention deletes (checkpoint/owner.py); None: every step is its own."""
+        wrote, the only ones retention deletes (checkpoint/owner.py); None: every step is its
+        own."""
         directory = storage.absolute(directory)
         check_array_store(directory, flag)  # s3:// and the like would fail at the first save
-        owner = (
-            process_local or jax.process_index() == 0
-        )  # who creates, checks and tidies the directory
+        owner = process_local or jax.process_index() == 0  # creates, checks, tidies the directory
         if create:
             try:
                 if owner:
                     storage.makedirs(directory)
             except OSError as e:
                 raise UserError(f"{flag}: cannot create '{directory}': {e.strerror or e}") from None
-            # an object store says whether a write is allowed only when one is tried (the first save)
+            # an object store says whether a write is allowed only when one is
+            # tried (the first save)
             if owner and storage.is_local(directory) and not os.access(directory, os.W_OK):
                 raise UserError(f"{flag}: '{directory}' is not writable")
         elif not storage.isdir(directory):
@@ -162,45 +106,18 @@ class Checkpointer:
         self.directory, self.process_local, self.run_owner = directory, process_local, run_owner
         self.companions: list = []  # savers of the same run closed with this one (the local tier)
         if create and owner and storage.is_local(directory):  # object stores have no symbolic links
-            self._set_aside_links()
-        self._names = StepNames(
-            skip_links=create
-        )  # a reader never deletes: it may read through a link
-        alone = (
-            ocp.options.MultiprocessingOptions(  # no barrier with the other processes
-                primary_host=None,
-                active_processes={jax.process_index()},
-                barrier_sync_key_prefix=f"brigade-local-{jax.process_index()}",
-            )
-            if process_local
-            else None
-        )
-        options = ocp.CheckpointManagerOptions(
-            # the newest `keep` of this run's own steps, steps % keep_every == 0, others' steps
-            preservation_policy=Retention(keep, keep_every, run_owner),
-            enable_async_checkpointing=async_save,
-            create=create
-            and not process_local,  # Orbax's create: a barrier for the other processes
-            step_name_format=self._names,
-            **(
-                dict(
-                    multiprocessing_options=alone,
-                    save_root_metadata=False,
-                    enable_per_process_directory_creation=True,
-                )
-                if alone
-                else {}
-            ),
-        )
-        json_handler = ocp.JsonCheckpointHandler(
-            **({"multiprocessing_options": alone} if alone else {})
-        )
-        state_handler = ocp.PyTreeCheckpointHandler(
-            type_handler_registry=_type_handlers(process_local),
-            **({"multiprocessing_options": alone} if alone else {}),
-        )
-        self._mngr = ocp.CheckpointManager(
-            directory, options=options, item_handlers={"state": state_handler, "meta": json_handler}
+            set_aside_links(directory)
+        # a reader never deletes: it may read through a link
+        self._names = StepNames(skip_links=create)
+        self._mngr = checkpoint_manager(
+            directory,
+            self._names,
+            keep=keep,
+            keep_every=keep_every,
+            run_owner=run_owner,
+            async_save=async_save,
+            create=create,
+            process_local=process_local,
         )
 
     # -- listing and metadata (nothing is loaded) ------------------------------------------------
@@ -210,7 +127,8 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Every committed step, also those whose `_CHECKPOINT_METADATA` Orbax cannot read (reading
-        them raises UnreadableCheckpoint, so the loop falls back past them like any damaged step)."""
+        them raises UnreadableCheckpoint, so the loop falls back past them like any damaged
+        step)."""
         return sorted(set(self._mngr.all_steps()) | set(self._names.unlisted))
 
     def step_dir(self, step: int) -> str:
@@ -224,28 +142,6 @@ class Checkpointer:
                 "meta"
             ]
         return check_meta(meta, self.step_dir(step))
-
-    def _set_aside_links(self) -> None:
-        """Rename each step that is a symbolic link to `<step>.symlink`: the link itself, never its
-        target. Orbax would list it as a step and, once it is old enough, fail every save trying to
-        delete it; a link is also no checkpoint this directory's retention may delete through."""
-        for name in sorted(os.listdir(self.directory)):
-            link = os.path.join(self.directory, name)
-            if not (name.isdigit() and os.path.islink(link)):
-                continue
-            target, dst = os.readlink(link), _unused(f"{link}.symlink")
-            try:
-                os.rename(link, dst)
-            except OSError as e:
-                raise UserError(
-                    f"checkpoint step {link} is a symbolic link (to {target}) and cannot be set aside"
-                    f" ({e.strerror}); move it out of {self.directory}"
-                ) from None
-            print(
-                f"warning: checkpoint step {link} is a symbolic link (to {target}); set aside as {dst}"
-                f" (the link only, its target untouched) so that removing old steps never deletes through it",
-                flush=True,
-            )
 
     # -- integrity ------------------------------------------------------------------------------
     def check_files(self, step: int) -> None:
@@ -267,9 +163,9 @@ class Checkpointer:
         local = {} if self.process_local else meta.get("local", {})
         if local.get("processes", 1) > 1:
             raise UserError(
-                f"checkpoint {self.step_dir(step)} is process {local.get('process')}'s local-tier copy"
-                f" of a {local['processes']}-process run: it holds only that process's shards; use a"
-                f" step of the run's --checkpoint.dir"
+                f"checkpoint {self.step_dir(step)} is process {local.get('process')}'s"
+                f" local-tier copy of a {local['processes']}-process run: it holds only that"
+                " process's shards; use a step of the run's --checkpoint.dir"
             )
         return meta
 
@@ -284,9 +180,8 @@ class Checkpointer:
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001  (whatever a damaged file makes Orbax raise)
-            if cross_process_failure(
-                e
-            ):  # the processes did not meet: the files may be fine, never set them aside
+            if cross_process_failure(e):
+                # the processes did not meet: the files may be fine, never set them aside
                 raise
             raise diagnose(self.step_dir(step), e, lambda: self.check_files(step)) from None
 
@@ -336,7 +231,7 @@ class Checkpointer:
         src = self.step_dir(step)
         dst = f"{src}{suffix}"
         if self.process_local or jax.process_index() == 0:
-            dst = _unused(dst)
+            dst = unused_path(dst)
             storage.rename(src, dst)
         if jax.process_count() > 1 and not self.process_local:
             from jax.experimental import multihost_utils
@@ -346,12 +241,14 @@ class Checkpointer:
         return dst
 
     def delete(self, step: int) -> None:
-        """Remove `step` from a local tier (this process's own copy: no other process is involved)."""
+        """Remove `step` from a local tier (this process's own copy: no other process is
+        involved)."""
         shutil.rmtree(self.step_dir(step))
         self._mngr.reload()
 
     def restore_params_to_host(self, step: int) -> dict:
-        """Only the `params` subtree, as numpy arrays in host memory (the optimizer state is not read)."""
+        """Only the `params` subtree, as numpy arrays in host memory (the optimizer state is not
+        read)."""
         self._check_whole(step)
         with self._reading(step):
             saved = self._mngr.item_metadata(step)["state"]
@@ -399,7 +296,8 @@ class Checkpointer:
         return out["state"]["params"]
 
     def check_compatible(self, step: int, abstract_state: Any, meta: dict | None = None) -> None:
-        """UserError listing every array whose saved shape differs from `abstract_state`'s (metadata only)."""
+        """UserError listing every array whose saved shape differs from `abstract_state`'s (metadata
+        only)."""
         if is_params_only(meta or self.meta(step)):
             raise UserError(
                 f"checkpoint {self.step_dir(step)} holds parameters only (an export);"
@@ -438,7 +336,8 @@ class Checkpointer:
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        """Commit what is in flight and close, the companions too (each one even if another failed)."""
+        """Commit what is in flight and close, the companions too (each one even if another
+        failed)."""
         with contextlib.ExitStack() as closing:
             for other in self.companions:
                 closing.callback(other.close)

@@ -30,18 +30,17 @@ def step_list(steps: list[int]) -> str:
 
 class SaveFailed(UserError):
     """Writing a checkpoint failed (disk full, permissions, storage gone). Orbax writes a step under
-    `<step>.orbax-checkpoint-tmp` and renames it only when complete, so committed steps are untouched."""
+    `<step>.orbax-checkpoint-tmp` and renames it only when complete, so committed steps are
+    untouched."""
 
-    exit_now = (
-        True  # the CLI exits at once: the failed save's writes still in flight would print noise
-    )
+    # the CLI exits at once: the failed save's writes still in flight would print noise
+    exit_now = True
 
     def __init__(self, saver: Checkpointer, step: int, err: Exception):
         kept = saver.all_steps()
         tmp = re.search(r"/(\d+)" + re.escape(TMP_SUFFIX), str(err))
-        step = (
-            int(tmp.group(1)) if tmp else step
-        )  # a background save fails a step later than it started
+        # a background save fails a step later than it started
+        step = int(tmp.group(1)) if tmp else step
         super().__init__(
             f"checkpoint: saving step {step} to {saver.directory} failed ({_write_error(err)});"
             f" committed checkpoints are intact (steps {step_list(kept) if kept else 'none'});"
@@ -78,7 +77,8 @@ def _reporting(saver: Checkpointer, step: int) -> Iterator[None]:
 @contextlib.contextmanager
 def committed_on_exit(saver: Checkpointer) -> Iterator[Checkpointer]:
     """`saver`, closed on leaving: every save in flight is committed before the caller goes on. A
-    commit that fails raises SaveFailed, unless an error is already on its way out (it says more)."""
+    commit that fails raises SaveFailed, unless an error is already on its way out (it says
+    more)."""
     try:
         yield saver
     except BaseException:
@@ -118,9 +118,8 @@ class Saves:
     ):
         self.saver, self.every, self.mesh = saver, every, mesh
         self._config, self._seed, self._data_position = config, seed, data_position
-        self.started: int | None = (
-            None  # the newest step whose save started (committed once `wait` returns)
-        )
+        # the newest step whose save started (committed once `wait` returns)
+        self.started: int | None = None
         ck = config.get("checkpoint", {})
         self.local = local_tier(
             saver,

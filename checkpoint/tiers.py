@@ -35,9 +35,8 @@ from checkpoint.manager import Checkpointer
 from errors import UserError
 
 LOCAL_FLAG = "--checkpoint.local_dir"
-_SHARED_STEPS = (
-    64  # the newest local steps each process tells the others about (local_keep is a few)
-)
+# the newest local steps each process tells the others about (local_keep is a few)
+_SHARED_STEPS = 64
 
 
 def process_dir(local_dir: str, process: int) -> str:
@@ -59,7 +58,10 @@ def local_tier(
             return tier
     root, shared = os.path.abspath(local_dir), saver.directory
     own = process_dir(root, jax.process_index())
-    within = lambda inner, outer: inner == outer or inner.startswith(outer + os.sep)  # noqa: E731
+
+    def within(inner: str, outer: str) -> bool:
+        return inner == outer or inner.startswith(outer + os.sep)
+
     error, tier = None, None
     try:
         if within(root, shared) or within(shared, own):
@@ -107,7 +109,8 @@ def steps_everywhere(tier: Checkpointer) -> list[int]:
 
 
 def layout(mesh: Mesh) -> dict:
-    """What a process's local copy depends on: this process and the devices of the mesh, in order."""
+    """What a process's local copy depends on: this process and the devices of the mesh, in
+    order."""
     return {
         "process": jax.process_index(),
         "processes": jax.process_count(),

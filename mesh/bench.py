@@ -1,7 +1,9 @@
 """Collective benchmark, like nccl-tests, over the axes of a Brigade mesh.
 
-    python -m mesh.bench --mesh data=4,model=2 [--ops all_reduce,all_gather,reduce_scatter,all_to_all,ppermute]
-        [--sizes 1K:64M[:4]] [--dtypes float32,bfloat16,int8] [--axes data,model,all] [--iters 20] [--json]
+    python -m mesh.bench --mesh data=4,model=2
+        [--ops all_reduce,all_gather,reduce_scatter,all_to_all,ppermute]
+        [--sizes 1K:64M[:4]] [--dtypes float32,bfloat16,int8] [--axes data,model,all]
+        [--iters 20] [--json]
 
 For every op, group of mesh axes (each axis of size > 1, and `all` = every device), message size
 and dtype: the median time of --iters runs after --warmup (each run timed to
@@ -104,7 +106,8 @@ def axis_groups(mesh_shape: dict[str, int], text: str | None) -> list[tuple[str,
     for name in _choices("--axes", text, AXES + ("all",)):
         if name != "all" and name not in used:
             raise UserError(
-                f"--axes: mesh axis '{name}' has size 1 in this mesh; valid: {', '.join(used + ('all',))}"
+                f"--axes: mesh axis '{name}' has size 1 in this mesh;"
+                f" valid: {', '.join(used + ('all',))}"
             )
         out.append((name, used if name == "all" else (name,)))
     return out
@@ -148,7 +151,8 @@ def _input(mesh, count: int, dtype):
 
 
 def run(mesh, ops, groups, sizes, dtypes, iters: int, warmup: int, on_row=None) -> list[dict]:
-    """Time every (op, axes, dtype, size); -> rows as in --json. `on_row(row)` sees each as it lands."""
+    """Time every (op, axes, dtype, size); -> rows as in --json. `on_row(row)` sees each as it
+    lands."""
     import jax.numpy as jnp
 
     rows = []
@@ -212,12 +216,16 @@ def _human(nbytes: int) -> str:
     return f"{nbytes}B" if nbytes < 1 << 10 else f"{nbytes / (1 << 20):.2f}M"
 
 
-HEADER = f"{'op':<15}{'axes':<16}{'n':>4}  {'dtype':<9}{'size':>8}{'count':>12}{'time_us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+HEADER = (
+    f"{'op':<15}{'axes':<16}{'n':>4}  {'dtype':<9}{'size':>8}{'count':>12}"
+    f"{'time_us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+)
 
 
 def format_row(r: dict) -> str:
     return (
-        f"{r['op']:<15}{r['axes']:<16}{r['n']:>4}  {r['dtype']:<9}{_human(r['size_bytes']):>8}{r['count']:>12}"
+        f"{r['op']:<15}{r['axes']:<16}{r['n']:>4}  {r['dtype']:<9}"
+        f"{_human(r['size_bytes']):>8}{r['count']:>12}"
         f"{r['time_us']:>12.1f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
     )
 
@@ -305,8 +313,9 @@ def _main(args) -> int:
     }
     if main_proc and not args.json:
         print(
-            f"# mesh {info['mesh']}: {info['devices']} {info['device_kind']} devices, {info['processes']} process(es);"
-            f" median of {args.iters} runs after {args.warmup} warm-up; size = larger per-device buffer"
+            f"# mesh {info['mesh']}: {info['devices']} {info['device_kind']} devices,"
+            f" {info['processes']} process(es); median of {args.iters} runs after"
+            f" {args.warmup} warm-up; size = larger per-device buffer"
         )
         print(HEADER, flush=True)
     rows = run(
@@ -327,7 +336,8 @@ def _main(args) -> int:
             print(json.dumps({**info, "results": rows, "peak_busbw_GBps": peak}))
         else:
             print(
-                "# busbw GB/s at the largest size, per axes (a slow link shows as one axes column far below the rest)"
+                "# busbw GB/s at the largest size, per axes"
+                " (a slow link shows as one axes column far below the rest)"
             )
             labels = [label for label, _ in groups]
             print(f"{'op':<15}" + "".join(f"{lab:>16}" for lab in labels))

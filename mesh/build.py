@@ -38,11 +38,13 @@ def init_distributed(
     if explicit:
         if coordinator is None or num_processes is None or process_id is None:
             raise UserError(
-                "multi-process start needs all of --coordinator HOST:PORT, --num-processes N, --process-id I"
+                "multi-process start needs all of --coordinator HOST:PORT, --num-processes N,"
+                " --process-id I"
             )
         if not 0 <= process_id < num_processes:
             raise UserError(
-                f"--process-id {process_id} must be in [0, {num_processes - 1}] for --num-processes {num_processes}"
+                f"--process-id {process_id} must be in [0, {num_processes - 1}]"
+                f" for --num-processes {num_processes}"
             )
     elif not _cluster_detected():
         return
@@ -126,8 +128,8 @@ def mesh_from_shape(shape: MeshShape, devices: list) -> Mesh:
         dcn_total = int(np.prod(shape.dcn))
         if dcn_total != granules:
             raise UserError(
-                f"--mesh-dcn multiplies to {dcn_total} but the devices span {granules} host(s)/slice(s);"
-                f" the --mesh-dcn product must equal that number"
+                f"--mesh-dcn multiplies to {dcn_total} but the devices span {granules}"
+                " host(s)/slice(s); the --mesh-dcn product must equal that number"
             )
         arr = mesh_utils.create_hybrid_device_mesh(
             shape.ici, shape.dcn, devices, process_is_granule=by_process

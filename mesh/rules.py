@@ -21,15 +21,15 @@ MeshAxes = tuple[str, ...]  # () = replicated
 
 DEFAULT_RULES: dict[str, MeshAxes] = {
     # activations
+    # outside the MoE layers the expert axis acts as FSDP (see "embed")
     "batch": (
         "data",
         "fsdp",
         "expert",
-    ),  # outside the MoE layers the expert axis acts as FSDP (see "embed")
+    ),
     "seq": ("context",),  # context parallelism: every activation's sequence dim
-    "res_seq": (
-        "context",
-    ),  # the residual stream's sequence dim between blocks (+ model: sequence parallelism)
+    # the residual stream's sequence dim between blocks (+ model: sequence parallelism)
+    "res_seq": ("context",),
     "act_embed": (),
     "act_mlp": ("model",),
     "act_heads": ("model",),
@@ -45,26 +45,29 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "kv_heads": ("model",),
     "head_dim": (),
     "vocab": ("model",),
+    # the d_model dim of the embedding table and the LM head (see vocab_parallel)
     "vocab_embed": (
         "fsdp",
         "context",
         "expert",
-    ),  # the d_model dim of the embedding table and the LM head (see vocab_parallel)
+    ),
     "norm": (),
-    "layers": (
-        "pipeline",
-    ),  # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
+    # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
+    "layers": ("pipeline",),
     "experts": ("expert",),  # expert parallelism: each device holds n_experts / expert of them
     "expert_mlp": ("model",),  # tensor parallelism inside each expert
+    # the experts' d_model dim: `expert` already shards their `experts` dim
     "expert_embed": (
         "fsdp",
         "context",
-    ),  # the experts' d_model dim: `expert` already shards their `experts` dim
-    "router_experts": (),  # the router's expert dim: every device routes its own tokens to all experts
+    ),
+    # the router's expert dim: every device routes its own tokens to all experts
+    "router_experts": (),
     "stages": ("pipeline",),
 }
 
-# The config option that sets each parameter dim's size, so that a divisibility error names what to change.
+# The config option that sets each parameter dim's size, so that a divisibility error
+# names what to change.
 HINTS = {
     "heads": "model.n_heads",
     "kv_heads": "model.n_kv_heads",
@@ -85,7 +88,8 @@ _RULES: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar(
 
 
 def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
-    """`'embed=fsdp+model,vocab=none'` or a YAML mapping -> {'embed': ('fsdp','model'), 'vocab': ()}."""
+    """`'embed=fsdp+model,vocab=none'` or a YAML mapping ->
+    {'embed': ('fsdp','model'), 'vocab': ()}."""
     if not spec:
         return {}
     if isinstance(spec, str):
@@ -93,7 +97,8 @@ def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
         for part in spec.split(","):
             if "=" not in part:
                 raise UserError(
-                    f"--parallelism.rules: '{part}' is not name=axis[+axis]; example: embed=fsdp,vocab=none"
+                    f"--parallelism.rules: '{part}' is not name=axis[+axis];"
+                    " example: embed=fsdp,vocab=none"
                 )
             name, _, value = part.partition("=")
             pairs.append((name.strip(), value.strip()))
@@ -103,7 +108,8 @@ def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
     for name, value in pairs:
         if name not in DEFAULT_RULES:
             raise UserError(
-                f"--parallelism.rules: unknown logical axis '{name}'; valid: {', '.join(DEFAULT_RULES)}"
+                f"--parallelism.rules: unknown logical axis '{name}';"
+                f" valid: {', '.join(DEFAULT_RULES)}"
             )
         if value is None or value in ("", "none", "None", []):
             axes: MeshAxes = ()
@@ -114,7 +120,8 @@ def parse_overrides(spec: str | Mapping | None) -> dict[str, MeshAxes]:
         for a in axes:
             if a not in AXES:
                 raise UserError(
-                    f"--parallelism.rules: '{name}' maps to unknown mesh axis '{a}'; valid: {', '.join(AXES)}"
+                    f"--parallelism.rules: '{name}' maps to unknown mesh axis '{a}';"
+                    f" valid: {', '.join(AXES)}"
                 )
         out[name] = axes
     return out
@@ -148,7 +155,10 @@ def vocab_parallel(rules: Mapping[str, MeshAxes]) -> dict[str, MeshAxes]:
     lookup ([tokens of the group, D] each) and three [tokens] float32 reductions of the loss.
     It wins while the group's tokens are fewer than the vocabulary (head_layout decides)."""
     moved = tuple(rules["vocab_embed"])
-    add = lambda axes: tuple(axes) + tuple(a for a in moved if a not in axes)  # noqa: E731
+
+    def add(axes) -> tuple:
+        return tuple(axes) + tuple(a for a in moved if a not in axes)
+
     return {
         **rules,
         "vocab": add(rules["vocab"]),
@@ -171,18 +181,22 @@ def head_layout(
     """`rules` with the LM head's layout that --parallelism.vocab_parallel `mode` (auto|on|off)
     picks on a mesh of these axis sizes. `batch_tokens`: tokens of one micro-batch of the global
     batch. `auto` takes vocab_parallel where it moves fewer bytes (~3 x the FSDP group's tokens x
-    D activation bytes against ~2 x V x D parameter bytes per micro-batch), and keeps a head layout the user wrote (a rule of VOCAB_NAMES
-    overridden) or a vocabulary the new axes would not divide."""
-    size = lambda axes: math.prod(sizes.get(a, 1) for a in axes)  # noqa: E731
+    D activation bytes against ~2 x V x D parameter bytes per micro-batch), and keeps a head layout
+    the user wrote (a rule of VOCAB_NAMES overridden) or a vocabulary the new axes would not
+    divide."""
+
+    def size(axes) -> int:
+        return math.prod(sizes.get(a, 1) for a in axes)
+
     if mode == "off" or size(rules["vocab_embed"]) == 1:
         return dict(rules)
     vp = vocab_parallel(rules)
     if mode == "on" and vocab % size(vp["vocab"]):
         n, axes = size(vp["vocab"]), " x ".join(f"{a}={sizes.get(a, 1)}" for a in vp["vocab"])
         raise UserError(
-            f"--parallelism.vocab_parallel on: model.vocab_size={vocab} is not divisible by {axes} = {n}"
-            f" devices; pad the vocabulary to a multiple of {n}, or use auto (which keeps the gathered"
-            f" head here) or off"
+            f"--parallelism.vocab_parallel on: model.vocab_size={vocab} is not divisible by"
+            f" {axes} = {n} devices; pad the vocabulary to a multiple of {n}, or use auto (which"
+            " keeps the gathered head here) or off"
         )
     if mode == "auto":
         group_tokens = batch_tokens // size(vp["logits_batch"])

@@ -52,7 +52,8 @@ def entry_axes(entry) -> tuple[str, ...]:
 
 
 def spec_axes(spec) -> set[str]:
-    """The mesh axes a PartitionSpec uses: P('fsdp', ('data','model'), None) -> {fsdp, data, model}."""
+    """The mesh axes a PartitionSpec uses: P('fsdp', ('data','model'), None) ->
+    {fsdp, data, model}."""
     return {a for entry in spec for a in entry_axes(entry)}
 
 
@@ -98,9 +99,10 @@ def check_divisible(
                     else f"{path} dim {dim} ({name}={size})"
                 )
                 choices = [d for d in range(1, size + 1) if size % d == 0]
+                over = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
                 raise UserError(
-                    f"{where} is not divisible by mesh {'x'.join(f'{a}={mesh.shape[a]}' for a in axes)} = {n}"
-                    f" (logical axis '{name}' -> {axes}); valid sizes for that product: {choices}"
+                    f"{where} is not divisible by mesh {over} = {n} (logical axis '{name}' ->"
+                    f" {axes}); valid sizes for that product: {choices}"
                 )
 
 
@@ -116,9 +118,10 @@ def warn_undersharded(
         used = spec_axes(spec)
         missing = [a for a in axes if mesh.shape[a] > 1 and a not in used]
         if nbytes >= min_bytes and missing:
+            over = ", ".join(f"{a}={mesh.shape[a]}" for a in missing)
             msg = (
-                f"{path} ({nbytes / 2**20:.1f} MiB, shape {tuple(x.shape)}, spec {spec}) is replicated over"
-                f" mesh axis {', '.join(f'{a}={mesh.shape[a]}' for a in missing)}; check the logical-axis rules"
+                f"{path} ({nbytes / 2**20:.1f} MiB, shape {tuple(x.shape)}, spec {spec}) is"
+                f" replicated over mesh axis {over}; check the logical-axis rules"
             )
             msgs.append(msg)
             warnings.warn(msg, stacklevel=2)

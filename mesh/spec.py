@@ -99,8 +99,9 @@ def resolve(
         axis = next(n for n, s in sizes.items() if s == -1)
         if n_devices % fixed:
             raise UserError(
-                f"--mesh: the named axes multiply to {fixed}, which does not divide the {n_devices} devices,"
-                f" so '{axis}=-1' has no solution; the fixed part must be one of {_divisors(n_devices)}"
+                f"--mesh: the named axes multiply to {fixed}, which does not divide the"
+                f" {n_devices} devices, so '{axis}=-1' has no solution; the fixed part must be one"
+                f" of {_divisors(n_devices)}"
             )
         sizes[axis] = n_devices // fixed
     elif fixed != n_devices:

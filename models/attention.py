@@ -61,9 +61,8 @@ class Attention(nnx.Module):
         self.qkv_bias, self.qk_norm, self.window = cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window
         self.dtype, self.fp8 = dtype, cfg.matmul_precision == "fp8"
         self.kind = functools.partial(cfg.attention_kind, jax.default_backend())
-        self.kind(
-            cfg.max_seq_len
-        )  # an attention this backend lacks: one line when the model is built
+        # an attention this backend lacks: one line when the model is built
+        self.kind(cfg.max_seq_len)
 
     def _qkv(self, x_BTD):
         """q, k, v from as few einsums as the sharding allows. Each einsum's input gradient is one
@@ -98,7 +97,8 @@ class Attention(nnx.Module):
         cache: KVCache | None = None,
         segment_ids_BT: jax.Array | None = None,
     ):
-        """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own segment."""
+        """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own
+        segment."""
         dt = self.dtype
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD)
         if self.qkv_bias:
@@ -117,9 +117,8 @@ class Attention(nnx.Module):
         kind = self.kind(x_BTD.shape[1], segment_ids_BT is not None)
         if cache is None and kind != "blockwise" and context_size() == 1:
             out_BTNH = self._by_index(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind)
-        elif (
-            cache is None
-        ):  # the sequence is sharded (and permuted), or blockwise: masks from positions
+        elif cache is None:
+            # the sequence is sharded (and permuted), or blockwise: masks from positions
             out_BTNH = context.attend(
                 q_BTNH,
                 k_BTKH,
@@ -140,8 +139,9 @@ class Attention(nnx.Module):
                 cache.index + x_BTD.shape[1],
             )
             s = cache.k.shape[1]
-            # Slot s holds the key of position s: a query at position p sees the cached keys at
-            # positions <= p (slots past `index` are empty), and with a window only the last W of them.
+            # Slot s holds the key of position s: a query at position p sees the cached
+            # keys at positions <= p (slots past `index` are empty), and with a window
+            # only the last W of them.
             mask_B1TS = visible(
                 positions_BT[:, None, :, None],
                 jnp.arange(s)[None, None, None, :],

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 # that is exp(-inf - (-inf)) = NaN in the forward and in autodiff, with this value it is
 # exp(0) * 0 = 0. It is below any real log-sum-exp by ~1e30, so it never shifts a real one.
 NO_KEYS_LSE = -1e30
-BLOCK_K = 512  # keys per block: scores of [B, T, N, 512] float32 at a time; a multiple of 128 for GPU/TPU tiles
+# keys per block: scores of [B, T, N, 512] float32 at a time; a multiple of 128 for GPU/TPU tiles
+BLOCK_K = 512
 
 
 def blockwise_attention(
@@ -81,7 +82,8 @@ def blockwise_attention(
 
 
 def _blocks(x_BS, c: int, fill=0):
-    """[B, S, ...] -> [G, B, C, ...] (G = S/C blocks), S padded up to a multiple of C with `fill`: the scan's xs."""
+    """[B, S, ...] -> [G, B, C, ...] (G = S/C blocks), S padded up to a multiple of C with `fill`:
+    the scan's xs."""
     b, s = x_BS.shape[:2]
     pad = -s % c
     x_BS = jnp.pad(x_BS, [(0, 0), (0, pad)] + [(0, 0)] * (x_BS.ndim - 2), constant_values=fill)
@@ -106,7 +108,8 @@ def _tied(block):
     """A key block with its positions, segments and padding flags behind one optimisation barrier
     with the keys. The visibility mask depends on integers alone; under autodiff with remat JAX's
     partial evaluation would compute it for every block ahead of the loop and stack it as a
-    residual, a [G, B, T, K, Q, C] = T x S x N boolean. Tied to the keys, it stays inside the loop."""
+    residual, a [G, B, T, K, Q, C] = T x S x N boolean. Tied to the keys, it stays inside the
+    loop."""
     return jax.lax.optimization_barrier(block)
 
 
@@ -179,9 +182,8 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, win
         step, init, _key_blocks(k_BSKH, v_BSKH, k_pos_BS, k_seg_BS, c)
     )
     seen_any = l_BTKQ > 0
-    out_BTKQH = (
-        acc_BTKQH / jnp.where(seen_any, l_BTKQ, 1.0)[..., None]
-    )  # acc is 0 where nothing was seen
+    # acc is 0 where nothing was seen
+    out_BTKQH = acc_BTKQH / jnp.where(seen_any, l_BTKQ, 1.0)[..., None]
     lse_BTKQ = jnp.where(seen_any, m_BTKQ + jnp.log(jnp.where(seen_any, l_BTKQ, 1.0)), NO_KEYS_LSE)
     return out_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype), lse_BTKQ.reshape(b, t, n)
 

@@ -75,12 +75,14 @@ def context_size() -> int:
 
 def by_positions(kind: str) -> str:
     """The attention that runs where masks come from positions (a sharded, permuted sequence, or
-    blockwise asked for): dense stays dense; no fused kernel takes such a mask, so the rest is blockwise."""
+    blockwise asked for): dense stays dense; no fused kernel takes such a mask, so the rest is
+    blockwise."""
     return "dense" if kind == "dense" else "blockwise"
 
 
 def describe(kind: str, n: int, strategy: str) -> str:
-    """The start line's account of the attention a run does: `attention blockwise, context ring x 4`."""
+    """The start line's account of the attention a run does:
+    `attention blockwise, context ring x 4`."""
     names = {"jax": "auto (cuDNN where it can, else XLA)"}
     return f"attention {names.get(kind, kind)}" + (f", context {strategy} x {n}" if n > 1 else "")
 
@@ -165,7 +167,8 @@ def local_attention(
 
 def _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS):
     """Dense masked attention that also returns the log-sum-exp of each query's visible scores
-    ([B,T,N] float32; NO_KEYS_LSE where none is visible, and then an output of 0): a ring step's result."""
+    ([B,T,N] float32; NO_KEYS_LSE where none is visible, and then an output of 0): a ring step's
+    result."""
     b, t, n, h = q_BTNH.shape
     k = k_BSKH.shape[2]
     q_BTKQH = q_BTNH.reshape(b, t, k, n // k, h).astype(jnp.float32) / math.sqrt(h)
@@ -174,9 +177,8 @@ def _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS):
     # hidden scores at NO_KEYS_LSE, not -inf: a row with nothing visible stays finite in both passes
     lse_BKQT = jax.nn.logsumexp(jnp.where(mask_B11TS, s_BKQTS, NO_KEYS_LSE), axis=-1)
     lse_BKQT = jnp.where(jnp.any(mask_B11TS, axis=-1), lse_BKQT, NO_KEYS_LSE)
-    p_BKQTS = jnp.exp(
-        jnp.where(mask_B11TS, s_BKQTS - lse_BKQT[..., None], -jnp.inf)
-    )  # no inf x 0 in the vjp
+    # no inf x 0 in the vjp
+    p_BKQTS = jnp.exp(jnp.where(mask_B11TS, s_BKQTS - lse_BKQT[..., None], -jnp.inf))
     out_BTKQH = jnp.einsum("bkqts,bskh->btkqh", p_BKQTS, v_BSKH.astype(jnp.float32))
     return (
         out_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype),
@@ -225,39 +227,50 @@ def _ring(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, 
     mesh = jax.sharding.get_abstract_mesh()
     axes = context_axes()
     n = context_size()
-    real = lambda spec: P(
-        *(tuple(a for a in entry_axes(e) if mesh.shape[a] > 1) or None for e in spec)
-    )  # noqa: E731
+
+    def real(spec):
+        """`spec` with the mesh axes of size 1 dropped: shard_map is manual over real axes only."""
+        return P(*(tuple(a for a in entry_axes(e) if mesh.shape[a] > 1) or None for e in spec))
+
     q_spec = real(logical_to_spec(("batch", "seq", "act_heads", None)))
     kv_spec = real(logical_to_spec(("batch", "seq", "act_kv_heads", None)))
     bt_spec = real(logical_to_spec(("batch", "seq")))
     heads, kv_heads = entry_axes(q_spec[2]), entry_axes(kv_spec[2])
     if heads != kv_heads:
         raise UserError(
-            f"--parallelism.context_strategy ring: the query heads are sharded over {heads or 'nothing'}"
-            f" but the KV heads over {kv_heads or 'nothing'} (model.n_kv_heads={k_BTKH.shape[2]} must be"
-            f" divisible by the tensor-parallel size); use all_gather"
+            "--parallelism.context_strategy ring: the query heads are sharded over"
+            f" {heads or 'nothing'} but the KV heads over {kv_heads or 'nothing'}"
+            f" (model.n_kv_heads={k_BTKH.shape[2]} must be divisible by the tensor-parallel size);"
+            " use all_gather"
         )
     perm = [(i, (i + 1) % n) for i in range(n)]
     has_seg = segment_ids_BT is not None
 
     def body(q, k, v, q_pos, *seg):
         q_seg = seg[0] if has_seg else None
-        attend_to = lambda kv: local_attention(
-            q,
-            kv[0],
-            kv[1],
-            q_pos,
-            kv[2],
-            q_seg,
-            kv[3] if has_seg else None,  # noqa: E731
-            window=window,
-            kind=kind,
-            return_lse=True,
-        )
+
+        def attend_to(kv):
+            """This device's queries against one K/V block (k, v, positions[, segment ids])."""
+            k_seg = kv[3] if has_seg else None
+            return local_attention(
+                q,
+                kv[0],
+                kv[1],
+                q_pos,
+                kv[2],
+                q_seg,
+                k_seg,
+                window=window,
+                kind=kind,
+                return_lse=True,
+            )
+
         local = (k, v, q_pos) + tuple(seg)
         out, lse = attend_to(local)  # the local block: every query sees at least itself
-        send = lambda block: tuple(jax.lax.ppermute(a, axes, perm) for a in block)  # noqa: E731
+
+        def send(block):
+            """One hop of the ring: each array of the block to the next device."""
+            return tuple(jax.lax.ppermute(a, axes, perm) for a in block)
 
         def hop(carry, _):
             # the next block's permute does not depend on this block's attention: XLA overlaps them

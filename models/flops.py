@@ -40,9 +40,10 @@ def matmul_param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token, without remat recomputation (the MFU convention).
-    Attention: 12 * layers * heads * head_dim * keys (PaLM; causal masking not subtracted), keys =
-    seq_len, or the sliding window where it is shorter (each query scores at most that many keys)."""
+    """Training (forward + backward) FLOPs per token, without remat recomputation (the MFU
+    convention). Attention: 12 * layers * heads * head_dim * keys (PaLM; causal masking not
+    subtracted), keys = seq_len, or the sliding window where it is shorter (each query scores at
+    most that many keys)."""
     keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
     attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * keys
     return 6 * matmul_param_count(cfg) + attn

@@ -1,8 +1,9 @@
 """What moved out of models.hf, kept for one release. The file reading and writing and the
-conversion of checkpoints moved to checkpoint.hf_files and checkpoint.hf, and `python -m models.hf
-import|export` became `python -m checkpoint hf import|export`. The old names still import from
-models.hf, with a DeprecationWarning naming their new home; the old command fails in one line
-naming the new one (exiting 0 having done nothing would hide that it moved)."""
+conversion of checkpoints moved to checkpoint.hf_files and checkpoint.hf, config.json <->
+ModelConfig to models.hf_config, and `python -m models.hf import|export` became `python -m
+checkpoint hf import|export`. The old names still import from models.hf, with a
+DeprecationWarning naming their new home; the old command fails in one line naming the new one
+(exiting 0 having done nothing would hide that it moved)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ MOVED = {  # name -> the module it lives in now
         ),
         "checkpoint.hf_files",
     ),
+    **dict.fromkeys(
+        (
+            "DTYPES",
+            "ARCHITECTURES",
+            "is_int",
+            "is_number",
+            "short_json",
+            "check_config_types",
+            "config_from_hf",
+            "config_to_hf",
+            "model_type_of",
+        ),
+        "models.hf_config",
+    ),
 }
 
 
@@ -51,8 +66,10 @@ def moved(name: str):
     )
     if MOVED[name] == "checkpoint.hf":
         from checkpoint import hf as new_home
-    else:
+    elif MOVED[name] == "checkpoint.hf_files":
         from checkpoint import hf_files as new_home
+    else:
+        from models import hf_config as new_home
     return getattr(new_home, name)
 
 

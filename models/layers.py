@@ -48,7 +48,8 @@ class RMSNorm(nnx.Module):
 def rope_frequencies(h: int, theta: float, scaling: tuple | None = None) -> jax.Array:
     """[H/2] inverse wavelengths. `scaling` = (factor, low_freq_factor, high_freq_factor,
     original_max_len): Llama 3.1's long-context scaling (wavelengths longer than original/low
-    divided by factor, shorter than original/high kept, a linear ramp in between), as HF's "llama3"."""
+    divided by factor, shorter than original/high kept, a linear ramp in between), as HF's
+    "llama3"."""
     inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
     if scaling:
         factor, low, high, original = scaling

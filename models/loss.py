@@ -57,11 +57,11 @@ def chunked_token_xent(
     seq_shards: int = 1,
     compute_dtype=None,
 ) -> jax.Array:
-    """`token_xent` of the logits einsum("btd,dv->btv", x, head) [B,T] float32, computed chunk_tokens
-    tokens at a time: a scan over sequence chunks whose body is rematerialised (jax.checkpoint), so
-    the forward keeps no logits and the backward recomputes each chunk's. Peak: one chunk's
-    [B,chunk,V] float32 logits (and their softmax) instead of [B,T,V]. The math per token is the
-    unchunked head's, so values and gradients are the same.
+    """`token_xent` of the logits einsum("btd,dv->btv", x, head) [B,T] float32, computed
+    chunk_tokens tokens at a time: a scan over sequence chunks whose body is rematerialised
+    (jax.checkpoint), so the forward keeps no logits and the backward recomputes each chunk's. Peak:
+    one chunk's [B,chunk,V] float32 logits (and their softmax) instead of [B,T,V]. The math per
+    token is the unchunked head's, so values and gradients are the same.
 
     x_BTD: the final-normed hidden states; head_DV: the LM head (tied: embed_VD.T), cast to
     `compute_dtype` (default: x's) as models/pieces.py casts it; the logits accumulate in

@@ -45,9 +45,8 @@ def compute_dtype(cfg: ModelConfig) -> str:
 
 def module(cfg: ModelConfig, params: dict) -> Decoder:
     gdef, abstract_state = _graph(cfg, compute_dtype(cfg))
-    state = jax.tree.map(
-        lambda x: x, abstract_state
-    )  # fresh Variables; replace_by_pure_dict mutates
+    # fresh Variables; replace_by_pure_dict mutates
+    state = jax.tree.map(lambda x: x, abstract_state)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(gdef, state)
 

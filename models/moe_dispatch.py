@@ -166,9 +166,8 @@ def dispatch_local(
         def ffn(x_RD, sizes_X):
             if kernel == "ragged":
                 return gmm_sorted(x_RD, sizes_X, *(batched_like(x_RD, *ws) if vmapped else ws))
-            group_R = jnp.sum(
-                jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1
-            )  # X: padding
+            # a row past every group's end gets group X: padding
+            group_R = jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1)
             return gmm_blocks(x_RD, group_R, *ws, block_size(n * k, x_count))
 
         y_AD = _ragged_dispatch(

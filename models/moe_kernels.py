@@ -22,8 +22,8 @@ from jax import lax
 
 
 def rank_in_group(g_A: jax.Array, n_groups: int):
-    """Rank of each element among those with the same group id, in order (stable) -> (rank_A, sizes_G).
-    Ids >= n_groups (padding) are not counted."""
+    """Rank of each element among those with the same group id, in order (stable) ->
+    (rank_A, sizes_G). Ids >= n_groups (padding) are not counted."""
     # (no jnp.searchsorted: it fails on shard_map-varying arrays in jax 0.10)
     order = jnp.argsort(g_A, stable=True)
     sorted_g = g_A[order]
@@ -107,7 +107,8 @@ def _varying(*arrays) -> tuple:
 def _vary_alike(*arrays):
     """Under shard_map, every array made to vary over the union of their axes, outside the custom
     VJP: each weight's cotangent is then summed over the axes it did not vary over by autodiff
-    (the transpose of the cast), and the hand-written backward returns cotangents of its inputs' types."""
+    (the transpose of the cast), and the hand-written backward returns cotangents of its inputs'
+    types."""
     vma = set(_varying(*arrays))
     return tuple(
         lax.pcast(a, tuple(vma - set(_varying(a))), to="varying") if vma - set(_varying(a)) else a
@@ -175,9 +176,8 @@ def _blocked_bwd(res, dy_GbD):
         dwd_XFD = _put(dwd_XFD, g, _take(dwd_XFD, g) + _dot_t(silu_bF * h2_bF, dy_bD))
         dh_bF = dy_bD @ wd_FD.T
         dh2_bF = dh_bF * silu_bF
-        dh1_bF = (
-            dh_bF * h2_bF * sig_bF * (1 + h1_bF * (1 - sig_bF))
-        )  # silu' = sig (1 + h (1 - sig))
+        # silu' = sig (1 + h (1 - sig))
+        dh1_bF = dh_bF * h2_bF * sig_bF * (1 + h1_bF * (1 - sig_bF))
         dwg_XDF = _put(dwg_XDF, g, _take(dwg_XDF, g) + _dot_t(x_bD, dh1_bF))
         dwu_XDF = _put(dwu_XDF, g, _take(dwu_XDF, g) + _dot_t(x_bD, dh2_bF))
         dx_bD = dh1_bF @ wg_DF.T + dh2_bF @ wu_DF.T

@@ -1,6 +1,7 @@
-"""Models besides the built-in decoder, by name: `models.register(name, init, apply, param_axes, ...)`
-once, then `--model NAME` (or `train.config.build({"model.preset": NAME})`) trains it on any mesh,
-and `plan`, checkpoints and `sample` use it, with no other change.
+"""Models besides the built-in decoder, by name:
+`models.register(name, init, apply, param_axes, ...)` once, then `--model NAME` (or
+`train.config.build({"model.preset": NAME})`) trains it on any mesh, and `plan`, checkpoints and
+`sample` use it, with no other change.
 
 A registered model keeps the decoder's contract (models/model.py), every function taking the
 run's model config first:
@@ -12,7 +13,8 @@ run's model config first:
                        names from mesh/rules.py: "vocab", "embed", "mlp", "heads", ...); the
                        rules map them to mesh axes, so the model shards on every axis it names
     init_cache(cfg, batch, length, dtype=None) -> cache   optional: what `apply` decodes with;
-                                        without it the model trains but `sample` refuses it in one line
+                                        without it the model trains but `sample` refuses it in
+                                        one line
 
 Positions: on a mesh with a `context` axis the sequence is cut into chunks and reordered (the
 zig-zag layout of models/context.py) before the model sees it, so token index t is no longer
@@ -58,9 +60,8 @@ class Model(NamedTuple):
     apply: Callable
     param_axes: Callable
     init_cache: Callable | None = None
-    forward: Callable | None = (
-        None  # (cfg, params, tokens, positions, segment_ids, pipeline) -> (logits, stats)
-    )
+    # (cfg, params, tokens, positions, segment_ids, pipeline) -> (logits, stats)
+    forward: Callable | None = None
     takes_positions: bool = False  # masks by positions_BT, so a reordered sequence is safe
 
 
@@ -124,8 +125,8 @@ def config(name: str, presets: dict[str, ModelConfig]) -> ModelConfig:
     _load_entry_points()
     if name not in _MODELS:
         raise UserError(
-            f"--model: unknown preset '{name}'; valid presets: {', '.join(presets)}; registered models:"
-            f" {', '.join(sorted(_MODELS)) or 'none (models.register adds one)'}"
+            f"--model: unknown preset '{name}'; valid presets: {', '.join(presets)};"
+            f" registered models: {', '.join(sorted(_MODELS)) or 'none (models.register adds one)'}"
         )
     return _MODELS[name][1]
 
@@ -140,7 +141,8 @@ def lookup(cfg: ModelConfig, builtin: Model) -> Model:
     if arch not in _MODELS:
         raise UserError(
             f"model '{arch}' is not registered in this process; registered models:"
-            f" {', '.join(sorted(_MODELS)) or 'none'} (import the module that calls models.register)"
+            f" {', '.join(sorted(_MODELS)) or 'none'}"
+            " (import the module that calls models.register)"
         )
     return _MODELS[arch][0]
 
@@ -184,8 +186,8 @@ def default_forward(
 
     if pipeline is not None and jax.sharding.get_abstract_mesh().shape.get("pipeline", 1) > 1:
         raise UserError(
-            f"model '{cfg.arch}' has no pipeline schedule (register it with forward= that takes one);"
-            f" use a mesh without a pipeline axis"
+            f"model '{cfg.arch}' has no pipeline schedule"
+            " (register it with forward= that takes one); use a mesh without a pipeline axis"
         )
     logits_BTV, _ = model.apply(cfg, params, tokens_BT, positions_BT, None, segment_ids_BT)
     return logits_BTV, {}

@@ -13,9 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from mesh.xla import apply_argv
 
-    apply_argv(
-        argv, os.environ
-    )  # XLA reads its flags when jax starts a backend: before any import of jax
+    # XLA reads its flags when jax starts a backend: before any import of jax
+    apply_argv(argv, os.environ)
     from plan.cli import main as plan_main
 
     return plan_main(argv)

@@ -1,8 +1,10 @@
 """`python -m plan [flags]` (also `python -m train plan [flags]`): the run's own flags, plus
 
-(none)                 compile the step on --mesh and report memory, FLOPs and collectives per device
+(none)                 compile the step on --mesh and report memory, FLOPs and collectives
+                       per device
 --hardware NAME        ... and predict step time, MFU and goodput on that hardware (plan/cost.py)
 --devices N            predict --mesh on N devices from the formulas alone, without compiling
+                       (plan/estimate.py)
 --search N             rank every valid mesh of N devices by predicted step time (plan/search.py)
 """
 
@@ -17,16 +19,19 @@ from mesh.rules import make_rules
 from mesh.spec import AXES, resolve
 from models import pipeline as pipeline_lib
 from plan import cost, hardware, search
+from plan.compiled_cost import from_plan
+from plan.estimate import evaluate
 from plan.hardware import Hardware
-from plan.report import (
-    analyze,
-    memory_traffic,
+from plan.render import (
     render,
     render_cost,
     render_estimate,
+    render_schedules,
     render_search,
     run_flags,
 )
+from plan.report import analyze, memory_traffic
+from plan.schedules import compare_schedules
 from train.config import build, make_parser
 from train.setup import setup
 
@@ -110,7 +115,8 @@ def make_plan_parser():
         "--plot",
         metavar="PATH",
         default="",
-        help="with --mesh pipeline=P > 1: draw the pipeline schedule to PATH (PNG, needs matplotlib)",
+        help="with --mesh pipeline=P > 1: draw the pipeline schedule to PATH"
+        " (PNG, needs matplotlib)",
     )
     add_args(parser)
     return parser
@@ -135,7 +141,8 @@ def main(argv: list[str]) -> int:
         pipeline_lib.plot_schedule(P, pc.microbatches_for(P), pc.repeats, pc.schedule, path=ns.plot)
     report = analyze(s)
     if ns.hardware and hardware.platform_of(ns.hardware) == report["backend"]:
-        # the compile's bytes price only its own backend (plan.cost.from_plan): no second compile else
+        # the compile's bytes price only its own backend (plan.compiled_cost.from_plan):
+        # no second compile else
         report["memory_traffic"] = memory_traffic(s, report)
     cost_text = with_cost(report, ns, cfg, mesh) if ns.hardware else ""
     if ns.json:
@@ -152,9 +159,8 @@ def _hardware(ns, n_devices: int, cfg) -> Hardware:
         raise UserError(
             f"--search/--devices need --hardware NAME; valid: {', '.join(hardware.PROFILES)}"
         )
-    return hardware.get(
-        ns.hardware, n_devices, cfg.model.compute_dtype("cpu")
-    )  # dtype: for the CPU profile
+    # dtype: for the CPU profile
+    return hardware.get(ns.hardware, n_devices, cfg.model.compute_dtype("cpu"))
 
 
 def _goodput(ns, cfg, pred: dict, state_bytes: float, hw: Hardware) -> dict:
@@ -211,7 +217,7 @@ def analytic(ns, cfg) -> tuple[dict, str]:
             text += f"\nbest mesh: {run_flags(best)}\n" + render_cost(best, report["goodput"])
         return report, text
     shape = resolve(p.mesh, n, p.mesh_dcn)
-    row = search.evaluate(
+    row = evaluate(
         cfg.model,
         shape.as_dict(),
         hw,
@@ -231,7 +237,7 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     )
     text = render_estimate(row, hw)
     if shape.as_dict().get("pipeline", 1) > 1:
-        row["schedules"] = search.compare_schedules(
+        row["schedules"] = compare_schedules(
             cfg.model,
             shape.as_dict(),
             hw,
@@ -246,7 +252,7 @@ def analytic(ns, cfg) -> tuple[dict, str]:
             vocab_parallel=p.vocab_parallel,
             sequence_parallel=p.sequence_parallel,
         )
-        text += "\n" + search.render_schedules(row["schedules"])
+        text += "\n" + render_schedules(row["schedules"])
     return row, text
 
 
@@ -256,9 +262,7 @@ def with_cost(report: dict, ns, cfg, mesh) -> str:
     sizes = {a: mesh.shape[a] for a in AXES}
     hw = _hardware(ns, mesh.size, cfg)
     dcn = dict(zip(AXES, resolve(cfg.parallelism.mesh, mesh.size, cfg.parallelism.mesh_dcn).dcn))
-    pred = cost.from_plan(
-        report, hw, cfg.model, t.batch_size, t.seq_len, t.micro_batches, sizes, dcn
-    )
+    pred = from_plan(report, hw, cfg.model, t.batch_size, t.seq_len, t.micro_batches, sizes, dcn)
     mem = report["memory"]
     good = _goodput(ns, cfg, pred, mem["params_bytes"] + mem["optimizer_bytes"], hw)
     report["cost"], report["goodput"] = pred, good

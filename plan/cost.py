@@ -25,21 +25,21 @@ reduce-scatter), which XLA's latency-hiding scheduler runs next to other layers'
 Exposed: tensor-parallel activation all-reduces (on the critical path of every layer), pipeline
 sends and expert all-to-alls (the next computation waits for their result).
 
-Goodput (the checkpoint/restart model): T_total = T_train + N_ckpt x T_save + N_fail x T_recover, with failures
-arriving at rate (failures per device-day x devices) over the wall time.
+Goodput (the checkpoint/restart model): T_total = T_train + N_ckpt x T_save + N_fail x T_recover,
+with failures arriving at rate (failures per device-day x devices) over the wall time.
+
+A compiled `plan` report is priced by plan/compiled_cost.py with these same formulas.
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from mesh.spec import AXES
 from models import pipeline
 from models.flops import flops_per_token, matmul_param_count
 from plan.hardware import Hardware
-from plan.theory import rows_per_shard
+from plan.run_spec import rows_per_shard
 
 DAY_S = 86400.0
 # Sequential steps of a ring algorithm on n devices (each pays one link latency).
@@ -102,8 +102,8 @@ def comm_time(
     where: dict[str, str],
     hw: Hardware,
 ) -> tuple[float, str]:
-    """-> (seconds, 'intra'|'inter'|'host'). Axes unknown (()) are charged as the slowest link in use;
-    host offload copies go over the host link (PCIe, hw.host_bw)."""
+    """-> (seconds, 'intra'|'inter'|'host'). Axes unknown (()) are charged as the slowest link in
+    use; host offload copies go over the host link (PCIe, hw.host_bw)."""
     if kind == HOST_OFFLOAD:
         return wire_bytes / hw.host_bw, "host"
     inter = any(where.get(a) == "inter" for a in axes) if axes else "inter" in where.values()
@@ -152,9 +152,9 @@ def pipeline_comm(
     batch_shards: int,
 ) -> dict:
     """Activations forward and their gradients backward between neighbouring stages, per device
-    per step: models/pipeline/gpipe.py's count (one [b, T, D] send each way per tick, bubble ticks included,
-    b = one pipeline micro-batch's rows on one batch shard), for each of the `micro_batches`
-    passes of gradient accumulation."""
+    per step: models/pipeline/gpipe.py's count (one [b, T, D] send each way per tick, bubble ticks
+    included, b = one pipeline micro-batch's rows on one batch shard), for each of the
+    `micro_batches` passes of gradient accumulation."""
     p = sizes.get("pipeline", 1)
     if p <= 1:
         return {}
@@ -213,7 +213,8 @@ def predict(
     including recomputation. device_bytes: memory traffic per device per step (0: unknown, compute
     only). comm: {"kind@axes": {"wire_bytes": B, "count": C (optional)}} per device per step, as in
     `plan`'s theory_detail or measured collectives. pipeline_microbatches, repeats: the pipeline
-    schedule's M (0: as many as stages, the run's default), R and `schedule`, which set the bubble."""
+    schedule's M (0: as many as stages, the run's default), R and `schedule`, which set the
+    bubble."""
     n_dev = math.prod(sizes.get(a, 1) for a in AXES)
     peak = hw.peak_flops(dtype)
     t_flops = device_flops / (peak * hw.compute_efficiency)
@@ -244,7 +245,10 @@ def predict(
     t_serial = t_busy + t_overlappable + t_exposed
     t_overlap = max(t_busy, t_overlappable) + t_exposed
     t_step = t_overlap if hw.overlap else t_serial
-    mfu = lambda t: model_flops / (n_dev * peak * t) if t > 0 else 0.0
+
+    def mfu(t: float) -> float:
+        return model_flops / (n_dev * peak * t) if t > 0 else 0.0
+
     return {
         "hardware": hw.name,
         "devices": n_dev,
@@ -335,85 +339,4 @@ def goodput(
             "n_ckpt": t_train / given["interval_s"],
             "n_fail": t_total / mtbf,
         }
-    return out
-
-
-def from_plan(
-    report: dict,
-    hw: Hardware,
-    cfg,
-    batch_size: int,
-    seq_len: int,
-    micro_batches: int,
-    sizes: dict[str, int],
-    dcn: dict[str, int] | None = None,
-) -> dict:
-    """The prediction for a compiled `plan` report (plan.report.analyze). On the backend it was
-    compiled for (the CPU profile on a CPU compile) the collectives are the ones measured in the HLO;
-    for another target they are the theory as GPU/TPU lower it (reduce-scatter, not XLA:CPU's
-    all-reduce + slice), since the CPU's choices say nothing about NCCL's. A pipeline is priced
-    with the schedule the report compiled and prints (report['pipeline'])."""
-    pp = report.get("pipeline") or {
-        "microbatches": 0,
-        "repeats": 1,
-        "batch_shards": 1,
-    }  # no pipeline
-    same = hw.platform == report["backend"]
-    dtype = cfg.compute_dtype(hw.platform)
-    if same:
-        comm = {
-            f"{kind}@{axes}": {"wire_bytes": v["wire_bytes"], "count": v["count"]}
-            for kind, c in report["collectives_detail"].items()
-            for axes, v in c["by_axes"].items()
-        }
-        for key, th in report[
-            "theory_detail"
-        ].items():  # DiLoCo: the HLO holds one sync, run every H steps
-            if "sync_every" in th and key in comm:
-                h = th["sync_every"]
-                comm[key] = {
-                    "wire_bytes": comm[key]["wire_bytes"] / h,
-                    "count": comm[key]["count"] / h,
-                    "per_sync_wire_bytes": comm[key]["wire_bytes"],
-                    "sync_every": h,
-                }
-    else:
-        comm = ragged_all_to_all(report["theory_detail"], hw.platform)
-        if not any(k.startswith("collective-permute@") for k in comm):
-            comm.update(
-                pipeline_comm(
-                    cfg,
-                    sizes,
-                    batch_size,
-                    seq_len,
-                    micro_batches,
-                    np.dtype(dtype).itemsize,
-                    pipeline_microbatches=pp["microbatches"],
-                    repeats=pp["repeats"],
-                    batch_shards=pp["batch_shards"],
-                )
-            )
-    n = math.prod(sizes.get(a, 1) for a in AXES)
-    # Memory traffic only from a compile for the target's own backend: XLA:CPU fuses less and has
-    # no flash attention, so its bytes (224 GiB per device per step for the 1b preset on fsdp=8)
-    # would make a GPU look memory-bound; another target is priced on FLOPs alone (checked on CPU
-    # only, BENCHMARKS.md)
-    traffic = report.get("memory_traffic", {}) if same else {}
-    out = predict(
-        model_flops=report["flops_per_step"],
-        device_flops=hardware_flops_per_step(cfg, batch_size, seq_len, pp.get("schedule", "gpipe"))
-        / n,
-        comm=comm,
-        sizes=sizes,
-        hw=hw,
-        dtype=dtype,
-        pipeline_microbatches=pp["microbatches"],
-        repeats=pp["repeats"],
-        dcn=dcn,
-        tokens_per_step=batch_size * seq_len,
-        schedule=pp.get("schedule", "gpipe"),
-        device_bytes=traffic.get("bytes_accessed", 0.0),
-    )
-    out["comm_source"] = "compiled HLO" if same else "ring-formula theory (GPU/TPU lowering)"
-    out["bytes_source"] = traffic.get("source", "")
     return out

@@ -40,24 +40,18 @@ class Hardware:
     inter_latency_s: float = 1e-5  # per ring step across IB (switch hops + NIC)
     compute_efficiency: float = 0.7  # achievable share of dense peak for large matmuls
     link_efficiency: float = 0.8  # achievable share of link peak for large collectives
-    memory_efficiency: float = (
-        0.8  # achievable share of HBM peak for streaming kernels (STREAM-like copies)
-    )
-    memory_overlap: bool = (
-        True  # memory traffic hides under math (roofline max) rather than adds to it
-    )
-    usable_memory: float = (
-        0.9  # XLA_PYTHON_CLIENT_MEM_FRACTION-style headroom (CUDA context, NCCL buffers)
-    )
-    host_bw: float = (
-        25 * GB
-    )  # device->host copy (PCIe), bytes/s: what an async checkpoint save blocks on
-    ckpt_write_bw: float = (
-        1 * GB
-    )  # bytes/s per device to shared storage (assumption: ~8 GB/s per 8-GPU node)
-    overlap: bool = (
-        True  # collectives run asynchronously next to compute (latency-hiding scheduler)
-    )
+    # achievable share of HBM peak for streaming kernels (STREAM-like copies)
+    memory_efficiency: float = 0.8
+    # memory traffic hides under math (roofline max) rather than adds to it
+    memory_overlap: bool = True
+    # XLA_PYTHON_CLIENT_MEM_FRACTION-style headroom (CUDA context, NCCL buffers)
+    usable_memory: float = 0.9
+    # device->host copy (PCIe), bytes/s: what an async checkpoint save blocks on
+    host_bw: float = 25 * GB
+    # bytes/s per device to shared storage (assumption: ~8 GB/s per 8-GPU node)
+    ckpt_write_bw: float = 1 * GB
+    # collectives run asynchronously next to compute (latency-hiding scheduler)
+    overlap: bool = True
     fused_attention: bool = True  # flash attention: no [B,N,T,T] scores kept in memory
     platform: str = "gpu"  # the JAX platform: picks the compute dtype (models.config 'auto')
     note: str = ""
@@ -73,8 +67,9 @@ def _table() -> dict[str, Hardware]:
 
     return {
         # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 67 FP32,
-        # 80 GB HBM3 (nvidia-smi: 81,559 MiB) at 3.35 TB/s, NVLink 4 900 GB/s bidirectional, PCIe Gen5 x16 (64 GB/s each way).
-        # DGX H100: 8 GPUs/node, one ConnectX-7 400 Gb/s NDR InfiniBand port per GPU.
+        # 80 GB HBM3 (nvidia-smi: 81,559 MiB) at 3.35 TB/s, NVLink 4 900 GB/s bidirectional, PCIe
+        # Gen5 x16 (64 GB/s each way). DGX H100: 8 GPUs/node, one ConnectX-7 400 Gb/s NDR InfiniBand
+        # port per GPU.
         "h100": Hardware(
             "H100-SXM",
             PEAK_TFLOPS["h100"],
@@ -85,7 +80,8 @@ def _table() -> dict[str, Hardware]:
             8,
             note="8 GPUs/node, NVLink 900 GB/s bidir, 400 Gb/s NDR IB per GPU",
         ),
-        # NVIDIA H200 SXM datasheet: same compute as H100, 141 GB HBM3e (nvidia-smi: 143,771 MiB) at 4.8 TB/s, NVLink 900 GB/s.
+        # NVIDIA H200 SXM datasheet: same compute as H100, 141 GB HBM3e (nvidia-smi: 143,771 MiB) at
+        # 4.8 TB/s, NVLink 900 GB/s.
         "h200": Hardware(
             "H200-SXM",
             PEAK_TFLOPS["h200"],
@@ -97,7 +93,8 @@ def _table() -> dict[str, Hardware]:
             note="8 GPUs/node, NVLink 900 GB/s bidir, 400 Gb/s NDR IB per GPU",
         ),
         # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s BF16 dense, 19.5 FP32, 2,039 GB/s HBM2e,
-        # NVLink 3 600 GB/s bidirectional; nvidia-smi: 81,920 MiB. DGX A100: 8 GPUs, 200 Gb/s HDR IB per GPU. PCIe Gen4.
+        # NVLink 3 600 GB/s bidirectional; nvidia-smi: 81,920 MiB. DGX A100: 8 GPUs, 200 Gb/s HDR IB
+        # per GPU. PCIe Gen4.
         "a100": Hardware(
             "A100-SXM-80GB",
             PEAK_TFLOPS["a100"],
@@ -123,7 +120,8 @@ def _table() -> dict[str, Hardware]:
             12.5 * GB,
             8960,
             platform="tpu",
-            note="ICI 4,800 Gb/s per chip inside a slice (pod up to 8,960 chips), DCN between slices",
+            note="ICI 4,800 Gb/s per chip inside a slice (pod up to 8,960 chips),"
+            " DCN between slices",
         ),
     }
 
@@ -174,10 +172,11 @@ def measured_copy_bw(n_bytes: int = 64 * 2**20) -> float:
 
 
 def cpu_profile(n_devices: int, dtype: str = "float32") -> Hardware:
-    """This host, split into `n_devices` fake devices (XLA_FLAGS=--xla_force_host_platform_device_count):
-    they share the cores and the memory bus, so each gets 1/n of the measured matmul rate, memory
-    bandwidth and copy bandwidth. XLA:CPU runs collectives synchronously and its ops one after
-    another: no overlap of communication or of memory traffic with compute."""
+    """This host, split into `n_devices` fake devices
+    (XLA_FLAGS=--xla_force_host_platform_device_count): they share the cores and the memory bus, so
+    each gets 1/n of the measured matmul rate, memory bandwidth and copy bandwidth. XLA:CPU runs
+    collectives synchronously and its ops one after another: no overlap of communication or of
+    memory traffic with compute."""
     import os
 
     from train.metrics import measured_host_flops
@@ -200,7 +199,8 @@ def cpu_profile(n_devices: int, dtype: str = "float32") -> Hardware:
         n_devices,
         intra_latency_s=2e-5,
         inter_latency_s=2e-5,
-        compute_efficiency=1.0,  # the peak is already a measured matmul rate, not a datasheet figure
+        # the peak is already a measured matmul rate, not a datasheet figure
+        compute_efficiency=1.0,
         link_efficiency=1.0,
         memory_efficiency=1.0,
         memory_overlap=False,

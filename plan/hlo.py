@@ -13,8 +13,8 @@ Everything is per device. Formats handled (all seen in jax 0.10 / XLA:CPU output
   * replica groups in every spelling XLA prints (plan/replica_groups.py reads them).
   * async pairs `all-gather-start`/`-done` (GPU/TPU) count once, and so do collectives wrapped in an
     `async-start(...), calls=%wrapped` computation. XLA:CPU emits no async collectives.
-  * while loops carry `backend_config={..."known_trip_count":{"n":"5"}}`; collectives inside run that
-    many times per program run, multiplied through nesting.
+  * while loops carry `backend_config={..."known_trip_count":{"n":"5"}}`; collectives inside run
+    that many times per program run, multiplied through nesting.
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ class Collective:
     axes: tuple[str, ...]  # mesh axes that vary inside a replica group; () if unknown / no mesh
     count: int  # executions per program run: product of known enclosing while trip counts
     is_async: bool
-    trip_count_known: bool = (
-        True  # False if some enclosing while had no known_trip_count (counted as 1)
-    )
+    # False if some enclosing while had no known_trip_count (counted as 1)
+    trip_count_known: bool = True
     name: str = ""  # HLO instruction name, for finding it again in the text
 
     def wire_bytes(self) -> float:
-        """Bytes each device sends with ring algorithms (nccl-tests "bus bandwidth" conventions), times count."""
+        """Bytes each device sends with ring algorithms (nccl-tests "bus bandwidth" conventions),
+        times count."""
         n = self.group_size
         if n <= 1:
             return 0.0  # a group of one moves nothing
@@ -113,7 +113,8 @@ _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 
 
 def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape string: `f32[8,4]{1,0}`, `(f32[8]{0}, bf16[2,2])`, `s32[]`, `f32[<=16]`.
+    """Bytes of an HLO shape string: `f32[8,4]{1,0}`, `(f32[8]{0}, bf16[2,2])`, `s32[]`,
+    `f32[<=16]`.
 
     Layouts (`{1,0}`, `{1,0:T(8,128)}`) and `/*index=5*/` comments carry no `type[` so are skipped.
     Dynamic dims `<=N` count their bound N.
@@ -238,7 +239,8 @@ def _scan(text: str):
 
 
 def _dynamic_counts(edges, comps, entry):
-    """Executions of each computation per program run, and whether every trip count on the way was known.
+    """Executions of each computation per program run, and whether every trip count on the way was
+    known.
 
     Roots (ENTRY, or any computation nobody calls when there is no ENTRY) run once; a callee runs
     sum over call sites of caller_count * multiplier. Kahn's order over the call DAG: linear time.
@@ -262,7 +264,8 @@ def _dynamic_counts(edges, comps, entry):
             indeg[callee] -= 1
             if indeg[callee] == 0:
                 queue.append(callee)
-    # A computation nothing reachable calls (a fragment without ENTRY wiring) still ran at least once.
+    # A computation nothing reachable calls (a fragment without ENTRY wiring)
+    # still ran at least once.
     return {c: count[c] or 1 for c in set(comps) | set(count)}, known
 
 

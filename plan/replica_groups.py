@@ -38,7 +38,8 @@ def iota_groups(spec: str) -> np.ndarray:
 
 
 def _device_array(spec: str | None, sizes: list[int]) -> np.ndarray:
-    """device_ids of a mesh-axes list: None (iota), `8,3,7,...`, or `[4,16]T(1,0)` (iota reshape+transpose)."""
+    """device_ids of a mesh-axes list: None (iota), `8,3,7,...`, or `[4,16]T(1,0)` (iota
+    reshape+transpose)."""
     n = math.prod(sizes)
     if not spec:
         return np.arange(n, dtype=np.int64).reshape(sizes)
@@ -51,7 +52,8 @@ def _device_array(spec: str | None, sizes: list[int]) -> np.ndarray:
 
 
 def mesh_axes_groups(spec: str) -> np.ndarray:
-    """`mesh['a'=4,'b'=2] {'b'}` (optionally `, device_ids=(...)`, sub-axes `'a':(pre)size`) -> [G, S].
+    """`mesh['a'=4,'b'=2] {'b'}` (optionally `, device_ids=(...)`, sub-axes `'a':(pre)size`) ->
+    [G, S].
 
     Same rule as XLA's MeshAxesReplicaGroupList: split each mesh dim into the sub-axes named on it
     (row-major: pre-size is the product of the more-major parts), then the devices that differ only
@@ -104,7 +106,8 @@ def explicit_groups(spec: str) -> list[list[int]]:
 
 
 def _axes_of_groups(groups, mesh) -> tuple[str, ...]:
-    """Mesh axes (size > 1) whose coordinate varies inside some group. Ids are flat mesh positions."""
+    """Mesh axes (size > 1) whose coordinate varies inside some group. Ids are flat mesh
+    positions."""
     if mesh is None:
         return ()
     shape = mesh.devices.shape

@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache_dir)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # noqa: E402
+import jax  # noqa: E402  (after the settings above: JAX reads them when it is imported)
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -50,6 +50,5 @@ _FIRST = (
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_FIRST)}
-    items.sort(
-        key=lambda item: rank.get(item.path.name, len(_FIRST))
-    )  # stable: the rest keep their order
+    # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))

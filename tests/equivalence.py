@@ -26,9 +26,10 @@ from train.step import grads_loss_stats
 
 BATCH, SEQ = 8, 32
 WARMUP, COMPARED = 2, 3  # steps run before the comparison starts, steps compared after it
-# Where the math is the same the tolerance is float32 reduction order: relative 1e-5 of each
-# value, plus an absolute floor of ATOL_FRAC x the leaf's largest magnitude for values that
-# cross zero (a relative bound means nothing for an entry that is 1e-9 on one side and 0 on the other).
+# Where the math is the same the tolerance is float32 reduction order: relative 1e-5 of
+# each value, plus an absolute floor of ATOL_FRAC x the leaf's largest magnitude for
+# values that cross zero (a relative bound means nothing for an entry that is 1e-9 on one
+# side and 0 on the other).
 RTOL, ATOL_FRAC = 1e-5, 1e-6
 # Parameters also get ADAM_ATOL x the learning rates applied so far: Adam divides each coordinate
 # by sqrt(v) + eps, so for a coordinate near eps the rounding error of its gradient (ATOL_FRAC of
@@ -164,7 +165,8 @@ def gradients(tr: Trainer, params, batch: dict):
 def assert_trees_close(
     got, want, what: str, rtol: float = RTOL, atol_frac: float = ATOL_FRAC, atol: float = 0.0
 ) -> None:
-    """Leaf by leaf: |got - want| <= atol + atol_frac x max|want leaf| + rtol x |want|, naming the leaf."""
+    """Leaf by leaf: |got - want| <= atol + atol_frac x max|want leaf| + rtol x |want|, naming the
+    leaf."""
     got_leaves = jax.tree_util.tree_leaves_with_path(got)
     want_leaves = jax.tree.leaves(want)
     assert len(got_leaves) == len(want_leaves), (what, len(got_leaves), len(want_leaves))

@@ -149,9 +149,8 @@ def test_resume_errors(straight, tmp_path):
         Trainer(make_cfg(tmp_path, **{"checkpoint.resume": str(tmp_path / "missing")})).fit()
     with pytest.raises(UserError, match="holds no committed checkpoint"):
         Trainer(make_cfg(tmp_path / "a", **{"checkpoint.resume": str(tmp_path)})).fit()
-    with pytest.raises(
-        UserError, match="already holds checkpoints"
-    ):  # resume=none must not mix runs
+    # resume=none must not mix runs
+    with pytest.raises(UserError, match="already holds checkpoints"):
         Trainer(make_cfg(ref_dir, **{"checkpoint.resume": "none"})).fit()
 
 
@@ -257,7 +256,8 @@ TRAIN_CMD = [
 
 
 def interrupt(run_dir, sig, after_steps: int):
-    """Start `python -m train`, send `sig` once it has logged `after_steps` more steps; -> (rc, stdout)."""
+    """Start `python -m train`, send `sig` once it has logged `after_steps` more steps; ->
+    (rc, stdout)."""
     p = subprocess.Popen(
         [sys.executable, "-m", "train", *TRAIN_CMD, "--run-dir", str(run_dir)],
         cwd=ROOT,
@@ -288,10 +288,8 @@ def test_sigterm_saves_and_rerun_resumes(tmp_path):
     rc, out, err = interrupt(tmp_path, signal.SIGTERM, 2)
     assert rc == 143, err[-3000:]
     n = records(tmp_path)[-1]["step"]
-    assert (
-        f"stopped by SIGTERM after step {n}, checkpoint {tmp_path / 'checkpoints' / str(n)} committed"
-        in out
-    )
+    saved = tmp_path / "checkpoints" / str(n)
+    assert f"stopped by SIGTERM after step {n}, checkpoint {saved} committed" in out
     ck = Checkpointer(str(tmp_path / "checkpoints"), create=False)
     assert ck.all_steps() == [n] and ck.meta(n)["step"] == n
 

@@ -26,7 +26,8 @@ from checkpoint.manager import Checkpointer, UnreadableCheckpoint, open_checkpoi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8, PYTHONUNBUFFERED="1")
-N = 256  # the array's side: 256 KiB of random float32, so its data file dominates what a restore reads
+# the array's side: 256 KiB of random float32, so its data file dominates what a restore reads
+N = 256
 
 
 def abstract():
@@ -367,8 +368,8 @@ def test_damaged_metadata_in_real_runs(tmp_path):
     assert rc == 0, err[-3000:]
     ck = run_a / "checkpoints"
     assert (
-        f"checkpoint {ck / '4'} is unreadable (file meta/metadata: expected an object, got an array ([]))"
-        in out
+        f"checkpoint {ck / '4'} is unreadable"
+        " (file meta/metadata: expected an object, got an array ([]))" in out
     ) and f"resumed from {ck / '2'} (step 2," in out, out
     assert (ck / "4.unreadable").is_dir() and sorted(
         int(s) for s in os.listdir(ck) if s.isdigit()
@@ -400,6 +401,6 @@ def test_damaged_metadata_in_real_runs(tmp_path):
     (run_c / "checkpoints" / "4" / "meta" / "metadata").write_text("[]")
     rc, out, err = run("checkpoint", "inspect", run_c)
     assert rc == 2 and err.strip().splitlines() == [
-        f"error: checkpoint {run_c / 'checkpoints' / '4'} is unreadable (file meta/metadata: expected an object,"
-        f" got an array ([]))"
+        f"error: checkpoint {run_c / 'checkpoints' / '4'} is unreadable"
+        " (file meta/metadata: expected an object, got an array ([]))"
     ], err

@@ -133,7 +133,8 @@ def test_topk_psum_exact_on_what_it_sends(mesh):
 
 def test_compressed_bytes_in_hlo(mesh):
     """The buffers on the wire really shrink: int8 >= 3.5x, int4 >= 7x fewer bytes than psum; top-k
-    gathers (n-1) k (4 + 4) bytes against 2 (n-1)/n 4 D: 1 / (n fraction) = 5x at 5% on 4 replicas."""
+    gathers (n-1) k (4 + 4) bytes against 2 (n-1)/n 4 D: 1 / (n fraction) = 5x at 5% on 4
+    replicas."""
     D = 16 * BLOCK
     x = np.stack([_x(2 * D, seed=r) for r in range(4)])
     xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
@@ -145,9 +146,8 @@ def test_compressed_bytes_in_hlo(mesh):
             out_specs=P("model"),
         )
     )
-    f32 = summarize(
-        parse_collectives(psum.lower(xs).compile().as_text(), mesh)
-    )  # compiled, never run
+    # compiled, never run
+    f32 = summarize(parse_collectives(psum.lower(xs).compile().as_text(), mesh))
     f32_wire = sum(v["wire_bytes"] for v in f32.values())
     assert f32_wire == 2 * 3 / 4 * 4 * D
     for method, ratio in (("int8", 3.5), ("int4", 7.0), ("topk", 4.9)):

@@ -167,7 +167,8 @@ def test_int8_sync_bytes_from_hlo(mesh):
 @pytest.mark.slow  # ~10 s on 2 busy cores: four 500-step trainings
 def test_convergence_int8_topk_error_feedback(mesh):
     """Linear regression, 4 replicas with their own data, SGD with linearly decaying lr: int8 + EF
-    within 2% of the uncompressed final loss, top-k 1% + EF within 5%; top-k without EF is far worse."""
+    within 2% of the uncompressed final loss, top-k 1% + EF within 5%; top-k without EF is far
+    worse."""
     n, d_in, d_out, steps, lr = 64, 100, 8, 500, 0.1
     x = normal(0, R, n, d_in)
     y = x @ normal(1, d_in, d_out) + normal(2, d_out) + 0.5 * normal(3, R, n, d_out)
@@ -213,7 +214,7 @@ def test_convergence_int8_topk_error_feedback(mesh):
     assert final_loss("topk", False) > 2 * topk_ef
 
 
-# ---------------------------------------------------------------------------------------------- DiLoCo
+# ------------------------------------------------------------------------------------------- DiLoCo
 
 
 def _regression(seed=0, n=16, d_in=12, d_out=4):
@@ -230,16 +231,16 @@ def _regression(seed=0, n=16, d_in=12, d_out=4):
 
 
 def _diloco(mesh, p0, batch, grad_fn, tx, outer_tx, h, rounds):
-    """`rounds` x (h local steps on every replica, then one outer step) -> (outer params, losses)."""
+    """`rounds` x (h local steps on every replica, then one outer step) -> (outer params,
+    losses)."""
     with jax.set_mesh(mesh):
         p0 = put(mesh, p0, SPECS)
         batch = put(mesh, batch, (P("data"), P("data")))
         outer = comm.init_outer_state(p0, outer_tx)
         drift = put(mesh, comm.init_drift(p0, R), comm.replica_specs(SPECS, DP))
         inner = comm.replicate(tx.init(p0), R)
-        drift_sh = jax.tree.map(
-            lambda x: x.sharding, drift
-        )  # as the train step's out_shardings will
+        # as the train step's out_shardings will
+        drift_sh = jax.tree.map(lambda x: x.sharding, drift)
         local = jax.jit(
             lambda o, d, i, b: comm.local_step(grad_fn, tx, o.params, d, i, b, DP),
             out_shardings=(None, drift_sh, None),
@@ -299,12 +300,10 @@ def test_diloco_h4_nesterov_trains_and_syncs_once_per_round(mesh):
     assert final < 0.05 * losses[0]
     loc = summarize(parse_collectives(local_text, mesh))
     out = summarize(parse_collectives(outer_text, mesh))
-    assert not any(
-        "data" in ax for v in loc.values() for ax in v["by_axes"]
-    )  # local steps: no dp traffic
-    assert any(
-        "data" in ax for v in out.values() for ax in v["by_axes"]
-    )  # the outer step all-reduces
+    # local steps: no dp traffic
+    assert not any("data" in ax for v in loc.values() for ax in v["by_axes"])
+    # the outer step all-reduces
+    assert any("data" in ax for v in out.values() for ax in v["by_axes"])
 
 
 def test_validate():
@@ -346,7 +345,7 @@ def test_error_feedback_auto_is_on_for_quantisers_off_for_topk():
     assert build({"comm.error_feedback": False}).comm.error_feedback == "false"  # a YAML boolean
 
 
-# ---------------------------------------------------------------------------------------------- train step
+# --------------------------------------------------------------------------------------- train step
 
 
 def test_clip_replicas_clips_each_replica_alone():
@@ -401,9 +400,8 @@ def test_train_step_with_compression_and_diloco(tmp_path):
     np.testing.assert_allclose(int8, base, rtol=2e-2)
     params, residual = jax.tree.leaves(tr.state.params), jax.tree.leaves(tr.state.residual)
     assert [r.shape for r in residual] == [(4, *p.shape) for p in params]
-    assert all(
-        r.sharding.spec[0] in ("data", ("data",)) for r in residual
-    )  # each device: its replica's
+    # each device: its replica's
+    assert all(r.sharding.spec[0] in ("data", ("data",)) for r in residual)
     assert max(float(np.abs(np.asarray(r)).max()) for r in residual) > 0  # something was held back
     _, diloco = _fit(tmp_path, "diloco", sync_every=2)
     assert diloco[0] == base[0] and diloco[-1] < diloco[0]
@@ -413,7 +411,8 @@ def test_config_knows_every_compression():
     from mesh.collectives import METHODS
     from train.sections import COMPRESSIONS
 
+    # config keeps its own copy so that parsing flags imports no JAX
     assert COMPRESSIONS == (
         "none",
         *METHODS,
-    )  # config keeps its own copy so that parsing flags imports no JAX
+    )

@@ -1,5 +1,6 @@
 """Every numeric option's declared range: a value outside it is one line naming the option and the
-range, exit 2, whether it comes from a flag or a YAML file; presets and shipped configs stay valid."""
+range, exit 2, whether it comes from a flag or a YAML file; presets and shipped configs stay
+valid."""
 
 import dataclasses
 import glob
@@ -82,9 +83,8 @@ def test_out_of_range_flag_and_yaml(tmp_path, option, value, shown, rng):
     y.write_text(f"{section}:\n  {name}: {value}\n")
     with pytest.raises(UserError) as by_yaml:
         build(None, str(y))
-    assert (
-        str(by_yaml.value) == msg
-    )  # the same check, the same words, whichever way the value came in
+    # the same check, the same words, whichever way the value came in
+    assert str(by_yaml.value) == msg
 
 
 @pytest.mark.parametrize("text", [".nan", ".inf", "-.inf"])
@@ -118,7 +118,8 @@ def test_process_id_below_num_processes():
 
 
 def test_warmup_longer_than_the_run_is_accepted():
-    # short smoke runs keep the default warmup; train/optim.py cuts it to the run (tests/test_train.py)
+    # short smoke runs keep the default warmup; train/optim.py cuts it to the run
+    # (tests/test_train.py)
     assert build({"train.steps": 5, "train.warmup_steps": 50}).train.warmup_steps == 50
 
 

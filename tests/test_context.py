@@ -77,8 +77,8 @@ def reference(trainers):
 
 
 CASES = [  # mesh, strategy, packed documents, more overrides: each strategy with and without packed
-    # documents, with blockwise and dense attention, beside fsdp, data, model (sequence parallel, chunked
-    # loss) and pipeline
+    # documents, with blockwise and dense attention, beside fsdp, data, model (sequence parallel,
+    # chunked loss) and pipeline
     ("context=8", "all_gather", False, {"model.attention": "blockwise"}),
     ("context=4,fsdp=2", "ring", True, {"model.attention": "blockwise"}),
     ("context=4,data=2", "all_gather", True, {}),
@@ -112,7 +112,8 @@ def test_context_parallel_step_matches_one_device(
 
 @pytest.mark.slow
 def test_context_parallel_moe_matches_one_device(trainers):
-    """MoE (routed experts inside shard_map) with the sequence over `context` and experts over `expert`."""
+    """MoE (routed experts inside shard_map) with the sequence over `context` and experts over
+    `expert`."""
     over = {"model.preset": "moe-tiny"}
     ref = trainers("", True, **over)
     p0, batches = initial_params(ref), synthetic_batches(VOCAB)
@@ -390,7 +391,7 @@ def test_sequence_check_needs_both_the_zigzag_chunks_and_the_residual_shards():
     """context=2 x model=3 with sequence parallelism: 4 zigzag chunks and 6 residual shards, so
     --seq-len must be a multiple of 12 (30 has 6 shards but not 4 chunks)."""
     from mesh.rules import make_rules, sequence_parallel
-    from plan.theory import abstract_mesh
+    from plan.run_spec import abstract_mesh
     from train.config import TrainConfig
     from train.shapes import validate_sequence
 

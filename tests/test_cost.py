@@ -113,7 +113,8 @@ def test_predict_step_time_with_and_without_overlap():
 
 
 def test_pipeline_bubble():
-    """The bubble comes from the pipeline's own micro-batch count M and repeats R, (P-1)/(R M + P-1)."""
+    """The bubble comes from the pipeline's own micro-batch count M and repeats R,
+    (P-1)/(R M + P-1)."""
     kw = dict(
         model_flops=1.0,
         device_flops=1e14,
@@ -246,7 +247,8 @@ def test_hardware_profiles_and_errors():
 
 
 def test_roofline_memory_term():
-    """T_compute = max(T_flops, T_memory) where memory traffic hides under math, the sum where not."""
+    """T_compute = max(T_flops, T_memory) where memory traffic hides under math, the sum where
+    not."""
     kw = dict(model_flops=1.0, device_flops=1e14, comm={}, sizes=sizes(data=2), dtype="bfloat16")
     p = cost.predict(hw=TOY, device_bytes=4e12, **kw)
     assert p["t_flops_s"] == pytest.approx(2.0)  # 1e14 / (100 TFLOP/s x 0.5)

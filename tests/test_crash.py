@@ -141,9 +141,8 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
                     time.sleep(rng.uniform(1.0, 5.0))
                 elif mode in ("save", "step"):
                     kill_at = kill_step(p, run_dir, ck_dir, max(before, default=0), mode, rng)
-                    if (
-                        kill_at is None
-                    ):  # it reached the last step before its kill: the plan ends here
+                    # it reached the last step before its kill: the plan ends here
+                    if kill_at is None:
                         mode = "finish"
                 if mode != "finish":
                     assert p.poll() is None, (
@@ -236,14 +235,13 @@ def test_damaged_checkpoint_falls_back_and_explicit_resume_names_the_file(tmp_pa
     assert summary["resumed_from"] == 3 and summary["exit_code"] == 0
     assert f"checkpoint {ck / '6'} is unreadable (file {bad_file}: " in out
     assert (
-        f"unreadable step 6 set aside as {ck / '6.unreadable'} (nothing deleted); resuming from step 3"
-        in out
+        f"unreadable step 6 set aside as {ck / '6.unreadable'} (nothing deleted);"
+        " resuming from step 3" in out
     )
     assert [r["step"] for r in second.history] == [4, 5, 6, 7, 8, 9]
     assert [r["loss"] for r in second.history][:3] == ref[3:]  # bit-identical to the first run
-    assert (
-        committed(ck) == [3, 6, 9] and (ck / "6.unreadable" / "state").is_dir()
-    )  # kept, not deleted
+    # kept, not deleted
+    assert committed(ck) == [3, 6, 9] and (ck / "6.unreadable" / "state").is_dir()
 
     # (2) explicit --resume of a damaged step: exit 2, one line naming the step dir and the file
     bad_file = truncate_largest_data_file(ck / "9")

@@ -57,9 +57,8 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr
-    assert (
-        len(prepare.make_tasks(prepare.expand_inputs([a, str(tmp_path / "txt")]), 2)) > 1
-    )  # the pool was used
+    # the pool was used
+    assert len(prepare.make_tasks(prepare.expand_inputs([a, str(tmp_path / "txt")]), 2)) > 1
     index = json.load(open(out / "index.json"))
     assert (
         index["dtype"] == "uint16"
@@ -166,14 +165,13 @@ def test_tokenizer_round_trip_through_prepare(tmp_path, kind):
     docs = prepared_docs(out)
     assert [tok.decode(d) for d in docs] == TEXTS[:60]
     again = make_pipeline(DataConfig(source=str(out)), batch_size=2, seq_len=8, seed=0).tokenizer()
-    assert (
-        again.kind == kind and again.decode(docs[3]) == TEXTS[3]
-    )  # found again from the index, for samples
+    # found again from the index, for samples
+    assert again.kind == kind and again.decode(docs[3]) == TEXTS[3]
     if kind != "byte":  # a real subword vocabulary compresses
         assert sum(map(len, docs)) < 0.8 * sum(len(t.encode()) for t in TEXTS[:60])
 
 
-# ------------------------------------------------------------------ bad input: one line, exit 2, nothing written
+# ----------------------------------------------------- bad input: one line, exit 2, nothing written
 
 
 def _fails(tmp_path, capsys, argv, match):
@@ -249,9 +247,8 @@ def test_bad_datasets_at_train_time(tmp_path):
         UserError, match=rf"--seq-len 400: longer than every document .*longest {longest} tokens"
     ):
         make_pipeline(DataConfig(source=str(ds), packing=False), batch_size=4, seq_len=400, seed=0)
-    make_pipeline(
-        DataConfig(source=str(ds), packing=True), batch_size=4, seq_len=400, seed=0
-    )  # packed: fine
+    # packed: fine
+    make_pipeline(DataConfig(source=str(ds), packing=True), batch_size=4, seq_len=400, seed=0)
     shard = ds / "shard-00000.bin"
     raw = bytearray(shard.read_bytes())
     raw[100] ^= 1
@@ -305,9 +302,8 @@ def test_mixture_matches_grain_and_its_weights():
     src, j = mix(np.arange(100_000), props)
     for k, w in enumerate((0.7, 0.2, 0.1)):
         assert abs(np.mean(src == k) - w) < 0.005
-        np.testing.assert_array_equal(
-            j[src == k], np.arange((src == k).sum())
-        )  # each source's rows in order
+        # each source's rows in order
+        np.testing.assert_array_equal(j[src == k], np.arange((src == k).sum()))
     grain = pytest.importorskip("grain")
     parents = [grain.MapDataset.range(10**9).map(lambda x, k=k: (k, x)) for k in range(3)]
     mixed = grain.MapDataset.mix(parents, [0.7, 0.2, 0.1])
@@ -420,9 +416,8 @@ def test_resume_from_saved_state_is_exact():
     other = make_pipeline(DataConfig(source="synthetic"), **{**kw, "seed": 12})
     diffs = other.check_state(saved)
     assert diffs[:2] == ["train.seed 11 -> 12", "data.packing_mask True -> False"]
-    assert len(diffs) == 3 and diffs[2].startswith(
-        "data source 'synthetic' fingerprint"
-    )  # synthetic tokens follow the seed
+    # synthetic tokens follow the seed
+    assert len(diffs) == 3 and diffs[2].startswith("data source 'synthetic' fingerprint")
     diffs = make_pipeline(cfg, **{**kw, "seq_len": 64}).check_state(saved)
     assert "train.seq_len 32 -> 64" in diffs and any(
         d.startswith("data source 'synthetic' windows") for d in diffs
@@ -453,6 +448,5 @@ def test_eval_batches_fixed_and_held_out(tmp_path):
         for a, b in zip(src.train.doc_vstart[:-1], src.train.doc_vstart[1:])
     }
     assert held | trained == set(TEXTS) and not held & trained
-    assert (
-        load_prepared(str(tmp_path / "ds"), 0.1, True).eval.n_tokens == src.eval.n_tokens
-    )  # same split again
+    # same split again
+    assert load_prepared(str(tmp_path / "ds"), 0.1, True).eval.n_tokens == src.eval.n_tokens

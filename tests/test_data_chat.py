@@ -27,9 +27,12 @@ transformers = pytest.importorskip("transformers")
 # ChatML, with transformers' {% generation %} marks around what the assistant writes (so its own
 # assistant mask can be compared with ours) and raise_exception on a role it does not know
 TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ '<|im_start|>' + m['role'] + '\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\n' }}{% endgeneration %}"
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] + '<|im_end|>\n' }}{% endgeneration %}"
     "{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -125,9 +128,8 @@ def test_rendering_and_tokens_match_transformers(model_dir):
         ids, mask = chat.chat_tokens(tok, messages, "test")
         want = hf.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
         np.testing.assert_array_equal(ids, want["input_ids"])
-        np.testing.assert_array_equal(
-            mask, want["assistant_masks"]
-        )  # transformers' own {% generation %} mask
+        # transformers' own {% generation %} mask
+        np.testing.assert_array_equal(mask, want["assistant_masks"])
     # the older layout: the template and an AddedToken-style eos in tokenizer_config.json
     old = model_dir.parent / "old-layout"
     old.mkdir()
@@ -162,17 +164,17 @@ def test_chat_mask_is_the_assistant_turns(chat_ds, model_dir):
         assert tok.decode(ids[:-1]) == chat.render(tok, messages, False)
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"messages": CHATS}), ds.parent / "chats.parquet", row_group_size=16)
+    # a Parquet column of messages: the same data
     rows = prepare.prepare(
         [str(ds.parent / "chats.parquet")],
         str(ds.parent / "pq"),
         str(model_dir),
         input_format="chat",
         progress=False,
-    )  # a Parquet column of messages: the same data
+    )
     assert rows["shards"][0]["sha256"] == index["shards"][0]["sha256"]
-    prompts = tokenizers.load(
-        "byte"
-    )  # prompt_completion, any tokenizer: prompt 0, completion and EOS 1
+    # prompt_completion, any tokenizer: prompt 0, completion and EOS 1
+    prompts = tokenizers.load("byte")
     records = [{"prompt": "Q: 2+2?", "completion": " 4"}, {"prompt": "", "completion": "é"}]
     ds2 = ds.parent / "pc"
     prepare.prepare(
@@ -213,9 +215,8 @@ def test_mask_through_packed_windows_and_the_loss(chat_ds):
     np.testing.assert_array_equal(
         rows["targets"], tokens[np.arange(win.n)[:, None] * T + np.arange(1, T + 1)]
     )
-    starts = (
-        np.arange(1, win.n) * T
-    )  # an assistant turn across a window boundary: weight 1 on both sides
+    # an assistant turn across a window boundary: weight 1 on both sides
+    starts = np.arange(1, win.n) * T
     across = starts[(mask[starts] == 1) & (mask[starts + 1] == 1)] // T
     assert (
         len(across)
@@ -314,9 +315,8 @@ def test_bad_records_and_templates_are_one_line(tmp_path, model_dir, capsys):
         capsys,
         "has no chat template",
     )
-    rewriting = (
-        tmp_path / "rewriting"
-    )  # marks the last message: a prefix renders its last turn otherwise
+    # marks the last message: a prefix renders its last turn otherwise
+    rewriting = tmp_path / "rewriting"
     shutil.copytree(model_dir, rewriting)
     (rewriting / "chat_template.jinja").write_text(
         TEMPLATE.replace(

@@ -61,11 +61,11 @@ def test_each_format_gives_the_plain_jsonl_tokens(reference, kind):
 
 
 def test_streamed_files_in_chunks_through_the_pool(reference, tmp_path, monkeypatch):
-    """Small chunks, two workers, streamed files between plain ones: documents stay in input order."""
+    """Small chunks, two workers, streamed files between plain ones: documents stay in input
+    order."""
     root, _ = reference
-    monkeypatch.setattr(
-        prepare, "TASK_BYTES", 700
-    )  # the streamed files' chunks (read here, not in the workers)
+    # the streamed files' chunks (read here, not in the workers)
+    monkeypatch.setattr(prepare, "TASK_BYTES", 700)
     inputs = [
         write_format(root, "jsonl.gz"),
         str(root / "docs.jsonl"),

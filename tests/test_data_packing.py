@@ -28,10 +28,10 @@ def test_packing_mask_segments_positions_weights():
     # window 0 = virtual 0..6: doc0 (0-4), doc1 (5-7): inputs 0..5, targets 1..6
     np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 1, 2])
     np.testing.assert_array_equal(rows["positions"][0], [0, 1, 2, 3, 4, 0])
-    np.testing.assert_array_equal(
-        rows["weights"][0], [1, 1, 1, 1, 0, 1]
-    )  # input 4 (doc0's EOS) -> doc1's first
-    # window 1 = virtual 6..12: doc1 (6, 7), doc2 (8..): a row that starts mid-document starts at position 0
+    # input 4 (doc0's EOS) -> doc1's first
+    np.testing.assert_array_equal(rows["weights"][0], [1, 1, 1, 1, 0, 1])
+    # window 1 = virtual 6..12: doc1 (6, 7), doc2 (8..): a row that starts mid-document
+    # starts at position 0
     np.testing.assert_array_equal(rows["segment_ids"][1], [1, 1, 2, 2, 2, 2])
     np.testing.assert_array_equal(rows["positions"][1], [0, 1, 0, 1, 2, 3])
     np.testing.assert_array_equal(rows["weights"][1], [1, 0, 1, 1, 1, 1])
@@ -58,9 +58,8 @@ def test_unpacked_rows_stay_in_one_document_and_pad():
     win = p.train[0]
     assert win.n == 1 + 1 + 2 + 1  # ceil((len - 1) / 6) chunks per document
     rows = win.rows(np.arange(win.n), packing_mask=True)
-    np.testing.assert_array_equal(
-        rows["inputs"][0, :4], tokens[:4]
-    )  # doc0: 4 targets, then padding
+    # doc0: 4 targets, then padding
+    np.testing.assert_array_equal(rows["inputs"][0, :4], tokens[:4])
     np.testing.assert_array_equal(rows["weights"][0], [1, 1, 1, 1, 0, 0])
     np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 1, 0])
     np.testing.assert_array_equal(rows["inputs"][3], tokens[14:20])  # doc2's second chunk
@@ -84,9 +83,8 @@ def test_default_source_through_the_pipeline():
         and b["inputs"].shape == (8, 64)
         and b["inputs"].max() < corpus.BYTE_VOCAB
     )
-    windows = (
-        c.train[: p.train[0].n * 64].reshape(-1, 64).astype(np.int32)
-    )  # packed: window w = tokens[64w:][:65]
+    # packed: window w = tokens[64w:][:65]
+    windows = c.train[: p.train[0].n * 64].reshape(-1, 64).astype(np.int32)
     for row in b["inputs"]:
         assert (windows == row).all(axis=1).any()
     np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])

@@ -121,7 +121,7 @@ def test_prepare_overwrite_refuses_a_listed_name_that_is_a_directory(tmp_path, c
     assert file_hashes(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["a.jsonl", "ds"]
 
 
-# ------------------------------------------------------------------ bad datasets, mixtures, tokenizers, --data
+# ------------------------------------------------------- bad datasets, mixtures, tokenizers, --data
 
 
 def _edit_index(ds, edit) -> None:
@@ -134,7 +134,8 @@ def _edit_index(ds, edit) -> None:
 
 
 def _set(*keys_value):
-    """An index edit: _set('shards', 0, 'tokens', '/etc/passwd') sets index['shards'][0]['tokens']."""
+    """An index edit: _set('shards', 0, 'tokens', '/etc/passwd') sets
+    index['shards'][0]['tokens']."""
     *keys, last, value = keys_value
 
     def edit(index):
@@ -178,7 +179,9 @@ def _swap_offsets(ds) -> None:
     np.save(path, off)
 
 
-BAD = [  # (id, action on (tmp_path, ds) that raises UserError or returns --data or DataConfig fields, words of it)
+# (id, action on (tmp_path, ds) that raises UserError or returns --data or DataConfig
+# fields, words of it)
+BAD = [
     (
         "index-missing-key",
         lambda t, ds: _edit_index(ds, _drop("dtype")),
@@ -227,13 +230,15 @@ BAD = [  # (id, action on (tmp_path, ds) that raises UserError or returns --data
     (
         "index-lies-about-vocab",
         lambda t, ds: _edit_index(ds, _lie_about_vocab),
-        "holds token id 257, beyond both model.vocab_size=200 and the vocabulary its index records (100)",
+        "holds token id 257, beyond both model.vocab_size=200 and the vocabulary its index records"
+        " (100)",
     ),
+    # found by scanning the shard all the same
     (
         "old-index-without-max-token",
         lambda t, ds: _edit_index(ds, _old_and_lying) or {"verify": False},
         "holds token id 257, beyond both",
-    ),  # found by scanning the shard all the same
+    ),
     (
         "max-token-lies",
         lambda t, ds: _edit_index(ds, _set("shards", 0, "max_token", 99)),
@@ -296,7 +301,8 @@ BAD = [  # (id, action on (tmp_path, ds) that raises UserError or returns --data
     (
         "out-not-a-dataset",
         lambda t, ds: _prepare_over(t, "plain", make_dir=True),
-        "index.json: No such file or directory; --overwrite replaces only a directory that holds a prepared dataset",
+        "index.json: No such file or directory; --overwrite replaces only a directory that holds a"
+        " prepared dataset",
     ),
     (
         "out-a-file",
@@ -312,7 +318,8 @@ def _yaml(tmp_path, text) -> str:
 
 
 def _truncated_tiktoken(tmp_path) -> None:
-    """A rank file that loads but lacks bytes 0xb8-0xbf: tiktoken panics (in Rust) on "ÿ" (c3 bf)."""
+    """A rank file that loads but lacks bytes 0xb8-0xbf: tiktoken panics (in Rust) on "ÿ"
+    (c3 bf)."""
     path = tiktoken_file(tmp_path)
     with open(path) as f:
         lines = f.read().splitlines()

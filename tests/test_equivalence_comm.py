@@ -10,6 +10,7 @@ state and residuals): the step is what is under test, and a quantiser's rounding
 float32 noise of two runs into whole quantisation steps over a trajectory."""
 
 import functools
+import operator
 
 import jax
 import numpy as np
@@ -42,7 +43,8 @@ TINY = {"model.preset": "tiny", "train.grad_clip": CLIP}
 
 
 def quantise(x, bits: int, block: int):
-    """Symmetric per-block quantisation of a flat float32 x -> (dequantised x, step size per element)."""
+    """Symmetric per-block quantisation of a flat float32 x -> (dequantised x, step size per
+    element)."""
     x_nb = x.reshape(-1, block)
     amax_b = np.abs(x_nb).max(axis=1)
     scale_b = np.where(amax_b > 0, amax_b / np.float32(QMAX[bits]), np.float32(1.0)).astype(
@@ -64,9 +66,8 @@ def quantised_sum(x_R, bits: int):
     x[:, :size] = x_R
     deq, step_res = (np.stack(a) for a in zip(*(quantise(x[r], bits, block) for r in range(n))))
     residual = x - deq
-    part_JC = deq.reshape(n, n, chunk).sum(
-        axis=0, dtype=np.float32
-    )  # [owner, chunk], summed over sources
+    # [owner, chunk], summed over sources
+    part_JC = deq.reshape(n, n, chunk).sum(axis=0, dtype=np.float32)
     total, step_total = np.zeros(n * chunk, np.float32), np.zeros(n * chunk, np.float32)
     for j in range(n):
         own = slice(j * chunk, (j + 1) * chunk)
@@ -195,7 +196,7 @@ def test_replica_gradients_match_one_device(setup):
         piece = {k: v[r * rows : (r + 1) * rows] for k, v in batch.items()}
         _, want, _ = one_fn(params0, piece)  # the mean over the replica's rows: x 1/R for its share
         assert_trees_close(
-            jax.tree.map(lambda g: g[r], g_R),
+            jax.tree.map(operator.itemgetter(r), g_R),
             jax.tree.map(lambda g: g / R, want),
             f"replica {r} gradient",
         )
@@ -253,9 +254,10 @@ def test_compressed_step_matches_hand_reference(setup, tmp_path, compression):
             f"{what} sync_grads: residuals",
             scale=ref["inputs"],
         )
-        # the whole step: its loss, gradient norm, residuals and parameters. Its gradients match the
-        # reference's to float32 rounding only, so more quantisation ties may fall the other way; an
-        # element whose synced gradient moved by one step moves its parameter by at most lr x step / eps.
+        # the whole step: its loss, gradient norm, residuals and parameters. Its gradients
+        # match the reference's to float32 rounding only, so more quantisation ties may fall
+        # the other way; an element whose synced gradient moved by one step moves its parameter
+        # by at most lr x step / eps.
         updates, _ = tr.tx.update(ref["synced"], before.opt_state, before.params)
         params = optax.apply_updates(before.params, updates)
         np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-5, err_msg=what)
@@ -273,7 +275,7 @@ def test_compressed_step_matches_hand_reference(setup, tmp_path, compression):
         assert_close_up_to_ties(
             after.params,
             params,
-            jax.tree.map(lambda s: lr * s / eps, ref["synced_step"]),
+            jax.tree.map(lambda s, lr=lr, eps=eps: lr * s / eps, ref["synced_step"]),
             f"{what} params",
         )
         held = max(float(np.abs(r).max()) for r in jax.tree.leaves(after.residual))

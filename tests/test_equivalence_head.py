@@ -107,17 +107,17 @@ def choose(rules=None, mode="auto", vocab=32000, tokens=1024, sizes=SIZES):
 
 
 def test_auto_picks_the_layout_that_moves_fewer_bytes():
+    # 1,024 tokens per FSDP group < 32,000 rows
     assert choose()["vocab"] == (
         "model",
         "fsdp",
         "context",
         "expert",
-    )  # 1,024 tokens per FSDP group < 32,000 rows
+    )
     assert choose(tokens=1 << 20)["vocab"] == ("model",)  # a million tokens: gather the weights
     assert choose(vocab=32001)["vocab"] == ("model",)  # 8 does not divide the vocabulary
-    assert choose(sizes={**SIZES, "fsdp": 1, "data": 8})["vocab"] == (
-        "model",
-    )  # no FSDP: nothing to move
+    # no FSDP: nothing to move
+    assert choose(sizes={**SIZES, "fsdp": 1, "data": 8})["vocab"] == ("model",)
     written = make_rules("vocab_embed=fsdp+data")
     assert choose(written) == written  # auto keeps a head layout the user wrote
     assert choose(mode="on", tokens=1 << 20)["vocab"] == ("model", "fsdp", "context", "expert")

@@ -4,9 +4,10 @@ compared per step after the warm-up (loss, gradient norm, every parameter; tests
 on pipeline=2 and 4 with data, fsdp and model axes, M = P, 2P and 4P, the layers scanned and
 unrolled in a stage.
 
-A dense model's loss is a mean over the batch's tokens whatever the micro-batching, so the one-device
-reference needs no gradient accumulation (the MoE comparison in test_equivalence_pipeline.py
-does, for MoE through every schedule). zb_h1 also runs with gradient accumulation (train.micro_batches)."""
+A dense model's loss is a mean over the batch's tokens whatever the micro-batching, so the
+one-device reference needs no gradient accumulation (the MoE comparison in
+test_equivalence_pipeline.py does, for MoE through every schedule). zb_h1 also runs with gradient
+accumulation (train.micro_batches)."""
 
 import pytest
 from equivalence import (

@@ -141,11 +141,12 @@ def test_eval_two_sets_is_trainer_eval_loss(world, capsys):
         == 0
     )
     out = _json_out(capsys)
+    # the run's split, step and batch shape
     assert (
         out["split"] == "eval"
         and out["step"] == 2
         and (out["batch_size"], out["seq_len"]) == (8, 32)
-    )  # the run's
+    )
     chat_set, text_set = out["sets"]["chat"], out["sets"]["text"]
     pipeline = make_pipeline(
         trainer.cfg.data,
@@ -155,15 +156,15 @@ def test_eval_two_sets_is_trainer_eval_loss(world, capsys):
         batch_sharding=trainer.batch_sharding,
         vocab_size=VOCAB,
     )
-    want = trainer.eval_loss(
-        trainer.state.params, pipeline.eval_batches(2)
-    )  # the run's eval, at its last step
+    # the run's eval, at its last step
+    want = trainer.eval_loss(trainer.state.params, pipeline.eval_batches(2))
     assert chat_set["loss"] == pytest.approx(want, rel=1e-6, abs=1e-6)
     assert chat_set["perplexity"] == pytest.approx(math.exp(chat_set["loss"]))
     assert chat_set["windows"] == 16 and chat_set["batches"] == 2 and chat_set["of_windows"] > 16
     assert math.isfinite(text_set["loss"]) and abs(text_set["loss"] - chat_set["loss"]) > 1e-3
 
-    # another mesh, every window of the split once (the last batch's wrapped rows weigh nothing), one line a set
+    # another mesh, every window of the split once (the last batch's wrapped rows weigh
+    # nothing), one line a set
     assert (
         evaluate.main([w["run"], "--data", w["chat"], "--mesh", "data=2,fsdp=2,model=2", "--json"])
         == 0
@@ -205,7 +206,8 @@ def test_sample_is_seeded_and_greedy_is_generate(world, capsys):
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] != texts[2]
 
-    # greedy, with the chat template: generate on the rendered prompt, decoded up to the end-of-document token
+    # greedy, with the chat template: generate on the rendered prompt, decoded up to the
+    # end-of-document token
     assert (
         sample_cli.main(
             [w["run"], "--prompt", "why sky?", "--chat", "--max-new", "12", "--temperature", "0"]
@@ -215,13 +217,13 @@ def test_sample_is_seeded_and_greedy_is_generate(world, capsys):
     got = capsys.readouterr().out
     tok = tokenizers.load(w["model_dir"])
     ids = tok.encode([chat.render(tok, [{"role": "user", "content": "why sky?"}], True)])[0]
-    assert (
-        ids[0] == tok.encode(["<|im_start|>"])[0][0]
-    )  # the template's special token, not its characters
+    # the template's special token, not its characters
+    assert ids[0] == tok.encode(["<|im_start|>"])[0][0]
+    # the sampler's rules: its compile reused
     with (
         jax.set_mesh(trainer.mesh),
         axis_rules({k: () for k in trainer.rules}),
-    ):  # the sampler's: its compile reused
+    ):
         new = list(
             np.asarray(
                 generate(
@@ -267,7 +269,8 @@ def test_tokenizer_mismatch_is_refused_unless_allowed(world, capsys):
     )
     assert math.isfinite(_json_out(capsys)["sets"]["bytes"]["loss"])
 
-    # --init-from: checked against the opened pipeline before the compile; a user's iterable has no tokenizer
+    # --init-from: checked against the opened pipeline before the compile; a user's
+    # iterable has no tokenizer
     for source, allow, refused in (
         (w["bytes"], False, True),
         (w["bytes"], True, False),

@@ -139,9 +139,8 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
             "eval/prose/perplexity",
         }
         assert rec["eval/qa/perplexity"] == pytest.approx(math.exp(rec["eval/qa/loss"]))
-    assert (
-        abs(evals[2]["eval/qa/loss"] - evals[2]["eval/prose/loss"]) > 1e-3
-    )  # two sets, two figures
+    # two sets, two figures
+    assert abs(evals[2]["eval/qa/loss"] - evals[2]["eval/prose/loss"]) > 1e-3
 
     src, _ = open_checkpoint(run["dir"])
     assert (
@@ -167,7 +166,8 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
             offline["sets"][name]["loss"], rel=1e-6, abs=1e-6
         )
 
-    # the last eval through Trainer.eval_loss on the final parameters; the prompts weigh 0 as in eval
+    # the last eval through Trainer.eval_loss on the final parameters; the
+    # prompts weigh 0 as in eval
     trainer = run["trainer"]
     opened = {
         s.name: s
@@ -237,12 +237,15 @@ def test_without_eval_source_the_run_is_unchanged(runs):
         "eval_ppl",
     }
     assert not [k for k in without["summary"] if k.startswith("eval/")]
+
     # the same steps, losses, gradient norms, held-out eval losses and final parameters
-    train = lambda run: [
-        (r["step"], r["loss"], r["grad_norm"]) for r in run["records"] if "loss" in r
-    ]  # noqa: E731
+    def train(run):
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in run["records"] if "loss" in r]
+
+    def held_out(run):
+        return [(s, r["eval_loss"]) for s, r in _evals(run["records"]).items()]
+
     assert train(with_sets) == train(without) and len(train(without)) == STEPS
-    held_out = lambda run: [(s, r["eval_loss"]) for s, r in _evals(run["records"]).items()]  # noqa: E731
     assert held_out(with_sets) == held_out(without)
     jax.tree.map(
         np.testing.assert_array_equal,

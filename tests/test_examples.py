@@ -89,7 +89,8 @@ def test_k8s_yaml_parses_and_names_line_up():
         arg(js_cmd, "--coordinator").split(":")[0]
         == f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{jobset['metadata']['name']}"
     )
-    # Indexed Job pod DNS: <job>-<index>.<subdomain>, and the subdomain must be the headless Service.
+    # Indexed Job pod DNS: <job>-<index>.<subdomain>, and the subdomain must be
+    # the headless Service.
     pod = job["spec"]["template"]["spec"]
     assert svc["spec"]["clusterIP"] == "None" and pod["subdomain"] == svc["metadata"]["name"]
     assert svc["spec"]["selector"]["job-name"] == job["metadata"]["name"]

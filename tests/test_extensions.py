@@ -1,5 +1,6 @@
 """Brigade as a library: the Trainer's own data iterable, loss and optimizer, and a registered
-model, each on data=2,fsdp=2,model=2, with a save and an exact resume; the bad inputs, one line each."""
+model, each on data=2,fsdp=2,model=2, with a save and an exact resume; the bad inputs, one line
+each."""
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ def _leaves(tree):
     return [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(tree)]
 
 
-# ------------------------------------------------------------------ data + loss + optimizer, save and resume
+# --------------------------------------------------------- data + loss + optimizer, save and resume
 
 
 def _fit(run_dir, steps, **over):
@@ -104,9 +105,8 @@ def test_custom_data_loss_optimizer_resume_exactly(tmp_path, capfd):
     for a, b in zip(_leaves(whole.state.params), _leaves(resumed.state.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert losses[6] < losses[1]
-    assert all(
-        r["lr"] == pytest.approx(3e-4) for r in whole.history
-    )  # the schedule= the log reports
+    # the schedule= the log reports
+    assert all(r["lr"] == pytest.approx(3e-4) for r in whole.history)
     assert [r["step"] for r in whole.eval_history] == [3, 6]  # eval_data=
     # lion's momentum is sharded exactly like its parameter
     params = dict(jax.tree_util.tree_flatten_with_path(whole.state.params)[0])
@@ -228,7 +228,7 @@ def test_registered_model_trains_resumes_and_plans(tmp_path):
         again.sample(again.state.params, "hi", 4)
 
 
-# ------------------------------------------------------------------ optimizer state sharding, bad inputs
+# ------------------------------------------------------------- optimizer state sharding, bad inputs
 
 
 def test_optimizer_state_shardings_follow_params(tmp_path):

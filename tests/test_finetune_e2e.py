@@ -31,8 +31,8 @@ TEMPLATE = (
 )
 EOS = "<|endoftext|>"
 # The random base's weights' std (transformers' default is 0.02): LoRA leaves the final norm and the
-# LM head frozen, and a head of std 0.02 on a 64-wide model caps a logit near 1.3, so no adapter could
-# make a token likelier than ~1% (the loss stalled at 5.45 nats); at 0.1 the cap is far off.
+# LM head frozen, and a head of std 0.02 on a 64-wide model caps a logit near 1.3, so no adapter
+# could make a token likelier than ~1% (the loss stalled at 5.45 nats); at 0.1 the cap is far off.
 INIT_STD = 0.1
 # The held-out assistant tokens' loss must fall below this share of the base's. The random base
 # costs about ln(VOCAB) = 5.8 nats a token (6.2 measured); the answers are a fixed frame around the
@@ -206,7 +206,8 @@ def test_lora_finetune_import_train_export_generate(tmp_path):
     )
     merged = hf.load_checkpoint(str(tmp_path / "runs" / "lora"))
     tok = tokenizers.load(str(tmp_path / "hf_model"))
-    prompt = "name olive then coral"  # a pair no conversation holds: (i, 3i + 1) mod 10 never gives (8, 9)
+    # a pair no conversation holds: (i, 3i + 1) mod 10 never gives (8, 9)
+    prompt = "name olive then coral"
     ids = prompt_ids(tok, prompt, as_chat=True)
     # whole conversations (the prompt's pair among them), cut to a common length
     rows = [

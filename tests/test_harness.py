@@ -13,18 +13,18 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from lm_eval.api.instance import Instance  # noqa: E402
-from test_eval_sample import VOCAB, _conversation, _model_dir, _prepared  # noqa: E402
+from lm_eval.api.instance import Instance
+from test_eval_sample import VOCAB, _conversation, _model_dir, _prepared
 
-from checkpoint import hf  # noqa: E402
-from errors import UserError  # noqa: E402
-from mesh.rules import axis_rules  # noqa: E402
-from models import model  # noqa: E402
-from models.hf import Model  # noqa: E402
-from models.sample import generate  # noqa: E402
-from train import harness  # noqa: E402
-from train.config import build  # noqa: E402
-from train.loop import Trainer  # noqa: E402
+from checkpoint import hf
+from errors import UserError
+from mesh.rules import axis_rules
+from models import model
+from models.hf import Model
+from models.sample import generate
+from train import harness
+from train.config import build
+from train.loop import Trainer
 
 MAX_LENGTH = 32  # the adapter's window: short, so that rolling documents span several
 HAND_PAD = 7  # the hand computations' padding (the adapter's is 0)
@@ -117,7 +117,8 @@ def _sample_greedy_ids(lm, prompt: str) -> tuple[int, ...]:
 
 
 def _sample_greedy(lm, prompt: str, max_new: int) -> str:
-    """The first max_new greedy tokens, decoded up to the end-of-document token (as `sample` prints)."""
+    """The first max_new greedy tokens, decoded up to the end-of-document token (as `sample`
+    prints)."""
     new = list(_sample_greedy_ids(lm, prompt)[:max_new])
     return lm.tok_decode(new[: new.index(lm.eot_token_id)] if lm.eot_token_id in new else new)
 
@@ -153,14 +154,12 @@ def test_rolling_is_the_sum_of_token_log_probs(world):
     got = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(d,) for d in docs]))
     lengths = []
     for doc, total in zip(docs, got):
-        seq = [lm.eot_token_id] + lm.tok_encode(
-            doc
-        )  # every token predicted once, the first after EOS
+        # every token predicted once, the first after EOS
+        seq = [lm.eot_token_id] + lm.tok_encode(doc)
         n, want = len(seq) - 1, 0.0
         lengths.append(n)
-        for start in range(
-            0, n, MAX_LENGTH
-        ):  # disjoint windows; each sees up to MAX_LENGTH tokens before it
+        # disjoint windows; each sees up to MAX_LENGTH tokens before it
+        for start in range(0, n, MAX_LENGTH):
             end = min(start + MAX_LENGTH, n)
             lo = max(0, end - MAX_LENGTH)
             logp_TV = _log_softmax(_logits(lm, seq[lo:end]))
@@ -182,7 +181,8 @@ def test_generate_until_is_sample_greedy(world):
     greedy = {"until": [], "max_gen_toks": 10, "do_sample": False}
     assert lm.generate_until(_requests("generate_until", [(p, greedy) for p in prompts])) == want
 
-    # `until` cuts at the first stop string; max_gen_toks bounds the tokens (same shapes: no new compile)
+    # `until` cuts at the first stop string; max_gen_toks bounds the tokens (same
+    # shapes: no new compile)
     stop = want[0][2:4]
     got = lm.generate_until(
         _requests("generate_until", [(p, {"until": [stop], "max_gen_toks": 10}) for p in prompts])
@@ -228,17 +228,16 @@ metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}
 
 @pytest.mark.slow
 def test_sharded_mesh_gives_the_same_answers(world):
-    """On data=2,fsdp=2,model=2 (';' separates the axes inside lm_eval's comma-separated model args):
-    batches of whole rows per data-parallel shard, the same numbers and text as on data=8."""
+    """On data=2,fsdp=2,model=2 (';' separates the axes inside lm_eval's comma-separated model
+    args): batches of whole rows per data-parallel shard, the same numbers and text as on data=8."""
     lm, sharded = (
         world["lm"],
         harness.BrigadeLM(
             ckpt=world["run"], mesh="data=2;fsdp=2;model=2", batch_size=3, max_length=MAX_LENGTH
         ),
     )
-    assert (
-        dict(sharded.trainer.mesh.shape)["model"] == 2 and sharded.rows == 4
-    )  # 3 rounded up to data x fsdp
+    # 3 rounded up to data x fsdp
+    assert dict(sharded.trainer.mesh.shape)["model"] == 2 and sharded.rows == 4
     pairs = _requests("loglikelihood", [(c, " hello world") for c in CONTEXTS[:6]])
     for (a, ga), (b, gb) in zip(lm.loglikelihood(pairs), sharded.loglikelihood(pairs)):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5) and ga == gb
@@ -306,7 +305,8 @@ def local_tasks(world):
 
 
 def test_lm_eval_runs_local_tasks(world, local_tasks, tmp_path, monkeypatch):
-    """simple_evaluate on both tasks: the metrics the adapter's scores imply, from the same numbers."""
+    """simple_evaluate on both tasks: the metrics the adapter's scores imply, from the same
+    numbers."""
     _offline(monkeypatch, tmp_path)
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -361,7 +361,8 @@ def test_launcher_is_lm_evals_command_line(world, local_tasks, tmp_path, monkeyp
 
 
 def _imported_without_tokenizer(world) -> str:
-    """An HF import of the model from a directory without tokenizer.json: it records no tokenizer."""
+    """An HF import of the model from a directory without tokenizer.json: it records no
+    tokenizer."""
     lm, out = world["lm"], world["root"] / "imported"
     if not out.exists():
         hf.save_pretrained(Model(lm.cfg, jax.device_get(lm.params)), str(world["root"] / "hf"))

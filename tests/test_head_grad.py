@@ -36,16 +36,16 @@ def masked_xent(logits_BTV, targets_BT):
     return lse_BT - jnp.sum(jnp.where(vocab_V == targets_BT[..., None], shifted_BTV, 0.0), axis=-1)
 
 
-@pytest.mark.parametrize(
-    "shape", [(3, 5), (2, 3, 5), (2, 1, 3, 5)]
-)  # the chunked loss's [B,S,C,D] too
+# the chunked loss's [B,S,C,D] too
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 5), (2, 1, 3, 5)])
 def test_head_logits_matches_autodiff(shape):
     x = jax.random.normal(jax.random.key(0), (*shape[:-1], 16))
     head = jax.random.normal(jax.random.key(1), (16, 40))
     w = jax.random.normal(jax.random.key(2), (*shape[:-1], 40))
-    value_and_grads = lambda fn: jax.value_and_grad(
-        lambda a, b: jnp.sum(fn(a, b) * w), argnums=(0, 1)
-    )(x, head)  # noqa: E731
+
+    def value_and_grads(fn):
+        return jax.value_and_grad(lambda a, b: jnp.sum(fn(a, b) * w), argnums=(0, 1))(x, head)
+
     (got, (gx, gh)), (want, (wx, wh)) = (
         value_and_grads(layers.head_logits),
         value_and_grads(einsum_head),
@@ -72,7 +72,10 @@ def test_token_xent_matches_the_masked_sum_outside_the_vocabulary_too():
     logits = jax.random.normal(jax.random.key(3), (2, 4, 11)) * 3
     targets = jnp.array([[0, 10, -1, 11], [5, 3, 3, 7]])
     weights = jax.random.uniform(jax.random.key(4), (2, 4))
-    f = lambda xent: jax.value_and_grad(lambda z: jnp.sum(xent(z, targets) * weights))(logits)  # noqa: E731
+
+    def f(xent):
+        return jax.value_and_grad(lambda z: jnp.sum(xent(z, targets) * weights))(logits)
+
     (got, g), (want, w) = f(loss_mod.token_xent), f(masked_xent)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)

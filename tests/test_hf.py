@@ -1,5 +1,6 @@
-"""HuggingFace interop: tiny Llama and Mixtral models built with transformers (CPU torch) at test time, saved,
-imported, and compared logit by logit; export then re-import is exact; the CLI round trip."""
+"""HuggingFace interop: tiny Llama and Mixtral models built with transformers (CPU torch) at test
+time, saved, imported, and compared logit by logit; export then re-import is exact; the CLI round
+trip."""
 
 import dataclasses
 import json
@@ -13,14 +14,15 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+# the imports below wait for the skips above (E402): without transformers and torch nothing runs
 import jax  # noqa: E402
-from cpu_env import cpu_env
+from cpu_env import cpu_env  # noqa: E402
 
 from checkpoint import hf  # noqa: E402
 from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
 from checkpoint.hf_files import INDEX, SAFETENSORS  # noqa: E402
 from errors import UserError  # noqa: E402
-from models import hf as hf_tables  # noqa: E402
+from models import hf_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8)
@@ -106,11 +108,12 @@ def test_sharded_placement_and_sharded_files(tmp_path):
     spec = model.params["blocks"]["attn"][
         "wq_DNH"
     ].sharding.spec  # [L, D, N, H]: D over fsdp, N over model
+    # context, expert: size 1 here, named all the same
     assert tuple(spec)[1:] == (
         ("fsdp", "context", "expert"),
         "model",
         None,
-    )  # context, expert: size 1 here, named all the same
+    )
     assert spec[0] is None or mesh.shape[spec[0]] == 1  # layers: over pipeline, size 1 here
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(
@@ -175,8 +178,9 @@ def test_export_reimport_exact_and_loads_in_transformers(tmp_path, case):
 
 
 def test_llama3_rope_scaling(tmp_path):
-    """Llama 3.1's long-context RoPE ("llama3"), at positions past original_max_position_embeddings."""
-    if not hf_tables._LLAMA3_ROPE:
+    """Llama 3.1's long-context RoPE ("llama3"), at positions past
+    original_max_position_embeddings."""
+    if not hf_config._LLAMA3_ROPE:
         make_hf(tmp_path, num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3)
         with pytest.raises(UserError, match='rope_type="llama3" is not supported'):
             hf.from_pretrained(str(tmp_path))
@@ -288,8 +292,9 @@ def test_missing_files_are_one_line(tmp_path):
 
 
 def test_cli_import_inspect_train_shapes_export(tmp_path):
-    """`python -m checkpoint hf import` writes a checkpoint that `python -m checkpoint inspect` reads,
-    whose arrays are exactly the params of the model.yaml it writes; `export` gives the HF files back."""
+    """`python -m checkpoint hf import` writes a checkpoint that `python -m checkpoint inspect`
+    reads, whose arrays are exactly the params of the model.yaml it writes; `export` gives the HF
+    files back."""
     from checkpoint.__main__ import describe
     from mesh.shard import path_names
     from models import model as model_lib
@@ -357,13 +362,13 @@ def test_export_refuses_what_hf_cannot_express():
     from models.presets import preset
 
     cfg = preset("moe-tiny")
-    assert hf_tables.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]
-    assert hf_tables.config_to_hf(preset("tiny"))["architectures"] == ["LlamaForCausalLM"]
+    assert hf_config.config_to_hf(cfg)["architectures"] == ["MixtralForCausalLM"]
+    assert hf_config.config_to_hf(preset("tiny"))["architectures"] == ["LlamaForCausalLM"]
     for field, value in (("n_shared_experts", 1), ("router", "sigmoid"), ("moe_every", 2)):
         with pytest.raises(
             UserError, match=f"model.{field}={value} has no HuggingFace Mixtral equivalent"
         ):
-            hf_tables.config_to_hf(dataclasses.replace(cfg, **{field: value}))
+            hf_config.config_to_hf(dataclasses.replace(cfg, **{field: value}))
 
 
 @pytest.mark.parametrize(
@@ -371,7 +376,8 @@ def test_export_refuses_what_hf_cannot_express():
 )
 def test_init_from_imported_checkpoint(tmp_path, case, mesh):
     """`--init-from` an imported checkpoint: every parameter lands bit-exact in the new mesh's
-    shardings, with a fresh optimizer state at step 0; a model config that does not match is one line."""
+    shardings, with a fresh optimizer state at step 0; a model config that does not match is one
+    line."""
     from train.config import build
     from train.loop import Trainer
 

@@ -13,15 +13,16 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+# the imports below wait for the skips above (E402): without transformers and torch nothing runs
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from test_hf import assert_export_is_exact, tokens, torch_logits  # noqa: E402
 
 from checkpoint import hf  # noqa: E402
 from errors import UserError  # noqa: E402
-from models import flops  # noqa: E402
-from models import hf as hf_tables  # noqa: E402
+from models import flops, hf_config  # noqa: E402
 from models import model as model_lib  # noqa: E402
+from models.hf import ROWS, Model  # noqa: E402
 from models.presets import preset  # noqa: E402
 
 CLASSES = {
@@ -30,7 +31,8 @@ CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
 }
 CASES = {  # family -> (config overrides, the ModelConfig fields the import must set)
-    # Qwen2.5-0.5B's shape of things: tied embeddings, GQA; every layer sliding (max_window_layers 0)
+    # Qwen2.5-0.5B's shape of things: tied embeddings, GQA; every layer sliding
+    # (max_window_layers 0)
     "qwen2": (
         dict(
             tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=0
@@ -83,7 +85,7 @@ def test_import_export_generate_match_transformers(tmp_path, family):
     assert np.std(ref) > 0.3  # logits large enough that 1e-4 is a real test
     np.testing.assert_allclose(np.asarray(model(toks)), ref, atol=1e-4, rtol=1e-4)
     if model.cfg.sliding_window:  # the window is shorter than the 11 tokens: it must matter
-        full = hf_tables.Model(dataclasses.replace(model.cfg, sliding_window=0), model.params)
+        full = Model(dataclasses.replace(model.cfg, sliding_window=0), model.params)
         assert np.abs(np.asarray(full(toks)) - ref).max() > 1e-2
 
     reloaded = assert_export_is_exact(model, tmp_path / "hf", tmp_path / "out")
@@ -139,13 +141,18 @@ def test_training_sharded_with_bias_norm_and_window(tmp_path):
     for name, shard in (("bq_NH", (2, 2, 16)), ("bk_KH", (2, 1, 16)), ("bv_KH", (2, 1, 16))):
         assert tuple(attn[name].sharding.spec)[1:] == ("model", None), name
         assert attn[name].sharding.shard_shape(attn[name].shape) == shard, name
-        assert np.abs(np.asarray(jax.device_get(attn[name]))).max() > 0, (
-            name
-        )  # zeros at init, trained
+        # zeros at init, trained
+        assert np.abs(np.asarray(jax.device_get(attn[name]))).max() > 0, name
     for name in ("q_norm", "k_norm"):
         scale = attn[name]["scale"]
         assert scale.shape == (2, 16) and scale.sharding.is_fully_replicated
         assert np.abs(np.asarray(jax.device_get(scale)) - 1).max() > 0, name
+
+
+def test_every_family_has_tables_and_a_config_mapping():
+    """models/hf.py's tensor tables and models/hf_config.py's config.json families name the same
+    architectures: one added to only one would import a config whose tensors nothing converts."""
+    assert set(ROWS) == set(hf_config.ARCHITECTURES)
 
 
 def test_export_families_and_flops():
@@ -157,8 +164,8 @@ def test_export_families_and_flops():
         (dict(qkv_bias=True, sliding_window=8), "qwen2"),
         (dict(qk_norm=True), "qwen3"),
     ):
-        assert hf_tables.model_type_of(dataclasses.replace(tiny, **fields)) == family, fields
-    qwen2 = hf_tables.config_to_hf(dataclasses.replace(tiny, qkv_bias=True, sliding_window=8))
+        assert hf_config.model_type_of(dataclasses.replace(tiny, **fields)) == family, fields
+    qwen2 = hf_config.config_to_hf(dataclasses.replace(tiny, qkv_bias=True, sliding_window=8))
     assert qwen2["use_sliding_window"] and qwen2["layer_types"] == ["sliding_attention"] * 2
     # biases and q/k norms are additions, not matmuls; a window bounds the keys each query scores
     assert flops.matmul_param_count(
@@ -188,10 +195,10 @@ def test_hf_window_semantics():
     off = dict(
         BASE, model_type="qwen2", use_sliding_window=False, sliding_window=4, max_window_layers=0
     )
-    assert hf_tables.config_from_hf(off)[1].sliding_window == 0
-    assert hf_tables.config_from_hf(dict(off, use_sliding_window=True))[1].sliding_window == 4
+    assert hf_config.config_from_hf(off)[1].sliding_window == 0
+    assert hf_config.config_from_hf(dict(off, use_sliding_window=True))[1].sliding_window == 4
     assert (
-        hf_tables.config_from_hf(dict(BASE, model_type="mistral", sliding_window=4))[
+        hf_config.config_from_hf(dict(BASE, model_type="mistral", sliding_window=4))[
             1
         ].sliding_window
         == 4
@@ -199,7 +206,7 @@ def test_hf_window_semantics():
     mixtral = dict(
         BASE, model_type="mixtral", sliding_window=4, num_local_experts=4, num_experts_per_tok=2
     )
-    assert hf_tables.config_from_hf(mixtral)[1].sliding_window == 4
+    assert hf_config.config_from_hf(mixtral)[1].sliding_window == 4
 
 
 @pytest.mark.parametrize(
@@ -255,7 +262,7 @@ def test_hf_window_semantics():
 )
 def test_unsupported_config_is_one_line(config, words):
     with pytest.raises(UserError) as e:
-        hf_tables.config_from_hf(dict(BASE, **config))
+        hf_config.config_from_hf(dict(BASE, **config))
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
 
@@ -268,9 +275,9 @@ def test_bad_options_are_one_line():
     with pytest.raises(
         UserError, match="model.qkv_bias=True with model.qk_norm=True has no HuggingFace"
     ):
-        hf_tables.config_to_hf(dataclasses.replace(preset("tiny"), qkv_bias=True, qk_norm=True))
+        hf_config.config_to_hf(dataclasses.replace(preset("tiny"), qkv_bias=True, qk_norm=True))
     with pytest.raises(UserError, match="model.qk_norm=True has no HuggingFace Mixtral equivalent"):
-        hf_tables.config_to_hf(dataclasses.replace(preset("moe-tiny"), qk_norm=True))
+        hf_config.config_to_hf(dataclasses.replace(preset("moe-tiny"), qk_norm=True))
 
 
 def test_qkv_biases_and_qk_norms_get_no_weight_decay():

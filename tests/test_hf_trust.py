@@ -1,6 +1,7 @@
-"""Untrusted input to `python -m checkpoint hf`: a HuggingFace directory whose config.json, safetensors
-headers or index lie, and a Brigade checkpoint whose metadata does not describe its arrays, are each
-refused in one line naming the culprit (exit 2, no traceback) before anything is written."""
+"""Untrusted input to `python -m checkpoint hf`: a HuggingFace directory whose config.json,
+safetensors headers or index lie, and a Brigade checkpoint whose metadata does not describe its
+arrays, are each refused in one line naming the culprit (exit 2, no traceback) before anything is
+written."""
 
 import json
 import os
@@ -12,14 +13,14 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
-import jax  # noqa: E402
-from test_hf import CASES, make_hf  # noqa: E402
+import jax
+from test_hf import CASES, make_hf
 
-from checkpoint import hf  # noqa: E402
-from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
-from checkpoint.hf_files import INDEX, SAFETENSORS, load_params, read_config  # noqa: E402
-from errors import UserError  # noqa: E402
-from models import hf as hf_tables  # noqa: E402
+from checkpoint import hf
+from checkpoint.__main__ import main as checkpoint_main
+from checkpoint.hf_files import INDEX, SAFETENSORS, load_params, read_config
+from errors import UserError
+from models import hf_config
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
@@ -27,7 +28,8 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     """One tiny GQA Llama as `single` (model.safetensors), as `sharded` (two shards and an index)
-    and imported through the CLI as the Brigade checkpoint `ckpt`: the inputs every case corrupts."""
+    and imported through the CLI as the Brigade checkpoint `ckpt`: the inputs every case
+    corrupts."""
     from safetensors.numpy import load_file, save_file
 
     root = tmp_path_factory.mktemp("good")
@@ -42,11 +44,10 @@ def good(tmp_path_factory):
         )
         weight_map.update(dict.fromkeys(part, shard))
     (root / "sharded" / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    model_type, cfg = hf_tables.config_from_hf(read_config(str(root / "single")))
+    model_type, cfg = hf_config.config_from_hf(read_config(str(root / "single")))
     one, two = (load_params(str(root / d), model_type, cfg) for d in ("single", "sharded"))
-    assert all(
-        jax.tree.leaves(jax.tree.map(np.array_equal, one, two))
-    )  # the shards hold the same model
+    # the shards hold the same model
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, one, two)))
     assert checkpoint_main(["hf", "import", str(root / "single"), "--out", str(root / "ckpt")]) == 0
     return root
 
@@ -191,7 +192,8 @@ BAD_DIRS = {  # case: (base directory, corruption, words the one-line error must
         _edit_json("config.json", lambda c: {k: v for k, v in c.items() if k != "vocab_size"}),
         ["vocab_size"],
     ),
-    # a billion layers claimed: refused at the first layer the file lacks, nothing allocated for the rest
+    # a billion layers claimed: refused at the first layer the file lacks, nothing
+    # allocated for the rest
     "config_absurd_layers": (
         "single",
         _config(num_hidden_layers=10**9),
@@ -226,7 +228,8 @@ BAD_DIRS = {  # case: (base directory, corruption, words the one-line error must
         _entry(EMBED, data_offsets=[0, 10**12]),
         [EMBED, "do not lie within"],
     ),
-    # lm_head.weight has embed's shape: reading embed's bytes as lm_head passes every per-tensor check
+    # lm_head.weight has embed's shape: reading embed's bytes as lm_head passes
+    # every per-tensor check
     "offsets_overlap": (
         "single",
         _header(

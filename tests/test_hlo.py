@@ -128,7 +128,8 @@ def test_dtype_bytes(m8, dtype, local_bytes):
 
 
 def test_all_to_all(m8):
-    # XLA:CPU splits it into an 8-operand tuple all-to-all of f32[8,8] pieces: 8 * 256 B = the 8x64 shard.
+    # XLA:CPU splits it into an 8-operand tuple all-to-all of f32[8,8] pieces: 8 *
+    # 256 B = the 8x64 shard.
     text = compiled_text(
         m8,
         lambda a: lax.all_to_all(a, "data", split_axis=1, concat_axis=0, tiled=True),
@@ -198,7 +199,7 @@ def test_nested_loops_multiply(m8):
     assert c.count == 12
 
 
-# ------------------------------------------------------------------ axis attribution, data=2,fsdp=2,model=2
+# ---------------------------------------------------------- axis attribution, data=2,fsdp=2,model=2
 
 
 @pytest.mark.parametrize(
@@ -298,7 +299,7 @@ def test_replica_group_forms_map_to_axes(m222):
     }
     for rg, (axes, size) in lines.items():
         text = (
-            f"  %ar = (f32[8,4]{{1,0}}, f32[16]{{0}}) all-reduce(%p, f32[16]{{0}} %q), channel_id=1, "
+            "  %ar = (f32[8,4]{1,0}, f32[16]{0}) all-reduce(%p, f32[16]{0} %q), channel_id=1, "
             f"replica_groups={rg}, use_global_device_ids=true, to_apply=%add\n"
         )
         table = "  %p = f32[8,4]{1,0} parameter(0)\n"
@@ -370,7 +371,7 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
   %w2 = (s32[], f32[1024]{0}) while(%w), condition=%cond, body=%body2
   ROOT %out = f32[1024]{0} get-tuple-element(%w2), index=1
 }
-"""
+"""  # noqa: E501  (HLO as XLA prints it: one instruction per line, the parser's unit)
 
 
 def test_async_pairs_conditionals_unknown_trips(m222):

@@ -45,8 +45,8 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    """corpus/ (text), ds/ (a prepared dataset), run/ (a finished run with checkpoints at steps 1, 2)
-    and, where transformers is installed, hf/ (a tiny Llama) and hf-ckpt/ (its import)."""
+    """corpus/ (text), ds/ (a prepared dataset), run/ (a finished run with checkpoints at steps
+    1, 2) and, where transformers is installed, hf/ (a tiny Llama) and hf-ckpt/ (its import)."""
     from train.config import build
     from train.data import prepare
     from train.loop import Trainer

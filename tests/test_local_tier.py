@@ -178,10 +178,10 @@ def test_two_processes_agree_on_the_local_step_or_the_persistent_one(tmp_path):
     kids = Children(tmp_path)
     start(kids, "first", "a", {**env, "BRIGADE_INJECT_HANG_STEPS": "7"})
     held = [Path(process_dir(tmp_path / "a-local", i)) for i in range(2)]
-    # two compiles (process 1 never hits the compilation cache) and six steps: on 2 cores shared with
-    # other drills this took over TIMEOUT_S once, so the wait for local step 6 gets twice that
-    # and the wait is for the local tier to hold exactly 5 and 6: the save of 6 commits before step 4
-    # is removed (keep 2), so a kill right after the commit could still find 4 there
+    # two compiles (process 1 never hits the compilation cache) and six steps: on 2 cores shared
+    # with other drills this took over TIMEOUT_S once, so the wait for local step 6 gets twice that
+    # and the wait is for the local tier to hold exactly 5 and 6: the save of 6 commits before step
+    # 4 is removed (keep 2), so a kill right after the commit could still find 4 there
     deadline = time.monotonic() + 2 * TIMEOUT_S
     while (
         not all(committed(d) == [5, 6] for d in held)

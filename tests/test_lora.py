@@ -1,7 +1,8 @@
 """LoRA fine-tuning (train/lora.py): the model at step 0 is the base, the adapters' gradient is the
 chain rule through W + scale A B, a run on data=2,fsdp=2,model=2 matches one device and never
 touches the base, the optimizer state and checkpoints hold the adapters only, a resume is exact
-and refuses a changed base, and the HF export merges. Float32, the tiny preset, 8 fake CPU devices."""
+and refuses a changed base, and the HF export merges. Float32, the tiny preset, 8 fake CPU
+devices."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from train.step import grads_loss_stats, loss_sums
 
 MESH = "data=2,fsdp=2,model=2"
 TINY = {"model.preset": "tiny", "model.dtype": "float32"}
-# a higher rate than the equivalence tests' default so that a few steps on one batch visibly lower the loss
+# a higher rate than the equivalence tests' default so that a few steps on one batch
+# visibly lower the loss
 LORA = {
     "model.preset": "tiny",
     "model.remat": "none",
@@ -91,8 +93,8 @@ def _run_steps(tr, batches, adapters0, base_params) -> dict:
     base_on_mesh = jax.device_put(base_params, tr.setup.base_shardings)
     out = {"params0": jax.device_get(state.params), "metrics": [], "params": []}
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        # compiled as fit() compiles it (the test process's LLVM level is COMPARISON_COMPILE's), so that
-        # the fit() below finds this very program in the persistent compilation cache
+        # compiled as fit() compiles it (the test process's LLVM level is COMPARISON_COMPILE's), so
+        # that the fit() below finds this very program in the persistent compilation cache
         step = tr.compile_step(state, jax.device_put(batches[0], tr.batch_sharding))
         for b in batches:
             state, m = step(state, jax.device_put(b, tr.batch_sharding), base_on_mesh)
@@ -123,9 +125,8 @@ def test_step0_is_the_base_and_the_gradient_is_the_chain_rule(trainers, base):
             cfg.model, adapters, batch, 1, param_fn=lambda a: merge(base_p, a)
         )
         xent, n = loss_sums(cfg.model, base_p, batch)
-        g_eff = jax.grad(lambda p: loss_sums(cfg.model, p, batch)[0] / n)(
-            merge(base_p, adapters)
-        )  # dL/dW_eff
+        # dL/dW_eff
+        g_eff = jax.grad(lambda p: loss_sums(cfg.model, p, batch)[0] / n)(merge(base_p, adapters))
         scale, by_hand = lora.scale(cfg.lora), {}
         for stack, modules in adapters.items():
             for module, weights in modules.items():
@@ -186,15 +187,15 @@ def test_mesh_run_matches_one_device_and_keeps_the_base(trainers, base):
     shapes = {x.shape for x in jax.tree.leaves(adapters)}
     arrays = [x for x in jax.tree.leaves(opt) if x.ndim]
     assert {x.shape for x in arrays} == shapes, "optimizer state of other shapes than the adapters'"
-    assert (
-        sum(x.nbytes for x in arrays) == 2 * adapter_bytes
-    )  # AdamW: one mean and one second moment each
+    # AdamW: one mean and one second moment each
+    assert sum(x.nbytes for x in arrays) == 2 * adapter_bytes
     assert adapter_bytes < 0.2 * sum(x.nbytes for x in jax.tree.leaves(base[1]))
 
 
 def test_checkpoint_resume_and_export(trainers, base, tmp_path):
     """fit() saves the adapters and their optimizer state only; a resume from step 2 ends exactly
-    where the uninterrupted run did; a changed base is refused; the HF export is the merged model."""
+    where the uninterrupted run did; a changed base is refused; the HF export is the merged
+    model."""
     tr = trainers()
     tr.fit()
     src, last = open_checkpoint(tr.cfg.logging.run_dir)

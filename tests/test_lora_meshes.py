@@ -2,7 +2,8 @@
 (GPipe and 1F1B) and of moe-tiny (attention adapters) on expert=2,fsdp=2,model=2 each equal the same
 run on one device after the warm-up (loss, gradient norm, adapters), and the frozen base comes
 back bit-identical; `plan` of a LoRA run counts optimizer state and gradients for the adapters
-only and the frozen base apart. Float32, 8 fake CPU devices; the helpers are tests/test_lora.py's."""
+only and the frozen base apart. Float32, 8 fake CPU devices; the helpers are
+tests/test_lora.py's."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from checkpoint.layout import params_only_meta
 from checkpoint.manager import Checkpointer
 from mesh.build import make_mesh
 from models import model
-from plan.report import analyze, render
+from plan.render import render
+from plan.report import analyze
 from train import lora
 from train.config import build
 from train.setup import setup
@@ -132,12 +134,12 @@ def test_plan_counts_optimizer_state_for_the_adapters_only(tmp_path):
     assert adapter_count < 0.2 * sum(
         x.size for x in jax.tree.leaves(model.abstract_params(cfg.model))
     )
-    # the adapters are sharded like their weights' dims, so their bytes per device are at most the whole
+    # the adapters are sharded like their weights' dims, so their bytes per device
+    # are at most the whole
     assert 0 < mem["params_bytes"] <= adapter_count * 4
     assert mem["gradient_bytes"] == mem["params_bytes"]
-    assert mem["optimizer_bytes"] == pytest.approx(
-        2 * mem["params_bytes"], rel=1e-3
-    )  # mu + nu (+ counts)
+    # mu + nu (+ counts)
+    assert mem["optimizer_bytes"] == pytest.approx(2 * mem["params_bytes"], rel=1e-3)
     # the base is held as a full fine-tune holds its parameters, and is what dominates the memory
     assert mem["base_bytes"] == full["params_bytes"] and full["base_bytes"] == 0
     # per device the adapters' rank dim is whole, so their share is above the global 0.2 (0.24 here)

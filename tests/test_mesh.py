@@ -244,11 +244,12 @@ def test_parse_overrides():
         rules["embed"] == ("fsdp", "model") and rules["vocab"] == () and rules["mlp"] == ("model",)
     )
     assert logical_to_spec(("vocab", "embed"), rules) == P(None, ("fsdp", "model"))
+    # make_rules does not mutate the default table
     assert DEFAULT_RULES["embed"] == (
         "fsdp",
         "context",
         "expert",
-    )  # make_rules does not mutate the default table
+    )
 
 
 @pytest.mark.parametrize(

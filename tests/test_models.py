@@ -294,7 +294,8 @@ def test_validate_accepts_presets():
 def test_param_count_equals_sum_of_sizes(params):
     n = sum(x.size for x in jax.tree.leaves(params))
     assert param_count(CFG) == n
-    # by hand for tiny: per layer attn 64*16*(4+2+2+4), mlp 3*64*192, 2 norms; + embed, head, final norm
+    # by hand for tiny: per layer attn 64*16*(4+2+2+4), mlp 3*64*192, 2 norms; +
+    # embed, head, final norm
     per_layer = 64 * 16 * 12 + 3 * 64 * 192 + 2 * 64
     assert n == 2 * per_layer + 2 * 264 * 64 + 64 == 132416
     tied = dataclasses.replace(CFG, tie_embeddings=True)
@@ -358,9 +359,8 @@ def test_fused_qkv_equals_separate_projections(kv_rule):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, cfg.d_model)), jnp.float32)
     want = [jnp.einsum("btd,dnh->btnh", x, w[...]) for w in (attn.wq_DNH, attn.wk_DKH, attn.wv_DKH)]
     with jax.set_mesh(make_mesh("data=4,model=2")), axis_rules(make_rules(f"kv_heads={kv_rule}")):
-        assert fused_qkv(cfg.n_kv_heads, jax.sharding.get_abstract_mesh()) == bool(
-            kv_rule
-        )  # which path runs
+        # which path runs
+        assert fused_qkv(cfg.n_kv_heads, jax.sharding.get_abstract_mesh()) == bool(kv_rule)
         got = jax.jit(attn._qkv)(x)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -118,12 +118,13 @@ def test_capacity_large_equals_dropless_small_drops_what_routing_implies():
 
 # ------------------------------------------------------------------ expert parallelism
 
-# One mesh with every axis an expert layer meets (fsdp, expert, model): the expert=8 and data x expert
-# meshes are compared step by step, gradients included, in test_equivalence_moe.py; this run adds
-# DeepSeek-V3 routing (sigmoid, bias balancing) and the load metrics.
+# One mesh with every axis an expert layer meets (fsdp, expert, model): the expert=8 and data x
+# expert meshes are compared step by step, gradients included, in test_equivalence_moe.py; this run
+# adds DeepSeek-V3 routing (sigmoid, bias balancing) and the load metrics.
 MESHES = ["fsdp=2,expert=2,model=2"]
 BIAS_RATE = 0.01
-# DeepSeek-V3 routing (sigmoid + aux-loss-free bias) on top of the aux and z losses: every path at once
+# DeepSeek-V3 routing (sigmoid + aux-loss-free bias) on top of the aux and z
+# losses: every path at once
 MOE_OVER = {"model.router": "sigmoid", "model.router_bias_rate": BIAS_RATE}
 
 
@@ -149,9 +150,8 @@ def run_steps(tr, n=5):
     rng = np.random.default_rng(0)
     history = []
     step = tr.jit_step()
-    tok = rng.integers(0, 256, (8, 33)).astype(
-        np.int32
-    )  # one batch, seen again: the loss must fall
+    # one batch, seen again: the loss must fall
+    tok = rng.integers(0, 256, (8, 33)).astype(np.int32)
     with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
         for _ in range(n):
             batch = jax.device_put(
@@ -212,9 +212,8 @@ def test_metrics_keys(runs):
     for k in moe_keys:
         assert m[k].shape == () and m[k].dtype == np.float32, k
     assert m["moe/load_min_over_mean"] <= 1.0 <= m["moe/load_max_over_mean"]
-    assert (
-        m["moe/dropped_fraction"] == 0.0 and m["moe/aux_loss"] >= 1.0 - 1e-5
-    )  # E sum f P >= 1 at uniform P
+    # E sum f P >= 1 at uniform P
+    assert m["moe/dropped_fraction"] == 0.0 and m["moe/aux_loss"] >= 1.0 - 1e-5
 
 
 # ------------------------------------------------------------------ balance
@@ -374,9 +373,10 @@ def test_ragged_all_to_all_emulation_follows_the_documented_example():
             ]
         )
     ]
-    body = lambda *a: moe_dispatch.ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="x")[
-        None
-    ]
+
+    def body(*a):
+        return moe_dispatch.ragged_all_to_all_emulated(*(x[0] for x in a), axis_name="x")[None]
+
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))(*args)
     np.testing.assert_array_equal(out, [[1, 3, 0, 0], [2, 2, 4, 0]])
 
@@ -395,9 +395,8 @@ def _exchange_loss(x, w, cfg, exchange, kernel, probe):
 
 def _layer_on_mesh(spec):
     x, w = _layer_inputs(CFG, seed=3)
-    x = jnp.concatenate(
-        [x, _skewed(CFG, seed=4)[0]]
-    )  # [8,8,D]: the skewed half sends most rows to device 0
+    # [8,8,D]: the skewed half sends most rows to device 0
+    x = jnp.concatenate([x, _skewed(CFG, seed=4)[0]])
     w["router"] = (
         w["router"]
         .at[:, :2]
@@ -466,11 +465,11 @@ def test_ragged_exchange_lowers_the_real_primitive():
     ids=["cpu-defaults", "gpu-defaults"],
 )
 def test_moe_micro_batches_reduce_data_parallel_grads_once(tmp_path, over):
-    """MoE under the data-parallel micro-batch vmap: the same loss and gradients as one batch, and the
-    data-axis gradient all-reduce runs once per step, outside the micro-batch loop. (aux loss off:
-    f_e P_e of a micro-batch is not additive, so it differs by construction.) gpu-defaults: the
-    ragged exchange (emulated here) and the ragged_dot kernel, whose weights are made to follow the
-    vmap's batching (models.moe_kernels.batched_like)."""
+    """MoE under the data-parallel micro-batch vmap: the same loss and gradients as one batch, and
+    the data-axis gradient all-reduce runs once per step, outside the micro-batch loop.
+    (aux loss off: f_e P_e of a micro-batch is not additive, so it differs by construction.)
+    gpu-defaults: the ragged exchange (emulated here) and the ragged_dot kernel, whose weights are
+    made to follow the vmap's batching (models.moe_kernels.batched_like)."""
     tr = make_trainer(
         "data=2,expert=4", tmp_path, **{"train.batch_size": 16, "model.aux_loss_coef": 0.0, **over}
     )

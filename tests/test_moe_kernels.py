@@ -36,16 +36,11 @@ def ffn(x_RD, wg_DF, wu_DF, wd_FD):
 def _per_row(x_RD, g_R, wg, wu, wd):
     """Each row through its own expert's FFN, padding rows (id == X) to 0: autodiff's reference."""
     x_count = wg.shape[0]
-    one = lambda x, g: jnp.where(
-        g < x_count,
-        ffn(
-            x[None],
-            wg[jnp.minimum(g, x_count - 1)],  # noqa: E731
-            wu[jnp.minimum(g, x_count - 1)],
-            wd[jnp.minimum(g, x_count - 1)],
-        )[0],
-        0,
-    )
+
+    def one(x, g):
+        w = jnp.minimum(g, x_count - 1)
+        return jnp.where(g < x_count, ffn(x[None], wg[w], wu[w], wd[w])[0], 0)
+
     return jax.vmap(one)(x_RD, g_R)
 
 

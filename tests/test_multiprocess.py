@@ -73,7 +73,8 @@ def child_env(n_devices: int) -> dict[str, str]:
     """The parent's environment with exactly `n_devices` fake CPU devices (conftest sets 8 in
     XLA_FLAGS for the pytest process; the child must not inherit that), the compile options
     of tests/cpu_env.py (every process of a drill is compiled alike, and process 1 compiles
-    everything itself: JAX writes the compilation cache from process 0 only) and no cluster variables."""
+    everything itself: JAX writes the compilation cache from process 0 only) and no cluster
+    variables."""
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
     env["XLA_FLAGS"] = xla_flags(
         " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--ignored=")),

@@ -11,15 +11,15 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from safetensors.numpy import load_file, save_file  # noqa: E402
+from safetensors.numpy import load_file, save_file
 
-from checkpoint import hf  # noqa: E402
-from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
-from checkpoint.hf_files import SAFETENSORS  # noqa: E402
-from errors import UserError  # noqa: E402
-from models import model  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
-from models.hf import Model  # noqa: E402
+from checkpoint import hf
+from checkpoint.__main__ import main as checkpoint_main
+from checkpoint.hf_files import SAFETENSORS
+from errors import UserError
+from models import model
+from models.config import ModelConfig
+from models.hf import Model
 
 CFG = ModelConfig(
     vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64

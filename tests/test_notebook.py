@@ -47,12 +47,10 @@ def _run(path: str) -> tuple:
 def test_quickstart_notebook_runs():
     nb, text = _run(NOTEBOOK)
     assert "CpuDevice(id=7)" in text  # 8 fake devices
-    assert (
-        "embed_VD                 (264, 64)" in text and "(132, 16)" in text
-    )  # the sharding table
-    assert (
-        text.count("identical: True") == 2 and "(132, 64)" in text
-    )  # restored onto data=4,model=2
+    # the sharding table
+    assert "embed_VD                 (264, 64)" in text and "(132, 16)" in text
+    # restored onto data=4,model=2
+    assert text.count("identical: True") == 2 and "(132, 64)" in text
     assert "resumed from step 40 on data=4,model=2" in text
     pngs = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(pngs) == 2  # the two loss plots
@@ -64,9 +62,8 @@ def test_extensions_notebook_runs():
     _, text = _run(os.path.join(EXAMPLES, "extensions.ipynb"))
     assert "8 devices" in text
     assert "registered mlp-lm: d_model 64" in text
-    assert re.search(
-        r"layers/0/up_DF +\(\('fsdp', 'context', 'expert'\), 'model'\)", text
-    )  # the registered model's axes, sharded
+    # the registered model's axes, sharded
+    assert re.search(r"layers/0/up_DF +\(\('fsdp', 'context', 'expert'\), 'model'\)", text)
     assert "momentum sharded like its parameter: True" in text  # the optax optimizer's state
     assert "resumed from step 4; losses:" in text  # the iterable's position restored
     assert "params; collectives:" in text  # plan compiled it

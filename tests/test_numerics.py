@@ -115,9 +115,8 @@ def test_every_dtype_pair_trains(dtype, param_dtype):
     # both Adam moments in float32 whatever the weights are (see optim.in_float32)
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert len(moments) == 2 * len(before) and {x.dtype for x in moments} == {jnp.dtype("float32")}
-    assert all(
-        not np.array_equal(a, b) for a, b in zip(before, _leaves(state.params))
-    )  # every weight moved
+    # every weight moved
+    assert all(not np.array_equal(a, b) for a, b in zip(before, _leaves(state.params)))
 
 
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
@@ -143,9 +142,8 @@ def test_bfloat16_weights_get_float32_moments_and_one_rounding():
     state = tx.init(params)
     assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {jnp.dtype("float32")}
     grads = {"w_DF": jnp.ones((2, 2), jnp.bfloat16)}
-    updates, state = jax.jit(tx.update)(
-        grads, state, params
-    )  # bfloat16 in: optax's cond used to refuse it
+    # bfloat16 in: optax's cond used to refuse it
+    updates, state = jax.jit(tx.update)(grads, state, params)
     assert int(state.total_notfinite) == 0
     new = optax.apply_updates(params, updates)["w_DF"]
     assert new.dtype == jnp.bfloat16
@@ -170,7 +168,8 @@ def test_logged_lr_is_the_applied_rate_and_skips_do_not_advance_it():
         np.array_equal(a, b) for a, b in zip(held, _leaves(state.params))
     )
     state, ms = run(state, [good, good])
-    # the optimizer's count stood still: steps 3 and 4 apply the schedule at counts 1 and 2, not 2 and 3
+    # the optimizer's count stood still: steps 3 and 4 apply the schedule at counts
+    # 1 and 2, not 2 and 3
     assert [m["lr"] for m in ms] == pytest.approx([float(sched(1)), float(sched(2))], rel=1e-6)
     assert float(sched(2)) != pytest.approx(float(sched(3)), rel=1e-3)
     assert [m["skipped_steps"] for m in ms] == [1, 1] and int(state.step) == 4
@@ -181,9 +180,8 @@ def test_warmup_starts_above_zero():
     s = optim.schedule(cfg)
     assert float(s(0)) == pytest.approx(1e-3, rel=1e-5)  # lr / warmup_steps
     assert float(s(10)) == pytest.approx(1e-2, rel=1e-5)
-    clipped = optim.schedule(
-        TrainConfig(lr=1e-2, warmup_steps=30, steps=5)
-    )  # warm-up cut to steps - 1 = 4
+    # warm-up cut to steps - 1 = 4
+    clipped = optim.schedule(TrainConfig(lr=1e-2, warmup_steps=30, steps=5))
     assert float(clipped(0)) == pytest.approx(1e-2 / 4, rel=1e-5)
     assert float(optim.schedule(TrainConfig(lr=1e-2, warmup_steps=0, steps=5))(0)) == pytest.approx(
         1e-2

@@ -31,7 +31,7 @@ from checkpoint.manager import Checkpointer
 from errors import UserError
 from models.config import PipelineConfig
 from models.presets import preset
-from plan import cost, hardware, search
+from plan import cost, estimate, hardware, search
 from train import resume
 from train.config import build
 from train.memory import check_host_offload
@@ -65,9 +65,8 @@ def test_devices_without_host_memory_refuse_it():
         " here: --model.remat none|full|dots, --train.offload_optimizer false"
     )
     check_host_offload(build({"model.remat": "dots"}), [device])  # nothing to offload
-    check_host_offload(
-        build({"model.remat": "dots_offload"}), jax.devices()[:1]
-    )  # the CPU backend has pinned_host
+    # the CPU backend has pinned_host
+    check_host_offload(build({"model.remat": "dots_offload"}), jax.devices()[:1])
     with pytest.raises(
         UserError, match="--train.offload_optimizer true: not with --comm.sync_every 4 .DiLoCo."
     ):
@@ -78,7 +77,8 @@ def test_devices_without_host_memory_refuse_it():
 
 @pytest.fixture(scope="module")
 def optimizer_runs(tmp_path_factory):
-    """The same 5 steps on fsdp=4,model=2 with the optimizer state on the device and in host memory."""
+    """The same 5 steps on fsdp=4,model=2 with the optimizer state on the device and in host
+    memory."""
     out = {}
     for offload in (False, True):
         tr = make_trainer(
@@ -93,7 +93,7 @@ def optimizer_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_optimizer_in_host_memory_trains_the_same(optimizer_runs):
-    (_, want, _), (tr, got, _) = optimizer_runs[False], optimizer_runs[True]
+    (_, want, _), (_, got, _) = optimizer_runs[False], optimizer_runs[True]
     assert_runs_match(got, want, "offload_optimizer")
     kinds = {a.sharding.memory_kind for a in jax.tree.leaves(got["state"].opt_state)}
     assert kinds == {"pinned_host"}, kinds
@@ -121,7 +121,7 @@ def test_plan_counts_host_and_device_bytes_apart(schedule):
     cfg, hw = preset("7b"), hardware.get("h100")
     rows = {}
     for remat in ("dots", "dots_offload"):
-        rows[remat] = search.evaluate(
+        rows[remat] = estimate.evaluate(
             dataclasses.replace(cfg, remat=remat),
             {"pipeline": 2, "fsdp": 4},
             hw,
@@ -145,16 +145,15 @@ def test_plan_counts_the_optimizer_state_in_host_memory():
     and out are a host-link row."""
     cfg, hw = preset("7b"), hardware.get("h100")
     rows = {
-        off: search.evaluate(
+        off: estimate.evaluate(
             cfg, {"fsdp": 8}, hw, 8, 4096, train_cfg=build({"train.offload_optimizer": off}).train
         )
         for off in (False, True)
     }
     on, off = rows[False]["memory"], rows[True]["memory"]
     assert off["host_optimizer"] == pytest.approx(on["optimizer"]) and on["host_optimizer"] == 0
-    assert (
-        0 < off["optimizer"] < on["optimizer"] / 4
-    )  # the largest of 12 leaves (a stacked [L, ...] one)
+    # the largest of 12 leaves (a stacked [L, ...] one)
+    assert 0 < off["optimizer"] < on["optimizer"] / 4
     assert off["total"] == pytest.approx(on["total"] - on["optimizer"] + off["optimizer"])
     assert rows[True]["comm"][cost.HOST_OFFLOAD]["wire_bytes"] == pytest.approx(
         2 * off["host_optimizer"]
@@ -163,8 +162,9 @@ def test_plan_counts_the_optimizer_state_in_host_memory():
 
 def test_search_offloads_only_a_mesh_that_does_not_fit():
     """7B on one H100: its state (~100 GiB) does not fit in 80 GB; the search offers the layout with
-    the optimizer state in host memory, and says so in its flags. On 8 H100s sharding fits without."""
-    from plan.report import run_flags
+    the optimizer state in host memory, and says so in its flags. On 8 H100s sharding fits
+    without."""
+    from plan.render import run_flags
 
     hw = hardware.get("h100")
     (row,) = search.search(preset("7b"), 1, hw, batch_size=1, seq_len=4096)

@@ -197,7 +197,8 @@ def _shape_at(tree, path):
 
 
 def _reference(name: str, lr: float, wd: float, mask) -> optax.GradientTransformation:
-    """optax's own, written out: b1 0.8, b2 0.9, eps 1e-7, decoupled decay lr x wd under the mask."""
+    """optax's own, written out: b1 0.8, b2 0.9, eps 1e-7, decoupled decay lr x wd under the
+    mask."""
     if name == "adamw":
         return optax.adamw(lr, b1=0.8, b2=0.9, eps=1e-7, weight_decay=wd, mask=mask)
     if name == "lion":

@@ -148,11 +148,9 @@ def compiled_cases():
                 gather_once=kind.endswith("gather-once"),
             )
             ordered = kind.endswith("stage-ordered")
-            f = lambda p, x, pos: pipeline_lib.pipeline_apply(
+            f = functools.partial(
+                pipeline_lib.pipeline_apply,
                 layer,
-                p,
-                x,
-                pos,
                 stages=P,
                 microbatches=cfg.microbatches_for(P),
                 repeats=R,
@@ -188,20 +186,17 @@ def test_pipeline_matches_sequential_scan(compiled_cases, case):
     assert_close_trees(grads, want_grads)
     colls = parse_collectives(compiled.as_text(), mesh)
     gathers = [c for c in colls if "pipeline" in c.axes and c.kind in ("all-gather", "all-to-all")]
-    if case[1].endswith(
-        "batch-pp"
-    ):  # x, split over pipeline outside, is gathered onto stage 0 once
+    # x, split over pipeline outside, is gathered onto stage 0 once
+    if case[1].endswith("batch-pp"):
         x_local = B * T * d * 4 // (mesh.shape["data"] * mesh.shape["fsdp"])
         assert [(c.kind, c.count, c.result_bytes) for c in gathers] == [("all-gather", 1, x_local)]
-    elif case[-1] == "gpipe" or case[1].endswith(
-        "stage-ordered"
-    ):  # weights and grads stay on their slice
+    # weights and grads stay on their slice
+    elif case[-1] == "gpipe" or case[1].endswith("stage-ordered"):
         assert not gathers, gathers
     # data parallelism: the weight gradients are summed over 'data' once per step, not once per tick
     assert all(c.count == 1 for c in colls if c.axes == ("data",)), colls
-    if case[1].endswith(
-        "gather-once"
-    ):  # ... and over fsdp too: weights gathered once, grads reduced once
+    # ... and over fsdp too: weights gathered once, grads reduced once
+    if case[1].endswith("gather-once"):
         assert all(c.count == 1 for c in colls if "fsdp" in c.axes), colls
 
 
@@ -252,8 +247,8 @@ def test_stage_params_are_a_quarter_per_device_on_pipeline4(compiled_cases):
 
 
 def test_aux_outputs_are_per_layer_means_over_microbatches():
-    """has_aux (MoE router stats): every layer's aux, averaged over the batch pieces (micro-batches x
-    data replicas), with the layers inside a stage unrolled."""
+    """has_aux (MoE router stats): every layer's aux, averaged over the batch pieces (micro-batches
+    x data replicas), with the layers inside a stage unrolled."""
     layer, params, _, d = mlp_layers()
     x, pos = inputs(d)
 
@@ -295,8 +290,14 @@ def test_no_mesh_and_stage_remat_match():
         params, x, pos
     )
     for kw in ({"remat_stage": True}, {"remat_policy": None}):
-        f = lambda p, x, pos, kw=kw: pipeline_lib.pipeline_apply(
-            layer, p, x, pos, stages=2, microbatches=4, repeats=2, schedule="circular", **kw
+        f = functools.partial(
+            pipeline_lib.pipeline_apply,
+            layer,
+            stages=2,
+            microbatches=4,
+            repeats=2,
+            schedule="circular",
+            **kw,
         )
         assert_close_trees(jax.jit(jax.grad(loss_of(f), argnums=(0, 1)))(params, x, pos), want)
 
@@ -313,7 +314,7 @@ def test_pipeline_apply_validates_before_tracing_layers():
         pipeline_lib.pipeline_apply(layer, params, x, pos, stages=2, microbatches=5)
 
 
-# ------------------------------------------------------------------ end to end: model, trainer, plan
+# ----------------------------------------------------------------- end to end: model, trainer, plan
 
 
 def trainer_for(mesh: str, tmp_path, **over):
@@ -357,12 +358,14 @@ def step_losses(tr, steps=3):
     return np.array(losses), state
 
 
-TRAIN_CASES = [  # (mesh, overrides); the Trainer's step on the other pipeline meshes, gradients included,
+# (mesh, overrides); the Trainer's step on the other pipeline meshes, gradients included,
+TRAIN_CASES = [
     # is compared with one device in test_equivalence_pipeline.py and test_equivalence_schedules.py
+    # layers unrolled in each stage
     (
         "pipeline=4,data=2",
         {"model.n_layers": 4, "model.scan_layers": False},
-    ),  # layers unrolled in each stage
+    ),
 ]
 
 
@@ -417,10 +420,11 @@ def test_moe_on_pipeline_mesh_matches_data_parallel(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     tokens = jnp.arange(8 * 32).reshape(8, 32) % 264
     counts = []
+    # token counts per expert are sums over the batch, not means over micro-batches
     for tr in (
         ref,
         pp,
-    ):  # token counts per expert are sums over the batch, not means over micro-batches
+    ):
         with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
             fwd = jax.jit(functools.partial(model.forward, tr.model_cfg))
             counts.append(fwd(want_state.params, tokens)[1]["counts"])
@@ -432,20 +436,21 @@ def test_moe_on_pipeline_mesh_matches_data_parallel(tmp_path):
 def test_plan_reports_pipeline(tmp_path):
     """`plan` on pipeline=4: a quarter of the layer-stack bytes per device of pipeline=1, the
     stage-to-stage permutes of the compiled step equal to the schedule's count, and the chart."""
-    from plan.report import analyze, render
+    from plan.render import render
+    from plan.report import analyze
 
     over = {"model.n_layers": 4}
     flat, pp = (
         analyze(trainer_for(mesh, tmp_path, **over).setup)
         for mesh in ("data=8", "pipeline=4,data=2")
     )
-    stack = lambda r: sum(
-        row["local_bytes"] for row in r["sharding"] if row["name"].startswith("blocks/")
-    )
+
+    def stack(r):
+        return sum(row["local_bytes"] for row in r["sharding"] if row["name"].startswith("blocks/"))
+
     assert stack(pp) * 4 == stack(flat)
-    assert (
-        pp["memory"]["params_bytes"] < 0.6 * flat["memory"]["params_bytes"]
-    )  # embedding and head stay whole
+    # embedding and head stay whole
+    assert pp["memory"]["params_bytes"] < 0.6 * flat["memory"]["params_bytes"]
     assert "pipeline" not in flat
     r = pp["pipeline"]
     assert (r["stages"], r["microbatches"], r["repeats"], r["schedule"]) == (4, 4, 1, "gpipe")
@@ -486,7 +491,8 @@ def test_plan_reports_pipeline(tmp_path):
         ),
         (
             ["--mesh", "pipeline=2,data=4", "--pipeline.microbatches", "3"],
-            "batch size 8 (train.batch_size per forward pass) is not divisible by --pipeline.microbatches=3",
+            "batch size 8 (train.batch_size per forward pass) is not divisible by"
+            " --pipeline.microbatches=3",
         ),
     ],
 )

@@ -46,7 +46,8 @@ def test_timetable_is_one_forward_one_backward(P, M):
         for m in range(M):
             assert b_tick[s][m] == (f_tick[s][m] if s == P - 1 else b_tick[s + 1][m] + 1)
             assert s == 0 or f_tick[s][m] == f_tick[s - 1][m] + 1
-        # X: a forward and a backward in one tick; with M < 2(P-1-s) the warm-up runs out first (idle gap)
+        # X: a forward and a backward in one tick; with M < 2(P-1-s) the warm-up runs
+        # out first (idle gap)
         kinds = "".join(
             "X"
             if f is not None and b is not None
@@ -94,9 +95,8 @@ def test_interleaved_timetable(P, M, R):
     for s, row in enumerate(table):
         ring = {}
         for t, (f, b) in enumerate(row):
-            if b is not None and not (
-                s == P - 1 and b[1] == R - 1
-            ):  # the head's backward reads this tick's input
+            # the head's backward reads this tick's input
+            if b is not None and not (s == P - 1 and b[1] == R - 1):
                 assert ring[timetables.backward_item(t, s, P, M, R)[2] % K] == b
             if f is not None:
                 ring[timetables.forward_item(t, s, P, M, R)[2] % K] = f
@@ -111,7 +111,7 @@ def test_zero_bubble_timetable(P, M):
     the bubble counted in the table (F, B, W one unit each) is the formula's and below 1F1B's."""
     zb, one_f = timetables.table_zb(P, M), timetables.table_1f1b(P, M)
     assert [[(f, b) for f, b, _ in row] for row in zb] == one_f
-    for s, row in enumerate(zb):
+    for row in zb:
         b_tick = {c[0]: t for t, (_, c, _) in enumerate(row) if c is not None}
         w_tick = {c[0]: t for t, (_, _, c) in enumerate(row) if c is not None}
         assert sorted(w_tick) == list(range(M)) and all(
@@ -169,7 +169,8 @@ def test_chart_and_plot(tmp_path):
     assert chart[2].split()[5:9] == [".", "F0.0", "F1.0", "F0.1B0.1"]
     chart = pipeline_lib.schedule_chart(2, 4, schedule="zb_h1", n_layers=4).splitlines()
     assert (
-        "6 ticks (1 forward-only, 1 forward+backward, 3 forward+backward+weight-gradient, 1 backward+weight-gradient)"
+        "6 ticks (1 forward-only, 1 forward+backward, 3 forward+backward+weight-gradient,"
+        " 1 backward+weight-gradient)"
         in chart[0]
         and "2 W inputs; bubble 2(P-1)/(3M+2(P-1)) = 14.3%" in chart[0]
     )
@@ -196,8 +197,8 @@ def test_chart_and_plot(tmp_path):
         ),
         (
             {"repeats": 2},
-            "--pipeline.repeats=2 needs --pipeline.schedule circular or interleaved_1f1b (1f1b runs each"
-            " stage's layers once)",
+            "--pipeline.repeats=2 needs --pipeline.schedule circular or interleaved_1f1b"
+            " (1f1b runs each stage's layers once)",
         ),
         (
             {"schedule": "interleaved_1f1b"},
@@ -205,7 +206,8 @@ def test_chart_and_plot(tmp_path):
         ),
         (
             {"schedule": "interleaved_1f1b", "repeats": 2, "microbatches": 6, "batch": 12},
-            "--pipeline.microbatches=6 must be a multiple of --mesh pipeline=4 for the interleaved_1f1b schedule",
+            "--pipeline.microbatches=6 must be a multiple of --mesh pipeline=4 for the"
+            " interleaved_1f1b schedule",
         ),
         (
             {"schedule": "interleaved_1f1b", "repeats": 4},
@@ -234,7 +236,8 @@ def test_bad_config_is_one_line(kw, culprit):
 def test_train_step_routing(monkeypatch):
     """The train step's objective (models.pipeline.objective) runs the explicit engine for 1f1b
     and zb_h1 only on a pipeline mesh (a plain scan without one, the forward scan for gpipe); on
-    CPU it runs MoE models only with threads enough in XLA:CPU's pool (mesh/xla.py), else one line."""
+    CPU it runs MoE models only with threads enough in XLA:CPU's pool (mesh/xla.py), else one
+    line."""
     engine_for = pipeline_lib.engine_for
     for schedule in ("1f1b", "zb_h1"):
         pc = PipelineConfig(schedule=schedule)
@@ -248,8 +251,8 @@ def test_train_step_routing(monkeypatch):
             with pytest.raises(UserError) as e:
                 engine_for(PRESETS["moe-tiny"], pc)
         assert (
-            f"--pipeline.schedule {schedule} runs MoE models (model.n_experts=8) on 8 CPU devices only with"
-            f" PJRT_NPROC=32 or more (XLA:CPU's thread pool, now 8"
+            f"--pipeline.schedule {schedule} runs MoE models (model.n_experts=8) on 8 CPU devices"
+            " only with PJRT_NPROC=32 or more (XLA:CPU's thread pool, now 8"
             in str(e.value)
             and "use a schedule that runs MoE with any pool: gpipe, circular" in str(e.value)
             and "\n" not in str(e.value)
@@ -312,7 +315,7 @@ def sequential(o, stack, batch, M):
     """The plain stack with the same objective: head loss + AUX_WEIGHT x the per-layer aux summed
     over layers, averaged over M micro-batches (rows m, m+M, ...)."""
     y, aux_L = jax.lax.scan(lambda x, p: layer(x, p, batch), embed(o, batch), stack)
-    micro = [jax.tree.map(lambda a: a[m::M], batch) for m in range(M)]
+    micro = [jax.tree.map(lambda a, m=m: a[m::M], batch) for m in range(M)]
     per_mb = [
         jax.lax.scan(lambda x, p, mb=mb: layer(x, p, mb), embed(o, mb), stack)[1]["aux"]
         for mb in micro
@@ -373,9 +376,8 @@ def test_matches_sequential_stack(mesh, P, M, R):
         forward_only = (
             jax.jit(f)(outer, stack, batch)[0] if mesh.startswith("pipeline=4,data") else got
         )
-    if mesh.startswith(
-        "pipeline=4,data"
-    ):  # one micro-batch forward and one back per tick that has them
+    # one micro-batch forward and one back per tick that has them
+    if mesh.startswith("pipeline=4,data"):
         permutes = [
             c
             for c in parse_collectives(compiled.as_text(), make_mesh(mesh))
@@ -399,7 +401,8 @@ def test_matches_sequential_stack(mesh, P, M, R):
         np.testing.assert_allclose(
             g, w, rtol=1e-5, atol=1e-6 * float(jnp.abs(w).max()), err_msg=jax.tree_util.keystr(path)
         )
-    # aux: per-layer means over the batch pieces, M micro-batches x A data replicas (counts / (M x A))
+    # aux: per-layer means over the batch pieces, M micro-batches x A data
+    # replicas (counts / (M x A))
     replicas = dict(part.split("=") for part in mesh.split(",") if part).get("data", "1")
     np.testing.assert_allclose(aux["aux"], aux_L["aux"], rtol=1e-5)
     np.testing.assert_allclose(aux["count"] * M * int(replicas), aux_L["count"])
@@ -468,8 +471,9 @@ def test_temp_memory_is_flat_in_microbatches():
             k: jnp.zeros((2 * M, 32), dt)
             for k, dt in (("tokens", jnp.int32), ("targets", jnp.int32), ("w", jnp.float32))
         }
-        if schedule != "gpipe":
-            f = lambda o, s, b: explicit.loss(
+
+        def explicit_loss(o, s, b):
+            return explicit.loss(
                 embed,
                 layer,
                 head,
@@ -481,19 +485,19 @@ def test_temp_memory_is_flat_in_microbatches():
                 schedule=schedule,
                 has_aux=True,
             )[0]
-        else:
-            f = lambda o, s, b: head(
-                o,
-                pipeline_lib.pipeline_apply(
-                    lambda x, p, tok: layer(x, p, {"tokens": tok})[0],
-                    s,
-                    embed(o, b),
-                    b["tokens"],
-                    stages=4,
-                    microbatches=M,
-                ),
-                b,
+
+        def gpipe_loss(o, s, b):
+            y = pipeline_lib.pipeline_apply(
+                lambda x, p, tok: layer(x, p, {"tokens": tok})[0],
+                s,
+                embed(o, b),
+                b["tokens"],
+                stages=4,
+                microbatches=M,
             )
+            return head(o, y, b)
+
+        f = explicit_loss if schedule != "gpipe" else gpipe_loss
         with jax.set_mesh(make_mesh("pipeline=4,data=2")), axis_rules(RULES):
             compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(outer, stack, batch).compile()
         return compiled.memory_analysis().temp_size_in_bytes

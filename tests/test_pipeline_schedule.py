@@ -30,7 +30,8 @@ def test_bubble_fraction():
 
 
 def test_schedule_visits_every_layer_chunk_in_order():
-    """Each micro-batch runs virtual stages 0..R*P-1 in order, one per tick, never two at once on a device."""
+    """Each micro-batch runs virtual stages 0..R*P-1 in order, one per tick, never two at once on a
+    device."""
     for P, M, R in [(2, 2, 1), (4, 6, 1), (2, 4, 3), (4, 8, 2)]:
         table = pipeline_lib.schedule_table(P, M, R)
         seen = {}

@@ -20,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cfg(mesh, **over):
-    # batch 16 x seq 256: large enough that XLA:CPU gathers the FSDP embedding table instead of
-    # moving activations with all-to-all (at batch 8 it chooses the latter and theory no longer applies)
+    # batch 16 x seq 256: large enough that XLA:CPU gathers the FSDP embedding table
+    # instead of moving activations with all-to-all (at batch 8 it chooses the latter and
+    # theory no longer applies)
     d = {
         "model.preset": "tiny",
         "model.dtype": "float32",
@@ -92,9 +93,8 @@ def test_fsdp_collectives_match_theory(reports):
     r = reports("fsdp=8")
     th = r["theory_on_backend_detail"]
     assert set(th) == {"all-gather@fsdp", "all-reduce@fsdp"}
-    assert (
-        "reduce-scatter@fsdp" in r["theory_detail"]
-    )  # CPU lowers it as all-reduce + dynamic-slice
+    # CPU lowers it as all-reduce + dynamic-slice
+    assert "reduce-scatter@fsdp" in r["theory_detail"]
     ag, ar = measured(r, "all-gather", "fsdp"), measured(r, "all-reduce", "fsdp")
     assert ag == pytest.approx(th["all-gather@fsdp"]["operand_bytes"], rel=0.10)
     assert ar == pytest.approx(th["all-reduce@fsdp"]["operand_bytes"], rel=0.10)
@@ -125,9 +125,8 @@ def test_memory_scales_with_fsdp(reports):
     assert dp["params_bytes"] == 132416 * 4
     assert fs["params_bytes"] == pytest.approx(dp["params_bytes"] / 8, rel=0.05)
     assert fs["optimizer_bytes"] == pytest.approx(dp["optimizer_bytes"] / 8, rel=0.05)
-    assert dp["optimizer_bytes"] == pytest.approx(
-        2 * dp["params_bytes"], rel=1e-3
-    )  # mu + nu (+ counts)
+    # mu + nu (+ counts)
+    assert dp["optimizer_bytes"] == pytest.approx(2 * dp["params_bytes"], rel=1e-3)
     assert fs["argument_bytes"] < dp["argument_bytes"] / 4
 
 
@@ -174,9 +173,8 @@ def test_plan_cli_json():
         >= {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
     )
     assert r["collectives"]["all-gather"] == r["collectives_detail"]["all-gather"]["operand_bytes"]
-    assert (
-        r["theory"]["reduce-scatter"] > 0 and r["collectives"]["reduce-scatter"] == 0
-    )  # CPU chose all-reduce
+    # CPU chose all-reduce
+    assert r["theory"]["reduce-scatter"] > 0 and r["collectives"]["reduce-scatter"] == 0
 
 
 def test_moe_all_to_all_matches_theory():
@@ -224,12 +222,12 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
     n = 16 // 4 * 64  # tokens per device: the batch is split 4 ways in both meshes
     act = n * 64 * 4
     # per layer: attention out + its remat + the fused q/k/v input grad, expert psum, the tokens'
-    # [U,D] gradient (one psum: models/moe_dispatch.py marks them varying over 'model' before dispatch), gate grads
+    # [U,D] gradient (one psum: models/moe_dispatch.py marks them varying over 'model' before
+    # dispatch), gate grads
     layer = 3 * act + act + act + 2 * n * 4
     assert th["all-reduce@model"]["operand_bytes"] == 2 * layer + 2 * act + 3 * n * 4
-    if (
-        "fsdp" in mesh
-    ):  # expert weights: gathered inside shard_map, so their gradients leave by a real
+    # expert weights: gathered inside shard_map, so their gradients leave by a real
+    if "fsdp" in mesh:
         # reduce-scatter even on CPU (3 per layer), while the rest become all-reduce + slice
         rs = th["reduce-scatter@fsdp"]["operand_bytes"]
         assert rs == 2 * 3 * 8 * 64 * 64 * 4 / 2 / 2  # full [X=4, D, F/2] per weight
@@ -238,8 +236,9 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
 
 @pytest.mark.slow
 def test_local_sgd_reports_bytes_per_sync_and_per_step():
-    """DiLoCo: the outer all-reduce sits in a lax.cond branch run every H-th step; the HLO holds it once."""
-    from plan import cost, hardware
+    """DiLoCo: the outer all-reduce sits in a lax.cond branch run every H-th step; the HLO holds it
+    once."""
+    from plan import compiled_cost, hardware
 
     r = analyze(Trainer(cfg("data=4,fsdp=2", **{"comm.sync_every": 4, "train.seq_len": 64})).setup)
     th = r["theory_detail"]["all-reduce@data"]
@@ -262,7 +261,7 @@ def test_local_sgd_reports_bytes_per_sync_and_per_step():
             "train.seq_len": 64,
         }
     )
-    pred = cost.from_plan(r, hw, c.model, 16, 64, 1, {"data": 4, "fsdp": 2})
+    pred = compiled_cost.from_plan(r, hw, c.model, 16, 64, 1, {"data": 4, "fsdp": 2})
     got = pred["comm"]["all-reduce@data"]
     hlo = r["collectives_detail"]["all-reduce"]["by_axes"]["data"]["wire_bytes"]
     assert got["wire_bytes"] == pytest.approx(hlo / 4) and got["per_sync_wire_bytes"] == hlo
@@ -282,9 +281,11 @@ def test_memory_traffic_counts_every_layer():
 def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedule, repeats):
     """--micro-batches (gradient accumulation) repeats the whole pipeline; the bubble comes from
     the schedule the run validates and plan prints: (P-1)/(R*M+P-1), M = --pipeline.microbatches."""
-    from plan import cost, hardware
-    from plan.report import pipeline_report, render_cost
-    from plan.theory import run_spec, theory
+    from plan import compiled_cost, hardware
+    from plan.render import render_cost
+    from plan.report import pipeline_report
+    from plan.run_spec import run_spec
+    from plan.theory import theory
 
     P, M, G, R = 2, 4, 2, repeats
     c = cfg(
@@ -299,16 +300,17 @@ def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedu
         },
     )
     tr = Trainer(c)  # accepts the schedule: its passes of 16 / G rows are cut into M micro-batches
-    printed = pipeline_report(
-        tr.setup, {"collective-permute": {"by_axes": {}}}
-    )  # plan's pipeline section
+    # plan's pipeline section
+    printed = pipeline_report(tr.setup, {"collective-permute": {"by_axes": {}}})
     report = {
         "backend": "cpu",
         "flops_per_step": 1.0,
         "pipeline": printed,
         "theory_detail": theory(run_spec(tr.setup), tr.abstract_state().params),
     }
-    priced = cost.from_plan(report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape))
+    priced = compiled_cost.from_plan(
+        report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape)
+    )
     assert printed["microbatches"] == M and printed["repeats"] == R
     assert printed["bubble"] == priced["bubble"] == pytest.approx((P - 1) / (R * M + P - 1))
     assert priced["bubble"] != pytest.approx((P - 1) / (G + P - 1))  # not the accumulation count
@@ -322,8 +324,9 @@ def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedu
 
 
 def test_vocab_parallel_head_matches_theory():
-    """Few tokens per FSDP group (8 x 16 = 128 < 264 rows): `auto` shards the head on the vocabulary,
-    so its weights never move; the head's input, the lookup and the loss's reductions do."""
+    """Few tokens per FSDP group (8 x 16 = 128 < 264 rows): `auto` shards the head on the
+    vocabulary, so its weights never move; the head's input, the lookup and the loss's reductions
+    do."""
     r = analyze(Trainer(cfg("fsdp=8", **{"train.batch_size": 8, "train.seq_len": 16})).setup)
     th = r["theory_on_backend_detail"]
     head = next(row for row in r["sharding"] if row["name"] == "lm_head_DV")

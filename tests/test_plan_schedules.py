@@ -8,10 +8,12 @@ import dataclasses
 
 import pytest
 
+from mesh.rules import make_rules
+from mesh.spec import AXES
 from models.config import PipelineConfig
 from models.pipeline import timetables
 from models.presets import preset
-from plan import cli, hardware, search
+from plan import cli, estimate, hardware, schedules, search
 from train.config import build
 
 MESH_70B = {"model": 8, "pipeline": 4, "data": 32}
@@ -36,7 +38,9 @@ def test_1f1b_activations_are_flat_in_microbatches_and_gpipe_linear():
 
     def act(schedule, M):
         pc = PipelineConfig(microbatches=M, schedule=schedule)
-        row = search.evaluate(cfg, {"pipeline": 4, "fsdp": 2}, hw, 4 * 2 * M, 2048, pipeline_cfg=pc)
+        row = estimate.evaluate(
+            cfg, {"pipeline": 4, "fsdp": 2}, hw, 4 * 2 * M, 2048, pipeline_cfg=pc
+        )
         return row["memory"]["activations"]
 
     one_f = {M: act("1f1b", M) for M in (4, 8, 16)}
@@ -47,9 +51,10 @@ def test_1f1b_activations_are_flat_in_microbatches_and_gpipe_linear():
 
 
 def test_70b_example_fits_with_1f1b_where_gpipe_does_not():
-    """The README's 70B layout on 1,024 H100s: GPipe keeps all 32 micro-batches' activations and does
-    not fit; 1f1b and interleaved_1f1b keep a bounded ring and do, at the same bubble (or less)."""
-    rows = search.compare_schedules(
+    """The README's 70B layout on 1,024 H100s: GPipe keeps all 32 micro-batches' activations and
+    does not fit; 1f1b and interleaved_1f1b keep a bounded ring and do, at the same bubble
+    (or less)."""
+    rows = schedules.compare_schedules(
         preset("70b"),
         MESH_70B,
         hardware.get("h100"),
@@ -76,8 +81,8 @@ def test_70b_example_fits_with_1f1b_where_gpipe_does_not():
 
 
 def test_search_ranks_schedules_and_places_70b_on_a_layout_that_fits():
-    """On the 70B example's device count and batch, the search offers that mesh on a layout that fits
-    (GPipe alone, as the run's own settings price it, does not)."""
+    """On the 70B example's device count and batch, the search offers that mesh on a layout that
+    fits (GPipe alone, as the run's own settings price it, does not)."""
     m70, hw = preset("70b"), hardware.get("h100")
     rows = search.search(
         m70, 1024, hw, batch_size=1024, seq_len=4096, pipeline_cfg=PipelineConfig(microbatches=32)
@@ -95,7 +100,7 @@ def test_search_ranks_schedules_and_places_70b_on_a_layout_that_fits():
     assert mesh["fits"] and (
         mesh["pipeline"]["schedule"] in ("1f1b", "interleaved_1f1b") or mesh["sequence_parallel"]
     )
-    gpipe = search.evaluate(
+    gpipe = estimate.evaluate(
         m70, MESH_70B, hw, 1024, 4096, pipeline_cfg=PipelineConfig(microbatches=32)
     )
     assert not gpipe["fits"]
@@ -130,14 +135,15 @@ def test_plan_devices_prints_the_schedule_table():
 
 def test_schedule_choices_follow_the_runs_checks():
     """Chunk counts that do not divide the layers are not offered; MoE models get every schedule
-    (XLA:CPU's thread pool is checked by a run on CPU, not by a plan, which prices other hardware)."""
-    t = search._train(None, 64, 128, 1)
-    choices = search.schedule_choices(
+    (XLA:CPU's thread pool is checked by a run on CPU, not by a plan, which prices other
+    hardware)."""
+    t = estimate.with_batch(None, 64, 128, 1)
+    choices = schedules.schedule_choices(
         dataclasses.replace(preset("7b"), n_layers=8),
-        {**dict.fromkeys(search.AXES, 1), "pipeline": 4},
+        {**dict.fromkeys(AXES, 1), "pipeline": 4},
         t,
         PipelineConfig(microbatches=8),
-        search.make_rules(),
+        make_rules(),
     )
     assert {(c.schedule, c.repeats) for c in choices} == {
         ("1f1b", 1),
@@ -145,12 +151,12 @@ def test_schedule_choices_follow_the_runs_checks():
         ("circular", 2),
         ("interleaved_1f1b", 2),
     }
-    moe = search.schedule_choices(
+    moe = schedules.schedule_choices(
         preset("moe-tiny"),
-        {**dict.fromkeys(search.AXES, 1), "pipeline": 2},
+        {**dict.fromkeys(AXES, 1), "pipeline": 2},
         t,
         PipelineConfig(microbatches=2),
-        search.make_rules(),
+        make_rules(),
     )
     assert {"1f1b", "zb_h1"} <= {c.schedule for c in moe}
 
@@ -167,7 +173,7 @@ def test_explicit_schedules_price_the_stage_recompute():
     assert one_f - gpipe == (blocks_fwd + attn_fwd) * 8 * 4096
     rows = {
         r["schedule"]: r
-        for r in search.compare_schedules(
+        for r in schedules.compare_schedules(
             preset("70b"),
             MESH_70B,
             hardware.get("h100"),

@@ -41,11 +41,12 @@ class Shorten:
 
 
 # Command prefix (or a Python block's first line) -> how it is shortened. A training command always
-# runs with an explicit --run-dir (its own or one added here): the later commands of its section read
-# that run directory back.
+# runs with an explicit --run-dir (its own or one added here): the later commands of its section
+# read that run directory back.
 SHORTEN = {
     "python -m train": Shorten(
-        "the default run, tiny, keeping one eval batch and a short sample (the README promises both)",
+        "the default run, tiny, keeping one eval batch and a short sample"
+        " (the README promises both)",
         "--model tiny --steps 2 --seq-len 32 --batch-size 8 --log-every 1 --train.eval_batches 1"
         " --train.sample_tokens 16 --run-dir runs/latest",
     ),
@@ -65,24 +66,28 @@ SHORTEN = {
         "the README's /tmp/r is outside the test's directory", replace=(("/tmp/r", "report-out"),)
     ),
     "from mesh.build import make_mesh": Shorten(
-        "the API walk-through of examples/quickstart.ipynb, which asks for 8 fake CPU devices in its first"
-        " cell; 4 steps instead of 40 (the restore onto another mesh needs only a checkpoint)",
+        "the API walk-through of examples/quickstart.ipynb, which asks for 8 fake CPU devices in"
+        " its first cell; 4 steps instead of 40 (the restore onto another mesh needs only a"
+        " checkpoint)",
         devices=8,
         replace=(('"train.steps": 40', '"train.steps": 4'),),
     ),
     "from checkpoint import hf": Shorten(
-        "a fragment: the reader brings `tokens`, `prompt_tokens` and `path` (here: the tiny model in INPUTS)",
+        "a fragment: the reader brings `tokens`, `prompt_tokens` and `path`"
+        " (here: the tiny model in INPUTS)",
         devices=8,
         prelude="import numpy as np\nfrom mesh.build import make_mesh\n"
-        "tokens = prompt_tokens = np.array([[1, 2, 3, 4]], np.int32)\npath = 'path/to/Llama-3.2-1B'\n",
+        "tokens = prompt_tokens = np.array([[1, 2, 3, 4]], np.int32)\n"
+        "path = 'path/to/Llama-3.2-1B'\n",
     ),
     "python -m train --config ckpt/hf/model.yaml": Shorten(
-        "the fine-tune of the imported (tiny) model on the prepared chats, on the 8 devices its --mesh names",
+        "the fine-tune of the imported (tiny) model on the prepared chats, on the 8 devices its"
+        " --mesh names",
         f"{TINY} --run-dir runs/latest",
         devices=8,
     ),
-    "python -m train --config ckpt/hf/model.yaml --config configs/finetune.yaml --init-from ckpt/hf --data data/chats"
-    " --lora.rank": Shorten(
+    "python -m train --config ckpt/hf/model.yaml --config configs/finetune.yaml"
+    " --init-from ckpt/hf --data data/chats --lora.rank": Shorten(
         "the LoRA fine-tune of the imported (tiny) model, on the 8 devices of the fine-tune above",
         TINY,
         devices=8,
@@ -121,22 +126,26 @@ SHORTEN = {
 }
 # Command prefix (or a Python block's first line) -> why it cannot run here.
 SKIP = {
-    "pip install": "changes the environment this suite runs in (the accelerator extras need CUDA or a TPU VM)",
+    "pip install": "changes the environment this suite runs in"
+    " (the accelerator extras need CUDA or a TPU VM)",
     "pytest": "the whole suite, which this test is part of",
-    "python -m train.harness": "needs the user's task directory; tests/test_harness.py runs the launcher on local"
-    " tasks it writes",
-    "import models, optax": "a sketch of the four extension points (the reader brings init, apply, batches);"
-    " examples/extensions.ipynb runs them in full, executed by tests/test_notebook.py",
+    "python -m train.harness": "needs the user's task directory; tests/test_harness.py runs the"
+    " launcher on local tasks it writes",
+    "import models, optax": "a sketch of the four extension points"
+    " (the reader brings init, apply, batches); examples/extensions.ipynb runs them in full,"
+    " executed by tests/test_notebook.py",
 }
 # Section -> the earlier section whose directory it continues (it reads a run made there).
+HF_SECTION = "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)"
 CONTINUES = {
-    "Run reports": "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)",
-    "Fine-tuning, evaluation and sampling: `configs/finetune.yaml`, `eval`, `sample`": "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)",
+    "Run reports": HF_SECTION,
+    "Fine-tuning, evaluation and sampling: `configs/finetune.yaml`, `eval`, `sample`": HF_SECTION,
 }
 
 
 def _hf_model(path: Path) -> None:
-    """A tiny HF model directory: config.json, safetensors, a tokenizer of the tiny vocabulary and a chat template."""
+    """A tiny HF model directory: config.json, safetensors, a tokenizer of the tiny vocabulary and a
+    chat template."""
     import jax
 
     from checkpoint.hf import save_pretrained
@@ -211,7 +220,8 @@ INPUTS = {
     "chats.jsonl": _chats,
     "configs/finetune.yaml": _finetune_config,
 }
-# What a command leaves behind, where the README says so: command prefix -> paths, relative to its directory.
+# What a command leaves behind, where the README says so: command prefix -> paths,
+# relative to its directory.
 LEAVES = {
     "python -m checkpoint hf import": ["ckpt/hf/model.yaml"],
     "python -m train report runs/latest": ["runs/latest/report/report.md"],
@@ -356,7 +366,8 @@ def _run(cmd: Command, cwd: Path) -> subprocess.CompletedProcess:
     words = shlex.split(text) + shlex.split(shorten.flags)
     outside = [w for w in words[1:] if w.startswith("/")]
     assert not outside, (
-        f"README line {cmd.line}: {outside} is outside the test's directory: add a replace to SHORTEN"
+        f"README line {cmd.line}: {outside} is outside the test's directory:"
+        " add a replace to SHORTEN"
     )
     return subprocess.run(
         [PROGRAMS[words[0]]] + words[1:],
@@ -385,7 +396,8 @@ def _check(cmd: Command, result: subprocess.CompletedProcess, cwd: Path) -> None
 
 
 def _repo_files(paths: list[str]) -> str:
-    """What git sees at `paths` (ignored files too): a command that wrote into the checkout shows here."""
+    """What git sees at `paths` (ignored files too): a command that wrote into the checkout shows
+    here."""
     return subprocess.run(
         ["git", "status", "--porcelain", "--ignored", "--untracked-files=all", "--", *paths],
         cwd=REPO,
@@ -423,14 +435,16 @@ def test_readme_commands(tmp_path):
         if (cmd.section, cmd.words) in done and cmd.words[:3] == ("python", "-m", "train"):
             # The README: "the same command again continues from the latest committed step".
             assert re.search(r"already reached --steps|resum", result.stdout + result.stderr), (
-                f"README line {cmd.line}: the same command again did not continue the run:\n{result.stdout[-2000:]}"
+                f"README line {cmd.line}: the same command again did not continue the run:\n"
+                f"{result.stdout[-2000:]}"
             )
         done.add((cmd.section, cmd.words))
     assert _repo_files(touched) == before, "a README command wrote into the checkout"
 
 
 def _readme_test_command() -> str:
-    """The README's test command: the line of "The two commands" that runs pytest, its comment cut."""
+    """The README's test command: the line of "The two commands" that runs pytest, its comment
+    cut."""
     block = re.search(r"## The two commands\s+```bash\n(.*?)```", README.read_text(), re.S)
     assert block, "README.md: no bash block under 'The two commands'"
     lines = [ln.split("#")[0].strip() for ln in block.group(1).splitlines() if "pytest" in ln]

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from errors import UserError  # noqa: E402
-from train import report  # noqa: E402
+from errors import UserError
+from train import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -72,9 +72,8 @@ def test_watchdog_dumps_stacks_and_exits_4_on_a_hang(tmp_path):
     )
     assert "Thread 0x" not in p.stderr and "Current thread" not in p.stderr  # in the file only
     stacks = (tmp_path / "watchdog-stacks.0.txt").read_text()
-    assert (
-        " in fit\n" in stacks and "train/loop.py" in stacks
-    )  # where the main thread hung: the loop in fit()
+    # where the main thread hung: the loop in fit()
+    assert " in fit\n" in stacks and "train/loop.py" in stacks
     assert steps_logged(tmp_path) == [1, 2, 3]  # step 4 hung before it was logged
     assert time.monotonic() - t0 < 120
 
@@ -110,9 +109,8 @@ def test_supervisor_restarts_a_killed_run_and_reports_lost_steps(tmp_path):
     )
     try:
         deadline = time.monotonic() + 180
-        while (
-            time.monotonic() < deadline and sup.poll() is None
-        ):  # 3 steps past a committed checkpoint
+        # 3 steps past a committed checkpoint
+        while time.monotonic() < deadline and sup.poll() is None:
             saved = [int(d) for d in os.listdir(ck_dir) if d.isdigit()] if ck_dir.is_dir() else []
             if saved and max(steps_logged(tmp_path), default=0) >= max(saved) + 3:
                 break
@@ -137,9 +135,8 @@ def test_supervisor_restarts_a_killed_run_and_reports_lost_steps(tmp_path):
         "killed by SIGKILL" in log and f"restart 1/2 from step {restart['checkpoint_step']}" in log
     ), log[-3000:]
     assert "1 restart(s)" in log
-    assert steps_logged(tmp_path) == list(
-        range(1, 31)
-    )  # every step logged once, the redone ones too
+    # every step logged once, the redone ones too
+    assert steps_logged(tmp_path) == list(range(1, 31))
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["restarts"] == 1 and summary["recomputed_steps"] == restart["lost_steps"]
     assert summary["time_lost_s"] > 0
@@ -176,9 +173,8 @@ def test_full_disk_during_a_save_keeps_committed_checkpoints(tmp_path):
     assert "File too large" in errors[0] or "os_error_code" not in p.stderr, errors[
         0
     ]  # the OS reason, when told
-    again = train(
-        ["--steps", "16", "--checkpoint.every", "4"], tmp_path
-    )  # space is back: resume and finish
+    # space is back: resume and finish
+    again = train(["--steps", "16", "--checkpoint.every", "4"], tmp_path)
     assert (
         again.returncode == 0 and "resumed from" in again.stdout and "(step 8," in again.stdout
     ), again.stdout
@@ -204,9 +200,8 @@ def test_goodput_carries_over_a_restart():
         {"step": 4, "time": 900.0, **totals, "recomputed_steps": 0, "restarts": 0},
         {"step": 7, "time": 950.0, **totals, "time_total_s": 30.0},
     ]
-    gp.resume(
-        recs, step=4
-    )  # resumed at the checkpoint of step 4; the run died after logging step 7
+    # resumed at the checkpoint of step 4; the run died after logging step 7
+    gp.resume(recs, step=4)
     gp.add("productive", 5.0)
     out = gp.totals(now=1010.0)
     # lost: 20 s of work after step 4 (30 - 10) + 50 s down (950 -> 1000); total: 10 + 70 + 10 s now
@@ -337,10 +332,12 @@ def test_closed_loop_echoes_are_dropped_and_nothing_else():
     err.write("progress 10%\r")  # passes through at once (a progress bar has no newline)
     assert out.getvalue() == "progress 10%\r"
     err.write(
-        'Traceback (most recent call last):\n  File "base_events.py", line 806, in call_soon_threadsafe\n'
+        "Traceback (most recent call last):\n"
+        '  File "base_events.py", line 806, in call_soon_threadsafe\n'
     )
     err.write(
-        "    self._check_closed()\nRuntimeError: Event loop is closed\nerror: checkpoint: saving step 12 ...\n"
+        "    self._check_closed()\nRuntimeError: Event loop is closed\n"
+        "error: checkpoint: saving step 12 ...\n"
     )
     err.write('Traceback (most recent call last):\n  File "x.py", line 1\nValueError: a real one\n')
     assert out.getvalue() == (
@@ -350,10 +347,13 @@ def test_closed_loop_echoes_are_dropped_and_nothing_else():
 
 
 def test_parsing_flags_and_the_supervisor_import_no_jax():
-    """The supervisor parent must not import JAX (it would hold no devices, but a GPU build may init them)."""
+    """The supervisor parent must not import JAX (it would hold no devices, but a GPU build may init
+    them)."""
     code = (
-        "import sys; from train.config import from_args; import train.supervisor, checkpoint.echoes, mesh.xla;"
-        " from_args(['--max-restarts', '2', '--comm.compression', 'int8']); print('jax' in sys.modules)"
+        "import sys; from train.config import from_args;"
+        " import train.supervisor, checkpoint.echoes, mesh.xla;"
+        " from_args(['--max-restarts', '2', '--comm.compression', 'int8']);"
+        " print('jax' in sys.modules)"
     )
     p = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
@@ -395,9 +395,8 @@ def test_watchdog_waits_do_not_count_as_a_hang_but_their_own_limit_does(tmp_path
         "error: watchdog: still waiting for the restore of step 4 after 1s (limit 1s);"
     ), p.stderr[-3000:]
     assert f"stacks of all threads in {tmp_path / 'stacks.txt'};" in lines[0], lines[0]
-    assert (
-        'File "<string>"' in (tmp_path / "stacks.txt").read_text()
-    )  # where the main thread waited
+    # where the main thread waited
+    assert 'File "<string>"' in (tmp_path / "stacks.txt").read_text()
 
 
 def test_two_threads_ending_the_process_at_once_print_one_line():

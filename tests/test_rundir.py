@@ -110,9 +110,8 @@ def test_a_second_run_on_a_busy_run_dir_exits_2_and_a_killed_run_restarts(tmp_pa
     first = train(["--steps", "100000", "--checkpoint.every", "0"], run)
     try:
         deadline = time.monotonic() + 240
-        while (
-            time.monotonic() < deadline and not (run / "metrics.jsonl").exists()
-        ):  # past the lock, training
+        # past the lock, training
+        while time.monotonic() < deadline and not (run / "metrics.jsonl").exists():
             assert first.poll() is None, first.stderr.read()[-3000:]
             time.sleep(0.5)
         before = listing(run)
@@ -199,9 +198,8 @@ def test_runs_without_run_dir_get_fresh_names_and_latest_links_the_newest(
     assert first.logging.run_dir == os.path.join("runs", "20260102-120000-tiny-data2.fsdpN")
     assert second.logging.run_dir == first.logging.run_dir + "-2"
     assert os.path.realpath("runs/latest") == os.path.realpath(second.logging.run_dir)
-    assert (
-        os.readlink("runs/latest") == "20260102-120000-tiny-data2.fsdpN-2"
-    )  # relative: the folder can move
+    # relative: the folder can move
+    assert os.readlink("runs/latest") == "20260102-120000-tiny-data2.fsdpN-2"
     assert sorted(os.listdir("runs")) == [
         "20260102-120000-tiny-data2.fsdpN",
         "20260102-120000-tiny-data2.fsdpN-2",
@@ -241,6 +239,7 @@ def test_resume_latest_checks_the_settings_of_the_run_it_continues(tmp_path, mon
     assert old.checkpoint.resume == "auto"  # no earlier run: a fresh start
     with open(os.path.join(old.logging.run_dir, "config.json"), "w") as f:
         f.write(dump(old))
+    # mesh and eval: no matter
     changed = build(
         {
             "model.preset": "tiny",
@@ -250,7 +249,7 @@ def test_resume_latest_checks_the_settings_of_the_run_it_continues(tmp_path, mon
             "parallelism.mesh": "fsdp=-1",
             "train.eval_every": 3,
         }
-    )  # mesh and eval: no matter
+    )
     with pytest.raises(UserError) as e:
         start_named_run(changed, NOON)
     assert (

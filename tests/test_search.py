@@ -9,12 +9,14 @@ import pytest
 
 from errors import UserError
 from mesh.rules import make_rules
-from mesh.spec import AXES
+from mesh.spec import AXES, mesh_text
 from models.config import PipelineConfig
 from models.presets import preset
-from plan import cli, hardware, search
-from plan.report import analyze, run_flags
-from plan.theory import on_backend, run_spec, theory
+from plan import cli, estimate, hardware, search
+from plan.render import run_flags
+from plan.report import analyze
+from plan.run_spec import run_spec
+from plan.theory import on_backend, theory
 from train.config import TrainConfig, build
 from train.loop import Trainer
 
@@ -27,21 +29,21 @@ def test_factorizations():
 
 
 def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():
-    """The search's divisibility logic is the trainer's: build a Trainer for every factorisation of 8."""
+    """The search's divisibility logic is the trainer's: build a Trainer for every factorisation of
+    8."""
     tiny, hw = preset("tiny"), hardware.get("h100")
     two = PipelineConfig(microbatches=2)
     found = {
         r["mesh"] for r in search.search(tiny, 8, hw, batch_size=16, seq_len=32, pipeline_cfg=two)
     }
     assert found and "model=8" not in found  # 4 heads cannot split 8 ways
-    assert (
-        "pipeline=2,data=4" in found and "pipeline=4,data=2" not in found
-    )  # 2 layers; M=2 < 4 stages
+    # 2 layers; M=2 < 4 stages
+    assert "pipeline=2,data=4" in found and "pipeline=4,data=2" not in found
     for shape in search.factorizations(8):
         sizes = dict(zip(("pipeline", "data", "fsdp", "expert", "model"), shape))
         if sizes["expert"] > 1:
             continue  # a dense model has no experts
-        text = search.mesh_text(sizes)
+        text = mesh_text(sizes)
         cfg = build(
             {
                 "model.preset": "tiny",
@@ -62,24 +64,24 @@ def test_every_mesh_found_is_accepted_by_a_real_run_and_the_rest_are_refused():
 def test_moe_pipeline_stages_hold_whole_layer_groups():
     """An MoE model pipelines groups of moe_every layers: n_layers % pipeline == 0 is not enough,
     a run needs (n_layers / moe_every) % (pipeline x repeats) == 0, and the search asks the same."""
+    # 2 groups
     moe, hw = (
         dataclasses.replace(preset("moe-tiny"), n_layers=4, moe_every=2),
         hardware.get("h100"),
-    )  # 2 groups
+    )
     gpipe, circular = PipelineConfig(), PipelineConfig(schedule="circular", repeats=2)
     t = TrainConfig(batch_size=16, seq_len=32)
     four = {**dict.fromkeys(AXES, 1), "pipeline": 4, "data": 2}
     two = {**dict.fromkeys(AXES, 1), "pipeline": 2, "data": 4}
-    assert "pipeline=4" in search.check(
-        moe, four, t, gpipe, make_rules()
-    )  # 4 layers % 4 == 0, 2 groups % 4 != 0
-    assert "--pipeline.repeats=2" in search.check(
-        moe, two, t, circular, make_rules()
-    )  # 2 groups % (2 x 2) != 0
-    assert search.check(moe, two, t, gpipe, make_rules()) is None
+    # 4 layers % 4 == 0, 2 groups % 4 != 0
+    assert "pipeline=4" in estimate.check(moe, four, t, gpipe, make_rules())
+    # 2 groups % (2 x 2) != 0
+    assert "--pipeline.repeats=2" in estimate.check(moe, two, t, circular, make_rules())
+    assert estimate.check(moe, two, t, gpipe, make_rules()) is None
+    # 4 groups
     assert (
-        search.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None
-    )  # 4 groups
+        estimate.check(dataclasses.replace(moe, n_layers=8), two, t, circular, make_rules()) is None
+    )
     found = {r["mesh"] for r in search.search(moe, 8, hw, batch_size=16, seq_len=32)}
     assert "pipeline=2,data=4" in found and not any(m.startswith("pipeline=4") for m in found)
     with pytest.raises(UserError, match="pipeline=4"):  # and the run refuses it too
@@ -108,6 +110,7 @@ def test_search_splits_the_batch_as_the_rules_say():
     assert "fsdp=8" not in {
         r["mesh"] for r in search.search(tiny, 8, hw, batch_size=4, seq_len=32)
     }  # default split
+    # the run agrees
     Trainer(
         build(
             {
@@ -118,9 +121,9 @@ def test_search_splits_the_batch_as_the_rules_say():
                 "train.seq_len": 32,
             }
         )
-    )  # the run agrees
+    )
     # 4 rows per device: the activations of fsdp=8 with 32 rows under the default split over fsdp
-    default_32 = search.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
+    default_32 = estimate.evaluate(tiny, {"fsdp": 8}, hw, 32, 32)
     assert found["fsdp=8"]["memory"]["activations"] == default_32["memory"]["activations"]
 
 
@@ -128,14 +131,15 @@ def test_pipeline_fsdp_gathers_the_stage_weights_every_tick():
     """On a pipeline mesh every tick (bubble ticks too) gathers its layers' FSDP-sharded weights:
     (M + P-1) ticks a pass, once with --pipeline.gather_once; the embedding and head once."""
     tiny, hw = preset("tiny"), hardware.get("h100")
-    gathered = lambda pc: search.evaluate(
-        tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32, pipeline_cfg=pc
-    )["theory"]["all-gather@fsdp"]["operand_bytes"]
+
+    def gathered(pc):
+        row = estimate.evaluate(tiny, {"pipeline": 2, "fsdp": 4}, hw, 16, 32, pipeline_cfg=pc)
+        return row["theory"]["all-gather@fsdp"]["operand_bytes"]
+
     once = gathered(PipelineConfig(microbatches=4, gather_once=True))
     three, five = gathered(PipelineConfig(microbatches=2)), gathered(PipelineConfig(microbatches=4))
-    assert three > once and (five - once) == pytest.approx(
-        2 * (three - once)
-    )  # (5-1) / (3-1) extra passes
+    # (5-1) / (3-1) extra passes
+    assert three > once and (five - once) == pytest.approx(2 * (three - once))
 
 
 def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
@@ -156,9 +160,8 @@ def test_70b_cannot_fit_on_8_devices_but_fits_sharded_on_512():
 def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
     rows = search.search(preset("7b"), 8, hardware.get("h100"), batch_size=8, seq_len=4096)
     by_mesh = {r["mesh"]: r for r in rows}
-    assert (
-        "offload" in by_mesh["data=8"]
-    )  # 7B x (4 + 4 + 8) bytes = 108 GB > 80 GB: fits only offloaded
+    # 7B x (4 + 4 + 8) bytes = 108 GB > 80 GB: fits only offloaded
+    assert "offload" in by_mesh["data=8"]
     best = rows[0]
     assert best["fits"] and (best["sizes"]["fsdp"] > 1 or best["sizes"]["model"] > 1)
     assert all(link == "intra" for link in best["placement"].values())  # one node: NVLink only
@@ -168,8 +171,8 @@ def test_7b_on_one_h100_node_prefers_sharding_over_pure_data_parallel():
 def test_tensor_parallel_across_nodes_ranks_below_inside_a_node():
     """The placement rule: the same model=8 sync costs more over InfiniBand than over NVLink."""
     m7, hw = preset("7b"), hardware.get("h100")
-    inside = search.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048)
-    across = search.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048, dcn={"model": 4})
+    inside = estimate.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048)
+    across = estimate.evaluate(m7, {"data": 4, "model": 8}, hw, 32, 2048, dcn={"model": 4})
     assert inside["placement"]["model"] == "intra" and across["placement"]["model"] == "inter"
     assert across["t_step_s"] > inside["t_step_s"]
 
@@ -193,9 +196,9 @@ def test_big_searches_run_in_seconds():
 
 def test_evaluate_refuses_an_invalid_mesh_in_one_line():
     with pytest.raises(UserError, match=r"mesh model=8: model.n_heads=4|mesh model=8: .*heads"):
-        search.evaluate(preset("tiny"), {"model": 8}, hardware.get("h100"), 16, 32)
+        estimate.evaluate(preset("tiny"), {"model": 8}, hardware.get("h100"), 16, 32)
     with pytest.raises(UserError, match="pipeline=3"):
-        search.evaluate(preset("7b"), {"pipeline": 3}, hardware.get("h100"), 16, 32)
+        estimate.evaluate(preset("7b"), {"pipeline": 3}, hardware.get("h100"), 16, 32)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +223,7 @@ def compiled():
 @pytest.mark.parametrize("mesh,sizes", [("data=8", {"data": 8}), ("fsdp=8", {"fsdp": 8})])
 def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
     tr, report = compiled(mesh)
-    row = search.evaluate(
+    row = estimate.evaluate(
         preset("tiny"), sizes, hardware.get("cpu", 8), 16, 256, train_cfg=tr.cfg.train
     )
     assert row["theory"] == report["theory_detail"]  # the analytic search uses plan's own formulas
@@ -235,7 +238,8 @@ def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
 
 
 def test_plan_cli_flags(capsys):
-    """`plan --search N --hardware NAME` and `plan --devices N --hardware NAME`, without compiling."""
+    """`plan --search N --hardware NAME` and `plan --devices N --hardware NAME`, without
+    compiling."""
     parser = argparse.ArgumentParser()
     cli.add_args(parser)
     cfg = build({"model.preset": "7b", "train.batch_size": 8, "train.seq_len": 4096})
@@ -257,8 +261,9 @@ def test_plan_cli_flags(capsys):
         row["placement"] == {"model": "intra", "data": "inter", "pipeline": "inter"} and row["fits"]
     )
     assert row["goodput"]["failures_per_day"] == pytest.approx(1.024)
-    # gradient accumulation is not the pipeline's micro-batching: 32 passes of 32 rows, each cut into
-    # M = 4 pipeline micro-batches of 8 rows, cannot split over data=32, and the run would refuse it too
+    # gradient accumulation is not the pipeline's micro-batching: 32 passes of 32 rows, each
+    # cut into M = 4 pipeline micro-batches of 8 rows, cannot split over data=32, and the
+    # run would refuse it too
     with pytest.raises(
         UserError, match=r"micro-batch size 32/4 = 8 .* not divisible by the 32 batch shards"
     ):
@@ -286,7 +291,7 @@ def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
         over["comm.sync_every"] = 4
     tr = Trainer(build(over))
     sizes = {a: tr.mesh.shape[a] for a in tr.mesh.axis_names}
-    row = search.evaluate(
+    row = estimate.evaluate(
         tr.model_cfg,
         sizes,
         hardware.get("cpu", 8),
@@ -307,8 +312,8 @@ def test_sequence_parallelism_saves_activations_and_moves_the_same_bytes():
     (full remat keeps only each layer's input, so most of the saved set), and the wire bytes are
     Megatron's: a reduce-scatter plus an all-gather per all-reduce."""
     m70, hw, sizes = preset("70b"), hardware.get("h100"), {"fsdp": 8, "model": 8, "data": 2}
-    plain = search.evaluate(m70, sizes, hw, 16, 8192)
-    sp = search.evaluate(m70, sizes, hw, 16, 8192, sequence_parallel=True)
+    plain = estimate.evaluate(m70, sizes, hw, 16, 8192)
+    sp = estimate.evaluate(m70, sizes, hw, 16, 8192, sequence_parallel=True)
     assert sp["sequence_parallel"] and not plain["sequence_parallel"]
     assert sp["memory"]["activations"] < plain["memory"]["activations"] / 4
     assert sp["t_comm_s"] == pytest.approx(plain["t_comm_s"])
@@ -322,8 +327,8 @@ def test_context_axis_is_priced_as_a_token_axis():
     weight sharding, so the same parameter memory and weight traffic; context adds the K/V
     all-gather and, while a layer runs, the other shards' K/V."""
     m7, hw = preset("7b"), hardware.get("h100")
-    ctx = search.evaluate(m7, {"context": 4, "model": 2}, hw, 1, 32768)
-    fsdp = search.evaluate(m7, {"fsdp": 4, "model": 2}, hw, 4, 8192)
+    ctx = estimate.evaluate(m7, {"context": 4, "model": 2}, hw, 1, 32768)
+    fsdp = estimate.evaluate(m7, {"fsdp": 4, "model": 2}, hw, 4, 8192)
     assert ctx["memory"]["params"] == pytest.approx(fsdp["memory"]["params"])
     assert (
         ctx["theory"]["all-gather@context"]["operand_bytes"]

@@ -30,9 +30,10 @@ def model_overrides(mesh: str) -> dict:
 
 
 def make_cfg(mesh: str, run_dir, **over):
-    # the classic FSDP head everywhere (where `auto` would pick the vocab-parallel one, at 128 tokens
-    # per FSDP group on data=2,fsdp=2,model=2): tests/test_equivalence_head.py compares that layout
-    # per step and by its raw gradient, with the Adam settings that make such a comparison sharp
+    # the classic FSDP head everywhere (where `auto` would pick the vocab-parallel one, at
+    # 128 tokens per FSDP group on data=2,fsdp=2,model=2): tests/test_equivalence_head.py
+    # compares that layout per step and by its raw gradient, with the Adam settings that make
+    # such a comparison sharp
     d = {
         "model.preset": "tiny",
         "model.dtype": "float32",

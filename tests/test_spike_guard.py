@@ -43,9 +43,8 @@ def empty_window(factor=2.0) -> LossWindow:
 def test_window_median_warm_up_and_counts():
     w, losses = empty_window(), np.linspace(5.0, 1.0, 40).astype(np.float32)
     for i, loss in enumerate(losses):
-        assert (
-            not bool(w.is_spike(jnp.float32(1e9))) or i >= SPIKE_WARMUP
-        )  # nothing is judged while warming up
+        # nothing is judged while warming up
+        assert not bool(w.is_spike(jnp.float32(1e9))) or i >= SPIKE_WARMUP
         w = w.after(jnp.float32(loss), applied=jnp.bool_(True), spiked=jnp.bool_(False))
         held = losses[max(0, i + 1 - LOSS_WINDOW) : i + 1]  # the ring holds the last LOSS_WINDOW
         assert float(w.median()) == pytest.approx(float(np.median(held)), rel=1e-6)
@@ -53,7 +52,8 @@ def test_window_median_warm_up_and_counts():
     assert bool(w.is_spike(jnp.float32(2.01 * median))) and not bool(
         w.is_spike(jnp.float32(1.99 * median))
     )
-    # a spike is counted, not pushed; a non-finite step (neither applied nor a spike) changes nothing
+    # a spike is counted, not pushed; a non-finite step (neither applied nor a
+    # spike) changes nothing
     spiked = w.after(jnp.float32(50.0), applied=jnp.bool_(False), spiked=jnp.bool_(True))
     assert (int(spiked.in_a_row), int(spiked.skipped), float(spiked.median())) == (1, 1, median)
     nan = spiked.after(jnp.float32(jnp.nan), applied=jnp.bool_(False), spiked=jnp.bool_(False))
@@ -79,7 +79,8 @@ def test_spike_factor_below_one_or_with_diloco_is_one_line():
 
 
 def _batch(tr: Trainer, rng, corrupt=False) -> dict:
-    """Tokens from a 16-id alphabet (learnt within a few steps); `corrupt`: every target the last id."""
+    """Tokens from a 16-id alphabet (learnt within a few steps); `corrupt`: every target the last
+    id."""
     tokens = rng.integers(0, 16, size=(8, 33)).astype(np.int32)
     targets = np.full((8, 32), tr.model_cfg.vocab_size - 1, np.int32) if corrupt else tokens[:, 1:]
     host = {"inputs": tokens[:, :-1], "targets": targets, "weights": np.ones((8, 32), np.float32)}
@@ -87,9 +88,8 @@ def _batch(tr: Trainer, rng, corrupt=False) -> dict:
 
 
 def test_a_spike_is_skipped_and_the_run_then_matches_one_without_the_bad_batch(tmp_path):
-    tr = Trainer(
-        build({**BASE, "train.steps": 16, "logging.run_dir": str(tmp_path)})
-    )  # the loop test's step
+    # the loop test's step
+    tr = Trainer(build({**BASE, "train.steps": 16, "logging.run_dir": str(tmp_path)}))
     step_fn, rng = (
         tr.compile_step(tr.abstract_state(), tr.abstract_batch()),
         np.random.default_rng(0),
@@ -107,9 +107,8 @@ def test_a_spike_is_skipped_and_the_run_then_matches_one_without_the_bad_batch(t
         jax.tree.leaves((before.params, before.opt_state)),
         jax.tree.leaves((after.params, after.opt_state)),
     ):
-        np.testing.assert_array_equal(
-            old, new
-        )  # parameters and optimizer (its count too) untouched
+        # parameters and optimizer (its count too) untouched
+        np.testing.assert_array_equal(old, new)
     assert int(after.step) == int(before.step) + 1
     good = _batch(tr, rng)
     with_spike, m1 = step_fn(spiked, good)
@@ -147,18 +146,17 @@ def test_spikes_in_the_loop_are_logged_counted_recovered_and_checkpointed(
     )
     assert rec[11]["lr"] > 0 and rec[14]["spike_skipped_steps"] == 3
     assert "warning: step 10: 1 update(s) skipped since the last log as loss spikes" in out, out
-    assert "recovery:" in out and "weights of step 12" in out, (
-        out
-    )  # 2 in a row hand over to the checkpoint
+    # 2 in a row hand over to the checkpoint
+    assert "recovery:" in out and "weights of step 12" in out, out
     # the restored window is step 12's (one spike, at 10): the count rewinds with the weights
     assert rec[15]["spike_skipped_steps"] == 1 and rec[16]["spike_skipped_steps"] == 1
-    saved, _ = tr.restore(
-        tr.open_checkpoints(), 16
-    )  # what a resume reads back: the window with its count
+    # what a resume reads back: the window with its count
+    saved, _ = tr.restore(tr.open_checkpoints(), 16)
+    # step 12's (1 spike), then 15, 16
     assert (int(saved.spike.skipped), int(saved.spike.seen)) == (
         1,
         11 + 2,
-    )  # step 12's (1 spike), then 15, 16
+    )
     np.testing.assert_array_equal(np.asarray(saved.spike.losses), np.asarray(tr.state.spike.losses))
 
 

@@ -15,8 +15,9 @@ G = jax.random.normal(K[2], (6, 8))
 
 
 def stack(x, w):
-    """A pipeline stage as models/pipeline/explicit.py runs it: a scan over layers, each rematerialised,
-    the weights closed over and picked by the layer index (their gradient is a scan carry)."""
+    """A pipeline stage as models/pipeline/explicit.py runs it: a scan over layers, each
+    rematerialised, the weights closed over and picked by the layer index (their gradient is a scan
+    carry)."""
     layer = jax.checkpoint(lambda h, k: h + jnp.tanh(jnp.sin(h) @ w[k]) @ w[k].T)
     return jax.lax.scan(lambda h, k: (layer(h, k), None), x, jnp.arange(w.shape[0]))[0]
 
@@ -55,7 +56,8 @@ def test_split_equals_vjp_and_w_is_matmuls_only():
         jax.make_jaxpr(lambda x, w, g: jax.vjp(lambda x: stack(x, w), x)[1](g))(X, W, G).jaxpr
     )
     assert b_prims.count("dot_general") == dx_only.count("dot_general")
-    # what W reads: per layer, stacked [3, ...] (the layer inputs and output gradients it multiplies)
+    # what W reads: per layer, stacked [3, ...] (the layer inputs and output
+    # gradients it multiplies)
     assert all(s.shape[0] == 3 for s in saved), [s.shape for s in saved]
 
 
@@ -80,9 +82,9 @@ def test_split_under_vmap_and_with_atomic_loops():
 
 
 def test_plan_counts_the_w_inputs_zb_h1_keeps(monkeypatch):
-    """plan prices zb_h1's memory with 8 [D] + (2NH + 2KH + 4F)/tp values per token and layer for the
-    W inputs (plan/search.py activation_bytes); that is what the split of the tiny decoder's stage
-    backward keeps, counted here from the real program."""
+    """plan prices zb_h1's memory with 8 [D] + (2NH + 2KH + 4F)/tp values per token and layer for
+    the W inputs (plan/search.py activation_bytes); that is what the split of the tiny decoder's
+    stage backward keeps, counted here from the real program."""
     import dataclasses
 
     from mesh.build import make_mesh
@@ -119,9 +121,8 @@ def test_plan_counts_the_w_inputs_zb_h1_keeps(monkeypatch):
             params,
             batch,
         )
-    J = (
-        cfg.n_layers // P
-    )  # the per-layer values leave the stage's layer scan stacked: [J, P stages, replicas, ...]
+    # the per-layer values leave the stage's layer scan stacked: [J, P stages, replicas, ...]
+    J = cfg.n_layers // P
     per_layer = sum(x.size for x in kept[0] if x.ndim >= 5 and x.shape[:2] == (J, P))
     per_token_layer = per_layer / (J * P * (B // P) * T)
     d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff

@@ -85,9 +85,8 @@ def test_files_through_one_abstraction(where, tmp_path, gcs):
     lines.write("a\n")
     lines.write("b\n")
     lines.close()
-    again = storage.AppendLog(
-        storage.join(root, "metrics.jsonl")
-    )  # a resumed run continues the file
+    # a resumed run continues the file
+    again = storage.AppendLog(storage.join(root, "metrics.jsonl"))
     again.write("c\n")
     again.close()
     assert storage.read_text(storage.join(root, "metrics.jsonl")) == "a\nb\nc\n"
@@ -126,12 +125,10 @@ def test_a_prepared_dataset_on_an_object_store_is_read_by_ranges(tmp_path, gcs, 
     jsonl_file(docs, [f"document {i}: " + "abc" * (i % 7) for i in range(300)])
     local = str(tmp_path / "ds")
     prepare([str(docs)], local, "byte", progress=False)
-    prepare(
-        [str(docs)], f"{gcs}/ds", "byte", progress=False, shard_tokens=1000
-    )  # made locally, then uploaded
-    prepare(
-        [str(docs)], f"{gcs}/ds", "byte", progress=False, overwrite=True
-    )  # the shards it no longer has go
+    # made locally, then uploaded
+    prepare([str(docs)], f"{gcs}/ds", "byte", progress=False, shard_tokens=1000)
+    # the shards it no longer has go
+    prepare([str(docs)], f"{gcs}/ds", "byte", progress=False, overwrite=True)
     assert sorted(storage.listdir(f"{gcs}/ds")) == sorted(os.listdir(local))
     here, there = (
         load_prepared(local, 0.3, verify=True),

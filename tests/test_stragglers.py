@@ -74,9 +74,8 @@ def test_the_warning_comes_once_after_three_slow_intervals_in_a_row():
         assert fields["slowest_process"] == (1 if slow else fields["slowest_process"])
         assert (fields["step_time_max_over_median"] > 1.5) == slow
         lines += [(step, line)] if line else []
-    assert len(lines) == 1 and lines[0][0] == 2 * (2 + STREAK), (
-        lines
-    )  # steps 6, 8, 10: the third in a row
+    # steps 6, 8, 10: the third in a row
+    assert len(lines) == 1 and lines[0][0] == 2 * (2 + STREAK), lines
     line = lines[0][1]
     assert (
         line.startswith("warning: straggler: process 1 on host ")
@@ -171,7 +170,8 @@ def test_a_delayed_process_is_named_within_three_log_intervals(tmp_path):
     recs = [json.loads(ln) for ln in (tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in recs if "loss" in r}
     assert sorted(by_step) == [1, 2, 4, 6, 8, 10, 12], logs
-    # process 1's first split reaches process 0 by the second record; three intervals on, the warning
+    # process 1's first split reaches process 0 by the second record; three
+    # intervals on, the warning
     early = [by_step[s] for s in (2, 4, 6)]
     assert any(r["slowest_process"] == 1 and r["step_time_max_over_median"] > 1.5 for r in early), (
         early

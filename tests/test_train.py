@@ -25,10 +25,10 @@ from models.presets import PRESETS
 from train import optim
 from train.config import TrainConfig, build
 from train.data import corpus, make_pipeline
+from train.goodput import CATEGORIES as GOODPUT_CATEGORIES
 from train.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from train.goodput import CATEGORIES as GOODPUT_CATEGORIES  # noqa: E402
 
 STEP_KEYS = {
     "step",
@@ -67,9 +67,8 @@ def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("train") / "run"
     run_dir.mkdir()
     (run_dir / "brigade-run.json").write_text("{}")  # an earlier run's directory ...
-    (run_dir / "metrics.jsonl").write_text(
-        '{"step": 99, "loss": 1.0}\n'
-    )  # ... and its stale log: fit starts afresh
+    # ... and its stale log: fit starts afresh
+    (run_dir / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
     cfg = build(
         {
             "model.preset": "tiny",
@@ -267,9 +266,8 @@ def default_corpus():
 
 def test_default_corpus_split(default_corpus):
     c = default_corpus
-    again = corpus.load(
-        "default", 0.02, 7
-    )  # the split hashes document names: independent of the seed
+    # the split hashes document names: independent of the seed
+    again = corpus.load("default", 0.02, 7)
     np.testing.assert_array_equal(c.train, again.train)
     np.testing.assert_array_equal(c.eval, again.eval)
     assert c.vocab_size == corpus.BYTE_VOCAB and c.train.dtype == np.uint16
@@ -336,7 +334,8 @@ def test_decay_mask_excludes_norms_and_embeddings():
 
 
 def test_weight_decay_applies_only_to_masked_params():
-    """With zero gradients the AdamW update is exactly -lr * wd * p on decayed params, 0 elsewhere."""
+    """With zero gradients the AdamW update is exactly -lr * wd * p on decayed params, 0
+    elsewhere."""
     cfg = TrainConfig(lr=0.1, warmup_steps=0, steps=10, grad_clip=0.0, weight_decay=0.5)
     tx = optim.make(cfg)
     params = jax.tree.map(
@@ -380,9 +379,8 @@ def test_lr_schedule_warmup_then_cosine():
     assert v[35] == pytest.approx(1e-3 + 0.9e-2 * 0.5 * (1 + math.cos(math.pi * 0.25)), rel=1e-4)
     assert v[110] == pytest.approx(1e-3, rel=1e-5)  # lr * min_lr_ratio at the end
     assert v[130] == pytest.approx(1e-3, rel=1e-5)
-    short = optim.schedule(
-        TrainConfig(lr=1e-2, warmup_steps=30, steps=5)
-    )  # warm-up clipped to the run
+    # warm-up clipped to the run
+    short = optim.schedule(TrainConfig(lr=1e-2, warmup_steps=30, steps=5))
     assert float(short(4)) == pytest.approx(1e-2, rel=1e-5)
 
 

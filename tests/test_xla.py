@@ -10,7 +10,10 @@ from errors import UserError
 from mesh import xla
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JIT = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: (x @ x).sum())(jnp.ones((64, 64)))))"
+JIT = (
+    "import jax, jax.numpy as jnp;"
+    " print(float(jax.jit(lambda x: (x @ x).sum())(jnp.ones((64, 64)))))"
+)
 
 
 def run_python(code: str, xla_flags: str) -> subprocess.CompletedProcess:
@@ -92,7 +95,8 @@ def test_apply_argv_sets_flags_before_jax_starts():
 
 
 def test_cli_applies_the_preset():
-    """`python -m train ... --xla-preset NAME`: a bad name is one line and exit 2; a good one runs."""
+    """`python -m train ... --xla-preset NAME`: a bad name is one line and exit 2; a good one
+    runs."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -140,8 +144,9 @@ def test_cli_applies_the_preset():
 
 
 POOL = (
-    "import os, jax, jax.numpy as jnp; jax.pmap(lambda a: jax.lax.psum(a, 'i'), axis_name='i')(jnp.ones(8))"
-    ".block_until_ready(); print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen'"
+    "import os, jax, jax.numpy as jnp;"
+    " jax.pmap(lambda a: jax.lax.psum(a, 'i'), axis_name='i')(jnp.ones(8)).block_until_ready();"
+    " print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen'"
     " for t in os.listdir('/proc/self/task')))"
 )
 

@@ -29,7 +29,11 @@ def schedule_chart(
         n_layers=n_layers or P * R, batch=M, stages=P, microbatches=M, repeats=R, schedule=schedule
     )
     tt = timetable(schedule)
-    mark = lambda kind, c: "" if c is None else f"{kind}{c[0]}" + (f".{c[1]}" if R > 1 else "")  # noqa: E731
+
+    def mark(kind: str, c) -> str:
+        """A cell's label: its kind and micro-batch (and chunk with R > 1); '' for an empty one."""
+        return "" if c is None else _cell_text(kind, c, R)
+
     table = tt.table(P, M, R)
     if tt.engine == FORWARD_SCAN:
         rows = [
@@ -65,9 +69,17 @@ def _label(s: int, n_layers: int | None, P: int, R: int) -> str:
     return f"stage {s} (layers {layers})"
 
 
+def _cell_text(kind: str, c, R: int) -> str:
+    """A cell's text: its kind and micro-batch, and its chunk where there are several (R > 1)."""
+    return f"{kind}{c[0]}" + (f".{c[1]}" if R > 1 else "")
+
+
 def _program_title(tt, P: int, M: int, R: int) -> str:
     """An explicit schedule's chart title: its runs of ticks, the inputs it keeps, its bubble."""
-    kinds = lambda slots: [SLOT_NAMES[k] for k in slots if k != "H"]  # noqa: E731
+
+    def kinds(slots) -> list[str]:
+        return [SLOT_NAMES[k] for k in slots if k != "H"]
+
     runs = ", ".join(
         f"{count} {'+'.join(kinds(slots))}{'-only' if len(kinds(slots)) == 1 else ''}"
         for _, _, count, slots in tt.slots(P, M, R)
@@ -86,13 +98,11 @@ def _program_title(tt, P: int, M: int, R: int) -> str:
 def _cells(tt, P: int, M: int, R: int) -> tuple[list, int, int]:
     """-> ([(stage, x, kind, text, micro-batch)] per drawn cell, ticks, columns per tick)."""
     table = tt.table(P, M, R)
-    text = lambda kind, c: f"{kind}{c[0]}" + (f".{c[1]}" if R > 1 else "")  # noqa: E731
-    if (
-        tt.engine == FORWARD_SCAN
-    ):  # the backward pass is the forward ticks reversed, right of the line
+    # the backward pass is the forward ticks reversed, right of the line
+    if tt.engine == FORWARD_SCAN:
         ticks = n_ticks(P, M, R)
         cells = [
-            (s, x, kind, text(kind, c), c[0])
+            (s, x, kind, _cell_text(kind, c, R), c[0])
             for s, row in enumerate(table)
             for t, c in enumerate(row)
             if c is not None
@@ -102,7 +112,7 @@ def _cells(tt, P: int, M: int, R: int) -> tuple[list, int, int]:
     # forward and backward share the ticks: each tick is an F column and a B (and W) column
     kinds = "FBW" if tt.splits_backward else "FB"
     cells = [
-        (s, len(kinds) * t + kinds.index(kind), kind, text(kind, c), c[0])
+        (s, len(kinds) * t + kinds.index(kind), kind, _cell_text(kind, c, R), c[0])
         for s, row in enumerate(table)
         for t, cs in enumerate(row)
         for kind, c in zip(kinds, cs)

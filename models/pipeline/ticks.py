@@ -169,8 +169,11 @@ class Run:
             if count and (self.backward or "F" in slots):
                 tick = functools.partial(self.tick, slots=slots)
                 c, _ = jax.lax.scan(tick, c, jnp.arange(start, start + count))
-        # [P, R, J] -> [R, P, J]: layer order
-        in_layer_order = lambda a: jnp.swapaxes(a.sum(axis=1), 0, 1).reshape(prog.L, *a.shape[4:])  # noqa: E731
+
+        def in_layer_order(a):
+            # [P, R, J] -> [R, P, J]: layer order
+            return jnp.swapaxes(a.sum(axis=1), 0, 1).reshape(prog.L, *a.shape[4:])
+
         aux = jax.tree.map(in_layer_order, c["aux"])
         head_sum = c["head"].sum()
         out = (c["loss"].sum() + head_sum, (head_sum, aux))

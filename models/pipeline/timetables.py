@@ -1,7 +1,8 @@
 """One timetable per pipeline schedule: which micro-batch each stage runs at each tick, forward and
 backward, as arithmetic without arrays; the bubble by its formula and counted in the table; the
 stage inputs a schedule keeps. The engines run them (gpipe.py: the forward-scan schedules;
-explicit.py: the written-out ones), `plan` prices them (plan/search.py) and draws them (charts.py).
+explicit.py: the written-out ones), `plan` prices them (plan/schedules.py,
+plan/activation_memory.py) and draws them (charts.py).
 
 A schedule is a `Timetable` registered in TIMETABLES at the end of this file; its name is then a
 --pipeline.schedule choice (models/config.py reads SCHEDULES from here) and every consumer finds it.

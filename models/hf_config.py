@@ -1,0 +1,347 @@
+"""HuggingFace config.json <-> Brigade's ModelConfig, for the Llama, Mistral, Mixtral, Qwen2/2.5
+and Qwen3 families: every key's JSON type checked, anything Brigade would compute differently
+refused in one line naming the key, and the reverse for export (which family a ModelConfig
+converts to). The tensors' tables are models/hf.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from errors import UserError
+from models.config import ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# config.json keys each family's HF model reads that add tensors Brigade has no place
+# for (true is refused)
+_BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+# families whose config.json may set head_dim apart from hidden_size / num_attention_heads
+_FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3")
+# Gemma 2/3 differ from the Llama block in ways the stacked decoder does not express: tanh
+# soft-capping of attention and final logits, norms after attention and MLP too
+# (sandwich), RMSNorm scaled by 1 + w, embeddings scaled by sqrt(hidden_size), GeGLU, and
+# local/global layers alternating with their own RoPE bases. Refused by name, with the
+# keys that carry those differences.
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+_GEMMA_KEYS = (
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "hidden_activation",
+    "sliding_window_pattern",
+    "layer_types",
+    "rope_local_base_freq",
+)
+# Llama 3.1's "llama3" RoPE scaling, where this ModelConfig has its fields.
+_LLAMA3_ROPE = "rope_scaling_factor" in {f.name for f in dataclasses.fields(ModelConfig)}
+_LLAMA3_KEYS = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_len",
+}
+# Tensors some checkpoints carry that hold nothing to convert (recomputed from the config).
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is a Python int
+
+
+def is_number(v) -> bool:
+    # finite: Python's json reads NaN and Infinity
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_KINDS = {
+    "a positive integer": lambda v: is_int(v) and v > 0,
+    "a non-negative integer": lambda v: is_int(v) and v >= 0,
+    "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "a positive number": lambda v: is_number(v) and v > 0,
+    "a non-negative number": lambda v: is_number(v) and v >= 0,
+    "true or false": lambda v: isinstance(v, bool),
+    "a string": lambda v: isinstance(v, str),
+    "an object": lambda v: isinstance(v, dict),
+}
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+# The JSON type of every config.json key read here (null = absent for all but _REQUIRED): a string
+# or a bool where a number belongs would otherwise reach int()/float()/bool() and convert silently.
+_KEY_KINDS = {
+    **dict.fromkeys(
+        _REQUIRED
+        + (
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "sliding_window",
+            "num_local_experts",
+            "num_experts_per_tok",
+        ),
+        "a positive integer",
+    ),
+    "max_window_layers": "a non-negative integer",
+    "layer_types": "a list of strings",
+    "rope_theta": "a positive number",
+    "rms_norm_eps": "a positive number",
+    "router_aux_loss_coef": "a non-negative number",
+    **dict.fromkeys(
+        ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"), "true or false"
+    ),
+    "model_type": "a string",
+    "hidden_act": "a string",
+    "rope_scaling": "an object",
+    "rope_parameters": "an object",
+}
+_ROPE_KINDS = {"rope_theta": "a positive number", "rope_type": "a string", "type": "a string"}
+
+
+def short_json(value) -> str:
+    """A value from a file as one short line of JSON (a newline in a tensor name stays escaped)."""
+    text = json.dumps(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def check_config_types(hf, where: str = "config.json") -> None:
+    """UserError naming the first config.json key whose JSON type is not the one it must have."""
+    if not isinstance(hf, dict):
+        raise UserError(f"{where}: expected a JSON object of config keys, got {short_json(hf)}")
+    checks = [(key, kind, hf.get(key)) for key, kind in _KEY_KINDS.items()]
+    for section in ("rope_scaling", "rope_parameters"):
+        if isinstance(hf.get(section), dict):
+            checks += [
+                (f"{section}.{k}", kind, hf[section].get(k)) for k, kind in _ROPE_KINDS.items()
+            ]
+    for key, kind, value in checks:
+        if value is None and key in _REQUIRED:
+            raise UserError(f"{where}: {key} is missing (it must be {kind})")
+        if value is not None and not _KINDS[kind](value):
+            raise UserError(f"{where}: {key} must be {kind}, got {short_json(value)}")
+
+
+def _bad(where: str, key: str, value, supported: str):
+    raise UserError(f"{where}: {key}={json.dumps(value)} is not supported (supported: {supported})")
+
+
+def config_from_hf(
+    hf: dict, dtype: str = "float32", where: str = "config.json"
+) -> tuple[str, ModelConfig]:
+    """An HF config dict -> (model_type, ModelConfig). Anything Brigade would compute differently
+    is refused with one line naming the key."""
+    check_config_types(hf, where)
+    mtype = hf.get("model_type")
+    if mtype in _GEMMA_TYPES:
+        keys = [k for k in _GEMMA_KEYS if k in hf]
+        raise UserError(
+            f"{where}: model_type={json.dumps(mtype)} is not supported: Brigade's decoder has no"
+            " soft-capping, sandwich norms, scaled embeddings, GeGLU or alternating local/global"
+            " layers"
+            + (f" (this config sets {', '.join(keys)})" if keys else "")
+            + f"; supported model types: {', '.join(ARCHITECTURES)}"
+        )
+    if mtype not in ARCHITECTURES:
+        _bad(where, "model_type", mtype, ", ".join(ARCHITECTURES))
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        _bad(where, "hidden_act", hf["hidden_act"], "silu")
+    for key in _BIAS_KEYS.get(mtype, ()):
+        if hf.get(key):
+            _bad(where, key, hf[key], "false")
+    d, n = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim")
+    if mtype not in _FREE_HEAD_DIM and (head_dim not in (None, d // n) or d % n):
+        _bad(where, "head_dim", head_dim, f"hidden_size/num_attention_heads = {d / n:g}")
+    free_head_dim = head_dim is not None and (head_dim != d // n or d % n)
+    moe = {}
+    if mtype == "mixtral":
+        for key in ("num_local_experts", "num_experts_per_tok"):
+            if hf.get(key) is None:
+                raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
+        moe = dict(
+            n_experts=hf["num_local_experts"],
+            experts_per_token=hf["num_experts_per_tok"],
+            d_ff_expert=hf["intermediate_size"],
+            moe_every=1,
+            router="softmax",
+            dispatch="dropless",
+            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
+            z_loss_coef=0.0,
+        )
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5; before: rope_theta + rope_scaling
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n,
+        n_kv_heads=hf.get("num_key_value_heads") or n,
+        d_ff=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_head_dim=head_dim if free_head_dim else 0,
+        qkv_bias=mtype == "qwen2",
+        qk_norm=mtype == "qwen3",
+        sliding_window=_sliding_window(hf, mtype, where),
+        dtype=dtype,
+        param_dtype=dtype,
+        **moe,
+        **_rope_scaling(hf, where),
+    )
+    try:
+        return mtype, cfg.validate()
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _rope_scaling(hf: dict, where: str) -> dict:
+    """The ModelConfig fields of config.json's RoPE scaling: none, or Llama 3.1's "llama3"."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    where_rope = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope_fields = {}
+    if rope_type == "llama3" and _LLAMA3_ROPE:
+        for key, field in _LLAMA3_KEYS.items():
+            if not is_number(scaling.get(key)):
+                raise UserError(
+                    f"{where}: {where_rope}.{key} is missing or not a number"
+                    " (rope_type llama3 needs it)"
+                )
+            rope_fields[field] = type(getattr(ModelConfig, field))(scaling[key])
+    elif rope_type != "default":
+        _bad(
+            where,
+            f"{where_rope}.rope_type",
+            rope_type,
+            "default (no scaling)" + (", llama3" if _LLAMA3_ROPE else ""),
+        )
+    return rope_fields
+
+
+def _sliding_window(hf: dict, mtype: str, where: str) -> int:
+    """The window every layer attends within (0: none), as each family's HF model reads config.json.
+    Mistral and Mixtral: `sliding_window` (null = none), every layer. Qwen2/3: only with
+    `use_sliding_window`, and only on the layers `layer_types` marks sliding (by default those from
+    `max_window_layers` on), so a mix of sliding and full layers is refused. Llama has none."""
+    window = hf.get("sliding_window")
+    if mtype in ("mistral", "mixtral"):
+        return window or 0
+    if window is None or not hf.get("use_sliding_window", mtype == "llama"):
+        return 0
+    if mtype == "llama":
+        _bad(where, "sliding_window", window, "null (full causal attention)")
+    layers = hf["num_hidden_layers"]
+    first_sliding = hf.get("max_window_layers", 28)  # transformers' default for Qwen2/3
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)
+    ]
+    key = "layer_types" if hf.get("layer_types") else "max_window_layers"
+    if (
+        set(kinds) - {"sliding_attention", "full_attention"}
+        or len(set(kinds)) > 1
+        or len(kinds) != layers
+    ):
+        _bad(
+            where,
+            key,
+            hf.get(key, first_sliding),
+            "every one of the num_hidden_layers layers the same kind:"
+            " all sliding_attention, or all full_attention",
+        )
+    return window if kinds[0] == "sliding_attention" else 0
+
+
+def model_type_of(cfg: ModelConfig) -> str:
+    """The HF architecture a Brigade config converts to; UserError naming the field it cannot
+    express. Qwen3 has the q/k norms, Qwen2 the q/k/v biases, Mistral a sliding window or a free
+    head_dim (Qwen2/3 carry those too); plain Llama what is left."""
+    if cfg.n_experts:
+        for field, want in (
+            ("moe_every", 1),
+            ("n_shared_experts", 0),
+            ("router", "softmax"),
+            ("router_bias_rate", 0),
+            ("qkv_bias", False),
+            ("qk_norm", False),
+            ("attn_head_dim", 0),
+        ):
+            if getattr(cfg, field) != want:
+                raise UserError(
+                    f"model.{field}={getattr(cfg, field)} has no HuggingFace Mixtral equivalent"
+                    f" (needs {want})"
+                )
+        return "mixtral"
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise UserError(
+            "model.qkv_bias=True with model.qk_norm=True has no HuggingFace equivalent"
+            " (Qwen2 has the biases, Qwen3 the norms); set one of them false"
+        )
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window or cfg.attn_head_dim else "llama"
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
+    model_type = model_type_of(cfg)
+    dtype = dtype or cfg.param_dtype
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.expert_width if cfg.n_experts else cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # both spellings: transformers < 5 reads rope_theta (+ rope_scaling), >= 5 rope_parameters
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    out.update(dict.fromkeys(_BIAS_KEYS.get(model_type, ()), False))
+    scaling = getattr(cfg, "rope_scaling", None)
+    if scaling:
+        out["rope_scaling"] = {"rope_type": "llama3", **dict(zip(_LLAMA3_KEYS, scaling))}
+        rope.update(out["rope_scaling"])
+    window = cfg.sliding_window or None
+    if model_type in ("mistral", "mixtral"):
+        out["sliding_window"] = window
+    elif model_type in ("qwen2", "qwen3"):  # every layer alike: all sliding or all full
+        kind = "sliding_attention" if window else "full_attention"
+        out.update(
+            use_sliding_window=bool(window),
+            sliding_window=window,
+            max_window_layers=0 if window else cfg.n_layers,
+            layer_types=[kind] * cfg.n_layers,
+        )
+    if model_type == "mixtral":
+        out.update(
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+        )
+    return out

@@ -1,0 +1,243 @@
+"""One mesh priced from the formulas: whether the run accepts it (the checks a real run makes
+before compiling), and its predicted per-device memory, collective traffic and step time
+(`evaluate`, what `plan --devices N` prints and the mesh search ranks). Nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from errors import UserError
+from mesh.rules import head_layout, logical_to_spec, make_rules
+from mesh.rules import sequence_parallel as sequence_parallel_rules
+from mesh.shard import is_axis_names
+from mesh.spec import AXES, mesh_text
+from models import model as model_lib
+from models.config import PipelineConfig
+from plan import cost
+from plan.activation_memory import activation_bytes, attention_on
+from plan.hardware import Hardware
+from plan.run_spec import RunSpec, abstract_mesh
+from plan.theory import theory
+from train import optim
+from train.config import CommConfig, TrainConfig
+from train.shapes import batch_shards, seq_shards, validate_run
+
+
+@functools.lru_cache(maxsize=16)
+def _model_arrays(cfg) -> tuple[dict, dict]:
+    return model_lib.abstract_params(cfg), model_lib.param_axes(cfg)
+
+
+@functools.lru_cache(maxsize=4)
+def _optimizer_ratio(cfg, train_cfg: TrainConfig) -> float:
+    """Optimizer-state bytes per parameter byte (AdamW: 2, plus scalars), from the real
+    optimizer."""
+    params = _model_arrays(cfg)[0]
+    opt = jax.eval_shape(optim.make(train_cfg).init, params)
+
+    def nbytes(tree) -> int:
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    return nbytes(opt) / nbytes(params)
+
+
+def _stage_cfg(cfg, p: int):
+    """The layers one pipeline stage holds (embedding and head counted on every stage:
+    conservative)."""
+    return cfg if p == 1 else dataclasses.replace(cfg, n_layers=cfg.n_layers // p)
+
+
+def _sharded_params(stage, mesh, rules) -> dict:
+    """The stage's parameters as ShapeDtypeStructs sharded by the rules on the abstract mesh (the
+    layer stack unsplit: a stage holds its own layers whole)."""
+    params_abs, axes = _model_arrays(stage)
+    return jax.tree.map(
+        lambda s, names: jax.ShapeDtypeStruct(
+            s.shape,
+            s.dtype,
+            sharding=NamedSharding(mesh, logical_to_spec(names, {**rules, "layers": ()})),
+        ),
+        params_abs,
+        axes,
+        is_leaf=is_axis_names,
+    )
+
+
+def _shard_bytes(x) -> int:
+    """Bytes of one device's shard of a sharded ShapeDtypeStruct."""
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def _memory(params, ratio: float, t: TrainConfig, on_device: float, on_host: float) -> dict:
+    """Per-device memory by part; `total` is device memory, what is offloaded to the host apart.
+    With the optimizer state offloaded the update holds about one parameter's state at a time."""
+    param_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(params))
+    optimizer, host_optimizer = param_bytes * ratio, 0.0
+    if t.offload_optimizer:
+        largest = max(_shard_bytes(x) for x in jax.tree.leaves(params))
+        optimizer, host_optimizer = largest * ratio, optimizer
+    memory = {
+        "params": param_bytes,
+        "grads": param_bytes,
+        "optimizer": optimizer,
+        "activations": on_device,
+    }
+    memory["total"] = sum(memory.values())
+    memory["host_activations"], memory["host_optimizer"] = on_host, host_optimizer
+    return memory
+
+
+def check(
+    cfg, sizes: dict[str, int], train_cfg: TrainConfig, pipeline_cfg: PipelineConfig, rules
+) -> str | None:
+    """Why this mesh cannot run the model (one line), or None."""
+    if sizes["expert"] > 1 and not getattr(cfg, "n_experts", 0):
+        return "expert>1 on a dense model only duplicates data parallelism"
+    try:
+        validate_run(abstract_mesh(sizes), rules, cfg, train_cfg, pipeline_cfg)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def with_batch(
+    train_cfg: TrainConfig | None, batch_size: int, seq_len: int, micro_batches: int
+) -> TrainConfig:
+    """The run's train settings (the defaults without `train_cfg`) at this batch shape."""
+    return dataclasses.replace(
+        train_cfg or TrainConfig(),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        micro_batches=micro_batches,
+    )
+
+
+def evaluate(
+    cfg,
+    sizes: dict[str, int],
+    hw: Hardware,
+    batch_size: int,
+    seq_len: int,
+    micro_batches: int = 1,
+    *,
+    rules=None,
+    train_cfg: TrainConfig | None = None,
+    dcn: dict[str, int] | None = None,
+    platform: str | None = None,
+    comm_cfg=None,
+    pipeline_cfg: PipelineConfig | None = None,
+    vocab_parallel: str = "auto",
+    sequence_parallel: bool = False,
+) -> dict:
+    """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
+    micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
+    mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
+    comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
+    vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh
+    (head_layout)."""
+    sizes = {a: sizes.get(a, 1) for a in AXES}
+    pc = pipeline_cfg or PipelineConfig()
+    platform = platform or hw.platform
+    dtype = cfg.compute_dtype(platform)
+    act_bytes = np.dtype(dtype).itemsize
+    rules = rules or make_rules()
+    rules = head_layout(
+        sequence_parallel_rules(rules) if sequence_parallel else rules,
+        vocab_parallel,
+        sizes,
+        vocab=cfg.vocab_size,
+        batch_tokens=batch_size // micro_batches * seq_len,
+        act_bytes=act_bytes,
+        param_bytes=np.dtype(cfg.param_dtype).itemsize,
+    )
+    t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
+    why = check(cfg, sizes, t, pc, rules)
+    if why:
+        raise UserError(f"mesh {mesh_text(sizes)}: {why}")
+    p = sizes["pipeline"]
+    stage = _stage_cfg(cfg, p)
+    mesh = abstract_mesh(sizes)
+    shards, pipe_m = batch_shards(mesh, rules), pc.microbatches_for(p)
+    params = _sharded_params(stage, mesh, rules)
+    run = RunSpec(
+        model=stage,
+        train=t,
+        comm=comm_cfg or CommConfig(),
+        pipeline=pc,
+        sizes=sizes,
+        rules=rules,
+        compute_dtype=dtype,
+    )
+    comm = theory(run, params)  # the ring formulas plan checks against the compiled HLO
+    comm.update(
+        cost.pipeline_comm(
+            cfg,
+            sizes,
+            batch_size,
+            seq_len,
+            micro_batches,
+            act_bytes,
+            pipeline_microbatches=pipe_m,
+            repeats=pc.repeats,
+            batch_shards=shards,
+        )
+    )
+
+    on_device, on_host = activation_bytes(
+        cfg,
+        sizes,
+        batch_size,
+        seq_len,
+        micro_batches,
+        act_bytes,
+        attention_on(cfg, hw, seq_len),
+        shards=shards,
+        seq_shards=seq_shards(mesh, rules),
+        sequence_parallel=sequence_parallel,
+        pipeline_microbatches=pipe_m,
+        schedule=pc.schedule,
+        repeats=pc.repeats,
+    )
+    memory = _memory(params, _optimizer_ratio(cfg, t), t, on_device, on_host)
+    host = on_host + memory["host_optimizer"]
+    if host:  # activations out and back; the optimizer state in for the update and out
+        moved = 2 * host
+        comm[cost.HOST_OFFLOAD] = {"operand_bytes": moved, "wire_bytes": moved, "count": 0}
+    n = math.prod(sizes.values())
+    pred = cost.predict(
+        model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),
+        device_flops=cost.hardware_flops_per_step(
+            cfg, batch_size, seq_len, pc.schedule if p > 1 else "gpipe"
+        )
+        / n,
+        comm=cost.ragged_all_to_all(comm, platform),
+        sizes=sizes,
+        hw=hw,
+        dtype=dtype,
+        pipeline_microbatches=pipe_m,
+        repeats=pc.repeats,
+        dcn=dcn,
+        tokens_per_step=batch_size * seq_len,
+        schedule=pc.schedule,
+    )
+    pipeline = (
+        {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule} if p > 1 else {}
+    )
+    return {
+        "mesh": mesh_text(sizes),
+        "sizes": sizes,
+        "micro_batches": micro_batches,
+        "pipeline": pipeline,
+        "sequence_parallel": sequence_parallel,
+        "memory": memory,
+        "fits": memory["total"] <= hw.hbm_bytes * hw.usable_memory,
+        "theory": comm,
+        **pred,
+    }
