@@ -25,7 +25,11 @@ from jax.sharding import PartitionSpec as P
 from errors import UserError
 from mesh.collectives import compressed_psum
 from mesh.shard import spec_axes
-from train.sections import COMPRESSIONS, error_feedback_on  # noqa: F401  (jax-free: flag parsing uses it)
+from train.sections import (  # noqa: F401  (jax-free: flag parsing uses them)
+    COMPRESSIONS,
+    error_feedback_on,
+)
+from train.sections import validate_comm as validate  # noqa: F401  (comm.validate)
 
 
 @dataclasses.dataclass(frozen=True)
