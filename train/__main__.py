@@ -60,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
 
             c = named.checkpoint
             fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
-            code = supervise(
-                argv,
-                cfg.train.max_restarts,
-                named.logging.run_dir,
-                c.dir or storage.join(named.logging.run_dir, "checkpoints"),
-                fresh=fresh,
-            )
+            ckpt_dir = c.dir or storage.join(named.logging.run_dir, "checkpoints")
+            if cfg.train.elastic:
+                from train.elastic_supervisor import supervise_elastic
+
+                code = supervise_elastic(argv, cfg, named.logging.run_dir, ckpt_dir, fresh)
+            else:
+                code = supervise(
+                    argv, cfg.train.max_restarts, named.logging.run_dir, ckpt_dir, fresh=fresh
+                )
             withdraw_named_run(named)  # a child refused before writing: no empty runs/<name>
             return code
         return _train(named)
@@ -91,6 +93,11 @@ def _train(cfg) -> int:
     from train.watchdog import PeerHeartbeat
 
     mesh = start_mesh(cfg.parallelism)
+    import jax
+
+    from train.elastic import record_origin
+
+    record_origin(cfg, mesh, jax.process_index(), jax.process_count())
     with PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout):
         try:
             code = Trainer(cfg, mesh=mesh).fit()[
