@@ -176,8 +176,9 @@ class ElasticSupervisor:
             f" {self.restarts}/{self.max_restarts})",
             flush=True,
         )
-        grow, resumed_at = False, _checkpoint_step(self.ckpt_dir)
+        grow, resumed_at, beats = False, _checkpoint_step(self.ckpt_dir), 0
         while True:
+            self.rdv.beat(beats := beats + 1)
             try:
                 return self.child.wait(timeout=1.0), grow
             except subprocess.TimeoutExpired:

@@ -12,12 +12,15 @@ announcing itself in the next one, then waiting for its members file:
   with the slots that have announced (the lost ones are left out: a shrink);
 - the first generation waits for every slot of the job (as jax.distributed would).
 
-The lowest announced slot writes the members file; the others read it. A slot that comes back
-while a generation runs (its host restarted, the launcher started the same command again) finds
-itself outside the newest members file, announces in the next generation and waits: the running
-supervisors see its announcement (`newcomers`) and stop their children at a checkpoint, so the
-next generation holds it again. The files are written whole (storage.write_text), so a reader
-never sees half of one; nothing here imports JAX.
+The lowest announced slot of the previous generation writes the members file; the others read
+it. A slot that comes back while a generation runs (its host restarted, the launcher started the
+same command again) finds itself outside the newest members file, announces in the next
+generation and waits: the running supervisors, which say they are running (`beat`, a counter
+in `alive-<slot>`), see its announcement (`newcomers`) and stop their children at a checkpoint,
+so the next generation holds it again. Only when no member of the previous generation has
+beaten for `wait_s` (the whole job died) do returning slots fix a generation of their own.
+The files are written whole (storage.write_text), so a reader never sees half of one; nothing
+here imports JAX.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Rendezvous:
         number = previous.number + 1 if previous else 0
         self._announce(number)
         since, first_seen, deadline = time.time(), None, time.monotonic() + timeout_s
+        beats: dict[int, tuple[str | None, float]] = {}
         while time.monotonic() < deadline:
             ended = self._ended_since(since)
             if ended is not None:
@@ -142,13 +146,38 @@ class Rendezvous:
             closed = expected <= set(announced) or (
                 previous is not None and time.monotonic() - first_seen >= self.wait_s
             )
-            if closed and self.slot == min(announced):
+            if closed and self.slot == self._fixer(previous, announced, beats):
                 self._fix(number, announced)
             time.sleep(POLL_S)
         raise UserError(
             f"elastic: slot {self.slot} found no generation to join in {self.directory} within"
             f" {timeout_s:.0f}s (the lowest process that announced itself fixes the next one)"
         )
+
+    def beat(self, count: int) -> None:
+        """Say that this slot's child is running (its supervisor calls this about once a second):
+        a returning slot waits for such a slot instead of going on without it."""
+        storage.write_text(storage.join(self.directory, f"alive-{self.slot}"), str(count))
+
+    def _fixer(self, previous: Generation | None, announced: dict[int, str], beats) -> int | None:
+        """Which announced slot fixes the generation: the lowest that was a member of the one
+        before (a returning slot waits for the running ones to stop at a checkpoint), or, once
+        none of those has beaten for `wait_s` (the job died), the lowest announced."""
+        if previous is None:
+            return min(announced)
+        old = sorted(set(announced) & set(previous.members))
+        if old:
+            return old[0]
+        now = time.monotonic()
+        for slot in previous.members:
+            try:
+                value = storage.read_text(storage.join(self.directory, f"alive-{slot}"))
+            except FileNotFoundError:
+                value = None
+            if slot not in beats or beats[slot][0] != value:
+                beats[slot] = (value, now)
+        quiet = all(now - since >= self.wait_s for _, since in beats.values())
+        return min(announced) if quiet else None
 
     def _fix(self, number: int, announced: dict[int, str]) -> None:
         members = sorted(announced)
