@@ -1,7 +1,8 @@
 """`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only;
-`python -m train report RUN_DIR` renders a run's plots and summary; `python -m train eval CKPT
---data DIR` evaluates a checkpoint (train/evaluate.py); `python -m train sample CKPT --prompt TEXT`
-generates with it (train/sample_cli.py)."""
+`python -m train doctor [flags]` checks the run those flags describe before it runs
+(plan/doctor/); `python -m train report RUN_DIR` renders a run's plots and summary; `python -m
+train eval CKPT --data DIR` evaluates a checkpoint (train/evaluate.py); `python -m train sample
+CKPT --prompt TEXT` generates with it (train/sample_cli.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
             from plan.cli import main as plan_main
 
             return plan_main(argv[1:])
+        if argv and argv[0] == "doctor":
+            from plan.doctor.main import main as doctor_main
+
+            return doctor_main(argv[1:])
         if argv and argv[0] == "report":
             from train.report import main as report_main
 
