@@ -39,11 +39,11 @@ from train.supervisor import (
     CHILD_ENV,
     FINAL,
     Fresh,
-    _checkpoint_step,
-    _last_logged_step,
-    _record,
+    checkpoint_step,
     child_argv,
     describe,
+    last_logged_step,
+    record_restart,
 )
 
 JOIN_TIMEOUT_S = 3600.0  # a supervisor waits this long for a generation that holds it
@@ -160,7 +160,7 @@ class ElasticSupervisor:
     def _run_child(self, gen: Generation, lay, started_any: bool) -> tuple[int, bool]:
         """Start this slot's child of `gen` and wait for it, stopping it (SIGTERM: a checkpoint,
         then exit) when a process comes back -> (its exit status, whether it was stopped so)."""
-        saved = _checkpoint_step(self.ckpt_dir) if started_any else None
+        saved = checkpoint_step(self.ckpt_dir) if started_any else None
         flags, alone = generation_flags(gen, self.slot, self.port)
         argv = child_argv(self.argv, self.fresh, saved)
         if saved is not None and self.fresh is None:
@@ -176,7 +176,7 @@ class ElasticSupervisor:
             f" {self.restarts}/{self.max_restarts})",
             flush=True,
         )
-        grow, resumed_at, beats = False, _checkpoint_step(self.ckpt_dir), 0
+        grow, resumed_at, beats = False, checkpoint_step(self.ckpt_dir), 0
         while True:
             self.rdv.beat(beats := beats + 1)
             try:
@@ -205,7 +205,7 @@ class ElasticSupervisor:
             if len(gen.members) > len(was.members)
             else "restart"
         )
-        logged, saved = _last_logged_step(self.run_dir), _checkpoint_step(self.ckpt_dir)
+        logged, saved = last_logged_step(self.run_dir), checkpoint_step(self.ckpt_dir)
         lost = sorted(set(was.members) - set(gen.members))
         joined = sorted(set(gen.members) - set(was.members))
         print(
@@ -246,11 +246,11 @@ class ElasticSupervisor:
             json.dumps(event) + "\n",
         )
         if kind != "grow":
-            _record(self.run_dir, {"restart": self.restarts, **event})
+            record_restart(self.run_dir, {"restart": self.restarts, **event})
 
 
 def _newer(ckpt_dir: str, than: int | None) -> bool:
-    saved = _checkpoint_step(ckpt_dir)
+    saved = checkpoint_step(ckpt_dir)
     return saved is not None and (than is None or saved > than)
 
 
