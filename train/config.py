@@ -382,6 +382,11 @@ class CheckpointConfig:
     local_keep: int = ranged(
         2, ">=1", help="the latest K local-tier steps are kept on each process"
     )
+    local_peer: bool = option(
+        True,
+        "with several processes: each process also keeps the previous process's local copy"
+        " (<local_dir>/process-<i>-peer), so that losing one host's disk loses no local step",
+    )
 
     def validate(self) -> CheckpointConfig:
         check_ranges(self, functools.partial(public_flag, "checkpoint"))
