@@ -74,23 +74,41 @@ def _device_lines(mesh: Mesh) -> tuple[Mesh, Mesh]:
 
 
 def _blocks(x: jax.Array, line: Mesh) -> jax.Array:
-    """`x`'s per-device blocks stacked along a first dimension, one per device of `line`: no block
-    is a replica of another (a reshard of replicated data may take any replica, and a process that
-    lost its copy holds placeholders)."""
+    """`x`'s per-device blocks one after another along its first dimension, one per device of
+    `line`: no block is a replica of another (a reshard of replicated data may read any replica,
+    and a process that lost its copy holds placeholders). A device's block is its shard as it is
+    (no device computation: the save runs under its mesh as the context mesh); a scalar's is
+    made a 1-vector on the host."""
     held = {s.device: s.data for s in x.addressable_shards}
     mine = [d for d in line.devices.flat if d in held]
-    shape = (line.devices.size, *x.sharding.shard_shape(x.shape))
+    if x.ndim == 0:
+        held = {d: jax.device_put(np.asarray(held[d])[None], d) for d in mine}
+    block = x.sharding.shard_shape(x.shape) or (1,)
     return jax.make_array_from_single_device_arrays(
-        shape, NamedSharding(line, P("devices")), [held[d][None] for d in mine]
+        (line.devices.size * block[0], *block[1:]),
+        NamedSharding(line, P("devices")),
+        [held[d] for d in mine],
     )
 
 
 def _unblocked(blocks: jax.Array, like) -> jax.Array:
     """The array of `like`'s shape and sharding whose blocks are `blocks` (laid out on the line)."""
-    held = {s.device: s.data[0] for s in blocks.addressable_shards}
+    held = {s.device: s.data for s in blocks.addressable_shards}
+    if len(like.shape) == 0:
+        held = {d: jax.device_put(np.asarray(a).reshape(()), d) for d, a in held.items()}
     devices = like.sharding.addressable_devices
     return jax.make_array_from_single_device_arrays(
         like.shape, like.sharding, [held[d] for d in sorted(devices, key=lambda d: d.id)]
+    )
+
+
+def _stacked(a, line: Mesh) -> jax.ShapeDtypeStruct:
+    """The abstract blocks (`_blocks`) of the abstract array `a`, laid out on `line`."""
+    block = a.sharding.shard_shape(a.shape) or (1,)
+    return jax.ShapeDtypeStruct(
+        (line.devices.size * block[0], *block[1:]),
+        a.dtype,
+        sharding=NamedSharding(line, P("devices")),
     )
 
 
@@ -178,14 +196,7 @@ def complete(
     if has_own.all():
         return None
     own, shifted = _device_lines(mesh)
-    on_shifted = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(
-            (own.devices.size, *a.sharding.shard_shape(a.shape)),
-            a.dtype,
-            sharding=NamedSharding(shifted, P("devices")),
-        ),
-        abstract,
-    )
+    on_shifted = jax.tree.map(lambda a: _stacked(a, shifted), abstract)
     # the process before this one lost its copy: this one reads its copy of it
     needed = not has_own[(me - 1) % n]
     usable = not needed or _copy_usable(peer, step, mesh)

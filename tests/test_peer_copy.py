@@ -40,7 +40,8 @@ PROCESS = """if True:
     meta = make_meta(6, {}, mesh, 0)
     meta["local"] = layout(mesh)
     own.save(6, state, meta)
-    peer_copy.save_copy(peer, 6, state, meta, mesh)
+    with jax.set_mesh(mesh):  # as the run saves: under its mesh
+        peer_copy.save_copy(peer, 6, state, meta, mesh)
     own.wait(); peer.wait()
     assert peer_copy.recoverable_steps(own, peer) == [6]
     abstract = jax.tree.map(
@@ -51,7 +52,8 @@ PROCESS = """if True:
     else:
         restored = own.restore(6, abstract)
     assert peer_copy.recoverable_steps(own, peer) == [6]
-    out, got_meta = peer_copy.complete(peer, 6, abstract, mesh, restored)
+    with jax.set_mesh(mesh):
+        out, got_meta = peer_copy.complete(peer, 6, abstract, mesh, restored)
     for name in state:
         for new, old in zip(out[name].addressable_shards, state[name].addressable_shards):
             assert new.index == old.index and new.device == old.device
