@@ -49,6 +49,16 @@ def test_a_lost_process_shrinks_data_first_and_keeps_the_global_batch():
     assert layout(ORIGIN, 1, [], "") == shrink(ORIGIN, 1)
 
 
+def test_the_planner_re_plans_for_the_devices_that_remain():
+    """--train.elastic_hardware NAME: `plan --search` on the devices left picks the mesh, with at
+    least as many micro-batches as the shrink would take (the global batch kept)."""
+    argv = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--max-restarts", "1"]
+    got = layout(ORIGIN, 1, [*argv, "--train.elastic", "true"], "cpu")
+    sizes = dict(part.split("=") for part in got.mesh.split(","))
+    assert np.prod([int(v) for v in sizes.values()]) == 4 and got.mesh_dcn == "", got
+    assert got.micro_batches >= 2 and 8 % got.micro_batches == 0, got
+
+
 def test_elastic_needs_the_supervisor():
     with pytest.raises(UserError, match="add --max-restarts"):
         from_args(["--train.elastic", "true"])

@@ -35,6 +35,7 @@ from errors import UserError
 MEMBERS = "members.json"
 DONE = "done.json"  # the job ended for good: its exit status
 POLL_S = 0.2  # how often a waiting supervisor looks at the directory (a file, not an event)
+SAY_AFTER_S = 10.0  # a join that takes longer says whom it waits for, once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,7 @@ class Rendezvous:
         self._announce(number)
         since, first_seen, deadline = time.time(), None, time.monotonic() + timeout_s
         beats: dict[int, tuple[str | None, float]] = {}
+        said = False
         while time.monotonic() < deadline:
             ended = self._ended_since(since)
             if ended is not None:
@@ -148,11 +150,26 @@ class Rendezvous:
             )
             if closed and self.slot == self._fixer(previous, announced, beats):
                 self._fix(number, announced)
+            if not said and time.monotonic() - first_seen >= max(self.wait_s, SAY_AFTER_S):
+                said = self._say_waiting(number, expected - set(announced), previous)
             time.sleep(POLL_S)
         raise UserError(
             f"elastic: slot {self.slot} found no generation to join in {self.directory} within"
             f" {timeout_s:.0f}s (the lowest process that announced itself fixes the next one)"
         )
+
+    def _say_waiting(self, number: int, missing: set[int], previous: Generation | None) -> bool:
+        """One line while a join takes long: whom this process waits for (never a silent wait)."""
+        if previous is not None and self.slot not in previous.members:
+            what = f"the running process(es) {list(previous.members)} to stop at a checkpoint"
+        else:
+            what = f"process(es) {sorted(missing)}"
+        print(
+            f"supervisor: elastic: process {self.slot} waits for {what} to form generation"
+            f" {number} ({self.directory})",
+            flush=True,
+        )
+        return True
 
     def beat(self, count: int) -> None:
         """Say that this slot's child is running (its supervisor calls this about once a second):
