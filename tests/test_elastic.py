@@ -59,6 +59,12 @@ def test_the_planner_re_plans_for_the_devices_that_remain():
     assert got.micro_batches >= 2 and 8 % got.micro_batches == 0, got
 
 
+def test_the_elastic_supervisor_starts_no_jax():
+    """It must not take devices from its children: neither it nor what it imports loads JAX."""
+    code = "import sys, train.elastic_supervisor; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
 def test_elastic_needs_the_supervisor():
     with pytest.raises(UserError, match="add --max-restarts"):
         from_args(["--train.elastic", "true"])

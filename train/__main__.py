@@ -94,15 +94,12 @@ def _train(cfg) -> int:
     anywhere in between ends this process with one line and PEER_LOST_EXIT within
     --parallelism.peer_timeout."""
     from mesh.build import start_mesh
+    from train.elastic import record_origin
     from train.loop import Trainer
     from train.watchdog import PeerHeartbeat
 
     mesh = start_mesh(cfg.parallelism)
-    import jax
-
-    from train.elastic import record_origin
-
-    record_origin(cfg, mesh, jax.process_index(), jax.process_count())
+    record_origin(cfg, mesh)  # an elastic job's first layout, re-planned from after a loss
     with PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout):
         try:
             code = Trainer(cfg, mesh=mesh).fit()[

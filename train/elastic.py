@@ -14,7 +14,8 @@ micro-batch count). Every later attempt runs on the processes the rendezvous fix
   split shrank, so each micro-batch is as large per device as before and the optimisation is
   the same (the data order is a function of the step and the global batch).
 
-Nothing here imports JAX: the supervisor uses it (train/elastic_supervisor.py).
+Nothing here imports JAX but what runs in the child: the supervisor uses the rest
+(train/elastic_supervisor.py).
 """
 
 from __future__ import annotations
@@ -167,10 +168,14 @@ def layout(origin: dict, processes: int, argv: list[str], hardware: str) -> Layo
 
 
 # -- in the child -----------------------------------------------------------------------------
-def record_origin(cfg, mesh, process: int, processes: int) -> None:
+def record_origin(cfg, mesh) -> None:
     """The first attempt's process 0 records the layout the job started on (later attempts
     re-plan from it); a later attempt, or a file already there, leaves it alone."""
-    if not cfg.train.elastic or process != 0 or os.environ.get(GENERATION_ENV, "0") != "0":
+    if not cfg.train.elastic or os.environ.get(GENERATION_ENV, "0") != "0":
+        return
+    import jax
+
+    if jax.process_index() != 0:
         return
     if read_origin(cfg.logging.run_dir) is not None:
         return
@@ -182,7 +187,7 @@ def record_origin(cfg, mesh, process: int, processes: int) -> None:
         storage.join(elastic_dir(cfg.logging.run_dir), ORIGIN),
         json.dumps(
             {
-                "processes": processes,
+                "processes": jax.process_count(),
                 "devices": mesh.size,
                 "mesh": dict(zip(AXES, shape.sizes)),
                 "dcn": dict(zip(AXES, shape.dcn)),
