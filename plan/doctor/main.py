@@ -58,7 +58,17 @@ class Doctor:
         """Join the job (when there is one) with a deadline -> whether it was joined."""
         p = self.cfg.parallelism
         if not (p.coordinator or p.num_processes > 1):
-            init_distributed(peer_timeout_s=p.peer_timeout)  # a cluster's own variables, if any
+            # a cluster's own variables, if any (SLURM, Open MPI, JAX_COORDINATOR_ADDRESS): the
+            # job is joined as JAX detects it, under the same deadline
+            missing = fail(
+                "processes joined",
+                f"the job JAX detected from the scheduler's variables was not joined within"
+                f" {timeout_s:g}s",
+                "start every process of the job, or give --coordinator, --num-processes and"
+                " --process-id to have the coordinator checked first",
+            )
+            with cluster.JoinTimer(timeout_s, lambda: self._expire(missing)):
+                init_distributed(peer_timeout_s=p.peer_timeout)
             return True
         if not p.coordinator:
             self.checks.append(
