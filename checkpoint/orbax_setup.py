@@ -6,6 +6,7 @@ off), and Orbax's routine log records kept to one line.
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import numpy as np
@@ -88,7 +89,11 @@ def checkpoint_manager(
         ocp.options.MultiprocessingOptions(  # no barrier with the other processes
             primary_host=None,
             active_processes={jax.process_index()},
-            barrier_sync_key_prefix=f"brigade-local-{jax.process_index()}",
+            # the directory's name too: a process's own copy and the one it keeps of a peer
+            # (checkpoint/peer_copy.py) are two managers whose barriers must not meet
+            barrier_sync_key_prefix=(
+                f"brigade-local-{jax.process_index()}-{os.path.basename(directory)}"
+            ),
         )
         if process_local
         else None

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from checkpoint.layout import TMP_SUFFIX, make_meta
 from checkpoint.manager import Checkpointer
+from checkpoint.peer_copy import peer_tier, save_copy
 from checkpoint.tiers import layout, local_tier
 from errors import UserError
 
@@ -128,6 +129,16 @@ class Saves:
             async_save=ck.get("async", True),
         )
         self.local_every = ck.get("local_every", 0) if self.local else 0
+        self.peer = (  # the previous process's local copy, kept here too (checkpoint/peer_copy.py)
+            peer_tier(
+                self.local,
+                ck.get("local_dir", ""),
+                keep=ck.get("local_keep", 2),
+                async_save=ck.get("async", True),
+            )
+            if ck.get("local_peer", True)
+            else None
+        )
         self.local_started: int | None = None  # the same, in the local tier
 
     def due(self, step: int, force: bool = False) -> bool:
@@ -157,6 +168,8 @@ class Saves:
                     if not persistent:
                         meta["local"] = layout(self.mesh)  # the copy restores onto this layout only
                     saver.save(step, state, meta)
+                    if not persistent and self.peer is not None:
+                        save_copy(self.peer, step, state, meta, self.mesh)
                 if persistent:
                     self.started = step
                 else:
@@ -177,3 +190,5 @@ class Saves:
         if self.local:
             with _reporting(self.local, self.local_started or 0):
                 self.local.wait()
+                if self.peer is not None:
+                    self.peer.wait()

@@ -12,7 +12,9 @@ that mesh, laid out on the same devices in the same processes: its meta records 
 (`meta.local`), and a step saved on another layout is never read (reading it would fill the
 shards it lacks with zeros). Resume (train/resume.py) takes the newest step that every process
 holds intact locally when it is newer than the persistent tier's newest, and the persistent tier
-otherwise; the processes decide that together, so that they all resume from one step.
+otherwise; the processes decide that together, so that they all resume from one step. With
+several processes each also keeps the copy of the process before it (checkpoint/peer_copy.py), so
+that a process whose disk is lost still resumes from the newest local step.
 
 Orbax's own multi-tier manager (orbax.checkpoint.experimental.emergency) is not used: with one
 data-parallel replica it ignores the local directory altogether (a one-process run would have

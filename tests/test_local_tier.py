@@ -1,8 +1,9 @@
 """The local checkpoint tier (--checkpoint.local_dir, checkpoint/tiers.py): saved every
 --checkpoint.local_every steps next to the persistent saves; resume takes the newest intact step
 across both tiers, bit-identical to an uninterrupted run; a damaged or lost local copy falls back
-to the persistent tier; with two processes they agree on one step, and a process whose local tier
-is gone makes them all resume from the persistent one.
+to the persistent tier; with two processes they agree on one step, a process whose local tier
+is gone takes its shards from the copy its neighbour kept (checkpoint/peer_copy.py), and without
+that copy they all resume from the persistent one.
 
 A run "crashes" after its last local save by deleting its final persistent step (the state a
 SIGKILL between the two saves leaves); the drill kills real processes. Constant learning rate
@@ -21,6 +22,7 @@ import pytest
 from test_multiprocess import FLAGS, TIMEOUT_S, Children, child_env, free_port, losses
 
 from checkpoint.__main__ import describe
+from checkpoint.peer_copy import peer_dir
 from checkpoint.tiers import process_dir
 from errors import UserError
 from train.config import build
@@ -138,17 +140,21 @@ def test_bad_local_dir_is_one_line(tmp_path):
 @pytest.mark.multiprocess
 def test_two_processes_agree_on_the_local_step_or_the_persistent_one(tmp_path):
     """2 processes x 4 devices, persistent saves every 4 steps, local every step. Both hang at
-    step 7 (after the local save of step 6) and are SIGKILLed. Then, at once: (A) the same run
-    restarts and resumes from local step 6; (B) a copy of it whose process 1 lost its local tier
-    resumes from persistent step 4. B's steps 5-6 equal the killed run's, and A's steps 7-10 equal
-    B's: both tiers restore exactly."""
+    step 7 (after the local save of step 6); process 1 is SIGKILLed and process 0 ends itself
+    (a lost peer: 5). Then, at once: (A) the same run restarts and resumes from local step 6;
+    (B) a copy of it whose process 1 lost its local disk (its copy and the copy it kept of
+    process 0) resumes from local step 6 too: process 0 kept a copy of process 1's shards
+    (checkpoint/peer_copy.py); (C) the same loss with --checkpoint.local_peer false resumes from
+    persistent step 4. A's and B's steps 7-10 equal C's and C's 5-6 the killed run's: every tier
+    restores exactly."""
 
-    def start(kids: Children, tag: str, run: str, env: dict) -> None:
+    def start(kids: Children, tag: str, run: str, env: dict, *extra: str) -> None:
         port = free_port()
         for i in range(2):
             kids.start(
                 f"{tag}{i}",
                 FLAGS
+                + list(extra)
                 + [
                     "--mesh-dcn",
                     "data=2",
@@ -189,27 +195,35 @@ def test_two_processes_agree_on_the_local_step_or_the_persistent_one(tmp_path):
         and all(p.poll() is None for _, p, _, _ in kids.procs)
     ):
         time.sleep(0.2)
-    for _, p, _, _ in reversed(kids.procs):  # process 1 first
-        p.send_signal(signal.SIGKILL)
+    (_, p0, _, _), (_, p1, _, _) = kids.procs
+    p1.send_signal(signal.SIGKILL)  # one host lost; process 0 notices it (exit 5)
+    code0 = p0.wait(timeout=TIMEOUT_S)
     kids.kill()
     logs = kids.logs()
+    assert code0 == 5, logs
     assert all(committed(d) == [5, 6] for d in held) and committed(
         tmp_path / "a" / "checkpoints"
     ) == [4], logs
     killed = losses(tmp_path / "a", logs)
     assert killed["step"] == [1, 2, 3, 4, 5, 6], logs
 
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.copytree(tmp_path / "a-local", tmp_path / "b-local")
-    shutil.rmtree(process_dir(tmp_path / "b-local", 1))  # process 1 lost its local disk
+    for copy in ("b", "c"):  # process 1 lost its local disk: its copy and the one it kept
+        shutil.copytree(tmp_path / "a", tmp_path / copy)
+        shutil.copytree(tmp_path / "a-local", tmp_path / f"{copy}-local")
+        shutil.rmtree(process_dir(tmp_path / f"{copy}-local", 1))
+        shutil.rmtree(peer_dir(tmp_path / f"{copy}-local", 1))
     kids = Children(tmp_path)
     start(kids, "A", "a", env)
     start(kids, "B", "b", env)
-    kids.wait_all(2 * TIMEOUT_S)
+    start(kids, "C", "c", env, "--checkpoint.local_peer", "false")
+    kids.wait_all(3 * TIMEOUT_S)
     logs = kids.logs()
-    out_a, out_b = (tmp_path / "A0.stdout").read_text(), (tmp_path / "B0.stdout").read_text()
-    assert f"resumed from {held[0] / '6'} (step 6" in out_a, logs
-    assert f"resumed from {tmp_path / 'b' / 'checkpoints' / '4'} (step 4" in out_b, logs
-    a, b = losses(tmp_path / "a", logs), losses(tmp_path / "b", logs)
-    assert a["step"] == b["step"] == list(range(1, 11)), logs
-    assert b["loss"][4:6] == killed["loss"][4:6] and a["loss"][6:] == b["loss"][6:], logs
+    out = {t: (tmp_path / f"{t}0.stdout").read_text() for t in "ABC"}
+    assert f"resumed from {held[0] / '6'} (step 6" in out["A"], logs
+    b_local = Path(process_dir(tmp_path / "b-local", 0))
+    assert f"resumed from {b_local / '6'} (step 6" in out["B"], logs
+    assert f"resumed from {tmp_path / 'c' / 'checkpoints' / '4'} (step 4" in out["C"], logs
+    a, b, c = (losses(tmp_path / t, logs) for t in "abc")
+    assert a["step"] == b["step"] == c["step"] == list(range(1, 11)), logs
+    assert c["loss"][4:6] == killed["loss"][4:6], logs
+    assert a["loss"][6:] == b["loss"][6:] == c["loss"][6:], logs

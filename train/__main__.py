@@ -1,7 +1,8 @@
 """`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only;
-`python -m train report RUN_DIR` renders a run's plots and summary; `python -m train eval CKPT
---data DIR` evaluates a checkpoint (train/evaluate.py); `python -m train sample CKPT --prompt TEXT`
-generates with it (train/sample_cli.py)."""
+`python -m train doctor [flags]` checks the run those flags describe before it runs
+(plan/doctor/); `python -m train report RUN_DIR` renders a run's plots and summary; `python -m
+train eval CKPT --data DIR` evaluates a checkpoint (train/evaluate.py); `python -m train sample
+CKPT --prompt TEXT` generates with it (train/sample_cli.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
             from plan.cli import main as plan_main
 
             return plan_main(argv[1:])
+        if argv and argv[0] == "doctor":
+            from plan.doctor.main import main as doctor_main
+
+            return doctor_main(argv[1:])
         if argv and argv[0] == "report":
             from train.report import main as report_main
 
@@ -60,13 +65,15 @@ def main(argv: list[str] | None = None) -> int:
 
             c = named.checkpoint
             fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
-            code = supervise(
-                argv,
-                cfg.train.max_restarts,
-                named.logging.run_dir,
-                c.dir or storage.join(named.logging.run_dir, "checkpoints"),
-                fresh=fresh,
-            )
+            ckpt_dir = c.dir or storage.join(named.logging.run_dir, "checkpoints")
+            if cfg.train.elastic:
+                from train.elastic_supervisor import supervise_elastic
+
+                code = supervise_elastic(argv, cfg, named.logging.run_dir, ckpt_dir, fresh)
+            else:
+                code = supervise(
+                    argv, cfg.train.max_restarts, named.logging.run_dir, ckpt_dir, fresh=fresh
+                )
             withdraw_named_run(named)  # a child refused before writing: no empty runs/<name>
             return code
         return _train(named)
@@ -87,10 +94,12 @@ def _train(cfg) -> int:
     anywhere in between ends this process with one line and PEER_LOST_EXIT within
     --parallelism.peer_timeout."""
     from mesh.build import start_mesh
+    from train.elastic import record_origin
     from train.loop import Trainer
     from train.watchdog import PeerHeartbeat
 
     mesh = start_mesh(cfg.parallelism)
+    record_origin(cfg, mesh)  # an elastic job's first layout, re-planned from after a loss
     with PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout):
         try:
             code = Trainer(cfg, mesh=mesh).fit()[

@@ -123,6 +123,23 @@ class TrainConfig:
     max_restarts: int = ranged(
         0, ">=0", help="supervisor: restart a crashed run up to N times from its last checkpoint"
     )
+    elastic: bool = option(
+        False,
+        "with --max-restarts: when a process is lost, continue on the processes that remain"
+        " (the mesh re-planned, the global batch kept) and grow back when it returns"
+        " (train/elastic.py)",
+    )
+    elastic_wait: float = ranged(
+        30.0,
+        ">0",
+        help="--train.elastic: seconds the processes that remain wait for the others to rejoin"
+        " before they continue without them",
+    )
+    elastic_hardware: str = option(
+        "",
+        "--train.elastic: re-plan a smaller mesh with `plan --search` on this hardware profile"
+        " (h100, h200, a100, tpu-v5p, cpu); empty = the --mesh axes shrunk on data, then fsdp",
+    )
     skip_memory_check: bool = option(
         False,
         "skip the start-up check of the step's per-device memory against what the machine has",
@@ -150,6 +167,11 @@ class TrainConfig:
             )
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"--optim.name '{self.optimizer}': valid: {', '.join(OPTIMIZERS)}")
+        if self.elastic and not self.max_restarts:
+            raise UserError(
+                "--train.elastic true: needs the supervisor, which re-plans and restarts the"
+                " processes; add --max-restarts N (N >= 1)"
+            )
         if 0 < self.spike_factor < 1:
             raise UserError(
                 f"--train.spike_factor {self.spike_factor}: must be 0 (off) or >= 1 (every loss above the"
@@ -359,6 +381,11 @@ class CheckpointConfig:
     )
     local_keep: int = ranged(
         2, ">=1", help="the latest K local-tier steps are kept on each process"
+    )
+    local_peer: bool = option(
+        True,
+        "with several processes: each process also keeps the previous process's local copy"
+        " (<local_dir>/process-<i>-peer), so that losing one host's disk loses no local step",
     )
 
     def validate(self) -> CheckpointConfig:

@@ -60,6 +60,11 @@ COMMANDS = {
         "python -m train plan",
         _plan,
     ),
+    "doctor": (
+        "check a run's environment, cluster, layout and inputs before it runs",
+        "python -m train doctor",
+        lambda a: _train(["doctor", *a]),
+    ),
     "report": (
         "plot a run's metrics and summarise it in markdown",
         "python -m train report",

@@ -195,6 +195,11 @@ def breakdown_text(rec: dict) -> str:
         if rec["restarts"]
         else ""
     )
+    if rec.get("elastic_shrinks") or rec.get("elastic_grows"):
+        extra += (
+            f"; the mesh shrank {rec['elastic_shrinks']} and grew {rec['elastic_grows']} time(s)"
+            f" ({rec.get('elastic_resize_s', 0.0):.0f}s between attempts)"
+        )
     idle = rec.get(IDLE, 0.0)
     extra += f"; {idle:.0f}s idle between attempts, not counted" if idle >= 1 else ""
     return (

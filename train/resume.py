@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from checkpoint import finite, storage
+from checkpoint import finite, peer_copy, storage
 from checkpoint.integrity import UnreadableCheckpoint
 from checkpoint.layout import replica_layout, tokenizer_record
 from checkpoint.manager import Checkpointer, open_checkpoint
@@ -94,6 +94,8 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
         point = ResumePoint(src, step)
     if local:
         drop_after(local, point.step if point else None)
+        for copies in local.companions:  # the peer copies (checkpoint/peer_copy.py)
+            drop_after(copies, point.step if point else None)
     if point and point.step >= run.cfg.train.steps:
         point.src.check_compatible(point.step, saved_abstract(run, abstract, point.src, point.step))
     return point
@@ -108,20 +110,35 @@ def _newest_local(
     cannot read (set aside there as `<step>.unreadable`) or holds for another mesh layout is
     skipped by all, each process reading only its own copy (no collective while they disagree)."""
     newest_shared = saver.latest_step()
-    for step in steps_everywhere(local):
+    c = run.cfg.checkpoint
+    peer = (
+        peer_copy.peer_tier(local, c.local_dir, keep=c.local_keep, async_save=c.async_save)
+        if c.local_peer
+        else None
+    )
+    candidates = peer_copy.recoverable_steps(local, peer) if peer else steps_everywhere(local)
+    for step in candidates:
         if newest_shared is not None and step <= newest_shared:
             break
         restored, why, damaged = None, "", False
         try:
-            why = saved_elsewhere(local, step, run.mesh) or (
-                ""
-                if saved_abstract(run, abstract, local, step) is abstract
-                else f"local step {step} was saved with other --comm settings"
-            )
-            restored = None if why else local.restore(step, abstract)
+            if peer is None or step in local.all_steps():  # else the next process's copy serves
+                why = saved_elsewhere(local, step, run.mesh) or (
+                    ""
+                    if saved_abstract(run, abstract, local, step) is abstract
+                    else f"local step {step} was saved with other --comm settings"
+                )
+                restored = None if why else local.restore(step, abstract)
         except UserError as e:  # damaged, or saved with other settings: the persistent tier decides
             why, damaged = str(e), isinstance(e, UnreadableCheckpoint)
         if all_processes(not why):
+            try:  # a process without its own copy: its shards from the next process's copy
+                restored = (
+                    peer and peer_copy.complete(peer, step, abstract, run.mesh, restored)
+                ) or restored
+            except UserError as e:  # every process raises it alike
+                print(f"warning: {e}; not resuming from local step {step}", flush=True)
+                continue
             return ResumePoint(local, step, restored)
         if why:  # every process names the reason of its own copy
             moved = f"; set aside as {local.set_aside(step)}" if damaged else ""

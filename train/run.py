@@ -21,7 +21,7 @@ from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
 from models import context
 from models.flops import flops_per_token, param_count
-from train import faults, resume
+from train import elastic, faults, resume
 from train.config import dump
 from train.device_memory import MEMORY_FIELDS, figures
 from train.goodput import Goodput
@@ -62,6 +62,8 @@ class Run:
     delay_s: float = 0.0  # BRIGADE_INJECT_STEP_DELAY: this process sleeps this long after each step
     spike_at: set[int] = dataclasses.field(default_factory=set)  # BRIGADE_INJECT_SPIKE_STEPS
     spike_target: int = 0  # the token id every target of an injected spike's batch becomes
+    # in every record: the mesh and an elastic job's counts (train/elastic.py record_fields)
+    fields: dict = dataclasses.field(default_factory=dict)
     history: list[dict] = dataclasses.field(default_factory=list)
     eval_history: list[dict] = dataclasses.field(default_factory=list)
 
@@ -107,6 +109,7 @@ class Run:
             delay_s=faults.current().delay_s(me),
             spike_at=faults.current().spike_steps,
             spike_target=cfg.model.vocab_size - 1,
+            fields=elastic.record_fields(cfg, mesh),
         )
 
     def step(self, step_fn, state, batch, step: int):
@@ -149,6 +152,7 @@ class Run:
         )  # absent: no counters
         fields, straggler = self.stragglers.observe(step, rec)
         rec.update(fields)
+        rec.update(self.fields)
         self._emit(rec, self.history)
         self.log.advance(rec["steps_since_log"])
         if bad:

@@ -54,6 +54,7 @@ _SECTIONS = {"model", "train", "parallelism", "data", "logging", "checkpoint"}
 DEFAULT_RUN_DIR = os.path.join(
     "runs", "latest"
 )  # logging.run_dir's default: a fresh named run under runs/
+ELASTIC = "elastic"  # an elastic job's membership files (train/rendezvous.py)
 # The environments in which jax.distributed joins a multi-process job by itself (mesh/build.py).
 _CLUSTER_ENVS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
 
@@ -82,7 +83,10 @@ def check_writable_run_dir(path: str, flag: str = "--run-dir") -> None:
             f"{flag} {path}: exists and is not a directory; choose a new or empty directory"
         )
     # a lock alone is a run that died as it started
-    entries = sorted(e for e in storage.listdir(path) if e != LOCK and not _is_job_log(path, e))
+    # the supervisors of an elastic job meet in ELASTIC before the first attempt claims the run
+    entries = sorted(
+        e for e in storage.listdir(path) if e not in (LOCK, ELASTIC) and not _is_job_log(path, e)
+    )
     if not entries or is_run_dir(path):
         return
     shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")

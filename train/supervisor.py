@@ -72,11 +72,11 @@ def describe(code: int) -> str:
     return REASONS.get(code, FINAL.get(code, f"exit status {code}"))
 
 
-def _last_logged_step(run_dir: str) -> int | None:
+def last_logged_step(run_dir: str) -> int | None:
     return max((r["step"] for r in read_records(run_dir)), default=None)
 
 
-def _checkpoint_step(ckpt_dir: str) -> int | None:
+def checkpoint_step(ckpt_dir: str) -> int | None:
     """The newest committed step (Orbax renames a step dir into place only once it is complete)."""
     try:
         steps = [int(d) for d in storage.listdir(ckpt_dir) if d.isdigit()]
@@ -85,7 +85,7 @@ def _checkpoint_step(ckpt_dir: str) -> int | None:
     return max(steps, default=None)
 
 
-def _record(run_dir: str, restart: dict) -> None:
+def record_restart(run_dir: str, restart: dict) -> None:
     """One line in <run_dir>/restarts.jsonl, once the child has made run_dir a Brigade run
     directory: a file written into a directory the child never claimed (it died before, or it
     is the user's) would make the restarted child refuse that directory as not its own."""
@@ -121,7 +121,7 @@ def supervise(
     try:
         while True:
             started = time.time()
-            saved = _checkpoint_step(ckpt_dir) if restarts else None
+            saved = checkpoint_step(ckpt_dir) if restarts else None
             child = subprocess.Popen([*program, *child_argv(argv, fresh, saved)], env=env)
             print(
                 f"supervisor: training started (pid {child.pid}, restart {restarts}/{max_restarts})",
@@ -139,7 +139,7 @@ def supervise(
                     )
                 break
             restarts += 1
-            logged, saved = _last_logged_step(run_dir), _checkpoint_step(ckpt_dir)
+            logged, saved = last_logged_step(run_dir), checkpoint_step(ckpt_dir)
             lost = max(0, (logged or 0) - (saved or 0))
             lost_total += lost
             print(
@@ -149,7 +149,7 @@ def supervise(
                 file=sys.stderr,
                 flush=True,
             )
-            _record(
+            record_restart(
                 run_dir,
                 {
                     "restart": restarts,
