@@ -123,7 +123,7 @@ def planned(argv: list[str], devices: int, hardware: str, micro_batches: int) ->
     code = (
         "import json, sys\n"
         "from plan.cli import analytic, make_plan_parser\n"
-        "from plan.report import run_flags\n"
+        "from plan.render import run_flags\n"
         "from train.config import build\n"
         "ns = make_plan_parser().parse_args(sys.argv[1:])\n"
         "over = {k: v for k, v in vars(ns).items() if '.' in k}\n"

@@ -11,10 +11,10 @@ from errors import UserError
 from mesh.build import make_mesh
 from mesh.rules import make_rules
 from mesh.spec import AXES, mesh_text, resolve
-from plan import hardware, search
+from plan import estimate, hardware, search
 from plan.cli import MAX_SEARCH_DEVICES, check_search_size
 from plan.doctor.report import Check, fail, ok, warn
-from plan.report import run_flags
+from plan.render import run_flags
 from train.memory import available_bytes
 from train.setup import setup
 from train.shapes import batch_shards
@@ -82,7 +82,7 @@ def mesh_and_setup(cfg, devices: list) -> tuple[list[Check], object, object]:
 def predicted_row(cfg, sizes: dict, dcn: dict, hw) -> dict:
     """plan's formulas for this run on `sizes` (memory, compute and communication times)."""
     p, t = cfg.parallelism, cfg.train
-    return search.evaluate(
+    return estimate.evaluate(
         cfg.model,
         sizes,
         hw,
