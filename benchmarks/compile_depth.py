@@ -7,9 +7,9 @@ import time
 
 import common  # noqa: F401
 
-from train import state as train_state
-from train.config import build
-from train.loop import Trainer
+from train.core import state as train_state
+from train.core.config import build
+from train.run.loop import Trainer
 
 
 def compile_seconds(layers: int, scan: bool) -> float:

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from mesh.build import make_mesh
-    from train.config import DataConfig
+    from train.core.config import DataConfig
     from train.data.pipeline import make_pipeline
 
     work = tempfile.mkdtemp(prefix="brigade-data-bench-")
@@ -199,9 +199,9 @@ def train_wait(steps: int) -> None:
     """The default run's model and shapes on 1 device, fed by the pipeline's prefetch thread."""
     import jax
 
-    from train.config import build
+    from train.core.config import build
     from train.data.pipeline import make_pipeline
-    from train.loop import Trainer
+    from train.run.loop import Trainer
 
     cfg = build({"train.steps": steps, "logging.progress": False})
     tr = Trainer(cfg, devices=jax.devices()[:1])

@@ -27,9 +27,9 @@ import numpy as np
 
 from mesh.rules import axis_rules
 from plan.report import analyze
-from train import lora
-from train.config import build
-from train.loop import Trainer
+from train.core import lora
+from train.core.config import build
+from train.run.loop import Trainer
 
 # the layers unrolled (scan_layers false): XLA's cost analysis counts a loop body once, so only then
 # are the compiled FLOPs every layer's

@@ -32,8 +32,8 @@ from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import moe
 from models.presets import PRESETS
 from plan.report import analyze
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 
 def _time(fn, *args, reps: int) -> float:

@@ -15,8 +15,8 @@ import optax
 
 from mesh.rules import axis_rules
 from models import model as model_lib
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 
 def framework(overrides: dict, steps: int) -> float:

@@ -27,8 +27,8 @@ from plan.report import (
     render_search,
     run_flags,
 )
-from train.config import build, make_parser
-from train.setup import setup
+from train.core.config import build, make_parser
+from train.core.setup import setup
 
 # `--search N` enumerates every ordered factorisation of N over the mesh axes, then prices those the
 # model allows: ~70 us a candidate to reject, 20-40 ms one to price (70b, --batch-size N, one busy
@@ -98,7 +98,7 @@ def add_args(parser) -> None:
 
 
 def make_plan_parser():
-    """The run's flags (train/config.py) and plan's own."""
+    """The run's flags (train/core/config.py) and plan's own."""
     parser = make_parser(
         "python -m train plan",
         "Compile the train step ahead of time and report memory,"

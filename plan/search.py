@@ -30,9 +30,9 @@ from models.pipeline import EXPLICIT, TIMETABLES, bubble_counted, schedule_bubbl
 from plan import cost
 from plan.hardware import Hardware
 from plan.theory import RunSpec, abstract_mesh, rows_per_shard, theory
-from train import optim
-from train.config import CommConfig, TrainConfig
-from train.shapes import batch_shards, seq_shards, validate_batch, validate_run
+from train.core import optim
+from train.core.config import CommConfig, TrainConfig
+from train.core.shapes import batch_shards, seq_shards, validate_batch, validate_run
 
 
 def factorizations(n: int, n_axes: int = len(AXES)) -> list[tuple[int, ...]]:
@@ -167,7 +167,7 @@ def activation_bytes(
     the residual stream's [D] terms (input, norms, residual, the projections' reduced outputs) by `model`. `full` remat keeps only
     each layer's input, `dots` the matmul outputs; the backward pass of one layer needs its full
     set once more; the LM head's float32 logits, softmax and gradient ([T,V/model] each) come on
-    top, or one chunk's where the loss is chunked (train.step.loss_chunk's rule). One forward
+    top, or one chunk's where the loss is chunked (train.core.step.loss_chunk's rule). One forward
     pass holds batch / micro_batches rows split over `shards` (the rules' batch axes); gradient
     accumulation keeps one pass. A pipeline cuts the pass into `pipeline_microbatches` and, with
     `schedule` gpipe or circular, keeps every one's saved activations until its backward pass, so

@@ -26,11 +26,11 @@ from models import pipeline as pipeline_lib
 from models.attention import fused_qkv
 from models.config import ModelConfig, PipelineConfig
 from models.moe_dispatch import exchange_for
-from train.config import CommConfig, TrainConfig
-from train.shapes import batch_shards, seq_shards
+from train.core.config import CommConfig, TrainConfig
+from train.core.shapes import batch_shards, seq_shards
 
 if TYPE_CHECKING:
-    from train.setup import RunSetup
+    from train.core.setup import RunSetup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class RunSpec:
 
 
 def run_spec(s: RunSetup) -> RunSpec:
-    """The spec of a run set up on a real mesh (train.setup.setup)."""
+    """The spec of a run set up on a real mesh (train.core.setup.setup)."""
     c = s.cfg
     return RunSpec(
         model=c.model,

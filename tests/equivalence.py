@@ -18,11 +18,11 @@ import jax
 import numpy as np
 
 from mesh.rules import axis_rules
-from train import comm
-from train.config import build
-from train.loop import Trainer
-from train.state import TrainState
-from train.step import grads_loss_stats
+from train.core import comm
+from train.core.config import build
+from train.core.state import TrainState
+from train.core.step import grads_loss_stats
+from train.run.loop import Trainer
 
 BATCH, SEQ = 8, 32
 WARMUP, COMPARED = 2, 3  # steps run before the comparison starts, steps compared after it
@@ -136,7 +136,7 @@ def run_steps(tr: Trainer, batches: list[dict], params0) -> dict:
 
 def gradients(tr: Trainer, params, batch: dict):
     """(mean loss, gradient pytree) of the objective the train step differentiates (cross-entropy
-    + MoE balance losses), through train.step.grads_loss_stats on the trainer's mesh with its
+    + MoE balance losses), through train.core.step.grads_loss_stats on the trainer's mesh with its
     micro-batches, data-parallel axes and pipeline schedule; gradients laid out like the params."""
     t = tr.cfg.train
     fn = functools.partial(

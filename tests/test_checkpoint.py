@@ -23,8 +23,8 @@ from cpu_env import cpu_env
 from checkpoint.manager import Checkpointer, open_checkpoint
 from checkpoint.owner import RECORD
 from errors import UserError
-from train.config import build, from_args
-from train.loop import Trainer
+from train.core.config import build, from_args
+from train.run.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8, PYTHONUNBUFFERED="1")

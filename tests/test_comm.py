@@ -1,4 +1,4 @@
-"""train/comm.py on 8 fake devices (data=4 replicas x model=2): gradient sync strategies, error
+"""train/core/comm.py on 8 fake devices (data=4 replicas x model=2): gradient sync strategies, error
 feedback, HLO bytes, a small convergence check, and DiLoCo's outer step."""
 
 import jax
@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from errors import UserError
 from mesh.build import make_mesh
 from plan.hlo import parse_collectives, summarize
-from train import comm
+from train.core import comm
 
 R, DP = 4, ("data",)
 SPECS = {"w": P(None, "model"), "b": P()}  # two sharding groups: model-sharded and replicated
@@ -330,8 +330,8 @@ def test_validate():
 
 
 def test_error_feedback_auto_is_on_for_quantisers_off_for_topk():
-    from train.config import build, from_args
-    from train.sections import error_feedback_on
+    from train.core.config import build, from_args
+    from train.core.sections import error_feedback_on
 
     assert [error_feedback_on(c, "auto") for c in ("none", "int8", "int4", "topk")] == [
         False,
@@ -360,8 +360,8 @@ def test_clip_replicas_clips_each_replica_alone():
 
 
 def _fit(tmp_path, name, **comm_opts):
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     cfg = build(
         {
@@ -391,10 +391,10 @@ def test_train_step_with_compression_and_diloco(tmp_path):
     """Once train/{config,state,step,loop}.py carry the comm integration: int8 + error feedback
     tracks the float32 run, the residual lives in the state sharded over data, and DiLoCo
     (sync_every 2) trains from the same start."""
-    from train.config import SECTIONS
+    from train.core.config import SECTIONS
 
     if "comm" not in SECTIONS:
-        pytest.skip("train/config.py has no `comm` section yet (integration pending)")
+        pytest.skip("train/core/config.py has no `comm` section yet (integration pending)")
     _, base = _fit(tmp_path, "none")
     tr, int8 = _fit(tmp_path, "int8", compression="int8")
     assert int8[0] == base[0]  # same start: the first loss precedes any sync
@@ -411,7 +411,7 @@ def test_train_step_with_compression_and_diloco(tmp_path):
 
 def test_config_knows_every_compression():
     from mesh.collectives import METHODS
-    from train.sections import COMPRESSIONS
+    from train.core.sections import COMPRESSIONS
 
     assert COMPRESSIONS == (
         "none",

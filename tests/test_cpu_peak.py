@@ -1,4 +1,4 @@
-"""MFU on CPU (train/cpu_peak.py, train/metrics.py): the peak is the cores' FMA peak from the
+"""MFU on CPU (mesh/devices.py, train/run/metrics.py): the peak is the cores' FMA peak from the
 CPU's flags and clock, which a loaded machine does not lower (a matmul timed at start-up did, and
 MFU read 139-238%); a step faster than the peak raises the peak, in one line, never an MFU over
 100%."""
@@ -6,8 +6,9 @@ MFU read 139-238%); a step faster than the peak raises the peak, in one line, ne
 import jax
 import pytest
 
-from train import cpu_peak, metrics
-from train.goodput import Goodput
+from mesh import devices as cpu_peak
+from train.run import metrics
+from train.run.goodput import Goodput
 
 INTEL = """processor	: 0
 model name	: Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz

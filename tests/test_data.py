@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from errors import UserError
 from mesh.build import make_mesh
-from train.config import DataConfig
+from train.core.config import DataConfig
 from train.data import corpus, prepare, tokenizers
 from train.data.pipeline import Pipeline, _round_keys, make_pipeline, mix, permute, proportions
 from train.data.sources import load_prepared, parse_mixture

@@ -30,8 +30,8 @@ from equivalence import (
 from mesh.collectives import BLOCK, QMAX
 from mesh.rules import axis_rules
 from mesh.shard import spec_axes
-from train import comm
-from train.step import grads_loss_stats
+from train.core import comm
+from train.core.step import grads_loss_stats
 
 MESH, R = "data=8", 8
 CLIP = 0.5  # per-replica clipping before the sync is part of the path: low enough that it clips

@@ -22,7 +22,7 @@ from equivalence import (
 
 from errors import UserError
 from mesh.rules import head_layout, make_rules
-from train.step import token_xent
+from train.core.step import token_xent
 
 VOCAB = 264  # the tiny preset's: divisible by 8 (fsdp=8) and by 4 (fsdp=2 x model=2)
 

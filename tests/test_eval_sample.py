@@ -1,5 +1,5 @@
-"""`python -m train eval` and `python -m train sample` (train/evaluate.py, train/sample_cli.py) and
-the tokenizer check of --init-from and eval (train/resume.py): a tiny chat model fine-tuned for two
+"""`python -m train eval` and `python -m train sample` (train/cli/evaluate.py, train/cli/sample.py) and
+the tokenizer check of --init-from and eval (train/run/resume.py): a tiny chat model fine-tuned for two
 steps in-process, once, then every command through its main(argv)."""
 
 import json
@@ -18,11 +18,13 @@ from errors import UserError
 from mesh.rules import axis_rules
 from models.hf import Model
 from models.sample import generate
-from train import evaluate, resume, sample_cli
-from train.__main__ import main as train_main
-from train.config import build
+from train.cli import evaluate
+from train.cli import sample as sample_cli
+from train.cli.main import main as train_main
+from train.core.config import build
 from train.data import chat, make_pipeline, prepare, tokenizers
-from train.loop import Trainer
+from train.run import resume
+from train.run.loop import Trainer
 
 VOCAB = 320  # the model's: above the tiny BPE vocabulary below (300) and the byte tokenizer's (264)
 TEMPLATE = (

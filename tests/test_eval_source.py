@@ -1,4 +1,4 @@
-"""--data.eval_source (train/data/evalsets.py, train/loop.py): a run's periodic eval on named
+"""--data.eval_source (train/data/evalsets.py, train/run/loop.py): a run's periodic eval on named
 prepared datasets. One tiny float32 run with two sets (one with a loss mask), once; its logged
 eval/<NAME>/loss is `python -m train eval` on the checkpoint of that step, the same run without
 the sets trains identically, and bad specs are one line each."""
@@ -14,15 +14,15 @@ from data_files import TEXTS, tiktoken_file
 from test_train import _tb_scalars
 
 from checkpoint.manager import open_checkpoint
-from train import evaluate
-from train.__main__ import main as train_main
-from train.config import build
+from train.cli import evaluate
+from train.cli.main import main as train_main
+from train.core.config import build
 from train.data import prepare
 from train.data.evalsets import open_eval_source
-from train.loop import Trainer
-from train.metrics import eval_text
-from train.run import eval_record
-from train.sinks import step_line
+from train.run.loop import Trainer
+from train.run.metrics import eval_text
+from train.run.run import eval_record
+from train.run.sinks import step_line
 
 STEPS, EVAL_EVERY, EVAL_BATCHES = 4, 2, 2
 

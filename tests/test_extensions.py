@@ -13,10 +13,10 @@ from mesh.build import make_mesh
 from models import model
 from models.presets import PRESETS
 from plan.report import analyze
-from train import state as train_state
-from train.config import build
+from train.core import state as train_state
+from train.core.config import build
 from train.data.external import IterableData
-from train.loop import Trainer
+from train.run.loop import Trainer
 
 MESH = "data=2,fsdp=2,model=2"
 B, T, V = 8, 32, PRESETS["tiny"].vocab_size

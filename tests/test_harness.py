@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness adapter (train/harness.py): a tiny model trained two steps on text
+"""The lm-evaluation-harness adapter (train/cli/harness.py): a tiny model trained two steps on text
 prepared with a tiny BPE tokenizer (the checkpoint records it), opened once as lm_eval's "brigade"
 model; its log-likelihoods and generations against the model's own logits and models/sample.py,
 and real lm_eval runs on local tasks written here."""
@@ -22,9 +22,9 @@ from mesh.rules import axis_rules  # noqa: E402
 from models import model  # noqa: E402
 from models.hf import Model  # noqa: E402
 from models.sample import generate  # noqa: E402
-from train import harness  # noqa: E402
-from train.config import build  # noqa: E402
-from train.loop import Trainer  # noqa: E402
+from train.cli import harness  # noqa: E402
+from train.core.config import build  # noqa: E402
+from train.run.loop import Trainer  # noqa: E402
 
 MAX_LENGTH = 32  # the adapter's window: short, so that rolling documents span several
 HAND_PAD = 7  # the hand computations' padding (the adapter's is 0)

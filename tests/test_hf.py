@@ -293,7 +293,7 @@ def test_cli_import_inspect_train_shapes_export(tmp_path):
     from checkpoint.__main__ import describe
     from mesh.shard import path_names
     from models import model as model_lib
-    from train.config import build
+    from train.core.config import build
 
     make_hf(tmp_path / "hf", **CASES["gqa"])
     r = subprocess.run(
@@ -372,8 +372,8 @@ def test_export_refuses_what_hf_cannot_express():
 def test_init_from_imported_checkpoint(tmp_path, case, mesh):
     """`--init-from` an imported checkpoint: every parameter lands bit-exact in the new mesh's
     shardings, with a fresh optimizer state at step 0; a model config that does not match is one line."""
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     if not hasattr(Trainer, "init_from"):
         pytest.skip("the trainer has no --init-from yet")

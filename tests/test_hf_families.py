@@ -261,7 +261,7 @@ def test_unsupported_config_is_one_line(config, words):
 
 
 def test_bad_options_are_one_line():
-    from train.config import build
+    from train.core.config import build
 
     with pytest.raises(UserError, match=r"^--model.sliding_window -1: must be an integer >= 0$"):
         build({"model.preset": "tiny", "model.sliding_window": -1})
@@ -274,7 +274,7 @@ def test_bad_options_are_one_line():
 
 
 def test_qkv_biases_and_qk_norms_get_no_weight_decay():
-    from train import optim
+    from train.core import optim
 
     cfg = dataclasses.replace(preset("tiny"), qkv_bias=True)
     attn = optim.decay_mask(model_lib.abstract_params(cfg), decay_embeddings=False)["blocks"][

@@ -20,7 +20,7 @@ ALLOWED = {
     "plan": {"mesh", "models", "checkpoint", "train"},
 }
 # The entry points that dispatch to a package above them: `python -m train plan` runs plan's CLI.
-CLI_DISPATCH = {("train.__main__", "plan")}
+CLI_DISPATCH = {("train.cli.main", "plan")}
 # Deprecated aliases that import upward, inside a function run only when an old name is asked for:
 # models.hf's module __getattr__ (models/hf_moved.py) hands out the names that moved to
 # checkpoint.hf and checkpoint.hf_files (with a DeprecationWarning, for one release). Nothing

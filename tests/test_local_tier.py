@@ -23,8 +23,8 @@ from test_multiprocess import FLAGS, TIMEOUT_S, Children, child_env, free_port, 
 from checkpoint.__main__ import describe
 from checkpoint.tiers import process_dir
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 BASE = {
     "model.preset": "tiny",

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
-from train.metrics import peak_flops
-from train.resilience import Diverged
+from train.core.config import build
+from train.run.loop import Trainer
+from train.run.metrics import peak_flops
+from train.run.resilience import Diverged
 
 BASE = {
     "model.preset": "tiny",
@@ -129,9 +129,9 @@ def test_diloco_state_onto_another_data_parallel_size_is_refused_naming_why(tmp_
 
 
 def test_a_step_too_large_for_the_machine_is_refused_before_allocating(tmp_path, monkeypatch):
-    import train.memory
+    import train.core.memory
 
-    monkeypatch.setattr(train.memory, "_host_available", lambda: 64 * 1024)
+    monkeypatch.setattr(train.core.memory, "_host_available", lambda: 64 * 1024)
     tr = trainer(tmp_path, **{"train.steps": 1})
     monkeypatch.setattr(
         tr, "create_state", lambda: pytest.fail("allocated before the memory check")

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (train/lora.py): the model at step 0 is the base, the adapters' gradient is the
+"""LoRA fine-tuning (train/core/lora.py): the model at step 0 is the base, the adapters' gradient is the
 chain rule through W + scale A B, a run on data=2,fsdp=2,model=2 matches one device and never
 touches the base, the optimizer state and checkpoints hold the adapters only, a resume is exact
 and refuses a changed base, and the HF export merges. Float32, the tiny preset, 8 fake CPU devices."""
@@ -27,10 +27,10 @@ from checkpoint.manager import Checkpointer, open_checkpoint
 from errors import UserError
 from mesh.rules import axis_rules
 from models import model
-from train import lora
-from train.config import build
-from train.state import TrainState
-from train.step import grads_loss_stats, loss_sums
+from train.core import lora
+from train.core.config import build
+from train.core.state import TrainState
+from train.core.step import grads_loss_stats, loss_sums
 
 MESH = "data=2,fsdp=2,model=2"
 TINY = {"model.preset": "tiny", "model.dtype": "float32"}

@@ -23,9 +23,9 @@ from checkpoint.manager import Checkpointer
 from mesh.build import make_mesh
 from models import model
 from plan.report import analyze, render
-from train import lora
-from train.config import build
-from train.setup import setup
+from train.core import lora
+from train.core.config import build
+from train.core.setup import setup
 
 MICRO = 4  # pipeline micro-batches: 2 rows each of the 8-row batch, split over fsdp=2
 # name -> (mesh, overrides): every case a LoRA run against its own one-device twin
@@ -38,7 +38,7 @@ CASES = {
         "pipeline=2,fsdp=2,model=2",
         {"pipeline.microbatches": MICRO, "pipeline.schedule": "1f1b"},
     ),
-    # MoE experts get no adapters (train/lora.py), so the attention projections do
+    # MoE experts get no adapters (train/core/lora.py), so the attention projections do
     "moe": ("expert=2,fsdp=2,model=2", {"model.preset": "moe-tiny", "lora.targets": "q,k,v,o"}),
 }
 

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.loss import chunked_token_xent, token_xent
-from train import step
+from train.core import step
 
 
 def full_xent(x_BTD, head_DV, targets_BT):

@@ -20,9 +20,9 @@ from models import moe, moe_dispatch, moe_router
 from models.flops import active_param_count, matmul_param_count, param_count
 from models.presets import PRESETS
 from plan.hlo import parse_collectives
-from train.config import build
-from train.loop import Trainer
-from train.step import grads_and_loss
+from train.core.config import build
+from train.core.step import grads_and_loss
+from train.run.loop import Trainer
 
 CFG = dataclasses.replace(PRESETS["moe-tiny"], dtype="float32")
 N_B, N_T = 4, 8

@@ -73,8 +73,8 @@ def test_import_refuses_nonfinite_weights_naming_the_tensor(
 
 
 def test_allowed_import_then_init_from_refuses_naming_the_parameter(hf_dir, tmp_path):
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     src, out = _damaged(hf_dir, tmp_path, Q_PROJ, np.nan), str(tmp_path / "ckpt")
     assert checkpoint_main(["hf", "import", src, "--out", out, "--allow-nonfinite"]) == 0
@@ -98,10 +98,10 @@ def test_allowed_import_then_init_from_refuses_naming_the_parameter(hf_dir, tmp_
 
 
 def test_lora_base_with_nonfinite_weights_is_refused(hf_dir, tmp_path):
-    """A LoRA run reads its frozen --init-from base itself (train/lora.py), not through the
+    """A LoRA run reads its frozen --init-from base itself (train/core/lora.py), not through the
     --init-from restore: the same check applies there."""
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     src, out = _damaged(hf_dir, tmp_path, Q_PROJ, np.nan), str(tmp_path / "ckpt")
     assert checkpoint_main(["hf", "import", src, "--out", out, "--allow-nonfinite"]) == 0

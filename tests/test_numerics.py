@@ -14,10 +14,10 @@ from errors import UserError
 from mesh.rules import axis_rules
 from models import model as model_lib
 from models.config import DTYPES
-from train import optim
-from train import state as train_state
-from train.config import TrainConfig, build
-from train.loop import Trainer
+from train.core import optim
+from train.core import state as train_state
+from train.core.config import TrainConfig, build
+from train.run.loop import Trainer
 
 PARAM_DTYPES = DTYPES[1:]  # "auto" is a compute dtype only
 COMPUTE_DTYPES = [

@@ -317,8 +317,8 @@ def test_pipeline_apply_validates_before_tracing_layers():
 
 
 def trainer_for(mesh: str, tmp_path, **over):
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     d = {
         "model.preset": "tiny",
@@ -491,7 +491,7 @@ def test_plan_reports_pipeline(tmp_path):
     ],
 )
 def test_cli_bad_pipeline_config_is_one_line(tmp_path, capsys, argv, culprit):
-    from train.__main__ import main
+    from train.cli.main import main
 
     rc = main(
         ["--model", "tiny", "--steps", "1", "--batch-size", "8", "--run-dir", str(tmp_path), *argv]

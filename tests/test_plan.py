@@ -13,8 +13,8 @@ from cpu_env import cpu_env
 
 from plan.hlo import KINDS
 from plan.report import analyze, memory_traffic
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,8 +15,8 @@ from models.presets import preset
 from plan import cli, hardware, search
 from plan.report import analyze, run_flags
 from plan.theory import on_backend, run_spec, theory
-from train.config import TrainConfig, build
-from train.loop import Trainer
+from train.core.config import TrainConfig, build
+from train.run.loop import Trainer
 
 
 def test_factorizations():

@@ -16,10 +16,10 @@ from jax.sharding import PartitionSpec as P
 from mesh.rules import axis_rules, logical_to_spec
 from mesh.shard import axes_size
 from models import model as model_lib
-from train.config import build
+from train.core.config import build
+from train.core.step import grads_and_loss
 from train.data import make_pipeline
-from train.loop import Trainer
-from train.step import grads_and_loss
+from train.run.loop import Trainer
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=2,model=2", "model=4,fsdp=2"]
 KV4 = {"model.n_heads": 4, "model.n_kv_heads": 4}  # so that model=4 divides the kv heads

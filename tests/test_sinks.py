@@ -1,4 +1,4 @@
-"""train/sinks.py: the console (bar, plain lines, nothing), W&B offline (its run id kept in the run
+"""train/run/sinks.py: the console (bar, plain lines, nothing), W&B offline (its run id kept in the run
 directory, so a second run on it continues the same W&B run), and a real run without a terminal."""
 
 import glob
@@ -11,9 +11,9 @@ import pytest
 from cpu_env import cpu_env
 
 from errors import UserError
-from train import sinks
-from train.config import build
-from train.metrics import MetricsLogger
+from train.core.config import build
+from train.run import sinks
+from train.run.metrics import MetricsLogger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = {

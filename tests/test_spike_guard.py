@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
-from train.state import LOSS_WINDOW, SPIKE_WARMUP, LossWindow
+from train.core.config import build
+from train.core.state import LOSS_WINDOW, SPIKE_WARMUP, LossWindow
+from train.run.loop import Trainer
 
 BASE = {
     "model.preset": "tiny",

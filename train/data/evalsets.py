@@ -1,7 +1,7 @@
 """Named evaluation sets: prepared datasets evaluated on their own, beside the training data.
 
-Two users share this: `python -m train eval CKPT --data [NAME=]DIR ...` (train/evaluate.py) and a
-run's periodic eval with `--data.eval_source [NAME=]DIR,...` (train/loop.py). Both parse the same
+Two users share this: `python -m train eval CKPT --data [NAME=]DIR ...` (train/cli/evaluate.py) and a
+run's periodic eval with `--data.eval_source [NAME=]DIR,...` (train/run/loop.py). Both parse the same
 specs, open a set the same way (its eval split: the documents a run with the same
 --data.eval_fraction and --seed holds out; or every document), check it against the model's
 tokenizer and vocabulary, and cut the same batches from it; so the loss a run logs for a set at a

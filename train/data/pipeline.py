@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from errors import UserError
-from train import faults
 from train.data.sources import Source, Stream, hash_u64, load_sources
+from train.run import faults
 
 ROUNDS = 6
 _EVAL = 0x7FFF_FFFF  # key stream of the eval order, disjoint from source indices

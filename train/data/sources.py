@@ -397,7 +397,7 @@ def parse_mixture(source: str) -> list[tuple[str, float]]:
 
 
 def _mixture_yaml(path: str) -> list[tuple[str, float]]:
-    from train.yaml_load import load  # bounded: size, UTF-8, aliases, keys given twice
+    from train.data.yaml_load import load  # bounded: size, UTF-8, aliases, keys given twice
 
     items = load(path, "--data")
     if not (

@@ -13,8 +13,8 @@ import sys
 
 from checkpoint import storage
 from errors import ArgParser, UserError
-from train.device_memory import size_text
-from train.goodput import read_records
+from train.run.device_memory import size_text
+from train.run.goodput import read_records
 
 # (file, title, y label, metric keys drawn on it, stacked); a key ending in '*' matches every key
 # with that prefix

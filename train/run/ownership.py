@@ -35,7 +35,7 @@ from checkpoint.layout import META_ITEM
 from checkpoint.owner import Owner, read_record
 from checkpoint.saving import step_list
 from errors import UserError
-from train.rundir import is_run_dir
+from train.run.rundir import is_run_dir
 
 ADOPT_FLAG = "--checkpoint.adopt true"
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from errors import UserError
 from mesh.collectives import compressed_psum
 from mesh.shard import spec_axes
-from train.sections import COMPRESSIONS, error_feedback_on  # noqa: F401  (jax-free: flag parsing uses it)
+from train.core.sections import COMPRESSIONS, error_feedback_on  # noqa: F401  (jax-free: flag parsing uses it)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,10 +4,10 @@ ckpt=CKPT[,tokenizer=SPEC,mesh=SPEC,...] --tasks T [--include_path DIR] [lm_eval
 `BrigadeLM` is lm_eval's model "brigade" (registered when this module is imported). lm-eval 0.4.x
 finds models only in its own registry (no entry points), so the `lm_eval` command does not know
 "brigade": this launcher imports the adapter and hands its arguments to lm_eval's own command line
-(`--model brigade` is added when no --model is given). From Python: `import train.harness`, then
+(`--model brigade` is added when no --model is given). From Python: `import train.cli.harness`, then
 `lm_eval.simple_evaluate(model="brigade", model_args={...}, ...)`, or pass a BrigadeLM instance.
 
-CKPT is what `python -m train eval` and `sample` take (train/evaluate.py open_model: a run, a
+CKPT is what `python -m train eval` and `sample` take (train/cli/evaluate.py open_model: a run, a
 checkpoint or a step directory, an HF import), rebuilt on `mesh` (default: every local device on
 the data axis); the tokenizer is the one the checkpoint records (or `tokenizer=SPEC`).
 
@@ -38,9 +38,9 @@ from errors import UserError, check_number, one_line_errors
 from mesh.rules import axis_rules
 from models import model
 from models.sample import pick_token
+from train.cli.evaluate import open_model
+from train.cli.sample import checkpoint_tokenizer
 from train.data import chat, tokenizers
-from train.evaluate import open_model
-from train.sample_cli import checkpoint_tokenizer
 
 try:
     from lm_eval.api.model import TemplateLM

@@ -1,4 +1,4 @@
-"""What the training loop reports to while it runs (train/loop.py builds one per run): the
+"""What the training loop reports to while it runs (train/run/loop.py builds one per run): the
 logger and the sinks, the step timer and its split (compute, data wait, host), memory, the
 straggler check, the loss-spike and non-finite warnings, recovery, saves, evals, the summary
 files; and the fault injections that drills act out."""
@@ -21,11 +21,13 @@ from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
 from models import context
 from models.flops import flops_per_token, param_count
-from train import faults, resume
-from train.config import dump
-from train.device_memory import MEMORY_FIELDS, figures
-from train.goodput import Goodput
-from train.metrics import (
+from train.core.config import dump
+from train.core.setup import RunSetup
+from train.core.shapes import seq_shards
+from train.run import faults, resume
+from train.run.device_memory import MEMORY_FIELDS, figures
+from train.run.goodput import Goodput
+from train.run.metrics import (
     MetricsLogger,
     StepProfiler,
     StepStats,
@@ -33,12 +35,10 @@ from train.metrics import (
     peak_flops,
     summary_text,
 )
-from train.resilience import Diverged
-from train.rundir import prepare_run_dir, run_dir_writes
-from train.setup import RunSetup
-from train.shapes import seq_shards
-from train.stragglers import Stragglers
-from train.watchdog import PeerHeartbeat, Watchdog
+from train.run.resilience import Diverged
+from train.run.rundir import prepare_run_dir, run_dir_writes
+from train.run.stragglers import Stragglers
+from train.run.watchdog import PeerHeartbeat, Watchdog
 
 
 @dataclasses.dataclass

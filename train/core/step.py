@@ -16,9 +16,9 @@ from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, ModelConfig
 from models.loss import token_xent
 from models.moe_router import bias_update
 from models.transformer import default_positions
-from train import comm
-from train.optim import applied_lr
-from train.state import TrainState
+from train.core import comm
+from train.core.optim import applied_lr
+from train.core.state import TrainState
 
 BATCH_BT = ("batch", "seq")
 
@@ -179,10 +179,10 @@ def grads_loss_stats(
     over dp_axes) and they are reduced once at the end, so the data-parallel all-reduce runs once
     per step rather than once per micro-batch (DDP's no_sync). Axes that do shard parameters
     (fsdp) reduce-scatter every micro-batch, as ZeRO-3 does, to keep gradients sharded.
-    `per_replica`: leave that reduction to the caller (train.comm.sync_grads): the gradient
+    `per_replica`: leave that reduction to the caller (train.core.comm.sync_grads): the gradient
     keeps its [n_dp, ...] dim, each replica's share of the mean (their sum is the mean gradient).
     `param_fn`: the model's params as a function of `params`, which are then what is differentiated
-    (LoRA: the adapters, merged into the frozen base inside the traced loss: train/lora.py).
+    (LoRA: the adapters, merged into the frozen base inside the traced loss: train/core/lora.py).
     """
 
     def objective(p, mb):
@@ -269,8 +269,8 @@ def train_step(
     loss_fn=None,
     param_fn=None,
 ) -> tuple[TrainState, dict]:
-    """`comm_cfg` (train.config.CommConfig) with a compression other than none, and dp axes:
-    the data-parallel gradient sync is train.comm.sync_grads (`param_specs`: the params'
+    """`comm_cfg` (train.core.config.CommConfig) with a compression other than none, and dp axes:
+    the data-parallel gradient sync is train.core.comm.sync_grads (`param_specs`: the params'
     PartitionSpecs) instead of XLA's all-reduce; `local_clip` > 0 then clips each replica's
     gradient to that global norm before the sync (`tx` has no clipping of its own: it would clip
     the error-feedback bursts). `pipeline`: the run's PipelineConfig. `loss_fn`: a custom per-token

@@ -38,8 +38,8 @@ import sys
 from checkpoint import storage
 from errors import UserError
 from mesh.spec import AXES, parse_spec
-from train import named_runs
-from train.goodput import (
+from train.run import named_runs
+from train.run.goodput import (
     AFTER_CLEAN_END,
     AFTER_FAILURE,
     Goodput,
@@ -98,7 +98,7 @@ def claim(run_dir: str, checkpoint_dir: str = "", undo=None):
     just as well) on process 0, and tell every process whether that worked: a context manager;
     UserError on every process when another run holds one of them. `undo()`: called on process
     0 when a UserError (a refusal) leaves the block, before the locks are released: it takes
-    back what the refused run created (train/startup.py Skeleton)."""
+    back what the refused run created (train/run/startup.py Skeleton)."""
     import jax
     import numpy as np
 
@@ -367,7 +367,7 @@ def _make_unique_dir(root: str, name: str) -> str:
 
 def withdraw_named_run(cfg) -> None:
     """A named run (start_named_run) that was refused before it wrote anything: its empty
-    directory removed and runs/latest pointed back where it was (train/named_runs.py)."""
+    directory removed and runs/latest pointed back where it was (train/run/named_runs.py)."""
     named_runs.withdraw(cfg.logging.run_dir, DEFAULT_RUN_DIR)
 
 

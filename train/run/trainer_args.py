@@ -14,15 +14,17 @@ from errors import expect, expect_callable
 
 def check(cfg, *, mesh, devices, on_log, data, eval_data, loss) -> None:
     """TypeError for the first argument of the wrong type (the optimizer and schedule are
-    train/optim.py's to check: they need optax)."""
-    from train.config import Config
+    train/core/optim.py's to check: they need optax)."""
+    from train.core.config import Config
 
     if isinstance(cfg, dict):
         raise TypeError(
-            "Trainer: cfg must be a train.config.Config, got a dict; make one with"
-            " train.config.build(overrides), e.g. Trainer(build({'model.preset': 'tiny'}))"
+            "Trainer: cfg must be a train.core.config.Config, got a dict; make one with"
+            " train.core.config.build(overrides), e.g. Trainer(build({'model.preset': 'tiny'}))"
         )
-    expect("Trainer", "cfg", cfg, Config, "a train.config.Config (from train.config.build)")
+    expect(
+        "Trainer", "cfg", cfg, Config, "a train.core.config.Config (from train.core.config.build)"
+    )
     expect(
         "Trainer", "mesh=", mesh, (Mesh, type(None)), "a jax Mesh (mesh.build.make_mesh) or None"
     )

@@ -1,7 +1,7 @@
 """Where a run's metric records go: metrics.jsonl, TensorBoard, Weights & Biases, and the console
 (a tqdm bar, or one plain line per logged step for cluster logs).
 
-Every sink is `log(record)` and `close()` (the `Sink` protocol); MetricsLogger (train/metrics.py)
+Every sink is `log(record)` and `close()` (the `Sink` protocol); MetricsLogger (train/run/metrics.py)
 holds a list of them and knows nothing of any one. A tracker reads what it needs from the run
 directory, which the run has written before its first record: config.json (the run's whole
 config: its own option too), plan.json when the user saved one there. So a tracker such as
@@ -124,7 +124,7 @@ def numbers(record: dict) -> dict:
 class JsonlSink:
     """metrics.jsonl: one JSON object per record, flushed at once (a reader tails it; on an object
     store: uploaded every half minute, see checkpoint/storage.py). JSON has no NaN: `encode`
-    (train.metrics.json_safe, which summary.json shares) makes a record writable."""
+    (train.run.metrics.json_safe, which summary.json shares) makes a record writable."""
 
     def __init__(self, run_dir: str, encode: Callable[[dict], dict]):
         self.f, self.encode = storage.AppendLog(storage.join(run_dir, "metrics.jsonl")), encode
@@ -220,9 +220,9 @@ class WandbSink:
         self.run.log(numbers(record), step=record["step"])
 
     def close(self) -> None:
-        """The report's plots (train/report.py, when matplotlib is installed), then the run ends."""
-        from train.goodput import read_records
-        from train.report import plot
+        """The report's plots (train/run/report.py, when matplotlib is installed), then the run ends."""
+        from train.run.goodput import read_records
+        from train.run.report import plot
 
         records = sorted(read_records(self.run_dir), key=lambda r: r["step"])
         if records and importlib.util.find_spec("matplotlib") is not None:

@@ -12,13 +12,13 @@ from errors import UserError, one_line_errors
 
 
 def _train(argv: list[str]) -> int:
-    from train.__main__ import main
+    from train.cli.main import main
 
     return main(argv)
 
 
 def _plan(argv: list[str]) -> int:
-    from train.__main__ import (
+    from train.cli.main import (
         main,
     )  # `python -m train plan`: train's entry point may dispatch to plan
 
@@ -26,7 +26,7 @@ def _plan(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from train.__main__ import main
+    from train.cli.main import main
 
     return main(["report", *argv])
 
@@ -38,7 +38,7 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _harness(argv: list[str]) -> int:
-    from train.harness import main
+    from train.cli.harness import main
 
     return main(argv)
 

@@ -16,9 +16,9 @@ from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
 from models import model
 from models.config import ModelConfig
-from train import comm, lora, optim
-from train.comm import SyncLayout
-from train.memory import HOST_KIND
+from train.core import comm, lora, optim
+from train.core.comm import SyncLayout
+from train.core.memory import HOST_KIND
 
 
 @flax.struct.dataclass
@@ -28,12 +28,12 @@ class TrainState:
     params: (
         Any  # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params;
     )
-    # LoRA: the adapters only, the frozen base is the step's own argument: train/lora.py)
+    # LoRA: the adapters only, the frozen base is the step's own argument: train/core/lora.py)
     opt_state: (
         Any  # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...]),
     )
-    # float32 whatever the param dtype (train/optim.py in_float32)
-    # The data-parallel sync's own state (train/comm.py), [R, ...] per param and sharded over the
+    # float32 whatever the param dtype (train/core/optim.py in_float32)
+    # The data-parallel sync's own state (train/core/comm.py), [R, ...] per param and sharded over the
     # dp axes so each device holds its own replica's; None when not in use:
     residual: Any = (
         None  # error feedback: what the compressed gradient sync has not sent yet (float32)
@@ -261,7 +261,7 @@ def create(
     lora_cfg=None,
 ) -> TrainState:
     """Initialise under jit with output shardings: every device only ever holds its own shards.
-    `lora_cfg`: fresh adapters (the base is loaded apart: train/lora.py)."""
+    `lora_cfg`: fresh adapters (the base is loaded apart: train/core/lora.py)."""
     sh = shardings(cfg, tx, mesh, rules, sync, lora_cfg=lora_cfg)
     with jax.set_mesh(mesh), axis_rules(rules):
         return jax.jit(

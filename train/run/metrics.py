@@ -1,4 +1,4 @@
-"""Throughput, MFU, step statistics, the logger that feeds the metric sinks (train/sinks.py) and
+"""Throughput, MFU, step statistics, the logger that feeds the metric sinks (train/run/sinks.py) and
 the run's summary."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoint import storage
+from mesh import devices as cpu_peak
 from mesh.spec import mesh_text
 from models.flops import param_count
-from train import cpu_peak, sinks
-from train.device_memory import size_text
-from train.goodput import Goodput, breakdown_text
-from train.resilience import exit_code
-from train.sections import profile_window
+from train.core.sections import profile_window
+from train.run import sinks
+from train.run.device_memory import size_text
+from train.run.goodput import Goodput, breakdown_text
+from train.run.resilience import exit_code
 
 # Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.
 PEAK_TFLOPS = {
@@ -58,7 +59,7 @@ def peak_flops(
     """-> (peak FLOP/s of `devices`, the mesh's (default: all), and where the figure came from).
 
     CPU fake devices share the host's cores, so their peak is the host's (per process that holds
-    some of them), not a multiple of the device count: its cores' FMA peak (train/cpu_peak.py), or
+    some of them), not a multiple of the device count: its cores' FMA peak (mesh/devices.py), or
     where the CPU's flags or clock cannot be read, its fastest measured matmul."""
     devices = list(devices) if devices is not None else jax.devices()
     if override_tflops > 0:
@@ -86,7 +87,7 @@ def peak_flops(
 
 
 class MetricsLogger:
-    """Sends each logged record to the run's sinks (train/sinks.py: metrics.jsonl, TensorBoard, the
+    """Sends each logged record to the run's sinks (train/run/sinks.py: metrics.jsonl, TensorBoard, the
     trackers its config.json turns on) and to the console (a bar, plain lines, or nothing);
     process 0 only. `progress`: --logging.progress (auto | bar | lines | none)."""
 

@@ -28,8 +28,8 @@ from checkpoint.layout import RUN_SUBDIR
 from checkpoint.owner import RECORD, Owner
 from checkpoint.tiers import LOCAL_FLAG, process_dir
 from errors import UserError
-from train.ownership import checkpoint_owner
-from train.rundir import LOCK, MARKER
+from train.run.ownership import checkpoint_owner
+from train.run.rundir import LOCK, MARKER
 
 SKELETON_FILES = frozenset({MARKER, LOCK, RECORD})
 
@@ -48,7 +48,7 @@ def local_tier_dir(cfg) -> str:
 def check_before_creating(cfg, directory: str) -> tuple[Owner, Owner | None]:
     """Everything about the run's directories that can be refused before one is created: the
     checkpoint directory `directory` on storage Orbax writes arrays to, and this run's to save
-    into (train/ownership.py); the local tier's directory creatable and writable, outside it,
+    into (train/run/ownership.py); the local tier's directory creatable and writable, outside it,
     and this run's too. -> the run as the owner of its checkpoint directory and of this
     process's local tier (None without one)."""
     c = cfg.checkpoint

@@ -28,7 +28,7 @@ from models.config import (
     ranged,
 )
 from models.presets import PRESETS, preset
-from train.cli import (
+from train.core.flags import (
     ALIASES,
     PUBLIC_NAMES,
     SHORT,
@@ -40,9 +40,9 @@ from train.cli import (
     public_flag,
     typed_fields,
 )
-from train.sections import CommConfig, LoraConfig, ProfileConfig, profile_window
+from train.core.sections import CommConfig, LoraConfig, ProfileConfig, profile_window
 
-# train/optim.py builds each from optax; named here so that parsing flags needs no JAX
+# train/core/optim.py builds each from optax; named here so that parsing flags needs no JAX
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
 
 
@@ -72,7 +72,7 @@ class TrainConfig:
     optimizer: str = option(
         "adamw",
         f"{' | '.join(OPTIMIZERS)} (flag --optim.name): optax's optimizer of that"
-        " name, inside the same guards (train/optim.py); adafactor's --lr is relative"
+        " name, inside the same guards (train/core/optim.py); adafactor's --lr is relative"
         " to each weight's RMS, lion's 3-10x below adamw's",
     )
     weight_decay: float = ranged(
@@ -310,7 +310,12 @@ class LoggingConfig:
     def validate(self) -> LoggingConfig:
         check_ranges(self, functools.partial(public_flag, "logging"))
         from checkpoint.storage import require_backend
-        from train.sinks import check_tensorboard, check_tracker, check_wandb_mode, progress_mode
+        from train.run.sinks import (
+            check_tensorboard,
+            check_tracker,
+            check_wandb_mode,
+            progress_mode,
+        )
 
         progress_mode(self.progress)
         require_backend(self.run_dir, "--run-dir")  # gs:// without gcsfs: one line, at once
@@ -465,7 +470,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="YAML file with config sections; repeatable: a later file's values win",
     )
-    # Acted on by train/__main__.py before jax is imported (mesh/xla.py); declared here for --help.
+    # Acted on by train/cli/main.py before jax is imported (mesh/xla.py); declared here for --help.
     parser.add_argument(
         "--xla-preset",
         choices=list(XLA_PRESETS),

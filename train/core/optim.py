@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from errors import UserError
-from train.config import OPTIMIZERS, TrainConfig
+from train.core.config import OPTIMIZERS, TrainConfig
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -212,8 +212,8 @@ def make(
 
 class HostResident(optax.GradientTransformation):
     """A transformation whose state is kept in pinned host memory between steps
-    (--train.offload_optimizer): train/state.py gives that state host shardings, and the jitted
-    step (train/setup.py) brings it to the device before the update and back after it."""
+    (--train.offload_optimizer): train/core/state.py gives that state host shardings, and the jitted
+    step (train/core/setup.py) brings it to the device before the update and back after it."""
 
 
 def _schedule_states(opt_state) -> list[optax.ScaleByScheduleState]:

@@ -1,7 +1,7 @@
 """Typed config sections meet the command line and YAML: a field's `--help` line read from the field
 itself (its default, valid range and help text), values coerced to the field's type without ever
 truncating, a YAML file read as a mapping of sections. Dataclasses only: which sections a
-run has is train/config.py's table; the flags' names (short aliases, public names) are here."""
+run has is train/core/config.py's table; the flags' names (short aliases, public names) are here."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from errors import UserError
-from train.yaml_load import load as load_bounded
+from train.data.yaml_load import load as load_bounded
 
 
 def parse_bool(s: str) -> bool:

@@ -10,7 +10,7 @@ those are the defaults, so that the run's own eval batches are the ones evaluate
 Each set is evaluated over its eval split (`--split eval`, the default: the documents a run with
 the same --data.eval_fraction holds out) or over all its documents (`--split all`): every window
 of --seq-len tokens once, in batches of --batch-size, or only the first --eval-batches N batches.
-The loss is Trainer.eval_loss (train/step.py eval_step): token losses weighted by the dataset's
+The loss is Trainer.eval_loss (train/core/step.py eval_step): token losses weighted by the dataset's
 loss mask, so a chat dataset's loss is over the assistant turns only. A set prepared with another
 tokenizer than the checkpoint's is refused, like --init-from (--data.allow_tokenizer_mismatch).
 """
@@ -30,10 +30,10 @@ from checkpoint.manager import Checkpointer, open_checkpoint
 from errors import ArgParser, UserError, number, one_line_errors
 from mesh.build import start_mesh
 from models.config import ModelConfig
-from train import resume
-from train.config import Config, build, make_parser
+from train.core.config import Config, build, make_parser
 from train.data import evalsets
-from train.loop import Trainer
+from train.run import resume
+from train.run.loop import Trainer
 
 SPLITS = evalsets.SPLITS
 # The run settings an evaluation takes from the checkpoint's own run unless a flag says otherwise:
@@ -72,7 +72,7 @@ class Opened:
 
 
 def command_parser(prog: str, description: str) -> ArgParser:
-    """Every run flag (train/config.py) plus the checkpoint to use."""
+    """Every run flag (train/core/config.py) plus the checkpoint to use."""
     parser = make_parser(prog, description)
     parser.add_argument(
         "ckpt",

@@ -15,7 +15,7 @@ from models import model, pipeline
 from models.config import PipelineConfig
 from models.pieces import layers_per_group
 from models.pipeline import explicit
-from train.config import TrainConfig
+from train.core.config import TrainConfig
 
 
 def batch_shards(mesh, rules) -> int:

@@ -29,7 +29,7 @@ from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
 from models import model
 from models.config import ModelConfig
-from train.config import Config, LoraConfig
+from train.core.config import Config, LoraConfig
 
 # --lora.targets name -> (module, weight, its input dims after the layer dim)
 TARGET_WEIGHTS = {

@@ -1,4 +1,4 @@
-"""The runs/ folder of named runs (train/rundir.py start_named_run): which run is the newest when
+"""The runs/ folder of named runs (train/run/rundir.py start_named_run): which run is the newest when
 `runs/latest` no longer leads to one, and taking back a named directory that a refused run made.
 
 `runs/latest` is a symbolic link to the newest named run. It dangles once its target is deleted

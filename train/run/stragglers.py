@@ -20,7 +20,7 @@ import json
 import socket
 import statistics
 
-from train.watchdog import coordination_client
+from train.run.watchdog import coordination_client
 
 _STEP_TIME = "brigade/steptime/"  # + process index: that process's latest per-step split (JSON)
 PARTS = {"compute_s": "compute", "data_wait_s": "data wait", "host_s": "host overhead"}

@@ -1,5 +1,5 @@
 """The smaller config sections, `profile`, `comm` and `lora`, with the policies that read them;
-train/config.py (the section table, flags and YAML) re-exports every name here."""
+train/core/config.py (the section table, flags and YAML) re-exports every name here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import functools
 
 from errors import UserError
 from models.fields import check_ranges, option, ranged
-from train.cli import parse_bool, public_flag
+from train.core.flags import parse_bool, public_flag
 
 
 def _flag(section: str):
@@ -130,14 +130,14 @@ def validate_comm(
     ).validate()
 
 
-# --lora.targets: the projections an adapter can wrap (train/lora.py maps them to the weights);
+# --lora.targets: the projections an adapter can wrap (train/core/lora.py maps them to the weights);
 # named here so that parsing flags needs no JAX. MoE experts are not among them.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    """The `lora` section: low-rank adapters trained on a frozen base (--init-from), train/lora.py."""
+    """The `lora` section: low-rank adapters trained on a frozen base (--init-from), train/core/lora.py."""
 
     rank: int = ranged(0, ">=0", help="adapter rank r; 0 = LoRA off (every parameter trains)")
     alpha: float = ranged(16.0, ">0", help="the adapters' update is scaled by alpha / rank")

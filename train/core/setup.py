@@ -18,13 +18,13 @@ from errors import expect
 from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules, sequence_parallel
 from mesh.shard import data_parallel_axes, tree_shardings
 from models import context, model
-from train import comm, lora, memory, optim
-from train import state as train_state
-from train.comm import SyncLayout
-from train.config import Config
+from train.core import comm, lora, memory, optim
+from train.core import state as train_state
+from train.core.comm import SyncLayout
+from train.core.config import Config
+from train.core.shapes import validate_run
+from train.core.step import local_sgd_step, train_step
 from train.data import abstract_batch as data_abstract_batch
-from train.shapes import validate_run
-from train.step import local_sgd_step, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +43,13 @@ class RunSetup:
     state_shardings: train_state.TrainState
     compute_dtype: Any
     loss_fn: Callable | None = (
-        None  # Trainer(loss=): per-token loss replacing cross-entropy (train/step.py)
+        None  # Trainer(loss=): per-token loss replacing cross-entropy (train/core/step.py)
     )
     optimizer: optax.GradientTransformation | None = (
         None  # Trainer(optimizer=): replaces AdamW inside `tx`
     )
     base_shardings: Any = (
-        None  # --lora.rank > 0: the frozen base's, the step's third argument (train/lora.py)
+        None  # --lora.rank > 0: the frozen base's, the step's third argument (train/core/lora.py)
     )
 
     @property
@@ -87,8 +87,8 @@ def setup(
     schedule: Any = None,
 ) -> RunSetup:
     """Each value from the ones before it; one line (UserError) for shapes the mesh cannot split.
-    `loss`, `optimizer`, `schedule`: the Trainer's extension points (train/loop.py)."""
-    expect("setup", "cfg", cfg, Config, "a train.config.Config (from train.config.build)")
+    `loss`, `optimizer`, `schedule`: the Trainer's extension points (train/run/loop.py)."""
+    expect("setup", "cfg", cfg, Config, "a train.core.config.Config (from train.core.config.build)")
     expect("setup", "mesh", mesh, Mesh, "a jax Mesh (mesh.build.make_mesh)")
     if optimizer is not None:
         optim.check_optimizer(optimizer, schedule)

@@ -1,9 +1,9 @@
 """The training loop: the only place with I/O. Data in; metrics, eval and a sample out.
 
 `Trainer.fit()` reads top to bottom: setup (the data, then the step, compiled and checked to fit
-in memory before anything is allocated), resume (train/resume.py picks the state to start from),
+in memory before anything is allocated), resume (train/run/resume.py picks the state to start from),
 the loop, the summary; an out-of-memory failure anywhere in it ends in one line. The run's
-pieces are computed once, in train/setup.py; what the loop reports to is train/run.py's Run.
+pieces are computed once, in train/core/setup.py; what the loop reports to is train/run/run.py's Run.
 """
 
 from __future__ import annotations
@@ -27,25 +27,26 @@ from mesh.rules import axis_rules
 from mesh.spec import mesh_text
 from models import context, model
 from models.sample import generate
-from train import faults, lora, resume, trainer_args
-from train import state as train_state
-from train.config import Config
+from train.core import lora
+from train.core import state as train_state
+from train.core.config import Config
+from train.core.memory import check_fits, step_bytes_per_device
+from train.core.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
+from train.core.step import eval_step
 from train.data import make_pipeline
 from train.data.evalsets import EvalSet, open_eval_source
 from train.data.evalsets import describe as describe_sets
 from train.data.external import IterableData
 from train.data.tokenizers import ByteTokenizer
-from train.device_memory import out_of_memory_line
-from train.goodput import Goodput
-from train.memory import check_fits, step_bytes_per_device
-from train.metrics import summary
-from train.resilience import StopSignals
-from train.run import Run, open_run
-from train.rundir import claim, start_named_run, withdraw_named_run
-from train.setup import abstract_batch, abstract_state, compile_step, jit_step, setup
-from train.startup import Skeleton, check_before_creating, checkpoint_dir, local_tier_dir
-from train.step import eval_step
-from train.watchdog import doing, set_doing
+from train.run import faults, resume, trainer_args
+from train.run.device_memory import out_of_memory_line
+from train.run.goodput import Goodput
+from train.run.metrics import summary
+from train.run.resilience import StopSignals
+from train.run.run import Run, open_run
+from train.run.rundir import claim, start_named_run, withdraw_named_run
+from train.run.startup import Skeleton, check_before_creating, checkpoint_dir, local_tier_dir
+from train.run.watchdog import doing, set_doing
 
 
 class Trainer:
@@ -70,7 +71,7 @@ class Trainer:
 
         Extension points (docs/extending.md): `data`, `eval_data`: iterables of batches replacing
         --data (train/data/external.py); `loss(logits_BTV, batch) -> loss_BT`: a per-token loss
-        replacing cross-entropy (train/step.py token_losses); `optimizer`: an optax transformation
+        replacing cross-entropy (train/core/step.py token_losses); `optimizer`: an optax transformation
         replacing AdamW, `schedule`: its learning rate (a number or a function of the update
         count; required with `optimizer`, what the log reports; without `optimizer`, AdamW's)."""
         self._started_at = time.time()  # goodput counts this attempt's wall time from here
@@ -109,9 +110,7 @@ class Trainer:
         self.predicted_peak: int | None = (
             None  # per device, from the compiled step's memory analysis
         )
-        self.base = (
-            None  # --lora.rank > 0: the frozen base (train/lora.py), loaded when the run starts
-        )
+        self.base = None  # --lora.rank > 0: the frozen base (train/core/lora.py), loaded when the run starts
 
     # -- building blocks --------------------------------------------------------------------
     def create_state(self) -> train_state.TrainState:
@@ -209,11 +208,11 @@ class Trainer:
             )
         return tokenizer.decode(np.asarray(jax.device_get(out))[0])
 
-    # -- checkpoints (the policy is train/resume.py's) ----------------------------------------
+    # -- checkpoints (the policy is train/run/resume.py's) ----------------------------------------
     def open_checkpoints(self, owners=(None, None)) -> Checkpointer:
         """The directory this run saves into: --checkpoint.dir, else <run_dir>/checkpoints (and its
         local tier, with --checkpoint.local_dir). `owners`: the run as the owner of each of them
-        (train/startup.py): retention deletes the run's own steps alone."""
+        (train/run/startup.py): retention deletes the run's own steps alone."""
         c = self.cfg.checkpoint
         directory = shared_directory(checkpoint_dir(self.cfg))
         saver = Checkpointer(
@@ -246,7 +245,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train to --steps, saving checkpoints; resume first if --resume finds one. The summary's
         `exit_code` is 0, or 128 + the signal number when SIGTERM/SIGINT stopped the run. The
-        run directory is locked for the whole run (train/rundir.py): a second run on it exits."""
+        run directory is locked for the whole run (train/run/rundir.py): a second run on it exits."""
         cfg = self._name_the_run()
         self.goodput = Goodput(self._started_at)
         # Orbax's error records go to a file of the run dir, not onto the one line that ends a run
@@ -258,7 +257,7 @@ class Trainer:
                 raise
 
     def _claim_and_train(self, cfg: Config) -> dict:
-        """What can be refused without creating anything is, first (train/startup.py); then the
+        """What can be refused without creating anything is, first (train/run/startup.py); then the
         run claims its directories (a later refusal takes back what it created) and trains."""
         owners = check_before_creating(cfg, shared_directory(checkpoint_dir(cfg)))
         data = self._open_data()  # a bad --data, or a vocabulary too small for it
@@ -272,7 +271,7 @@ class Trainer:
                 return self._compile_and_train(saver, signals, data)
 
     def _name_the_run(self) -> Config:
-        """The default run dir made a fresh named one (train/rundir.py start_named_run) when a run
+        """The default run dir made a fresh named one (train/run/rundir.py start_named_run) when a run
         starts, not when the Trainer is built: a Trainer built for plan or analysis writes nothing.
         The CLI has named it already (once per job, for the supervisor's restarts)."""
         named = start_named_run(self.cfg)

@@ -1,7 +1,7 @@
 """`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only;
 `python -m train report RUN_DIR` renders a run's plots and summary; `python -m train eval CKPT
---data DIR` evaluates a checkpoint (train/evaluate.py); `python -m train sample CKPT --prompt TEXT`
-generates with it (train/sample_cli.py)."""
+--data DIR` evaluates a checkpoint (train/cli/evaluate.py); `python -m train sample CKPT --prompt TEXT`
+generates with it (train/cli/sample.py)."""
 
 from __future__ import annotations
 
@@ -32,31 +32,31 @@ def main(argv: list[str] | None = None) -> int:
 
             return plan_main(argv[1:])
         if argv and argv[0] == "report":
-            from train.report import main as report_main
+            from train.run.report import main as report_main
 
             return report_main(argv[1:])
         if argv and argv[0] == "eval":
-            from train.evaluate import main as eval_main
+            from train.cli.evaluate import main as eval_main
 
             return eval_main(argv[1:])
         if argv and argv[0] == "sample":
-            from train.sample_cli import main as sample_main
+            from train.cli.sample import main as sample_main
 
             return sample_main(argv[1:])
-        from train.config import from_args
+        from train.core.config import from_args
 
         cfg, _ = from_args(argv)
-        from train import faults
+        from train.run import faults
 
         faults.current().check(cfg.train.steps)  # before the run directory is made
-        from train.rundir import start_named_run, withdraw_named_run
+        from train.run.rundir import start_named_run, withdraw_named_run
 
         named = start_named_run(
             cfg
         )  # once, before any child: every restart continues this one directory
         if cfg.train.max_restarts and not os.environ.get("BRIGADE_SUPERVISED"):
             from checkpoint import storage
-            from train.supervisor import Fresh, supervise
+            from train.run.supervisor import Fresh, supervise
 
             c = named.checkpoint
             fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return _final_error(f"error: {e}", 2, exit_now=getattr(e, "exit_now", False))
     except Exception as e:
-        from train.resilience import DIVERGED_EXIT, Diverged
+        from train.run.resilience import DIVERGED_EXIT, Diverged
 
         if not isinstance(e, Diverged):
             raise
@@ -87,8 +87,8 @@ def _train(cfg) -> int:
     anywhere in between ends this process with one line and PEER_LOST_EXIT within
     --parallelism.peer_timeout."""
     from mesh.build import start_mesh
-    from train.loop import Trainer
-    from train.watchdog import PeerHeartbeat
+    from train.run.loop import Trainer
+    from train.run.watchdog import PeerHeartbeat
 
     mesh = start_mesh(cfg.parallelism)
     with PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout):
@@ -110,8 +110,8 @@ def _leave_job() -> None:
 
     if not jax.distributed.is_initialized():
         return
-    from train import faults
-    from train.watchdog import set_doing
+    from train.run import faults
+    from train.run.watchdog import set_doing
 
     if jax.process_index() in faults.current().kill_at_shutdown:
         os.kill(
@@ -129,7 +129,7 @@ def _final_error(line: str, code: int, exit_now: bool = False) -> int:
         import jax
 
         if jax.distributed.is_initialized():
-            from train.watchdog import end_job
+            from train.run.watchdog import end_job
 
             end_job(line, code)
     print(line, file=sys.stderr)
@@ -148,7 +148,7 @@ def _exit_if_peer_lost(e: Exception) -> None:
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return
     from checkpoint.integrity import cross_process_failure
-    from train.watchdog import PEER_LOST_EXIT, PeerHeartbeat, end_process
+    from train.run.watchdog import PEER_LOST_EXIT, PeerHeartbeat, end_process
 
     lost = PeerHeartbeat().lost()
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

@@ -7,7 +7,7 @@ supervision with that status. Any other exit (killed by a signal, a Python error
 4, a lost peer's 5) is a crash: the same command runs again and resumes from the last committed
 checkpoint, after a short back-off, up to N times. Each restart appends one line to
 <run_dir>/restarts.jsonl (exit status, last logged step, checkpoint step, steps lost, downtime).
-A run without --run-dir gets its fresh directory here, once (train/rundir.py): every child is
+A run without --run-dir gets its fresh directory here, once (train/run/rundir.py): every child is
 given it as --run-dir, so a restart resumes that run rather than starting another.
 
 In a multi-process job every process runs its own supervisor; when one child dies its peers exit
@@ -27,7 +27,7 @@ import time
 from typing import NamedTuple
 
 from checkpoint import storage
-from train.goodput import read_records
+from train.run.goodput import read_records
 
 FINAL = {
     0: "finished",
@@ -89,7 +89,7 @@ def _record(run_dir: str, restart: dict) -> None:
     """One line in <run_dir>/restarts.jsonl, once the child has made run_dir a Brigade run
     directory: a file written into a directory the child never claimed (it died before, or it
     is the user's) would make the restarted child refuse that directory as not its own."""
-    from train.rundir import is_run_dir
+    from train.run.rundir import is_run_dir
 
     if storage.isdir(run_dir) and is_run_dir(run_dir):
         storage.append_text(storage.join(run_dir, "restarts.jsonl"), json.dumps(restart) + "\n")

@@ -2,7 +2,7 @@
 [--seed S] [--tokenizer SPEC]`: a checkpoint's model continues a prompt (models/sample.py, with
 its KV cache) and the new text is printed, up to the tokenizer's end-of-document token.
 
-CKPT and every run flag (--mesh, --model.dtype, ...) are as for `eval` (train/evaluate.py). The
+CKPT and every run flag (--mesh, --model.dtype, ...) are as for `eval` (train/cli/evaluate.py). The
 tokenizer is the one the checkpoint records (the training data's, or the model directory of an
 HF import), else the byte tokenizer; --tokenizer SPEC overrides it. --chat renders the prompt as
 one user message with the model directory's chat template and the assistant's generation prompt,
@@ -19,9 +19,9 @@ from errors import UserError, number, one_line_errors
 from mesh.rules import axis_rules
 from models import model
 from models.sample import generate
-from train import resume
+from train.cli.evaluate import command_parser, open_model
 from train.data import chat, tokenizers
-from train.evaluate import command_parser, open_model
+from train.run import resume
 
 
 def checkpoint_tokenizer(

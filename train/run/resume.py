@@ -1,7 +1,7 @@
 """Resume policy: the checkpoint a run continues from (--resume), read onto this run's mesh and
 --comm layout; the fall-back past damaged steps; NaN recovery; --init-from.
 
-Every function takes what it needs explicitly: the run's setup (train/setup.py), its abstract
+Every function takes what it needs explicitly: the run's setup (train/core/setup.py), its abstract
 state (traced once by the caller: the resume check, the restore, NaN recovery and --init-from all
 need it), the checkpoint directory and the step.
 """
@@ -32,15 +32,15 @@ from checkpoint.tiers import (
 )
 from errors import UserError
 from mesh.spec import mesh_text
-from train import comm, lora
-from train import state as train_state
-from train.config import CommConfig
+from train.core import comm, lora
+from train.core import state as train_state
+from train.core.config import CommConfig
+from train.core.setup import RunSetup
+from train.core.state import TrainState
 from train.data.index import INDEX, read_index
 from train.data.sources import REPREPARE, parse_mixture
-from train.resilience import Diverged
-from train.rundir import changed_settings
-from train.setup import RunSetup
-from train.state import TrainState
+from train.run.resilience import Diverged
+from train.run.rundir import changed_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
     elif c.resume in (
         "auto",
         "latest",
-    ):  # latest: train/rundir.py made it a PATH, unless --run-dir was given
+    ):  # latest: train/run/rundir.py made it a PATH, unless --run-dir was given
         point = (_newest_local(run, abstract, saver, local) if local else None) or _latest_intact(
             run, abstract, saver
         )
@@ -339,7 +339,7 @@ def initial_state(
         )
     if run.cfg.checkpoint.init_from and not lora.enabled(
         run.cfg.lora
-    ):  # LoRA's is the base (train/lora.py)
+    ):  # LoRA's is the base (train/core/lora.py)
         state, note = init_from(run, abstract.params, run.cfg.checkpoint.init_from)
         return state, {}, note
     return create(), {}, ""
