@@ -1,19 +1,28 @@
-"""The peak FLOP/s of this host's CPU cores, for MFU: the fused multiply-adds its cores can issue
-per cycle (from the instruction sets /proc/cpuinfo lists), times their clock, times the cores this
-process may run on. A datasheet figure, as the GPU table's are, not a measurement: a matmul timed
-at start-up measured whatever else the machine was doing at that moment, and on a loaded machine
-printed MFUs of 139-238%. This figure does not move with the load, and is an upper bound: it
-assumes two FMA pipes of the widest vectors the cores declare and their highest clock the host
-reports, so MFU stays under 100% unless the host hides a faster clock (StepStats then raises the
-peak to what the step achieved and says so).
+"""What a device can compute, for MFU and the cost model: the dense peak FLOP/s of the accelerators
+(a datasheet table matched against `device_kind`), and on a CPU host its cores' FMA peak.
+
+The CPU's figure is the fused multiply-adds its cores can issue per cycle (from the instruction
+sets /proc/cpuinfo lists), times their clock, times the cores this process may run on. A datasheet
+figure, as the GPU table's are, not a measurement: a matmul timed at start-up measured whatever
+else the machine was doing at that moment, and on a loaded machine printed MFUs of 139-238%. This
+figure does not move with the load, and is an upper bound: it assumes two FMA pipes of the widest
+vectors the cores declare and their highest clock the host reports, so MFU stays under 100% unless
+the host hides a faster clock (train/run/metrics.py StepStats then raises the peak to what the
+step achieved and says so). Where the flags or the clock cannot be read, the fastest matmul
+measured stands in.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
 import re
+import time
+
+import jax
+import jax.numpy as jnp
 
 # FLOP per cycle per core, by the best instruction set the flags declare: two FMA pipes of that
 # vector width (2 FLOP per lane per FMA), or for AMX one tile multiply every 16 cycles
@@ -120,3 +129,67 @@ def fma_peak(dtype: str) -> tuple[float, str] | None:
         f"CPU FMA peak {cores} core{'s' * (cores > 1)} x {ghz:.2f} GHz ({clock_from}) x {flops}"
         f" FLOP/cycle ({isa}) = {cores * ghz * flops:.0f} GFLOP/s",
     )
+
+
+# Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.
+PEAK_TFLOPS = {
+    "h200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "h100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},  # SXM; PCIe is 756
+    "a100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "l4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "mi300x": {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4},
+    "tpu v4": {"bfloat16": 275.0, "float32": 275.0},
+    "tpu v5 lite": {"bfloat16": 197.0, "float32": 197.0},  # v5e
+    "tpu v5p": {"bfloat16": 459.0, "float32": 459.0},
+    "tpu v5": {"bfloat16": 459.0, "float32": 459.0},
+    "tpu v6": {"bfloat16": 918.0, "float32": 918.0},  # Trillium
+}
+
+
+@functools.lru_cache(maxsize=4)
+def measured_host_flops(dtype: str, n: int = 1024, seconds: float = 0.3) -> float:
+    """Achievable matmul FLOP/s of this host's CPU cores (all of them, through XLA:CPU): the
+    fastest of the matmuls timed in `seconds`, the one least slowed by other work."""
+    dev = jax.local_devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), dev)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best, t_end = math.inf, time.perf_counter() + seconds
+    while time.perf_counter() < t_end or best == math.inf:
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(
+    dtype: str, override_tflops: float = 0.0, devices: list | None = None
+) -> tuple[float, str]:
+    """-> (peak FLOP/s of `devices`, the mesh's (default: all), and where the figure came from).
+
+    CPU fake devices share the host's cores, so their peak is the host's (per process that holds
+    some of them), not a multiple of the device count: its cores' FMA peak (fma_peak), or
+    where the CPU's flags or clock cannot be read, its fastest measured matmul."""
+    devices = list(devices) if devices is not None else jax.devices()
+    if override_tflops > 0:
+        return override_tflops * 1e12 * len(
+            devices
+        ), f"--peak-tflops {override_tflops} x {len(devices)}"
+    kind = devices[0].device_kind.lower()
+    if devices[0].platform == "cpu":
+        hosts = len({d.process_index for d in devices})
+        datasheet = fma_peak(dtype)
+        if datasheet is not None:
+            return datasheet[0] * hosts, f"{datasheet[1]} per host"
+        per_host = measured_host_flops(dtype)
+        return (
+            per_host * hosts,
+            f"fastest measured CPU matmul {per_host / 1e9:.0f} GFLOP/s per host",
+        )
+    for name, table in PEAK_TFLOPS.items():
+        if name in kind:
+            tf = table.get(dtype, table["bfloat16"])
+            return tf * 1e12 * len(
+                devices
+            ), f"{devices[0].device_kind}: {tf:g} TFLOP/s x {len(devices)}"
+    return 0.0, f"unknown device '{devices[0].device_kind}': pass --peak-tflops for MFU"

@@ -13,7 +13,8 @@ from errors import UserError
 from models.fields import Range, check_ranges, numeric_fields, ranged
 from models.presets import PRESETS
 from train.cli.main import main
-from train.core.config import SECTIONS, build, from_args, public_flag
+from train.core.config import SECTIONS, build, from_args
+from train.core.flags import public_flag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from errors import UserError
+from mesh.devices import peak_flops
 from train.core.config import build
 from train.run.loop import Trainer
-from train.run.metrics import peak_flops
 from train.run.resilience import Diverged
 
 BASE = {

@@ -3,87 +3,22 @@ the run's summary."""
 
 from __future__ import annotations
 
-import functools
 import math
 import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from checkpoint import storage
-from mesh import devices as cpu_peak
 from mesh.spec import mesh_text
 from models.flops import param_count
+from train.core.run_sections import progress_mode
 from train.core.sections import profile_window
 from train.run import sinks
 from train.run.device_memory import size_text
 from train.run.goodput import Goodput, breakdown_text
 from train.run.resilience import exit_code
-
-# Dense peak TFLOP/s per device (no sparsity), by compute dtype; matched against device_kind.
-PEAK_TFLOPS = {
-    "h200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
-    "h100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},  # SXM; PCIe is 756
-    "a100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
-    "l4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
-    "mi300x": {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4},
-    "tpu v4": {"bfloat16": 275.0, "float32": 275.0},
-    "tpu v5 lite": {"bfloat16": 197.0, "float32": 197.0},  # v5e
-    "tpu v5p": {"bfloat16": 459.0, "float32": 459.0},
-    "tpu v5": {"bfloat16": 459.0, "float32": 459.0},
-    "tpu v6": {"bfloat16": 918.0, "float32": 918.0},  # Trillium
-}
-
-
-@functools.lru_cache(maxsize=4)
-def measured_host_flops(dtype: str, n: int = 1024, seconds: float = 0.3) -> float:
-    """Achievable matmul FLOP/s of this host's CPU cores (all of them, through XLA:CPU): the
-    fastest of the matmuls timed in `seconds`, the one least slowed by other work."""
-    dev = jax.local_devices()[0]
-    a = jax.device_put(jnp.ones((n, n), dtype), dev)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best, t_end = math.inf, time.perf_counter() + seconds
-    while time.perf_counter() < t_end or best == math.inf:
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def peak_flops(
-    dtype: str, override_tflops: float = 0.0, devices: list | None = None
-) -> tuple[float, str]:
-    """-> (peak FLOP/s of `devices`, the mesh's (default: all), and where the figure came from).
-
-    CPU fake devices share the host's cores, so their peak is the host's (per process that holds
-    some of them), not a multiple of the device count: its cores' FMA peak (mesh/devices.py), or
-    where the CPU's flags or clock cannot be read, its fastest measured matmul."""
-    devices = list(devices) if devices is not None else jax.devices()
-    if override_tflops > 0:
-        return override_tflops * 1e12 * len(
-            devices
-        ), f"--peak-tflops {override_tflops} x {len(devices)}"
-    kind = devices[0].device_kind.lower()
-    if devices[0].platform == "cpu":
-        hosts = len({d.process_index for d in devices})
-        datasheet = cpu_peak.fma_peak(dtype)
-        if datasheet is not None:
-            return datasheet[0] * hosts, f"{datasheet[1]} per host"
-        per_host = measured_host_flops(dtype)
-        return (
-            per_host * hosts,
-            f"fastest measured CPU matmul {per_host / 1e9:.0f} GFLOP/s per host",
-        )
-    for name, table in PEAK_TFLOPS.items():
-        if name in kind:
-            tf = table.get(dtype, table["bfloat16"])
-            return tf * 1e12 * len(
-                devices
-            ), f"{devices[0].device_kind}: {tf:g} TFLOP/s x {len(devices)}"
-    return 0.0, f"unknown device '{devices[0].device_kind}': pass --peak-tflops for MFU"
 
 
 class MetricsLogger:
@@ -105,7 +40,7 @@ class MetricsLogger:
         if not self.main:
             return
         storage.makedirs(run_dir)
-        self._console = sinks.console(sinks.progress_mode(progress), total_steps, first_step)
+        self._console = sinks.console(progress_mode(progress), total_steps, first_step)
         self._sinks = [
             sinks.JsonlSink(run_dir, json_safe),
             *([sinks.TensorBoardSink(run_dir)] if tensorboard else []),

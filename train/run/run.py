@@ -17,6 +17,7 @@ import jax
 
 from checkpoint import storage
 from checkpoint.saving import Saves
+from mesh.devices import peak_flops
 from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
 from models import context
@@ -32,7 +33,6 @@ from train.run.metrics import (
     StepProfiler,
     StepStats,
     json_safe,
-    peak_flops,
     summary_text,
 )
 from train.run.resilience import Diverged

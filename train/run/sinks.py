@@ -21,76 +21,15 @@ from typing import Protocol
 
 from checkpoint import storage
 from errors import UserError
+from train.core.run_sections import check_tensorboard, check_tracker, check_wandb_mode
 
-PROGRESS = ("auto", "bar", "lines", "none")
-# Older configs and scripts say true/false (the option was a bool): the same as auto/none.
-PROGRESS_ALIASES = {"true": "auto", "false": "none"}
 WANDB_ID = "wandb_id"  # in the run directory: the W&B run a resumed or restarted run continues
-# what wandb accepts in WANDB_MODE (wandb.sdk.wandb_settings.Settings.mode); set to anything else,
-# even empty, wandb.init fails with a pydantic traceback
-WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
-# tensorboardX writes a URL run directory's events itself, with these (gcsfs brings the first):
-# scheme -> (module, package, the extra that installs it)
-TENSORBOARD_BACKENDS = {
-    "gs://": ("google.cloud.storage", "google-cloud-storage", "gcs"),
-    "s3://": ("boto3", "boto3", "s3"),
-}
 
 
 class Sink(Protocol):
     def log(self, record: dict) -> None: ...
 
     def close(self) -> None: ...
-
-
-def progress_mode(value: str, stream=None) -> str:
-    """--logging.progress -> bar, lines or none; auto is a bar on a terminal (`stream`, default
-    stderr, where tqdm draws) and lines elsewhere: a bar's carriage returns make a file unreadable."""
-    mode = PROGRESS_ALIASES.get(str(value).strip().lower(), str(value).strip().lower())
-    if mode not in PROGRESS:
-        raise UserError(f"--logging.progress: '{value}' is not one of {', '.join(PROGRESS)}")
-    if mode == "auto":
-        stream = stream if stream is not None else sys.stderr
-        return "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
-    return mode
-
-
-def check_tracker(flag: str, module: str, extra: str) -> None:
-    """UserError unless `module` can be imported (checked without importing it: that is slow)."""
-    if importlib.util.find_spec(module) is None:
-        raise UserError(
-            f"{flag}: the {module} package is not installed; pip install 'brigade[{extra}]', or leave"
-            f" {flag} empty"
-        )
-
-
-def check_tensorboard(run_dir: str) -> None:
-    """UserError when TensorBoard events cannot be written to a URL `run_dir` for lack of the
-    package tensorboardX writes it with (it would raise ImportError when the run starts)."""
-    for scheme, (module, package, extra) in TENSORBOARD_BACKENDS.items():
-        if not run_dir.startswith(scheme):
-            continue
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # its parent package (google.cloud) is missing too
-            found = False
-        if not found:
-            raise UserError(
-                f"--logging.tensorboard: TensorBoard events in {run_dir} need the {package}"
-                f" package, which is not installed; pip install {package} (or pip install"
-                f" 'brigade[{extra}]'), or --logging.tensorboard false"
-            )
-
-
-def check_wandb_mode(env=None) -> None:
-    """UserError unless WANDB_MODE is unset or one of WANDB_MODES (checked at the config's
-    validation, before the run starts, rather than when wandb.init reads it)."""
-    mode = (os.environ if env is None else env).get("WANDB_MODE")
-    if mode is not None and mode not in WANDB_MODES:
-        raise UserError(
-            f"WANDB_MODE={mode!r} (with --logging.wandb): not a W&B mode; valid: "
-            f"{', '.join(WANDB_MODES)}, or unset it"
-        )
 
 
 def read_json(path: str) -> dict:
