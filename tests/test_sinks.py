@@ -37,7 +37,8 @@ def test_progress_modes():
     with open(os.devnull, "w") as log_file:
         assert run_sections.progress_mode("auto", log_file) == "lines"
         assert [
-            run_sections.progress_mode(v, log_file) for v in ("bar", "lines", "none", "false", "True")
+            run_sections.progress_mode(v, log_file)
+            for v in ("bar", "lines", "none", "false", "True")
         ] == ["bar", "lines", "none", "none", "lines"]  # true/false: auto/none
     assert run_sections.progress_mode("auto", Terminal()) == "bar"
     with pytest.raises(
