@@ -30,6 +30,8 @@ os.environ["XLA_FLAGS"] = (
 
 import numpy as np  # noqa: E402
 
+from train.core.setup import compile_step, create_state
+
 TRAIN_TOKENS_PER_S = (
     2428  # BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
 )
@@ -211,12 +213,12 @@ def train_wait(steps: int) -> None:
         batch_size=t.batch_size,
         seq_len=t.seq_len,
         seed=t.seed,
-        batch_sharding=tr.batch_sharding,
-        vocab_size=tr.model_cfg.vocab_size,
+        batch_sharding=tr.setup.batch_sharding,
+        vocab_size=tr.setup.model_cfg.vocab_size,
     )
-    state = tr.create_state()
+    state = create_state(tr.setup)
     batch, _ = pipe.next()
-    step_fn = tr.compile_step(state, batch)
+    step_fn = compile_step(tr.setup, state, batch)
     waits = []
     t0 = time.perf_counter()
     for _ in range(steps):

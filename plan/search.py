@@ -167,7 +167,7 @@ def activation_bytes(
     the residual stream's [D] terms (input, norms, residual, the projections' reduced outputs) by `model`. `full` remat keeps only
     each layer's input, `dots` the matmul outputs; the backward pass of one layer needs its full
     set once more; the LM head's float32 logits, softmax and gradient ([T,V/model] each) come on
-    top, or one chunk's where the loss is chunked (train.core.step.loss_chunk's rule). One forward
+    top, or one chunk's where the loss is chunked (train.core.batch_loss.loss_chunk's rule). One forward
     pass holds batch / micro_batches rows split over `shards` (the rules' batch axes); gradient
     accumulation keeps one pass. A pipeline cuts the pass into `pipeline_microbatches` and, with
     `schedule` gpipe or circular, keeps every one's saved activations until its backward pass, so

@@ -32,9 +32,9 @@ from models.config import LOSS_CHUNK
 from models.presets import preset
 from models.transformer import segment_positions
 from plan.report import analyze
+from train.core.batch_loss import loss_chunk
 from train.core.config import build
 from train.core.setup import compile_step
-from train.core.step import loss_chunk
 from train.run.loop import Trainer
 
 VOCAB = 264

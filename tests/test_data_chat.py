@@ -225,7 +225,7 @@ def test_mask_through_packed_windows_and_the_loss(chat_ds):
 
     from models import model
     from models.presets import preset
-    from train.core.step import loss_sums
+    from train.core.batch_loss import loss_sums
 
     cfg = dataclasses.replace(preset("tiny"), vocab_size=320, dtype="float32")
     rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from data_files import TEXTS, jsonl_file, prepared_docs
 
-from train.data import prepare
+from train.data import prepare, prepare_inputs
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -73,7 +73,10 @@ def test_streamed_files_in_chunks_through_the_pool(reference, tmp_path, monkeypa
     ]
     assert (
         sum(
-            1 for _ in prepare.chunked(prepare.make_tasks(prepare.expand_inputs(inputs), 2), "text")
+            1
+            for _ in prepare_inputs.chunked(
+                prepare_inputs.make_tasks(prepare_inputs.expand_inputs(inputs), 2), "text"
+            )
         )
         > 20
     )

@@ -23,7 +23,7 @@ from train.cli import sample as sample_cli
 from train.cli.main import main as train_main
 from train.core.config import build
 from train.data import chat, make_pipeline, prepare, tokenizers
-from train.run import resume
+from train.run import checkpoint_match
 from train.run.loop import Trainer
 
 VOCAB = 320  # the model's: above the tiny BPE vocabulary below (300) and the byte tokenizer's (264)
@@ -154,10 +154,10 @@ def test_eval_two_sets_is_trainer_eval_loss(world, capsys):
         batch_size=8,
         seq_len=32,
         seed=0,
-        batch_sharding=trainer.batch_sharding,
+        batch_sharding=trainer.setup.batch_sharding,
         vocab_size=VOCAB,
     )
-    want = trainer.eval_loss(
+    want = trainer.evaluator.loss(
         trainer.state.params, pipeline.eval_batches(2)
     )  # the run's eval, at its last step
     assert chat_set["loss"] == pytest.approx(want, rel=1e-6, abs=1e-6)
@@ -221,8 +221,8 @@ def test_sample_is_seeded_and_greedy_is_generate(world, capsys):
         ids[0] == tok.encode(["<|im_start|>"])[0][0]
     )  # the template's special token, not its characters
     with (
-        jax.set_mesh(trainer.mesh),
-        axis_rules({k: () for k in trainer.rules}),
+        jax.set_mesh(trainer.setup.mesh),
+        axis_rules({k: () for k in trainer.setup.rules}),
     ):  # the sampler's: its compile reused
         new = list(
             np.asarray(
@@ -283,7 +283,7 @@ def test_tokenizer_mismatch_is_refused_unless_allowed(world, capsys):
                 "data.allow_tokenizer_mismatch": allow,
             }
         )
-        run = Trainer(cfg, mesh=w["trainer"].mesh).setup
+        run = Trainer(cfg, mesh=w["trainer"].setup.mesh).setup
         data = make_pipeline(cfg.data, batch_size=8, seq_len=32, seed=0, vocab_size=VOCAB)
         if refused:
             with pytest.raises(
@@ -291,10 +291,10 @@ def test_tokenizer_mismatch_is_refused_unless_allowed(world, capsys):
                 match=f"--init-from {w['run']}: the checkpoint's tokenizer is hf:.*the"
                 f" data's is byte",
             ):
-                resume.check_init_tokenizer(run, data)
+                checkpoint_match.check_init_tokenizer(run, data)
         else:
-            resume.check_init_tokenizer(run, data)
-    resume.check_init_tokenizer(run, object())
+            checkpoint_match.check_init_tokenizer(run, data)
+    checkpoint_match.check_init_tokenizer(run, object())
 
     # an HF import records its directory's tokenizer.json as `prepare --tokenizer DIR` records it
     hf_dir = w["root"] / "hf"
@@ -308,7 +308,9 @@ def test_tokenizer_mismatch_is_refused_unless_allowed(world, capsys):
     index = json.load(open(os.path.join(w["text"], "index.json")))
     assert tokenizer_record(src.meta(step))["id"] == index["tokenizer"]["id"]
     with pytest.raises(UserError, match="the checkpoint's tokenizer is hf:"):
-        resume.check_tokenizer(src.meta(step), {"kind": "byte", "id": "byte"}, False, "--init-from")
+        checkpoint_match.check_tokenizer(
+            src.meta(step), {"kind": "byte", "id": "byte"}, False, "--init-from"
+        )
 
 
 @pytest.mark.parametrize(

@@ -167,7 +167,7 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
             offline["sets"][name]["loss"], rel=1e-6, abs=1e-6
         )
 
-    # the last eval through Trainer.eval_loss on the final parameters; the prompts weigh 0 as in eval
+    # the last eval through the trainer's evaluator on the final parameters; the prompts weigh 0 as in eval
     trainer = run["trainer"]
     opened = {
         s.name: s
@@ -177,8 +177,8 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
             seq_len=32,
             seed=0,
             eval_batches=EVAL_BATCHES,
-            vocab_size=trainer.model_cfg.vocab_size,
-            sharding=trainer.batch_sharding,
+            vocab_size=trainer.setup.model_cfg.vocab_size,
+            sharding=trainer.setup.batch_sharding,
             check_tokenizer=lambda r, w: None,
         )
     }
@@ -187,7 +187,7 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
     )
     assert 0 < weights.mean() < 1 and set(np.unique(weights)) <= {0.0, 1.0}
     for name in ("qa", "prose"):
-        want = trainer.eval_loss(trainer.state.params, opened[name].batches)
+        want = trainer.evaluator.loss(trainer.state.params, opened[name].batches)
         assert evals[4][f"eval/{name}/loss"] == pytest.approx(want, rel=1e-6, abs=1e-6)
         assert run["summary"][f"eval/{name}/loss"] == evals[4][f"eval/{name}/loss"]
     saved = json.load(open(f"{run['dir']}/summary.json"))

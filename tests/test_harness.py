@@ -79,7 +79,7 @@ def _logits(lm, ids: list[int]) -> np.ndarray:
     assert len(ids) <= MAX_LENGTH
     padded = np.full((1, MAX_LENGTH), HAND_PAD, np.int32)
     padded[0, : len(ids)] = ids
-    with jax.set_mesh(lm.trainer.mesh), axis_rules({k: () for k in lm.trainer.rules}):
+    with jax.set_mesh(lm.setup.mesh), axis_rules({k: () for k in lm.setup.rules}):
         logits_BTV, _ = _apply(lm.cfg, lm.params, padded)
     return np.asarray(jax.device_get(logits_BTV), np.float64)[0, : len(ids)]
 
@@ -109,7 +109,7 @@ def _sample_greedy_ids(lm, prompt: str) -> tuple[int, ...]:
     """The first GREEDY_TOKENS tokens models/sample.generate picks greedily after the prompt alone
     (the first n of them are an n-token run's: one compile per prompt serves every length)."""
     ids = np.asarray([lm.tok_encode(prompt)], np.int32)
-    with jax.set_mesh(lm.trainer.mesh), axis_rules({k: () for k in lm.trainer.rules}):
+    with jax.set_mesh(lm.setup.mesh), axis_rules({k: () for k in lm.setup.rules}):
         out = generate(
             lm.cfg, lm.params, ids, jax.random.key(0), max_new=GREEDY_TOKENS, temperature=0.0
         )
@@ -237,7 +237,7 @@ def test_sharded_mesh_gives_the_same_answers(world):
         ),
     )
     assert (
-        dict(sharded.trainer.mesh.shape)["model"] == 2 and sharded.rows == 4
+        dict(sharded.setup.mesh.shape)["model"] == 2 and sharded.rows == 4
     )  # 3 rounded up to data x fsdp
     pairs = _requests("loglikelihood", [(c, " hello world") for c in CONTEXTS[:6]])
     for (a, ga), (b, gb) in zip(lm.loglikelihood(pairs), sharded.loglikelihood(pairs)):

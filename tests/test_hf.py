@@ -21,6 +21,8 @@ from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
 from checkpoint.hf_files import INDEX, SAFETENSORS  # noqa: E402
 from errors import UserError  # noqa: E402
 from models import hf as hf_tables  # noqa: E402
+from train.core.setup import abstract_state  # noqa: E402
+from train.run import resume  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8)
@@ -387,15 +389,18 @@ def test_init_from_imported_checkpoint(tmp_path, case, mesh):
         "logging.run_dir": str(tmp_path / "run"),
     }
     trainer = Trainer(build(over, str(tmp_path / "ckpt" / "model.yaml")))
-    state, _ = trainer.init_from(str(tmp_path / "ckpt"))
+    state, _ = resume.init_from(
+        trainer.setup, abstract_state(trainer.setup).params, str(tmp_path / "ckpt")
+    )
     assert int(state.step) == 0
     want = hf.from_pretrained(str(tmp_path / "hf")).params
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(want))
     shardings = jax.tree.map(lambda a: a.sharding, state.params)
-    assert shardings == trainer.state_shardings.params
+    assert shardings == trainer.setup.state_shardings.params
     assert all(float(jnp_abs_sum(m)) == 0.0 for m in jax.tree.leaves(state.opt_state) if m.ndim > 1)
     with pytest.raises(UserError, match="does not match this model config.*model.yaml"):
-        Trainer(build({**over, "model.preset": "tiny"})).init_from(str(tmp_path / "ckpt"))
+        tiny = Trainer(build({**over, "model.preset": "tiny"})).setup
+        resume.init_from(tiny, abstract_state(tiny).params, str(tmp_path / "ckpt"))
 
 
 def jnp_abs_sum(a):

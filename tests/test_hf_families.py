@@ -133,7 +133,7 @@ def test_training_sharded_with_bias_norm_and_window(tmp_path):
             "model.sliding_window": 8,
         },
     )
-    out = run_steps(tr, synthetic_batches(tr.model_cfg.vocab_size, n=3), initial_params(tr))
+    out = run_steps(tr, synthetic_batches(tr.setup.model_cfg.vocab_size, n=3), initial_params(tr))
     assert all(np.isfinite(m["loss"]) for m in out["metrics"])
     attn = out["state"].params["blocks"]["attn"]
     for name, shard in (("bq_NH", (2, 2, 16)), ("bk_KH", (2, 1, 16)), ("bv_KH", (2, 1, 16))):

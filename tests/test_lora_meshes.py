@@ -25,7 +25,7 @@ from models import model
 from plan.report import analyze, render
 from train.core import lora
 from train.core.config import build
-from train.core.setup import setup
+from train.core.setup import create_state, setup
 
 MICRO = 4  # pipeline micro-batches: 2 rows each of the 8-row batch, split over fsdp=2
 # name -> (mesh, overrides): every case a LoRA run against its own one-device twin
@@ -93,7 +93,7 @@ def test_lora_mesh_matches_one_device_and_keeps_the_base(case, bases, tmp_path):
     )
     base_params = bases(over.get("model.preset", LORA["model.preset"]))[1]
     batches = synthetic_batches(264, n=1) * (WARMUP + COMPARED)
-    adapters0 = jax.device_get(single.create_state().params)
+    adapters0 = jax.device_get(create_state(single.setup).params)
     want = _run_steps(single, batches, adapters0, base_params)
     got = _run_steps(sharded, batches, adapters0, base_params)
     assert_runs_match(got, want, f"LoRA {case} on {mesh}")

@@ -105,7 +105,7 @@ def test_optimizer_in_host_memory_restores_into_host_memory(optimizer_runs, tmp_
     tr, got, _ = optimizer_runs[True]
     state = got["state"]
     saver = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-    saver.save(5, state, make_meta(5, tr.cfg.to_dict(), tr.mesh, seed=0))
+    saver.save(5, state, make_meta(5, tr.cfg.to_dict(), tr.setup.mesh, seed=0))
     restored, _ = resume.restore(tr.setup, abstract_state(tr.setup), saver, 5)
     saver.close()
     for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state.opt_state)):

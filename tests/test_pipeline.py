@@ -22,6 +22,7 @@ from models.config import PipelineConfig
 from models.presets import PRESETS
 from models.transformer import Block
 from plan.hlo import parse_collectives
+from train.core.setup import create_state, jit_step
 
 B, T = 16, 8
 RULES = make_rules("layers=pipeline")  # each device stores only its own layers
@@ -345,12 +346,12 @@ def step_losses(tr, steps=3):
         batch_size=8,
         seq_len=32,
         seed=0,
-        batch_sharding=tr.batch_sharding,
-        vocab_size=tr.model_cfg.vocab_size,
+        batch_sharding=tr.setup.batch_sharding,
+        vocab_size=tr.setup.model_cfg.vocab_size,
     ).device_batch(0)
-    state, losses = tr.create_state(), []
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        step = tr.jit_step()
+    state, losses = create_state(tr.setup), []
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+        step = jit_step(tr.setup)
         for _ in range(steps):
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
@@ -395,8 +396,8 @@ def test_training_on_pipeline_mesh_matches_data_parallel(
     np.testing.assert_allclose(got, want, rtol=1e-5)
     w = state.params["blocks"]["mlp"]["w_gate_DF"]
     stored = (
-        w.shape[0] // tr.mesh.shape["pipeline"]
-        if tr.rules["layers"] == ("pipeline",)
+        w.shape[0] // tr.setup.mesh.shape["pipeline"]
+        if tr.setup.rules["layers"] == ("pipeline",)
         else w.shape[0]
     )
     assert w.addressable_shards[0].data.shape[0] == stored
@@ -421,8 +422,8 @@ def test_moe_on_pipeline_mesh_matches_data_parallel(tmp_path):
         ref,
         pp,
     ):  # token counts per expert are sums over the batch, not means over micro-batches
-        with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-            fwd = jax.jit(functools.partial(model.forward, tr.model_cfg))
+        with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+            fwd = jax.jit(functools.partial(model.forward, tr.setup.model_cfg))
             counts.append(fwd(want_state.params, tokens)[1]["counts"])
     assert float(counts[0].sum()) == 8 * 32 * 2 * 2  # tokens x top-2 x 2 MoE layers
     np.testing.assert_array_equal(np.asarray(counts[1]), np.asarray(counts[0]))

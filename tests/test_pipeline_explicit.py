@@ -414,10 +414,10 @@ def optax_norm(tree):
 
 @pytest.mark.slow
 def test_decoder_matches_plain_model_and_gpipe():
-    """The tiny decoder (float32): the train step's objective (train.core.step.loss_terms) and its
+    """The tiny decoder (float32): the train step's objective (train.core.batch_loss.loss_terms) and its
     gradient on one device-group without pipeline, with GPipe, and through 1F1B (the explicit
     engine, the same entry), pipeline=2 with data and fsdp axes, M = 2P."""
-    from train.core.step import loss_terms
+    from train.core.batch_loss import loss_terms
 
     cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
     params = model.init(cfg, jax.random.key(0))

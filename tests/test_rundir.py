@@ -17,7 +17,8 @@ from data_files import file_hashes as listing
 
 from errors import UserError
 from train.core.config import build, dump
-from train.run.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir, start_named_run
+from train.run.named_runs import start_named_run
+from train.run.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir
 from train.run.supervisor import Fresh, child_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

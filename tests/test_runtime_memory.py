@@ -7,6 +7,7 @@ import pytest
 
 from errors import UserError
 from train.core.config import build
+from train.run import loop
 from train.run.device_memory import (
     figures,
     host_rss_bytes,
@@ -110,7 +111,7 @@ def test_fit_turns_an_out_of_memory_compile_into_the_line(tmp_path, monkeypatch)
     def exhausted(*_):
         raise jax.errors.JaxRuntimeError(OOM)
 
-    monkeypatch.setattr(tr, "compile_step", exhausted)
+    monkeypatch.setattr(loop, "compile_checked", exhausted)  # the compile in Trainer.fit
     with pytest.raises(
         UserError,
         match=r"out of device memory \(last activity: compiling the train step\): "

@@ -18,7 +18,8 @@ from fsspec.registry import _registry as registry  # the implementations registe
 from checkpoint import storage
 from errors import UserError
 from train.data.prepare import prepare
-from train.data.sources import RangeReadShard, load_prepared
+from train.data.shards import RangeReadShard
+from train.data.sources import load_prepared
 from train.run.goodput import Goodput, read_records
 from train.run.rundir import (
     MARKER,

@@ -18,9 +18,8 @@ def _train(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from train.cli.main import (
-        main,
-    )  # `python -m train plan`: train's entry point may dispatch to plan
+    # `python -m train plan`: train's entry point may dispatch to plan
+    from train.cli.main import main
 
     return main(["plan", *argv])
 

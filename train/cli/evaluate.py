@@ -10,30 +10,25 @@ those are the defaults, so that the run's own eval batches are the ones evaluate
 Each set is evaluated over its eval split (`--split eval`, the default: the documents a run with
 the same --data.eval_fraction holds out) or over all its documents (`--split all`): every window
 of --seq-len tokens once, in batches of --batch-size, or only the first --eval-batches N batches.
-The loss is Trainer.eval_loss (train/core/step.py eval_step): token losses weighted by the dataset's
-loss mask, so a chat dataset's loss is over the assistant turns only. A set prepared with another
+The loss is a run's eval loss (train/core/inference.py Evaluator, over train/core/batch_loss.py's
+eval_step): token losses weighted by the dataset's loss mask, so a chat dataset's loss is over the
+assistant turns only. A set prepared with another
 tokenizer than the checkpoint's is refused, like --init-from (--data.allow_tokenizer_mismatch).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 
 import jax
 
-from checkpoint.hf import config_from_meta, load_checkpoint
-from checkpoint.layout import lora_base
-from checkpoint.manager import Checkpointer, open_checkpoint
 from errors import ArgParser, UserError, number, one_line_errors
-from mesh.build import start_mesh
-from models.config import ModelConfig
-from train.core.config import Config, build, make_parser
+from train.cli.checkpoint_model import Opened, command_parser, open_model
+from train.core.inference import Evaluator
 from train.data import evalsets
-from train.run import resume
-from train.run.loop import Trainer
+from train.run import checkpoint_match
 
 SPLITS = evalsets.SPLITS
 # The run settings an evaluation takes from the checkpoint's own run unless a flag says otherwise:
@@ -46,65 +41,6 @@ EVAL_SETTINGS = (
     "data.packing",
     "data.packing_mask",
 )
-
-
-@dataclasses.dataclass
-class Opened:
-    """A checkpoint's step, its metadata and the run config to use it with."""
-
-    cfg: Config
-    src: Checkpointer
-    step: int
-    meta: dict
-
-    def trainer(self) -> Trainer:
-        """A Trainer on --mesh: the eval step, the sampler and the parameters' shardings (nothing allocated)."""
-        return Trainer(self.cfg, mesh=start_mesh(self.cfg.parallelism))
-
-    def params(self, trainer: Trainer):
-        """The parameters alone (no optimizer state), read straight into the trainer's shardings. A
-        LoRA run's step holds adapters only: they are merged into the base its metadata points at
-        (on the host, as `hf export` merges), which is the model that run trained."""
-        if lora_base(self.meta) is None:
-            return self.src.restore_params(self.step, trainer.abstract_state().params)
-        merged = load_checkpoint(self.src.step_dir(self.step)).params
-        return jax.device_put(merged, trainer.state_shardings.params)
-
-
-def command_parser(prog: str, description: str) -> ArgParser:
-    """Every run flag (train/core/config.py) plus the checkpoint to use."""
-    parser = make_parser(prog, description)
-    parser.add_argument(
-        "ckpt",
-        metavar="CKPT",
-        help="a run directory, a checkpoint directory, one step's directory"
-        " or an HF import (as --resume PATH)",
-    )
-    return parser
-
-
-def open_model(ckpt: str, ns, carried: tuple[str, ...] = ()) -> Opened:
-    """The checkpoint at `ckpt` and the Config to run its model with: the model section of its
-    metadata, then the `carried` settings of its run, then the flags in `ns` (any --section.field)."""
-    src, step = open_checkpoint(ckpt)
-    meta = src.meta(step)
-    model_cfg = config_from_meta(
-        meta, f"checkpoint '{src.step_dir(step)}'"
-    )  # every field type-checked
-    saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-    run = {
-        key: saved[section][name]
-        for key in carried
-        for section, _, name in [key.partition(".")]
-        if isinstance(saved.get(section), dict) and name in saved[section]
-    }
-    preset = meta["model"].get("preset")
-    model = {
-        "model.preset": preset if isinstance(preset, str) else "default",
-        **{f"model.{f.name}": getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)},
-    }
-    flags = {k: v for k, v in vars(ns).items() if "." in k}
-    return Opened(build({**run, **model, **flags}, getattr(ns, "config", None)), src, step, meta)
 
 
 def parse_sets(specs: list[str] | None) -> list[tuple[str, str]]:
@@ -124,7 +60,7 @@ def set_pipeline(opened: Opened, name: str, directory: str, split: str, sharding
     cfg, d, t = opened.cfg, opened.cfg.data, opened.cfg.train
 
     def check_tokenizer(record: dict, where: str) -> None:
-        resume.check_tokenizer(opened.meta, record, d.allow_tokenizer_mismatch, where)
+        checkpoint_match.check_tokenizer(opened.meta, record, d.allow_tokenizer_mismatch, where)
 
     return evalsets.open_set(
         name,
@@ -182,15 +118,14 @@ def main(argv: list[str]) -> int:
         )
     sets = parse_sets(ns.data)
     opened = open_model(ns.ckpt, ns, EVAL_SETTINGS)
-    trainer = opened.trainer()
-    pipelines = [
-        set_pipeline(opened, name, d, ns.split, trainer.batch_sharding) for name, d in sets
-    ]  # all checked
-    params = opened.params(trainer)
+    s = opened.setup()
+    # every set opened and checked before the parameters are read
+    pipelines = [set_pipeline(opened, name, d, ns.split, s.batch_sharding) for name, d in sets]
+    params, evaluator = opened.params(s), Evaluator(s)
     t, results = opened.cfg.train, {}
     for (name, directory), pipeline in zip(sets, pipelines):
-        batches, windows = evalsets.split_batches(pipeline, ns.eval_batches, trainer.batch_sharding)
-        loss = trainer.eval_loss(params, batches)
+        batches, windows = evalsets.split_batches(pipeline, ns.eval_batches, s.batch_sharding)
+        loss = evaluator.loss(params, batches)
         results[name] = {
             "data": os.path.abspath(directory),
             "loss": loss,

@@ -20,26 +20,23 @@ exact for the real tokens.
 Generation uses the model's KV cache (models/model.py init_cache), whose write position is shared
 by the rows: the batch's prompts are prefilled up to a grid length at most the shortest prompt,
 then every row steps one token at a time, fed its own prompt's next token while it has one and its
-sampled token after that (models/sample.py `pick_token`), so each row sees exactly its own prompt.
+sampled token after that (train/core/inference.py continue_prompts), so each row sees exactly its own prompt.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from errors import UserError, check_number, one_line_errors
 from mesh.rules import axis_rules
 from models import model
-from models.sample import pick_token
-from train.cli.evaluate import open_model
-from train.cli.sample import checkpoint_tokenizer
+from train.cli.checkpoint_model import checkpoint_tokenizer, open_model
+from train.core.inference import continue_prompts, token_logprobs
 from train.data import chat, tokenizers
 
 try:
@@ -51,9 +48,8 @@ try:
         postprocess_generated_text,
     )
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-except (
-    ImportError
-):  # without the `eval` extra the module still imports; main() says what to install
+# without the `eval` extra the module still imports; main() says what to install
+except ImportError:
     TemplateLM, register_model = object, None
 
 MODEL_ARGS = (
@@ -66,14 +62,10 @@ MODEL_ARGS = (
     "max_gen_toks",
     "seed",
 )
-PASSED_BY_LM_EVAL = (
-    "max_batch_size",
-    "device",
-)  # lm_eval's own flags: devices and batches are ours
-DEFAULT_BATCH, DEFAULT_GEN = (
-    8,
-    256,
-)  # rows per call; tokens generated when a task names no max_gen_toks
+# lm_eval's own flags: devices and batches are ours
+PASSED_BY_LM_EVAL = ("max_batch_size", "device")
+# rows per call; tokens generated when a task names no max_gen_toks
+DEFAULT_BATCH, DEFAULT_GEN = (8, 256)
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 # stages and sequence shards: the scoring forward and the KV cache here lay out neither
 UNSUPPORTED_AXES = ("pipeline", "context")
@@ -85,57 +77,6 @@ def grid(n: int, up: bool) -> int:
     of a long sequence and few shapes are compiled."""
     step = max(8, 1 << max(0, n.bit_length() - 4))
     return -(-n // step) * step if up else max(1, n // step * step)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def token_logprobs(cfg, params, tokens_BT, targets_BT):
-    """-> (log p(target | the tokens up to it) [B,T] float32, whether the target is the argmax [B,T])."""
-    logits_BTV, _ = model.apply(cfg, params, tokens_BT)
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return logp_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "prefill", "steps", "temperature", "top_k"))
-def continue_prompts(
-    cfg,
-    params,
-    tokens_BT,
-    lengths_B,
-    key,
-    *,
-    prefill: int,
-    steps: int,
-    temperature: float,
-    top_k: int,
-):
-    """Right-padded prompts [B, prefill + steps] of `lengths_B` tokens (each >= prefill) -> the
-    tokens at positions prefill .. prefill + steps - 1 [B, steps]: the row's prompt while it lasts,
-    then picked ones. One prefill pass fills the cache; each step is one single-position pass."""
-    b = tokens_BT.shape[0]
-    cache = model.init_cache(cfg, b, prefill + steps)
-    logits_BTV, cache = model.apply(
-        cfg,
-        params,
-        tokens_BT[:, :prefill],
-        jnp.broadcast_to(jnp.arange(prefill), (b, prefill)),
-        cache,
-    )
-
-    def step(carry, i):
-        logits_BV, cache, key = carry
-        key, sub = jax.random.split(key)
-        pos = prefill + i
-        tok_B = jnp.where(
-            pos < lengths_B, tokens_BT[:, pos], pick_token(logits_BV, sub, temperature, top_k)
-        )
-        logits_B1V, cache = model.apply(
-            cfg, params, tok_B[:, None], jnp.full((b, 1), pos, jnp.int32), cache
-        )
-        return (logits_B1V[:, -1], cache, key), tok_B
-
-    _, toks_NB = jax.lax.scan(step, (logits_BTV[:, -1], cache, key), jnp.arange(steps))
-    return toks_NB.T
 
 
 def _int_arg(name: str, value, low: int) -> int:
@@ -187,15 +128,15 @@ class BrigadeLM(TemplateLM):
         opened = open_model(str(ckpt), types.SimpleNamespace(**flags))
         self.tok = _tokenizer(tokenizer, opened.meta)
         self.cfg = opened.cfg.model
-        self.trainer = opened.trainer()
-        shape = dict(self.trainer.mesh.shape)
+        self.setup = opened.setup()
+        shape = dict(self.setup.mesh.shape)
         if any(shape.get(axis, 1) > 1 for axis in UNSUPPORTED_AXES):
             raise UserError(
                 f"harness: mesh={mesh}: the {' and '.join(UNSUPPORTED_AXES)} axes are for training;"
                 f" evaluate on data, fsdp, expert and model"
             )
-        n = self.trainer.mesh.size  # the batch sharding splits n rows into n / dp per shard
-        dp = n // self.trainer.batch_sharding.shard_shape((n, 1))[0]
+        n = self.setup.mesh.size  # the batch sharding splits n rows into n / dp per shard
+        dp = n // self.setup.batch_sharding.shard_shape((n, 1))[0]
         rows = (
             DEFAULT_BATCH
             if batch_size in (None, "auto") or str(batch_size).startswith("auto:")
@@ -214,15 +155,14 @@ class BrigadeLM(TemplateLM):
             )
         self.max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         self.seed, self.draws = _int_arg("seed", seed, 0), 0
-        self.params = opened.params(self.trainer)
+        self.params = opened.params(self.setup)
         self.checkpoint = opened.src.step_dir(opened.step)
 
     # -- what lm_eval's TemplateLM asks of a model --------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        return (
-            self.tok.eos_id
-        )  # Brigade's documents end with it, so it also stands before a first token
+        # Brigade's documents end with it, so it also stands before a first token
+        return self.tok.eos_id
 
     @property
     def max_length(self) -> int:
@@ -273,7 +213,7 @@ class BrigadeLM(TemplateLM):
             )
             for r, w in enumerate(batch):
                 tokens_BT[r, : len(w) - 1], targets_BT[r, : len(w) - 1] = w[:-1], w[1:]
-            with jax.set_mesh(self.trainer.mesh), axis_rules(self.trainer.rules):
+            with jax.set_mesh(self.setup.mesh), axis_rules(self.setup.rules):
                 logp_BT, greedy_BT = jax.device_get(
                     token_logprobs(self.cfg, self.params, tokens_BT, targets_BT)
                 )
@@ -315,11 +255,8 @@ class BrigadeLM(TemplateLM):
     # -- generation ------------------------------------------------------------------------------
     def _gen_settings(self, gen_kwargs: dict) -> tuple[list[str], int, float, int]:
         """A task's generation kwargs -> (stop strings, max_gen_toks, temperature, top_k)."""
-        aliases = (
-            "max_new_tokens",
-            "max_tokens",
-            "max_completion_tokens",
-        )  # lm_eval's names for max_gen_toks
+        # lm_eval's names for max_gen_toks
+        aliases = ("max_new_tokens", "max_tokens", "max_completion_tokens")
         unknown = sorted(set(gen_kwargs) - set(GEN_KWARGS) - set(aliases))
         if gen_kwargs.get("top_p") not in (None, 1, 1.0):
             unknown.append(f"top_p={gen_kwargs['top_p']}")
@@ -379,16 +316,15 @@ class BrigadeLM(TemplateLM):
             (grid(spread, up=True) if spread else 0) + max_gen, self.cfg.max_seq_len - prefill
         )
         tokens_BT = np.zeros((self.rows, prefill + steps), np.int32)
-        lengths_B = np.full(
-            (self.rows,), prefill, np.int32
-        )  # dummy rows: generate from zeros, unread
+        # dummy rows: generate from zeros, unread
+        lengths_B = np.full((self.rows,), prefill, np.int32)
         for r, p in enumerate(prompts):
             tokens_BT[r, : len(p)], lengths_B[r] = p, len(p)
         self.draws += (
             1  # a fresh key per batch: the same seed and the same calls give the same text
         )
         key = jax.random.fold_in(jax.random.key(self.seed), self.draws)
-        with jax.set_mesh(self.trainer.mesh), axis_rules(self.trainer.rules):
+        with jax.set_mesh(self.setup.mesh), axis_rules(self.setup.rules):
             toks_BN = np.asarray(
                 jax.device_get(
                     continue_prompts(
@@ -427,9 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    run = (
-        argv[:1] if argv[:1] == ["run"] else []
-    )  # lm_eval's subcommand, implied when none is given
+    # lm_eval's subcommand, implied when none is given
+    run = argv[:1] if argv[:1] == ["run"] else []
     if (
         argv
         and not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv)
@@ -443,15 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except UserError:
         raise
-    except (
-        ValueError
-    ) as e:  # lm_eval's word for bad input (an unknown task, a malformed arg): one line
+    # lm_eval's word for bad input (an unknown task, a malformed arg): one line
+    except ValueError as e:
         raise UserError(
             f"lm_eval: {(str(e).strip().splitlines() or [type(e).__name__])[0]}"
         ) from None
-    except (
-        TypeError
-    ) as e:  # lm_eval passes its flags --batch_size, --device, ... to the model as well
+    # lm_eval passes its flags --batch_size, --device, ... to the model as well
+    except TypeError as e:
         twice = re.search(r"multiple values for keyword argument '(\w+)'", str(e))
         if not twice:
             raise

@@ -24,9 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from mesh.xla import apply_argv
 
-        apply_argv(
-            argv, os.environ
-        )  # XLA reads its flags when jax starts a backend: before any import of jax
+        # XLA reads its flags when jax starts a backend: before any import of jax
+        apply_argv(argv, os.environ)
         if argv and argv[0] == "plan":
             from plan.cli import main as plan_main
 
@@ -49,11 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from train.run import faults
 
         faults.current().check(cfg.train.steps)  # before the run directory is made
-        from train.run.rundir import start_named_run, withdraw_named_run
+        from train.run.named_runs import start_named_run, withdraw_named_run
 
-        named = start_named_run(
-            cfg
-        )  # once, before any child: every restart continues this one directory
+        # once, before any child: every restart continues this one directory
+        named = start_named_run(cfg)
         if cfg.train.max_restarts and not os.environ.get("BRIGADE_SUPERVISED"):
             from checkpoint import storage
             from train.run.supervisor import Fresh, supervise
@@ -93,9 +91,8 @@ def _train(cfg) -> int:
     mesh = start_mesh(cfg.parallelism)
     with PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout):
         try:
-            code = Trainer(cfg, mesh=mesh).fit()[
-                "exit_code"
-            ]  # 143 / 130 after SIGTERM / SIGINT, checkpoint committed
+            # 143 / 130 after SIGTERM / SIGINT, checkpoint committed
+            code = Trainer(cfg, mesh=mesh).fit()["exit_code"]
         except Exception as e:  # noqa: BLE001
             _exit_if_peer_lost(e)
             raise
@@ -114,9 +111,8 @@ def _leave_job() -> None:
     from train.run.watchdog import set_doing
 
     if jax.process_index() in faults.current().kill_at_shutdown:
-        os.kill(
-            os.getpid(), signal.SIGKILL
-        )  # fault injection: a process that dies after the run finished
+        # fault injection: a process that dies after the run finished
+        os.kill(os.getpid(), signal.SIGKILL)
     set_doing("waiting in jax.distributed's shutdown barrier (the run had finished)")
     jax.distributed.shutdown()
 
@@ -152,9 +148,8 @@ def _exit_if_peer_lost(e: Exception) -> None:
 
     lost = PeerHeartbeat().lost()
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    if not lost and cross_process_failure(
-        e
-    ):  # every peer alive, but one came too late to a collective
+    # every peer alive, but one came too late to a collective
+    if not lost and cross_process_failure(e):
         end_process(
             f"error: process {jax.process_index()}: a cross-process wait timed out with every peer alive"
             f" ({first}): a peer is slower (compile, I/O, load) than --parallelism.peer_timeout allows;"

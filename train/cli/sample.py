@@ -16,40 +16,10 @@ import jax
 import numpy as np
 
 from errors import UserError, number, one_line_errors
-from mesh.rules import axis_rules
 from models import model
-from models.sample import generate
-from train.cli.evaluate import command_parser, open_model
+from train.cli.checkpoint_model import checkpoint_tokenizer, command_parser, open_model
+from train.core.inference import generate_on_mesh
 from train.data import chat, tokenizers
-from train.run import resume
-
-
-def checkpoint_tokenizer(
-    spec: str,
-    meta: dict,
-    who: str = "sample",
-    how: str = "--tokenizer SPEC",
-    required: bool = False,
-) -> tokenizers.Tokenizer:
-    """SPEC, else the tokenizer the checkpoint records, else the byte tokenizer (`required`: one
-    line instead). `who` and `how` name the command and its option in the messages."""
-    if spec:
-        return tokenizers.load(str(spec))
-    record = resume.saved_tokenizer(meta)
-    if record is None and required:
-        raise UserError(
-            f"{who}: the checkpoint records no tokenizer (an HF import without tokenizer.json, or"
-            f" an older run); give one with {how} (byte, an HF model directory, KIND:PATH)"
-        )
-    if record is None or record["kind"] == "byte":
-        return tokenizers.ByteTokenizer()
-    try:
-        return tokenizers.load(f"{record['kind']}:{record.get('path', '')}")
-    except UserError as e:
-        raise UserError(
-            f"{who}: the checkpoint's tokenizer {record['id']} does not load ({e}); give one with"
-            f" {how}"
-        ) from None
 
 
 def prompt_ids(tok: tokenizers.Tokenizer, prompt: str, as_chat: bool) -> np.ndarray:
@@ -130,19 +100,16 @@ def main(argv: list[str]) -> int:
     tok = checkpoint_tokenizer(ns.tokenizer, opened.meta)
     ids = prompt_ids(tok, ns.prompt, ns.chat)
     _check_prompt(ns, ids, opened.cfg)
-    trainer = opened.trainer()
-    params = opened.params(trainer)
-    replicate_acts = {k: () for k in trainer.rules}  # a batch of one cannot be split over devices
-    with jax.set_mesh(trainer.mesh), axis_rules(replicate_acts):
-        out_BN = generate(
-            opened.cfg.model,
-            params,
-            ids[None, :].astype(np.int32),
-            jax.random.key(opened.cfg.train.seed),
-            max_new=ns.max_new,
-            temperature=ns.temperature,
-            top_k=ns.top_k,
-        )
+    s = opened.setup()
+    out_BN = generate_on_mesh(
+        s,
+        opened.params(s),
+        ids[None, :].astype(np.int32),
+        jax.random.key(opened.cfg.train.seed),
+        max_new=ns.max_new,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+    )
     new = [int(i) for i in np.asarray(jax.device_get(out_BN))[0]]
     if tok.eos_id in new:  # the end of the document: what follows is a new one
         new = new[: new.index(tok.eos_id)]

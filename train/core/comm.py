@@ -67,12 +67,8 @@ def replica_spec(spec: P, dp_axes: tuple[str, ...]) -> P:
     return P(tuple(dp_axes) or None, *spec)
 
 
-def replica_specs(param_specs: Any, dp_axes: tuple[str, ...]) -> Any:
-    return jax.tree.map(lambda s: replica_spec(s, dp_axes), param_specs)
-
-
 def init_residual(params: Any, n_dp: int) -> Any:
-    """Zero error-feedback residuals [R, ...] float32 (shard them with `replica_specs`)."""
+    """Zero error-feedback residuals [R, ...] float32 (each sharded `replica_spec(param spec, dp_axes)`)."""
     return jax.tree.map(lambda p: jnp.zeros((n_dp, *p.shape), jnp.float32), params)
 
 
@@ -92,7 +88,7 @@ def sync_grads(
 ) -> tuple[Any, Any | None]:
     """Sum the per-replica gradients over the data-parallel mesh axes.
 
-    grads_R: [R, ...] per leaf, sharded `replica_specs(param_specs, dp_axes)`; each replica's
+    grads_R: [R, ...] per leaf, sharded `replica_spec(param spec, dp_axes)`; each replica's
       share of the mean gradient (its gradient sum / the global token count), so their sum is
       the mean gradient.
     residual_R: error-feedback state shaped like grads_R, or None (no error feedback).
@@ -179,20 +175,11 @@ def outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTra
     return optax.sgd(lr, momentum=momentum or None, nesterov=momentum > 0)
 
 
-def init_outer_state(params: Any, outer_tx: optax.GradientTransformation) -> OuterState:
-    return OuterState(params=params, opt_state=outer_tx.init(params))
-
-
 def init_drift(params: Any, n_dp: int) -> Any:
     """Zero drift [R, ...]: replica r's parameters are outer.params + drift_R[r]. Keeping the
     drift rather than the replica's parameters makes the outer gradient exactly the mean of
     the inner updates (no cancellation in params_r - anchor)."""
     return jax.tree.map(lambda p: jnp.zeros((n_dp, *p.shape), p.dtype), params)
-
-
-def replica_params(outer_params: Any, drift_R: Any) -> Any:
-    """[R, ...] parameters of every replica (each device computes only its own)."""
-    return jax.tree.map(lambda p, d: p[None] + d, outer_params, drift_R)
 
 
 def local_step(

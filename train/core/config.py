@@ -92,9 +92,8 @@ class Config:
                 f"--train.spike_factor {self.train.spike_factor}: not with --comm.sync_every"
                 f" {self.comm.sync_every} (DiLoCo replicas step alone); use one or the other"
             )
-        if (
-            self.train.offload_optimizer and self.comm.sync_every > 1
-        ):  # per-replica state, the outer optimizer
+        # per-replica state, the outer optimizer
+        if self.train.offload_optimizer and self.comm.sync_every > 1:
             raise UserError(
                 f"--train.offload_optimizer true: not with --comm.sync_every {self.comm.sync_every}"
                 f" (DiLoCo); use --comm.sync_every 1 or --train.offload_optimizer false"
@@ -195,9 +194,8 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None =
     preset_name = model_raw.pop("preset", "default")
     sections = {}
     for section, cls in SECTIONS.items():
-        base = (
-            registry.config(preset_name, PRESETS) if section == "model" else cls()
-        )  # a preset or models.register's
+        # a preset or models.register's
+        base = registry.config(preset_name, PRESETS) if section == "model" else cls()
         values = model_raw if section == "model" else raw[section]
         options = _options(section)
         for name in values:
@@ -212,15 +210,13 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None =
                 for n, v in values.items()
             },
         )
-    if (
-        "vocab_size" not in model_raw
-    ):  # unset: the model takes the prepared data's vocabulary where it needs more
+    # unset: the model takes the prepared data's vocabulary where it needs more
+    if "vocab_size" not in model_raw:
         from train.data.sources import dataset_vocab
 
         need = dataset_vocab(sections["data"].source)
-        if (
-            need is not None and need > sections["model"].vocab_size
-        ):  # padded to 128 so that mesh axes split it
+        # padded to 128 so that mesh axes split it
+        if need is not None and need > sections["model"].vocab_size:
             sections["model"] = dataclasses.replace(
                 sections["model"], vocab_size=-(-need // 128) * 128
             )

@@ -68,9 +68,8 @@ def help_line(key: str, field: dataclasses.Field, shown_default: Any) -> str:
         )
     rng = field.metadata.get("range")
     valid = f" valid: {rng.spec}" if rng else ""
-    return f"(default: {shown_default}){valid}. {text}".replace(
-        "%", "%%"
-    )  # argparse %-formats help
+    # argparse %-formats help
+    return f"(default: {shown_default}){valid}. {text}".replace("%", "%%")
 
 
 def load_yaml(path: str, sections: Iterable[str]) -> dict[str, dict]:

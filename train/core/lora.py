@@ -16,6 +16,7 @@ from that pointer (or this run's --init-from) and refuses one whose fingerprint 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -186,9 +187,8 @@ def check_run(cfg: Config) -> None:
             f" '{cfg.model.arch}' is a registered one"
         )
     base = model.abstract_params(cfg.model)
-    for path, _, n_in in _targets(
-        cfg.model, cfg.lora
-    ):  # a rank above min(in, out) adds no expressiveness
+    # a rank above min(in, out) adds no expressiveness
+    for path, _, n_in in _targets(cfg.model, cfg.lora):
         shape = _at(base, path).shape
         fan_in, fan_out = math.prod(shape[1 : 1 + n_in]), math.prod(shape[1 + n_in :])
         if cfg.lora.rank > min(fan_in, fan_out):
@@ -257,3 +257,13 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
         f"LoRA: rank {cfg.lora.rank} adapters on the frozen base from {where} (fingerprint {got})"
     )
     return params, got, pointer, note
+
+
+def with_base_recorded(cfg: Config, found: str, pointer: str) -> Config:
+    """`cfg` with its base recorded where every save carries it: the base's fingerprint `found`,
+    and its step directory `pointer` as --init-from (the pointer a resume or an export follows)."""
+    return dataclasses.replace(
+        cfg,
+        lora=dataclasses.replace(cfg.lora, base_fingerprint=found),
+        checkpoint=dataclasses.replace(cfg.checkpoint, init_from=pointer),
+    )

@@ -147,9 +147,8 @@ def named(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTransformation:
     for AdamW carries over; Lion wants one 3-10x smaller (Chen et al. 2023)."""
     mask = lambda p: decay_mask(p, cfg.decay_embeddings)  # noqa: E731
 
-    def decayed(
-        tx,
-    ):  # tx's update holds the rate already: the decay follows it with -rate x weight_decay
+    # tx's update holds the rate already: the decay follows it with -rate x weight_decay
+    def decayed(tx):
         return optax.chain(
             tx, optax.add_decayed_weights(lambda count: -cfg.weight_decay * lr(count), mask)
         )

@@ -55,7 +55,7 @@ COMPRESSIONS = ("none", "int8", "int4", "topk")
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
     """The `comm` section: how data-parallel replicas sync (compression, error feedback, DiLoCo);
-    `error_feedback_on` and `validate_comm` below apply its policy to values outside a section."""
+    `error_feedback_on` below applies its policy to values outside a section."""
 
     compression: str = option(
         "none", "data-parallel gradient sync: none (XLA's float32 all-reduce) | int8 | int4 | topk"
@@ -113,21 +113,6 @@ def error_feedback_on(compression: str, error_feedback: str | bool) -> bool:
         raise UserError(
             f"--comm.error_feedback: '{error_feedback}' is not one of auto, true, false"
         ) from None
-
-
-def validate_comm(
-    compression: str,
-    topk_fraction: float,
-    sync_every: int,
-    outer_lr: float,
-    outer_momentum: float,
-    error_feedback: str | bool = "auto",
-) -> None:
-    """UserError naming the `comm.*` option that is out of range (CommConfig.validate, for callers
-    that hold the values rather than a section)."""
-    CommConfig(
-        compression, topk_fraction, error_feedback, sync_every, outer_lr, outer_momentum
-    ).validate()
 
 
 # --lora.targets: the projections an adapter can wrap (train/core/lora.py maps them to the weights);

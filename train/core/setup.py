@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from errors import expect
 from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules, sequence_parallel
 from mesh.shard import data_parallel_axes, tree_shardings
+from mesh.spec import mesh_text
 from models import context, model
 from train.core import comm, lora, memory, optim
 from train.core import state as train_state
@@ -43,7 +44,7 @@ class RunSetup:
     state_shardings: train_state.TrainState
     compute_dtype: Any
     loss_fn: Callable | None = (
-        None  # Trainer(loss=): per-token loss replacing cross-entropy (train/core/step.py)
+        None  # Trainer(loss=): per-token loss replacing cross-entropy (train/core/batch_loss.py)
     )
     optimizer: optax.GradientTransformation | None = (
         None  # Trainer(optimizer=): replaces AdamW inside `tx`
@@ -102,9 +103,8 @@ def setup(
         mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)]
     )
     sync, local_clip = comm.sync_layout(cfg.comm, dp_axes, cfg.train.grad_clip)
-    tx = optim.make(
-        cfg.train, clip=not local_clip, lr=lr, optimizer=optimizer
-    )  # a compressed sync clips per replica
+    # a compressed sync clips per replica
+    tx = optim.make(cfg.train, clip=not local_clip, lr=lr, optimizer=optimizer)
     return RunSetup(
         cfg=cfg,
         mesh=mesh,
@@ -133,8 +133,20 @@ def _say(line: str) -> None:
 
 
 def abstract_state(s: RunSetup) -> train_state.TrainState:
-    """ShapeDtypeStructs with shardings of the run's state: what compiles and restores use."""
-    return train_state.abstract(s.cfg.model, s.tx, s.mesh, s.rules, s.sync, lora_cfg=s.cfg.lora)
+    """ShapeDtypeStructs with shardings of the run's state (with --train.spike_factor's window
+    when it is on): what compiles and restores use."""
+    state = train_state.abstract(s.cfg.model, s.tx, s.mesh, s.rules, s.sync, lora_cfg=s.cfg.lora)
+    return train_state.with_loss_window(state, s.cfg.train.spike_factor, s.mesh)
+
+
+def create_state(s: RunSetup) -> train_state.TrainState:
+    """A fresh state of the run (step 0, --train.seed's parameters, a fresh optimizer), created
+    sharded: every device only ever holds its own shards."""
+    c = s.cfg
+    state = train_state.create(
+        c.model, s.tx, s.mesh, s.rules, c.train.seed, s.sync, lora_cfg=c.lora
+    )
+    return train_state.with_loss_window(state, c.train.spike_factor, s.mesh)
 
 
 def abstract_batch(s: RunSetup) -> dict:
@@ -169,9 +181,8 @@ def jit_step(s: RunSetup):
     else:
         param_specs = jax.tree.map(lambda sh: sh.spec, s.state_shardings.params)
 
-        def step(
-            state, batch, *base
-        ):  # base: a LoRA run's frozen base, merged with the adapters in the loss
+        # base: a LoRA run's frozen base, merged with the adapters in the loss
+        def step(state, batch, *base):
             merge = (lambda adapters: lora.model_params(cfg, base[0], adapters)) if base else None
             if t.offload_optimizer:  # host -> device for the update; XLA schedules the copies
                 state = state.replace(
@@ -221,3 +232,15 @@ def compile_step(s: RunSetup, state=None, batch=None):
             )
             .compile()
         )
+
+
+def compile_checked(s: RunSetup, state=None, batch=None):
+    """-> (the step compiled for `state` and `batch`, abstract ones by default; its predicted peak
+    bytes per device). Checked against the devices' memory unless --train.skip_memory_check:
+    compiled before any state exists, the check comes before the allocation that a machine too
+    small for the model would not survive."""
+    compiled = compile_step(s, state, batch)
+    peak = memory.step_bytes_per_device(compiled).get("peak")
+    if not s.cfg.train.skip_memory_check:
+        memory.check_fits(compiled, list(s.mesh.devices.flat), mesh_text(s.mesh.shape))
+    return compiled, peak

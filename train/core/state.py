@@ -141,9 +141,8 @@ def like_params(tx: optax.GradientTransformation, abstract_params, param_sh, mes
             (p_shape, sh), spec = own, (*own[1].spec, *[None] * (len(own[0]) - len(own[1].spec)))
             if shape == p_shape:
                 return sh
-            for dim in reversed(
-                range(len(p_shape))
-            ):  # the last dim first: a row statistic drops it
+            # the last dim first: a row statistic drops it
+            for dim in reversed(range(len(p_shape))):
                 if shape == p_shape[:dim] + p_shape[dim + 1 :]:
                     return NamedSharding(mesh, P(*spec[:dim], *spec[dim + 1 :]))
         if shape in by_shape:
@@ -196,9 +195,8 @@ def shardings(
         )
 
     opt_sh = like_params(tx, abstract_params, param_sh, mesh, warn)
-    if isinstance(
-        tx, optim.HostResident
-    ):  # --train.offload_optimizer: the state lives in host memory
+    # --train.offload_optimizer: the state lives in host memory
+    if isinstance(tx, optim.HostResident):
         opt_sh = jax.tree.map(lambda sh: sh.with_memory_kind(HOST_KIND), opt_sh)
     out = TrainState(step=NamedSharding(mesh, P()), params=param_sh, opt_state=opt_sh)
     if sync.error_feedback:

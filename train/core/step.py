@@ -1,4 +1,6 @@
-"""The pure train and eval steps: (state, batch) -> (state, metrics). No I/O here."""
+"""The pure train step: (state, batch) -> (state, metrics), its gradient accumulation over
+micro-batches and replicas, the sync, the guarded update and DiLoCo's local step; the loss it
+differentiates is train/core/batch_loss.py's. No I/O here."""
 
 from __future__ import annotations
 
@@ -8,117 +10,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from errors import UserError
-from mesh.rules import axis_rules, current_rules, logical_to_spec
-from mesh.shard import axes_size
-from models import context, model, registry
-from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM, ModelConfig
-from models.loss import token_xent
+from mesh.rules import axis_rules, current_rules
+from models.config import ModelConfig
 from models.moe_router import bias_update
-from models.transformer import default_positions
 from train.core import comm
+from train.core.batch_loss import loss_terms
 from train.core.optim import applied_lr
 from train.core.state import TrainState
-
-BATCH_BT = ("batch", "seq")
-
-
-def token_losses(loss_fn, logits_BTV: jax.Array, batch) -> jax.Array:
-    """The per-token loss [B,T] float32: cross-entropy, or `loss_fn(logits_BTV, batch)`, a custom
-    loss (Trainer(loss=...)). Per token, not a mean: the step weights and sums it, and divides by
-    the weight of the whole batch only once every micro-batch and data-parallel replica is summed,
-    so gradient accumulation and data parallelism give exactly one big batch's mean (a mean per
-    micro-batch would weigh a micro-batch of padding like a full one). Checked while tracing."""
-    if loss_fn is None:
-        return token_xent(logits_BTV, batch["targets"])
-    loss_BT = loss_fn(logits_BTV, batch)
-    want = tuple(batch["targets"].shape)
-    if tuple(getattr(loss_BT, "shape", ())) != want or not jnp.issubdtype(
-        getattr(loss_BT, "dtype", int), jnp.floating
-    ):
-        got = f"{tuple(getattr(loss_BT, 'shape', ()))} {getattr(loss_BT, 'dtype', type(loss_BT).__name__)}"
-        raise UserError(
-            f"loss=: returned {got}; expected per-token losses, a float array of the targets' shape [B,T]"
-            f" = {want} (Brigade weights, sums and normalises them; return loss_BT, not its mean)"
-        )
-    return loss_BT.astype(jnp.float32)
-
-
-def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
-    """-> (objective sum, (loss sum, token count, MoE sums)), in float32; the loss is per-token
-    cross-entropy, or `loss_fn`'s (see `token_losses`).
-
-    The objective adds the MoE balance losses (means over MoE layers) weighted by the token count,
-    so that dividing by the total count gives mean cross-entropy + coefficient x loss, also across
-    micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
-    (models.config.PipelineConfig): the schedule on a mesh with pipeline > 1, any of them
-    (models.model.objective)."""
-    # context parallelism: the batch in the zigzag order its sequence shards hold (models/context.py)
-    n_context = context.context_size()
-    registry.check_sequence_order(cfg, n_context)
-    batch = context.to_layout(batch, n_context, default_positions)
-    if batch.get("positions") is None and registry.given_positions(cfg):
-        # a registered model that masks by positions gets them on every mesh, not only on a context
-        # axis (where to_layout made them explicit): one device and context=2 run the same program
-        positions_BT = default_positions(batch.get("segment_ids"), batch["inputs"].shape)
-        batch = {**batch, "positions": positions_BT}
-    n = jnp.sum(batch["weights"]) if "weights" in batch else jnp.float32(batch["targets"].size)
-    weights = {"aux": n * cfg.aux_loss_coef, "z": n * cfg.z_loss_coef} if cfg.n_experts else {}
-    custom = (
-        None if loss_fn is None else (lambda logits_BTV, mb: token_losses(loss_fn, logits_BTV, mb))
-    )
-    objective, xent, stats = model.objective(
-        cfg,
-        params,
-        batch,
-        pipeline=pipeline,
-        token_loss=custom,
-        stat_weights=weights,
-        # a custom loss reads whole logits
-        loss_chunk=loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0,
-    )
-    return objective, (xent, n, _moe_sums(stats, n))
-
-
-def _moe_sums(stats: dict, n) -> dict:
-    """The MoE layers' stats (per layer) as sums over the tokens: the balance losses' means over
-    layers x the token count (additive over micro-batches), the token counts as they are."""
-    if not stats:
-        return {}
-    return {
-        "aux": jnp.mean(stats["aux"]) * n,
-        "z": jnp.mean(stats["z"]) * n,
-        "counts": stats["counts"],
-        "dropped": stats["dropped"],
-        "assigned": stats["assigned"],
-    }
-
-
-def loss_chunk(cfg: ModelConfig, shape_BT: tuple[int, int]) -> int:
-    """Tokens per chunk of the LM head + cross-entropy (models.loss.chunked_token_xent), 0 = whole:
-    --model.loss_chunk, or under auto (0) LOSS_CHUNK where one device's float32 logits of this
-    batch would exceed LOSS_CHUNK_FROM bytes (the rules in context say how they are split)."""
-    if cfg.loss_chunk:
-        return cfg.loss_chunk
-    mesh = jax.sharding.get_abstract_mesh()
-    shards = (
-        1
-        if mesh.empty
-        else math.prod(
-            axes_size(mesh, e) for e in logical_to_spec(("logits_batch", "seq", "act_vocab"))
-        )
-    )
-    logit_bytes = shape_BT[0] * shape_BT[1] * cfg.vocab_size * 4 / shards
-    return LOSS_CHUNK if logit_bytes > LOSS_CHUNK_FROM else 0
-
-
-def loss_sums(
-    cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None
-) -> tuple[jax.Array, jax.Array]:
-    """-> (sum of token losses, number of tokens), in float32. Summing (not averaging)
-    per micro-batch makes gradient accumulation exactly equal to one big batch."""
-    _, (xent, n, _) = loss_terms(cfg, params, batch, pipeline, loss_fn)
-    return xent, n
 
 
 def replica_split(dp_axes: tuple[str, ...]) -> tuple[int, dict]:
@@ -142,22 +40,6 @@ def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
     b = x_BT.shape[0]
     x = x_BT.reshape(b // m, m, *x_BT.shape[1:])
     return jnp.swapaxes(x, 0, 1)
-
-
-def grads_and_loss(
-    cfg: ModelConfig,
-    params,
-    batch,
-    micro_batches: int,
-    dp_axes: tuple[str, ...] = (),
-    pipeline=None,
-    loss_fn=None,
-):
-    """Mean loss over all tokens and its gradient (see `grads_loss_stats`)."""
-    loss, grads, _ = grads_loss_stats(
-        cfg, params, batch, micro_batches, dp_axes, pipeline=pipeline, loss_fn=loss_fn
-    )
-    return loss, grads
 
 
 def grads_loss_stats(
@@ -216,9 +98,8 @@ def grads_loss_stats(
         shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
     (total, n, sums, g), _ = jax.lax.scan(body, zeros, micro)
-    if (
-        n_dp > 1
-    ):  # the one data-parallel reduction of the step (of the gradient: unless per_replica)
+    # the one data-parallel reduction of the step (of the gradient: unless per_replica)
+    if n_dp > 1:
         total, n, sums = jax.tree.map(lambda x: x.sum(0), (total, n, sums))
         g = g if per_replica else jax.tree.map(lambda x: x.sum(0), g)
     n = jnp.maximum(n, 1.0)
@@ -321,13 +202,14 @@ def train_step(
         # none); it lives in params so that checkpoints and generation carry it
         moe = params["moe_blocks"]["moe"]
         new_bias = bias_update(moe["router_bias_E"], stats["counts"], cfg.router_bias_rate)
+        # a skipped step changes nothing
         params = {
             **params,
             "moe_blocks": {
                 **params["moe_blocks"],
                 "moe": {**moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])},
             },
-        }  # a skipped step changes nothing
+        }
     # the rate this update applied: the optimizer's own count (it stops on skipped steps and
     # rewinds with a restored checkpoint), not the step number; 0 for a skipped step
     metrics = {
@@ -338,9 +220,8 @@ def train_step(
         "bad_in_a_row": opt_state.notfinite_count,
         "skipped_steps": opt_state.total_notfinite,
     }
-    if (
-        window is not None
-    ):  # neither count resets on the other kind's skip: their sum is the run of skips
+    # neither count resets on the other kind's skip: their sum is the run of skips
+    if window is not None:
         metrics.update(
             spike_in_a_row=window.in_a_row,
             spike_skipped_steps=window.skipped,
@@ -348,9 +229,8 @@ def train_step(
         )
     if stats:
         metrics.update(moe_metrics(stats))
-    if (
-        residual is not None
-    ):  # a skipped step (non-finite, or a spike) must leave the residuals as they were
+    # a skipped step (non-finite, or a spike) must leave the residuals as they were
+    if residual is not None:
         residual = jax.tree.map(lambda new, old: jnp.where(ok, new, old), residual, state.residual)
     return TrainState(
         step=state.step + 1, params=params, opt_state=opt_state, residual=residual, spike=window
@@ -409,10 +289,3 @@ def local_sgd_step(
         drift=drift,
         outer_opt=outer.opt_state,
     ), metrics
-
-
-def eval_step(
-    cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None
-) -> tuple[jax.Array, jax.Array]:
-    """-> (sum of token losses, token count) for one held-out batch."""
-    return loss_sums(cfg, params, batch, pipeline, loss_fn)

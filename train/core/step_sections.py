@@ -232,9 +232,8 @@ class DataConfig:
 
     def validate(self) -> DataConfig:
         check_ranges(self, functools.partial(public_flag, "data"))
-        if (
-            self.eval_source
-        ):  # the syntax here; the directories are opened (and checked) when a run starts
+        # the syntax here; the directories are opened (and checked) when a run starts
+        if self.eval_source:
             from train.data.evalsets import parse_source
 
             parse_source(self.eval_source)

@@ -148,9 +148,8 @@ def render(
             add_generation_prompt=add_generation_prompt,
             **tok.special,
         )
-    except (
-        Exception
-    ) as e:  # the template is the model's code: anything it raises is about this record
+    # the template is the model's code: anything it raises is about this record
+    except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise UserError(
             f"prepare: {line_where(where)}: the chat template fails on this conversation ({first})"
@@ -228,10 +227,8 @@ def chat_tokens(tok, messages: list[dict], where: str) -> tuple[np.ndarray, np.n
     """-> (ids [N] of the rendered conversation, uint8 mask [N]: 1 on tokens overlapping an assistant turn)."""
     text, spans = assistant_spans(tok, messages, where)
     ids, offsets = tok.encode_offsets(text)
-    start, end = (
-        offsets[:, 0],
-        np.maximum(offsets[:, 1], offsets[:, 0] + 1),
-    )  # a token of no characters has a place
+    # a token of no characters has a place
+    start, end = (offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1))
     mask = np.zeros(len(ids), bool)
     for a, b in spans:
         mask |= (start < b) & (end > a)

@@ -75,9 +75,8 @@ def _read_tree(
                 with open(path, "rb") as f:
                     docs.append((os.path.relpath(path, root), f.read()))
             except OSError as e:
-                if (
-                    strict
-                ):  # the user's data: a file left out silently would be a silent change of corpus
+                # the user's data: a file left out silently would be a silent change of corpus
+                if strict:
                     raise UserError(f"--data: cannot read '{path}': {e.strerror}") from None
                 continue  # unreadable stdlib files (permissions) are simply not part of the corpus
     return docs

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from errors import UserError
-from train.data.pipeline import batch_keys
+from train.data.windows import batch_keys
 
 KEPT_POSITIONS = (
     4  # recent iterator states kept: a save asks for the position of the batch just drawn
@@ -133,9 +133,8 @@ class IterableData:
         """The position before batch `step`, for the checkpoint's meta (`iterable`: the iterable's
         own state, None without state())."""
         position = self._positions.get(step)
-        if (
-            position is None and self.exact_resume and step == self._next_step
-        ):  # nothing drawn past it
+        # nothing drawn past it
+        if position is None and self.exact_resume and step == self._next_step:
             position = self.source.state()
         return {"next_step": step, "sources": [], "iterable": position}
 

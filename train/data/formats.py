@@ -207,9 +207,8 @@ def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
     try:
         with contextlib.ExitStack() as stack:
             schema, batches, position = (_parquet if parquet else _arrow)(path, text_field, stack)
-            if isinstance(
-                text_field, tuple
-            ):  # a record format: rows as dicts of its fields (chat.py checks them)
+            # a record format: rows as dicts of its fields (chat.py checks them)
+            if isinstance(text_field, tuple):
                 yield from _rows(path, text_field, schema, batches, position)
                 return
             if text_field not in schema.names:
@@ -279,11 +278,12 @@ def _parquet(path: str, text_field: str | tuple[str, ...], stack: contextlib.Exi
         if c in f.schema_arrow.names
     ]
     # small batches: a batch of rows is held whole (the reader's default is 65,536 rows)
+    # row groups hold about equal bytes per row
     return (
         f.schema_arrow,
         lambda: f.iter_batches(batch_size=1024, columns=columns),
         lambda rows: size * rows // total,
-    )  # row groups hold about equal bytes per row
+    )
 
 
 def _arrow(path: str, text_field: str, stack: contextlib.ExitStack):

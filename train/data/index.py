@@ -52,9 +52,8 @@ _TYPE_NAMES = {str: "a string", int: "an integer", dict: "an object", list: "a l
 
 
 def _typed(value, typ) -> bool:
-    return isinstance(value, typ) and not (
-        typ is int and isinstance(value, bool)
-    )  # JSON true is no count
+    # JSON true is no count
+    return isinstance(value, typ) and not (typ is int and isinstance(value, bool))
 
 
 def _key(where: str, key: str) -> str:
@@ -119,9 +118,8 @@ def validate(index) -> dict:
 
 
 def _check_shard(shard, where: str, masked: bool) -> None:
-    masked = masked or (
-        isinstance(shard, dict) and "mask" in shard
-    )  # a mask it has is checked like the rest
+    # a mask it has is checked like the rest
+    masked = masked or (isinstance(shard, dict) and "mask" in shard)
     _check_keys(shard, {**SHARD, **(SHARD_MASK if masked else {})}, where, SHARD_OPTIONAL)
     _check_keys(
         shard["sha256"], {**SHARD_SHA256, **(SHARD_MASK if masked else {})}, f"{where}.sha256"
@@ -209,9 +207,8 @@ class ShardWriter:
                 self._open()
             room = self.shard_tokens - self._n
             base = ends[lo - 1] if lo else 0
-            hi = max(
-                lo + 1, int(np.searchsorted(ends, base + room, side="right"))
-            )  # at least one document
+            # at least one document
+            hi = max(lo + 1, int(np.searchsorted(ends, base + room, side="right")))
             chunk = tokens[base : ends[hi - 1]]
             self._max = max(self._max, int(chunk.max()))  # every document holds at least its EOS
             data = chunk.astype(self.dtype).tobytes()

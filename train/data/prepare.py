@@ -13,7 +13,7 @@ Layout of DIR:
 Each document ends with the tokenizer's EOS id. Documents keep input order (files sorted inside a
 directory or glob; JSONL lines in file order), whatever the number of workers. Everything is written
 into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing behind.
-`--overwrite` replaces only a directory that holds a prepared dataset and nothing else (check_out).
+`--overwrite` replaces only a directory that holds a prepared dataset and nothing else (train/data/prepare_output.py check_out).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import collections
 import datetime
 import functools
-import glob
 import json
 import multiprocessing as mp
 import os
@@ -35,19 +34,15 @@ import numpy as np
 from checkpoint import storage
 from errors import ArgParser, UserError, number, one_line_errors
 from train.data import chat, formats, tokenizers
-from train.data.formats import JSONL_SUFFIXES
 from train.data.index import (
     FORMAT,
     INDEX,
     MASKED_FORMAT,
     ShardWriter,
-    listed_files,
-    read_index,
     token_dtype,
 )
-
-TASK_BYTES = 4 << 20  # input bytes per worker task at most: amortises the IPC, keeps the bar moving
-MIN_TASK_BYTES = 16 << 10  # ... and at least (small inputs are still spread over the workers)
+from train.data.prepare_inputs import chunked, expand_inputs, make_tasks
+from train.data.prepare_output import check_out, make_tmp, replace_with
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -118,60 +113,6 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ------------------------------------------------------------------ inputs -> tasks
-
-
-def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files in a stable order: each input in command-line order; a directory's or glob's files sorted."""
-    files: list[str] = []
-    for spec in inputs:
-        shards = formats.dataset_files(spec) if os.path.isdir(spec) else None
-        if shards is not None:
-            files += shards
-        elif os.path.isdir(spec):
-            for dirpath, dirnames, names in os.walk(spec):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                files += [os.path.join(dirpath, n) for n in sorted(names) if not n.startswith(".")]
-        elif os.path.exists(spec):
-            files.append(spec)
-        elif glob.has_magic(spec):
-            matched = sorted(f for f in glob.glob(spec, recursive=True) if os.path.isfile(f))
-            if not matched:
-                raise UserError(f"prepare: input glob '{spec}' matches no file")
-            files += matched
-        else:
-            raise UserError(f"prepare: input '{spec}' is not a file, directory or glob")
-    if not files:
-        raise UserError(f"prepare: no input files in {' '.join(inputs)}")
-    for f in files:
-        if not os.access(f, os.R_OK):
-            raise UserError(f"prepare: cannot read input file '{f}' (permission denied)")
-    return files
-
-
-def make_tasks(files: list[str], workers: int = 1) -> list[list[tuple[str, int, int]]]:
-    """Work units of (path, start, end) byte ranges, about 8 per worker within [MIN_TASK_BYTES,
-    TASK_BYTES]; JSONL files are split at arbitrary offsets (a line belongs to the range it starts
-    in), text files stay whole, and a streamed file (formats.is_streamed) is a task of its own,
-    read in chunks by `chunked`."""
-    sizes = [os.path.getsize(f) for f in files]
-    task_bytes = min(TASK_BYTES, max(MIN_TASK_BYTES, sum(sizes) // (8 * workers)))
-    tasks, current, size = [], [], 0
-    for path, n in zip(files, sizes):
-        if formats.is_streamed(path):
-            tasks += [current] * bool(current) + [[(path, 0, n)]]
-            current, size = [], 0
-            continue
-        step = task_bytes if path.endswith(JSONL_SUFFIXES) else max(n, 1)
-        for start in range(0, max(n, 1), step):
-            current.append((path, start, min(start + step, n)))
-            size += min(step, n - start)
-            if size >= task_bytes:
-                tasks.append(current)
-                current, size = [], 0
-    return tasks + ([current] if current else [])
-
-
 # ------------------------------------------------------------------ workers
 
 _TOKENIZER: tokenizers.Tokenizer | None = None
@@ -182,17 +123,6 @@ def _init_worker(spec: str, eos_token: str | None, pool: bool) -> None:
     if pool:  # HF tokenizers' own thread pool in every worker would oversubscribe the cores
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _TOKENIZER = tokenizers.load(spec, eos_token)
-
-
-def chunked(tasks: list, text_field: str):
-    """The tasks, with each streamed file's task replaced by the Chunks of documents read from it
-    here, in the main process (a compressed stream cannot be split among workers)."""
-    for task in tasks:
-        path = task[0][0]
-        if formats.is_streamed(path):  # make_tasks gives such a file a task of its own
-            yield from formats.read_chunks(path, text_field, TASK_BYTES)
-        else:
-            yield task
 
 
 def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "text"):
@@ -245,113 +175,6 @@ def _checked(tokens: np.ndarray) -> np.ndarray:
     return tokens
 
 
-# ------------------------------------------------------------------ output directory
-
-
-def _within(path: str, directory: str) -> bool:
-    """Whether `path` is `directory` or lies inside it (both already real paths)."""
-    return os.path.commonpath([path, directory]) == directory
-
-
-def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) -> None:
-    """Refuses (UserError, before anything is written or deleted) an --out whose replacement would
-    lose data: one that is or contains an input, the current directory, the home directory or /;
-    one inside an input directory (the next run would read the dataset as input); an existing one
-    without --overwrite; and, with it, anything but a directory that holds a prepared dataset and
-    nothing else, so that the only files --overwrite deletes are ones `prepare` wrote."""
-    local = storage.is_local(out)  # an object store holds no input, no current or home directory
-    real = os.path.realpath(out) if local else out
-    if local and os.path.lexists(out):  # a new directory cannot hold anything yet
-        guarded = {
-            "the current directory": os.getcwd(),
-            "the home directory": os.path.expanduser("~"),
-            "/": os.sep,
-        }
-        guarded |= {
-            f"the input '{p}'": p for p in [*(i for i in inputs if os.path.exists(i)), *files]
-        }
-        for what, path in guarded.items():
-            if _within(os.path.realpath(path), real):
-                raise UserError(
-                    f"prepare: --out '{out}' is or contains {what}; name a new directory for the dataset"
-                )
-    for spec in inputs:
-        if local and os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
-            raise UserError(
-                f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are all"
-                f" read as input; name a directory outside it"
-            )
-    if not storage.lexists(out):
-        return
-    if not overwrite:
-        raise UserError(
-            f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite"
-        )
-    only = "--overwrite replaces only a directory that holds a prepared dataset and nothing else"
-    if (local and os.path.islink(out)) or not storage.isdir(out):
-        raise UserError(
-            f"prepare: --out '{out}' is {'a symbolic link' if os.path.islink(out) else 'not a directory'};"
-            f" {only}"
-        )
-    listed = listed_files(
-        read_index(out, f"prepare: --out '{out}'", f"{only}; name a new directory")
-    )
-    present = set(storage.listdir(out))
-    foreign = sorted(present - listed)
-    if foreign:
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise UserError(
-            f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write; {only}"
-        )
-    # prepare writes plain files only: a listed name that is a directory or a link holds (or points
-    # at) something else, which deleting the old shards must not touch
-    for name in sorted(present & listed):
-        target = storage.join(out, name)
-        if (local and os.path.islink(target)) or storage.isdir(target):
-            kind = "a symbolic link" if local and os.path.islink(target) else "a directory"
-            raise UserError(
-                f"prepare: --out '{out}': '{name}', which its index names as a file of the dataset,"
-                f" is {kind}; {only}"
-            )
-
-
-def _replace(out: str, tmp: str) -> None:
-    """Moves the finished `tmp` to `out`; an existing `out` (a dataset check_out accepted) goes only
-    once the new one is in place, and only the files its index lists: anything that appeared since
-    the check is kept, with a warning."""
-    if not os.path.exists(out):
-        os.rename(tmp, out)
-        return
-    listed = listed_files(
-        read_index(out, f"prepare: --out '{out}'", "it changed while prepare ran")
-    )
-    trash = tempfile.mkdtemp(prefix=f"{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-    old = os.path.join(trash, "dataset")
-    os.rename(out, old)
-    os.rename(tmp, out)
-    for name in listed:
-        path = os.path.join(old, name)
-        if os.path.isfile(path) and not os.path.islink(path):  # what prepare wrote: plain files
-            os.remove(path)
-    try:
-        os.rmdir(old)
-        os.rmdir(trash)
-    except OSError:
-        print(f"prepare: kept {old}: it holds files that prepare did not write", file=sys.stderr)
-
-
-def _make_tmp(out: str) -> str:
-    """An empty directory next to `out` for the new dataset (renamed to `out` once complete)."""
-    parent = os.path.dirname(out)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f"{os.path.basename(out)}.tmp-", dir=parent)
-    except OSError as e:
-        raise UserError(
-            f"prepare: cannot create a directory next to --out '{out}': {e.strerror}"
-        ) from None
-
-
 def prepare(
     inputs: list[str],
     out: str,
@@ -374,16 +197,14 @@ def prepare(
     files = expand_inputs(inputs)
     check_out(out, inputs, files, overwrite)
     tok = tokenizers.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
-    fields = chat.check_options(
-        tok, input_format, text_field
-    )  # what the readers take from each record
+    # what the readers take from each record
+    fields = chat.check_options(tok, input_format, text_field)
     info = tok.describe()
     dtype = token_dtype(tok.vocab_size)
     tasks = make_tasks(files, workers)
     out = storage.absolute(out)
-    tmp = (
-        _make_tmp(out) if storage.is_local(out) else tempfile.mkdtemp(prefix="brigade-prepare-")
-    )  # then uploaded
+    # then uploaded
+    tmp = make_tmp(out) if storage.is_local(out) else tempfile.mkdtemp(prefix="brigade-prepare-")
     from tqdm import tqdm
 
     bar = tqdm(
@@ -440,7 +261,7 @@ def prepare(
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
         if storage.is_local(out):
-            _replace(out, tmp)
+            replace_with(out, tmp)
         else:
             storage.upload_dir(tmp, out, last=INDEX)
     except BaseException:
@@ -448,9 +269,8 @@ def prepare(
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(
-        tmp, ignore_errors=True
-    )  # what an upload left behind (a local dataset was renamed away)
+    # what an upload left behind (a local dataset was renamed away)
+    shutil.rmtree(tmp, ignore_errors=True)
     if skipped:
         print(
             f"prepare: skipped {len(skipped)} documents that are not UTF-8 (first: {skipped[0]})",

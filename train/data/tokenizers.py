@@ -74,9 +74,8 @@ class Tokenizer:
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
         }
-        if (
-            self.model_dir
-        ):  # the id stays the tokenizer.json's: the same vocabulary, however it was named
+        # the id stays the tokenizer.json's: the same vocabulary, however it was named
+        if self.model_dir:
             info["model_dir"] = os.path.basename(os.path.abspath(self.model_dir))
         return info
 
@@ -207,10 +206,8 @@ def model_dir_config(directory: str) -> tuple[dict[str, str], str | None]:
     """A HuggingFace model directory's special tokens (name -> text, e.g. bos_token -> '<s>') and
     chat template (None if it has none), read as transformers reads them."""
     config: dict = {}
-    for name in (
-        "special_tokens_map.json",
-        "tokenizer_config.json",
-    ):  # the latter wins, as in transformers
+    # the latter wins, as in transformers
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
         path = os.path.join(directory, name)
         try:
             with open(path, encoding="utf-8") as f:
@@ -234,9 +231,8 @@ def model_dir_config(directory: str) -> tuple[dict[str, str], str | None]:
         with open(template_file, encoding="utf-8") as f:
             return special, f.read()
     template = config.get("chat_template")
-    if isinstance(
-        template, list
-    ):  # named templates [{name, template}]: the default one is the chat's
+    # named templates [{name, template}]: the default one is the chat's
+    if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
             raise UserError(

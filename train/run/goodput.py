@@ -32,9 +32,8 @@ IDLE = "idle_between_attempts_s"
 
 class Goodput:
     def __init__(self, started_at: float | None = None):
-        self.started_at = (
-            time.time() if started_at is None else started_at
-        )  # this attempt (unix time)
+        # this attempt (unix time)
+        self.started_at = time.time() if started_at is None else started_at
         self.carried = {c: 0.0 for c in (*CATEGORIES, "total")}  # earlier attempts
         self.idle = 0.0  # seconds between a clean end and the next attempt: in no total
         self.spent = {c: 0.0 for c in CATEGORIES}  # this attempt
@@ -126,10 +125,8 @@ def _num(v) -> bool:
 
 
 CLEAN_EXITS = (0, 130, 143)
-AFTER_CLEAN_END, AFTER_FAILURE = (
-    "clean end",
-    "failure",
-)  # resumes.jsonl's `after`  # done, or stopped by SIGINT/SIGTERM with the state committed
+# resumes.jsonl's `after`  # done, or stopped by SIGINT/SIGTERM with the state committed
+AFTER_CLEAN_END, AFTER_FAILURE = ("clean end", "failure")
 
 
 def clean_end(summary: dict | None, last: dict | None) -> dict | None:

@@ -61,9 +61,8 @@ class MetricsLogger:
             self._console.print(msg)
 
     def close(self) -> None:
-        for sink in reversed(
-            self._sinks
-        ):  # the console first: a tracker's closing lines go below the bar
+        # the console first: a tracker's closing lines go below the bar
+        for sink in reversed(self._sinks):
             sink.close()
         self._sinks = []
 
@@ -223,9 +222,8 @@ def summary(
     (the first, which includes warm-up, is left out when there are others), where the time went,
     and memory: the largest figures logged beside the compiled step's predicted per-device peak."""
     steady = history[1:] or history
-    held_out = [
-        r for r in eval_history if "eval_loss" in r
-    ]  # none when the training data holds none out
+    # none when the training data holds none out
+    held_out = [r for r in eval_history if "eval_loss" in r]
 
     def largest(key):
         values = [r[key] for r in history if isinstance(r.get(key), int)]

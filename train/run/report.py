@@ -148,9 +148,8 @@ def plot(records: list[dict], out_dir: str) -> list[tuple[str, str]]:
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        with storage.open_file(
-            storage.join(out_dir, name), "wb"
-        ) as f:  # a local or gs:// / s3:// folder
+        # a local or gs:// / s3:// folder
+        with storage.open_file(storage.join(out_dir, name), "wb") as f:
             fig.savefig(f, format="png")
         plt.close(fig)
         made.append((title, name))

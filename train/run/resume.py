@@ -15,12 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
-from checkpoint import finite, storage
+from checkpoint import finite
 from checkpoint.integrity import UnreadableCheckpoint
-from checkpoint.layout import replica_layout, tokenizer_record
 from checkpoint.manager import Checkpointer, open_checkpoint
 from checkpoint.saving import step_list
 from checkpoint.tiers import (
@@ -32,15 +29,12 @@ from checkpoint.tiers import (
 )
 from errors import UserError
 from mesh.spec import mesh_text
-from train.core import comm, lora
+from train.core import lora
 from train.core import state as train_state
-from train.core.config import CommConfig
 from train.core.setup import RunSetup
 from train.core.state import TrainState
-from train.data.index import INDEX, read_index
-from train.data.sources import REPREPARE, parse_mixture
+from train.run.comm_layout import convert, saved_abstract
 from train.run.resilience import Diverged
-from train.run.rundir import changed_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +64,8 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
                 f" --run-dir or --checkpoint.dir, or delete them"
             )
         point = None
-    elif c.resume in (
-        "auto",
-        "latest",
-    ):  # latest: train/run/rundir.py made it a PATH, unless --run-dir was given
+    # latest: train/run/named_runs.py made it a PATH, unless --run-dir was given
+    elif c.resume in ("auto", "latest"):
         point = (_newest_local(run, abstract, saver, local) if local else None) or _latest_intact(
             run, abstract, saver
         )
@@ -81,9 +73,8 @@ def resume_point(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> Re
         src, step = open_checkpoint(c.resume)
         if src.directory == saver.directory:
             src = saver
-        saved_abstract(
-            run, abstract, src, step
-        )  # a layout that cannot be converted fails before anything runs
+        # a layout that cannot be converted fails before anything runs
+        saved_abstract(run, abstract, src, step)
         newer = [s for s in saver.all_steps() if s > step]
         if newer:
             raise UserError(
@@ -187,102 +178,6 @@ def newest_readable(
     return None, bad
 
 
-def saved_abstract(run: RunSetup, abstract: TrainState, src: Checkpointer, step: int) -> TrainState:
-    """The abstract state (on this mesh) that `step` was saved as: `abstract` itself when it was
-    saved in this run's layout. Its --comm settings may give another layout than this run's
-    (error-feedback residuals or none, clipping in the optimizer chain or before the sync), and
-    its residuals may hold another data-parallel replica count (a resume onto another mesh).
-    Those `_convert` bridges; a switch to or from DiLoCo, or DiLoCo's per-replica state onto
-    another replica count, is refused in one line naming why."""
-    saved = src.meta(step).get("config", {}).get("comm")
-    names = {f.name for f in dataclasses.fields(CommConfig)}
-    sync, local_clip = (
-        comm.sync_layout(
-            CommConfig(**{k: v for k, v in saved.items() if k in names}),
-            run.dp_axes,
-            run.cfg.train.grad_clip,
-        )
-        if isinstance(saved, dict)
-        else (run.sync, run.local_clip)
-    )
-    (n_saved, diloco), n_now = replica_layout(src.arrays(step)), run.sync.replicas(run.mesh)
-    resized = n_saved is not None and n_saved != n_now
-    layout = lambda sync, clip: (sync.error_feedback, sync.outer_tx is not None, clip > 0)  # noqa: E731
-    if layout(sync, local_clip) == layout(run.sync, run.local_clip) and not resized:
-        return abstract
-    if diloco != (run.sync.outer_tx is not None) or (resized and diloco):
-        now = run.cfg.to_dict()["comm"]
-        opts = ("compression", "error_feedback", "sync_every")
-        text = lambda m: " ".join(f"--comm.{k} {m.get(k)}" for k in opts)  # noqa: E731
-        why = (
-            f"DiLoCo's per-replica state (optimizer states and drift of {n_saved} data-parallel replicas)"
-            f" does not convert to this mesh's {n_now}"
-            if diloco and resized
-            else f"DiLoCo's train state (per-replica optimizer states and drift) does not convert to or from"
-            f" this run's ({text(now)})"
-        )
-        raise UserError(
-            f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
-            f" resume with its settings and data-parallel size, or start a new --run-dir"
-        )
-    tx = run.tx_with(clip=not local_clip)
-    out = train_state.abstract(run.model_cfg, tx, run.mesh, run.rules, sync, lora_cfg=run.cfg.lora)
-    if n_saved is not None and (
-        resized or out.residual is None
-    ):  # replicated here; `_convert` averages
-        out = out.replace(
-            residual=jax.tree.map(
-                lambda a, sh: jax.ShapeDtypeStruct(
-                    (n_saved, *a.shape),
-                    jnp.float32,
-                    sharding=NamedSharding(run.mesh, jax.P(None, *sh.spec)),
-                ),
-                abstract.params,
-                run.state_shardings.params,
-            )
-        )
-    return out
-
-
-def _convert(run: RunSetup, want: TrainState, state: TrainState) -> tuple[TrainState, str]:
-    """A state restored in another --comm layout -> this run's (`want`, its abstract state), and
-    what changed ("" if nothing). The optimizer chain differs only in where clipping sits, which
-    holds no arrays, so its leaves carry over in order; residuals start at zero (nothing pending)
-    or are dropped (up to a step's worth of unsent gradient, which a change of compression forgoes
-    anyway). Residuals of another replica count are averaged and given to every replica: the sync
-    adds the mean of the replicas' residuals, so what is pending stays the same."""
-    opt_leaves = jax.tree.leaves(state.opt_state)
-    if [x.shape for x in opt_leaves] != [x.shape for x in jax.tree.leaves(want.opt_state)]:
-        raise UserError(
-            "the checkpoint's optimizer state does not match this run's (another optimizer setting)"
-        )
-    out = state.replace(
-        opt_state=jax.tree.unflatten(jax.tree.structure(want.opt_state), opt_leaves)
-    )
-    if state.residual is None and want.residual is None:
-        return out, ""
-    if want.residual is None:
-        return out.replace(residual=None), "error-feedback residuals dropped"
-    if state.residual is None:
-        zeros = jax.jit(
-            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want.residual),
-            out_shardings=run.state_shardings.residual,
-        )()
-        return out.replace(residual=zeros), "error-feedback residuals start at zero"
-    n_old, n_new = (
-        jax.tree.leaves(state.residual)[0].shape[0],
-        jax.tree.leaves(want.residual)[0].shape[0],
-    )
-    mean = jax.jit(
-        lambda r: jax.tree.map(lambda x: jnp.broadcast_to(x.mean(0), (n_new, *x.shape[1:])), r),
-        out_shardings=run.state_shardings.residual,
-    )
-    return (
-        out.replace(residual=mean(state.residual)),
-        f"error-feedback residuals of {n_old} data-parallel replicas averaged onto this mesh's {n_new}",
-    )
-
-
 def restore(
     run: RunSetup, abstract: TrainState, src: Checkpointer, step: int
 ) -> tuple[TrainState, dict]:
@@ -301,7 +196,7 @@ def restore(
         )
     state, meta = src.restore(step, saved)
     if comm_converted:
-        state, meta["converted"] = _convert(run, abstract, state)
+        state, meta["converted"] = convert(run, abstract, state)
     if held != (abstract.spike is not None):
         state = train_state.with_loss_window(
             state.replace(spike=None), run.cfg.train.spike_factor, run.mesh
@@ -337,9 +232,8 @@ def initial_state(
                 )
             ),
         )
-    if run.cfg.checkpoint.init_from and not lora.enabled(
-        run.cfg.lora
-    ):  # LoRA's is the base (train/core/lora.py)
+    # LoRA's is the base (train/core/lora.py)
+    if run.cfg.checkpoint.init_from and not lora.enabled(run.cfg.lora):
         state, note = init_from(run, abstract.params, run.cfg.checkpoint.init_from)
         return state, {}, note
     return create(), {}, ""
@@ -359,63 +253,6 @@ def init_from(run: RunSetup, abstract_params: Any, path: str) -> tuple[TrainStat
     finite.check_params(params, f"--init-from {src.step_dir(step)}")  # NaN weights: loss nan
     state = train_state.from_params(run.model_cfg, run.tx, run.mesh, run.rules, params, run.sync)
     return state, f"initialised the parameters from {src.step_dir(step)} (fresh optimizer)"
-
-
-def saved_tokenizer(meta: dict) -> dict | None:
-    """The tokenizer record of a checkpoint (checkpoint.layout.tokenizer_record); for one that
-    predates the record, that of the data its config names: the prepared dataset's index (the
-    first source: a mixture shares one tokenizer) while it still exists, the byte-level record for
-    the stdlib, synthetic and text sources; None when nothing tells (an older HF import)."""
-    record = tokenizer_record(meta)
-    data = meta.get("config", {}).get("data") if isinstance(meta.get("config"), dict) else None
-    if record or not isinstance(data, dict) or not isinstance(data.get("source"), str):
-        return record
-    try:
-        first = parse_mixture(data["source"])[0][0]
-        if storage.isfile(storage.join(first, INDEX)):
-            return read_index(first, f"the checkpoint's --data {first}", REPREPARE)["tokenizer"]
-    except UserError:  # a mixture or index that no longer reads: nothing to compare against
-        return None
-    return (
-        {"kind": "byte", "id": "byte"}
-        if first in ("default", "synthetic") or os.path.exists(first)
-        else None
-    )
-
-
-def check_tokenizer(
-    meta: dict, data_tokenizer: dict, allow: bool, what: str, whose: str = "the checkpoint's"
-) -> None:
-    """UserError (one line naming both) when data prepared with `data_tokenizer` (a dataset's
-    record) meets a checkpoint (`meta`) that records another tokenizer: its ids would be other
-    tokens to the model. `allow`: --data.allow_tokenizer_mismatch. A checkpoint recording none passes.
-    `whose`: what the line calls `meta`'s tokenizer (a run's eval sets compare with its training data's)."""
-    saved = saved_tokenizer(meta)
-    if allow or saved is None or saved["id"] == data_tokenizer.get("id"):
-        return
-    named = lambda r: r["id"] + (f" ({r['path']})" if r.get("path") else "")  # noqa: E731
-    raise UserError(
-        f"{what}: {whose} tokenizer is {named(saved)} but the data's is {named(data_tokenizer)},"
-        f" so its token ids would be other tokens to the model; prepare the data with"
-        f" `python -m train.data prepare --tokenizer {saved.get('path') or saved['kind']}`, or pass"
-        f" --data.allow_tokenizer_mismatch true"
-    )
-
-
-def check_init_tokenizer(run: RunSetup, data) -> None:
-    """--init-from PATH meeting data of another tokenizer: one line (check_tokenizer), before the
-    compile. `data`: the run's opened pipeline; a user's iterable (Trainer(data=...)) has no
-    recorded tokenizer to compare."""
-    path, sources = run.cfg.checkpoint.init_from, getattr(data, "sources", None)
-    if not path or not sources:
-        return
-    src, step = open_checkpoint(path)
-    check_tokenizer(
-        src.meta(step),
-        sources[0].tokenizer,
-        run.cfg.data.allow_tokenizer_mismatch,
-        f"--init-from {path}",
-    )
 
 
 def recover(
@@ -442,22 +279,3 @@ def recover(
         f" weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}"
     )
     return restored.replace(step=state.step)
-
-
-def warn_changed_settings(meta: dict, config: dict, data, log) -> None:
-    """One warning line listing the settings (`config`: this run's, as Config.to_dict()) and the
-    data sources (`data`: the run's pipeline) that differ from the checkpoint's."""
-    changed = changed_settings(meta.get("config", {}), config)
-    if "loader" in meta.get(
-        "data", {}
-    ):  # the data itself (sources, windows) as well as the settings
-        changed = list(dict.fromkeys(changed + data.check_state(meta["data"]["loader"])))
-    if changed:
-        log.print(
-            f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
-            + (
-                " (the learning-rate schedule spans train.steps)"
-                if any(c.startswith("train.steps ") for c in changed)
-                else ""
-            )
-        )

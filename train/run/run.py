@@ -25,7 +25,7 @@ from models.flops import flops_per_token, param_count
 from train.core.config import dump
 from train.core.setup import RunSetup
 from train.core.shapes import seq_shards
-from train.run import faults, resume
+from train.run import checkpoint_match, faults, resume
 from train.run.device_memory import MEMORY_FIELDS, figures
 from train.run.goodput import Goodput
 from train.run.metrics import (
@@ -111,9 +111,8 @@ class Run:
 
     def step(self, step_fn, state, batch, step: int):
         """Run step `step` (1-based) -> (state, metrics), timing how long the host blocks in it."""
-        if (
-            step in self.spike_at
-        ):  # fault injection: a corrupt batch, every target the last token id
+        # fault injection: a corrupt batch, every target the last token id
+        if step in self.spike_at:
             batch = {**batch, "targets": batch["targets"] * 0 + self.spike_target}
         t0 = time.perf_counter()
         with self.profiler.step(step):
@@ -144,9 +143,8 @@ class Run:
         self.stats.device_s += time.perf_counter() - t0
         rec, bad, spikes = self.stats.record(step, fetched, self.goodput)
         memory = figures(self.devices)
-        rec.update(
-            {k: memory[k] for k in MEMORY_FIELDS if memory[k] is not None}
-        )  # absent: no counters
+        # absent: no counters
+        rec.update({k: memory[k] for k in MEMORY_FIELDS if memory[k] is not None})
         fields, straggler = self.stragglers.observe(step, rec)
         rec.update(fields)
         self._emit(rec, self.history)
@@ -242,9 +240,8 @@ class Run:
 
 
 def perplexity(loss: float) -> float:
-    return math.exp(
-        min(loss, 50.0)
-    )  # capped: an untrained model's perplexity would flatten every plot
+    # capped: an untrained model's perplexity would flatten every plot
+    return math.exp(min(loss, 50.0))
 
 
 def eval_record(step: int, loss: float | None, sets: dict[str, float]) -> dict:
@@ -282,9 +279,8 @@ def open_run(
     """The run directory's files, the logger and the opening lines (`opening`: the compile's
     seconds, the resume note, the checkpoint's meta); -> what the loop reports to."""
     cfg, mesh, (compile_s, note, meta) = run_setup.cfg, run_setup.mesh, opening
-    with run_dir_writes(
-        cfg.logging.run_dir
-    ):  # a full disk or a read-only directory: one line, exit 2
+    # a full disk or a read-only directory: one line, exit 2
+    with run_dir_writes(cfg.logging.run_dir):
         if jax.process_index() == 0:
             prepare_run_dir(cfg.logging.run_dir, dump(cfg), point.step if point else None, goodput)
         log = MetricsLogger(
@@ -307,7 +303,7 @@ def open_run(
         log.print(note + (f"; {recomputed} step(s) to recompute" if recomputed else ""))
     config = cfg.to_dict()
     if point:
-        resume.warn_changed_settings(meta, config, data, log)
+        checkpoint_match.warn_changed_settings(meta, config, data, log)
     return Run.start(
         run_setup,
         Saves(

@@ -101,9 +101,8 @@ class TensorBoardSink:
 
     def __init__(self, run_dir: str):
         check_tensorboard(run_dir)
-        self.writer = _summary_writer(
-            storage.join(run_dir, "tb")
-        )  # tensorboardX writes gs:// and s3:// itself
+        # tensorboardX writes gs:// and s3:// itself
+        self.writer = _summary_writer(storage.join(run_dir, "tb"))
 
     def log(self, record: dict) -> None:
         for k, v in numbers(record).items():
@@ -135,9 +134,8 @@ class WandbSink:
             run_id = secrets.token_hex(6)  # W&B run ids: letters and digits
             storage.write_text(id_path, run_id + "\n")
         plan = read_json(storage.join(run_dir, "plan.json"))
-        local_dir = (
-            run_dir if storage.is_local(run_dir) else None
-        )  # W&B's own files need a local disk
+        # W&B's own files need a local disk
+        local_dir = run_dir if storage.is_local(run_dir) else None
         try:
             self.run = wandb.init(
                 project=project,

@@ -25,8 +25,9 @@ import jax
 from checkpoint import storage
 from checkpoint.array_store import check_array_store
 from checkpoint.layout import RUN_SUBDIR
+from checkpoint.manager import Checkpointer, shared_directory
 from checkpoint.owner import RECORD, Owner
-from checkpoint.tiers import LOCAL_FLAG, process_dir
+from checkpoint.tiers import LOCAL_FLAG, local_tier, process_dir
 from errors import UserError
 from train.run.ownership import checkpoint_owner
 from train.run.rundir import LOCK, MARKER
@@ -136,3 +137,22 @@ def _remove(path: str) -> None:
         os.rmdir(path)  # empty now: it held skeleton alone
     elif os.path.exists(path):
         os.remove(path)
+
+
+def open_checkpoints(cfg, owners=(None, None)) -> Checkpointer:
+    """The directory a run saves into: --checkpoint.dir, else <run_dir>/checkpoints (and its local
+    tier, with --checkpoint.local_dir). `owners`: the run as the owner of each of them
+    (`check_before_creating`): retention deletes the run's own steps alone."""
+    c = cfg.checkpoint
+    saver = Checkpointer(
+        shared_directory(checkpoint_dir(cfg)),
+        keep=c.keep,
+        keep_every=c.keep_every,
+        async_save=c.async_save,
+        run_owner=owners[0],
+    )
+    if owners[1] is not None:  # opened now with its owner; resume and saves find it
+        local_tier(
+            saver, c.local_dir, keep=c.local_keep, async_save=c.async_save, run_owner=owners[1]
+        )
+    return saver

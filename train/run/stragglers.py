@@ -79,9 +79,8 @@ class Stragglers:
                 self.client.key_value_set(
                     f"{_STEP_TIME}{self.me}", json.dumps(mine), allow_overwrite=True
                 )
-                if (
-                    self.me == 0
-                ):  # each peer's latest (its split for this step, or the interval before)
+                # each peer's latest (its split for this step, or the interval before)
+                if self.me == 0:
                     reports.update(
                         {
                             int(k.rsplit("/", 1)[1]): json.loads(v)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from errors import expect, expect_callable
 
 
-def check(cfg, *, mesh, devices, on_log, data, eval_data, loss) -> None:
+def check(cfg, mesh, devices, on_log, data, eval_data, loss) -> None:
     """TypeError for the first argument of the wrong type (the optimizer and schedule are
     train/core/optim.py's to check: they need optax)."""
     from train.core.config import Config
