@@ -64,7 +64,7 @@ def test_streamed_files_in_chunks_through_the_pool(reference, tmp_path, monkeypa
     """Small chunks, two workers, streamed files between plain ones: documents stay in input order."""
     root, _ = reference
     monkeypatch.setattr(
-        prepare, "TASK_BYTES", 700
+        prepare_inputs, "TASK_BYTES", 700
     )  # the streamed files' chunks (read here, not in the workers)
     inputs = [
         write_format(root, "jsonl.gz"),

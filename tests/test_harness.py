@@ -22,7 +22,7 @@ from mesh.rules import axis_rules  # noqa: E402
 from models import model  # noqa: E402
 from models.hf import Model  # noqa: E402
 from models.sample import generate  # noqa: E402
-from train.cli import harness  # noqa: E402
+from train.cli import harness, harness_launcher  # noqa: E402
 from train.core.config import build  # noqa: E402
 from train.run.loop import Trainer  # noqa: E402
 
@@ -331,7 +331,7 @@ def test_launcher_is_lm_evals_command_line(world, local_tasks, tmp_path, monkeyp
     _offline(monkeypatch, tmp_path)
     tasks, _ = local_tasks
     assert (
-        harness.main(
+        harness_launcher.main(
             [
                 "run",
                 "--model_args",
@@ -422,11 +422,11 @@ def test_launcher_errors_are_one_line(world, local_tasks, tmp_path, monkeypatch,
             "model arg batch_size is also lm_eval's flag --batch_size; give it there",
         ),
     ):
-        assert harness.main(["--model_args", *args, "--include_path", tasks]) == 2
+        assert harness_launcher.main(["--model_args", *args, "--include_path", tasks]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("error: ") and words in last, last
     monkeypatch.setattr(harness, "register_model", None)  # as without the eval extra
-    assert harness.main(["--tasks", "brigade_mc"]) == 2
+    assert harness_launcher.main(["--tasks", "brigade_mc"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: harness: lm-evaluation-harness is not installed; pip install -e '.[eval]'"
     )

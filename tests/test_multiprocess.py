@@ -407,7 +407,7 @@ ONE_SIDED_ERROR = """if True:
     pid, port = int(sys.argv[1]), sys.argv[2]
     init_distributed(f"127.0.0.1:{port}", 2, pid, peer_timeout_s=60)
     from jax._src import distributed
-    from train.cli.main import _final_error
+    from train.cli.main import final_error as _final_error
     from train.run.watchdog import PeerHeartbeat
     with PeerHeartbeat(timeout_s=60):
         if pid == 0:

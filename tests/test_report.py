@@ -137,7 +137,7 @@ def test_bad_run_dir_is_one_line(tmp_path):
     with pytest.raises(UserError, match="holds no metrics records"):
         report.report(str(tmp_path / "empty"))
     r = subprocess.run(
-        [sys.executable, "-m", "train.run.report", str(tmp_path / "nope")],
+        [sys.executable, "-m", "train", "report", str(tmp_path / "nope")],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,9 +1,11 @@
 """`python -m train.harness ...` and `import train.harness`: lm-evaluation-harness's command line
-with the "brigade" model registered (importing train/cli/harness.py registers it)."""
+with the "brigade" model registered (importing train/cli/harness.py registers it; the launcher
+is train/cli/harness_launcher.py)."""
 
 import sys
 
-from train.cli.harness import BrigadeLM, main
+from train.cli.harness import BrigadeLM
+from train.cli.harness_launcher import main
 
 __all__ = ["BrigadeLM", "main"]
 

@@ -59,7 +59,8 @@ def command_parser(prog: str, description: str) -> ArgParser:
 
 def open_model(ckpt: str, ns, carried: tuple[str, ...] = ()) -> Opened:
     """The checkpoint at `ckpt` and the Config to run its model with: the model section of its
-    metadata, then the `carried` settings of its run, then the flags in `ns` (any --section.field)."""
+    metadata, then the `carried` settings of its run, then the flags in `ns` (any
+    --section.field)."""
     src, step = open_checkpoint(ckpt)
     meta = src.meta(step)
     # every field type-checked

@@ -37,7 +37,7 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _harness(argv: list[str]) -> int:
-    from train.cli.harness import main
+    from train.cli.harness_launcher import main
 
     return main(argv)
 

@@ -47,7 +47,8 @@ def parse_sets(specs: list[str] | None) -> list[tuple[str, str]]:
     """--data [NAME=]DIR, repeated -> [(name, DIR)]; the name defaults to DIR's base name."""
     if not specs:
         raise UserError(
-            "eval: no --data; name the sets to evaluate with --data DIR or --data NAME=DIR (repeatable)"
+            "eval: no --data; name the sets to evaluate with --data DIR or --data NAME=DIR"
+            " (repeatable)"
         )
     sets = evalsets.parse_specs(specs, "eval: --data")
     evalsets.check_prepared(sets, "eval: --data")
@@ -55,8 +56,8 @@ def parse_sets(specs: list[str] | None) -> list[tuple[str, str]]:
 
 
 def set_pipeline(opened: Opened, name: str, directory: str, split: str, sharding):
-    """The dataset as a pipeline whose eval windows are the split to evaluate (train/data/evalsets.py),
-    checked against the checkpoint's tokenizer and vocabulary."""
+    """The dataset as a pipeline whose eval windows are the split to evaluate
+    (train/data/evalsets.py), checked against the checkpoint's tokenizer and vocabulary."""
     cfg, d, t = opened.cfg, opened.cfg.data, opened.cfg.train
 
     def check_tokenizer(record: dict, where: str) -> None:
@@ -82,8 +83,8 @@ def make_eval_parser() -> ArgParser:
     parser = command_parser(
         "python -m train eval", "Mean loss and perplexity of a checkpoint on prepared datasets."
     )
-    # --data names a set here (repeatable), not --data.source: this --data takes the run flag's alias
-    # (a group copies its parser's conflict handler when it is made)
+    # --data names a set here (repeatable), not --data.source: this --data takes the run flag's
+    # alias (a group copies its parser's conflict handler when it is made)
     parser.conflict_handler = "resolve"
     g = parser.add_argument_group("evaluation")
     g.add_argument(
@@ -114,7 +115,8 @@ def main(argv: list[str]) -> int:
     ns = make_eval_parser().parse_args(argv)
     if "data.source" in vars(ns):
         raise UserError(
-            "eval: --data.source is the training data; name the sets to evaluate with --data [NAME=]DIR"
+            "eval: --data.source is the training data; name the sets to evaluate with --data"
+            " [NAME=]DIR"
         )
     sets = parse_sets(ns.data)
     opened = open_model(ns.ckpt, ns, EVAL_SETTINGS)
@@ -161,6 +163,6 @@ def _line(name: str, r: dict, split: str, seq_len: int) -> str:
     )
     what = "eval split" if split == "eval" else "all documents"
     return (
-        f"{name}: loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} ({what} of {r['data']}: {part}"
-        f" windows of {seq_len} tokens, {r['batches']} batches)"
+        f"{name}: loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} ({what} of {r['data']}:"
+        f" {part} windows of {seq_len} tokens, {r['batches']} batches)"
     )

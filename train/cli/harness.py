@@ -3,36 +3,38 @@ ckpt=CKPT[,tokenizer=SPEC,mesh=SPEC,...] --tasks T [--include_path DIR] [lm_eval
 
 `BrigadeLM` is lm_eval's model "brigade" (registered when this module is imported). lm-eval 0.4.x
 finds models only in its own registry (no entry points), so the `lm_eval` command does not know
-"brigade": this launcher imports the adapter and hands its arguments to lm_eval's own command line
-(`--model brigade` is added when no --model is given). From Python: `import train.cli.harness`, then
+"brigade": the launcher (train/cli/harness_launcher.py) imports the adapter and hands its arguments
+to lm_eval's own command line (`--model brigade` is added when no --model is given). From Python:
+`import train.harness` (or this module), then
 `lm_eval.simple_evaluate(model="brigade", model_args={...}, ...)`, or pass a BrigadeLM instance.
 
-CKPT is what `python -m train eval` and `sample` take (train/cli/evaluate.py open_model: a run, a
-checkpoint or a step directory, an HF import), rebuilt on `mesh` (default: every local device on
-the data axis); the tokenizer is the one the checkpoint records (or `tokenizer=SPEC`).
+CKPT is what `python -m train eval` and `sample` take (train/cli/checkpoint_model.py open_model: a
+run, a checkpoint or a step directory, an HF import), rebuilt on `mesh` (default: every local device
+on the data axis); the tokenizer is the one the checkpoint records (or `tokenizer=SPEC`).
 
 Batching: requests are sorted by length, longest first (as lm_eval's HF model does), cut into
 batches of `batch_size` rows (lm_eval's --batch_size; rounded up to the data-parallel degree, the
-last batch padded with dummy rows) and the results returned in the requests' order. Each batch is right-padded to a grid
-of lengths (multiples of 8 below 128, then 8 per power of two: 128, 144, ..., 256, 288, ...), so
-jit compiles a few shapes per task, not one per request; causal attention makes right padding
-exact for the real tokens.
+last batch padded with dummy rows) and the results returned in the requests' order. Each batch is
+right-padded to a grid of lengths (multiples of 8 below 128, then 8 per power of two: 128, 144, ...,
+256, 288, ...), so jit compiles a few shapes per task, not one per request; causal attention makes
+right padding exact for the real tokens.
+
 Generation uses the model's KV cache (models/model.py init_cache), whose write position is shared
 by the rows: the batch's prompts are prefilled up to a grid length at most the shortest prompt,
 then every row steps one token at a time, fed its own prompt's next token while it has one and its
-sampled token after that (train/core/inference.py continue_prompts), so each row sees exactly its own prompt.
+sampled token after that (train/core/inference.py continue_prompts), so each row sees exactly its
+own prompt.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import types
 
 import jax
 import numpy as np
 
-from errors import UserError, check_number, one_line_errors
+from errors import UserError, check_number
 from mesh.rules import axis_rules
 from models import model
 from train.cli.checkpoint_model import checkpoint_tokenizer, open_model
@@ -91,14 +93,16 @@ def _int_arg(name: str, value, low: int) -> int:
 
 
 def _tokenizer(spec, meta: dict) -> tokenizers.Tokenizer:
-    """tokenizer=SPEC, else the checkpoint's own (as `sample` reads it); refused when it records none."""
+    """tokenizer=SPEC, else the checkpoint's own (as `sample` reads it); refused when it records
+    none."""
     return checkpoint_tokenizer(
         spec, meta, who="harness", how="model arg tokenizer=SPEC", required=True
     )
 
 
 class BrigadeLM(TemplateLM):
-    """lm_eval's LM over a Brigade checkpoint; model args as the module docstring and MODEL_ARGS say."""
+    """lm_eval's LM over a Brigade checkpoint; model args as the module docstring and MODEL_ARGS
+    say."""
 
     def __init__(
         self,
@@ -234,7 +238,8 @@ class BrigadeLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each document in disjoint windows of max_length tokens (lm_eval's rolling windows: every
-        token predicted once, after the end-of-document token), the windows of all documents batched."""
+        token predicted once, after the end-of-document token), the windows of all documents
+        batched."""
         pairs, owner = [], []
         for i, (text,) in enumerate(req.args for req in requests):
             for ctx, cont in map(
@@ -320,9 +325,8 @@ class BrigadeLM(TemplateLM):
         lengths_B = np.full((self.rows,), prefill, np.int32)
         for r, p in enumerate(prompts):
             tokens_BT[r, : len(p)], lengths_B[r] = p, len(p)
-        self.draws += (
-            1  # a fresh key per batch: the same seed and the same calls give the same text
-        )
+        # a fresh key per batch: the same seed and the same calls give the same text
+        self.draws += 1
         key = jax.random.fold_in(jax.random.key(self.seed), self.draws)
         with jax.set_mesh(self.setup.mesh), axis_rules(self.setup.rules):
             toks_BN = np.asarray(
@@ -353,48 +357,3 @@ class BrigadeLM(TemplateLM):
 
 if register_model is not None:
     register_model("brigade")(BrigadeLM)
-
-
-@one_line_errors
-def main(argv: list[str] | None = None) -> int:
-    """lm_eval's command line with the "brigade" model registered (and chosen unless --model says)."""
-    if register_model is None:
-        raise UserError("harness: lm-evaluation-harness is not installed; pip install -e '.[eval]'")
-    from lm_eval.__main__ import cli_evaluate
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # lm_eval's subcommand, implied when none is given
-    run = argv[:1] if argv[:1] == ["run"] else []
-    if (
-        argv
-        and not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv)
-        and argv[0] not in ("ls", "validate", "-h", "--help")
-    ):
-        argv = [*run, "--model", "brigade", *argv[len(run) :]]
-    saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm_eval's parser reads sys.argv itself
-    try:
-        cli_evaluate()
-    except SystemExit as e:  # argparse's --help and errors
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except UserError:
-        raise
-    # lm_eval's word for bad input (an unknown task, a malformed arg): one line
-    except ValueError as e:
-        raise UserError(
-            f"lm_eval: {(str(e).strip().splitlines() or [type(e).__name__])[0]}"
-        ) from None
-    # lm_eval passes its flags --batch_size, --device, ... to the model as well
-    except TypeError as e:
-        twice = re.search(r"multiple values for keyword argument '(\w+)'", str(e))
-        if not twice:
-            raise
-        raise UserError(
-            f"harness: model arg {twice[1]} is also lm_eval's flag --{twice[1]}; give it there"
-        ) from None
-    finally:
-        sys.argv = saved
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

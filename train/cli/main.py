@@ -1,7 +1,7 @@
 """`python -m train [flags]` trains; `python -m train plan [flags]` compiles and reports only;
 `python -m train report RUN_DIR` renders a run's plots and summary; `python -m train eval CKPT
---data DIR` evaluates a checkpoint (train/cli/evaluate.py); `python -m train sample CKPT --prompt TEXT`
-generates with it (train/cli/sample.py)."""
+--data DIR` evaluates a checkpoint (train/cli/evaluate.py); `python -m train sample CKPT --prompt
+TEXT` generates with it (train/cli/sample.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return plan_main(argv[1:])
         if argv and argv[0] == "report":
-            from train.run.report import main as report_main
+            from train.cli.report import main as report_main
 
             return report_main(argv[1:])
         if argv and argv[0] == "eval":
@@ -42,40 +42,44 @@ def main(argv: list[str] | None = None) -> int:
             from train.cli.sample import main as sample_main
 
             return sample_main(argv[1:])
-        from train.core.config import from_args
-
-        cfg, _ = from_args(argv)
-        from train.run import faults
-
-        faults.current().check(cfg.train.steps)  # before the run directory is made
-        from train.run.named_runs import start_named_run, withdraw_named_run
-
-        # once, before any child: every restart continues this one directory
-        named = start_named_run(cfg)
-        if cfg.train.max_restarts and not os.environ.get("BRIGADE_SUPERVISED"):
-            from checkpoint import storage
-            from train.run.supervisor import Fresh, supervise
-
-            c = named.checkpoint
-            fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
-            code = supervise(
-                argv,
-                cfg.train.max_restarts,
-                named.logging.run_dir,
-                c.dir or storage.join(named.logging.run_dir, "checkpoints"),
-                fresh=fresh,
-            )
-            withdraw_named_run(named)  # a child refused before writing: no empty runs/<name>
-            return code
-        return _train(named)
+        return _run(argv)
     except UserError as e:
-        return _final_error(f"error: {e}", 2, exit_now=getattr(e, "exit_now", False))
+        return final_error(f"error: {e}", 2, exit_now=getattr(e, "exit_now", False))
     except Exception as e:
         from train.run.resilience import DIVERGED_EXIT, Diverged
 
         if not isinstance(e, Diverged):
             raise
-        return _final_error(f"error: {e}", DIVERGED_EXIT)
+        return final_error(f"error: {e}", DIVERGED_EXIT)
+
+
+def _run(argv: list[str]) -> int:
+    """`python -m train [flags]`: the config, the fault drills' check and the run's directory,
+    then the run itself, under the supervisor with --max-restarts."""
+    from train.core.config import from_args
+    from train.run import faults
+    from train.run.named_runs import start_named_run, withdraw_named_run
+
+    cfg, _ = from_args(argv)
+    faults.current().check(cfg.train.steps)  # before the run directory is made
+    # once, before any child: every restart continues this one directory
+    named = start_named_run(cfg)
+    if not cfg.train.max_restarts or os.environ.get("BRIGADE_SUPERVISED"):
+        return _train(named)
+    from checkpoint import storage
+    from train.run.supervisor import Fresh, supervise
+
+    c = named.checkpoint
+    fresh = Fresh(named.logging.run_dir, c.resume) if named is not cfg else None
+    code = supervise(
+        argv,
+        cfg.train.max_restarts,
+        named.logging.run_dir,
+        c.dir or storage.join(named.logging.run_dir, "checkpoints"),
+        fresh=fresh,
+    )
+    withdraw_named_run(named)  # a child refused before writing: no empty runs/<name>
+    return code
 
 
 def _train(cfg) -> int:
@@ -117,7 +121,7 @@ def _leave_job() -> None:
     jax.distributed.shutdown()
 
 
-def _final_error(line: str, code: int, exit_now: bool = False) -> int:
+def final_error(line: str, code: int, exit_now: bool = False) -> int:
     """A configuration/input error (2) or a divergence (3): restarting cannot help. In a
     multi-process job every process must end with this status (a peer left blocked would be
     declared lost, exit 5, and restarted by its supervisor): tell them and leave at once."""
@@ -151,17 +155,17 @@ def _exit_if_peer_lost(e: Exception) -> None:
     # every peer alive, but one came too late to a collective
     if not lost and cross_process_failure(e):
         end_process(
-            f"error: process {jax.process_index()}: a cross-process wait timed out with every peer alive"
-            f" ({first}): a peer is slower (compile, I/O, load) than --parallelism.peer_timeout allows;"
-            f" raise it; exiting with status {PEER_LOST_EXIT}: restart every process to resume from the"
-            f" last checkpoint",
+            f"error: process {jax.process_index()}: a cross-process wait timed out with every peer"
+            f" alive ({first}): a peer is slower (compile, I/O, load) than"
+            f" --parallelism.peer_timeout allows; raise it; exiting with status {PEER_LOST_EXIT}:"
+            " restart every process to resume from the last checkpoint",
             PEER_LOST_EXIT,
         )
     if not lost:
         return
     end_process(
-        f"error: process {jax.process_index()}: {lost}; the step failed ({first}); exiting with status"
-        f" {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint",
+        f"error: process {jax.process_index()}: {lost}; the step failed ({first}); exiting with"
+        f" status {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint",
         PEER_LOST_EXIT,
     )
 

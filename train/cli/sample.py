@@ -28,9 +28,9 @@ def prompt_ids(tok: tokenizers.Tokenizer, prompt: str, as_chat: bool) -> np.ndar
     if as_chat:
         if not tok.chat_template:
             raise UserError(
-                f"sample: --chat: the tokenizer ({tok.model_dir or tok.path or tok.kind}) has no chat"
-                f" template (a HuggingFace model directory's chat_template.jinja or tokenizer_config.json"
-                f" holds one); drop --chat, or give --tokenizer HF_MODEL_DIR"
+                f"sample: --chat: the tokenizer ({tok.model_dir or tok.path or tok.kind}) has no"
+                " chat template (a HuggingFace model directory's chat_template.jinja or"
+                " tokenizer_config.json holds one); drop --chat, or give --tokenizer HF_MODEL_DIR"
             )
         prompt = chat.render(
             tok, [{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt"
@@ -56,7 +56,8 @@ def _check_prompt(ns, ids: np.ndarray, cfg) -> None:
         )
     if not model.decodes(m):
         raise UserError(
-            f"sample: model '{cfg.model_preset}' has no decoding cache (init_cache), so it cannot generate"
+            f"sample: model '{cfg.model_preset}' has no decoding cache (init_cache), so it cannot"
+            " generate"
         )
 
 

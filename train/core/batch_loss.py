@@ -31,10 +31,12 @@ def token_losses(loss_fn, logits_BTV: jax.Array, batch) -> jax.Array:
     if tuple(getattr(loss_BT, "shape", ())) != want or not jnp.issubdtype(
         getattr(loss_BT, "dtype", int), jnp.floating
     ):
-        got = f"{tuple(getattr(loss_BT, 'shape', ()))} {getattr(loss_BT, 'dtype', type(loss_BT).__name__)}"
+        dtype = getattr(loss_BT, "dtype", type(loss_BT).__name__)
+        got = f"{tuple(getattr(loss_BT, 'shape', ()))} {dtype}"
         raise UserError(
-            f"loss=: returned {got}; expected per-token losses, a float array of the targets' shape [B,T]"
-            f" = {want} (Brigade weights, sums and normalises them; return loss_BT, not its mean)"
+            f"loss=: returned {got}; expected per-token losses, a float array of the targets'"
+            f" shape [B,T] = {want} (Brigade weights, sums and normalises them; return loss_BT,"
+            " not its mean)"
         )
     return loss_BT.astype(jnp.float32)
 
@@ -48,7 +50,8 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
     micro-batches. MoE sums are additive over micro-batches: {} for a dense model. `pipeline`
     (models.config.PipelineConfig): the schedule on a mesh with pipeline > 1, any of them
     (models.model.objective)."""
-    # context parallelism: the batch in the zigzag order its sequence shards hold (models/context.py)
+    # context parallelism: the batch in the zigzag order its sequence shards hold
+    # (models/context.py)
     n_context = context.context_size()
     registry.check_sequence_order(cfg, n_context)
     batch = context.to_layout(batch, n_context, default_positions)

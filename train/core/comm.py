@@ -10,6 +10,7 @@ live in the train state, so checkpoints keep them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,16 +31,19 @@ from train.core.sections import COMPRESSIONS, error_feedback_on  # noqa: F401  (
 
 @dataclasses.dataclass(frozen=True)
 class SyncLayout:
-    """What the data-parallel sync keeps in the state (per-replica arrays with a leading [R] dim)."""
+    """What the data-parallel sync keeps in the state: per-replica arrays, leading dim [R]."""
 
     dp_axes: tuple[str, ...] = ()
     error_feedback: bool = False  # residual [R, ...]
-    outer_tx: optax.GradientTransformation | None = (
-        None  # DiLoCo: drift, per-replica opt_state, outer_opt
-    )
+    # DiLoCo: drift, per-replica opt_state, outer_opt
+    outer_tx: optax.GradientTransformation | None = None
 
     def replicas(self, mesh: Mesh) -> int:
         return math.prod(mesh.shape[a] for a in self.dp_axes)
+
+
+# nothing kept per replica: no data-parallel axes, or a plain all-reduce of the gradients
+NO_SYNC = SyncLayout()
 
 
 def sync_layout(comm_cfg, dp_axes: tuple[str, ...], grad_clip: float) -> tuple[SyncLayout, float]:
@@ -48,7 +52,7 @@ def sync_layout(comm_cfg, dp_axes: tuple[str, ...], grad_clip: float) -> tuple[S
     there is nothing to sync), and the norm each replica clips its gradient to before a
     compressed sync (0: the optimizer chain clips the synced gradient instead)."""
     if not dp_axes:
-        return SyncLayout(), 0.0
+        return NO_SYNC, 0.0
     if comm_cfg.sync_every > 1:
         return SyncLayout(
             dp_axes, outer_tx=outer_optimizer(comm_cfg.outer_lr, comm_cfg.outer_momentum)
@@ -68,7 +72,8 @@ def replica_spec(spec: P, dp_axes: tuple[str, ...]) -> P:
 
 
 def init_residual(params: Any, n_dp: int) -> Any:
-    """Zero error-feedback residuals [R, ...] float32 (each sharded `replica_spec(param spec, dp_axes)`)."""
+    """Zero error-feedback residuals [R, ...] float32 (each sharded `replica_spec(param spec,
+    dp_axes)`)."""
     return jax.tree.map(lambda p: jnp.zeros((n_dp, *p.shape), jnp.float32), params)
 
 
@@ -112,24 +117,9 @@ def sync_grads(
     for i, s in enumerate(specs):
         groups[frozenset(spec_axes(s))].append(i)
 
-    def local(g_leaves, r_leaves=None):
-        x = (
-            [g[0] + r[0] for g, r in zip(g_leaves, r_leaves)]
-            if r_leaves is not None
-            else [g[0] for g in g_leaves]
-        )
-        out, res = [None] * len(x), [None] * len(x)
-        for idx in groups.values():
-            flat = jnp.concatenate([x[i].reshape(-1).astype(jnp.float32) for i in idx])
-            total, residual = compressed_psum(flat, dp_axes, compression, fraction=topk_fraction)
-            start = 0
-            for i in idx:
-                size = x[i].size
-                out[i] = total[start : start + size].reshape(x[i].shape).astype(g_leaves[i].dtype)
-                res[i] = residual[start : start + size].reshape((1, *x[i].shape))
-                start += size
-        return (out, res) if r_leaves is not None else out
-
+    local = functools.partial(
+        _local_sync, list(groups.values()), dp_axes, compression, topk_fraction
+    )
     rspecs = [replica_spec(s, dp_axes) for s in specs]
     kw = {} if mesh is None else {"mesh": mesh}
     if r_leaves is None:
@@ -139,6 +129,28 @@ def sync_grads(
         g_leaves, r_leaves
     )
     return treedef.unflatten(out), treedef.unflatten(res)
+
+
+def _local_sync(groups, dp_axes, compression, topk_fraction, g_leaves, r_leaves=None):
+    """sync_grads's shard_map body on one device: each group of leaves (`groups`: their indices)
+    flattened into one buffer, compressed and summed over `dp_axes` -> the summed leaves (and the
+    new residuals with `r_leaves`)."""
+    x = (
+        [g[0] + r[0] for g, r in zip(g_leaves, r_leaves)]
+        if r_leaves is not None
+        else [g[0] for g in g_leaves]
+    )
+    out, res = [None] * len(x), [None] * len(x)
+    for idx in groups:
+        flat = jnp.concatenate([x[i].reshape(-1).astype(jnp.float32) for i in idx])
+        total, residual = compressed_psum(flat, dp_axes, compression, fraction=topk_fraction)
+        start = 0
+        for i in idx:
+            size = x[i].size
+            out[i] = total[start : start + size].reshape(x[i].shape).astype(g_leaves[i].dtype)
+            res[i] = residual[start : start + size].reshape((1, *x[i].shape))
+            start += size
+    return (out, res) if r_leaves is not None else out
 
 
 def replica_norms(grads_R: Any) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Run configuration: typed dataclasses, one per section, YAML files and `--section.field VALUE` overrides.
+"""Run configuration: typed dataclasses, one per section, YAML files and `--section.field VALUE`
+overrides.
 
 Each field declares next to it its valid range (`ranged`, for ints and floats) and the text
 `--help` shows (`ranged(..., help=)` or `option`). Precedence: dataclass defaults < model preset
@@ -124,7 +125,8 @@ def _options(section: str) -> dict[str, tuple[dataclasses.Field, type]]:
 
 
 def _unknown_option(flag: str) -> str:
-    """The parser's error for an option it does not know: the valid options of the flag's section."""
+    """The parser's error for an option it does not know: the valid options of the flag's
+    section."""
     section = flag.lstrip("-").partition(".")[0]
     if section in SECTIONS and "." in flag:
         return f"unknown option '{flag}'; valid {section} options: {', '.join(_options(section))}"
@@ -135,7 +137,8 @@ def _unknown_option(flag: str) -> str:
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """Every field as --section.field, plus the stable short aliases; each flag's help is its field's."""
+    """Every field as --section.field, plus the stable short aliases; each flag's help is its
+    field's."""
     parser.add_argument(
         "--config",
         action="append",
@@ -201,7 +204,8 @@ def build(cli: dict[str, Any] | None = None, yaml_path: str | list[str] | None =
         for name in values:
             if name not in options:
                 raise UserError(
-                    f"unknown option '{section}.{name}'; valid {section} options: {', '.join(options)}"
+                    f"unknown option '{section}.{name}'; valid {section} options:"
+                    f" {', '.join(options)}"
                 )
         sections[section] = dataclasses.replace(
             base,

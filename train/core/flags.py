@@ -36,7 +36,8 @@ def typed_fields(cls) -> list[tuple[dataclasses.Field, type]]:
 
 
 def coerce(key: str, tp: type, value: Any) -> Any:
-    """A YAML/dict/CLI value -> the field's type; never truncates (2.5 or true for an int is an error)."""
+    """A YAML/dict/CLI value -> the field's type; never truncates (2.5 or true for an int is an
+    error)."""
     if tp is str and isinstance(value, bool):  # YAML `true` for an auto|true|false option
         value = str(value).lower()
     if isinstance(value, str):
@@ -59,8 +60,8 @@ def coerce(key: str, tp: type, value: Any) -> Any:
 
 
 def help_line(key: str, field: dataclasses.Field, shown_default: Any) -> str:
-    """`(default: 0.9) valid: [0, 1). AdamW's ...` for option `key`: the default and the range first,
-    where a reader of --help looks for them, then the field's own text."""
+    """`(default: 0.9) valid: [0, 1). AdamW's ...` for option `key`: the default and the range
+    first, where a reader of --help looks for them, then the field's own text."""
     text = field.metadata.get("help")
     if not text:  # a programming error, like a numeric field without a range
         raise TypeError(

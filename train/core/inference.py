@@ -69,7 +69,8 @@ def sample_text(
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def token_logprobs(cfg, params, tokens_BT, targets_BT):
-    """-> (log p(target | the tokens up to it) [B,T] float32, whether the target is the argmax [B,T])."""
+    """-> (log p(target | the tokens up to it) [B,T] float32, whether the target is the argmax
+    [B,T])."""
     logits_BTV, _ = model.apply(cfg, params, tokens_BT)
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]

@@ -150,7 +150,8 @@ def base_shardings(cfg: Config, mesh, rules) -> dict:
 
 
 def abstract_base(cfg: Config, shardings: dict) -> dict:
-    """ShapeDtypeStructs of the base as the step takes it (--lora.base_dtype, the base's shardings)."""
+    """ShapeDtypeStructs of the base as the step takes it (--lora.base_dtype, the base's
+    shardings)."""
     dtype = base_dtype(cfg.model, cfg.lora)
     return jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype, sharding=sh),
@@ -173,8 +174,8 @@ def check_run(cfg: Config) -> None:
         return
     if cfg.comm.sync_every > 1:
         raise UserError(
-            f"--lora.rank {cfg.lora.rank}: not with --comm.sync_every {cfg.comm.sync_every} (DiLoCo);"
-            f" use --comm.sync_every 1"
+            f"--lora.rank {cfg.lora.rank}: not with --comm.sync_every {cfg.comm.sync_every}"
+            " (DiLoCo); use --comm.sync_every 1"
         )
     if cfg.model.n_experts and cfg.model.router_bias_rate > 0:
         raise UserError(
@@ -208,9 +209,9 @@ def check_start(cfg: Config, resuming: bool) -> None:
         and not cfg.lora.allow_random_base
     ):
         raise UserError(
-            f"--lora.rank {cfg.lora.rank} without --init-from: the adapters would train on random base"
-            f" weights; pass --init-from PATH (an HF import or a Brigade checkpoint), or"
-            f" --lora.allow_random_base true"
+            f"--lora.rank {cfg.lora.rank} without --init-from: the adapters would train on random"
+            " base weights; pass --init-from PATH (an HF import or a Brigade checkpoint), or"
+            " --lora.allow_random_base true"
         )
 
 
@@ -243,8 +244,9 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
     got = fingerprint(params)
     if want and got != want:
         raise UserError(
-            f"LoRA base {where}: its fingerprint {got} differs from the {want} this run's adapters were"
-            f" trained on; the base changed: pass --init-from the original base, or start a new --run-dir"
+            f"LoRA base {where}: its fingerprint {got} differs from the {want} this run's adapters"
+            " were trained on; the base changed: pass --init-from the original base, or start a"
+            " new --run-dir"
         )
     dtype = base_dtype(cfg.model, cfg.lora)
     if dtype != cfg.model.param_dtype:

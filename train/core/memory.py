@@ -73,11 +73,11 @@ def check_fits(compiled, devices: list, mesh_text: str) -> None:
     if not need or not have or need["peak"] <= have:
         return
     raise UserError(
-        f"the step needs ~{_size(need['peak'])} per device (state and batch {_size(need['argument'])},"
-        f" temporaries {_size(need['temp'])}) on mesh {mesh_text}, more than the {_size(have)}"
-        f" each device has ({what}); shard the state over more devices (--mesh fsdp=N), recompute"
-        f" activations (--model.remat full), use a smaller --batch-size or more --micro-batches, or pass"
-        f" --train.skip_memory_check true to try anyway"
+        f"the step needs ~{_size(need['peak'])} per device (state and batch"
+        f" {_size(need['argument'])}, temporaries {_size(need['temp'])}) on mesh {mesh_text}, more"
+        f" than the {_size(have)} each device has ({what}); shard the state over more devices"
+        " (--mesh fsdp=N), recompute activations (--model.remat full), use a smaller --batch-size"
+        " or more --micro-batches, or pass --train.skip_memory_check true to try anyway"
     )
 
 
@@ -94,6 +94,6 @@ def check_host_offload(cfg, devices: list) -> None:
     if wants and HOST_KIND not in kinds:
         raise UserError(
             f"{' and '.join(wants)} keeps arrays in '{HOST_KIND}' memory, which these"
-            f" {devices[0].platform} devices do not have (theirs: {', '.join(sorted(kinds))}); valid"
-            f" here: --model.remat none|full|dots, --train.offload_optimizer false"
+            f" {devices[0].platform} devices do not have (theirs: {', '.join(sorted(kinds))});"
+            " valid here: --model.remat none|full|dots, --train.offload_optimizer false"
         )

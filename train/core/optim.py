@@ -18,7 +18,8 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
     """Learning rate as a function of the optimizer's update count (0 for the first update).
 
     Warm-up rises linearly from lr / warmup_steps (not from 0: a first update at rate 0 would be a
-    step that changes nothing) to lr at count warmup_steps, then a cosine decays to lr * min_lr_ratio."""
+    step that changes nothing) to lr at count warmup_steps, then a cosine decays to lr *
+    min_lr_ratio."""
     warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=cfg.lr / max(warmup, 1),

@@ -30,7 +30,8 @@ TENSORBOARD_BACKENDS = {
 
 def progress_mode(value: str, stream=None) -> str:
     """--logging.progress -> bar, lines or none; auto is a bar on a terminal (`stream`, default
-    stderr, where tqdm draws) and lines elsewhere: a bar's carriage returns make a file unreadable."""
+    stderr, where tqdm draws) and lines elsewhere: a bar's carriage returns make a file
+    unreadable."""
     mode = PROGRESS_ALIASES.get(str(value).strip().lower(), str(value).strip().lower())
     if mode not in PROGRESS:
         raise UserError(f"--logging.progress: '{value}' is not one of {', '.join(PROGRESS)}")
@@ -44,8 +45,8 @@ def check_tracker(flag: str, module: str, extra: str) -> None:
     """UserError unless `module` can be imported (checked without importing it: that is slow)."""
     if importlib.util.find_spec(module) is None:
         raise UserError(
-            f"{flag}: the {module} package is not installed; pip install 'brigade[{extra}]', or leave"
-            f" {flag} empty"
+            f"{flag}: the {module} package is not installed; pip install 'brigade[{extra}]', or"
+            f" leave {flag} empty"
         )
 
 
@@ -129,7 +130,8 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """The `checkpoint` section: when checkpoints are saved, which are kept, and where a run starts from."""
+    """The `checkpoint` section: when checkpoints are saved, which are kept, and where a run starts
+    from."""
 
     dir: str = option("", "directory of the run's checkpoints (empty: the default)")
     every: int = ranged(50, ">=0", help="steps between saves; 0 = only the final save")

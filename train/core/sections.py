@@ -48,7 +48,8 @@ def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
     return a, b
 
 
-# mesh/collectives.py METHODS plus the plain all-reduce; kept here so that parsing flags needs no JAX
+# mesh/collectives.py METHODS plus the plain all-reduce; kept here so that parsing flags needs no
+# JAX
 COMPRESSIONS = ("none", "int8", "int4", "topk")
 
 
@@ -92,8 +93,8 @@ class CommConfig:
         error_feedback_on("int8", self.error_feedback)  # a valid value, whatever the compression
         if self.sync_every > 1 and self.compression != "none":
             raise UserError(
-                f"--comm.compression {self.compression} compresses the every-step gradient sync; with"
-                f" --comm.sync_every {self.sync_every} (DiLoCo) use --comm.compression none"
+                f"--comm.compression {self.compression} compresses the every-step gradient sync;"
+                f" with --comm.sync_every {self.sync_every} (DiLoCo) use --comm.compression none"
             )
         return self
 
@@ -122,7 +123,8 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    """The `lora` section: low-rank adapters trained on a frozen base (--init-from), train/core/lora.py."""
+    """The `lora` section: low-rank adapters trained on a frozen base (--init-from),
+    train/core/lora.py."""
 
     rank: int = ranged(0, ">=0", help="adapter rank r; 0 = LoRA off (every parameter trains)")
     alpha: float = ranged(16.0, ">0", help="the adapters' update is scaled by alpha / rank")
@@ -159,7 +161,8 @@ class LoraConfig:
                     else ""
                 )
                 raise UserError(
-                    f"--lora.targets: unknown target '{name}'{why}; valid: {', '.join(LORA_TARGETS)}"
+                    f"--lora.targets: unknown target '{name}'{why}; valid:"
+                    f" {', '.join(LORA_TARGETS)}"
                 )
         if self.rank and not self.target_list():
             raise UserError(

@@ -43,15 +43,12 @@ class RunSetup:
     lr: optax.Schedule
     state_shardings: train_state.TrainState
     compute_dtype: Any
-    loss_fn: Callable | None = (
-        None  # Trainer(loss=): per-token loss replacing cross-entropy (train/core/batch_loss.py)
-    )
-    optimizer: optax.GradientTransformation | None = (
-        None  # Trainer(optimizer=): replaces AdamW inside `tx`
-    )
-    base_shardings: Any = (
-        None  # --lora.rank > 0: the frozen base's, the step's third argument (train/core/lora.py)
-    )
+    # Trainer(loss=): per-token loss replacing cross-entropy (train/core/batch_loss.py)
+    loss_fn: Callable | None = None
+    # Trainer(optimizer=): replaces AdamW inside `tx`
+    optimizer: optax.GradientTransformation | None = None
+    # --lora.rank > 0: the frozen base's, the step's third argument (train/core/lora.py)
+    base_shardings: Any = None
 
     @property
     def model_cfg(self):
@@ -160,6 +157,8 @@ def jit_step(s: RunSetup):
     """The train step, jitted with the state's shardings: (state, batch) -> (state, metrics). The
     state is donated: its buffers become the new state's. A LoRA run's takes the frozen base as
     well: (state, batch, base) -> (state, metrics)."""
+    # One function on purpose (~60 lines): the two step closures (DiLoCo's local step, the synced
+    # step) read the same setup, and jax.jit below wraps whichever this run takes.
     cfg, t = s.cfg, s.cfg.train
     if s.sync.outer_tx is not None:  # local SGD / DiLoCo: replicas step alone, sync every H steps
 

@@ -40,8 +40,9 @@ def validate_batch(
         axes = (spec,) if isinstance(spec, str) else spec
         layout = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
         raise UserError(
-            f"--batch-size {t.batch_size} (/ --micro-batches {t.micro_batches} = {per_micro}) is not"
-            f" divisible by the batch mesh axes {layout} = {n}; use a multiple of {n * t.micro_batches}"
+            f"--batch-size {t.batch_size} (/ --micro-batches {t.micro_batches} = {per_micro}) is"
+            f" not divisible by the batch mesh axes {layout} = {n}; use a multiple of"
+            f" {n * t.micro_batches}"
         )
     stages = mesh.shape["pipeline"]
     if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
@@ -77,7 +78,8 @@ def validate_sequence(mesh, rules, train_cfg: TrainConfig) -> None:
         why = [f"context {n_ctx} x 2 zigzag chunks"] if n_ctx > 1 else []
         why += [f"the residual stream's {n_res} sequence shards"] if n_res > n_ctx else []
         raise UserError(
-            f"--seq-len {t} is not divisible by {need} ({' and '.join(why)}); use a multiple of {need}"
+            f"--seq-len {t} is not divisible by {need} ({' and '.join(why)}); use a multiple of"
+            f" {need}"
         )
 
 

@@ -17,27 +17,25 @@ from mesh.shard import tree_shardings
 from models import model
 from models.config import ModelConfig
 from train.core import comm, lora, optim
-from train.core.comm import SyncLayout
+from train.core.comm import NO_SYNC, SyncLayout
 from train.core.memory import HOST_KIND
 
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar: train steps taken so far, skipped (non-finite) ones too; the
-    # learning-rate schedule runs on the optimizer's own count, in opt_state
-    params: (
-        Any  # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params;
-    )
-    # LoRA: the adapters only, the frozen base is the step's own argument: train/core/lora.py)
-    opt_state: (
-        Any  # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...]),
-    )
-    # float32 whatever the param dtype (train/core/optim.py in_float32)
-    # The data-parallel sync's own state (train/core/comm.py), [R, ...] per param and sharded over the
-    # dp axes so each device holds its own replica's; None when not in use:
-    residual: Any = (
-        None  # error feedback: what the compressed gradient sync has not sent yet (float32)
-    )
+    # int32 scalar: train steps taken so far, skipped (non-finite) ones too; the learning-rate
+    # schedule runs on the optimizer's own count, in opt_state
+    step: jax.Array
+    # nested dict of arrays, sharded by the logical-axis rules (DiLoCo: the global params; LoRA:
+    # the adapters only, the frozen base is the step's own argument: train/core/lora.py)
+    params: Any
+    # optax state; moments sharded exactly like params (DiLoCo: one per replica, [R, ...]), float32
+    # whatever the param dtype (train/core/optim.py in_float32)
+    opt_state: Any
+    # The data-parallel sync's own state (train/core/comm.py), [R, ...] per param and sharded over
+    # the dp axes so each device holds its own replica's; None when not in use:
+    # error feedback: what the compressed gradient sync has not sent yet (float32)
+    residual: Any = None
     drift: Any = None  # DiLoCo: each replica's params minus the global params since the last sync
     outer_opt: Any = None  # DiLoCo: the outer optimizer's state (Nesterov momentum), like params
     spike: Any = None  # --train.spike_factor > 0: the LossWindow the step compares each loss with
@@ -149,9 +147,10 @@ def like_params(tx: optax.GradientTransformation, abstract_params, param_sh, mes
             return by_shape[shape]
         if leaf.size > SMALL_STATE:
             raise UserError(
-                f"optimizer state {jax.tree_util.keystr(path)} {shape} matches no parameter's shape, so"
-                f" it cannot be sharded like the parameters; Brigade replicates only optimizer state of"
-                f" at most {SMALL_STATE} elements; keep per-parameter state in the params' tree"
+                f"optimizer state {jax.tree_util.keystr(path)} {shape} matches no parameter's"
+                " shape, so it cannot be sharded like the parameters; Brigade replicates only"
+                f" optimizer state of at most {SMALL_STATE} elements; keep per-parameter state in"
+                " the params' tree"
             )
         if leaf.size > 1:
             small.append(f"{jax.tree_util.keystr(path)} {shape}")
@@ -160,8 +159,9 @@ def like_params(tx: optax.GradientTransformation, abstract_params, param_sh, mes
     out = jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, abstract_params))
     if small and warn:
         warn(
-            f"warning: {len(small)} optimizer state array(s) match no parameter's shape and are replicated on every"
-            f" device (each at most {SMALL_STATE} elements): {', '.join(small[:3])}{', ...' * (len(small) > 3)}"
+            f"warning: {len(small)} optimizer state array(s) match no parameter's shape and are"
+            f" replicated on every device (each at most {SMALL_STATE} elements):"
+            f" {', '.join(small[:3])}{', ...' * (len(small) > 3)}"
         )
     return out
 
@@ -179,7 +179,7 @@ def shardings(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     rules,
-    sync: SyncLayout = SyncLayout(),
+    sync: SyncLayout = NO_SYNC,
     warn=None,
     lora_cfg=None,
 ) -> TrainState:
@@ -215,7 +215,7 @@ def abstract(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     rules,
-    sync: SyncLayout = SyncLayout(),
+    sync: SyncLayout = NO_SYNC,
     lora_cfg=None,
 ) -> TrainState:
     """ShapeDtypeStructs with shardings: what `plan` compiles against, without allocating."""
@@ -227,7 +227,7 @@ def abstract(
 
 
 def _fresh(
-    cfg: ModelConfig, tx, key, sync: SyncLayout = SyncLayout(), n_dp: int = 1, lora_cfg=None
+    cfg: ModelConfig, tx, key, sync: SyncLayout = NO_SYNC, n_dp: int = 1, lora_cfg=None
 ) -> TrainState:
     params = (
         lora.init_adapters(cfg, lora_cfg, key) if lora.enabled(lora_cfg) else model.init(cfg, key)
@@ -255,7 +255,7 @@ def create(
     mesh: Mesh,
     rules,
     seed: int,
-    sync: SyncLayout = SyncLayout(),
+    sync: SyncLayout = NO_SYNC,
     lora_cfg=None,
 ) -> TrainState:
     """Initialise under jit with output shardings: every device only ever holds its own shards.
@@ -273,7 +273,7 @@ def from_params(
     mesh: Mesh,
     rules,
     params,
-    sync: SyncLayout = SyncLayout(),
+    sync: SyncLayout = NO_SYNC,
 ) -> TrainState:
     """A fresh state around `params` (already sharded; donated): where fine-tuning starts. No
     random init is materialised, so the peak is one copy of the parameters plus the optimizer."""

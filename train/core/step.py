@@ -53,8 +53,9 @@ def grads_loss_stats(
     loss_fn=None,
     param_fn=None,
 ):
-    """Mean loss (cross-entropy, or `loss_fn`'s: see `token_losses`) over all tokens, the gradient of the objective (cross-entropy + MoE
-    balance losses) and the MoE sums, accumulated over micro-batches in float32.
+    """Mean loss (cross-entropy, or `loss_fn`'s: see `token_losses`) over all tokens, the gradient
+    of the objective (cross-entropy + MoE balance losses) and the MoE sums, accumulated over
+    micro-batches in float32.
 
     `dp_axes`: the leading batch mesh axes that shard no parameter (plain data parallelism). With
     micro-batches, each such replica group keeps its own partial gradient sum ([n_dp, ...], sharded
@@ -66,6 +67,8 @@ def grads_loss_stats(
     `param_fn`: the model's params as a function of `params`, which are then what is differentiated
     (LoRA: the adapters, merged into the frozen base inside the traced loss: train/core/lora.py).
     """
+    # One function on purpose (~60 lines, most of them this docstring): the objective, its
+    # gradient and the micro-batch scan are closures over the same model, batch layout and rules.
 
     def objective(p, mb):
         return loss_terms(cfg, p if param_fn is None else param_fn(p), mb, pipeline, loss_fn)
@@ -157,6 +160,8 @@ def train_step(
     the error-feedback bursts). `pipeline`: the run's PipelineConfig. `loss_fn`: a custom per-token
     loss (`token_losses`). `param_fn`: the model's params from `state.params` (LoRA's merge:
     `grads_loss_stats`)."""
+    # One function on purpose (~60 lines, a third of them its signature and docstring): it reads
+    # top to bottom as the update it applies: gradients, sync, update, spike guard, router bias.
     compress = bool(dp_axes) and comm_cfg is not None and comm_cfg.compression != "none"
     loss, grads, stats = grads_loss_stats(
         cfg,
@@ -169,22 +174,12 @@ def train_step(
         loss_fn=loss_fn,
         param_fn=param_fn,
     )
-    residual = state.residual
     if compress:
-        norms_R = comm.replica_norms(grads)
-        grad_norm = jnp.mean(norms_R)  # each replica's own, before compression
-        if local_clip > 0:
-            grads = comm.clip_replicas(grads, local_clip, norms_R)
-        grads, residual = comm.sync_grads(
-            grads,
-            state.residual,
-            compression=comm_cfg.compression,
-            dp_axes=dp_axes,
-            param_specs=param_specs,
-            topk_fraction=comm_cfg.topk_fraction,
+        grads, residual, grad_norm = _synced(
+            grads, state.residual, comm_cfg, dp_axes, param_specs, local_clip
         )
     else:
-        grad_norm = optax.tree.norm(grads)
+        residual, grad_norm = state.residual, optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     ok = opt_state.notfinite_count == 0  # optax.apply_if_finite skipped nothing
     params = optax.apply_updates(state.params, updates)
@@ -198,24 +193,25 @@ def train_step(
         )
         window, ok = window.after(loss, applied=ok & ~spiked, spiked=spiked), ok & ~spiked
     if cfg.n_experts and cfg.router_bias_rate > 0:
-        # aux-loss-free balancing: the router bias follows the loads, not the gradient (it has
-        # none); it lives in params so that checkpoints and generation carry it
-        moe = params["moe_blocks"]["moe"]
-        new_bias = bias_update(moe["router_bias_E"], stats["counts"], cfg.router_bias_rate)
-        # a skipped step changes nothing
-        params = {
-            **params,
-            "moe_blocks": {
-                **params["moe_blocks"],
-                "moe": {**moe, "router_bias_E": jnp.where(ok, new_bias, moe["router_bias_E"])},
-            },
-        }
-    # the rate this update applied: the optimizer's own count (it stops on skipped steps and
-    # rewinds with a restored checkpoint), not the step number; 0 for a skipped step
+        params = _router_bias_followed(params, stats["counts"], cfg.router_bias_rate, ok)
+    lr = jnp.where(spiked, 0.0, applied_lr(lr_schedule, state.opt_state, opt_state))
+    metrics = _step_metrics(loss, grad_norm, lr, opt_state, window, stats)
+    # a skipped step (non-finite, or a spike) must leave the residuals as they were
+    if residual is not None:
+        residual = jax.tree.map(lambda new, old: jnp.where(ok, new, old), residual, state.residual)
+    return TrainState(
+        step=state.step + 1, params=params, opt_state=opt_state, residual=residual, spike=window
+    ), metrics
+
+
+def _step_metrics(loss, grad_norm, lr, opt_state, window, stats: dict) -> dict:
+    """The step's scalars for the log. `lr`: the rate this update applied, by the optimizer's own
+    count (it stops on skipped steps and rewinds with a restored checkpoint), not the step number;
+    0 for a skipped step."""
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
-        "lr": jnp.where(spiked, 0.0, applied_lr(lr_schedule, state.opt_state, opt_state)),
+        "lr": lr,
         # optax.apply_if_finite: updates skipped in a row / in total (non-finite gradients)
         "bad_in_a_row": opt_state.notfinite_count,
         "skipped_steps": opt_state.total_notfinite,
@@ -229,12 +225,35 @@ def train_step(
         )
     if stats:
         metrics.update(moe_metrics(stats))
-    # a skipped step (non-finite, or a spike) must leave the residuals as they were
-    if residual is not None:
-        residual = jax.tree.map(lambda new, old: jnp.where(ok, new, old), residual, state.residual)
-    return TrainState(
-        step=state.step + 1, params=params, opt_state=opt_state, residual=residual, spike=window
-    ), metrics
+    return metrics
+
+
+def _synced(grads_R, residual_R, comm_cfg, dp_axes, param_specs, local_clip: float):
+    """The per-replica gradients [R, ...] clipped (`local_clip` > 0) and summed by the compressed
+    sync -> (the gradient, the new residuals, the mean of the replicas' own gradient norms)."""
+    norms_R = comm.replica_norms(grads_R)
+    grad_norm = jnp.mean(norms_R)  # each replica's own, before compression
+    if local_clip > 0:
+        grads_R = comm.clip_replicas(grads_R, local_clip, norms_R)
+    grads, residual = comm.sync_grads(
+        grads_R,
+        residual_R,
+        compression=comm_cfg.compression,
+        dp_axes=dp_axes,
+        param_specs=param_specs,
+        topk_fraction=comm_cfg.topk_fraction,
+    )
+    return grads, residual, grad_norm
+
+
+def _router_bias_followed(params, counts_LE, rate: float, ok) -> dict:
+    """Aux-loss-free balancing: the router bias follows the loads, not the gradient (it has none);
+    it lives in params so that checkpoints and generation carry it. A skipped step (`ok` false)
+    changes nothing."""
+    moe = params["moe_blocks"]["moe"]
+    new_bias = bias_update(moe["router_bias_E"], counts_LE, rate)
+    bias = jnp.where(ok, new_bias, moe["router_bias_E"])
+    return {**params, "moe_blocks": {**params["moe_blocks"], "moe": {**moe, "router_bias_E": bias}}}
 
 
 def local_sgd_step(

@@ -17,7 +17,8 @@ OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The `train` section: the optimizer and its schedule, the batch, evaluation, sampling and recovery."""
+    """The `train` section: the optimizer and its schedule, the batch, evaluation, sampling and
+    recovery."""
 
     steps: int = ranged(120, ">=1", help="optimizer steps to run")
     batch_size: int = ranged(16, ">=1", help="global batch, in sequences")
@@ -109,20 +110,21 @@ class TrainConfig:
         check_ranges(self, functools.partial(public_flag, "train"))
         if self.batch_size % self.micro_batches:
             raise UserError(
-                f"--batch-size {self.batch_size} is not divisible by --micro-batches {self.micro_batches}; valid"
-                f" micro-batch counts: {[m for m in range(1, self.batch_size + 1) if self.batch_size % m == 0]}"
+                f"--batch-size {self.batch_size} is not divisible by --micro-batches"
+                f" {self.micro_batches}; valid micro-batch counts:"
+                f" {[m for m in range(1, self.batch_size + 1) if self.batch_size % m == 0]}"
             )
         if self.eval_every and not self.eval_batches:
             raise UserError(
-                f"--train.eval_batches 0: must be >= 1 while --eval-every {self.eval_every} evaluates"
-                f" (--eval-every 0 turns evaluation off)"
+                f"--train.eval_batches 0: must be >= 1 while --eval-every {self.eval_every}"
+                " evaluates (--eval-every 0 turns evaluation off)"
             )
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"--optim.name '{self.optimizer}': valid: {', '.join(OPTIMIZERS)}")
         if 0 < self.spike_factor < 1:
             raise UserError(
-                f"--train.spike_factor {self.spike_factor}: must be 0 (off) or >= 1 (every loss above the"
-                f" running median would be a spike below 1)"
+                f"--train.spike_factor {self.spike_factor}: must be 0 (off) or >= 1 (every loss"
+                " above the running median would be a spike below 1)"
             )
         return self
 
@@ -132,7 +134,8 @@ VOCAB_PARALLEL = ("auto", "on", "off")
 
 @dataclasses.dataclass(frozen=True)
 class ParallelismConfig:
-    """The `parallelism` section: the device mesh, the rule-table overrides and the multi-process job."""
+    """The `parallelism` section: the device mesh, the rule-table overrides and the multi-process
+    job."""
 
     mesh: str = option(
         "",
@@ -175,7 +178,8 @@ class ParallelismConfig:
         check_ranges(self, functools.partial(public_flag, "parallelism"))
         if self.vocab_parallel not in VOCAB_PARALLEL:
             raise UserError(
-                f"--parallelism.vocab_parallel '{self.vocab_parallel}': valid: {', '.join(VOCAB_PARALLEL)}"
+                f"--parallelism.vocab_parallel '{self.vocab_parallel}': valid:"
+                f" {', '.join(VOCAB_PARALLEL)}"
             )
         if self.context_strategy not in CONTEXT_STRATEGIES:
             raise UserError(

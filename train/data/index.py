@@ -63,7 +63,8 @@ def _key(where: str, key: str) -> str:
 def _check_keys(record, schema: dict, where: str, optional: dict | None = None) -> None:
     if not isinstance(record, dict):
         raise UserError(
-            f"{repr(where) if where else 'the index'} must be an object, got {json.dumps(record)[:40]}"
+            f"{repr(where) if where else 'the index'} must be an object, got"
+            f" {json.dumps(record)[:40]}"
         )
     for key in schema:
         if key not in record:
@@ -71,7 +72,8 @@ def _check_keys(record, schema: dict, where: str, optional: dict | None = None) 
     for key, typ in {**schema, **(optional or {})}.items():
         if key in record and not _typed(record[key], typ):
             raise UserError(
-                f"key '{_key(where, key)}' must be {_TYPE_NAMES[typ]}, got {json.dumps(record[key])[:40]}"
+                f"key '{_key(where, key)}' must be {_TYPE_NAMES[typ]}, got"
+                f" {json.dumps(record[key])[:40]}"
             )
 
 
@@ -127,8 +129,8 @@ def _check_shard(shard, where: str, masked: bool) -> None:
     for key in shard_files(shard):
         if not inside_name(shard[key]):
             raise UserError(
-                f"'{where}.{key}' is {shard[key]!r}: shard files must be named relative to the dataset"
-                f" directory, without '..'"
+                f"'{where}.{key}' is {shard[key]!r}: shard files must be named relative to the"
+                " dataset directory, without '..'"
             )
     for key in ("n_tokens", "n_documents"):  # prepare writes no empty shard
         if shard[key] < 1:
@@ -138,7 +140,8 @@ def _check_shard(shard, where: str, masked: bool) -> None:
 
 
 def read_index(directory: str, context: str, hint: str) -> dict:
-    """DIR/index.json, validated; any problem is UserError `CONTEXT: DIR/index.json: PROBLEM; HINT`."""
+    """DIR/index.json, validated; any problem is UserError `CONTEXT: DIR/index.json: PROBLEM;
+    HINT`."""
     path = storage.join(directory, INDEX)
     try:
         index = json.loads(storage.read_text(path))
@@ -162,7 +165,8 @@ def shard_files(shard: dict) -> tuple[str, ...]:
 
 
 def listed_files(index: dict) -> set[str]:
-    """Every file a (validated) index names, itself included: all that `prepare` writes into a dataset."""
+    """Every file a (validated) index names, itself included: all that `prepare` writes into a
+    dataset."""
     return {INDEX} | {sh[k] for sh in index["shards"] for k in shard_files(sh)}
 
 

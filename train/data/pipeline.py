@@ -1,13 +1,13 @@
 """The training data pipeline: batch `step` is a pure function of (seed, step).
 
 Order. Each source is cut into fixed windows of seq_len + 1 tokens: with `packing` (default) its
-documents are laid end to end (each ends with EOS) and window w is tokens [w*T, w*T + T + 1); without
-it, window w is one chunk of one document, padded (weight 0) at the document's end. Global row
-g = step * B + r picks a source by the mixture weights (Grain's exact interleave: after g rows, source
-k has supplied g * w_k +- 1 of them, and its j-th row is known in O(1)), and that source's
-j-th row is window perm_e(j mod n) of epoch e = j // n, where perm_e is a keyed bijection of
-[0, n) (a Feistel network) seeded by (seed, source, e): every window once per epoch, a new order
-each epoch, O(1) memory whatever the dataset size.
+documents are laid end to end (each ends with EOS) and window w is tokens [w*T, w*T + T + 1);
+without it, window w is one chunk of one document, padded (weight 0) at the document's end. Global
+row g = step * B + r picks a source by the mixture weights (Grain's exact interleave: after g rows,
+source k has supplied g * w_k +- 1 of them, and its j-th row is known in O(1)), and that source's
+j-th row is window perm_e(j mod n) of epoch e = j // n, where perm_e is a keyed bijection of [0, n)
+(a Feistel network) seeded by (seed, source, e): every window once per epoch, a new order each
+epoch, O(1) memory whatever the dataset size.
 
 Consequences: resuming at step s on any mesh or process count replays exactly the batches an
 uninterrupted run would have seen; each process builds only the rows its devices hold; the
@@ -35,12 +35,13 @@ _EVAL = 0x7FFF_FFFF  # key stream of the eval order, disjoint from source indice
 
 def _check_vocab(src: Source, vocab_size: int) -> None:
     """An id >= the model's vocab_size would index past the embedding table (NaN losses, no hint of
-    why): the model must cover both the tokenizer's vocabulary and the largest id actually present."""
+    why): the model must cover both the tokenizer's vocabulary and the largest id actually
+    present."""
     if src.max_token >= vocab_size and src.max_token >= src.vocab_size:
         raise UserError(
-            f"data '{src.name}' holds token id {src.max_token}, beyond both model.vocab_size={vocab_size}"
-            f" and the vocabulary its index records ({src.vocab_size}): the index is wrong; re-run"
-            f" `python -m train.data prepare`"
+            f"data '{src.name}' holds token id {src.max_token}, beyond both"
+            f" model.vocab_size={vocab_size} and the vocabulary its index records"
+            f" ({src.vocab_size}): the index is wrong; re-run `python -m train.data prepare`"
         )
     if max(src.vocab_size, src.max_token + 1) > vocab_size:
         raise UserError(
@@ -51,7 +52,8 @@ def _check_vocab(src: Source, vocab_size: int) -> None:
 
 
 def abstract_batch(data_cfg, batch_size: int, seq_len: int, sharding) -> dict:
-    """ShapeDtypeStructs of one global batch as the pipeline builds it (for AOT compiles and `plan`)."""
+    """ShapeDtypeStructs of one global batch as the pipeline builds it (for AOT compiles and
+    `plan`)."""
     import jax
 
     return {
@@ -97,8 +99,8 @@ class Pipeline:
             if not packing and src.train.longest_doc < seq_len + 1:
                 raise UserError(
                     f"--seq-len {seq_len}: longer than every document of '{src.name}' (longest"
-                    f" {src.train.longest_doc} tokens with EOS) with --data.packing false, so every row"
-                    f" would be mostly padding; use --data.packing true or --seq-len <="
+                    f" {src.train.longest_doc} tokens with EOS) with --data.packing false, so"
+                    " every row would be mostly padding; use --data.packing true or --seq-len <="
                     f" {max(src.train.longest_doc - 1, 1)}"
                 )
             if win.n == 0:
@@ -223,8 +225,8 @@ class Pipeline:
         ev = sum(s.eval.n_tokens for s in self.sources)
         docs = sum(s.train.n_docs for s in self.sources)
         return (
-            f"data {self.name}: {train / 1e6:.1f}M train tokens in {docs} documents, {ev / 1e6:.2f}M eval tokens,"
-            f" {sum(w.n for w in self.train)} windows of {self.T}"
+            f"data {self.name}: {train / 1e6:.1f}M train tokens in {docs} documents,"
+            f" {ev / 1e6:.2f}M eval tokens, {sum(w.n for w in self.train)} windows of {self.T}"
             + (", packed" if self.packing else ", one document per row")
             + (" with segment masks" if self.packing_mask else "")
         )
@@ -266,7 +268,8 @@ class Pipeline:
         old = saved.get("sources", [])
         if len(old) != len(now["sources"]):
             return diffs + [
-                f"data sources {[s.get('name') for s in old]} -> {[s['name'] for s in now['sources']]}"
+                f"data sources {[s.get('name') for s in old]} ->"
+                f" {[s['name'] for s in now['sources']]}"
             ]
         for a, b in zip(old, now["sources"]):
             diffs += [
@@ -278,7 +281,8 @@ class Pipeline:
 
     def tokenizer(self):
         """The tokenizer the data was prepared with (to encode a prompt and decode a sample), or
-        None when its file (the path in the index) no longer loads: a sample is not worth failing for."""
+        None when its file (the path in the index) no longer loads: a sample is not worth failing
+        for."""
         from train.data import tokenizers
 
         info = self.sources[0].tokenizer

@@ -1,19 +1,20 @@
-"""`python -m train.data prepare INPUTS... --tokenizer TOK --out DIR`: text files, globs, directories,
-JSONL (plain, .gz, .zst), Parquet and HuggingFace `datasets` directories (train/data/formats.py)
--> memory-mapped token shards with document boundaries and a JSON index.
+"""`python -m train.data prepare INPUTS... --tokenizer TOK --out DIR`: text files, globs,
+directories, JSONL (plain, .gz, .zst), Parquet and HuggingFace `datasets` directories
+(train/data/formats.py) -> memory-mapped token shards with document boundaries and a JSON index.
 
 Layout of DIR:
-  index.json                  tokenizer (kind, path, sha256, id), vocab_size, eos_id, dtype, token and
-                              document counts, and per shard its file names, counts, sha256 and largest
-                              token id (`max_token`); its schema is train/data/index.py
-  shard-00000.bin             tokens, raw little-endian uint16 (vocabulary <= 65536) or uint32
-  shard-00000.offsets.npy     int64 [n_documents + 1]: document d is tokens[offsets[d]:offsets[d+1]]
-  shard-00000.mask.bin        (--format chat|prompt_completion) uint8 per token: 1 = trained on
-                              (train/data/chat.py)
+  index.json               tokenizer (kind, path, sha256, id), vocab_size, eos_id, dtype, token and
+                           document counts, and per shard its file names, counts, sha256 and
+                           largest token id (`max_token`); its schema is train/data/index.py
+  shard-00000.bin          tokens, raw little-endian uint16 (vocabulary <= 65536) or uint32
+  shard-00000.offsets.npy  int64 [n_documents + 1]: document d is tokens[offsets[d]:offsets[d+1]]
+  shard-00000.mask.bin     (--format chat|prompt_completion) uint8 per token: 1 = trained on
+                           (train/data/chat.py)
 Each document ends with the tokenizer's EOS id. Documents keep input order (files sorted inside a
-directory or glob; JSONL lines in file order), whatever the number of workers. Everything is written
-into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing behind.
-`--overwrite` replaces only a directory that holds a prepared dataset and nothing else (train/data/prepare_output.py check_out).
+directory or glob; JSONL lines in file order), whatever the number of workers. Everything is
+written into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing
+behind. `--overwrite` replaces only a directory that holds a prepared dataset and nothing else
+(train/data/prepare_output.py check_out).
 """
 
 from __future__ import annotations
@@ -46,25 +47,27 @@ from train.data.prepare_output import check_out, make_tmp, replace_with
 
 
 def make_parser() -> argparse.ArgumentParser:
+    # One function on purpose (~65 lines): the command's flags, one add_argument each, in the order
+    # --help lists them.
     p = ArgParser(
         prog="python -m train.data prepare",
         allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Tokenise text files, globs, directories, JSONL, Parquet and HuggingFace datasets"
-        " into memory-mapped token shards.",
+        description="Tokenise text files, globs, directories, JSONL, Parquet and HuggingFace"
+        " datasets into memory-mapped token shards.",
     )
     p.add_argument(
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="text file, JSONL file (.jsonl, .jsonl.gz, .jsonl.zst), Parquet file, HuggingFace datasets"
-        " directory (save_to_disk), other directory, or glob",
+        help="text file, JSONL file (.jsonl, .jsonl.gz, .jsonl.zst), Parquet file, HuggingFace"
+        " datasets directory (save_to_disk), other directory, or glob",
     )
     p.add_argument(
         "--tokenizer",
         default="byte",
-        help="byte | hf:FILE.json | sentencepiece:FILE.model | tiktoken:FILE.tiktoken (kind from the suffix"
-        " if omitted)",
+        help="byte | hf:FILE.json | sentencepiece:FILE.model | tiktoken:FILE.tiktoken (kind from"
+        " the suffix if omitted)",
     )
     p.add_argument(
         "--out", required=True, help="output directory (must not exist unless --overwrite)"
@@ -79,9 +82,9 @@ def make_parser() -> argparse.ArgumentParser:
         dest="input_format",
         choices=chat.FORMATS,
         default="text",
-        help="text: documents; prompt_completion: records {prompt, completion}, trained on the completion;"
-        " chat: records {messages: [{role, content}, ...]} rendered with --tokenizer HF_MODEL_DIR's chat"
-        " template, trained on the assistant turns",
+        help="text: documents; prompt_completion: records {prompt, completion}, trained on the"
+        " completion; chat: records {messages: [{role, content}, ...]} rendered with --tokenizer"
+        " HF_MODEL_DIR's chat template, trained on the assistant turns",
     )
     p.add_argument(
         "--workers",
@@ -126,9 +129,9 @@ def _init_worker(spec: str, eos_token: str | None, pool: bool) -> None:
 
 
 def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "text"):
-    """-> (tokens [N] of dtype, doc lengths int64 [D], input bytes, skipped names, loss mask uint8 [N]
-    or None for text). Documents end with EOS. `task`: byte ranges of text/JSONL files to read, or a
-    Chunk of documents already read; `text_field`: the records' fields for a record format."""
+    """-> (tokens [N] of dtype, doc lengths int64 [D], input bytes, skipped names, loss mask uint8
+    [N] or None for text). Documents end with EOS. `task`: byte ranges of text/JSONL files to read,
+    or a Chunk of documents already read; `text_field`: the records' fields for a record format."""
     if isinstance(task, formats.Chunk):
         docs, n_bytes = task.docs, task.n_bytes
     else:
@@ -189,7 +192,8 @@ def prepare(
     progress: bool = True,
     input_format: str = "text",
 ) -> dict:
-    """Tokenise `inputs` into `out`; returns the index. Raises UserError (nothing left on disk) on bad input."""
+    """Tokenise `inputs` into `out`; returns the index. Raises UserError (nothing left on disk) on
+    bad input."""
     if workers < 1 or shard_tokens < 1:
         raise UserError(
             f"prepare: --workers and --shard-tokens must be >= 1, got {workers} and {shard_tokens}"
@@ -199,65 +203,15 @@ def prepare(
     tok = tokenizers.load(tokenizer, eos_token)  # fails here, once, rather than in every worker
     # what the readers take from each record
     fields = chat.check_options(tok, input_format, text_field)
-    info = tok.describe()
-    dtype = token_dtype(tok.vocab_size)
     tasks = make_tasks(files, workers)
     out = storage.absolute(out)
-    # then uploaded
+    # an object store's dataset is written here first, then uploaded
     tmp = make_tmp(out) if storage.is_local(out) else tempfile.mkdtemp(prefix="brigade-prepare-")
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=sum(e - s for t in tasks for _, s, e in t),
-        unit="B",
-        unit_scale=True,
-        desc="prepare",
-        disable=not progress,
-        file=sys.stderr,
-    )
+    bar = _progress_bar(sum(e - s for t in tasks for _, s, e in t), progress)
     try:
-        writer = ShardWriter(tmp, dtype, shard_tokens, masked=input_format != "text")
-        skipped: list[str] = []
-        n_bytes = 0
-        with _results(
-            chunked(tasks, fields),
-            len(tasks),
-            tokenizer,
-            eos_token,
-            fields,
-            on_bad_utf8,
-            dtype.name,
-            workers,
-            input_format,
-        ) as results:
-            for tokens, lengths, nb, skip, mask in results:
-                writer.add(tokens, lengths, mask)
-                skipped += skip
-                n_bytes += nb
-                bar.update(nb)
-        writer.close()
-        bar.close()
-        n_docs = sum(s["n_documents"] for s in writer.shards)
-        if not n_docs:
-            raise UserError(
-                f"prepare: no non-empty documents in {' '.join(inputs)}"
-                + (f" ({len(skipped)} skipped as not UTF-8)" if skipped else "")
-            )
-        index = {
-            "format": MASKED_FORMAT if writer.masked else FORMAT,
-            "input_format": input_format,
-            "tokenizer": info,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "dtype": dtype.name,
-            "n_tokens": sum(s["n_tokens"] for s in writer.shards),
-            "n_documents": n_docs,
-            "input_bytes": n_bytes,
-            "skipped_not_utf8": len(skipped),
-            "inputs": list(inputs),
-            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "shards": writer.shards,
-        }
+        work = (tokenizer, eos_token, fields, on_bad_utf8, workers, input_format)
+        writer, skipped, n_bytes = _write_shards(tmp, tasks, bar, tok, shard_tokens, work)
+        index = _index(inputs, writer, tok, input_format, n_bytes, skipped)
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
         if storage.is_local(out):
@@ -277,6 +231,75 @@ def prepare(
             file=sys.stderr,
         )
     return index
+
+
+def _progress_bar(total_bytes: int, progress: bool):
+    """tqdm's bar over the input bytes, on stderr (`progress` false: a bar that draws nothing)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=not progress,
+        file=sys.stderr,
+    )
+
+
+def _write_shards(tmp: str, tasks: list, bar, tok, shard_tokens: int, work: tuple):
+    """The tasks tokenised (by `work`'s workers: tokenizer spec, EOS token, fields, --on-bad-utf8,
+    worker count, input format) into shards in `tmp` -> (the writer, the documents skipped as not
+    UTF-8, the input bytes read)."""
+    tokenizer, eos_token, fields, on_bad_utf8, workers, input_format = work
+    dtype = token_dtype(tok.vocab_size)
+    writer = ShardWriter(tmp, dtype, shard_tokens, masked=input_format != "text")
+    skipped: list[str] = []
+    n_bytes = 0
+    with _results(
+        chunked(tasks, fields),
+        len(tasks),
+        tokenizer,
+        eos_token,
+        fields,
+        on_bad_utf8,
+        dtype.name,
+        workers,
+        input_format,
+    ) as results:
+        for tokens, lengths, nb, skip, mask in results:
+            writer.add(tokens, lengths, mask)
+            skipped += skip
+            n_bytes += nb
+            bar.update(nb)
+    writer.close()
+    bar.close()
+    return writer, skipped, n_bytes
+
+
+def _index(inputs: list[str], writer, tok, input_format: str, n_bytes: int, skipped: list) -> dict:
+    """The dataset's index.json (its schema: train/data/index.py); no document at all is refused."""
+    n_docs = sum(s["n_documents"] for s in writer.shards)
+    if not n_docs:
+        raise UserError(
+            f"prepare: no non-empty documents in {' '.join(inputs)}"
+            + (f" ({len(skipped)} skipped as not UTF-8)" if skipped else "")
+        )
+    return {
+        "format": MASKED_FORMAT if writer.masked else FORMAT,
+        "input_format": input_format,
+        "tokenizer": tok.describe(),
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "n_tokens": sum(s["n_tokens"] for s in writer.shards),
+        "n_documents": n_docs,
+        "input_bytes": n_bytes,
+        "skipped_not_utf8": len(skipped),
+        "inputs": list(inputs),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "shards": writer.shards,
+    }
 
 
 class _results:
@@ -339,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         input_format=args.input_format,
     )
     print(
-        f"{args.out}: {index['n_documents']} {'documents' if args.input_format == 'text' else 'records'},"
-        f" {index['n_tokens']} tokens ({index['dtype']}) in {len(index['shards'])} shards, tokenizer"
+        f"{args.out}: {index['n_documents']}"
+        f" {'documents' if args.input_format == 'text' else 'records'}, {index['n_tokens']} tokens"
+        f" ({index['dtype']}) in {len(index['shards'])} shards, tokenizer"
         f" {index['tokenizer']['id']} (vocab {index['vocab_size']})"
     )
     return 0

@@ -18,7 +18,8 @@ MIN_TASK_BYTES = 16 << 10  # ... and at least (small inputs are still spread ove
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files in a stable order: each input in command-line order; a directory's or glob's files sorted."""
+    """Files in a stable order: each input in command-line order; a directory's or glob's files
+    sorted."""
     files: list[str] = []
     for spec in inputs:
         shards = formats.dataset_files(spec) if os.path.isdir(spec) else None

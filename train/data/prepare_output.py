@@ -24,9 +24,22 @@ def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) ->
     one inside an input directory (the next run would read the dataset as input); an existing one
     without --overwrite; and, with it, anything but a directory that holds a prepared dataset and
     nothing else, so that the only files --overwrite deletes are ones `prepare` wrote."""
-    local = storage.is_local(out)  # an object store holds no input, no current or home directory
-    real = os.path.realpath(out) if local else out
-    if local and os.path.lexists(out):  # a new directory cannot hold anything yet
+    if storage.is_local(out):  # an object store holds no input, no current or home directory
+        _check_holds_nothing_of_value(out, inputs, files)
+    if not storage.lexists(out):
+        return
+    if not overwrite:
+        raise UserError(
+            f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite"
+        )
+    _check_only_a_dataset(out)
+
+
+def _check_holds_nothing_of_value(out: str, inputs: list[str], files: list[str]) -> None:
+    """A local --out that is or contains an input, the current or home directory or /, or lies
+    inside an input directory: refused."""
+    real = os.path.realpath(out)
+    if os.path.lexists(out):  # a new directory cannot hold anything yet
         guarded = {
             "the current directory": os.getcwd(),
             "the home directory": os.path.expanduser("~"),
@@ -38,25 +51,26 @@ def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) ->
         for what, path in guarded.items():
             if _within(os.path.realpath(path), real):
                 raise UserError(
-                    f"prepare: --out '{out}' is or contains {what}; name a new directory for the dataset"
+                    f"prepare: --out '{out}' is or contains {what}; name a new directory for the"
+                    " dataset"
                 )
     for spec in inputs:
-        if local and os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
+        if os.path.isdir(spec) and _within(real, os.path.realpath(spec)):
             raise UserError(
-                f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are all"
-                f" read as input; name a directory outside it"
+                f"prepare: --out '{out}' is inside the input directory '{spec}', whose files are"
+                " all read as input; name a directory outside it"
             )
-    if not storage.lexists(out):
-        return
-    if not overwrite:
-        raise UserError(
-            f"prepare: --out '{out}' already exists; choose another directory or pass --overwrite"
-        )
+
+
+def _check_only_a_dataset(out: str) -> None:
+    """An existing --out that --overwrite would replace: refused unless it is a directory that
+    holds a prepared dataset and nothing else."""
+    local = storage.is_local(out)
     only = "--overwrite replaces only a directory that holds a prepared dataset and nothing else"
     if (local and os.path.islink(out)) or not storage.isdir(out):
         raise UserError(
-            f"prepare: --out '{out}' is {'a symbolic link' if os.path.islink(out) else 'not a directory'};"
-            f" {only}"
+            f"prepare: --out '{out}' is"
+            f" {'a symbolic link' if os.path.islink(out) else 'not a directory'}; {only}"
         )
     listed = listed_files(
         read_index(out, f"prepare: --out '{out}'", f"{only}; name a new directory")
@@ -66,7 +80,8 @@ def check_out(out: str, inputs: list[str], files: list[str], overwrite: bool) ->
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise UserError(
-            f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write; {only}"
+            f"prepare: --out '{out}' holds '{foreign[0]}'{more}, which prepare did not write;"
+            f" {only}"
         )
     # prepare writes plain files only: a listed name that is a directory or a link holds (or points
     # at) something else, which deleting the old shards must not touch

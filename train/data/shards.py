@@ -71,8 +71,15 @@ def open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tuple
             f"{where}: {sh['tokens']} holds token ids up to {found} but {INDEX} says max_token"
             f" {max_token}; {REPREPARE}"
         )
+    off = _offsets(where, sh, files["offsets"])
+    tokens, mask = (_map(files[k], kinds[k], sh["n_tokens"]) if k in files else None for k in kinds)
+    return tokens, off.astype(np.int64), found if max_token is None else max_token, mask
+
+
+def _offsets(where: str, sh: dict, path: str) -> np.ndarray:
+    """The shard's document offsets, int64 [n_documents + 1], checked against its index entry."""
     try:
-        with storage.open_file(files["offsets"], "rb") as f:
+        with storage.open_file(path, "rb") as f:
             off = np.load(f)
     except OSError as e:
         raise UserError(f"{where}: cannot read {sh['offsets']}: {e.strerror}") from None
@@ -91,8 +98,7 @@ def open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tuple
     )
     if not ok:
         raise UserError(f"{where}: {sh['offsets']} does not match {sh['tokens']}; {REPREPARE}")
-    tokens, mask = (_map(files[k], kinds[k], sh["n_tokens"]) if k in files else None for k in kinds)
-    return tokens, off.astype(np.int64), found if max_token is None else max_token, mask
+    return off
 
 
 def _map(path: str, dtype: np.dtype, n: int):

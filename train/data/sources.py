@@ -9,10 +9,10 @@ and `--data.source` is one source or a mixture: `A:0.7,B:0.3` (each entry `SOURC
 FILE.yaml holding a list of `{source: ..., weight: ...}`. Weights are relative.
 
 Each source becomes a `Stream` per split: its documents laid end to end (each ends with EOS) as one
-virtual token sequence over memory-mapped shards, with the loss mask of each token where the
-dataset has one (`prepare --format chat|prompt_completion`). A prepared dataset's eval split is a fixed
-hash of the document index (like the default corpus's hash of file names): independent of the
-seed, the same on every process.
+virtual token sequence over memory-mapped shards, with the loss mask of each token where the dataset
+has one (`prepare --format chat|prompt_completion`). A prepared dataset's eval split is a fixed hash
+of the document index (like the default corpus's hash of file names): independent of the seed, the
+same on every process.
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ SOURCE_CHOICES = (
 @dataclasses.dataclass
 class Stream:
     """A virtual token sequence: segment i is shards[seg_shard[i]][seg_start[i]:][:len], placed at
-    virtual positions seg_vstart[i]:seg_vstart[i+1]; document d spans doc_vstart[d]:doc_vstart[d+1]."""
+    virtual positions seg_vstart[i]:seg_vstart[i+1]; document d spans
+    doc_vstart[d]:doc_vstart[d+1]."""
 
     shards: list[np.ndarray]
     seg_shard: np.ndarray  # int64 [S]
     seg_start: np.ndarray  # int64 [S]
     seg_vstart: np.ndarray  # int64 [S+1]
     doc_vstart: np.ndarray  # int64 [D+1]
-    masks: list[np.ndarray] | None = (
-        None  # per shard its loss mask (uint8, 1 = trained on); None: all ones
-    )
+    # per shard its loss mask (uint8, 1 = trained on); None: all ones
+    masks: list[np.ndarray] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -80,7 +80,8 @@ class Stream:
         return self._gather(self.shards, v, np.int32)
 
     def gather_mask(self, v: np.ndarray) -> np.ndarray:
-        """Loss mask at virtual positions v -> float32 0/1, same shape (any nonzero byte counts as 1)."""
+        """Loss mask at virtual positions v -> float32 0/1, same shape (any nonzero byte counts as
+        1)."""
         if self.masks is None:
             return np.ones(v.shape, np.float32)
         return (self._gather(self.masks, v, np.uint8) != 0).astype(np.float32)
@@ -155,12 +156,14 @@ def from_corpus(c: corpus.Corpus, whole_docs: bool = True) -> Source:
 
 
 def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
-    """Memory-maps every shard after checking sizes (always) and sha256 checksums (when `verify`)."""
+    """Memory-maps every shard after checking sizes (always) and sha256 checksums (when
+    `verify`)."""
     index = read_index(directory, f"--data {directory}", REPREPARE)
     dtype = np.dtype(index["dtype"])
     opened = [open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
     shards, offsets = [o[0] for o in opened], [o[1] for o in opened]
-    # a shard without a mask in a dataset with masks (only by editing the index) weighs all its tokens
+    # a shard without a mask in a dataset with masks (only by editing the index) weighs all its
+    # tokens
     masks = (
         [np.ones(len(o[0]), np.uint8) if o[3] is None else o[3] for o in opened]
         if any(o[3] is not None for o in opened)
@@ -228,14 +231,16 @@ def _select(
 
 # ------------------------------------------------------------------ --data.source
 
-# The smallest mixture weight must be at least this share of the largest: the interleave turns weights
-# into integers with the smallest at 100 (train/data/order.py proportions), so a smaller ratio makes those grow
-# towards int64 overflow in its row arithmetic; and such a source would supply no row in practice.
+# The smallest mixture weight must be at least this share of the largest: the interleave turns
+# weights into integers with the smallest at 100 (train/data/order.py proportions), so a smaller
+# ratio makes those grow towards int64 overflow in its row arithmetic; and such a source would
+# supply no row in practice.
 MIN_WEIGHT_RATIO = 1e-6
 
 
 def check_weights(entries: list[tuple[str, float | None]], where: str) -> list[tuple[str, float]]:
-    """Each weight finite and > 0, the smallest >= MIN_WEIGHT_RATIO x the largest; else UserError."""
+    """Each weight finite and > 0, the smallest >= MIN_WEIGHT_RATIO x the largest; else
+    UserError."""
     for name, weight in entries:
         if (
             not isinstance(weight, (int, float))

@@ -43,8 +43,9 @@ def check_tokenizer(
 ) -> None:
     """UserError (one line naming both) when data prepared with `data_tokenizer` (a dataset's
     record) meets a checkpoint (`meta`) that records another tokenizer: its ids would be other
-    tokens to the model. `allow`: --data.allow_tokenizer_mismatch. A checkpoint recording none passes.
-    `whose`: what the line calls `meta`'s tokenizer (a run's eval sets compare with its training data's)."""
+    tokens to the model. `allow`: --data.allow_tokenizer_mismatch. A checkpoint recording none
+    passes. `whose`: what the line calls `meta`'s tokenizer (a run's eval sets compare with its
+    training data's)."""
     saved = saved_tokenizer(meta)
     if allow or saved is None or saved["id"] == data_tokenizer.get("id"):
         return
@@ -82,7 +83,8 @@ def warn_changed_settings(meta: dict, config: dict, data, log) -> None:
         changed = list(dict.fromkeys(changed + data.check_state(meta["data"]["loader"])))
     if changed:
         log.print(
-            f"warning: resuming with settings that differ from the checkpoint's: {', '.join(changed)}"
+            "warning: resuming with settings that differ from the checkpoint's:"
+            f" {', '.join(changed)}"
             + (
                 " (the learning-rate schedule spans train.steps)"
                 if any(c.startswith("train.steps ") for c in changed)

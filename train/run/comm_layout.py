@@ -48,11 +48,11 @@ def saved_abstract(run: RunSetup, abstract: TrainState, src: Checkpointer, step:
         opts = ("compression", "error_feedback", "sync_every")
         text = lambda m: " ".join(f"--comm.{k} {m.get(k)}" for k in opts)  # noqa: E731
         why = (
-            f"DiLoCo's per-replica state (optimizer states and drift of {n_saved} data-parallel replicas)"
-            f" does not convert to this mesh's {n_now}"
+            f"DiLoCo's per-replica state (optimizer states and drift of {n_saved} data-parallel"
+            f" replicas) does not convert to this mesh's {n_now}"
             if diloco and resized
-            else f"DiLoCo's train state (per-replica optimizer states and drift) does not convert to or from"
-            f" this run's ({text(now)})"
+            else "DiLoCo's train state (per-replica optimizer states and drift) does not convert"
+            f" to or from this run's ({text(now)})"
         )
         raise UserError(
             f"checkpoint {src.step_dir(step)} was written with {text(saved or {})}: {why};"
@@ -111,5 +111,6 @@ def convert(run: RunSetup, want: TrainState, state: TrainState) -> tuple[TrainSt
     )
     return (
         out.replace(residual=mean(state.residual)),
-        f"error-feedback residuals of {n_old} data-parallel replicas averaged onto this mesh's {n_new}",
+        f"error-feedback residuals of {n_old} data-parallel replicas averaged onto this mesh's"
+        f" {n_new}",
     )

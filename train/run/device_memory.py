@@ -52,8 +52,10 @@ def size_text(n: int | None) -> str:
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """XLA's allocation failure, at compile time or in a step: a JaxRuntimeError RESOURCE_EXHAUSTED."""
-    import jax  # here, not at the top: `python -m train report` formats sizes with this module, without JAX
+    """XLA's allocation failure, at compile time or in a step: a JaxRuntimeError
+    RESOURCE_EXHAUSTED."""
+    # here, not at the top: `python -m train report` formats sizes with this module, without JAX
+    import jax
 
     return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
 
@@ -73,9 +75,9 @@ def out_of_memory_line(predicted_peak, devices: list, where):
         first = str(e).strip().splitlines()[0][:160]
         raise UserError(
             f"out of device memory (last activity: {where()}): {first}; the compiled step needs"
-            f" ~{size_text(predicted_peak())} per"
-            f" device (predicted), measured peak {size_text(now['mem_peak_bytes'])} of"
-            f" {size_text(now['mem_limit_bytes'])} per device; recompute activations (--model.remat full), shard the"
-            f" state over more devices (--mesh fsdp=N), split the batch (--micro-batches N) or use a smaller"
-            f" --batch-size"
+            f" ~{size_text(predicted_peak())} per device (predicted), measured peak"
+            f" {size_text(now['mem_peak_bytes'])} of {size_text(now['mem_limit_bytes'])} per"
+            " device; recompute activations (--model.remat full), shard the state over more"
+            " devices (--mesh fsdp=N), split the batch (--micro-batches N) or use a smaller"
+            " --batch-size"
         ) from None

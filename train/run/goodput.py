@@ -1,14 +1,14 @@
 """Goodput: where a run's wall time goes, across restarts.
 
-The checkpoint/restart model: T_total = T_train + N_ckpt * T_save + N_fail * T_recover. Each attempt (one process
-lifetime) times its own phases; the totals are written into every metrics.jsonl record, so a
-resumed attempt carries on from the record of the step it resumed at. Everything a failed
+The checkpoint/restart model: T_total = T_train + N_ckpt * T_save + N_fail * T_recover. Each attempt
+(one process lifetime) times its own phases; the totals are written into every metrics.jsonl record,
+so a resumed attempt carries on from the record of the step it resumed at. Everything a failed
 attempt did after that record (steps that are now recomputed) plus the downtime until the new
 attempt started is counted as `lost`. An attempt that ended cleanly (done, or stopped by
-SIGINT/SIGTERM with its state committed: it wrote summary.json, with its totals and end time)
-failed at nothing: the time until the next attempt is `idle`, kept apart from the total (the
-run was not running), and only an attempt that started after it and died before logging
-anything makes the time from that start on `lost`.
+SIGINT/SIGTERM with its state committed: it wrote summary.json, with its totals and end time) failed
+at nothing: the time until the next attempt is `idle`, kept apart from the total (the run was not
+running), and only an attempt that started after it and died before logging anything makes the time
+from that start on `lost`.
 
 Categories (seconds): productive (steps, excluding data waits), data_wait, compile (the step and
 the sharded init), checkpoint (time the loop was blocked by saves, incl. the final commit),

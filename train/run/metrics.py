@@ -22,8 +22,8 @@ from train.run.resilience import exit_code
 
 
 class MetricsLogger:
-    """Sends each logged record to the run's sinks (train/run/sinks.py: metrics.jsonl, TensorBoard, the
-    trackers its config.json turns on) and to the console (a bar, plain lines, or nothing);
+    """Sends each logged record to the run's sinks (train/run/sinks.py: metrics.jsonl, TensorBoard,
+    the trackers its config.json turns on) and to the console (a bar, plain lines, or nothing);
     process 0 only. `progress`: --logging.progress (auto | bar | lines | none)."""
 
     def __init__(
@@ -103,8 +103,8 @@ class StepProfiler:
             jax.profiler.stop_trace()
             self.active = False
             return (
-                f"profile: steps {self.spec} traced into {self.dir} (tensorboard --logdir {self.dir},"
-                f" or open the .trace.json.gz in ui.perfetto.dev)"
+                f"profile: steps {self.spec} traced into {self.dir} (tensorboard --logdir"
+                f" {self.dir}, or open the .trace.json.gz in ui.perfetto.dev)"
             )
         return ""
 

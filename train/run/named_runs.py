@@ -182,8 +182,8 @@ def _link_latest(link: str, run_dir: str) -> None:
     runs/latest itself, is the user's data: it stays, and is no longer updated."""
     if os.path.exists(link) and not os.path.islink(link):
         print(
-            f"note: {link} is a run directory of an earlier Brigade version: it is kept as it is and no"
-            f" longer updated (this run is {run_dir})",
+            f"note: {link} is a run directory of an earlier Brigade version: it is kept as it is"
+            f" and no longer updated (this run is {run_dir})",
             file=sys.stderr,
             flush=True,
         )
@@ -208,7 +208,8 @@ def _run_to_continue(link: str, now: dict) -> str:
             return "auto"
     elif not os.path.exists(link):  # the first run of a script that always says --resume latest
         print(
-            f"--resume latest: no earlier run to continue ({link} does not exist); starting a new one",
+            f"--resume latest: no earlier run to continue ({link} does not exist); starting a new"
+            " one",
             flush=True,
         )
         return "auto"
@@ -225,8 +226,8 @@ def _run_to_continue(link: str, now: dict) -> str:
     changed = changed_settings(saved, now)
     if changed:
         raise UserError(
-            f"--resume latest: {prev} was run with other settings: {', '.join(changed)}; run with its"
-            f" settings, or pass --resume {prev} to continue from it with these"
+            f"--resume latest: {prev} was run with other settings: {', '.join(changed)}; run with"
+            f" its settings, or pass --resume {prev} to continue from it with these"
         )
     return prev
 

@@ -1,4 +1,5 @@
-"""`python -m train report RUN_DIR [--out DIR]`: PNG plots of a run's metrics and a markdown summary.
+"""A run's report (`python -m train report RUN_DIR [--out DIR]`, train/cli/report.py): PNG plots of
+a run's metrics and a markdown summary.
 
 Reads what the loop writes into a run directory: `metrics.jsonl` (required), `config.json` and
 `summary.json` (used when present). Writes `<out>/report.md` beside one PNG per metric group
@@ -9,10 +10,9 @@ eval loss with eval off) gets no plot rather than an empty one.
 from __future__ import annotations
 
 import json
-import sys
 
 from checkpoint import storage
-from errors import ArgParser, UserError
+from errors import UserError
 from train.run.device_memory import size_text
 from train.run.goodput import read_records
 
@@ -170,14 +170,13 @@ def _memory(summary: dict, *keys: str) -> str | None:
     return " / ".join(size_text(summary.get(k)) for k in keys)
 
 
-def markdown(
-    run_dir: str, records: list[dict], config: dict, summary: dict, plots: list[tuple[str, str]]
-) -> str:
+def _figures(records: list[dict], config: dict, summary: dict) -> list[tuple[str, object]]:
+    """The report's table of final figures: (what, value or None when the run has none)."""
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     last = train[-1] if train else {}
     mesh = summary.get("mesh") or config.get("parallelism", {}).get("mesh") or "?"
-    figures = [
+    return [
         ("steps", summary.get("steps", last.get("step"))),
         (
             "loss (first -> last)",
@@ -204,10 +203,18 @@ def markdown(
         ("resumed from step", summary.get("resumed_from")),
         ("stopped by", summary.get("stopped_by")),
     ]
+
+
+def markdown(
+    run_dir: str, records: list[dict], config: dict, summary: dict, plots: list[tuple[str, str]]
+) -> str:
+    n_train = sum(1 for r in records if "loss" in r)
+    n_evals = sum(1 for r in records if "eval_loss" in r)
+    figures = _figures(records, config, summary)
     lines = [
         f"# Run report: `{storage.absolute(run_dir)}`",
         "",
-        f"{len(train)} logged steps and {len(evals)} evals from `metrics.jsonl`"
+        f"{n_train} logged steps and {n_evals} evals from `metrics.jsonl`"
         + ("" if summary else " (no summary.json: the run has not finished)")
         + ".",
         "",
@@ -245,30 +252,3 @@ def report(run_dir: str, out_dir: str | None = None) -> str:
     path = storage.join(out_dir, "report.md")
     storage.write_text(path, markdown(run_dir, records, config, summary, plots))
     return path
-
-
-def main(argv: list[str]) -> int:
-    p = ArgParser(
-        prog="python -m train report",
-        description="Plot a run's metrics and summarise it in markdown.",
-    )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
-    p.add_argument(
-        "--out",
-        metavar="DIR",
-        default=None,
-        help="where to write report.md and the PNGs (default: RUN_DIR/report)",
-    )
-    ns = p.parse_args(argv)
-    path = report(ns.run_dir, ns.out)
-    pngs = sorted(f for f in storage.listdir(storage.dirname(path)) if f.endswith(".png"))
-    print(f"report: {path} ({', '.join(pngs)})")
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -18,7 +18,8 @@ import threading
 
 class StopSignals:
     """Context manager: while active, `requested(step)` returns the signal that asked to stop
-    (signal.SIGTERM or signal.SIGINT) once it is time to stop, else None. Call it after every step."""
+    (signal.SIGTERM or signal.SIGINT) once it is time to stop, else None. Call it after every
+    step."""
 
     def __init__(self):
         self.received: int | None = None
@@ -60,7 +61,8 @@ def exit_code(signum: int | None) -> int:
 
 
 class Diverged(RuntimeError):
-    """Too many skipped steps in a row (non-finite or spikes) and no checkpoint to go back to (exit status 3)."""
+    """Too many skipped steps in a row (non-finite or spikes) and no checkpoint to go back to (exit
+    status 3)."""
 
 
 DIVERGED_EXIT = 3

@@ -117,7 +117,8 @@ def _newest_local(
         if why:  # every process names the reason of its own copy
             moved = f"; set aside as {local.set_aside(step)}" if damaged else ""
             print(
-                f"warning: process {jax.process_index()}: {why}{moved}; not resuming from local step {step}",
+                f"warning: process {jax.process_index()}: {why}{moved}; not resuming from local"
+                f" step {step}",
                 flush=True,
             )
     return None
@@ -147,8 +148,8 @@ def _latest_intact(run: RunSetup, abstract: TrainState, saver: Checkpointer) -> 
             raise UserError(
                 f"no intact checkpoint in {saver.directory}: "
                 + "; ".join(f"step {s}: {e.file or 'see above'}: {e.reason}" for s, e in bad)
-                + " (nothing was deleted; to start fresh, move them aside or use another --checkpoint.dir;"
-                " to read one anyway, --resume PATH shows its error)"
+                + " (nothing was deleted; to start fresh, move them aside or use another"
+                " --checkpoint.dir; to read one anyway, --resume PATH shows its error)"
             )
         return None
     step, restored = found
@@ -241,7 +242,8 @@ def initial_state(
 
 def init_from(run: RunSetup, abstract_params: Any, path: str) -> tuple[TrainState, str]:
     """--init-from PATH: step 0 with a fresh optimizer around the parameters of a checkpoint (full
-    or parameters-only, e.g. `python -m checkpoint hf import`), read straight into this mesh's shardings."""
+    or parameters-only, e.g. `python -m checkpoint hf import`), read straight into this mesh's
+    shardings."""
     src, step = open_checkpoint(path)
     hint = os.path.join(path, "model.yaml")
     try:
@@ -270,12 +272,14 @@ def recover(
     max_bad = run.cfg.train.max_bad_steps
     if found is None:
         raise Diverged(
-            f"{max_bad} skipped steps in a row (non-finite or spikes) at step {step} and no checkpoint"
+            f"{max_bad} skipped steps in a row (non-finite or spikes) at step {step} and no"
+            " checkpoint"
             f" to restore in {saver.directory}" + (" that reads back" if saver.all_steps() else "")
         )
     last, restored = found
     log.print(
-        f"recovery: {max_bad} skipped steps in a row (non-finite or spikes) at step {step}; restored the"
-        f" weights of step {last} from {saver.step_dir(last)} and skipped batches {last + 1}-{step}"
+        f"recovery: {max_bad} skipped steps in a row (non-finite or spikes) at step {step};"
+        f" restored the weights of step {last} from {saver.step_dir(last)} and skipped batches"
+        f" {last + 1}-{step}"
     )
     return restored.replace(step=state.step)

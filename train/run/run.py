@@ -80,7 +80,8 @@ class Run:
         """The reporters of a loop starting from `state`; its step timer starts now."""
         cfg, t, mesh, me = run_setup.cfg, run_setup.cfg.train, run_setup.mesh, jax.process_index()
         heartbeat = PeerHeartbeat(timeout_s=cfg.parallelism.peer_timeout)
-        # faulthandler writes the stacks through a real file descriptor: a URL run dir gets them locally
+        # faulthandler writes the stacks through a real file descriptor: a URL run dir gets them
+        # locally
         stacks = os.path.join(
             cfg.logging.run_dir if storage.is_local(cfg.logging.run_dir) else tempfile.gettempdir(),
             f"watchdog-stacks.{me}.txt",
@@ -162,9 +163,9 @@ class Run:
                 rec["loss_running_median"],
             )
             self.log.print(
-                f"warning: step {step}: {new} update(s) skipped since the last log as loss spikes (loss"
-                f" above --train.spike_factor x the running median {median:.3f}; {spikes} in a row,"
-                f" {total} in total)"
+                f"warning: step {step}: {new} update(s) skipped since the last log as loss spikes"
+                f" (loss above --train.spike_factor x the running median {median:.3f}; {spikes} in"
+                f" a row, {total} in total)"
             )
         if straggler:
             self.log.print(straggler)
@@ -197,7 +198,8 @@ class Run:
             )
         if skipped:
             self.log.print(
-                f"warning: step {step}: the state is not finite (NaN or inf); checkpoint skipped ({skipped})"
+                f"warning: step {step}: the state is not finite (NaN or inf); checkpoint skipped"
+                f" ({skipped})"
             )
         self.goodput.add("checkpoint", self.stats.pause(t0))
         self.watchdog.beat(f"saving step {step}")
@@ -205,8 +207,9 @@ class Run:
     def evaluate(
         self, step: int, eval_losses: Callable[[], tuple[float | None, dict[str, float]]]
     ) -> None:
-        """Log the eval record of `step`: `eval_losses()` -> (the loss on the training data's held-out
-        batches, or None when it holds none out; the loss on each --data.eval_source set, by name)."""
+        """Log the eval record of `step`: `eval_losses()` -> (the loss on the training data's
+        held-out batches, or None when it holds none out; the loss on each --data.eval_source set,
+        by name)."""
         t0 = time.perf_counter()
         ev, sets = eval_losses()
         self.goodput.add("eval", self.stats.pause(t0))
@@ -295,8 +298,9 @@ def open_run(
     peak, peak_src = peak_flops(run_setup.compute_dtype, cfg.logging.peak_tflops, mesh.devices.flat)
     log.print(
         f"brigade: {param_count(cfg.model) / 1e6:.2f}M params, mesh {mesh_text(mesh.shape)}"
-        f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute, {attention(run_setup)},"
-        f" {data.describe()}, step compiled in {compile_s:.1f}s; peak: {peak_src}"
+        f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute,"
+        f" {attention(run_setup)}, {data.describe()}, step compiled in {compile_s:.1f}s; peak:"
+        f" {peak_src}"
     )
     if note:
         recomputed = goodput.recomputed_steps if point else 0

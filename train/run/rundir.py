@@ -44,7 +44,8 @@ from train.run.goodput import (
 
 MARKER = "brigade-run.json"
 LOCK = ".brigade-lock"
-# Config sections of Brigade's config.json: a legacy run directory (no marker) is recognised by them.
+# Config sections of Brigade's config.json: a legacy run directory (no marker) is recognised by
+# them.
 _SECTIONS = {"model", "train", "parallelism", "data", "logging", "checkpoint"}
 
 
@@ -199,8 +200,8 @@ class RunDirLock:
         """An object store has no flock (and an object written as a lock would outlive a killed
         run, blocking its restart): the directory is marked, not locked, and the run says so."""
         print(
-            f"note: {self.flag} {self.path} is on an object store: it is not locked against a second run;"
-            f" start one run at a time on it",
+            f"note: {self.flag} {self.path} is on an object store: it is not locked against a"
+            " second run; start one run at a time on it",
             flush=True,
         )
         try:
@@ -225,9 +226,9 @@ class RunDirLock:
 def prepare_run_dir(
     run_dir: str, config_text: str, resumed_step: int | None, goodput: Goodput
 ) -> None:
-    """A run's start in its directory: config.json (`config_text`); after a resume, one line more
-    in resumes.jsonl, the goodput of the attempts before carried over from metrics.jsonl, and
-    the records that the resumed checkpoint does not cover dropped; a fresh run starts a fresh log."""
+    """A run's start in its directory: config.json (`config_text`); after a resume, one line more in
+    resumes.jsonl, the goodput of the attempts before carried over from metrics.jsonl, and the
+    records that the resumed checkpoint does not cover dropped; a fresh run starts a fresh log."""
     storage.makedirs(run_dir)
     storage.write_text(storage.join(run_dir, "config.json"), config_text)
     resumes = storage.join(run_dir, "resumes.jsonl")  # one line per attempt that resumed

@@ -1,11 +1,11 @@
 """Where a run's metric records go: metrics.jsonl, TensorBoard, Weights & Biases, and the console
 (a tqdm bar, or one plain line per logged step for cluster logs).
 
-Every sink is `log(record)` and `close()` (the `Sink` protocol); MetricsLogger (train/run/metrics.py)
-holds a list of them and knows nothing of any one. A tracker reads what it needs from the run
-directory, which the run has written before its first record: config.json (the run's whole
-config: its own option too), plan.json when the user saved one there. So a tracker such as
-MLflow is one class here and one line in `trackers`, not a change to the loop.
+Every sink is `log(record)` and `close()` (the `Sink` protocol); MetricsLogger
+(train/run/metrics.py) holds a list of them and knows nothing of any one. A tracker reads what it
+needs from the run directory, which the run has written before its first record: config.json (the
+run's whole config: its own option too), plan.json when the user saved one there. So a tracker such
+as MLflow is one class here and one line in `trackers`, not a change to the loop.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class WandbSink:
         self.run.log(numbers(record), step=record["step"])
 
     def close(self) -> None:
-        """The report's plots (train/run/report.py, when matplotlib is installed), then the run ends."""
+        """The report's plots (train/run/report.py, when matplotlib is installed), then the run
+        ends."""
         from train.run.goodput import read_records
         from train.run.report import plot
 

@@ -106,8 +106,8 @@ class Stragglers:
         parts = ", ".join(f"{name} {slow[k]:.3f}s" for k, name in PARTS.items())
         return (
             f"warning: straggler: process {p} on host {slow['host']} has been"
-            f" {found['step_time_max_over_median']:.1f}x slower than the median of the other processes for"
-            f" {STREAK} log intervals (steps {self.streak[0]}-{self.streak[-1]}, --logging.straggler_threshold"
-            f" {self.threshold:g}); its {PARTS[part]} is {found['excess_s']:.3f}s per step above theirs"
-            f" ({parts} per step): {_HINTS[part]}"
+            f" {found['step_time_max_over_median']:.1f}x slower than the median of the other"
+            f" processes for {STREAK} log intervals (steps {self.streak[0]}-{self.streak[-1]},"
+            f" --logging.straggler_threshold {self.threshold:g}); its {PARTS[part]} is"
+            f" {found['excess_s']:.3f}s per step above theirs ({parts} per step): {_HINTS[part]}"
         )

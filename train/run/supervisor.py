@@ -95,6 +95,37 @@ def _record(run_dir: str, restart: dict) -> None:
         storage.append_text(storage.join(run_dir, "restarts.jsonl"), json.dumps(restart) + "\n")
 
 
+def _note_restart(
+    run_dir: str, ckpt_dir: str, code: int, count: tuple, times: tuple, backoff_s: float
+) -> int:
+    """The restart `count` (this one, --max-restarts) after the child that ran over `times`
+    (started, ended) exited with `code`: a line on stderr and a record in restarts.jsonl -> the
+    logged steps it will redo (past the last checkpoint)."""
+    (restarts, max_restarts), (started, ended) = count, times
+    logged, saved = _last_logged_step(run_dir), _checkpoint_step(ckpt_dir)
+    lost = max(0, (logged or 0) - (saved or 0))
+    print(
+        f"supervisor: training {describe(code)} after {ended - started:.0f}s; restart"
+        f" {restarts}/{max_restarts} from"
+        f" {'step ' + str(saved) if saved is not None else 'scratch'} ({lost} logged"
+        " step(s) to redo)",
+        file=sys.stderr,
+        flush=True,
+    )
+    record = {
+        "restart": restarts,
+        "exit_code": code,
+        "reason": describe(code),
+        "exited_at": ended,
+        "last_logged_step": logged,
+        "checkpoint_step": saved,
+        "lost_steps": lost,
+        "backoff_s": backoff_s,
+    }
+    _record(run_dir, record)
+    return lost
+
+
 def supervise(
     argv: list[str],
     max_restarts: int,
@@ -124,7 +155,8 @@ def supervise(
             saved = _checkpoint_step(ckpt_dir) if restarts else None
             child = subprocess.Popen([*program, *child_argv(argv, fresh, saved)], env=env)
             print(
-                f"supervisor: training started (pid {child.pid}, restart {restarts}/{max_restarts})",
+                f"supervisor: training started (pid {child.pid}, restart"
+                f" {restarts}/{max_restarts})",
                 flush=True,
             )
             code = child.wait()
@@ -132,35 +164,15 @@ def supervise(
             if code in FINAL or stop["signal"] is not None or restarts >= max_restarts:
                 if code not in FINAL and stop["signal"] is None:
                     print(
-                        f"supervisor: training {describe(code)}; giving up after {restarts} restart(s)"
-                        f" (--max-restarts {max_restarts})",
+                        f"supervisor: training {describe(code)}; giving up after {restarts}"
+                        f" restart(s) (--max-restarts {max_restarts})",
                         file=sys.stderr,
                         flush=True,
                     )
                 break
             restarts += 1
-            logged, saved = _last_logged_step(run_dir), _checkpoint_step(ckpt_dir)
-            lost = max(0, (logged or 0) - (saved or 0))
-            lost_total += lost
-            print(
-                f"supervisor: training {describe(code)} after {ended - started:.0f}s; restart {restarts}/"
-                f"{max_restarts} from {'step ' + str(saved) if saved is not None else 'scratch'}"
-                f" ({lost} logged step(s) to redo)",
-                file=sys.stderr,
-                flush=True,
-            )
-            _record(
-                run_dir,
-                {
-                    "restart": restarts,
-                    "exit_code": code,
-                    "reason": describe(code),
-                    "exited_at": ended,
-                    "last_logged_step": logged,
-                    "checkpoint_step": saved,
-                    "lost_steps": lost,
-                    "backoff_s": backoff_s,
-                },
+            lost_total += _note_restart(
+                run_dir, ckpt_dir, code, (restarts, max_restarts), (started, ended), backoff_s
             )
             time.sleep(backoff_s)
     finally:
@@ -168,7 +180,8 @@ def supervise(
             signal.signal(s, h)
     if restarts:
         print(
-            f"supervisor: {restarts} restart(s), {lost_total} logged step(s) recomputed; exit status {code}",
+            f"supervisor: {restarts} restart(s), {lost_total} logged step(s) recomputed; exit"
+            f" status {code}",
             flush=True,
         )
     return code

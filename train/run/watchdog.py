@@ -66,7 +66,8 @@ def set_doing(what: str) -> None:
 
 
 def doing() -> str:
-    """What the main thread was last doing (set_doing, Watchdog.beat): for the line a failure ends with."""
+    """What the main thread was last doing (set_doing, Watchdog.beat): for the line a failure ends
+    with."""
     return _doing[0]
 
 
@@ -188,7 +189,8 @@ class PeerHeartbeat:
             PeerHeartbeat._running, self._owner = None, False
 
     def _read(self) -> dict[str, str] | None:
-        """Every brigade key in the coordination service (one request), or None if it does not answer."""
+        """Every brigade key in the coordination service (one request), or None if it does not
+        answer."""
         try:
             return dict(self.client.key_value_dir_get("brigade/"))
         except Exception:  # noqa: BLE001  (the service is gone, or shutting down)
@@ -209,7 +211,7 @@ class PeerHeartbeat:
             now, keys = time.monotonic(), self._read()
             if keys is not None:
                 answered = now
-                for p, (value, since) in changed.items():
+                for p, (value, _) in changed.items():
                     if keys.get(f"{_ALIVE}{p}") != value:
                         changed[p] = (keys.get(f"{_ALIVE}{p}"), now)
                 self._follow_final_error(keys)
@@ -228,9 +230,9 @@ class PeerHeartbeat:
         else:
             return
         end_process(
-            f"error: process {self.me}: {what} for {self.timeout_s:g}s (--parallelism.peer_timeout);"
-            f" last activity here: {_doing[0]}; exiting with status {PEER_LOST_EXIT}: restart every"
-            f" process to resume from the last checkpoint",
+            f"error: process {self.me}: {what} for {self.timeout_s:g}s"
+            f" (--parallelism.peer_timeout); last activity here: {_doing[0]}; exiting with status"
+            f" {PEER_LOST_EXIT}: restart every process to resume from the last checkpoint",
             PEER_LOST_EXIT,
         )
 
@@ -246,8 +248,8 @@ class PeerHeartbeat:
                     _wait_for_peers(self.client, self.me, self.n)
 
                 end_process(
-                    f"error: process {self.me}: stopping because process {key[len(_FINAL) :]} ended with"
-                    f" status {code}: {line.removeprefix('error: ')}",
+                    f"error: process {self.me}: stopping because process {key[len(_FINAL) :]}"
+                    f" ended with status {code}: {line.removeprefix('error: ')}",
                     int(code),
                     ack,
                 )
@@ -267,7 +269,8 @@ class PeerHeartbeat:
             if p != self.me and before.get(f"{_ALIVE}{p}") == after.get(f"{_ALIVE}{p}")
         ]
         return (
-            f"lost peer process(es) {', '.join(map(str, gone))} (no heartbeat for {3 * self.period_s:.0f}s)"
+            f"lost peer process(es) {', '.join(map(str, gone))} (no heartbeat for"
+            f" {3 * self.period_s:.0f}s)"
             if gone
             else ""
         )
