@@ -30,8 +30,6 @@ os.environ["XLA_FLAGS"] = (
 
 import numpy as np  # noqa: E402
 
-from train.core.setup import compile_step, create_state
-
 TRAIN_TOKENS_PER_S = (
     2428  # BENCHMARKS.md, the default run (`python -m train`): 16 x 128 tokens per 0.84 s step
 )
@@ -202,6 +200,7 @@ def train_wait(steps: int) -> None:
     import jax
 
     from train.core.config import build
+    from train.core.setup import compile_step, create_state
     from train.data.pipeline import make_pipeline
     from train.run.loop import Trainer
 

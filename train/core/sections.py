@@ -1,5 +1,5 @@
 """The smaller config sections, `profile`, `comm` and `lora`, with the policies that read them;
-train/core/config.py (the section table, flags and YAML) re-exports every name here."""
+train/core/config.py (the section table) re-exports the section classes."""
 
 from __future__ import annotations
 
