@@ -1,2 +1,1 @@
-"""Brigade's training: core/ (the step and its setup), run/ (the run around it), cli/ (the
-entry points), data/ (the tokens)."""
+"""Training: core/ (the step, its setup), run/ (the run around it), cli/ (entry points), data/."""

@@ -1,2 +1,1 @@
-"""The entry points: `python -m train [plan|report|eval|sample]`, `brigade ...` and the
-lm-evaluation-harness adapter; imported by nothing but each other and the `python -m` doorways."""
+"""Entry points: python -m train [plan|report|eval|sample], brigade, the lm-evaluation-harness."""

@@ -1,2 +1,1 @@
-"""The run around the step: the Trainer's loop, what it reports to (metrics, sinks, goodput,
-stragglers, watchdog), resume, the run directory, the supervisor and fault injection."""
+"""The run around the step: the Trainer's loop, what it reports to, resume, run dirs, faults."""
