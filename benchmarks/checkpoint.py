@@ -25,9 +25,9 @@ from checkpoint.manager import Checkpointer
 from mesh.build import make_mesh
 from mesh.rules import DEFAULT_RULES
 from models.config import ModelConfig
-from train import optim
-from train import state as train_state
-from train.config import TrainConfig
+from train.core import optim
+from train.core import state as train_state
+from train.core.config import TrainConfig
 
 
 def state_bytes(tree) -> int:

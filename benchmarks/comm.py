@@ -5,7 +5,7 @@ gradients.
     python benchmarks/comm.py                      # default model, mesh data=4,model=2
     python benchmarks/comm.py --model 125m --mesh data=8 --sizes 256K,4M --iters 5
 
-Part 1 is `python -m mesh.bench` over a few sizes. Part 2 compiles train.comm.sync_grads for
+Part 1 is `python -m mesh.bench` over a few sizes. Part 2 compiles train.core.comm.sync_grads for
 the model's parameter tree ([R, ...] per-replica gradients sharded over the data axis, the model
 axis sharding the weights by the logical-axis rules), parses the optimized HLO with plan.hlo and
 sums the wire bytes of the collectives over the data axis; it also times each sync (median of
@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mesh import bench
-from mesh.build import make_mesh
-from mesh.rules import axis_rules, logical_to_spec, make_rules
-from mesh.spec import mesh_text
-from models import model as model_lib
-from models.presets import preset
-from plan.hlo import parse_collectives, summarize
-from train import comm
+from mesh import bench  # noqa: E402
+from mesh.build import make_mesh  # noqa: E402
+from mesh.rules import axis_rules, logical_to_spec, make_rules  # noqa: E402
+from mesh.spec import mesh_text  # noqa: E402
+from models import model as model_lib  # noqa: E402
+from models.presets import preset  # noqa: E402
+from plan.hlo import parse_collectives, summarize  # noqa: E402
+from train.core import comm  # noqa: E402
 
 SETTINGS = (
     ("none (float32, XLA)", "none"),

@@ -7,17 +7,18 @@ import time
 
 import common  # sets XLA_FLAGS first; the peer shape (common.PEER)
 
-from train import state as train_state
-from train.config import build
-from train.loop import Trainer
+from train.core import state as train_state
+from train.core.config import build
+from train.core.setup import abstract_batch, compile_step
+from train.run.loop import Trainer
 
 
 def compile_seconds(layers: int, scan: bool) -> float:
     tr = Trainer(build({**common.PEER, "model.n_layers": layers, "model.scan_layers": scan}))
-    abstract = train_state.abstract(tr.model_cfg, tr.tx, tr.mesh, tr.rules)
-    batch = tr.abstract_batch()
+    abstract = train_state.abstract(tr.setup.model_cfg, tr.setup.tx, tr.setup.mesh, tr.setup.rules)
+    batch = abstract_batch(tr.setup)
     t0 = time.perf_counter()
-    tr.compile_step(abstract, batch)
+    compile_step(tr.setup, abstract, batch)
     return time.perf_counter() - t0
 
 

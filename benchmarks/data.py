@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     from mesh.build import make_mesh
-    from train.config import DataConfig
+    from train.core.config import DataConfig
     from train.data.pipeline import make_pipeline
 
     work = tempfile.mkdtemp(prefix="brigade-data-bench-")
@@ -205,9 +205,10 @@ def train_wait(steps: int) -> None:
     """The default run's model and shapes on 1 device, fed by the pipeline's prefetch thread."""
     import jax
 
-    from train.config import build
+    from train.core.config import build
+    from train.core.setup import compile_step, create_state
     from train.data.pipeline import make_pipeline
-    from train.loop import Trainer
+    from train.run.loop import Trainer
 
     cfg = build({"train.steps": steps, "logging.progress": False})
     tr = Trainer(cfg, devices=jax.devices()[:1])
@@ -217,12 +218,12 @@ def train_wait(steps: int) -> None:
         batch_size=t.batch_size,
         seq_len=t.seq_len,
         seed=t.seed,
-        batch_sharding=tr.batch_sharding,
-        vocab_size=tr.model_cfg.vocab_size,
+        batch_sharding=tr.setup.batch_sharding,
+        vocab_size=tr.setup.model_cfg.vocab_size,
     )
-    state = tr.create_state()
+    state = create_state(tr.setup)
     batch, _ = pipe.next()
-    step_fn = tr.compile_step(state, batch)
+    step_fn = compile_step(tr.setup, state, batch)
     waits = []
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -14,8 +14,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build  # noqa: E402
+from train.run.loop import Trainer  # noqa: E402
 
 
 def step_time(dtype: str, steps: int) -> float:

@@ -29,9 +29,10 @@ import numpy as np
 
 from mesh.rules import axis_rules
 from plan.report import analyze
-from train import lora
-from train.config import build
-from train.loop import Trainer
+from train.core import lora
+from train.core.config import build
+from train.core.setup import compile_step, create_state
+from train.run.loop import Trainer
 
 # the layers unrolled (scan_layers false): XLA's cost analysis counts a loop body once, so only then
 # are the compiled FLOPs every layer's
@@ -59,7 +60,7 @@ class Mode:
         self.name, self.times, self.cpu_times = name, [], []
         self.tr = Trainer(build({**SHAPE, **over, "logging.run_dir": run_dir}))
         cfg = self.tr.cfg
-        self.state = self.tr.create_state()
+        self.state = create_state(self.tr.setup)
         tok = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 129)).astype(np.int32)
         self.batch = jax.device_put(
             {
@@ -67,17 +68,13 @@ class Mode:
                 "targets": tok[:, 1:],
                 "weights": np.ones((8, 128), np.float32),
             },
-            self.tr.batch_sharding,
+            self.tr.setup.batch_sharding,
         )
-        self.base = ()
+        self.base, s = (), self.tr.setup
         if lora.enabled(cfg.lora):  # a random base: --lora.allow_random_base
-            self.base = (
-                lora.load_base(cfg, self.tr.mesh, self.tr.rules, self.tr.setup.base_shardings, {})[
-                    0
-                ],
-            )
+            self.base = (lora.load_base(cfg, s.mesh, s.rules, s.base_shardings, {})[0],)
         t0 = time.perf_counter()
-        self.fn = self.tr.compile_step(self.state, self.batch)
+        self.fn = compile_step(self.tr.setup, self.state, self.batch)
         self.compile_s = time.perf_counter() - t0
         self.measured = self.fn.memory_analysis()
         report = analyze(self.tr.setup)
@@ -85,7 +82,7 @@ class Mode:
 
     def run(self, steps: int) -> None:
         """One untimed step, then `steps` timed ones (each to a host sync of its loss)."""
-        with jax.set_mesh(self.tr.mesh), axis_rules(self.tr.rules):
+        with jax.set_mesh(self.tr.setup.mesh), axis_rules(self.tr.setup.rules):
             for i in range(steps + 1):
                 t0, c0 = time.perf_counter(), time.process_time()
                 self.state, m = self.fn(self.state, self.batch, *self.base)

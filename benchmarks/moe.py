@@ -32,8 +32,9 @@ from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import moe
 from models.presets import PRESETS
 from plan.report import analyze
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.core.setup import compile_step, create_state
+from train.run.loop import Trainer
 
 
 def _time(fn, *args, reps: int) -> float:
@@ -118,20 +119,20 @@ def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "
                         }
                     )
                 )
-                state = tr.create_state()
+                state = create_state(tr.setup)
                 batch = jax.device_put(
                     {
                         "inputs": tok[:, :-1],
                         "targets": tok[:, 1:],
                         "weights": np.ones((16, 128), np.float32),
                     },
-                    tr.batch_sharding,
+                    tr.setup.batch_sharding,
                 )
                 t0 = time.perf_counter()
-                fn = tr.compile_step(state, batch)
+                fn = compile_step(tr.setup, state, batch)
                 compile_s = time.perf_counter() - t0
                 times = []
-                with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+                with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
                     for _ in range(n_steps):
                         t0 = time.perf_counter()
                         state, m = fn(state, batch)

@@ -15,8 +15,8 @@ import optax
 
 from mesh.rules import axis_rules
 from models import model as model_lib
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 
 def framework(overrides: dict, steps: int) -> float:
@@ -32,16 +32,16 @@ def hand_written(overrides: dict, steps: int) -> float:
     """What an expert would write by hand: the same model function, optimizer and shardings (params
     and optimizer state sharded alike), a bare loss, jit with donation, no loop machinery."""
     tr = Trainer(build({**overrides, "train.steps": steps}))
-    cfg, t, tx = tr.model_cfg, tr.cfg.train, tr.tx
-    sh = tr.state_shardings
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+    cfg, t, tx = tr.setup.model_cfg, tr.cfg.train, tr.setup.tx
+    sh = tr.setup.state_shardings
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
         params = jax.jit(lambda k: model_lib.init(cfg, k), out_shardings=sh.params)(
             jax.random.key(0)
         )
         opt = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
         tokens = jax.device_put(
             jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, 256),
-            tr.batch_sharding,
+            tr.setup.batch_sharding,
         )
 
         def step(params, opt, tokens):
@@ -55,7 +55,7 @@ def hand_written(overrides: dict, steps: int) -> float:
 
         f = jax.jit(
             step,
-            in_shardings=(sh.params, sh.opt_state, tr.batch_sharding),
+            in_shardings=(sh.params, sh.opt_state, tr.setup.batch_sharding),
             out_shardings=(sh.params, sh.opt_state, None),
             donate_argnums=(0, 1),
         )

@@ -22,10 +22,10 @@ import jax
 
 from mesh.build import make_mesh
 from mesh.rules import axis_rules
-from train import state as train_state
-from train.config import build
+from train.core import state as train_state
+from train.core.config import build
+from train.core.setup import jit_step, setup
 from train.data import make_pipeline
-from train.setup import jit_step, setup
 
 KINDS = (
     ("collectives", r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"),

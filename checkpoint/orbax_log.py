@@ -9,7 +9,7 @@ run directory, every error record of Orbax's goes to `<run-dir>/orbax-errors.txt
 screen, and a final error line names that file when it holds this run's records.
 
 A run directory the run has not started in yet (no config.json: it may still be taken back,
-train/startup.py) gets the records when the run ends; if it is gone by then (a refused run),
+train/run/startup.py) gets the records when the run ends; if it is gone by then (a refused run),
 they go to the system's temporary directory, and the line names that file instead. Outside a
 run (inspect, export) the records go where they always went.
 """

@@ -10,13 +10,13 @@ A checkpoint directory a run saves into holds RECORD, written by the run at each
 
 A record is about the directory it was written in (`directory`): one found elsewhere (the
 directory, or the run directory around it, was copied or moved) describes the original, and
-train/ownership.py takes it for a copy.
+train/run/ownership.py takes it for a copy.
 
 A step that is not in `written` (another run's, a step saved before the record existed in a
 directory outside the run's own, a step of the run this one adopted the directory from) is
 never deleted by retention: at worst a directory keeps more steps than --checkpoint.keep says,
 never fewer than the run that wrote them expects. Which run may save into which directory is
-train/ownership.py's decision; this module only keeps the record and applies it.
+train/run/ownership.py's decision; this module only keeps the record and applies it.
 """
 
 from __future__ import annotations

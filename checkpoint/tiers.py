@@ -10,7 +10,7 @@ A step is saved to one tier: the persistent one when both are due.
 A process's copy holds only the shards of the mesh it was saved on, so it restores only onto
 that mesh, laid out on the same devices in the same processes: its meta records the layout
 (`meta.local`), and a step saved on another layout is never read (reading it would fill the
-shards it lacks with zeros). Resume (train/resume.py) takes the newest step that every process
+shards it lacks with zeros). Resume (train/run/resume.py) takes the newest step that every process
 holds intact locally when it is newer than the persistent tier's newest, and the persistent tier
 otherwise; the processes decide that together, so that they all resume from one step. With
 several processes each also keeps the copy of the process before it (checkpoint/peer_copy.py), so

@@ -85,8 +85,8 @@ def experts(
     if not named:
         return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
     # Real axes that no spec names are those a vmap with spmd_axis_name may add (data-parallel
-    # micro-batches in train/step.py, which drop them from the batch rule). jax 0.10 adds them to
-    # the specs but not to the manual set, so they are made manual here; and it batches scan/cond
+    # micro-batches in train/core/step.py, which drop them from the batch rule). jax 0.10 adds them
+    # to the specs but not to the manual set, so they are made manual here; and it batches scan/cond
     # bodies without their vma (batching._batch_jaxpr_axes), which the vma check rejects, so the
     # check is off then (the collectives here are all over named, varying axes: their transposes
     # stay exact, tests/test_moe.py checks the gradients).

@@ -47,11 +47,11 @@ def gmm_sorted(xs_RD, sizes_X, wg_XDF, wu_XDF, wd_XFD):
 
 
 def batched_like(x_RD, *ws):
-    """Under a vmap (data-parallel micro-batches, train/step.py) jax 0.10 batches ragged_dot only
-    when every operand is batched; adding a zero computed from the rows makes the weights follow
-    the rows' batching (the group sizes come from the routing, already batched). That dim is sharded
-    over the data axes, so each device still holds one copy. Only used under that vmap: elsewhere
-    the adds would cost a pass over the weights."""
+    """Under a vmap (data-parallel micro-batches, train/core/step.py) jax 0.10 batches ragged_dot
+    only when every operand is batched; adding a zero computed from the rows makes the weights
+    follow the rows' batching (the group sizes come from the routing, already batched). That dim is
+    sharded over the data axes, so each device still holds one copy. Only used under that vmap:
+    elsewhere the adds would cost a pass over the weights."""
     v = x_RD.reshape(-1)[0]
     zero = jnp.where(jnp.isfinite(v), v, 0) * 0  # 0 even for an inf/NaN row
     return tuple(w + zero.astype(w.dtype) for w in ws)

@@ -57,7 +57,7 @@ def layers_per_group(cfg: ModelConfig) -> int:
 @dataclasses.dataclass(frozen=True)
 class DecoderPieces:
     """The decoder's pieces for one config; the graph definitions are the modules' (nnx.split).
-    `token_loss(logits_BTV, batch) -> loss_BT`: a custom per-token loss (train/step.py
+    `token_loss(logits_BTV, batch) -> loss_BT`: a custom per-token loss (train/core/batch_loss.py
     token_losses); None: cross-entropy against batch["targets"], which the head may chunk."""
 
     cfg: ModelConfig

@@ -1,7 +1,6 @@
-"""Models besides the built-in decoder, by name:
-`models.register(name, init, apply, param_axes, ...)` once, then `--model NAME` (or
-`train.config.build({"model.preset": NAME})`) trains it on any mesh, and `plan`, checkpoints and
-`sample` use it, with no other change.
+"""Models besides the built-in decoder, by name: `models.register(name, init, apply, param_axes,
+...)` once, then `--model NAME` (or `train.core.config.build({"model.preset": NAME})`) trains it on
+any mesh, and `plan`, checkpoints and `sample` use it, with no other change.
 
 A registered model keeps the decoder's contract (models/model.py), every function taking the
 run's model config first:

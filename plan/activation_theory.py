@@ -14,7 +14,7 @@ from mesh.shard import axes_size, spec_axes
 from models.attention import fused_qkv
 from models.moe_dispatch import exchange_for
 from plan.run_spec import RunSpec, axes_key, tokens_per_device, vocab_parallel_axes
-from train.shapes import seq_shards
+from train.core.shapes import seq_shards
 
 
 def vocab_parallel_theory(run: RunSpec) -> dict:

@@ -32,8 +32,8 @@ from plan.render import (
 )
 from plan.report import analyze, memory_traffic
 from plan.schedules import compare_schedules
-from train.config import build, make_parser
-from train.setup import setup
+from train.core.config import build, make_parser
+from train.core.setup import setup
 
 # `--search N` enumerates every ordered factorisation of N over the mesh axes, then prices those the
 # model allows: ~70 us a candidate to reject, 20-40 ms one to price (70b, --batch-size N, one busy
@@ -103,7 +103,7 @@ def add_args(parser) -> None:
 
 
 def make_plan_parser():
-    """The run's flags (train/config.py) and plan's own."""
+    """The run's flags (train/core/config.py) and plan's own."""
     parser = make_parser(
         "python -m train plan",
         "Compile the train step ahead of time and report memory,"

@@ -25,9 +25,9 @@ from plan.activation_memory import activation_bytes, attention_on
 from plan.hardware import Hardware
 from plan.run_spec import RunSpec, abstract_mesh
 from plan.theory import theory
-from train import optim
-from train.config import CommConfig, TrainConfig
-from train.shapes import batch_shards, seq_shards, validate_run
+from train.core import optim
+from train.core.config import CommConfig, TrainConfig
+from train.core.shapes import batch_shards, seq_shards, validate_run
 
 
 @functools.lru_cache(maxsize=16)

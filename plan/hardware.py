@@ -61,9 +61,7 @@ class Hardware:
 
 
 def _table() -> dict[str, Hardware]:
-    from train.metrics import (
-        PEAK_TFLOPS,  # the loop's MFU table: one source for peak FLOP/s
-    )
+    from mesh.devices import PEAK_TFLOPS  # the loop's MFU table: one source for peak FLOP/s
 
     return {
         # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 67 FP32,
@@ -132,7 +130,7 @@ PROFILES = ("h100", "h200", "a100", "tpu-v5p", "cpu")
 @functools.lru_cache(maxsize=2)
 def measured_memory_bw(n_bytes: int = 64 * 2**20, seconds: float = 0.3) -> float:
     """Bytes accessed per second (reads + writes, XLA cost analysis's unit) of this host's memory,
-    the roofline's memory ceiling, measured the way train.metrics measures the matmul ceiling: an
+    the roofline's memory ceiling, measured the way mesh.devices measures the matmul ceiling: an
     XLA elementwise op streaming a large array split over every local device at once (fake CPU
     devices run side by side and share the bus, as they do in the train step)."""
     import jax
@@ -179,7 +177,7 @@ def cpu_profile(n_devices: int, dtype: str = "float32") -> Hardware:
     memory traffic with compute."""
     import os
 
-    from train.metrics import measured_host_flops
+    from mesh.devices import measured_host_flops
 
     flops = measured_host_flops(dtype)
     bw = measured_copy_bw()

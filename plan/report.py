@@ -21,9 +21,9 @@ from models.pieces import layers_per_group
 from plan.hlo import KINDS, parse_collectives, summarize
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
-from train import lora
-from train.setup import RunSetup, abstract_batch, abstract_state, compile_step, setup
-from train.shapes import batch_shards
+from train.core import lora
+from train.core.setup import RunSetup, abstract_batch, abstract_state, compile_step, setup
+from train.core.shapes import batch_shards
 
 
 def sharding_table(abstract_params) -> list[dict]:
@@ -90,8 +90,15 @@ def _cost_analysis(compiled) -> dict | None:
 
 
 def analyze(s: RunSetup) -> dict:
-    """Compile the step of the run `s` (train.setup.setup) and return the full report as a dict."""
-    expect("analyze", "s", s, RunSetup, "a RunSetup: train.setup.setup(cfg, mesh) or trainer.setup")
+    """Compile the step of the run `s` (train.core.setup.setup) and return the full report as a
+    dict."""
+    expect(
+        "analyze",
+        "s",
+        s,
+        RunSetup,
+        "a RunSetup: train.core.setup.setup(cfg, mesh) or trainer.setup",
+    )
     cfg, t, m = s.cfg, s.cfg.train, s.cfg.model
     state = abstract_state(s)
     compiled = compile_step(s, state, abstract_batch(s))

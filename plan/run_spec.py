@@ -16,11 +16,11 @@ from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, spec_axes
 from mesh.spec import AXES
 from models.config import ModelConfig, PipelineConfig
-from train.config import CommConfig, TrainConfig
-from train.shapes import batch_shards, seq_shards
+from train.core.config import CommConfig, TrainConfig
+from train.core.shapes import batch_shards, seq_shards
 
 if TYPE_CHECKING:
-    from train.setup import RunSetup
+    from train.core.setup import RunSetup
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ from models.pipeline import TIMETABLES, bubble_counted, schedule_bubble, timetab
 from plan.estimate import check, evaluate, with_batch
 from plan.hardware import Hardware
 from plan.run_spec import abstract_mesh, rows_per_shard
-from train.config import TrainConfig
-from train.shapes import batch_shards, validate_batch
+from train.core.config import TrainConfig
+from train.core.shapes import batch_shards, validate_batch
 
 
 def pipeline_choices(

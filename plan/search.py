@@ -23,8 +23,8 @@ from plan.estimate import check, evaluate, with_batch
 from plan.hardware import Hardware
 from plan.run_spec import abstract_mesh
 from plan.schedules import pipeline_choices, schedule_choices
-from train.config import TrainConfig
-from train.shapes import batch_shards
+from train.core.config import TrainConfig
+from train.core.shapes import batch_shards
 
 
 def factorizations(n: int, n_axes: int = len(AXES)) -> list[tuple[int, ...]]:

@@ -18,11 +18,12 @@ import jax
 import numpy as np
 
 from mesh.rules import axis_rules
-from train import comm
-from train.config import build
-from train.loop import Trainer
-from train.state import TrainState
-from train.step import grads_loss_stats
+from train.core import comm
+from train.core.config import build
+from train.core.setup import create_state, jit_step
+from train.core.state import TrainState
+from train.core.step import grads_loss_stats
+from train.run.loop import Trainer
 
 BATCH, SEQ = 8, 32
 WARMUP, COMPARED = 2, 3  # steps run before the comparison starts, steps compared after it
@@ -103,16 +104,20 @@ def synthetic_batches(vocab: int, n: int = WARMUP + COMPARED, seed: int = 0) -> 
 
 def initial_params(tr: Trainer):
     """The seed's initial parameters, on the host (one sharded-init compile per model config)."""
-    return jax.device_get(tr.create_state().params)
+    return jax.device_get(create_state(tr.setup).params)
 
 
 def initial_state(tr: Trainer, params) -> TrainState:
     """A fresh state around host `params`, placed on the trainer's shardings: every mesh starts
     from the same bits without compiling its own init."""
-    state = TrainState(step=np.zeros((), np.int32), params=params, opt_state=tr.tx.init(params))
-    if tr.sync.error_feedback:
-        state = state.replace(residual=comm.init_residual(params, tr.sync.replicas(tr.mesh)))
-    return jax.device_put(state, tr.state_shardings)
+    state = TrainState(
+        step=np.zeros((), np.int32), params=params, opt_state=tr.setup.tx.init(params)
+    )
+    if tr.setup.sync.error_feedback:
+        state = state.replace(
+            residual=comm.init_residual(params, tr.setup.sync.replicas(tr.setup.mesh))
+        )
+    return jax.device_put(state, tr.setup.state_shardings)
 
 
 def run_steps(tr: Trainer, batches: list[dict], params0) -> dict:
@@ -121,14 +126,14 @@ def run_steps(tr: Trainer, batches: list[dict], params0) -> dict:
     host, fetched before the next step donates the state)."""
     state = initial_state(tr, params0)
     out = {"params0": jax.device_get(state.params), "metrics": [], "params": []}
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
         step = (
-            tr.jit_step()
-            .lower(state, jax.device_put(batches[0], tr.batch_sharding))
+            jit_step(tr.setup)
+            .lower(state, jax.device_put(batches[0], tr.setup.batch_sharding))
             .compile(COMPARISON_COMPILE)
         )
         for b in batches:
-            state, m = step(state, jax.device_put(b, tr.batch_sharding))
+            state, m = step(state, jax.device_put(b, tr.setup.batch_sharding))
             out["metrics"].append(jax.device_get(m))
             out["params"].append(jax.device_get(state.params))
     out["state"] = state
@@ -137,29 +142,36 @@ def run_steps(tr: Trainer, batches: list[dict], params0) -> dict:
 
 def gradients(tr: Trainer, params, batch: dict):
     """(mean loss, gradient pytree) of the objective the train step differentiates (cross-entropy
-    + MoE balance losses), through train.step.grads_loss_stats on the trainer's mesh with its
+    + MoE balance losses), through train.core.step.grads_loss_stats on the trainer's mesh with its
     micro-batches, data-parallel axes and pipeline schedule; gradients laid out like the params."""
     t = tr.cfg.train
     fn = functools.partial(
         grads_loss_stats,
-        tr.model_cfg,
+        tr.setup.model_cfg,
         micro_batches=t.micro_batches,
-        dp_axes=tr.dp_axes(),
+        dp_axes=tr.setup.dp_axes,
         pipeline=tr.cfg.pipeline,
     )
-    param_sh = tr.state_shardings.params
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        args = jax.device_put(params, param_sh), jax.device_put(batch, tr.batch_sharding)
+    param_sh = tr.setup.state_shardings.params
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+        args = jax.device_put(params, param_sh), jax.device_put(batch, tr.setup.batch_sharding)
         loss, grads, _ = (
             jax.jit(
                 lambda p, b: fn(p, b),
-                in_shardings=(param_sh, tr.batch_sharding),
+                in_shardings=(param_sh, tr.setup.batch_sharding),
                 out_shardings=(None, param_sh, None),
             )
             .lower(*args)
             .compile(COMPARISON_COMPILE)(*args)
         )
     return float(loss), jax.device_get(grads)
+
+
+def grads_and_loss(cfg, params, batch, micro_batches: int, dp_axes: tuple[str, ...] = ()):
+    """The mean loss over all tokens and its gradient: train.core.step.grads_loss_stats without
+    its statistics."""
+    loss, grads, _ = grads_loss_stats(cfg, params, batch, micro_batches, dp_axes)
+    return loss, grads
 
 
 def assert_trees_close(

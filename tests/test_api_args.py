@@ -14,9 +14,9 @@ from mesh.spec import mesh_text
 from models import model
 from models.sample import generate
 from plan.report import analyze
-from train.config import build, from_args
-from train.loop import Trainer
-from train.setup import setup
+from train.core.config import build, from_args
+from train.core.setup import setup
+from train.run.loop import Trainer
 
 CFG = build({"model.preset": "tiny"})
 
@@ -26,8 +26,8 @@ def _init(cfg, key):
 
 
 CASES = [
-    (lambda: Trainer({"model.preset": "tiny"}), "Trainer: cfg must be a train.config.Config"),
-    (lambda: Trainer("tiny"), "Trainer: cfg must be a train.config.Config"),
+    (lambda: Trainer({"model.preset": "tiny"}), "Trainer: cfg must be a train.core.config.Config"),
+    (lambda: Trainer("tiny"), "Trainer: cfg must be a train.core.config.Config"),
     (lambda: Trainer(CFG, mesh="data=8"), "Trainer: mesh= must be a jax Mesh"),
     (lambda: Trainer(CFG, on_log=5), "Trainer: on_log= must be a function (or None), got int 5"),
     (lambda: Trainer(CFG, data="runs/data"), "Trainer: data= must be an iterable of batch dicts"),
@@ -49,7 +49,10 @@ CASES = [
     ),
     (lambda: build(None, 5), "build: yaml_path must be a YAML file's path (or a list), got int"),
     (lambda: from_args("--model tiny"), "from_args: argv must be a list of arguments"),
-    (lambda: setup({"model.preset": "tiny"}, make_mesh()), "setup: cfg must be a train.config"),
+    (
+        lambda: setup({"model.preset": "tiny"}, make_mesh()),
+        "setup: cfg must be a train.core.config",
+    ),
     (lambda: setup(CFG, "data=8"), "setup: mesh must be a jax Mesh"),
     (lambda: analyze(CFG), "analyze: s must be a RunSetup"),
     (lambda: model.init({"d_model": 8}, jax.random.key(0)), "models.model: cfg must be a Model"),

@@ -23,8 +23,10 @@ from cpu_env import cpu_env
 from checkpoint.manager import Checkpointer, open_checkpoint
 from checkpoint.owner import RECORD
 from errors import UserError
-from train.config import build, from_args
-from train.loop import Trainer
+from train.core.config import build, from_args
+from train.core.setup import abstract_state
+from train.run import resume
+from train.run.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8, PYTHONUNBUFFERED="1")
@@ -113,11 +115,11 @@ def test_resharding_restore(straight, tmp_path, mesh, n_devices):
     )
     # The restore reads into the new shardings directly: every array arrives with its target
     # sharding, and each device holds only its own shard.
-    state, meta = tr.restore(*open_checkpoint(step4))
+    state, meta = resume.restore(tr.setup, abstract_state(tr.setup), *open_checkpoint(step4))
     assert (
         meta["mesh"]["data"] == 4 and meta["mesh"]["model"] == 2 and meta["data"]["next_step"] == 4
     )
-    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(tr.state_shardings)):
+    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(tr.setup.state_shardings)):
         assert x.sharding == sh and len(x.sharding.device_set) == n_devices
     wq = state.params["blocks"]["attn"]["wq_DNH"]  # [L, D, N, H], D sharded over fsdp
     assert wq.addressable_shards[0].data.shape == (2, 64 // n_devices, 4, 16)
@@ -375,16 +377,16 @@ def test_init_from_params_on_another_mesh(straight, tmp_path):
             **{"parallelism.mesh": "fsdp=4,model=2", "checkpoint.init_from": exported},
         )
     )
-    state, note = tr.init_from(exported)
+    state, note = resume.init_from(tr.setup, abstract_state(tr.setup).params, exported)
     assert int(state.step) == 0 and "fresh optimizer" in note
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.params, saved)
     wq = state.params["blocks"]["attn"]["wq_DNH"]
-    assert wq.sharding.spec == tr.state_shardings.params["blocks"]["attn"]["wq_DNH"].spec
+    assert wq.sharding.spec == tr.setup.state_shardings.params["blocks"]["attn"]["wq_DNH"].spec
     other = Trainer(make_cfg(tmp_path / "other", **{"model.d_ff": 128}))
     with pytest.raises(
         UserError, match=r"does not match this model config .*w_up_DF: checkpoint \(2, 64, 192\) vs"
     ):
-        other.init_from(exported)
+        resume.init_from(other.setup, abstract_state(other.setup).params, exported)
 
 
 def test_profile_steps_writes_a_trace(tmp_path):
@@ -461,4 +463,5 @@ def test_resume_converts_between_sync_layouts(straight, tmp_path):
         match=r"checkpoints/4 was written with --comm.compression none --comm.error_feedback"
         r" auto --comm.sync_every 1: DiLoCo's train state .* does not convert",
     ):
-        diloco.resume_point(Checkpointer(str(tmp_path / "d" / "checkpoints")))
+        saver = Checkpointer(str(tmp_path / "d" / "checkpoints"))
+        resume.resume_point(diloco.setup, abstract_state(diloco.setup), saver)

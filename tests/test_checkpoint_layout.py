@@ -18,7 +18,7 @@ from checkpoint.layout import (
 )
 from checkpoint.manager import Checkpointer
 from errors import UserError
-from train.config import build
+from train.core.config import build
 
 
 def _params_only(tmp_path, **meta_changes) -> Checkpointer:
@@ -92,7 +92,7 @@ def test_lora_adapters_and_whole_models_given_for_each_other_say_so(tmp_path):
     import jax
 
     from models import model
-    from train import lora
+    from train.core import lora
 
     lora_cfg = build(
         {

@@ -1,4 +1,4 @@
-"""A checkpoint directory is its run's own (checkpoint/owner.py, train/ownership.py): another
+"""A checkpoint directory is its run's own (checkpoint/owner.py, train/run/ownership.py): another
 run's is refused in one line unless adopted (--checkpoint.adopt true), and retention
 (--checkpoint.keep) deletes only the steps the saving run wrote, never another run's."""
 
@@ -13,10 +13,10 @@ from data_files import file_hashes as listing
 from checkpoint.manager import Checkpointer
 from checkpoint.owner import RECORD, read_record
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
-from train.ownership import checkpoint_owner
-from train.rundir import MARKER
+from train.core.config import build
+from train.run.loop import Trainer
+from train.run.ownership import checkpoint_owner
+from train.run.rundir import MARKER
 
 
 def _steps(directory) -> list[int]:

@@ -327,8 +327,8 @@ def test_orbax_error_records_go_to_a_file_the_line_names(saved, tmp_path, caplog
     line names the file that holds them (a refused run's directory is taken back: the system's
     temporary directory then)."""
     from errors import UserError
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     ck = copy(saved, tmp_path)
     (ck / "4" / "_CHECKPOINT_METADATA").write_text("garbage{{")
@@ -354,8 +354,8 @@ def test_orbax_error_records_go_to_a_file_the_line_names(saved, tmp_path, caplog
 
 @pytest.mark.slow
 def test_damaged_metadata_in_real_runs(tmp_path):
-    from train.config import from_args
-    from train.loop import Trainer
+    from train.core.config import from_args
+    from train.run.loop import Trainer
 
     trained = tmp_path / "trained"
     cfg, _ = from_args([*TRAIN, "--steps", "4", "--run-dir", str(trained)])

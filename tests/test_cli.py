@@ -12,7 +12,7 @@ import pytest
 from cpu_env import cpu_env
 
 from errors import UserError
-from train.config import build, from_args
+from train.core.config import build, from_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8)
@@ -173,7 +173,7 @@ REAL_PROCESS = ("unknown-axis", "bad-yaml")
 
 
 def _in_process(args, capfd) -> tuple[int, str, str]:
-    from train.__main__ import main
+    from train.cli.main import main
 
     capfd.readouterr()
     try:

@@ -9,15 +9,15 @@ import pytest
 
 from errors import ArgParser, UserError, number
 from plan.__main__ import main as plan_main
-from train.config import SECTIONS, build
-from train.config import make_parser as train_parser
+from train.core.config import SECTIONS, build
+from train.core.config import make_parser as train_parser
 
 # every command's parser and the positional arguments it needs to parse
 COMMANDS = {
     "train": (train_parser, []),
     "plan": ("plan.cli:make_plan_parser", []),
-    "eval": ("train.evaluate:make_eval_parser", ["CKPT", "--data", "D"]),
-    "sample": ("train.sample_cli:make_sample_parser", ["CKPT", "--prompt", "x"]),
+    "eval": ("train.cli.evaluate:make_eval_parser", ["CKPT", "--data", "D"]),
+    "sample": ("train.cli.sample:make_sample_parser", ["CKPT", "--prompt", "x"]),
     "prepare": ("train.data.prepare:make_parser", ["IN", "--out", "OUT"]),
     "checkpoint": ("checkpoint.__main__:_parser", ["inspect", "P"]),
     "mesh.bench": ("mesh.bench:make_parser", []),

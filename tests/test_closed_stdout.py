@@ -14,7 +14,7 @@ from cpu_env import cpu_env
 from checkpoint.__main__ import main as checkpoint_main
 from checkpoint.manager import Checkpointer
 from errors import QuietWhenClosed
-from train.console import main as console_main
+from train.cli.console import main as console_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

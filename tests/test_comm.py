@@ -1,4 +1,4 @@
-"""train/comm.py on 8 fake devices (data=4 replicas x model=2): gradient sync strategies, error
+"""train/core/comm.py on 8 fake devices (data=4 replicas x model=2): gradient sync strategies, error
 feedback, HLO bytes, a small convergence check, and DiLoCo's outer step."""
 
 import jax
@@ -12,10 +12,16 @@ from jax.sharding import PartitionSpec as P
 from errors import UserError
 from mesh.build import make_mesh
 from plan.hlo import parse_collectives, summarize
-from train import comm
+from train.core import comm
+from train.core.sections import CommConfig
 
 R, DP = 4, ("data",)
 SPECS = {"w": P(None, "model"), "b": P()}  # two sharding groups: model-sharded and replicated
+
+
+def replica_specs(param_specs, dp_axes: tuple[str, ...]):
+    """The PartitionSpecs of per-replica [R, ...] arrays of parameters sharded `param_specs`."""
+    return jax.tree.map(lambda s: comm.replica_spec(s, dp_axes), param_specs)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +61,12 @@ def sync(mesh, compression, g, res, run=True, **kw):
 def test_none_is_the_plain_mean(mesh):
     g = grads_R()
     res = put(
-        mesh, comm.init_residual({"w": g["w"][0], "b": g["b"][0]}, R), comm.replica_specs(SPECS, DP)
+        mesh, comm.init_residual({"w": g["w"][0], "b": g["b"][0]}, R), replica_specs(SPECS, DP)
     )
     (out, res2), _ = sync(
         mesh,
         "none",
-        put(mesh, {k: v / R for k, v in g.items()}, comm.replica_specs(SPECS, DP)),
+        put(mesh, {k: v / R for k, v in g.items()}, replica_specs(SPECS, DP)),
         res,
     )
     for k in g:
@@ -75,8 +81,8 @@ def test_sync_shapes_shardings_and_conservation(mesh, compression):
     (out, res2), _ = sync(
         mesh,
         compression,
-        put(mesh, g, comm.replica_specs(SPECS, DP)),
-        put(mesh, r, comm.replica_specs(SPECS, DP)),
+        put(mesh, g, replica_specs(SPECS, DP)),
+        put(mesh, r, replica_specs(SPECS, DP)),
         topk_fraction=0.05,
     )
     for k in g:
@@ -99,7 +105,7 @@ def test_error_feedback_sends_everything_eventually(mesh):
     """A constant gradient, top-k 5%: with error feedback the running mean of what was sent
     converges to the true sum; without it, most coordinates are never sent."""
     g_np = grads_R(3)
-    g = put(mesh, g_np, comm.replica_specs(SPECS, DP))
+    g = put(mesh, g_np, replica_specs(SPECS, DP))
     exact = {k: v.sum(0) for k, v in g_np.items()}
 
     def run(ef, steps=80):
@@ -118,7 +124,7 @@ def test_error_feedback_sends_everything_eventually(mesh):
                 put(
                     mesh,
                     {k: np.zeros_like(v) for k, v in g_np.items()},
-                    comm.replica_specs(SPECS, DP),
+                    replica_specs(SPECS, DP),
                 )
                 if ef
                 else None
@@ -150,7 +156,7 @@ def test_error_feedback_sends_everything_eventually(mesh):
 
 def test_int8_sync_bytes_from_hlo(mesh):
     """The issue's target: int8 sync moves >= 3.5x fewer bytes than the float32 (XLA) sync."""
-    g = put(mesh, grads_R(0, d_in=256, d_out=16), comm.replica_specs(SPECS, DP))
+    g = put(mesh, grads_R(0, d_in=256, d_out=16), replica_specs(SPECS, DP))
     wire = {}
     for c in ("none", "int8", "int4", "topk"):
         _, text = sync(mesh, c, g, None, run=False, topk_fraction=0.01)
@@ -183,7 +189,7 @@ def test_convergence_int8_topk_error_feedback(mesh):
                 {"w": np.zeros((d_in, d_out), np.float32), "b": np.zeros((d_out,), np.float32)},
                 SPECS,
             )
-            r0 = put(mesh, comm.init_residual(p0, R), comm.replica_specs(SPECS, DP)) if ef else None
+            r0 = put(mesh, comm.init_residual(p0, R), replica_specs(SPECS, DP)) if ef else None
             xs, ys = put(mesh, (x, y), (P("data"), P("data")))
 
             def body(carry, t):
@@ -236,8 +242,8 @@ def _diloco(mesh, p0, batch, grad_fn, tx, outer_tx, h, rounds):
     with jax.set_mesh(mesh):
         p0 = put(mesh, p0, SPECS)
         batch = put(mesh, batch, (P("data"), P("data")))
-        outer = comm.init_outer_state(p0, outer_tx)
-        drift = put(mesh, comm.init_drift(p0, R), comm.replica_specs(SPECS, DP))
+        outer = comm.OuterState(params=p0, opt_state=outer_tx.init(p0))
+        drift = put(mesh, comm.init_drift(p0, R), replica_specs(SPECS, DP))
         inner = comm.replicate(tx.init(p0), R)
         # as the train step's out_shardings will
         drift_sh = jax.tree.map(lambda x: x.sharding, drift)
@@ -306,8 +312,19 @@ def test_diloco_h4_nesterov_trains_and_syncs_once_per_round(mesh):
     assert any("data" in ax for v in out.values() for ax in v["by_axes"])
 
 
+def _validate(compression, topk_fraction, sync_every, outer_lr, outer_momentum, feedback="auto"):
+    CommConfig(
+        compression=compression,
+        topk_fraction=topk_fraction,
+        error_feedback=feedback,
+        sync_every=sync_every,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+    ).validate()
+
+
 def test_validate():
-    comm.validate("int8", 0.01, 1, 0.7, 0.9)
+    _validate("int8", 0.01, 1, 0.7, 0.9)
     for args, culprit in (
         (
             ("fp8", 0.01, 1, 0.7, 0.9),
@@ -324,13 +341,13 @@ def test_validate():
         ),
     ):
         with pytest.raises(UserError, match=culprit.replace("(", r"\(")) as e:
-            comm.validate(*args)
+            _validate(*args)
         assert "\n" not in str(e.value)
 
 
 def test_error_feedback_auto_is_on_for_quantisers_off_for_topk():
-    from train.config import build, from_args
-    from train.sections import error_feedback_on
+    from train.core.config import build, from_args
+    from train.core.sections import error_feedback_on
 
     assert [error_feedback_on(c, "auto") for c in ("none", "int8", "int4", "topk")] == [
         False,
@@ -359,8 +376,8 @@ def test_clip_replicas_clips_each_replica_alone():
 
 
 def _fit(tmp_path, name, **comm_opts):
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     cfg = build(
         {
@@ -390,10 +407,10 @@ def test_train_step_with_compression_and_diloco(tmp_path):
     """Once train/{config,state,step,loop}.py carry the comm integration: int8 + error feedback
     tracks the float32 run, the residual lives in the state sharded over data, and DiLoCo
     (sync_every 2) trains from the same start."""
-    from train.config import SECTIONS
+    from train.core.config import SECTIONS
 
     if "comm" not in SECTIONS:
-        pytest.skip("train/config.py has no `comm` section yet (integration pending)")
+        pytest.skip("train/core/config.py has no `comm` section yet (integration pending)")
     _, base = _fit(tmp_path, "none")
     tr, int8 = _fit(tmp_path, "int8", compression="int8")
     assert int8[0] == base[0]  # same start: the first loss precedes any sync
@@ -409,7 +426,7 @@ def test_train_step_with_compression_and_diloco(tmp_path):
 
 def test_config_knows_every_compression():
     from mesh.collectives import METHODS
-    from train.sections import COMPRESSIONS
+    from train.core.sections import COMPRESSIONS
 
     # config keeps its own copy so that parsing flags imports no JAX
     assert COMPRESSIONS == (

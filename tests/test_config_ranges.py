@@ -13,8 +13,9 @@ import pytest
 from errors import UserError
 from models.fields import Range, check_ranges, numeric_fields, ranged
 from models.presets import PRESETS
-from train.__main__ import main
-from train.config import SECTIONS, build, from_args, public_flag
+from train.cli.main import main
+from train.core.config import SECTIONS, build, from_args
+from train.core.flags import public_flag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,7 +119,7 @@ def test_process_id_below_num_processes():
 
 
 def test_warmup_longer_than_the_run_is_accepted():
-    # short smoke runs keep the default warmup; train/optim.py cuts it to the run
+    # short smoke runs keep the default warmup; train/core/optim.py cuts it to the run
     # (tests/test_train.py)
     assert build({"train.steps": 5, "train.warmup_steps": 50}).train.warmup_steps == 50
 

@@ -1,4 +1,4 @@
-"""train/console.py: `brigade COMMAND ...` reaches each `python -m` entry point's main with its
+"""train/cli/console.py: `brigade COMMAND ...` reaches each `python -m` entry point's main with its
 arguments; an unknown command is one line and exit status 2; the installed script runs."""
 
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from train import console
+from train.cli import console
 from train.data.prepare import INDEX
 
 

@@ -32,10 +32,10 @@ from models.config import LOSS_CHUNK
 from models.presets import preset
 from models.transformer import segment_positions
 from plan.report import analyze
-from train.config import build
-from train.loop import Trainer
-from train.setup import compile_step
-from train.step import loss_chunk
+from train.core.batch_loss import loss_chunk
+from train.core.config import build
+from train.core.setup import compile_step
+from train.run.loop import Trainer
 
 VOCAB = 264
 
@@ -391,9 +391,9 @@ def test_sequence_check_needs_both_the_zigzag_chunks_and_the_residual_shards():
     """context=2 x model=3 with sequence parallelism: 4 zigzag chunks and 6 residual shards, so
     --seq-len must be a multiple of 12 (30 has 6 shards but not 4 chunks)."""
     from mesh.rules import make_rules, sequence_parallel
-    from plan.run_spec import abstract_mesh
-    from train.config import TrainConfig
-    from train.shapes import validate_sequence
+    from plan.theory import abstract_mesh
+    from train.core.config import TrainConfig
+    from train.core.shapes import validate_sequence
 
     mesh, rules = abstract_mesh({"context": 2, "model": 3}), sequence_parallel(make_rules())
     validate_sequence(mesh, rules, TrainConfig(seq_len=36))

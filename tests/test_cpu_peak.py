@@ -1,4 +1,4 @@
-"""MFU on CPU (train/cpu_peak.py, train/metrics.py): the peak is the cores' FMA peak from the
+"""MFU on CPU (mesh/devices.py, train/run/metrics.py): the peak is the cores' FMA peak from the
 CPU's flags and clock, which a loaded machine does not lower (a matmul timed at start-up did, and
 MFU read 139-238%); a step faster than the peak raises the peak, in one line, never an MFU over
 100%."""
@@ -6,8 +6,9 @@ MFU read 139-238%); a step faster than the peak raises the peak, in one line, ne
 import jax
 import pytest
 
-from train import cpu_peak, metrics
-from train.goodput import Goodput
+from mesh import devices as peaks
+from train.run import metrics
+from train.run.goodput import Goodput
 
 INTEL = """processor	: 0
 model name	: Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz
@@ -20,30 +21,30 @@ cpu MHz		: 3400.125
 
 @pytest.fixture
 def intel(monkeypatch):
-    monkeypatch.setattr(cpu_peak, "_cpuinfo", lambda: INTEL)
-    monkeypatch.setattr(cpu_peak.glob, "glob", lambda pattern: [])  # no cpufreq: a VM's view
-    monkeypatch.setattr(cpu_peak, "usable_cores", lambda: 4)
+    monkeypatch.setattr(peaks, "_cpuinfo", lambda: INTEL)
+    monkeypatch.setattr(peaks.glob, "glob", lambda pattern: [])  # no cpufreq: a VM's view
+    monkeypatch.setattr(peaks, "usable_cores", lambda: 4)
 
 
 def test_the_peak_comes_from_the_flags_and_the_highest_clock(intel):
-    peak, text = cpu_peak.fma_peak("float32")
+    peak, text = peaks.fma_peak("float32")
     # 4 cores x 3.4 GHz (the fastest core's current clock, above the rated 2.3) x 2 AVX-512 FMAs
     assert peak == pytest.approx(4 * 3.400125e9 * 64)
     assert "4 cores x 3.40 GHz (/proc/cpuinfo cpu MHz) x 64 FLOP/cycle (AVX-512 FMA)" in text
-    assert cpu_peak.fma_peak("bfloat16")[0] == pytest.approx(4 * 3.400125e9 * 1024)  # AMX
-    assert cpu_peak.flops_per_cycle({"sse2", "avx", "avx2"}, "float32") == (32, "AVX2 FMA")
-    assert cpu_peak.flops_per_cycle({"foo"}, "float32") is None
+    assert peaks.fma_peak("bfloat16")[0] == pytest.approx(4 * 3.400125e9 * 1024)  # AMX
+    assert peaks.flops_per_cycle({"sse2", "avx", "avx2"}, "float32") == (32, "AVX2 FMA")
+    assert peaks.flops_per_cycle({"foo"}, "float32") is None
 
 
 def test_a_loaded_machine_does_not_lower_the_peak(intel, monkeypatch):
     """Before, the peak was a matmul timed at start-up: a busy host measured a fraction of it."""
-    monkeypatch.setattr(metrics, "measured_host_flops", lambda dtype: 1e6)  # a loaded machine
+    monkeypatch.setattr(peaks, "measured_host_flops", lambda dtype: 1e6)  # a loaded machine
     devices = jax.devices()[:2]
-    peak, text = metrics.peak_flops("float32", devices=devices)
+    peak, text = peaks.peak_flops("float32", devices=devices)
     assert peak == pytest.approx(4 * 3.400125e9 * 64) and text.startswith("CPU FMA peak 4 cores")
     # where the flags cannot be read, the fastest matmul measured, and said so
-    monkeypatch.setattr(cpu_peak, "_cpuinfo", lambda: "")
-    assert metrics.peak_flops("float32", devices=devices) == (
+    monkeypatch.setattr(peaks, "_cpuinfo", lambda: "")
+    assert peaks.peak_flops("float32", devices=devices) == (
         1e6,
         "fastest measured CPU matmul 0 GFLOP/s per host",
     )

@@ -17,8 +17,8 @@ import pytest
 from cpu_env import cpu_env
 
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8, PYTHONUNBUFFERED="1")

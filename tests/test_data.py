@@ -17,9 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 from errors import UserError
 from mesh.build import make_mesh
-from train.config import DataConfig
-from train.data import corpus, prepare, tokenizers
-from train.data.pipeline import Pipeline, _round_keys, make_pipeline, mix, permute, proportions
+from train.core.config import DataConfig
+from train.data import corpus, prepare, prepare_inputs, tokenizers
+from train.data.order import mix, permute, proportions, round_keys
+from train.data.pipeline import Pipeline, make_pipeline
 from train.data.sources import load_prepared, parse_mixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,8 +58,10 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr
-    # the pool was used
-    assert len(prepare.make_tasks(prepare.expand_inputs([a, str(tmp_path / "txt")]), 2)) > 1
+    assert (
+        len(prepare_inputs.make_tasks(prepare_inputs.expand_inputs([a, str(tmp_path / "txt")]), 2))
+        > 1
+    )  # the pool was used
     index = json.load(open(out / "index.json"))
     assert (
         index["dtype"] == "uint16"
@@ -78,10 +81,12 @@ def test_prepare_cli_workers_shards_and_order(tmp_path):
 
 
 def test_jsonl_split_into_tasks_keeps_every_line_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "TASK_BYTES", 257)  # many byte ranges that cut lines anywhere
-    monkeypatch.setattr(prepare, "MIN_TASK_BYTES", 1)
+    monkeypatch.setattr(
+        prepare_inputs, "TASK_BYTES", 257
+    )  # many byte ranges that cut lines anywhere
+    monkeypatch.setattr(prepare_inputs, "MIN_TASK_BYTES", 1)
     a = jsonl_file(tmp_path / "a.jsonl", TEXTS)
-    assert len(prepare.make_tasks([a])) > 20
+    assert len(prepare_inputs.make_tasks([a])) > 20
     prepare.prepare([a], str(tmp_path / "ds"), progress=False)
     assert [corpus.decode(d) for d in prepared_docs(tmp_path / "ds")] == TEXTS
 
@@ -287,11 +292,11 @@ def test_mixing_different_tokenizers_is_refused(tmp_path):
 
 def test_permute_is_a_keyed_bijection():
     for n in (1, 2, 3, 7, 64, 1000, 4097):
-        p = permute(np.arange(n), n, _round_keys(1, 0, 0))
+        p = permute(np.arange(n), n, round_keys(1, 0, 0))
         np.testing.assert_array_equal(np.sort(p), np.arange(n))
     a, b = (
-        permute(np.arange(1000), 1000, _round_keys(1, 0, 0)),
-        permute(np.arange(1000), 1000, _round_keys(1, 0, 1)),
+        permute(np.arange(1000), 1000, round_keys(1, 0, 0)),
+        permute(np.arange(1000), 1000, round_keys(1, 0, 1)),
     )
     assert not np.array_equal(a, b) and not np.array_equal(a, np.arange(1000))
     assert abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1  # no trace of the identity order

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from errors import UserError
-from train.config import DataConfig
+from train.core.config import DataConfig
 from train.data import chat, prepare, tokenizers
 from train.data.index import MASKED_FORMAT
 from train.data.pipeline import make_pipeline
@@ -226,7 +226,7 @@ def test_mask_through_packed_windows_and_the_loss(chat_ds):
 
     from models import model
     from models.presets import preset
-    from train.step import loss_sums
+    from train.core.batch_loss import loss_sums
 
     cfg = dataclasses.replace(preset("tiny"), vocab_size=320, dtype="float32")
     rng = np.random.default_rng(0)
@@ -398,7 +398,7 @@ def test_text_datasets_carry_no_mask_and_mix_with_chat(chat_ds, model_dir, tmp_p
 def test_a_model_without_a_vocab_size_takes_the_datasets(chat_ds):
     """320 ids in the dataset, 264 in the tiny preset: the model grows to 320 padded to 128; a
     vocab_size the user sets is kept (a dataset beyond it is refused when the data opens)."""
-    from train.config import build
+    from train.core.config import build
 
     assert build({"data.source": str(chat_ds[0]), "model.preset": "tiny"}).model.vocab_size == 384
     assert (

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from data_files import TEXTS, jsonl_file, prepared_docs
 
-from train.data import prepare
+from train.data import prepare, prepare_inputs
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -64,8 +64,9 @@ def test_streamed_files_in_chunks_through_the_pool(reference, tmp_path, monkeypa
     """Small chunks, two workers, streamed files between plain ones: documents stay in input
     order."""
     root, _ = reference
-    # the streamed files' chunks (read here, not in the workers)
-    monkeypatch.setattr(prepare, "TASK_BYTES", 700)
+    monkeypatch.setattr(
+        prepare_inputs, "TASK_BYTES", 700
+    )  # the streamed files' chunks (read here, not in the workers)
     inputs = [
         write_format(root, "jsonl.gz"),
         str(root / "docs.jsonl"),
@@ -73,7 +74,10 @@ def test_streamed_files_in_chunks_through_the_pool(reference, tmp_path, monkeypa
     ]
     assert (
         sum(
-            1 for _ in prepare.chunked(prepare.make_tasks(prepare.expand_inputs(inputs), 2), "text")
+            1
+            for _ in prepare_inputs.chunked(
+                prepare_inputs.make_tasks(prepare_inputs.expand_inputs(inputs), 2), "text"
+            )
         )
         > 20
     )

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh.build import make_mesh
-from train.config import DataConfig
+from train.core.config import DataConfig
 from train.data import corpus
 from train.data.pipeline import Pipeline, abstract_batch, make_pipeline
 

@@ -15,7 +15,7 @@ import pytest
 from data_files import TEXTS, file_hashes, jsonl_file, tiktoken_file
 
 from errors import UserError
-from train.config import DataConfig
+from train.core.config import DataConfig
 from train.data import prepare
 from train.data.pipeline import make_pipeline
 

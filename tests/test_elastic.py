@@ -21,9 +21,9 @@ import pytest
 from test_multiprocess import REPO, child_env, free_port
 
 from errors import UserError
-from train.config import from_args
-from train.elastic import Layout, layout, record_fields, shrink
-from train.rendezvous import Generation, Rendezvous
+from train.core.config import from_args
+from train.run.elastic import Layout, layout, record_fields, shrink
+from train.run.rendezvous import Generation, Rendezvous
 
 ORIGIN = {
     "processes": 2,

@@ -31,8 +31,9 @@ from equivalence import (
 from mesh.collectives import BLOCK, QMAX
 from mesh.rules import axis_rules
 from mesh.shard import spec_axes
-from train import comm
-from train.step import grads_loss_stats
+from train.core import comm
+from train.core.setup import jit_step
+from train.core.step import grads_loss_stats
 
 MESH, R = "data=8", 8
 CLIP = 0.5  # per-replica clipping before the sync is part of the path: low enough that it clips
@@ -152,16 +153,20 @@ def replica_gradient_fn(tr):
     mean gradient, [R, ...] per leaf), on the host; one compile for the data=8 mesh."""
     fn = jax.jit(
         functools.partial(
-            grads_loss_stats, tr.model_cfg, micro_batches=1, dp_axes=tr.dp_axes(), per_replica=True
+            grads_loss_stats,
+            tr.setup.model_cfg,
+            micro_batches=1,
+            dp_axes=tr.setup.dp_axes,
+            per_replica=True,
         ),
-        in_shardings=(tr.state_shardings.params, tr.batch_sharding),
+        in_shardings=(tr.setup.state_shardings.params, tr.setup.batch_sharding),
     )
 
     def run(params, batch):
-        with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+        with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
             loss, g_R, _ = fn(
-                jax.device_put(params, tr.state_shardings.params),
-                jax.device_put(batch, tr.batch_sharding),
+                jax.device_put(params, tr.setup.state_shardings.params),
+                jax.device_put(batch, tr.setup.batch_sharding),
             )
         return float(loss), jax.device_get(g_R)
 
@@ -174,11 +179,11 @@ def setup(tmp_path_factory):
     gradient function (the same for int8 and int4: compression does not change the gradient)."""
     one = make_trainer("", tmp_path_factory.mktemp("one"), True, **TINY)
     dp = make_trainer(MESH, tmp_path_factory.mktemp("dp"), **TINY, **{"comm.compression": "int8"})
-    assert dp.dp_axes() == ("data",) and dp.sync.error_feedback
+    assert dp.setup.dp_axes == ("data",) and dp.setup.sync.error_feedback
     return (
         one,
         initial_params(one),
-        synthetic_batches(one.model_cfg.vocab_size),
+        synthetic_batches(one.setup.model_cfg.vocab_size),
         replica_gradient_fn(dp),
     )
 
@@ -191,7 +196,7 @@ def test_replica_gradients_match_one_device(setup):
     batch = batches[WARMUP]
     loss, g_R = replica_gradients(params0, batch)
     rows = BATCH // R
-    one_fn = jax.jit(functools.partial(grads_loss_stats, one.model_cfg, micro_batches=1))
+    one_fn = jax.jit(functools.partial(grads_loss_stats, one.setup.model_cfg, micro_batches=1))
     for r in range(R):
         piece = {k: v[r * rows : (r + 1) * rows] for k, v in batch.items()}
         _, want, _ = one_fn(params0, piece)  # the mean over the replica's rows: x 1/R for its share
@@ -211,29 +216,32 @@ def test_compressed_step_matches_hand_reference(setup, tmp_path, compression):
     the train step's loss, gradient norm, new residuals and parameters equal the reference's."""
     _, params0, batches, replica_gradients = setup
     tr = make_trainer(MESH, tmp_path, **TINY, **{"comm.compression": compression})
-    assert tr.sync.error_feedback and tr.local_clip == CLIP
-    specs = jax.tree.map(lambda sh: sh.spec, tr.state_shardings.params)
+    assert tr.setup.sync.error_feedback and tr.setup.local_clip == CLIP
+    specs = jax.tree.map(lambda sh: sh.spec, tr.setup.state_shardings.params)
     bits = 8 if compression == "int8" else 4
     state = initial_state(tr, params0)
     clipped = 0
-    replica_sh = tr.state_shardings.residual
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        step = tr.jit_step()
+    replica_sh = tr.setup.state_shardings.residual
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+        step = jit_step(tr.setup)
         sync_fn = jax.jit(
             functools.partial(
-                comm.sync_grads, compression=compression, dp_axes=tr.dp_axes(), param_specs=specs
+                comm.sync_grads,
+                compression=compression,
+                dp_axes=tr.setup.dp_axes,
+                param_specs=specs,
             ),
             in_shardings=(replica_sh, replica_sh),
         )
 
     def sync(g_R, residual_R):
-        with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+        with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
             return sync_fn(g_R, residual_R)
 
     for i, batch in enumerate(batches):
         before = jax.device_get(state)
-        with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-            state, metrics = step(state, jax.device_put(batch, tr.batch_sharding))
+        with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+            state, metrics = step(state, jax.device_put(batch, tr.setup.batch_sharding))
         if i < WARMUP:
             continue
         after = jax.device_get(state)
@@ -254,11 +262,11 @@ def test_compressed_step_matches_hand_reference(setup, tmp_path, compression):
             f"{what} sync_grads: residuals",
             scale=ref["inputs"],
         )
-        # the whole step: its loss, gradient norm, residuals and parameters. Its gradients
-        # match the reference's to float32 rounding only, so more quantisation ties may fall
-        # the other way; an element whose synced gradient moved by one step moves its parameter
-        # by at most lr x step / eps.
-        updates, _ = tr.tx.update(ref["synced"], before.opt_state, before.params)
+        # the whole step: its loss, gradient norm, residuals and parameters. Its gradients match the
+        # reference's to float32 rounding only, so more quantisation ties may fall the other way; an
+        # element whose synced gradient moved by one step moves its parameter by at most lr x step /
+        # eps.
+        updates, _ = tr.setup.tx.update(ref["synced"], before.opt_state, before.params)
         params = optax.apply_updates(before.params, updates)
         np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-5, err_msg=what)
         np.testing.assert_allclose(

@@ -22,7 +22,7 @@ from equivalence import (
 
 from errors import UserError
 from mesh.rules import head_layout, make_rules
-from train.step import token_xent
+from models.loss import token_xent
 
 VOCAB = 264  # the tiny preset's: divisible by 8 (fsdp=8) and by 4 (fsdp=2 x model=2)
 
@@ -56,8 +56,10 @@ def runs(trainers):
 def test_vocab_parallel_step_matches_one_device(runs, mesh, tied):
     over = {"model.tie_embeddings": tied}
     tr, got = runs(mesh, **{**over, "parallelism.vocab_parallel": "on"})
-    assert tr.rules["vocab_embed"] == () and "fsdp" in tr.rules["vocab"]  # the layout under test
-    assert "fsdp" not in tr.rules["logits_batch"]
+    assert (
+        tr.setup.rules["vocab_embed"] == () and "fsdp" in tr.setup.rules["vocab"]
+    )  # the layout under test
+    assert "fsdp" not in tr.setup.rules["logits_batch"]
     _, want = runs("", True, **over)
     assert_runs_match(got, want, f"vocab-parallel head on {mesh}")
 
@@ -67,7 +69,7 @@ def test_vocab_parallel_gradient_matches_classic_head(trainers):
     batch = synthetic_batches(VOCAB, 1, seed=7)[0]
     vp = trainers("fsdp=8", **{"parallelism.vocab_parallel": "on"})
     classic = trainers("fsdp=8", **{"parallelism.vocab_parallel": "off"})
-    assert classic.rules["vocab_embed"] == ("fsdp", "context", "expert")
+    assert classic.setup.rules["vocab_embed"] == ("fsdp", "context", "expert")
     params = initial_params(classic)
     loss_vp, g_vp = gradients(vp, params, batch)
     loss_c, g_c = gradients(classic, params, batch)

@@ -69,7 +69,7 @@ def test_expert_parallel_step_matches_one_device(runs, mesh, dispatch):
         )
     # the experts really are split over the expert axis
     w = got["state"].params["moe_blocks"]["moe"]["w_gate_EDF"]
-    assert w.addressable_shards[0].data.shape[1] == 8 // tr.mesh.shape["expert"]
+    assert w.addressable_shards[0].data.shape[1] == 8 // tr.setup.mesh.shape["expert"]
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ def test_pipeline_step_matches_one_device(references, case, tmp_path):
             )
     # each pipeline device stores only its stages' layers
     w = got["state"].params["moe_blocks"]["moe"]["w_gate_EDF"]
-    assert w.addressable_shards[0].data.shape[0] == w.shape[0] // tr.mesh.shape["pipeline"]
+    assert w.addressable_shards[0].data.shape[0] == w.shape[0] // tr.setup.mesh.shape["pipeline"]
 
 
 @pytest.fixture(scope="module")

@@ -57,4 +57,4 @@ def test_schedule_step_matches_one_device(reference, tmp_path, mesh, schedule, r
     assert_runs_match(got, want, f"{mesh} {schedule} R={repeats} M={M}")
     # each pipeline device stores only its own layers (the rule layers -> pipeline)
     w = got["state"].params["blocks"]["mlp"]["w_gate_DF"]
-    assert w.addressable_shards[0].data.shape[0] == w.shape[0] // tr.mesh.shape["pipeline"]
+    assert w.addressable_shards[0].data.shape[0] == w.shape[0] // tr.setup.mesh.shape["pipeline"]

@@ -1,6 +1,6 @@
-"""`python -m train eval` and `python -m train sample` (train/evaluate.py, train/sample_cli.py) and
-the tokenizer check of --init-from and eval (train/resume.py): a tiny chat model fine-tuned for two
-steps in-process, once, then every command through its main(argv)."""
+"""`python -m train eval` and `python -m train sample` (train/cli/evaluate.py, train/cli/sample.py)
+and the tokenizer check of --init-from and eval (train/run/resume.py): a tiny chat model fine-tuned
+for two steps in-process, once, then every command through its main(argv)."""
 
 import json
 import math
@@ -18,11 +18,13 @@ from errors import UserError
 from mesh.rules import axis_rules
 from models.hf import Model
 from models.sample import generate
-from train import evaluate, resume, sample_cli
-from train.__main__ import main as train_main
-from train.config import build
+from train.cli import evaluate
+from train.cli import sample as sample_cli
+from train.cli.main import main as train_main
+from train.core.config import build
 from train.data import chat, make_pipeline, prepare, tokenizers
-from train.loop import Trainer
+from train.run import checkpoint_match
+from train.run.loop import Trainer
 
 VOCAB = 320  # the model's: above the tiny BPE vocabulary below (300) and the byte tokenizer's (264)
 TEMPLATE = (
@@ -153,11 +155,12 @@ def test_eval_two_sets_is_trainer_eval_loss(world, capsys):
         batch_size=8,
         seq_len=32,
         seed=0,
-        batch_sharding=trainer.batch_sharding,
+        batch_sharding=trainer.setup.batch_sharding,
         vocab_size=VOCAB,
     )
-    # the run's eval, at its last step
-    want = trainer.eval_loss(trainer.state.params, pipeline.eval_batches(2))
+    want = trainer.evaluator.loss(
+        trainer.state.params, pipeline.eval_batches(2)
+    )  # the run's eval, at its last step
     assert chat_set["loss"] == pytest.approx(want, rel=1e-6, abs=1e-6)
     assert chat_set["perplexity"] == pytest.approx(math.exp(chat_set["loss"]))
     assert chat_set["windows"] == 16 and chat_set["batches"] == 2 and chat_set["of_windows"] > 16
@@ -221,9 +224,9 @@ def test_sample_is_seeded_and_greedy_is_generate(world, capsys):
     assert ids[0] == tok.encode(["<|im_start|>"])[0][0]
     # the sampler's rules: its compile reused
     with (
-        jax.set_mesh(trainer.mesh),
-        axis_rules({k: () for k in trainer.rules}),
-    ):
+        jax.set_mesh(trainer.setup.mesh),
+        axis_rules({k: () for k in trainer.setup.rules}),
+    ):  # the sampler's: its compile reused
         new = list(
             np.asarray(
                 generate(
@@ -284,7 +287,7 @@ def test_tokenizer_mismatch_is_refused_unless_allowed(world, capsys):
                 "data.allow_tokenizer_mismatch": allow,
             }
         )
-        run = Trainer(cfg, mesh=w["trainer"].mesh).setup
+        run = Trainer(cfg, mesh=w["trainer"].setup.mesh).setup
         data = make_pipeline(cfg.data, batch_size=8, seq_len=32, seed=0, vocab_size=VOCAB)
         if refused:
             with pytest.raises(
@@ -292,10 +295,10 @@ def test_tokenizer_mismatch_is_refused_unless_allowed(world, capsys):
                 match=f"--init-from {w['run']}: the checkpoint's tokenizer is hf:.*the"
                 f" data's is byte",
             ):
-                resume.check_init_tokenizer(run, data)
+                checkpoint_match.check_init_tokenizer(run, data)
         else:
-            resume.check_init_tokenizer(run, data)
-    resume.check_init_tokenizer(run, object())
+            checkpoint_match.check_init_tokenizer(run, data)
+    checkpoint_match.check_init_tokenizer(run, object())
 
     # an HF import records its directory's tokenizer.json as `prepare --tokenizer DIR` records it
     hf_dir = w["root"] / "hf"
@@ -309,7 +312,9 @@ def test_tokenizer_mismatch_is_refused_unless_allowed(world, capsys):
     index = json.load(open(os.path.join(w["text"], "index.json")))
     assert tokenizer_record(src.meta(step))["id"] == index["tokenizer"]["id"]
     with pytest.raises(UserError, match="the checkpoint's tokenizer is hf:"):
-        resume.check_tokenizer(src.meta(step), {"kind": "byte", "id": "byte"}, False, "--init-from")
+        checkpoint_match.check_tokenizer(
+            src.meta(step), {"kind": "byte", "id": "byte"}, False, "--init-from"
+        )
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""--data.eval_source (train/data/evalsets.py, train/loop.py): a run's periodic eval on named
+"""--data.eval_source (train/data/evalsets.py, train/run/loop.py): a run's periodic eval on named
 prepared datasets. One tiny float32 run with two sets (one with a loss mask), once; its logged
 eval/<NAME>/loss is `python -m train eval` on the checkpoint of that step, the same run without
 the sets trains identically, and bad specs are one line each."""
@@ -14,15 +14,15 @@ from data_files import TEXTS, tiktoken_file
 from test_train import _tb_scalars
 
 from checkpoint.manager import open_checkpoint
-from train import evaluate
-from train.__main__ import main as train_main
-from train.config import build
+from train.cli import evaluate
+from train.cli.main import main as train_main
+from train.core.config import build
 from train.data import prepare
 from train.data.evalsets import open_eval_source
-from train.loop import Trainer
-from train.metrics import eval_text
-from train.run import eval_record
-from train.sinks import step_line
+from train.run.loop import Trainer
+from train.run.metrics import eval_text
+from train.run.run import eval_record
+from train.run.sinks import step_line
 
 STEPS, EVAL_EVERY, EVAL_BATCHES = 4, 2, 2
 
@@ -166,8 +166,8 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
             offline["sets"][name]["loss"], rel=1e-6, abs=1e-6
         )
 
-    # the last eval through Trainer.eval_loss on the final parameters; the
-    # prompts weigh 0 as in eval
+    # the last eval through the trainer's evaluator on the final parameters; the prompts weigh 0 as
+    # in eval
     trainer = run["trainer"]
     opened = {
         s.name: s
@@ -177,8 +177,8 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
             seq_len=32,
             seed=0,
             eval_batches=EVAL_BATCHES,
-            vocab_size=trainer.model_cfg.vocab_size,
-            sharding=trainer.batch_sharding,
+            vocab_size=trainer.setup.model_cfg.vocab_size,
+            sharding=trainer.setup.batch_sharding,
             check_tokenizer=lambda r, w: None,
         )
     }
@@ -187,7 +187,7 @@ def test_logged_set_loss_is_eval_of_that_steps_checkpoint(sets, runs, capsys):
     )
     assert 0 < weights.mean() < 1 and set(np.unique(weights)) <= {0.0, 1.0}
     for name in ("qa", "prose"):
-        want = trainer.eval_loss(trainer.state.params, opened[name].batches)
+        want = trainer.evaluator.loss(trainer.state.params, opened[name].batches)
         assert evals[4][f"eval/{name}/loss"] == pytest.approx(want, rel=1e-6, abs=1e-6)
         assert run["summary"][f"eval/{name}/loss"] == evals[4][f"eval/{name}/loss"]
     saved = json.load(open(f"{run['dir']}/summary.json"))

@@ -14,10 +14,12 @@ from mesh.build import make_mesh
 from models import model
 from models.presets import PRESETS
 from plan.report import analyze
-from train import state as train_state
-from train.config import build
+from train.core import state as train_state
+from train.core.config import build
+from train.core.inference import sample_text
+from train.core.setup import abstract_batch, abstract_state, compile_step, create_state, jit_step
 from train.data.external import IterableData
-from train.loop import Trainer
+from train.run.loop import Trainer
 
 MESH = "data=2,fsdp=2,model=2"
 B, T, V = 8, 32, PRESETS["tiny"].vocab_size
@@ -149,16 +151,16 @@ def test_custom_loss_equals_builtin_cross_entropy(tmp_path):
             seq_len=T,
             packing_mask=False,
             vocab_size=V,
-            batch_sharding=Trainer(cfg, mesh=mesh).batch_sharding,
+            batch_sharding=Trainer(cfg, mesh=mesh).setup.batch_sharding,
         ).next()[0]
         for _ in range(2)
     ]
     runs = []
     for loss in (None, hand_xent):
         tr = Trainer(cfg, mesh=mesh, loss=loss)
-        state, metrics = tr.create_state(), []
+        state, metrics = create_state(tr.setup), []
         with jax.set_mesh(mesh):
-            step = tr.jit_step()
+            step = jit_step(tr.setup)
             for b in batches:
                 state, m = step(state, b)
                 metrics.append(jax.device_get(m))
@@ -225,7 +227,7 @@ def test_registered_model_trains_resumes_and_plans(tmp_path):
     report = analyze(again.setup)
     assert report["params"] == sum(x.size for x in jax.tree.leaves(tr.state.params))
     with pytest.raises(UserError, match="model 'mlp-lm' cannot generate text"):
-        again.sample(again.state.params, "hi", 4)
+        sample_text(again.setup, again.state.params, "hi", 4)
 
 
 # ------------------------------------------------------------- optimizer state sharding, bad inputs
@@ -234,9 +236,9 @@ def test_registered_model_trains_resumes_and_plans(tmp_path):
 def test_optimizer_state_shardings_follow_params(tmp_path):
     """Adafactor's factored statistics: a [V,D] parameter's column statistic [V] keeps V's axes."""
     tr = Trainer(_cfg(tmp_path, 2), mesh=make_mesh(MESH))
-    params, param_sh = tr.abstract_state().params, tr.state_shardings.params
+    params, param_sh = abstract_state(tr.setup).params, tr.setup.state_shardings.params
     sh = train_state.like_params(
-        optax.adafactor(1e-3, min_dim_size_to_factor=16), params, param_sh, tr.mesh
+        optax.adafactor(1e-3, min_dim_size_to_factor=16), params, param_sh, tr.setup.mesh
     )
     named = {
         jax.tree_util.keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(sh)[0]
@@ -264,7 +266,7 @@ def test_bad_inputs_are_one_line(tmp_path):
         data.check({**good, "segment_ids": good["inputs"]}, "batch 1")
     tr = Trainer(cfg, mesh=mesh, loss=lambda logits, batch: jnp.mean(logits))
     with pytest.raises(UserError, match=r"loss=: returned \(\) float32; expected per-token losses"):
-        tr.compile_step(tr.abstract_state(), tr.abstract_batch())
+        compile_step(tr.setup, abstract_state(tr.setup), abstract_batch(tr.setup))
 
     def big_state(_):
         return {"table": jnp.zeros((300, 300))}

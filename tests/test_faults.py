@@ -1,6 +1,6 @@
-"""Fault injection behind one seam (train/faults.py): every BRIGADE_INJECT_* variable is parsed and
-checked once, at start and before anything compiles; a malformed value, an unknown name, a step the
-run never reaches are one line each. The rest of the code consults the typed Faults only."""
+"""Fault injection behind one seam (train/run/faults.py): every BRIGADE_INJECT_* variable is parsed
+and checked once, at start and before anything compiles; a malformed value, an unknown name, a step
+the run never reaches are one line each. The rest of the code consults the typed Faults only."""
 
 import ast
 import io
@@ -10,10 +10,10 @@ import tokenize
 import pytest
 
 from errors import UserError
-from train import faults
-from train.__main__ import main as train_main
-from train.config import build
-from train.loop import Trainer
+from train.cli.main import main as train_main
+from train.core.config import build
+from train.run import faults
+from train.run.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = "BRIGADE_INJECT_"
@@ -101,7 +101,7 @@ def test_only_the_seam_reads_the_variables():
         for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
             for name in files:
                 path = os.path.join(dirpath, name)
-                if name.endswith(".py") and path != os.path.join(ROOT, "train", "faults.py"):
+                if name.endswith(".py") and path != os.path.join(ROOT, "train", "run", "faults.py"):
                     if any(P in s for s in _string_literals(path)):
                         readers.append(os.path.relpath(path, ROOT))
     assert not readers, readers
@@ -109,4 +109,4 @@ def test_only_the_seam_reads_the_variables():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
     }
-    assert "train.resilience" not in imported  # the data pipeline consults the seam alone
+    assert "train.run.resilience" not in imported  # the data pipeline consults the seam alone

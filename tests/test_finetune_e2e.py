@@ -163,8 +163,8 @@ def _eval_loss(ckpt: str, cwd: Path) -> float:
 @pytest.mark.slow
 def test_lora_finetune_import_train_export_generate(tmp_path):
     from checkpoint import hf
+    from train.cli.sample import prompt_ids
     from train.data import tokenizers
-    from train.sample_cli import prompt_ids
 
     _hf_dir(tmp_path / "hf_model")
     (tmp_path / "chats.jsonl").write_text(

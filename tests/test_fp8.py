@@ -123,7 +123,7 @@ def _fp8_step(tmp_path, mesh: str, micro_batches: int):
         "train.micro_batches": micro_batches,
     }
     tr = equivalence.make_trainer(mesh, tmp_path / f"{mesh}-{micro_batches}", not mesh, **over)
-    batch = equivalence.synthetic_batches(tr.model_cfg.vocab_size, 3, seed=5)[2]
+    batch = equivalence.synthetic_batches(tr.setup.model_cfg.vocab_size, 3, seed=5)[2]
     return equivalence.gradients(tr, equivalence.initial_params(tr), batch)
 
 

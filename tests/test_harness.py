@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness adapter (train/harness.py): a tiny model trained two steps on text
+"""The lm-evaluation-harness adapter (train/cli/harness.py): a tiny model trained two steps on text
 prepared with a tiny BPE tokenizer (the checkpoint records it), opened once as lm_eval's "brigade"
 model; its log-likelihoods and generations against the model's own logits and models/sample.py,
 and real lm_eval runs on local tasks written here."""
@@ -16,15 +16,15 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance
 from test_eval_sample import VOCAB, _conversation, _model_dir, _prepared
 
-from checkpoint import hf
-from errors import UserError
-from mesh.rules import axis_rules
-from models import model
-from models.hf import Model
-from models.sample import generate
-from train import harness
-from train.config import build
-from train.loop import Trainer
+from checkpoint import hf  # noqa: E402
+from errors import UserError  # noqa: E402
+from mesh.rules import axis_rules  # noqa: E402
+from models import model  # noqa: E402
+from models.hf import Model  # noqa: E402
+from models.sample import generate  # noqa: E402
+from train.cli import harness, harness_launcher  # noqa: E402
+from train.core.config import build  # noqa: E402
+from train.run.loop import Trainer  # noqa: E402
 
 MAX_LENGTH = 32  # the adapter's window: short, so that rolling documents span several
 HAND_PAD = 7  # the hand computations' padding (the adapter's is 0)
@@ -79,7 +79,7 @@ def _logits(lm, ids: list[int]) -> np.ndarray:
     assert len(ids) <= MAX_LENGTH
     padded = np.full((1, MAX_LENGTH), HAND_PAD, np.int32)
     padded[0, : len(ids)] = ids
-    with jax.set_mesh(lm.trainer.mesh), axis_rules({k: () for k in lm.trainer.rules}):
+    with jax.set_mesh(lm.setup.mesh), axis_rules({k: () for k in lm.setup.rules}):
         logits_BTV, _ = _apply(lm.cfg, lm.params, padded)
     return np.asarray(jax.device_get(logits_BTV), np.float64)[0, : len(ids)]
 
@@ -109,7 +109,7 @@ def _sample_greedy_ids(lm, prompt: str) -> tuple[int, ...]:
     """The first GREEDY_TOKENS tokens models/sample.generate picks greedily after the prompt alone
     (the first n of them are an n-token run's: one compile per prompt serves every length)."""
     ids = np.asarray([lm.tok_encode(prompt)], np.int32)
-    with jax.set_mesh(lm.trainer.mesh), axis_rules({k: () for k in lm.trainer.rules}):
+    with jax.set_mesh(lm.setup.mesh), axis_rules({k: () for k in lm.setup.rules}):
         out = generate(
             lm.cfg, lm.params, ids, jax.random.key(0), max_new=GREEDY_TOKENS, temperature=0.0
         )
@@ -236,8 +236,9 @@ def test_sharded_mesh_gives_the_same_answers(world):
             ckpt=world["run"], mesh="data=2;fsdp=2;model=2", batch_size=3, max_length=MAX_LENGTH
         ),
     )
-    # 3 rounded up to data x fsdp
-    assert dict(sharded.trainer.mesh.shape)["model"] == 2 and sharded.rows == 4
+    assert (
+        dict(sharded.setup.mesh.shape)["model"] == 2 and sharded.rows == 4
+    )  # 3 rounded up to data x fsdp
     pairs = _requests("loglikelihood", [(c, " hello world") for c in CONTEXTS[:6]])
     for (a, ga), (b, gb) in zip(lm.loglikelihood(pairs), sharded.loglikelihood(pairs)):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5) and ga == gb
@@ -331,7 +332,7 @@ def test_launcher_is_lm_evals_command_line(world, local_tasks, tmp_path, monkeyp
     _offline(monkeypatch, tmp_path)
     tasks, _ = local_tasks
     assert (
-        harness.main(
+        harness_launcher.main(
             [
                 "run",
                 "--model_args",
@@ -423,11 +424,11 @@ def test_launcher_errors_are_one_line(world, local_tasks, tmp_path, monkeypatch,
             "model arg batch_size is also lm_eval's flag --batch_size; give it there",
         ),
     ):
-        assert harness.main(["--model_args", *args, "--include_path", tasks]) == 2
+        assert harness_launcher.main(["--model_args", *args, "--include_path", tasks]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("error: ") and words in last, last
     monkeypatch.setattr(harness, "register_model", None)  # as without the eval extra
-    assert harness.main(["--tasks", "brigade_mc"]) == 2
+    assert harness_launcher.main(["--tasks", "brigade_mc"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: harness: lm-evaluation-harness is not installed; pip install -e '.[eval]'"
     )

@@ -23,6 +23,8 @@ from checkpoint.__main__ import main as checkpoint_main  # noqa: E402
 from checkpoint.hf_files import INDEX, SAFETENSORS  # noqa: E402
 from errors import UserError  # noqa: E402
 from models import hf_config  # noqa: E402
+from train.core.setup import abstract_state  # noqa: E402
+from train.run import resume  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(8)
@@ -298,7 +300,7 @@ def test_cli_import_inspect_train_shapes_export(tmp_path):
     from checkpoint.__main__ import describe
     from mesh.shard import path_names
     from models import model as model_lib
-    from train.config import build
+    from train.core.config import build
 
     make_hf(tmp_path / "hf", **CASES["gqa"])
     r = subprocess.run(
@@ -378,8 +380,8 @@ def test_init_from_imported_checkpoint(tmp_path, case, mesh):
     """`--init-from` an imported checkpoint: every parameter lands bit-exact in the new mesh's
     shardings, with a fresh optimizer state at step 0; a model config that does not match is one
     line."""
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     if not hasattr(Trainer, "init_from"):
         pytest.skip("the trainer has no --init-from yet")
@@ -393,15 +395,18 @@ def test_init_from_imported_checkpoint(tmp_path, case, mesh):
         "logging.run_dir": str(tmp_path / "run"),
     }
     trainer = Trainer(build(over, str(tmp_path / "ckpt" / "model.yaml")))
-    state, _ = trainer.init_from(str(tmp_path / "ckpt"))
+    state, _ = resume.init_from(
+        trainer.setup, abstract_state(trainer.setup).params, str(tmp_path / "ckpt")
+    )
     assert int(state.step) == 0
     want = hf.from_pretrained(str(tmp_path / "hf")).params
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(want))
     shardings = jax.tree.map(lambda a: a.sharding, state.params)
-    assert shardings == trainer.state_shardings.params
+    assert shardings == trainer.setup.state_shardings.params
     assert all(float(jnp_abs_sum(m)) == 0.0 for m in jax.tree.leaves(state.opt_state) if m.ndim > 1)
     with pytest.raises(UserError, match="does not match this model config.*model.yaml"):
-        Trainer(build({**over, "model.preset": "tiny"})).init_from(str(tmp_path / "ckpt"))
+        tiny = Trainer(build({**over, "model.preset": "tiny"})).setup
+        resume.init_from(tiny, abstract_state(tiny).params, str(tmp_path / "ckpt"))
 
 
 def jnp_abs_sum(a):

@@ -135,7 +135,7 @@ def test_training_sharded_with_bias_norm_and_window(tmp_path):
             "model.sliding_window": 8,
         },
     )
-    out = run_steps(tr, synthetic_batches(tr.model_cfg.vocab_size, n=3), initial_params(tr))
+    out = run_steps(tr, synthetic_batches(tr.setup.model_cfg.vocab_size, n=3), initial_params(tr))
     assert all(np.isfinite(m["loss"]) for m in out["metrics"])
     attn = out["state"].params["blocks"]["attn"]
     for name, shard in (("bq_NH", (2, 2, 16)), ("bk_KH", (2, 1, 16)), ("bv_KH", (2, 1, 16))):
@@ -268,7 +268,7 @@ def test_unsupported_config_is_one_line(config, words):
 
 
 def test_bad_options_are_one_line():
-    from train.config import build
+    from train.core.config import build
 
     with pytest.raises(UserError, match=r"^--model.sliding_window -1: must be an integer >= 0$"):
         build({"model.preset": "tiny", "model.sliding_window": -1})
@@ -281,7 +281,7 @@ def test_bad_options_are_one_line():
 
 
 def test_qkv_biases_and_qk_norms_get_no_weight_decay():
-    from train import optim
+    from train.core import optim
 
     cfg = dataclasses.replace(preset("tiny"), qkv_bias=True)
     attn = optim.decay_mask(model_lib.abstract_params(cfg), decay_embeddings=False)["blocks"][

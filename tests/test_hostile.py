@@ -45,11 +45,11 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    """corpus/ (text), ds/ (a prepared dataset), run/ (a finished run with checkpoints at steps
-    1, 2) and, where transformers is installed, hf/ (a tiny Llama) and hf-ckpt/ (its import)."""
-    from train.config import build
+    """corpus/ (text), ds/ (a prepared dataset), run/ (a finished run with checkpoints at steps 1,
+    2) and, where transformers is installed, hf/ (a tiny Llama) and hf-ckpt/ (its import)."""
+    from train.core.config import build
     from train.data import prepare
-    from train.loop import Trainer
+    from train.run.loop import Trainer
 
     root = tmp_path_factory.mktemp("pristine")
     (root / "corpus").mkdir()
@@ -529,7 +529,7 @@ CASES = [
 
 def run(command: str, argv: list[str]) -> int:
     if command == "train":
-        from train.__main__ import main
+        from train.cli.main import main
     elif command == "prepare":
         from train.data.prepare import main
     elif command == "checkpoint":

@@ -25,8 +25,11 @@ from checkpoint.__main__ import describe
 from checkpoint.peer_copy import peer_dir
 from checkpoint.tiers import process_dir
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.core.setup import abstract_state
+from train.run import resume
+from train.run.loop import Trainer
+from train.run.startup import open_checkpoints
 
 BASE = {
     "model.preset": "tiny",
@@ -131,7 +134,8 @@ def test_bad_local_dir_is_one_line(tmp_path):
     ):
         tr = Trainer(make_cfg(tmp_path, **{"checkpoint.local_dir": str(local)}))
         with pytest.raises(UserError) as e:
-            tr.resume_point(tr.open_checkpoints())  # where a run opens its tiers, before any step
+            # where a run opens its tiers, before any step
+            resume.resume_point(tr.setup, abstract_state(tr.setup), open_checkpoints(tr.cfg))
         assert str(e.value).startswith("--checkpoint.local_dir") and why in str(e.value)
         assert "\n" not in str(e.value)
 

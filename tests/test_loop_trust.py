@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
-from train.metrics import peak_flops
-from train.resilience import Diverged
+from mesh.devices import peak_flops
+from train.core.config import build
+from train.core.setup import abstract_state
+from train.run import loop, resume
+from train.run.loop import Trainer
+from train.run.resilience import Diverged
+from train.run.startup import open_checkpoints
 
 BASE = {
     "model.preset": "tiny",
@@ -107,7 +110,9 @@ def test_error_feedback_residuals_are_averaged_onto_another_data_parallel_size(t
     second = trainer(
         tmp_path, jax.devices()[:2], **{"parallelism.mesh": "data=2", **comm, "train.steps": 3}
     )
-    state, meta = second.restore(*second.resume_point(second.open_checkpoints()))
+    abstract = abstract_state(second.setup)
+    point = resume.resume_point(second.setup, abstract, open_checkpoints(second.cfg))
+    state, meta = resume.restore(second.setup, abstract, point.src, point.step)
     assert "averaged onto this mesh's 2" in meta["converted"]
     for r_old, r_new in zip(jax.tree.leaves(saved), jax.tree.leaves(state.residual)):
         np.testing.assert_allclose(
@@ -129,16 +134,18 @@ def test_diloco_state_onto_another_data_parallel_size_is_refused_naming_why(tmp_
 
 
 def test_a_step_too_large_for_the_machine_is_refused_before_allocating(tmp_path, monkeypatch):
-    import train.memory
+    import train.core.memory
 
-    monkeypatch.setattr(train.memory, "_host_available", lambda: 64 * 1024)
+    monkeypatch.setattr(train.core.memory, "_host_available", lambda: 64 * 1024)
     tr = trainer(tmp_path, **{"train.steps": 1})
-    monkeypatch.setattr(
-        tr, "create_state", lambda: pytest.fail("allocated before the memory check")
-    )
-    with pytest.raises(
-        UserError, match=r"the step needs ~[\d.]+ MiB per device .*--mesh fsdp=N.*skip_memory_check"
+    with (
+        monkeypatch.context() as m,
+        pytest.raises(
+            UserError,
+            match=r"the step needs ~[\d.]+ MiB per device .*--mesh fsdp=N.*skip_memory_check",
+        ),
     ):
+        m.setattr(loop, "create_state", lambda s: pytest.fail("allocated before the memory check"))
         tr.fit()
     assert (
         trainer(tmp_path / "b", **{"train.steps": 1, "train.skip_memory_check": True}).fit()[

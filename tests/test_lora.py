@@ -1,8 +1,7 @@
-"""LoRA fine-tuning (train/lora.py): the model at step 0 is the base, the adapters' gradient is the
-chain rule through W + scale A B, a run on data=2,fsdp=2,model=2 matches one device and never
-touches the base, the optimizer state and checkpoints hold the adapters only, a resume is exact
-and refuses a changed base, and the HF export merges. Float32, the tiny preset, 8 fake CPU
-devices."""
+"""LoRA fine-tuning (train/core/lora.py): the model at step 0 is the base, the adapters' gradient is
+the chain rule through W + scale A B, a run on data=2,fsdp=2,model=2 matches one device and never
+touches the base, the optimizer state and checkpoints hold the adapters only, a resume is exact and
+refuses a changed base, and the HF export merges. Float32, the tiny preset, 8 fake CPU devices."""
 
 from __future__ import annotations
 
@@ -28,10 +27,12 @@ from checkpoint.manager import Checkpointer, open_checkpoint
 from errors import UserError
 from mesh.rules import axis_rules
 from models import model
-from train import lora
-from train.config import build
-from train.state import TrainState
-from train.step import grads_loss_stats, loss_sums
+from train.core import lora
+from train.core.batch_loss import loss_sums
+from train.core.config import build
+from train.core.setup import compile_step, create_state
+from train.core.state import TrainState
+from train.core.step import grads_loss_stats
 
 MESH = "data=2,fsdp=2,model=2"
 TINY = {"model.preset": "tiny", "model.dtype": "float32"}
@@ -87,17 +88,19 @@ def trainers(tmp_path_factory, base):
 def _run_steps(tr, batches, adapters0, base_params) -> dict:
     """tests/equivalence.py run_steps for a LoRA step, whose third argument is the frozen base."""
     state = jax.device_put(
-        TrainState(step=np.zeros((), np.int32), params=adapters0, opt_state=tr.tx.init(adapters0)),
-        tr.state_shardings,
+        TrainState(
+            step=np.zeros((), np.int32), params=adapters0, opt_state=tr.setup.tx.init(adapters0)
+        ),
+        tr.setup.state_shardings,
     )
     base_on_mesh = jax.device_put(base_params, tr.setup.base_shardings)
     out = {"params0": jax.device_get(state.params), "metrics": [], "params": []}
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
         # compiled as fit() compiles it (the test process's LLVM level is COMPARISON_COMPILE's), so
         # that the fit() below finds this very program in the persistent compilation cache
-        step = tr.compile_step(state, jax.device_put(batches[0], tr.batch_sharding))
+        step = compile_step(tr.setup, state, jax.device_put(batches[0], tr.setup.batch_sharding))
         for b in batches:
-            state, m = step(state, jax.device_put(b, tr.batch_sharding), base_on_mesh)
+            state, m = step(state, jax.device_put(b, tr.setup.batch_sharding), base_on_mesh)
             out["metrics"].append(jax.device_get(m))
             out["params"].append(jax.device_get(state.params))
     out["state"], out["base"] = state, jax.device_get(base_on_mesh)
@@ -108,7 +111,7 @@ def test_step0_is_the_base_and_the_gradient_is_the_chain_rule(trainers, base):
     tr = trainers("", one_device=True)
     cfg, base_params = tr.cfg, base[1]
     batch = synthetic_batches(cfg.model.vocab_size, n=1)[0]
-    fresh = jax.device_get(tr.create_state().params)
+    fresh = jax.device_get(create_state(tr.setup).params)
     factors = {
         jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(fresh)[0]
     }
@@ -153,7 +156,7 @@ def test_step0_is_the_base_and_the_gradient_is_the_chain_rule(trainers, base):
     moved = jax.tree.map(
         lambda x: (x + 0.05 * rng.standard_normal(x.shape)).astype(np.float32), fresh
     )
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
         assert_trees_close(
             jax.device_get(jax.jit(merge)(base_params, fresh)),
             base_params,
@@ -174,7 +177,7 @@ def test_mesh_run_matches_one_device_and_keeps_the_base(trainers, base):
     warm-up, the base comes back bit-identical, and the optimizer state is the adapters' alone."""
     batches = synthetic_batches(264, n=1) * (WARMUP + COMPARED)
     sharded, single = trainers(), trainers("", one_device=True)
-    adapters0 = jax.device_get(single.create_state().params)
+    adapters0 = jax.device_get(create_state(single.setup).params)
     want = _run_steps(single, batches, adapters0, base[1])
     got = _run_steps(sharded, batches, adapters0, base[1])
     assert_runs_match(got, want, f"LoRA on {MESH}")
@@ -222,7 +225,9 @@ def test_checkpoint_resume_and_export(trainers, base, tmp_path):
         tr.cfg, checkpoint=dataclasses.replace(tr.cfg.checkpoint, init_from=other)
     )
     with pytest.raises(UserError, match="fingerprint .* differs"):
-        lora.load_base(changed, tr.mesh, tr.rules, tr.setup.base_shardings, src.meta(last))
+        lora.load_base(
+            changed, tr.setup.mesh, tr.setup.rules, tr.setup.base_shardings, src.meta(last)
+        )
 
     exported = hf.load_checkpoint(tr.cfg.logging.run_dir)
     hf.save_pretrained(exported, str(tmp_path / "hf"))

@@ -25,9 +25,9 @@ from mesh.build import make_mesh
 from models import model
 from plan.render import render
 from plan.report import analyze
-from train import lora
-from train.config import build
-from train.setup import setup
+from train.core import lora
+from train.core.config import build
+from train.core.setup import create_state, setup
 
 MICRO = 4  # pipeline micro-batches: 2 rows each of the 8-row batch, split over fsdp=2
 # name -> (mesh, overrides): every case a LoRA run against its own one-device twin
@@ -40,7 +40,7 @@ CASES = {
         "pipeline=2,fsdp=2,model=2",
         {"pipeline.microbatches": MICRO, "pipeline.schedule": "1f1b"},
     ),
-    # MoE experts get no adapters (train/lora.py), so the attention projections do
+    # MoE experts get no adapters (train/core/lora.py), so the attention projections do
     "moe": ("expert=2,fsdp=2,model=2", {"model.preset": "moe-tiny", "lora.targets": "q,k,v,o"}),
 }
 
@@ -95,7 +95,7 @@ def test_lora_mesh_matches_one_device_and_keeps_the_base(case, bases, tmp_path):
     )
     base_params = bases(over.get("model.preset", LORA["model.preset"]))[1]
     batches = synthetic_batches(264, n=1) * (WARMUP + COMPARED)
-    adapters0 = jax.device_get(single.create_state().params)
+    adapters0 = jax.device_get(create_state(single.setup).params)
     want = _run_steps(single, batches, adapters0, base_params)
     got = _run_steps(sharded, batches, adapters0, base_params)
     assert_runs_match(got, want, f"LoRA {case} on {mesh}")

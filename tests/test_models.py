@@ -18,7 +18,7 @@ from models.flops import flops_per_token, matmul_param_count, param_count
 from models.layers import rope
 from models.presets import PRESETS, preset
 from models.sample import generate
-from train.step import loss_sums
+from train.core.batch_loss import loss_sums
 
 CFG = dataclasses.replace(PRESETS["tiny"], dtype="float32")
 B, T = 2, 16

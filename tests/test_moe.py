@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from equivalence import grads_and_loss
 from jax.sharding import PartitionSpec as P
 
 from errors import UserError
@@ -20,9 +21,9 @@ from models import moe, moe_dispatch, moe_router
 from models.flops import active_param_count, matmul_param_count, param_count
 from models.presets import PRESETS
 from plan.hlo import parse_collectives
-from train.config import build
-from train.loop import Trainer
-from train.step import grads_and_loss
+from train.core.config import build
+from train.core.setup import create_state, jit_step
+from train.run.loop import Trainer
 
 CFG = dataclasses.replace(PRESETS["moe-tiny"], dtype="float32")
 N_B, N_T = 4, 8
@@ -146,13 +147,14 @@ def make_trainer(mesh: str, tmp_path, **over):
 
 
 def run_steps(tr, n=5):
-    state = tr.create_state()
+    state = create_state(tr.setup)
     rng = np.random.default_rng(0)
     history = []
-    step = tr.jit_step()
-    # one batch, seen again: the loss must fall
-    tok = rng.integers(0, 256, (8, 33)).astype(np.int32)
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+    step = jit_step(tr.setup)
+    tok = rng.integers(0, 256, (8, 33)).astype(
+        np.int32
+    )  # one batch, seen again: the loss must fall
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
         for _ in range(n):
             batch = jax.device_put(
                 {
@@ -160,7 +162,7 @@ def run_steps(tr, n=5):
                     "targets": tok[:, 1:],
                     "weights": np.ones((8, 32), np.float32),
                 },
-                tr.batch_sharding,
+                tr.setup.batch_sharding,
             )
             state, m = step(state, batch)
             history.append(jax.device_get(m))
@@ -473,22 +475,22 @@ def test_moe_micro_batches_reduce_data_parallel_grads_once(tmp_path, over):
     tr = make_trainer(
         "data=2,expert=4", tmp_path, **{"train.batch_size": 16, "model.aux_loss_coef": 0.0, **over}
     )
-    assert tr.dp_axes() == ("data",)
-    state = tr.create_state()
+    assert tr.setup.dp_axes == ("data",)
+    state = create_state(tr.setup)
     tok = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
         batch = jax.device_put(
             {
                 "inputs": tok[:, :-1],
                 "targets": tok[:, 1:],
                 "weights": np.ones((16, 32), np.float32),
             },
-            tr.batch_sharding,
+            tr.setup.batch_sharding,
         )
         fns = {
             m: jax.jit(
                 functools.partial(
-                    grads_and_loss, tr.model_cfg, micro_batches=m, dp_axes=tr.dp_axes()
+                    grads_and_loss, tr.setup.model_cfg, micro_batches=m, dp_axes=tr.setup.dp_axes
                 )
             )
             .lower(state.params, batch)
@@ -502,7 +504,9 @@ def test_moe_micro_batches_reduce_data_parallel_grads_once(tmp_path, over):
         assert np.abs(b).max() > 0, path
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=str(path))
     on_data = [
-        c for c in parse_collectives(hlo, tr.mesh) if c.kind == "all-reduce" and "data" in c.axes
+        c
+        for c in parse_collectives(hlo, tr.setup.mesh)
+        if c.kind == "all-reduce" and "data" in c.axes
     ]
     local_grad_bytes = sum(
         x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params)

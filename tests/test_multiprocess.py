@@ -408,8 +408,8 @@ ONE_SIDED_ERROR = """if True:
     pid, port = int(sys.argv[1]), sys.argv[2]
     init_distributed(f"127.0.0.1:{port}", 2, pid, peer_timeout_s=60)
     from jax._src import distributed
-    from train.__main__ import _final_error
-    from train.watchdog import PeerHeartbeat
+    from train.cli.main import final_error as _final_error
+    from train.run.watchdog import PeerHeartbeat
     with PeerHeartbeat(timeout_s=60):
         if pid == 0:
             _final_error("error: --data.path /nowhere: no such file (seen by process 0 only)", 2)

@@ -73,8 +73,10 @@ def test_import_refuses_nonfinite_weights_naming_the_tensor(
 
 
 def test_allowed_import_then_init_from_refuses_naming_the_parameter(hf_dir, tmp_path):
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.core.setup import abstract_state
+    from train.run import resume
+    from train.run.loop import Trainer
 
     src, out = _damaged(hf_dir, tmp_path, Q_PROJ, np.nan), str(tmp_path / "ckpt")
     assert checkpoint_main(["hf", "import", src, "--out", out, "--allow-nonfinite"]) == 0
@@ -94,14 +96,16 @@ def test_allowed_import_then_init_from_refuses_naming_the_parameter(hf_dir, tmp_
     with pytest.raises(
         UserError, match=r"--init-from .*: parameter blocks/attn/wq_DNH holds NaN or infinity"
     ):
-        Trainer(cfg, devices=jax.devices()[:2]).init_from(out)
+        s = Trainer(cfg, devices=jax.devices()[:2]).setup
+        resume.init_from(s, abstract_state(s).params, out)
 
 
 def test_lora_base_with_nonfinite_weights_is_refused(hf_dir, tmp_path):
-    """A LoRA run reads its frozen --init-from base itself (train/lora.py), not through the
+    """A LoRA run reads its frozen --init-from base itself (train/core/lora.py), not through the
     --init-from restore: the same check applies there."""
-    from train.config import build
-    from train.loop import Trainer
+    from train.core import lora
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     src, out = _damaged(hf_dir, tmp_path, Q_PROJ, np.nan), str(tmp_path / "ckpt")
     assert checkpoint_main(["hf", "import", src, "--out", out, "--allow-nonfinite"]) == 0
@@ -119,4 +123,5 @@ def test_lora_base_with_nonfinite_weights_is_refused(hf_dir, tmp_path):
     with pytest.raises(
         UserError, match=r"--init-from .*: parameter blocks/attn/wq_DNH holds NaN or infinity"
     ):
-        Trainer(cfg, devices=jax.devices()[:2]).load_lora_base({})
+        s = Trainer(cfg, devices=jax.devices()[:2]).setup
+        lora.load_base(cfg, s.mesh, s.rules, s.base_shardings, {})

@@ -14,10 +14,11 @@ from errors import UserError
 from mesh.rules import axis_rules
 from models import model as model_lib
 from models.config import DTYPES
-from train import optim
-from train import state as train_state
-from train.config import TrainConfig, build
-from train.loop import Trainer
+from train.core import optim
+from train.core import state as train_state
+from train.core.config import TrainConfig, build
+from train.core.setup import jit_step
+from train.run.loop import Trainer
 
 PARAM_DTYPES = DTYPES[1:]  # "auto" is a compute dtype only
 COMPUTE_DTYPES = [
@@ -52,7 +53,7 @@ def _trainer(**model) -> Trainer:
 def _initial_params() -> dict:
     """float32 initial weights, drawn once: every dtype pair starts from these, cast (an init per
     pair would cost a compile each and test nothing this file is about)."""
-    cfg = _trainer().model_cfg
+    cfg = _trainer().setup.model_cfg
     return (
         jax.jit(lambda k: model_lib.init(cfg, k))
         .lower(jax.random.key(0))
@@ -62,8 +63,12 @@ def _initial_params() -> dict:
 
 def _fresh_state(tr: Trainer) -> train_state.TrainState:
     # a copy even where the dtype is unchanged: from_params donates (deletes) what it is given
-    cast = jax.tree.map(lambda x: x.astype(tr.model_cfg.param_dtype, copy=True), _initial_params())
-    return train_state.from_params(tr.model_cfg, tr.tx, tr.mesh, tr.rules, cast)
+    cast = jax.tree.map(
+        lambda x: x.astype(tr.setup.model_cfg.param_dtype, copy=True), _initial_params()
+    )
+    return train_state.from_params(
+        tr.setup.model_cfg, tr.setup.tx, tr.setup.mesh, tr.setup.rules, cast
+    )
 
 
 def _batch(tr: Trainer, poison: bool = False) -> dict:
@@ -72,7 +77,8 @@ def _batch(tr: Trainer, poison: bool = False) -> dict:
     toks = np.random.default_rng(0).integers(0, 256, (4, 17)).astype(np.int32)
     weights = np.full((4, 16), np.nan if poison else 1.0, np.float32)
     return jax.device_put(
-        {"inputs": toks[:, :-1], "targets": toks[:, 1:], "weights": weights}, tr.batch_sharding
+        {"inputs": toks[:, :-1], "targets": toks[:, 1:], "weights": weights},
+        tr.setup.batch_sharding,
     )
 
 
@@ -82,8 +88,8 @@ def _run(dtype: str, param_dtype: str):
     run(state, batches) -> (state, [metrics as floats])."""
     tr = _trainer(dtype=dtype, param_dtype=param_dtype)
     state = _fresh_state(tr)
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        step = tr.jit_step().lower(state, _batch(tr)).compile(FAST_COMPILE)
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+        step = jit_step(tr.setup).lower(state, _batch(tr)).compile(FAST_COMPILE)
 
     def run(state, batches):
         out = []

@@ -1,7 +1,7 @@
 """Host offloading. Activations: `--model.remat dots_offload` (the projections' outputs that `dots`
 saves, kept in pinned host memory between the forward and the backward pass; models/pieces.py
 REMAT). Optimizer state: `--train.offload_optimizer true` (the state lives in pinned host memory
-between steps; the step brings it to the device for the update and back; train/setup.py).
+between steps; the step brings it to the device for the update and back; train/core/setup.py).
 
 On CPU the device memory is the host's: XLA:CPU compiles the remat policy to the same program as
 `dots` (no host copies), so what is tested there is that the run accepts it and computes the same
@@ -32,10 +32,10 @@ from errors import UserError
 from models.config import PipelineConfig
 from models.presets import preset
 from plan import cost, estimate, hardware, search
-from train import resume
-from train.config import build
-from train.memory import check_host_offload
-from train.setup import abstract_state
+from train.core.config import build
+from train.core.memory import check_host_offload
+from train.core.setup import abstract_state
+from train.run import resume
 
 
 def test_offload_runs_and_equals_dots_on_cpu(tmp_path):
@@ -105,7 +105,7 @@ def test_optimizer_in_host_memory_restores_into_host_memory(optimizer_runs, tmp_
     tr, got, _ = optimizer_runs[True]
     state = got["state"]
     saver = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-    saver.save(5, state, make_meta(5, tr.cfg.to_dict(), tr.mesh, seed=0))
+    saver.save(5, state, make_meta(5, tr.cfg.to_dict(), tr.setup.mesh, seed=0))
     restored, _ = resume.restore(tr.setup, abstract_state(tr.setup), saver, 5)
     saver.close()
     for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state.opt_state)):

@@ -22,11 +22,12 @@ from mesh.build import make_mesh
 from mesh.rules import axis_rules
 from models import model
 from models.presets import preset
-from train import optim, resume
-from train.config import OPTIMIZERS, TrainConfig, build, from_args
-from train.setup import abstract_state, setup
-from train.state import TrainState
-from train.step import grads_loss_stats
+from train.core import optim
+from train.core.config import OPTIMIZERS, TrainConfig, build, from_args
+from train.core.setup import abstract_state, setup
+from train.core.state import TrainState
+from train.core.step import grads_loss_stats
+from train.run import resume
 
 MESH = "data=2,fsdp=2,model=2"
 # a rate each one learns with in a few steps (Adafactor's is relative to each parameter's RMS)

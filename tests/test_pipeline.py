@@ -22,6 +22,7 @@ from models.config import PipelineConfig
 from models.presets import PRESETS
 from models.transformer import Block
 from plan.hlo import parse_collectives
+from train.core.setup import create_state, jit_step
 
 B, T = 16, 8
 RULES = make_rules("layers=pipeline")  # each device stores only its own layers
@@ -318,8 +319,8 @@ def test_pipeline_apply_validates_before_tracing_layers():
 
 
 def trainer_for(mesh: str, tmp_path, **over):
-    from train.config import build
-    from train.loop import Trainer
+    from train.core.config import build
+    from train.run.loop import Trainer
 
     d = {
         "model.preset": "tiny",
@@ -346,12 +347,12 @@ def step_losses(tr, steps=3):
         batch_size=8,
         seq_len=32,
         seed=0,
-        batch_sharding=tr.batch_sharding,
-        vocab_size=tr.model_cfg.vocab_size,
+        batch_sharding=tr.setup.batch_sharding,
+        vocab_size=tr.setup.model_cfg.vocab_size,
     ).device_batch(0)
-    state, losses = tr.create_state(), []
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-        step = tr.jit_step()
+    state, losses = create_state(tr.setup), []
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+        step = jit_step(tr.setup)
         for _ in range(steps):
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
@@ -398,8 +399,8 @@ def test_training_on_pipeline_mesh_matches_data_parallel(
     np.testing.assert_allclose(got, want, rtol=1e-5)
     w = state.params["blocks"]["mlp"]["w_gate_DF"]
     stored = (
-        w.shape[0] // tr.mesh.shape["pipeline"]
-        if tr.rules["layers"] == ("pipeline",)
+        w.shape[0] // tr.setup.mesh.shape["pipeline"]
+        if tr.setup.rules["layers"] == ("pipeline",)
         else w.shape[0]
     )
     assert w.addressable_shards[0].data.shape[0] == stored
@@ -424,9 +425,9 @@ def test_moe_on_pipeline_mesh_matches_data_parallel(tmp_path):
     for tr in (
         ref,
         pp,
-    ):
-        with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
-            fwd = jax.jit(functools.partial(model.forward, tr.model_cfg))
+    ):  # token counts per expert are sums over the batch, not means over micro-batches
+        with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+            fwd = jax.jit(functools.partial(model.forward, tr.setup.model_cfg))
             counts.append(fwd(want_state.params, tokens)[1]["counts"])
     assert float(counts[0].sum()) == 8 * 32 * 2 * 2  # tokens x top-2 x 2 MoE layers
     np.testing.assert_array_equal(np.asarray(counts[1]), np.asarray(counts[0]))
@@ -497,7 +498,7 @@ def test_plan_reports_pipeline(tmp_path):
     ],
 )
 def test_cli_bad_pipeline_config_is_one_line(tmp_path, capsys, argv, culprit):
-    from train.__main__ import main
+    from train.cli.main import main
 
     rc = main(
         ["--model", "tiny", "--steps", "1", "--batch-size", "8", "--run-dir", str(tmp_path), *argv]

@@ -417,10 +417,10 @@ def optax_norm(tree):
 
 @pytest.mark.slow
 def test_decoder_matches_plain_model_and_gpipe():
-    """The tiny decoder (float32): the train step's objective (train.step.loss_terms) and its
-    gradient on one device-group without pipeline, with GPipe, and through 1F1B (the explicit
+    """The tiny decoder (float32): the train step's objective (train.core.batch_loss.loss_terms) and
+    its gradient on one device-group without pipeline, with GPipe, and through 1F1B (the explicit
     engine, the same entry), pipeline=2 with data and fsdp axes, M = 2P."""
-    from train.step import loss_terms
+    from train.core.batch_loss import loss_terms
 
     cfg = dataclasses.replace(PRESETS["tiny"], dtype="float32")
     params = model.init(cfg, jax.random.key(0))
@@ -514,7 +514,7 @@ def test_temp_memory_is_flat_in_microbatches():
 def test_moe_on_a_small_cpu_pool_is_one_line_before_the_run_dir(tmp_path, monkeypatch, capfd):
     """`python -m train` with a MoE model through 1f1b and XLA:CPU's default pool (8 threads for 8
     devices on 2 cores): exit 2, one line naming PJRT_NPROC, and no run directory written."""
-    from train.__main__ import main
+    from train.cli.main import main
 
     monkeypatch.setenv("PJRT_NPROC", "8")
     run_dir = tmp_path / "run"

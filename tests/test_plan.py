@@ -13,8 +13,9 @@ from cpu_env import cpu_env
 
 from plan.hlo import KINDS
 from plan.report import analyze, memory_traffic
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.core.setup import abstract_state
+from train.run.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -306,10 +307,10 @@ def test_cost_prices_the_pipeline_bubble_that_plan_prints_and_the_run_has(schedu
         "backend": "cpu",
         "flops_per_step": 1.0,
         "pipeline": printed,
-        "theory_detail": theory(run_spec(tr.setup), tr.abstract_state().params),
+        "theory_detail": theory(run_spec(tr.setup), abstract_state(tr.setup).params),
     }
     priced = compiled_cost.from_plan(
-        report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.mesh.shape)
+        report, hardware.get("h100"), c.model, 16, 32, G, dict(tr.setup.mesh.shape)
     )
     assert printed["microbatches"] == M and printed["repeats"] == R
     assert printed["bubble"] == priced["bubble"] == pytest.approx((P - 1) / (R * M + P - 1))

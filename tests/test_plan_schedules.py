@@ -14,7 +14,7 @@ from models.config import PipelineConfig
 from models.pipeline import timetables
 from models.presets import preset
 from plan import cli, estimate, hardware, schedules, search
-from train.config import build
+from train.core.config import build
 
 MESH_70B = {"model": 8, "pipeline": 4, "data": 32}
 

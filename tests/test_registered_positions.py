@@ -11,6 +11,7 @@ from equivalence import assert_trees_close, gradients, make_trainer, synthetic_b
 
 import models
 from errors import UserError
+from train.core.setup import abstract_batch, abstract_state, compile_step, create_state
 
 
 def prefix_init(cfg, key):
@@ -55,7 +56,7 @@ def test_a_model_that_masks_by_index_is_refused_on_a_context_axis(tmp_path):
         match="model 'prefix-by-index' on a context axis of 2: .* register it with"
         " takes_positions=True",
     ):
-        tr.compile_step(tr.abstract_state(), tr.abstract_batch())
+        compile_step(tr.setup, abstract_state(tr.setup), abstract_batch(tr.setup))
 
 
 @pytest.mark.parametrize("mesh", ["context=2", "context=4,fsdp=2"])
@@ -66,8 +67,8 @@ def test_a_model_that_takes_positions_trains_on_a_context_axis_as_on_one_device(
     over = {"model.preset": "prefix-by-positions"}
     one = make_trainer("", tmp_path / "one", one_device=True, **over)
     split = make_trainer(mesh, tmp_path / "split", **over)
-    params = jax.device_get(one.create_state().params)
-    batch = synthetic_batches(one.model_cfg.vocab_size, 1)[0]
+    params = jax.device_get(create_state(one.setup).params)
+    batch = synthetic_batches(one.setup.model_cfg.vocab_size, 1)[0]
     loss_one, grads_one = gradients(one, params, batch)
     loss_split, grads_split = gradients(split, params, batch)
     np.testing.assert_allclose(loss_split, loss_one, rtol=1e-6)

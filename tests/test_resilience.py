@@ -13,7 +13,7 @@ import time
 import pytest
 from cpu_env import cpu_env
 
-from train.goodput import CATEGORIES, Goodput, breakdown_text
+from train.run.goodput import CATEGORIES, Goodput, breakdown_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(1, PYTHONUNBUFFERED="1")
@@ -72,8 +72,9 @@ def test_watchdog_dumps_stacks_and_exits_4_on_a_hang(tmp_path):
     )
     assert "Thread 0x" not in p.stderr and "Current thread" not in p.stderr  # in the file only
     stacks = (tmp_path / "watchdog-stacks.0.txt").read_text()
-    # where the main thread hung: the loop in fit()
-    assert " in fit\n" in stacks and "train/loop.py" in stacks
+    assert (
+        " in fit\n" in stacks and "train/run/loop.py" in stacks
+    )  # where the main thread hung: the loop in fit()
     assert steps_logged(tmp_path) == [1, 2, 3]  # step 4 hung before it was logged
     assert time.monotonic() - t0 < 120
 
@@ -305,7 +306,7 @@ def test_a_summary_older_than_the_last_record_is_no_clean_end():
 def test_the_run_dir_records_whether_a_resume_followed_a_clean_end(tmp_path):
     """prepare_run_dir reads summary.json and resumes.jsonl: a continuation after a clean end is
     recorded as such and counts no restart; the next resume after a crash does."""
-    from train.rundir import prepare_run_dir
+    from train.run.rundir import prepare_run_dir
 
     recs, summary = _attempt_records(t_end=1000.0)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -350,8 +351,8 @@ def test_parsing_flags_and_the_supervisor_import_no_jax():
     """The supervisor parent must not import JAX (it would hold no devices, but a GPU build may init
     them)."""
     code = (
-        "import sys; from train.config import from_args;"
-        " import train.supervisor, checkpoint.echoes, mesh.xla;"
+        "import sys; from train.core.config import from_args;"
+        " import train.run.supervisor, checkpoint.echoes, mesh.xla;"
         " from_args(['--max-restarts', '2', '--comm.compression', 'int8']);"
         " print('jax' in sys.modules)"
     )
@@ -376,7 +377,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_watchdog_waits_do_not_count_as_a_hang_but_their_own_limit_does(tmp_path):
     code = """if True:
         import sys, time
-        from train.watchdog import Watchdog
+        from train.run.watchdog import Watchdog
         with Watchdog(0.5, sys.argv[1]) as dog:
             dog.beat("step 1")
             with dog.waiting("the commit of checkpoint step 8"):
@@ -402,7 +403,7 @@ def test_watchdog_waits_do_not_count_as_a_hang_but_their_own_limit_does(tmp_path
 def test_two_threads_ending_the_process_at_once_print_one_line():
     code = """if True:
         import threading
-        from train.watchdog import end_process
+        from train.run.watchdog import end_process
         go = threading.Barrier(3)
         def end(code):
             go.wait()
@@ -424,8 +425,8 @@ def test_two_threads_ending_the_process_at_once_print_one_line():
 def test_supervisor_restarts_crashes_but_never_a_final_status(tmp_path, status, restarts):
     """2 (configuration or input error) and 3 (diverged) end the supervision at once; a lost peer
     (5) or the watchdog (4) is a crash, restarted up to --max-restarts times."""
-    from train.rundir import MARKER
-    from train.supervisor import supervise
+    from train.run.rundir import MARKER
+    from train.run.supervisor import supervise
 
     (tmp_path / MARKER).write_text("{}")  # a run directory, as the child leaves it
     child = [sys.executable, "-c", f"import sys; sys.exit({status})"]
@@ -441,7 +442,7 @@ def test_supervisor_restarts_crashes_but_never_a_final_status(tmp_path, status, 
 def test_supervisor_writes_nothing_into_a_run_dir_its_child_never_claimed(tmp_path):
     """A child that dies before it claims --run-dir: a restarts.jsonl written there would make
     the restarted child refuse the directory as not a Brigade run directory."""
-    from train.supervisor import supervise
+    from train.run.supervisor import supervise
 
     child = [sys.executable, "-c", "import sys; sys.exit(1)"]
     assert (

@@ -16,9 +16,10 @@ from cpu_env import cpu_env
 from data_files import file_hashes as listing
 
 from errors import UserError
-from train.config import build, dump
-from train.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir, start_named_run
-from train.supervisor import Fresh, child_argv
+from train.core.config import build, dump
+from train.run.named_runs import start_named_run
+from train.run.rundir import LOCK, MARKER, RunDirLock, check_writable_run_dir
+from train.run.supervisor import Fresh, child_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = cpu_env(1, PYTHONUNBUFFERED="1")

@@ -6,15 +6,16 @@ import jax
 import pytest
 
 from errors import UserError
-from train.config import build
-from train.device_memory import (
+from train.core.config import build
+from train.run import loop
+from train.run.device_memory import (
     figures,
     host_rss_bytes,
     is_out_of_memory,
     out_of_memory_line,
     size_text,
 )
-from train.loop import Trainer
+from train.run.loop import Trainer
 
 OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes."
 
@@ -36,7 +37,7 @@ def test_figures_take_the_fullest_device_and_say_unavailable_without_counters():
             {"bytes_in_use": 4 << 30, "peak_bytes_in_use": 4 << 30, "bytes_limit": 80 << 30}
         ),
     ]
-    got = figures(devices)  # the loop logs those that are not None (train/run.py)
+    got = figures(devices)  # the loop logs those that are not None (train/run/run.py)
     assert (got["mem_bytes_in_use"], got["mem_peak_bytes"], got["mem_limit_bytes"]) == (
         4 << 30,
         5 << 30,
@@ -110,7 +111,7 @@ def test_fit_turns_an_out_of_memory_compile_into_the_line(tmp_path, monkeypatch)
     def exhausted(*_):
         raise jax.errors.JaxRuntimeError(OOM)
 
-    monkeypatch.setattr(tr, "compile_step", exhausted)
+    monkeypatch.setattr(loop, "compile_checked", exhausted)  # the compile in Trainer.fit
     with pytest.raises(
         UserError,
         match=r"out of device memory \(last activity: compiling the train step\): "

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")

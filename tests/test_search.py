@@ -17,8 +17,9 @@ from plan.render import run_flags
 from plan.report import analyze
 from plan.run_spec import run_spec
 from plan.theory import on_backend, theory
-from train.config import TrainConfig, build
-from train.loop import Trainer
+from train.core.config import TrainConfig, build
+from train.core.setup import abstract_state
+from train.run.loop import Trainer
 
 
 def test_factorizations():
@@ -227,7 +228,7 @@ def test_predicted_bytes_equal_compiled(compiled, mesh, sizes):
         preset("tiny"), sizes, hardware.get("cpu", 8), 16, 256, train_cfg=tr.cfg.train
     )
     assert row["theory"] == report["theory_detail"]  # the analytic search uses plan's own formulas
-    for key, th in on_backend(row["theory"], "cpu", tr.mesh.shape).items():
+    for key, th in on_backend(row["theory"], "cpu", tr.setup.mesh.shape).items():
         kind, _, axes = key.partition("@")
         got = report["collectives_detail"][kind]["by_axes"][axes]["operand_bytes"]
         assert got == pytest.approx(th["operand_bytes"], rel=0.10), key  # and the compiler agrees
@@ -290,9 +291,9 @@ def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
     if mesh.startswith("data"):
         over["comm.sync_every"] = 4
     tr = Trainer(build(over))
-    sizes = {a: tr.mesh.shape[a] for a in tr.mesh.axis_names}
+    sizes = {a: tr.setup.mesh.shape[a] for a in tr.setup.mesh.axis_names}
     row = estimate.evaluate(
-        tr.model_cfg,
+        tr.setup.model_cfg,
         sizes,
         hardware.get("cpu", 8),
         16,
@@ -300,7 +301,7 @@ def test_analytic_theory_is_plans_theory_on_mixed_meshes(mesh):
         train_cfg=tr.cfg.train,
         comm_cfg=tr.cfg.comm,
     )
-    assert row["theory"] == theory(run_spec(tr.setup), tr.abstract_state().params)
+    assert row["theory"] == theory(run_spec(tr.setup), abstract_state(tr.setup).params)
     assert "all-reduce@model" in row["theory"] and row["comm"]["all-reduce@model"]["wire_bytes"] > 0
     if "sync_every" in over:
         assert row["theory"]["all-reduce@data"]["sync_every"] == 4

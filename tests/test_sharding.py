@@ -11,15 +11,16 @@ import jax
 import numpy as np
 import optax
 import pytest
+from equivalence import grads_and_loss
 from jax.sharding import PartitionSpec as P
 
 from mesh.rules import axis_rules, logical_to_spec
 from mesh.shard import axes_size
 from models import model as model_lib
-from train.config import build
+from train.core.config import build
+from train.core.setup import create_state
 from train.data import make_pipeline
-from train.loop import Trainer
-from train.step import grads_and_loss
+from train.run.loop import Trainer
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=2,model=2", "model=4,fsdp=2"]
 KV4 = {"model.n_heads": 4, "model.n_kv_heads": 4}  # so that model=4 divides the kv heads
@@ -100,8 +101,8 @@ def _expected_shard_shape(mesh, shape, spec):
 
 
 def check_state_layout(tr: Trainer, state):
-    mesh, rules = tr.mesh, tr.rules
-    axes = model_lib.param_axes(tr.model_cfg)
+    mesh, rules = tr.setup.mesh, tr.setup.rules
+    axes = model_lib.param_axes(tr.setup.model_cfg)
     want = jax.tree.map(
         lambda names: logical_to_spec(names, rules), axes, is_leaf=lambda x: isinstance(x, tuple)
     )
@@ -173,9 +174,9 @@ def _losses(tr):
 def test_sharding_invariance(fitted, mesh):
     kv4 = "model=4" in mesh
     ref = _losses(fitted("", kv4))
-    assert fitted("", kv4).mesh.size == 1
+    assert fitted("", kv4).setup.mesh.size == 1
     got = _losses(fitted(mesh, kv4))
-    assert fitted(mesh, kv4).mesh.size == 8
+    assert fitted(mesh, kv4).setup.mesh.size == 8
     assert np.all(np.isfinite(ref)) and ref[-1] < ref[0]  # it is training, not a constant
     np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=f"mesh {mesh} vs one device")
     ref_norm = [r["grad_norm"] for r in fitted("", kv4).history]
@@ -201,13 +202,13 @@ def micro_setup(tmp_path_factory):
         "data=2,fsdp=2,model=2", tmp_path_factory.mktemp("micro"), **{"train.batch_size": 16}
     )
     tr = Trainer(cfg)
-    state = tr.create_state()
+    state = create_state(tr.setup)
     pipe = make_pipeline(
         tr.cfg.data,
         batch_size=16,
         seq_len=32,
         seed=0,
-        batch_sharding=tr.batch_sharding,
+        batch_sharding=tr.setup.batch_sharding,
         vocab_size=264,
     )
     batch = pipe.device_batch(0)
@@ -223,8 +224,10 @@ def test_fresh_state_layout(micro_setup):
 
 
 def _grads(tr, state, batch, m, dp_axes=()):
-    fn = jax.jit(functools.partial(grads_and_loss, tr.model_cfg, micro_batches=m, dp_axes=dp_axes))
-    with jax.set_mesh(tr.mesh), axis_rules(tr.rules):
+    fn = jax.jit(
+        functools.partial(grads_and_loss, tr.setup.model_cfg, micro_batches=m, dp_axes=dp_axes)
+    )
+    with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
         return fn(state.params, batch)
 
 
@@ -232,7 +235,7 @@ def _grads(tr, state, batch, m, dp_axes=()):
 def test_micro_batches_same_loss_and_grads(micro_setup, per_replica_sums):
     """Also with data-parallel replicas keeping their own partial sums (one all-reduce per step)."""
     tr, state, batch = micro_setup
-    dp_axes = tr.dp_axes() if per_replica_sums else ()
+    dp_axes = tr.setup.dp_axes if per_replica_sums else ()
     assert dp_axes == (("data",) if per_replica_sums else ())
     loss1, g1 = _grads(tr, state, batch, 1)
     loss4, g4 = _grads(tr, state, batch, 4, dp_axes)

@@ -1,5 +1,6 @@
-"""train/sinks.py: the console (bar, plain lines, nothing), W&B offline (its run id kept in the run
-directory, so a second run on it continues the same W&B run), and a real run without a terminal."""
+"""train/run/sinks.py: the console (bar, plain lines, nothing), W&B offline (its run id kept in the
+run directory, so a second run on it continues the same W&B run), and a real run without a
+terminal."""
 
 import glob
 import json
@@ -11,9 +12,10 @@ import pytest
 from cpu_env import cpu_env
 
 from errors import UserError
-from train import sinks
-from train.config import build
-from train.metrics import MetricsLogger
+from train.core import run_sections
+from train.core.config import build
+from train.run import sinks
+from train.run.metrics import MetricsLogger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = {
@@ -34,11 +36,12 @@ class Terminal:
 
 def test_progress_modes():
     with open(os.devnull, "w") as log_file:
-        assert sinks.progress_mode("auto", log_file) == "lines"
+        assert run_sections.progress_mode("auto", log_file) == "lines"
         assert [
-            sinks.progress_mode(v, log_file) for v in ("bar", "lines", "none", "false", "True")
+            run_sections.progress_mode(v, log_file)
+            for v in ("bar", "lines", "none", "false", "True")
         ] == ["bar", "lines", "none", "none", "lines"]  # true/false: auto/none
-    assert sinks.progress_mode("auto", Terminal()) == "bar"
+    assert run_sections.progress_mode("auto", Terminal()) == "bar"
     with pytest.raises(
         UserError, match="--logging.progress: 'fancy' is not one of auto, bar, lines, none"
     ):
@@ -74,7 +77,7 @@ def test_unknown_or_missing_tracker_is_one_line(monkeypatch):
         UserError, match="unknown option 'logging.mlflow'; valid logging options: .*wandb"
     ):
         build({"logging.mlflow": "proj"})
-    monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(run_sections.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(
         UserError,
         match=r"--logging.wandb: the wandb package is not installed; pip install"

@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
-from train.state import LOSS_WINDOW, SPIKE_WARMUP, LossWindow
+from train.core.config import build
+from train.core.setup import abstract_batch, abstract_state, compile_step, create_state
+from train.core.state import LOSS_WINDOW, SPIKE_WARMUP, LossWindow
+from train.run import resume
+from train.run.loop import Trainer
+from train.run.startup import open_checkpoints
 
 BASE = {
     "model.preset": "tiny",
@@ -82,19 +85,21 @@ def _batch(tr: Trainer, rng, corrupt=False) -> dict:
     """Tokens from a 16-id alphabet (learnt within a few steps); `corrupt`: every target the last
     id."""
     tokens = rng.integers(0, 16, size=(8, 33)).astype(np.int32)
-    targets = np.full((8, 32), tr.model_cfg.vocab_size - 1, np.int32) if corrupt else tokens[:, 1:]
+    targets = (
+        np.full((8, 32), tr.setup.model_cfg.vocab_size - 1, np.int32) if corrupt else tokens[:, 1:]
+    )
     host = {"inputs": tokens[:, :-1], "targets": targets, "weights": np.ones((8, 32), np.float32)}
-    return jax.device_put(host, tr.batch_sharding)
+    return jax.device_put(host, tr.setup.batch_sharding)
 
 
 def test_a_spike_is_skipped_and_the_run_then_matches_one_without_the_bad_batch(tmp_path):
     # the loop test's step
     tr = Trainer(build({**BASE, "train.steps": 16, "logging.run_dir": str(tmp_path)}))
     step_fn, rng = (
-        tr.compile_step(tr.abstract_state(), tr.abstract_batch()),
+        compile_step(tr.setup, abstract_state(tr.setup), abstract_batch(tr.setup)),
         np.random.default_rng(0),
     )
-    state = tr.create_state()
+    state = create_state(tr.setup)
     for _ in range(SPIKE_WARMUP + 2):
         state, m = step_fn(state, _batch(tr, rng))
     before = jax.device_get(state)  # the state is donated to the next step: keep a copy
@@ -112,7 +117,7 @@ def test_a_spike_is_skipped_and_the_run_then_matches_one_without_the_bad_batch(t
     assert int(after.step) == int(before.step) + 1
     good = _batch(tr, rng)
     with_spike, m1 = step_fn(spiked, good)
-    without, m2 = step_fn(jax.device_put(before, tr.state_shardings), good)
+    without, m2 = step_fn(jax.device_put(before, tr.setup.state_shardings), good)
     assert float(m1["loss"]) == float(m2["loss"]) and int(m1["spike_in_a_row"]) == 0
     for a, b in zip(
         jax.tree.leaves(jax.device_get(with_spike.params)),
@@ -150,9 +155,9 @@ def test_spikes_in_the_loop_are_logged_counted_recovered_and_checkpointed(
     assert "recovery:" in out and "weights of step 12" in out, out
     # the restored window is step 12's (one spike, at 10): the count rewinds with the weights
     assert rec[15]["spike_skipped_steps"] == 1 and rec[16]["spike_skipped_steps"] == 1
-    # what a resume reads back: the window with its count
-    saved, _ = tr.restore(tr.open_checkpoints(), 16)
-    # step 12's (1 spike), then 15, 16
+    saved, _ = resume.restore(
+        tr.setup, abstract_state(tr.setup), open_checkpoints(tr.cfg), 16
+    )  # what a resume reads back: the window with its count
     assert (int(saved.spike.skipped), int(saved.spike.seen)) == (
         1,
         11 + 2,

@@ -1,4 +1,4 @@
-"""A refused run leaves the disk as it found it (train/startup.py): refusals that can be made
+"""A refused run leaves the disk as it found it (train/run/startup.py): refusals that can be made
 before anything is created are (a vocabulary too small for the data, a local tier directory that
 cannot be created, another run's checkpoint directory), and one that comes after the run claimed
 its directory (a --resume PATH that is not there) takes back the skeleton it made; a run
@@ -10,8 +10,8 @@ import pytest
 from data_files import file_hashes as listing
 
 from errors import UserError
-from train.config import build
-from train.loop import Trainer
+from train.core.config import build
+from train.run.loop import Trainer
 
 BASE = {
     "model.preset": "tiny",

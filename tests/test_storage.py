@@ -18,16 +18,17 @@ from fsspec.registry import _registry as registry  # the implementations registe
 from checkpoint import storage
 from errors import UserError
 from train.data.prepare import prepare
-from train.data.sources import RangeReadShard, load_prepared
-from train.goodput import Goodput, read_records
-from train.rundir import (
+from train.data.shards import RangeReadShard
+from train.data.sources import load_prepared
+from train.run.goodput import Goodput, read_records
+from train.run.rundir import (
     MARKER,
     RunDirLock,
     check_writable_run_dir,
     drop_records_after,
     prepare_run_dir,
 )
-from train.sinks import JsonlSink
+from train.run.sinks import JsonlSink
 
 
 class FakeGCS(MemoryFileSystem):
@@ -183,7 +184,7 @@ def without(monkeypatch):
     ],
 )
 def test_a_url_whose_package_is_missing_is_one_line(tmp_path, capsys, without, package, url, words):
-    from train.__main__ import main as train_main
+    from train.cli.main import main as train_main
     from train.data.prepare import main as prepare_main
 
     without(package, ("gs", "gcs") if package == "gcsfs" else ("s3", "s3a"))
@@ -204,7 +205,7 @@ def test_a_url_whose_package_is_missing_is_one_line(tmp_path, capsys, without, p
 
 
 def test_tensorboard_events_on_a_url_name_their_package(monkeypatch, without):
-    from train.config import build
+    from train.core.config import build
 
     monkeypatch.setattr(storage, "require_backend", lambda *a: None)  # s3fs: the test above
     without("boto3", ())

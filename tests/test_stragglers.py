@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cpu_env import cpu_env
 
-from train.stragglers import STREAK, Stragglers, compare
+from train.run.stragglers import STREAK, Stragglers, compare
 
 REPO = Path(__file__).resolve().parent.parent
 

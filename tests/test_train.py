@@ -22,13 +22,13 @@ from errors import UserError
 from mesh.build import make_mesh
 from models import model as model_lib
 from models.presets import PRESETS
-from train import optim
-from train.config import TrainConfig, build
+from train.core import optim
+from train.core.config import TrainConfig, build
 from train.data import corpus, make_pipeline
-from train.goodput import CATEGORIES as GOODPUT_CATEGORIES
-from train.loop import Trainer
+from train.run.loop import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train.run.goodput import CATEGORIES as GOODPUT_CATEGORIES  # noqa: E402
 
 STEP_KEYS = {
     "step",
@@ -45,7 +45,7 @@ STEP_KEYS = {
     "goodput",
     "time",
     "restarts",
-    "recomputed_steps",  # + goodput (train/goodput.py)
+    "recomputed_steps",  # + goodput (train/run/goodput.py)
     *(f"time_{c}_s" for c in GOODPUT_CATEGORIES),
     "time_other_s",
     "time_total_s",
@@ -205,7 +205,7 @@ def test_summary_and_sample(run):
 
 
 def _pipeline(seed, first_step=0, sharding=None):
-    from train.config import DataConfig
+    from train.core.config import DataConfig
 
     return make_pipeline(
         DataConfig(source="synthetic", prefetch=2),

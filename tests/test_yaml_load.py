@@ -6,7 +6,7 @@ import time
 import pytest
 
 from errors import UserError
-from train.config import build
+from train.core.config import build
 from train.data.sources import parse_mixture
 
 
@@ -78,7 +78,7 @@ def test_size_binary_and_nesting_are_one_line(tmp_path):
 
 
 def test_the_largest_file_loads_in_seconds(tmp_path):
-    from train import yaml_load
+    from train.data import yaml_load
 
     path = tmp_path / "big.yaml"
     body = "x: [" + "1, " * ((yaml_load.MAX_BYTES - 16) // 3) + "]\n"

@@ -1,0 +1,1 @@
+"""Training: core/ (the step, its setup), run/ (the run around it), cli/ (entry points), data/."""

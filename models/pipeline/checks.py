@@ -1,5 +1,5 @@
 """The one-line check of a pipeline setting against the model, the batch and the mesh, made before
-anything compiles: by the engines, by the run (train/shapes.py) and by `plan --search`.
+anything compiles: by the engines, by the run (train/core/shapes.py) and by `plan --search`.
 
 Letters as in models/pipeline/__init__.py.
 """

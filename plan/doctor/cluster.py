@@ -104,7 +104,7 @@ def not_joined(coordinator: str, processes: int, me: int, timeout_s: float) -> C
 def exchange(me: int, n: int, mine: dict, timeout_s: float) -> dict[int, dict] | None:
     """Every process publishes its checklist and facts; process 0 reads them all -> by process
     (process 0), or None (the others, which print nothing more)."""
-    from train.watchdog import coordination_client
+    from train.run.watchdog import coordination_client
 
     client = coordination_client()
     if client is None or n == 1:

@@ -12,10 +12,11 @@ from checkpoint import storage
 from checkpoint.manager import open_checkpoint
 from errors import UserError
 from plan.doctor.report import Check, fail, ok
-from train import resume
 from train.data import make_pipeline
-from train.rundir import DEFAULT_RUN_DIR, check_writable_run_dir
-from train.startup import check_before_creating, checkpoint_dir
+from train.run import resume
+from train.run.named_runs import DEFAULT_RUN_DIR
+from train.run.rundir import check_writable_run_dir
+from train.run.startup import check_before_creating, checkpoint_dir
 
 
 def _writable(path: str, flag: str) -> Check | None:

@@ -15,9 +15,9 @@ from plan import estimate, hardware, search
 from plan.cli import MAX_SEARCH_DEVICES, check_search_size
 from plan.doctor.report import Check, fail, ok, warn
 from plan.render import run_flags
-from train.memory import available_bytes
-from train.setup import setup
-from train.shapes import batch_shards
+from train.core.memory import available_bytes
+from train.core.setup import setup
+from train.core.shapes import batch_shards
 
 GIB = 2**30
 BETTER = 0.9  # the planner's pick is named when it predicts a step this much shorter or less

@@ -11,7 +11,7 @@ from errors import UserError, number
 from mesh.build import init_distributed
 from plan.doctor import cluster, environment, inputs, layout
 from plan.doctor.report import Check, as_json, fail, ok, passed, render, union
-from train.config import build, make_parser
+from train.core.config import build, make_parser
 
 
 def make_doctor_parser():

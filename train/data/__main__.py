@@ -1,4 +1,5 @@
-"""`python -m train.data prepare INPUTS... --tokenizer TOK --out DIR` (see train/data/prepare.py)."""
+"""`python -m train.data prepare INPUTS... --tokenizer TOK --out DIR` (see
+train/data/prepare.py)."""
 
 import sys
 
@@ -7,7 +8,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("prepare",):
         print(
-            "usage: python -m train.data prepare INPUTS... --tokenizer TOK --out DIR  (prepare --help for more)",
+            "usage: python -m train.data prepare INPUTS... --tokenizer TOK --out DIR  (prepare"
+            " --help for more)",
             file=sys.stderr,
         )
         return 2

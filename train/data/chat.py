@@ -41,7 +41,8 @@ FIELDS = {"prompt_completion": ("prompt", "completion"), "chat": ("messages",)}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _SHAPE = {
     "prompt_completion": '{"prompt": "...", "completion": "..."}',
-    "chat": '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}',
+    "chat": '{"messages": [{"role": "user", "content": "..."},'
+    ' {"role": "assistant", "content": "..."}]}',
 }
 
 
@@ -66,8 +67,8 @@ def check_options(tok, input_format: str, text_field: str) -> str | tuple[str, .
 def _check_chat_tokenizer(tok) -> None:
     if tok.model_dir is None:
         raise UserError(
-            f"prepare: --format chat needs --tokenizer HF_MODEL_DIR, a HuggingFace model directory with"
-            f" tokenizer.json and a chat template; got --tokenizer {tok.path or tok.kind}"
+            "prepare: --format chat needs --tokenizer HF_MODEL_DIR, a HuggingFace model directory"
+            f" with tokenizer.json and a chat template; got --tokenizer {tok.path or tok.kind}"
         )
     if not tok.chat_template:
         raise UserError(
@@ -78,11 +79,12 @@ def _check_chat_tokenizer(tok) -> None:
     compile_template(tok.chat_template, tok.model_dir)
 
 
-# ------------------------------------------------------------------ the template, as transformers renders it
+# ------------------------------------------------------ the template, as transformers renders it
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' own: jinja's default tojson escapes HTML characters, which templates do not expect
+    # transformers' own: jinja's default tojson escapes HTML characters, which templates do not
+    # expect
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -129,8 +131,8 @@ def compile_template(source: str, model_dir: str):
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise UserError(
-            f"prepare: --tokenizer {model_dir}: the chat template does not compile (line {e.lineno}:"
-            f" {e.message})"
+            f"prepare: --tokenizer {model_dir}: the chat template does not compile (line"
+            f" {e.lineno}: {e.message})"
         ) from None
 
 
@@ -148,9 +150,8 @@ def render(
             add_generation_prompt=add_generation_prompt,
             **tok.special,
         )
-    except (
-        Exception
-    ) as e:  # the template is the model's code: anything it raises is about this record
+    # the template is the model's code: anything it raises is about this record
+    except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise UserError(
             f"prepare: {line_where(where)}: the chat template fails on this conversation ({first})"
@@ -184,7 +185,8 @@ def check_record(input_format: str, record: dict, where: str) -> dict:
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise _bad(where, input_format, "field 'messages' is not a non-empty list")
-    # keys whose value is null are dropped, as transformers does (a Parquet struct has every key in every row)
+    # keys whose value is null are dropped, as transformers does (a Parquet struct has every key in
+    # every row)
     messages = [
         {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
         for m in messages
@@ -225,13 +227,12 @@ def assistant_spans(tok, messages: list[dict], where: str) -> tuple[str, list[tu
 
 
 def chat_tokens(tok, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
-    """-> (ids [N] of the rendered conversation, uint8 mask [N]: 1 on tokens overlapping an assistant turn)."""
+    """-> (ids [N] of the rendered conversation, uint8 mask [N]: 1 on tokens overlapping an
+    assistant turn)."""
     text, spans = assistant_spans(tok, messages, where)
     ids, offsets = tok.encode_offsets(text)
-    start, end = (
-        offsets[:, 0],
-        np.maximum(offsets[:, 1], offsets[:, 0] + 1),
-    )  # a token of no characters has a place
+    # a token of no characters has a place
+    start, end = (offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1))
     mask = np.zeros(len(ids), bool)
     for a, b in spans:
         mask |= (start < b) & (end > a)

@@ -75,9 +75,8 @@ def _read_tree(
                 with open(path, "rb") as f:
                     docs.append((os.path.relpath(path, root), f.read()))
             except OSError as e:
-                if (
-                    strict
-                ):  # the user's data: a file left out silently would be a silent change of corpus
+                # the user's data: a file left out silently would be a silent change of corpus
+                if strict:
                     raise UserError(f"--data: cannot read '{path}': {e.strerror}") from None
                 continue  # unreadable stdlib files (permissions) are simply not part of the corpus
     return docs
@@ -94,8 +93,8 @@ def stdlib_corpus(eval_fraction: float) -> Corpus:
 
 
 def text_corpus(path: str, eval_fraction: float) -> Corpus:
-    """A text file or directory, byte-tokenised. Every file must be UTF-8 text, as `prepare` requires:
-    a binary file would otherwise be trained on as bytes without a word."""
+    """A text file or directory, byte-tokenised. Every file must be UTF-8 text, as `prepare`
+    requires: a binary file would otherwise be trained on as bytes without a word."""
     if os.path.isdir(path):
         docs = _read_tree(path, strict=True)
     elif os.path.isfile(path):
@@ -106,7 +105,8 @@ def text_corpus(path: str, eval_fraction: float) -> Corpus:
             raise UserError(f"--data: cannot read '{path}': {e.strerror}") from None
     else:
         raise UserError(
-            f"--data: '{path}' is not a file or directory; valid: default, synthetic, or a path to text"
+            f"--data: '{path}' is not a file or directory; valid: default, synthetic, or a path to"
+            " text"
         )
     docs = [(n, d) for n, d in docs if d]
     for name, data in docs:
@@ -115,9 +115,9 @@ def text_corpus(path: str, eval_fraction: float) -> Corpus:
         except UnicodeDecodeError as e:
             shown = path if os.path.isfile(path) else os.path.join(path, name)
             raise UserError(
-                f"--data: '{shown}' is not UTF-8 text (byte {e.start}); byte-tokenising it would train on"
-                f" binary data: give text, or `python -m train.data prepare ... --on-bad-utf8 skip`"
-                f" to leave such files out"
+                f"--data: '{shown}' is not UTF-8 text (byte {e.start}); byte-tokenising it would"
+                " train on binary data: give text, or `python -m train.data prepare ..."
+                " --on-bad-utf8 skip` to leave such files out"
             ) from None
     if not docs:
         raise UserError(f"--data: '{path}' holds no non-empty files")

@@ -1,8 +1,8 @@
 """Named evaluation sets: prepared datasets evaluated on their own, beside the training data.
 
-Two users share this: `python -m train eval CKPT --data [NAME=]DIR ...` (train/evaluate.py) and a
-run's periodic eval with `--data.eval_source [NAME=]DIR,...` (train/loop.py). Both parse the same
-specs, open a set the same way (its eval split: the documents a run with the same
+Two users share this: `python -m train eval CKPT --data [NAME=]DIR ...` (train/cli/evaluate.py) and
+a run's periodic eval with `--data.eval_source [NAME=]DIR,...` (train/run/loop.py). Both parse the
+same specs, open a set the same way (its eval split: the documents a run with the same
 --data.eval_fraction and --seed holds out; or every document), check it against the model's
 tokenizer and vocabulary, and cut the same batches from it; so the loss a run logs for a set at a
 step is the loss `eval` gives for that step's checkpoint with `--eval-batches` = the run's
@@ -31,7 +31,8 @@ PREPARE_HINT = "make one with `python -m train.data prepare INPUTS --tokenizer T
 
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
-    """One opened set: its name, directory, and the batches evaluated (placed like a train batch)."""
+    """One opened set: its name, directory, and the batches evaluated (placed like a train
+    batch)."""
 
     name: str
     directory: str
@@ -65,14 +66,15 @@ def parse_source(spec: str) -> list[tuple[str, str]]:
     flag, parts = "--data.eval_source", [part.strip() for part in spec.split(",")]
     if not all(parts):
         raise UserError(
-            f"{flag} {spec!r}: an empty entry; expected [NAME=]DIR[,[NAME=]DIR ...] (prepared datasets)"
+            f"{flag} {spec!r}: an empty entry; expected [NAME=]DIR[,[NAME=]DIR ...] (prepared"
+            " datasets)"
         )
     sets = parse_specs(parts, flag)
     for name, directory in sets:
         if not NAME_RE.fullmatch(name):
             raise UserError(
-                f"{flag} {name}={directory}: the set name '{name}' is logged as eval/{name}/loss; use"
-                f" letters, digits, '_', '.' and '-' only (NAME=DIR)"
+                f"{flag} {name}={directory}: the set name '{name}' is logged as eval/{name}/loss;"
+                " use letters, digits, '_', '.' and '-' only (NAME=DIR)"
             )
     return sets
 
@@ -114,7 +116,8 @@ def open_set(
     check_tokenizer(src.tokenizer, where)
     if split == "all":
         src = dataclasses.replace(src, eval=src.train)
-    try:  # the model's vocabulary, and the train split the pipeline also cuts: name the set that fails
+    # the model's vocabulary, and the train split the pipeline also cuts: name the set that fails
+    try:
         pipeline = Pipeline(
             [(src, 1.0)],
             batch_size=batch_size,

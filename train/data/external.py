@@ -35,11 +35,10 @@ import jax
 import numpy as np
 
 from errors import UserError
-from train.data.pipeline import batch_keys
+from train.data.windows import batch_keys
 
-KEPT_POSITIONS = (
-    4  # recent iterator states kept: a save asks for the position of the batch just drawn
-)
+# recent iterator states kept: a save asks for the position of the batch just drawn
+KEPT_POSITIONS = 4
 
 
 class IterableData:
@@ -89,8 +88,8 @@ class IterableData:
                 else "the checkpoint holds no position of it"
             )
             print(
-                f"warning: resuming at step {step} with a custom data iterable from its beginning ({why}); the"
-                f" batches differ from an uninterrupted run's",
+                f"warning: resuming at step {step} with a custom data iterable from its beginning"
+                f" ({why}); the batches differ from an uninterrupted run's",
                 flush=True,
             )
 
@@ -133,9 +132,8 @@ class IterableData:
         """The position before batch `step`, for the checkpoint's meta (`iterable`: the iterable's
         own state, None without state())."""
         position = self._positions.get(step)
-        if (
-            position is None and self.exact_resume and step == self._next_step
-        ):  # nothing drawn past it
+        # nothing drawn past it
+        if position is None and self.exact_resume and step == self._next_step:
             position = self.source.state()
         return {"next_step": step, "sources": [], "iterable": position}
 
@@ -165,7 +163,8 @@ class IterableData:
         compiles for; UserError (one line) on the first key that does not fit."""
         if not isinstance(raw, dict):
             raise UserError(
-                f"data=: {what} is a {type(raw).__name__}; expected a dict with keys {', '.join(self.keys)}"
+                f"data=: {what} is a {type(raw).__name__}; expected a dict with keys"
+                f" {', '.join(self.keys)}"
             )
         extra = sorted(set(raw) - set(self.keys))
         if extra:
@@ -175,7 +174,8 @@ class IterableData:
                 else ""
             )
             raise UserError(
-                f"data=: {what}: unexpected key '{extra[0]}'{hint}; valid keys: {', '.join(self.keys)}"
+                f"data=: {what}: unexpected key '{extra[0]}'{hint}; valid keys:"
+                f" {', '.join(self.keys)}"
             )
         rows = (self.B,) if jax.process_count() == 1 else (self.B, self.B // jax.process_count())
         out = {}
@@ -191,8 +191,8 @@ class IterableData:
             kind = np.floating if key == "weights" else np.integer
             if value.ndim != 2 or value.shape[0] not in rows or value.shape[1] != self.T:
                 raise UserError(
-                    f"data=: {what}: '{key}' has shape {value.shape}; expected ({rows[0]}, {self.T})"
-                    f" (--batch-size, --seq-len)"
+                    f"data=: {what}: '{key}' has shape {value.shape}; expected ({rows[0]},"
+                    f" {self.T}) (--batch-size, --seq-len)"
                     + (f" or this process's ({rows[1]}, {self.T})" if len(rows) > 1 else "")
                 )
             if not np.issubdtype(value.dtype, kind):

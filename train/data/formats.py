@@ -1,13 +1,13 @@
 """What `prepare` reads from each kind of input file: documents as (where, text) pairs.
 
-  text file                      one document (raw bytes: prepare decodes them, --on-bad-utf8)
-  .jsonl .ndjson                 one document per line, text in --text-field; split across workers by
-                                 byte range (a line belongs to the range it starts in)
-  .jsonl.gz .jsonl.zst           the same, compressed (gzip; Zstandard via `zstandard`)
+  text file                  one document (raw bytes: prepare decodes them, --on-bad-utf8)
+  .jsonl .ndjson             one document per line, text in --text-field; split across workers by
+                             byte range (a line belongs to the range it starts in)
+  .jsonl.gz .jsonl.zst       the same, compressed (gzip; Zstandard via `zstandard`)
   (.ndjson.gz .ndjson.zst)
-  .parquet                       one document per row, text in the --text-field column (`pyarrow`)
-  .arrow                         the same, an Arrow IPC stream: the shards of a HuggingFace `datasets`
-                                 directory (`save_to_disk`), which `dataset_files` lists in order
+  .parquet                   one document per row, text in the --text-field column (`pyarrow`)
+  .arrow                     the same, an Arrow IPC stream: the shards of a HuggingFace `datasets`
+                             directory (`save_to_disk`), which `dataset_files` lists in order
 
 `--format chat|prompt_completion` (train/data/chat.py) reads records instead of texts: `text_field`
 is then the tuple of the fields it needs, and a document is the dict of those a record holds.
@@ -81,7 +81,8 @@ def json_text(line: bytes, where: str, text_field: str | tuple[str, ...]) -> str
     if isinstance(text_field, tuple):  # chat.py checks the fields, naming the record's line
         if not isinstance(record, dict):
             raise UserError(
-                f"prepare: {line_where(where)}: not a JSON object; JSONL inputs need one object per line"
+                f"prepare: {line_where(where)}: not a JSON object; JSONL inputs need one object"
+                " per line"
             )
         return {k: record[k] for k in text_field if k in record}
     text = record.get(text_field) if isinstance(record, dict) else None
@@ -207,9 +208,8 @@ def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
     try:
         with contextlib.ExitStack() as stack:
             schema, batches, position = (_parquet if parquet else _arrow)(path, text_field, stack)
-            if isinstance(
-                text_field, tuple
-            ):  # a record format: rows as dicts of its fields (chat.py checks them)
+            # a record format: rows as dicts of its fields (chat.py checks them)
+            if isinstance(text_field, tuple):
                 yield from _rows(path, text_field, schema, batches, position)
                 return
             if text_field not in schema.names:
@@ -224,8 +224,8 @@ def _records(path: str, text_field: str) -> Iterator[tuple[str, str, int]]:
                 or pa.types.is_string_view(kind)
             ):
                 raise UserError(
-                    f"prepare: {path}: column '{text_field}' holds {kind}, not text; set --text-field"
-                    f" to a string column"
+                    f"prepare: {path}: column '{text_field}' holds {kind}, not text; set"
+                    " --text-field to a string column"
                 )
             for i, text in _numbered(batches, lambda batch: batch.column(text_field).to_pylist()):
                 if text is None:
@@ -279,11 +279,12 @@ def _parquet(path: str, text_field: str | tuple[str, ...], stack: contextlib.Exi
         if c in f.schema_arrow.names
     ]
     # small batches: a batch of rows is held whole (the reader's default is 65,536 rows)
+    # row groups hold about equal bytes per row
     return (
         f.schema_arrow,
         lambda: f.iter_batches(batch_size=1024, columns=columns),
         lambda rows: size * rows // total,
-    )  # row groups hold about equal bytes per row
+    )
 
 
 def _arrow(path: str, text_field: str, stack: contextlib.ExitStack):

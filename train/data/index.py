@@ -52,9 +52,8 @@ _TYPE_NAMES = {str: "a string", int: "an integer", dict: "an object", list: "a l
 
 
 def _typed(value, typ) -> bool:
-    return isinstance(value, typ) and not (
-        typ is int and isinstance(value, bool)
-    )  # JSON true is no count
+    # JSON true is no count
+    return isinstance(value, typ) and not (typ is int and isinstance(value, bool))
 
 
 def _key(where: str, key: str) -> str:
@@ -64,7 +63,8 @@ def _key(where: str, key: str) -> str:
 def _check_keys(record, schema: dict, where: str, optional: dict | None = None) -> None:
     if not isinstance(record, dict):
         raise UserError(
-            f"{repr(where) if where else 'the index'} must be an object, got {json.dumps(record)[:40]}"
+            f"{repr(where) if where else 'the index'} must be an object, got"
+            f" {json.dumps(record)[:40]}"
         )
     for key in schema:
         if key not in record:
@@ -72,7 +72,8 @@ def _check_keys(record, schema: dict, where: str, optional: dict | None = None) 
     for key, typ in {**schema, **(optional or {})}.items():
         if key in record and not _typed(record[key], typ):
             raise UserError(
-                f"key '{_key(where, key)}' must be {_TYPE_NAMES[typ]}, got {json.dumps(record[key])[:40]}"
+                f"key '{_key(where, key)}' must be {_TYPE_NAMES[typ]}, got"
+                f" {json.dumps(record[key])[:40]}"
             )
 
 
@@ -119,9 +120,8 @@ def validate(index) -> dict:
 
 
 def _check_shard(shard, where: str, masked: bool) -> None:
-    masked = masked or (
-        isinstance(shard, dict) and "mask" in shard
-    )  # a mask it has is checked like the rest
+    # a mask it has is checked like the rest
+    masked = masked or (isinstance(shard, dict) and "mask" in shard)
     _check_keys(shard, {**SHARD, **(SHARD_MASK if masked else {})}, where, SHARD_OPTIONAL)
     _check_keys(
         shard["sha256"], {**SHARD_SHA256, **(SHARD_MASK if masked else {})}, f"{where}.sha256"
@@ -129,8 +129,8 @@ def _check_shard(shard, where: str, masked: bool) -> None:
     for key in shard_files(shard):
         if not inside_name(shard[key]):
             raise UserError(
-                f"'{where}.{key}' is {shard[key]!r}: shard files must be named relative to the dataset"
-                f" directory, without '..'"
+                f"'{where}.{key}' is {shard[key]!r}: shard files must be named relative to the"
+                " dataset directory, without '..'"
             )
     for key in ("n_tokens", "n_documents"):  # prepare writes no empty shard
         if shard[key] < 1:
@@ -140,7 +140,8 @@ def _check_shard(shard, where: str, masked: bool) -> None:
 
 
 def read_index(directory: str, context: str, hint: str) -> dict:
-    """DIR/index.json, validated; any problem is UserError `CONTEXT: DIR/index.json: PROBLEM; HINT`."""
+    """DIR/index.json, validated; any problem is UserError `CONTEXT: DIR/index.json: PROBLEM;
+    HINT`."""
     path = storage.join(directory, INDEX)
     try:
         index = json.loads(storage.read_text(path))
@@ -164,7 +165,8 @@ def shard_files(shard: dict) -> tuple[str, ...]:
 
 
 def listed_files(index: dict) -> set[str]:
-    """Every file a (validated) index names, itself included: all that `prepare` writes into a dataset."""
+    """Every file a (validated) index names, itself included: all that `prepare` writes into a
+    dataset."""
     return {INDEX} | {sh[k] for sh in index["shards"] for k in shard_files(sh)}
 
 
@@ -209,9 +211,8 @@ class ShardWriter:
                 self._open()
             room = self.shard_tokens - self._n
             base = ends[lo - 1] if lo else 0
-            hi = max(
-                lo + 1, int(np.searchsorted(ends, base + room, side="right"))
-            )  # at least one document
+            # at least one document
+            hi = max(lo + 1, int(np.searchsorted(ends, base + room, side="right")))
             chunk = tokens[base : ends[hi - 1]]
             self._max = max(self._max, int(chunk.max()))  # every document holds at least its EOS
             data = chunk.astype(self.dtype).tobytes()

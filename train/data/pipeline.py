@@ -1,13 +1,13 @@
 """The training data pipeline: batch `step` is a pure function of (seed, step).
 
 Order. Each source is cut into fixed windows of seq_len + 1 tokens: with `packing` (default) its
-documents are laid end to end (each ends with EOS) and window w is tokens [w*T, w*T + T + 1); without
-it, window w is one chunk of one document, padded (weight 0) at the document's end. Global row
-g = step * B + r picks a source by the mixture weights (Grain's exact interleave: after g rows, source
-k has supplied g * w_k +- 1 of them, and its j-th row is known in O(1)), and that source's
-j-th row is window perm_e(j mod n) of epoch e = j // n, where perm_e is a keyed bijection of
-[0, n) (a Feistel network) seeded by (seed, source, e): every window once per epoch, a new order
-each epoch, O(1) memory whatever the dataset size.
+documents are laid end to end (each ends with EOS) and window w is tokens [w*T, w*T + T + 1);
+without it, window w is one chunk of one document, padded (weight 0) at the document's end. Global
+row g = step * B + r picks a source by the mixture weights (Grain's exact interleave: after g rows,
+source k has supplied g * w_k +- 1 of them, and its j-th row is known in O(1)), and that source's
+j-th row is window perm_e(j mod n) of epoch e = j // n, where perm_e is a keyed bijection of [0, n)
+(a Feistel network) seeded by (seed, source, e): every window once per epoch, a new order each
+epoch, O(1) memory whatever the dataset size.
 
 Consequences: resuming at step s on any mesh or process count replays exactly the batches an
 uninterrupted run would have seen; each process builds only the rows its devices hold; the
@@ -25,138 +25,23 @@ import time
 import numpy as np
 
 from errors import UserError
-from train import faults
-from train.data.sources import Source, Stream, hash_u64, load_sources
+from train.data.order import mix, permute, proportions, round_keys, rows_per_source
+from train.data.sources import Source, load_sources
+from train.data.windows import Windows, batch_keys
+from train.run import faults
 
-ROUNDS = 6
 _EVAL = 0x7FFF_FFFF  # key stream of the eval order, disjoint from source indices
-
-
-# ------------------------------------------------------------------ order: permutation and mixture
-
-
-@functools.lru_cache(maxsize=256)
-def _round_keys(seed: int, stream: int, epoch: int) -> np.ndarray:
-    return np.random.SeedSequence([seed, stream, epoch]).generate_state(ROUNDS, np.uint64)
-
-
-def permute(i: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
-    """A keyed bijection of [0, n), applied to i (int array): a Feistel network on the smallest
-    even-bit domain >= n (at most 4n), cycle-walking values that land outside [0, n)."""
-    if n <= 1:
-        return np.zeros(np.shape(i), np.int64)
-    half = ((n - 1).bit_length() + 1) // 2
-    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
-
-    def feistel(x):
-        left, right = x >> shift, x & mask
-        for k in keys:
-            left, right = right, left ^ (hash_u64(right ^ k) & mask)
-        return (left << shift) | right
-
-    x = feistel(np.asarray(i, np.uint64))
-    out = x >= n
-    while out.any():
-        x[out] = feistel(x[out])
-        out = x >= n
-    return x.astype(np.int64)
-
-
-def proportions(weights: list[float]) -> tuple[int, ...]:
-    """Weights -> integers as Grain's MapDataset.mix makes them (the smallest becomes 100)."""
-    scale = 100 / min(weights)
-    return tuple(int(w * scale) for w in weights)
-
-
-def mix(g: np.ndarray, props: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Global rows g -> (source k, index j of that row within source k); vectorised form of Grain's
-    `_dataset_and_key_of_next_element`, so `grain.MapDataset.mix` with the same weights agrees."""
-    g = np.asarray(g, np.int64)
-    src, key = np.zeros(g.shape, np.int64), np.zeros(g.shape, np.int64)
-    todo = np.ones(g.shape, bool)
-    remaining, k, k1 = sum(props), g, g + 1
-    for i, p in enumerate(props):
-        nk, nk1 = k * (remaining - p) // remaining, k1 * (remaining - p) // remaining
-        hit = todo & ((k - nk) != (k1 - nk1))
-        src[hit], key[hit] = i, (k1 - nk1)[hit] - 1
-        todo &= ~hit
-        remaining, k, k1 = remaining - p, nk, nk1
-    return src, key
-
-
-def rows_per_source(g: int, props: tuple[int, ...]) -> list[int]:
-    """How many of the global rows 0..g-1 each source supplied."""
-    out, remaining, k = [], sum(props), int(g)
-    for p in props:
-        nk = k * (remaining - p) // remaining
-        out.append(k - nk)
-        remaining, k = remaining - p, nk
-    return out
-
-
-# ------------------------------------------------------------------ windows -> rows
-
-
-class Windows:
-    """The fixed windows of one stream: seq_len + 1 tokens each (inputs and shifted targets)."""
-
-    def __init__(self, stream: Stream, seq_len: int, packing: bool, eos_id: int):
-        self.stream, self.T, self.packing, self.eos_id = stream, seq_len, packing, eos_id
-        if packing:
-            self.n = max(0, (stream.n_tokens - 1) // seq_len)
-        else:  # chunks of each document: ceil((len - 1) / T) windows, the last one padded
-            lengths = np.diff(stream.doc_vstart)
-            self._chunk_end = np.cumsum(np.maximum(lengths - 1 + seq_len - 1, 0) // seq_len)
-            self.n = int(self._chunk_end[-1]) if len(lengths) else 0
-
-    def bounds(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Window ids -> (virtual start, end of its valid tokens)."""
-        if self.packing:
-            start = w * self.T
-            return start, start + self.T + 1
-        doc = np.searchsorted(self._chunk_end, w, side="right")
-        first = np.concatenate([[0], self._chunk_end])[doc]
-        start = self.stream.doc_vstart[doc] + (w - first) * self.T
-        return start, np.minimum(start + self.T + 1, self.stream.doc_vstart[doc + 1])
-
-    def rows(self, w: np.ndarray, packing_mask: bool) -> dict[str, np.ndarray]:
-        """Window ids [R] -> inputs, targets (int32), weights (float32) [R, T]; with packing_mask
-        also segment_ids (1, 2, ... per document in the row; 0 = padding) and positions (0 at
-        each document's start and at the row's start). A target's weight is its loss mask (0 on
-        the prompt and user tokens of supervised data, else 1), and 0 past the valid tokens."""
-        start, end = self.bounds(np.asarray(w, np.int64))
-        v = start[:, None] + np.arange(self.T + 1)
-        valid = v < end[:, None]
-        inside = np.where(valid, v, start[:, None])
-        tokens = np.where(valid, self.stream.gather(inside), self.eos_id)
-        weights = valid[:, 1:] * self.stream.gather_mask(inside[:, 1:])
-        out = {
-            "inputs": tokens[:, :-1],
-            "targets": tokens[:, 1:],
-            "weights": weights.astype(np.float32),
-        }
-        if packing_mask:
-            doc = self.stream.doc_of(v)
-            out["weights"] *= (
-                doc[:, 1:] == doc[:, :-1]
-            )  # a target in the next document is not predictable
-            seg = (doc[:, :-1] - doc[:, :1] + 1).astype(np.int32)
-            pos = (
-                v[:, :-1] - np.maximum(self.stream.doc_vstart[doc[:, :-1]], start[:, None])
-            ).astype(np.int32)
-            out["segment_ids"] = np.where(valid[:, :-1], seg, 0)
-            out["positions"] = np.where(valid[:, :-1], pos, 0)
-        return out
 
 
 def _check_vocab(src: Source, vocab_size: int) -> None:
     """An id >= the model's vocab_size would index past the embedding table (NaN losses, no hint of
-    why): the model must cover both the tokenizer's vocabulary and the largest id actually present."""
+    why): the model must cover both the tokenizer's vocabulary and the largest id actually
+    present."""
     if src.max_token >= vocab_size and src.max_token >= src.vocab_size:
         raise UserError(
-            f"data '{src.name}' holds token id {src.max_token}, beyond both model.vocab_size={vocab_size}"
-            f" and the vocabulary its index records ({src.vocab_size}): the index is wrong; re-run"
-            f" `python -m train.data prepare`"
+            f"data '{src.name}' holds token id {src.max_token}, beyond both"
+            f" model.vocab_size={vocab_size} and the vocabulary its index records"
+            f" ({src.vocab_size}): the index is wrong; re-run `python -m train.data prepare`"
         )
     if max(src.vocab_size, src.max_token + 1) > vocab_size:
         raise UserError(
@@ -166,13 +51,9 @@ def _check_vocab(src: Source, vocab_size: int) -> None:
         )
 
 
-def batch_keys(packing_mask: bool) -> dict[str, type]:
-    keys = {"inputs": np.int32, "targets": np.int32, "weights": np.float32}
-    return {**keys, "segment_ids": np.int32, "positions": np.int32} if packing_mask else keys
-
-
 def abstract_batch(data_cfg, batch_size: int, seq_len: int, sharding) -> dict:
-    """ShapeDtypeStructs of one global batch as the pipeline builds it (for AOT compiles and `plan`)."""
+    """ShapeDtypeStructs of one global batch as the pipeline builds it (for AOT compiles and
+    `plan`)."""
     import jax
 
     return {
@@ -218,8 +99,8 @@ class Pipeline:
             if not packing and src.train.longest_doc < seq_len + 1:
                 raise UserError(
                     f"--seq-len {seq_len}: longer than every document of '{src.name}' (longest"
-                    f" {src.train.longest_doc} tokens with EOS) with --data.packing false, so every row"
-                    f" would be mostly padding; use --data.packing true or --seq-len <="
+                    f" {src.train.longest_doc} tokens with EOS) with --data.packing false, so"
+                    " every row would be mostly padding; use --data.packing true or --seq-len <="
                     f" {max(src.train.longest_doc - 1, 1)}"
                 )
             if win.n == 0:
@@ -243,7 +124,7 @@ class Pipeline:
             w = np.empty_like(offset)
             for e in np.unique(epoch):  # a batch may straddle an epoch boundary
                 w[epoch == e] = permute(
-                    offset[epoch == e], n, _round_keys(self.seed, int(k), int(e))
+                    offset[epoch == e], n, round_keys(self.seed, int(k), int(e))
                 )
             for name, value in self.train[k].rows(w, self.packing_mask).items():
                 out[name][rows_k] = value
@@ -261,7 +142,7 @@ class Pipeline:
         out = {k: np.zeros((len(g), self.T), dt) for k, dt in batch_keys(self.packing_mask).items()}
         for s in np.unique(src):
             win = self.eval[live[s]]
-            w = permute(j[src == s] % win.n, win.n, _round_keys(self.seed, _EVAL, live[s]))
+            w = permute(j[src == s] % win.n, win.n, round_keys(self.seed, _EVAL, live[s]))
             for name, value in win.rows(w, self.packing_mask).items():
                 out[name][src == s] = value
         return out
@@ -286,9 +167,8 @@ class Pipeline:
             for value in block.values()
             for (r0, r1), idx in zip(rows, index.values())
         ]
-        placed = jax.device_put(
-            parts, devices * len(block)
-        )  # one transfer call for every key and device
+        # one transfer call for every key and device
+        placed = jax.device_put(parts, devices * len(block))
         n = len(devices)
         return {
             name: jax.make_array_from_single_device_arrays(
@@ -345,8 +225,8 @@ class Pipeline:
         ev = sum(s.eval.n_tokens for s in self.sources)
         docs = sum(s.train.n_docs for s in self.sources)
         return (
-            f"data {self.name}: {train / 1e6:.1f}M train tokens in {docs} documents, {ev / 1e6:.2f}M eval tokens,"
-            f" {sum(w.n for w in self.train)} windows of {self.T}"
+            f"data {self.name}: {train / 1e6:.1f}M train tokens in {docs} documents,"
+            f" {ev / 1e6:.2f}M eval tokens, {sum(w.n for w in self.train)} windows of {self.T}"
             + (", packed" if self.packing else ", one document per row")
             + (" with segment masks" if self.packing_mask else "")
         )
@@ -388,7 +268,8 @@ class Pipeline:
         old = saved.get("sources", [])
         if len(old) != len(now["sources"]):
             return diffs + [
-                f"data sources {[s.get('name') for s in old]} -> {[s['name'] for s in now['sources']]}"
+                f"data sources {[s.get('name') for s in old]} ->"
+                f" {[s['name'] for s in now['sources']]}"
             ]
         for a, b in zip(old, now["sources"]):
             diffs += [
@@ -400,7 +281,8 @@ class Pipeline:
 
     def tokenizer(self):
         """The tokenizer the data was prepared with (to encode a prompt and decode a sample), or
-        None when its file (the path in the index) no longer loads: a sample is not worth failing for."""
+        None when its file (the path in the index) no longer loads: a sample is not worth failing
+        for."""
         from train.data import tokenizers
 
         info = self.sources[0].tokenizer

@@ -9,10 +9,10 @@ and `--data.source` is one source or a mixture: `A:0.7,B:0.3` (each entry `SOURC
 FILE.yaml holding a list of `{source: ..., weight: ...}`. Weights are relative.
 
 Each source becomes a `Stream` per split: its documents laid end to end (each ends with EOS) as one
-virtual token sequence over memory-mapped shards, with the loss mask of each token where the
-dataset has one (`prepare --format chat|prompt_completion`). A prepared dataset's eval split is a fixed
-hash of the document index (like the default corpus's hash of file names): independent of the
-seed, the same on every process.
+virtual token sequence over memory-mapped shards, with the loss mask of each token where the dataset
+has one (`prepare --format chat|prompt_completion`). A prepared dataset's eval split is a fixed hash
+of the document index (like the default corpus's hash of file names): independent of the seed, the
+same on every process.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import numpy as np
 from checkpoint import storage
 from errors import UserError
 from train.data import corpus
-from train.data.index import INDEX, read_index, shard_files
-from train.data.tokenizers import file_sha256
+from train.data.index import INDEX, read_index
+from train.data.shards import REPREPARE, open_shard
 
 SOURCE_CHOICES = (
     "default, synthetic, a prepared dataset DIR, a text file/directory, A:0.7,B:0.3 or FILE.yaml"
@@ -38,16 +38,16 @@ SOURCE_CHOICES = (
 @dataclasses.dataclass
 class Stream:
     """A virtual token sequence: segment i is shards[seg_shard[i]][seg_start[i]:][:len], placed at
-    virtual positions seg_vstart[i]:seg_vstart[i+1]; document d spans doc_vstart[d]:doc_vstart[d+1]."""
+    virtual positions seg_vstart[i]:seg_vstart[i+1]; document d spans
+    doc_vstart[d]:doc_vstart[d+1]."""
 
     shards: list[np.ndarray]
     seg_shard: np.ndarray  # int64 [S]
     seg_start: np.ndarray  # int64 [S]
     seg_vstart: np.ndarray  # int64 [S+1]
     doc_vstart: np.ndarray  # int64 [D+1]
-    masks: list[np.ndarray] | None = (
-        None  # per shard its loss mask (uint8, 1 = trained on); None: all ones
-    )
+    # per shard its loss mask (uint8, 1 = trained on); None: all ones
+    masks: list[np.ndarray] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -80,7 +80,8 @@ class Stream:
         return self._gather(self.shards, v, np.int32)
 
     def gather_mask(self, v: np.ndarray) -> np.ndarray:
-        """Loss mask at virtual positions v -> float32 0/1, same shape (any nonzero byte counts as 1)."""
+        """Loss mask at virtual positions v -> float32 0/1, same shape (any nonzero byte counts as
+        1)."""
         if self.masks is None:
             return np.ones(v.shape, np.float32)
         return (self._gather(self.masks, v, np.uint8) != 0).astype(np.float32)
@@ -153,135 +154,16 @@ def from_corpus(c: corpus.Corpus, whole_docs: bool = True) -> Source:
 
 # ------------------------------------------------------------------ prepared datasets
 
-REPREPARE = "re-run `python -m train.data prepare`"
-
-
-def _scan(path: str, dtype: np.dtype) -> tuple[str, int]:
-    """(sha256, largest value) of a token file, in one read."""
-    h, top = hashlib.sha256(), 0
-    with storage.open_file(path, "rb") as f:
-        for block in iter(lambda: f.read(dtype.itemsize << 21), b""):
-            h.update(block)
-            top = max(top, int(np.frombuffer(block, dtype).max()))
-    return h.hexdigest(), top
-
-
-def _open_shard(directory: str, sh: dict, dtype: np.dtype, verify: bool) -> tuple:
-    """One shard of a validated index -> (tokens memmap, document offsets, largest token id, loss
-    mask memmap or None), after checking its sizes (always), sha256 (when `verify`) and offsets;
-    any problem is one line naming the file."""
-    where = f"--data {directory}"
-    files = {key: storage.join(directory, sh[key]) for key in shard_files(sh)}
-    for what, path in files.items():
-        if not storage.isfile(path):
-            raise UserError(
-                f"{where}: shard file {sh[what]} listed in {INDEX} is missing; {REPREPARE}"
-            )
-    kinds = {"tokens": dtype, "mask": np.dtype(np.uint8)}  # one value per token in each
-    for what in (k for k in kinds if k in files):
-        size = storage.getsize(files[what])
-        if size != sh["n_tokens"] * kinds[what].itemsize:
-            raise UserError(
-                f"{where}: {sh[what]} holds {size} bytes, its index says {sh['n_tokens']}"
-                f" {kinds[what].name} {what} (truncated or modified); {REPREPARE}"
-            )
-    # Datasets prepared before `max_token` was recorded: the shard is scanned for it here (one read,
-    # what --data.verify does anyway) rather than refused, so they stay usable without re-preparing.
-    max_token = sh.get("max_token")
-    try:
-        digest, found = (
-            _scan(files["tokens"], dtype) if verify or max_token is None else (None, None)
-        )
-        digests = {
-            "tokens": digest,
-            **{k: file_sha256(files[k]) if verify else None for k in files if k != "tokens"},
-        }
-    except OSError as e:
-        raise UserError(
-            f"{where}: cannot read {', '.join(sh[k] for k in files)}: {e.strerror}"
-        ) from None
-    for what in files if verify else ():
-        if digests[what] != sh["sha256"][what]:
-            raise UserError(
-                f"{where}: {sh[what]} does not match the sha256 in {INDEX} (corrupt or modified);"
-                f" {REPREPARE}, or --data.verify false to skip this check"
-            )
-    if found is not None and max_token is not None and found != max_token:
-        raise UserError(
-            f"{where}: {sh['tokens']} holds token ids up to {found} but {INDEX} says max_token"
-            f" {max_token}; {REPREPARE}"
-        )
-    try:
-        with storage.open_file(files["offsets"], "rb") as f:
-            off = np.load(f)
-    except OSError as e:
-        raise UserError(f"{where}: cannot read {sh['offsets']}: {e.strerror}") from None
-    except (
-        ValueError,
-        EOFError,
-    ):  # not an array file, or a pickle (never loaded: it could run code)
-        raise UserError(
-            f"{where}: {sh['offsets']} is not a .npy array of document offsets; {REPREPARE}"
-        ) from None
-    ok = (
-        off.ndim == 1
-        and off.dtype.kind in "iu"
-        and len(off) == sh["n_documents"] + 1
-        and off[0] == 0
-        and off[-1] == sh["n_tokens"]
-        and bool((np.diff(off) > 0).all())
-    )
-    if not ok:
-        raise UserError(f"{where}: {sh['offsets']} does not match {sh['tokens']}; {REPREPARE}")
-    tokens, mask = (_map(files[k], kinds[k], sh["n_tokens"]) if k in files else None for k in kinds)
-    return tokens, off.astype(np.int64), found if max_token is None else max_token, mask
-
-
-def _map(path: str, dtype: np.dtype, n: int):
-    """A shard file as an array: memory-mapped, or read by ranges on an object store."""
-    return (
-        np.memmap(storage.local_path(path), dtype, mode="r", shape=(n,))
-        if storage.is_local(path)
-        else RangeReadShard(path, dtype, n)
-    )
-
-
-class RangeReadShard:
-    """A token file on an object store, indexed like its memory map would be: the positions of a
-    gather are grouped into runs of nearby tokens and each run is one ranged read (a batch's rows
-    are windows of seq_len + 1 tokens), so nothing reads the whole shard."""
-
-    GAP = (
-        1 << 16
-    )  # positions closer than this many tokens share one read (fewer requests, a little more data)
-
-    def __init__(self, path: str, dtype: np.dtype, n_tokens: int):
-        self.path, self.dtype, self.n_tokens = path, dtype, n_tokens
-
-    def __len__(self) -> int:
-        return self.n_tokens
-
-    def __getitem__(self, positions) -> np.ndarray:
-        positions = np.asarray(positions, np.int64)
-        wanted = np.unique(positions)
-        values = np.empty(len(wanted), self.dtype)
-        bounds = [0, *(np.flatnonzero(np.diff(wanted) > self.GAP) + 1), len(wanted)]
-        for a, b in zip(bounds[:-1], bounds[1:]):  # one run of nearby positions: wanted[a:b]
-            lo, hi = int(wanted[a]), int(wanted[b - 1]) + 1
-            raw = storage.read_range(
-                self.path, lo * self.dtype.itemsize, (hi - lo) * self.dtype.itemsize
-            )
-            values[a:b] = np.frombuffer(raw, self.dtype)[wanted[a:b] - lo]
-        return values[np.searchsorted(wanted, positions)]
-
 
 def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
-    """Memory-maps every shard after checking sizes (always) and sha256 checksums (when `verify`)."""
+    """Memory-maps every shard after checking sizes (always) and sha256 checksums (when
+    `verify`)."""
     index = read_index(directory, f"--data {directory}", REPREPARE)
     dtype = np.dtype(index["dtype"])
-    opened = [_open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
+    opened = [open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
     shards, offsets = [o[0] for o in opened], [o[1] for o in opened]
-    # a shard without a mask in a dataset with masks (only by editing the index) weighs all its tokens
+    # a shard without a mask in a dataset with masks (only by editing the index) weighs all its
+    # tokens
     masks = (
         [np.ones(len(o[0]), np.uint8) if o[3] is None else o[3] for o in opened]
         if any(o[3] is not None for o in opened)
@@ -321,10 +203,8 @@ def _select(
         if not k.any():
             continue
         edge = np.diff(np.concatenate([[0], k.astype(np.int8), [0]]))
-        first, last = (
-            np.flatnonzero(edge == 1),
-            np.flatnonzero(edge == -1),
-        )  # run = docs first..last-1
+        # run = docs first..last-1
+        first, last = (np.flatnonzero(edge == 1), np.flatnonzero(edge == -1))
         seg_shard.append(np.full(len(first), s))
         seg_start.append(off[first])
         seg_len.append(off[last] - off[first])
@@ -351,14 +231,16 @@ def _select(
 
 # ------------------------------------------------------------------ --data.source
 
-# The smallest mixture weight must be at least this share of the largest: the interleave turns weights
-# into integers with the smallest at 100 (pipeline.proportions), so a smaller ratio makes those grow
-# towards int64 overflow in its row arithmetic; and such a source would supply no row in practice.
+# The smallest mixture weight must be at least this share of the largest: the interleave turns
+# weights into integers with the smallest at 100 (train/data/order.py proportions), so a smaller
+# ratio makes those grow towards int64 overflow in its row arithmetic; and such a source would
+# supply no row in practice.
 MIN_WEIGHT_RATIO = 1e-6
 
 
 def check_weights(entries: list[tuple[str, float | None]], where: str) -> list[tuple[str, float]]:
-    """Each weight finite and > 0, the smallest >= MIN_WEIGHT_RATIO x the largest; else UserError."""
+    """Each weight finite and > 0, the smallest >= MIN_WEIGHT_RATIO x the largest; else
+    UserError."""
     for name, weight in entries:
         if (
             not isinstance(weight, (int, float))
@@ -397,7 +279,7 @@ def parse_mixture(source: str) -> list[tuple[str, float]]:
 
 
 def _mixture_yaml(path: str) -> list[tuple[str, float]]:
-    from train.yaml_load import load  # bounded: size, UTF-8, aliases, keys given twice
+    from train.data.yaml_load import load  # bounded: size, UTF-8, aliases, keys given twice
 
     items = load(path, "--data")
     if not (
@@ -428,9 +310,8 @@ def load_source(spec: str, eval_fraction: float, seed: int, verify: bool = True)
     if spec == "default":
         return from_corpus(corpus.stdlib_corpus(eval_fraction))
     if spec == "synthetic":
-        return from_corpus(
-            corpus.synthetic_corpus(seed), whole_docs=False
-        )  # random bytes: one long document
+        # random bytes: one long document
+        return from_corpus(corpus.synthetic_corpus(seed), whole_docs=False)
     if storage.isfile(storage.join(spec, INDEX)):
         return load_prepared(spec, eval_fraction, verify)
     if not storage.is_local(spec):  # text corpora are read from a local disk

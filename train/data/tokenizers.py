@@ -24,7 +24,8 @@ from train.data import corpus
 
 KINDS = ("byte", "hf", "sentencepiece", "tiktoken")
 _SUFFIX = {".json": "hf", ".model": "sentencepiece", ".tiktoken": "tiktoken"}
-# End-of-document tokens looked up in a HuggingFace vocabulary, in this order, unless --eos-token says.
+# End-of-document tokens looked up in a HuggingFace vocabulary, in this order, unless --eos-token
+# says.
 EOS_CANDIDATES = (
     "<|endoftext|>",
     "</s>",
@@ -34,7 +35,8 @@ EOS_CANDIDATES = (
     "<|im_end|>",
     "[SEP]",
 )
-# tiktoken rank files carry no split regex: use cl100k_base's (a pre-tokenizer only; any works for round trips)
+# tiktoken rank files carry no split regex: use cl100k_base's (a pre-tokenizer only; any works for
+# round trips)
 TIKTOKEN_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
@@ -74,9 +76,8 @@ class Tokenizer:
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
         }
-        if (
-            self.model_dir
-        ):  # the id stays the tokenizer.json's: the same vocabulary, however it was named
+        # the id stays the tokenizer.json's: the same vocabulary, however it was named
+        if self.model_dir:
             info["model_dir"] = os.path.basename(os.path.abspath(self.model_dir))
         return info
 
@@ -116,8 +117,8 @@ class HFTokenizer(Tokenizer):
         ids = [i for i in (self._tok.token_to_id(n) for n in names) if i is not None]
         if not ids:
             raise UserError(
-                f"--tokenizer {path}: no end-of-document token {' / '.join(names)} in its vocabulary;"
-                f" name one with --eos-token"
+                f"--tokenizer {path}: no end-of-document token {' / '.join(names)} in its"
+                " vocabulary; name one with --eos-token"
             )
         self.eos_id = ids[0]
 
@@ -163,7 +164,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class TiktokenTokenizer(Tokenizer):
-    """A local `.tiktoken` rank file (base64 token, rank per line); EOS `<|endoftext|>` = the next id."""
+    """A local `.tiktoken` rank file (base64 token, rank per line); EOS `<|endoftext|>` = the next
+    id."""
 
     kind = "tiktoken"
 
@@ -181,8 +183,9 @@ class TiktokenTokenizer(Tokenizer):
         missing = [b for b in range(256) if bytes([b]) not in ranks]
         if missing:
             raise UserError(
-                f"--tokenizer {path}: not a usable tiktoken rank file: {len(missing)} of the 256 single"
-                f" bytes have no rank (first: 0x{missing[0]:02x}), so text holding them cannot be encoded"
+                f"--tokenizer {path}: not a usable tiktoken rank file: {len(missing)} of the 256"
+                f" single bytes have no rank (first: 0x{missing[0]:02x}), so text holding them"
+                " cannot be encoded"
             )
         self.path, self.eos_id = path, max(ranks.values()) + 1
         self.vocab_size = self.eos_id + 1
@@ -207,10 +210,8 @@ def model_dir_config(directory: str) -> tuple[dict[str, str], str | None]:
     """A HuggingFace model directory's special tokens (name -> text, e.g. bos_token -> '<s>') and
     chat template (None if it has none), read as transformers reads them."""
     config: dict = {}
-    for name in (
-        "special_tokens_map.json",
-        "tokenizer_config.json",
-    ):  # the latter wins, as in transformers
+    # the latter wins, as in transformers
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
         path = os.path.join(directory, name)
         try:
             with open(path, encoding="utf-8") as f:
@@ -234,9 +235,8 @@ def model_dir_config(directory: str) -> tuple[dict[str, str], str | None]:
         with open(template_file, encoding="utf-8") as f:
             return special, f.read()
     template = config.get("chat_template")
-    if isinstance(
-        template, list
-    ):  # named templates [{name, template}]: the default one is the chat's
+    # named templates [{name, template}]: the default one is the chat's
+    if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
             raise UserError(
@@ -264,8 +264,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if suffix in _SUFFIX:
         return _SUFFIX[suffix], spec
     raise UserError(
-        f"--tokenizer {spec!r}: unknown kind; valid: byte, hf:PATH, sentencepiece:PATH, tiktoken:PATH,"
-        f" a PATH ending in {', '.join(_SUFFIX)}, or a HuggingFace model directory"
+        f"--tokenizer {spec!r}: unknown kind; valid: byte, hf:PATH, sentencepiece:PATH,"
+        f" tiktoken:PATH, a PATH ending in {', '.join(_SUFFIX)}, or a HuggingFace model directory"
     )
 
 

@@ -1,0 +1,1 @@
+"""Entry points: python -m train [plan|report|eval|sample], brigade, the lm-evaluation-harness."""

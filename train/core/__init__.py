@@ -1,0 +1,1 @@
+"""The step and its setup: config, state, optimizer, gradient sync, LoRA, shapes, the pure step."""
