@@ -61,6 +61,10 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mesh.xla import known_xla_flags, unknown_xla_flags  # noqa: E402
+
 OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|\bOOM\b")
 FIELDS = (
     "tokens_per_sec",
@@ -297,22 +301,11 @@ def predict(args, case: dict, batch: int) -> dict:
 
 def drop_unknown_xla_flags() -> None:
     """An unknown flag in XLA_FLAGS aborts every jax process, and flags come and go between
-    jaxlib releases; probe on CPU (flags are parsed there too) and drop the ones rejected."""
-    for _ in range(len(GPU_XLA_FLAGS) + 1):
-        probe = subprocess.run(
-            [sys.executable, "-c", "import jax; jax.devices('cpu')"],
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        bad = re.search(r"Unknown flags? in XLA_FLAGS: (--\S+?)(=\S*)?\s", probe.stderr + " ")
-        if probe.returncode == 0 or not bad:
-            return
-        say(f"dropping XLA flag unknown to this jaxlib: {bad.group(1)}")
-        os.environ["XLA_FLAGS"] = " ".join(
-            f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(bad.group(1) + "=")
-        )
+    jaxlib releases: drop the ones the installed jaxlib rejects (probed on CPU, mesh/xla.py)."""
+    flags = os.environ["XLA_FLAGS"].split()
+    for name in unknown_xla_flags(flags, os.environ):
+        say(f"dropping XLA flag unknown to this jaxlib: {name}")
+    os.environ["XLA_FLAGS"] = " ".join(known_xla_flags(flags, os.environ))
 
 
 def environment() -> dict:
