@@ -2,13 +2,14 @@
 
 XLA reads XLA_FLAGS (and libtpu reads LIBTPU_INIT_ARGS) once, when the first backend is created,
 so a preset must be in the environment before that: `python -m train` reads `--xla-preset` from
-argv before importing jax; in a notebook call `os.environ.update(apply("gpu", os.environ))` first.
+argv before importing jax; in a notebook call
+`os.environ.update(known_preset_flags("gpu", os.environ))` first.
 This module must not import jax.
 
 Flags a user already set (same name, any value) are kept as the user wrote them: a preset only
 adds what is missing. Every GPU and CPU flag name is checked by tests/test_xla.py against the
-installed jaxlib (XLA aborts on an unknown flag); the TPU flags are libtpu's and cannot be checked
-without a TPU.
+installed jaxlib (XLA aborts on an unknown flag), and known_preset_flags leaves out, with a note, one
+that a future jaxlib drops; the TPU flags are libtpu's and cannot be checked without a TPU.
 """
 
 from __future__ import annotations
