@@ -1,10 +1,11 @@
 """Single-GPU throughput and MFU sweep: one H200, under 10 minutes, safe to run unattended.
 
-    python benchmarks/gpu.py                                   # 1b, bf16, batch 4, 8, 16 at seq 2048
+    python benchmarks/gpu.py                      # 1b, bf16, batch 4, 8, 16 at seq 2048
     python benchmarks/gpu.py --presets 125m,1b --batch-sizes 8,16
-    python benchmarks/gpu.py --dry-run                         # print the train commands, run nothing
-    python benchmarks/gpu.py -- --checkpoint.every 0           # args after `--` go to every train run
-    python benchmarks/gpu.py --presets '' --moe-variants dropless,dropless-blocks,capacity   # MoE only
+    python benchmarks/gpu.py --dry-run            # print the train commands, run nothing
+    python benchmarks/gpu.py -- --checkpoint.every 0  # args after `--` go to every train run
+    # MoE only:
+    python benchmarks/gpu.py --presets '' --moe-variants dropless,dropless-blocks,capacity
     python benchmarks/gpu.py --batch-sizes 8 --variants fp8,attention-cudnn --moe-variants ''
 
 After the dense sweep, the first preset runs once per --variants entry at --variant-batch: the XLA
@@ -61,6 +62,10 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mesh.xla import known_xla_flags, unknown_xla_flags  # noqa: E402
+
 OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|\bOOM\b")
 FIELDS = (
     "tokens_per_sec",
@@ -186,7 +191,8 @@ def parse_args():
 
 def cases(args) -> list[dict]:
     """What to run, in order: each dense preset, the first one's variants, then the MoE shape once
-    per dispatch variant. name: the label in the results; preset + flags: the train command's model."""
+    per dispatch variant. name: the label in the results; preset + flags: the train command's
+    model."""
     out = [
         {"name": p, "preset": p, "flags": [], "batch_sizes": args.batch_sizes} for p in args.presets
     ]
@@ -297,22 +303,11 @@ def predict(args, case: dict, batch: int) -> dict:
 
 def drop_unknown_xla_flags() -> None:
     """An unknown flag in XLA_FLAGS aborts every jax process, and flags come and go between
-    jaxlib releases; probe on CPU (flags are parsed there too) and drop the ones rejected."""
-    for _ in range(len(GPU_XLA_FLAGS) + 1):
-        probe = subprocess.run(
-            [sys.executable, "-c", "import jax; jax.devices('cpu')"],
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        bad = re.search(r"Unknown flags? in XLA_FLAGS: (--\S+?)(=\S*)?\s", probe.stderr + " ")
-        if probe.returncode == 0 or not bad:
-            return
-        say(f"dropping XLA flag unknown to this jaxlib: {bad.group(1)}")
-        os.environ["XLA_FLAGS"] = " ".join(
-            f for f in os.environ["XLA_FLAGS"].split() if not f.startswith(bad.group(1) + "=")
-        )
+    jaxlib releases: drop the ones the installed jaxlib rejects (probed on CPU, mesh/xla.py)."""
+    flags = os.environ["XLA_FLAGS"].split()
+    for name in unknown_xla_flags(flags, os.environ):
+        say(f"dropping XLA flag unknown to this jaxlib: {name}")
+    os.environ["XLA_FLAGS"] = " ".join(known_xla_flags(flags, os.environ))
 
 
 def environment() -> dict:
@@ -395,7 +390,8 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
                 rows = read_metrics(metrics_path)
                 for r in rows[seen:]:  # stream progress as it is logged
                     say(
-                        f"  step {r.get('step')}: loss {r.get('loss'):.4f} tok/s {r.get('tokens_per_sec'):,.0f}"
+                        f"  step {r.get('step')}: loss {r.get('loss'):.4f}"
+                        f" tok/s {r.get('tokens_per_sec'):,.0f}"
                         f" mfu {r.get('mfu'):.1%} step {r.get('step_time_s'):.3f}s"
                     )
                 seen = len(rows)
@@ -446,13 +442,15 @@ def table(runs: list[dict]) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = [
-        "| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | predicted step (s) | predicted MFU"
+        "| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | predicted step (s)"
+        " | predicted MFU"
         " | dropped | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
-            f"| {r['preset']} | {r['batch_size']} | {r['seq_len']} | {f(r.get('tokens_per_sec'), ',.0f')}"
+            f"| {r['preset']} | {r['batch_size']} | {r['seq_len']}"
+            f" | {f(r.get('tokens_per_sec'), ',.0f')}"
             f" | {f(r.get('tokens_per_sec_per_device'), ',.0f')} | {f(r.get('mfu'), '.1%')}"
             f" | {f(r.get('step_time_s'), '.3f')} | {f(r.get('predicted_step_time_s'), '.3f')}"
             f" | {f(r.get('predicted_mfu'), '.1%')} | {f(r.get('moe/dropped_fraction'), '.2%')}"

@@ -2,19 +2,25 @@
 
 XLA reads XLA_FLAGS (and libtpu reads LIBTPU_INIT_ARGS) once, when the first backend is created,
 so a preset must be in the environment before that: `python -m train` reads `--xla-preset` from
-argv before importing jax; in a notebook call `os.environ.update(apply("gpu", os.environ))` first.
+argv before importing jax; in a notebook call
+`os.environ.update(known_preset_flags("gpu", os.environ))` first.
 This module must not import jax.
 
 Flags a user already set (same name, any value) are kept as the user wrote them: a preset only
 adds what is missing. Every GPU and CPU flag name is checked by tests/test_xla.py against the
-installed jaxlib (XLA aborts on an unknown flag); the TPU flags are libtpu's and cannot be checked
-without a TPU.
+installed jaxlib (XLA aborts on an unknown flag), and known_preset_flags leaves out, with a note,
+one that a future jaxlib drops; the TPU flags are libtpu's and cannot be checked without a TPU.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import re
 import shlex
-from collections.abc import Mapping
+import subprocess
+import sys
+from collections.abc import Mapping, MutableMapping
 
 from errors import UserError
 
@@ -27,15 +33,15 @@ PRESETS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
             # Sources: NVIDIA JAX-Toolbox "GPU performance" guide and MaxText's GPU run scripts.
             "--xla_gpu_enable_latency_hiding_scheduler": (
                 "true",
-                "schedule collectives as async start/done pairs around independent compute (overlap)",
+                "schedule collectives as async start/done pairs around independent compute",
             ),
             "--xla_gpu_enable_highest_priority_async_stream": (
                 "true",
-                "give the collective stream priority so communication is not starved by compute kernels",
+                "give the collective stream priority so compute kernels do not starve it",
             ),
             "--xla_gpu_enable_pipelined_all_gather": (
                 "true",
-                "FSDP: gather the next layer's weights during the current layer of the scanned stack",
+                "FSDP: gather the next layer's weights during the current layer of the scan",
             ),
             "--xla_gpu_enable_pipelined_reduce_scatter": (
                 "true",
@@ -47,11 +53,11 @@ PRESETS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
             ),
             "--xla_gpu_enable_while_loop_double_buffering": (
                 "true",
-                "unroll the layer scan by two so the pipelined collectives have compute to hide behind",
+                "unroll the layer scan by two so pipelined collectives have compute to hide behind",
             ),
             "--xla_gpu_all_reduce_combine_threshold_bytes": (
                 str(128 * MiB),
-                "bucket small gradient all-reduces into 128 MiB messages (bandwidth-bound, fewer launches)",
+                "bucket small gradient all-reduces into 128 MiB messages (fewer launches)",
             ),
             "--xla_gpu_all_gather_combine_threshold_bytes": (
                 str(128 * MiB),
@@ -67,7 +73,7 @@ PRESETS: dict[str, dict[str, dict[str, tuple[str, str]]]] = {
             ),
             "--xla_gpu_enable_command_buffer": (
                 "",
-                "no CUDA graphs: they serialise the async collective streams the scheduler just overlapped",
+                "no CUDA graphs: they serialise the async collective streams",
             ),
         }
     },
@@ -134,8 +140,26 @@ def apply(preset: str, env: Mapping[str, str]) -> dict[str, str]:
     return {var: merge(env.get(var, ""), flags) for var, flags in PRESETS[preset].items()}
 
 
+def known_preset_flags(preset: str, environ: MutableMapping[str, str]) -> dict[str, str]:
+    """apply(preset, environ) less the preset's XLA_FLAGS that the installed jaxlib does not know,
+    each named in a note on stderr: flags come and go between jaxlib releases, and XLA aborts on
+    an unknown one. The user's own flags are passed as written."""
+    out = apply(preset, environ)
+    if "XLA_FLAGS" in out:
+        flags = PRESETS[preset]["XLA_FLAGS"]
+        unknown = set(unknown_xla_flags([f"{name}={v}" for name, (v, _) in flags.items()], environ))
+        for name in sorted(unknown):
+            print(
+                f"--xla-preset {preset}: this jaxlib does not know {name}; left out",
+                file=sys.stderr,
+            )
+        known = {name: flag for name, flag in flags.items() if name not in unknown}
+        out["XLA_FLAGS"] = merge(environ.get("XLA_FLAGS", ""), known)
+    return out
+
+
 def preset_from_argv(argv: list[str]) -> str | None:
-    """The value of `--xla-preset X` / `--xla-preset=X` in argv (the last one wins), without argparse:
+    """The value of `--xla-preset X` / `--xla-preset=X` in argv (the last wins), without argparse:
     this runs before jax (and the config module, which imports it) is imported."""
     found = None
     for i, arg in enumerate(argv):
@@ -161,7 +185,7 @@ def apply_argv(argv: list[str], environ) -> str | None:
     Call before anything imports jax: `python -m train` does it first thing."""
     preset = preset_from_argv(argv)
     if preset is not None:
-        environ.update(apply(preset, environ))
+        environ.update(known_preset_flags(preset, environ))
     return preset
 
 
@@ -192,3 +216,88 @@ def cpu_threads_env(environ: Mapping[str, str], devices: int) -> dict[str, str]:
     if any(environ.get(var) for var in NPROC_VARS):
         return {}
     return {"PJRT_NPROC": str(CPU_THREADS_PER_DEVICE * devices)}
+
+
+# XLA aborts the process on a flag name it does not know ("Unknown flag in XLA_FLAGS"), and names
+# come and go between jaxlib releases (--xla_cpu_use_fusion_emitters is gone in 0.12). No API lists
+# the names a jaxlib knows, so a subprocess starts the CPU backend (which parses every XLA flag, the
+# GPU ones too) with the flags, and the names it rejects are dropped and the rest tried again. The
+# answers are kept in the environment under FLAG_PROBE_VAR, keyed by the interpreter and jaxlib
+# version, so that the processes started from this one (test workers, training subprocesses)
+# inherit them: the probe runs once per environment.
+FLAG_PROBE_VAR = "BRIGADE_XLA_FLAG_PROBE"
+_PROBE = "import jax; jax.devices('cpu')"
+_UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
+
+
+def flag_name(flag: str) -> str:
+    """'--xla_a=1' -> '--xla_a'."""
+    return flag.partition("=")[0]
+
+
+def _probe_key() -> str:
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib = "none"
+    return f"{sys.executable} jaxlib=={jaxlib}"
+
+
+def _cached(environ: Mapping[str, str]) -> dict[str, bool]:
+    """name -> known, as recorded in `environ` for this interpreter and jaxlib (else nothing)."""
+    try:
+        record = json.loads(environ.get(FLAG_PROBE_VAR, ""))
+    except ValueError:
+        return {}
+    if not isinstance(record, dict) or record.get("key") != _probe_key():
+        return {}
+    return {**dict.fromkeys(record["known"], True), **dict.fromkeys(record["unknown"], False)}
+
+
+def _probe(flags: list[str], environ: Mapping[str, str]) -> dict[str, bool]:
+    """name -> known for the names of `flags`, by starting the CPU backend with them. A start that
+    fails for another reason (or hangs) decides nothing more: those names are left out, and
+    the process that sets them will show the real error."""
+    answers: dict[str, bool] = {}
+    left = list(flags)
+    while left:
+        env = {**environ, "XLA_FLAGS": " ".join(left), "JAX_PLATFORMS": "cpu"}
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600
+            )
+        except subprocess.TimeoutExpired:
+            break
+        if r.returncode == 0:
+            answers.update(dict.fromkeys(map(flag_name, left), True))
+            break
+        bad = _UNKNOWN.search(r.stderr)
+        rejected = {flag_name(tok) for tok in bad.group(1).split()} if bad else set()
+        if not rejected & set(map(flag_name, left)):
+            break
+        answers.update(dict.fromkeys(rejected, False))
+        left = [f for f in left if flag_name(f) not in rejected]
+    return answers
+
+
+def unknown_xla_flags(flags: list[str], environ: MutableMapping[str, str]) -> list[str]:
+    """The names among `flags` ('--name=value' each) that the installed jaxlib does not know.
+    Only names `environ` holds no answer for are probed; the answers are recorded there."""
+    answers = _cached(environ)
+    ask = [f for f in flags if flag_name(f) not in answers]
+    if ask:
+        answers.update(_probe(ask, environ))
+        environ[FLAG_PROBE_VAR] = json.dumps(
+            {
+                "key": _probe_key(),
+                "known": sorted(n for n, ok in answers.items() if ok),
+                "unknown": sorted(n for n, ok in answers.items() if not ok),
+            }
+        )
+    return [flag_name(f) for f in flags if answers.get(flag_name(f)) is False]
+
+
+def known_xla_flags(flags: list[str], environ: MutableMapping[str, str]) -> list[str]:
+    """`flags` less those whose name the installed jaxlib does not know (unknown_xla_flags)."""
+    unknown = set(unknown_xla_flags(flags, environ))
+    return [f for f in flags if flag_name(f) not in unknown]

@@ -5,6 +5,8 @@ compile options (the processes a drill compares are all compiled alike) and its 
 import os
 import re
 
+from mesh.xla import unknown_xla_flags
+
 # XLA:CPU compile options of the test processes and the training processes they start, measured on
 # the tiny model's sharded step (data=2,fsdp=2,model=2; fsdp=8):
 #   default (LLVM level 2)                         11-15 s compile,  85-110 ms/step
@@ -13,10 +15,14 @@ import re
 # Nearly all of a test is compilation, so the last: the fusions are then emitted by the older
 # elemental IR emitter instead of the MLIR fusion pipeline. Same programs, same losses to 1e-6. A
 # comparison test compiles both of its sides in one process, alike.
-COMPILE_OPTIONS = (
+_WANTED = (
     ("xla_backend_optimization_level", "0"),
     ("xla_cpu_use_fusion_emitters", "false"),
 )
+# Only the options the installed jaxlib knows: XLA aborts on an unknown flag name (probed once per
+# environment, mesh/xla.py).
+_UNKNOWN = unknown_xla_flags([f"--{o}={v}" for o, v in _WANTED], os.environ)
+COMPILE_OPTIONS = tuple((o, v) for o, v in _WANTED if f"--{o}" not in _UNKNOWN)
 
 
 def xla_flags(flags: str, devices: int, keep_set: bool = False) -> str:

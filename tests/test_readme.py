@@ -454,13 +454,16 @@ def _readme_test_command() -> str:
     return lines[0]
 
 
-def test_ci_runs_the_readme_test_command():
+@pytest.mark.parametrize("job", ["run", "run-jax-latest"])
+def test_ci_runs_the_readme_test_command(job):
     """CI runs the README's test command in the same words, so CI cannot pass a command a newcomer
-    is not shown (it once ran `python -m pytest`, whose path differs from plain `pytest`'s)."""
-    ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
+    is not shown (it once ran `python -m pytest`, whose path differs from plain `pytest`'s); both
+    jobs (the oldest and the newest jax) run it, and the README names both."""
+    ci = [ln.strip() for ln in (REPO / ".ci" / job).read_text().splitlines()]
     assert _readme_test_command() in ci, (
-        f".ci/run does not run the README's `{_readme_test_command()}`"
+        f".ci/{job} does not run the README's `{_readme_test_command()}`"
     )
+    assert f"`.ci/{job}`" in README.read_text(), f"README.md does not name .ci/{job}"
 
 
 def test_test_helpers_imported_one_way():

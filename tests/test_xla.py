@@ -1,10 +1,12 @@
 """mesh/xla.py: XLA flag presets are accepted by the installed XLA and never override user flags."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+from cpu_env import cpu_env
 
 from errors import UserError
 from mesh import xla
@@ -170,3 +172,56 @@ def test_cpu_pool_threads_counts_the_threads_xla_starts(nproc):
     assert int(r.stdout.split()[-1]) == xla.cpu_pool_threads(env, 8, os.cpu_count()), r.stdout
     assert xla.cpu_threads_env({}, 8) == {"PJRT_NPROC": str(8 * xla.CPU_THREADS_PER_DEVICE)}
     assert xla.cpu_threads_env({"NPROC": "3"}, 8) == {}  # the caller's choice is kept
+
+
+def no_subprocess(*a, **k):
+    raise AssertionError("probed again")
+
+
+def test_probe_tells_unknown_flag_names_and_records_the_answer(monkeypatch):
+    """The probe starts the installed jaxlib's CPU backend: a name it rejects is unknown, a name it
+    parses is known; the answers go into the environment, so a second ask starts nothing."""
+    environ = {}
+    flags = [
+        "--xla_backend_optimization_level=0",
+        "--xla_gpu_enable_no_such_thing=true",
+        "--xla_cpu_no_such_either=1",
+    ]
+    assert xla.unknown_xla_flags(flags, environ) == [
+        "--xla_gpu_enable_no_such_thing",
+        "--xla_cpu_no_such_either",
+    ]
+    assert xla.known_xla_flags(flags, environ) == ["--xla_backend_optimization_level=0"]
+
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    child = dict(environ)  # what a process started from this one inherits
+    assert xla.known_xla_flags(flags, child) == ["--xla_backend_optimization_level=0"]
+    # another interpreter or jaxlib does not trust the record
+    stale = {xla.FLAG_PROBE_VAR: environ[xla.FLAG_PROBE_VAR].replace("jaxlib==", "jaxlib==0.0.")}
+    with pytest.raises(AssertionError, match="probed again"):
+        xla.unknown_xla_flags(flags, stale)
+
+
+def test_preset_flag_unknown_to_this_jaxlib_is_left_out_with_a_note(monkeypatch, capsys):
+    """`--xla-preset gpu` on a jaxlib that dropped one of its names (here: recorded as unknown)
+    runs without it and says so, instead of XLA aborting; the user's flags stay as written."""
+    names = list(xla.PRESETS["gpu"]["XLA_FLAGS"])
+    gone = "--xla_gpu_enable_pipelined_all_reduce"
+    record = {"key": xla._probe_key(), "known": [n for n in names if n != gone], "unknown": [gone]}
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/d", xla.FLAG_PROBE_VAR: json.dumps(record)}
+    monkeypatch.setattr(subprocess, "run", no_subprocess)  # answered from the record
+    assert xla.apply_argv(["--xla-preset", "gpu"], environ) == "gpu"
+    flags = environ["XLA_FLAGS"]
+    assert flags.startswith("--xla_dump_to=/tmp/d ") and gone not in flags
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
+    assert capsys.readouterr().err.splitlines() == [
+        f"--xla-preset gpu: this jaxlib does not know {gone}; left out"
+    ]
+
+
+def test_suite_compile_options_are_known_to_this_jaxlib():
+    """tests/cpu_env.py passes only compile options the installed jaxlib knows (jaxlib 0.12 dropped
+    --xla_cpu_use_fusion_emitters, and XLA aborts on an unknown flag)."""
+    r = run_python(JIT, cpu_env(2)["XLA_FLAGS"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "262144.0"
