@@ -1,6 +1,7 @@
 """models/moe_kernels.py and the router's top-k: the padded-block kernel's hand-written backward
-against autodiff of a per-row reference (skewed loads, empty experts, padding rows), the top-k by
-argmaxes against lax.top_k, and what the compiled MoE layer moves between devices. float32."""
+and the ragged_dot kernel against autodiff of a per-row reference (block sizes, partial blocks,
+skewed loads, empty experts, padding rows), the top-k by argmaxes against lax.top_k, and what the
+compiled MoE layer moves between devices. float32."""
 
 import dataclasses
 import re
