@@ -65,7 +65,7 @@ def test_comm_time_ring_arithmetic():
     assert t == pytest.approx(10 * 6 * 1e-3)
 
 
-def test_mission_7b_all_reduce_over_200gbps_takes_over_a_second():
+def test_7b_gradient_all_reduce_over_200gbps_takes_over_a_second():
     """7B fp16 gradients (M = 14 GB) all-reduced over 200 Gb/s (25 GB/s) take over a second."""
     a100 = hardware.get("a100")
     n = 64

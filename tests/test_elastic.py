@@ -217,7 +217,8 @@ def reference(tmp_path_factory):
 
 class Job:
     """One supervisor per process (`python -m train ... --max-restarts --train.elastic true`),
-    each in its own session so that killing a "host" kills its supervisor and its child."""
+    each in its own process group (start_new_session) so that killing a "host" kills its
+    supervisor and its child."""
 
     def __init__(self, tmp_path: Path, port: int):
         self.tmp, self.port, self.run_dir = tmp_path, port, tmp_path / "run"

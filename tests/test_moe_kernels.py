@@ -1,6 +1,7 @@
 """models/moe_kernels.py and the router's top-k: the padded-block kernel's hand-written backward
-against autodiff of a per-row reference (skewed loads, empty experts, padding rows), the top-k by
-argmaxes against lax.top_k, and what the compiled MoE layer moves between devices. float32."""
+and the ragged_dot kernel against autodiff of a per-row reference (block sizes, partial blocks,
+skewed loads, empty experts, padding rows), the top-k by argmaxes against lax.top_k, and what the
+compiled MoE layer moves between devices. float32."""
 
 import dataclasses
 import re
@@ -14,7 +15,7 @@ from jax import lax
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import moe, moe_router
-from models.moe_kernels import gmm_blocks
+from models.moe_kernels import gmm_blocks, gmm_ragged
 from models.presets import PRESETS
 
 D, F = 16, 24
@@ -37,40 +38,84 @@ def _per_row(x_RD, g_R, wg, wu, wd):
     """Each row through its own expert's FFN, padding rows (id == X) to 0: autodiff's reference."""
     x_count = wg.shape[0]
 
-    def one(x, g):
-        w = jnp.minimum(g, x_count - 1)
-        return jnp.where(g < x_count, ffn(x[None], wg[w], wu[w], wd[w])[0], 0)
+    def one(x_D, g):
+        e = jnp.minimum(g, x_count - 1)
+        return jnp.where(g < x_count, ffn(x_D[None], wg[e], wu[e], wd[e])[0], 0)
 
     return jax.vmap(one)(x_RD, g_R)
 
 
-@pytest.mark.parametrize("case", ["balanced", "one expert takes all", "empty experts and padding"])
-def test_blocks_kernel_equals_per_row_with_gradients(case):
-    rows, x_count, block = 40, 4, 8
-    ks = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(ks[0], (rows, D))
-    g = {
-        "balanced": jax.random.randint(ks[1], (rows,), 0, x_count),
-        "one expert takes all": jnp.full((rows,), 2, jnp.int32),
-        "empty experts and padding": jnp.where(
-            jnp.arange(rows) < 25, jax.random.randint(ks[1], (rows,), 1, 3), x_count
-        ),
-    }[case].astype(jnp.int32)
-    w = _weights(x_count)
-    probe = jax.random.normal(ks[2], (rows, D))
-    got_fn = lambda x, *w: jnp.sum(gmm_blocks(x, g, *w, block) * probe)  # noqa: E731
-    ref_fn = lambda x, *w: jnp.sum(_per_row(x, g, *w) * probe)  # noqa: E731
-    np.testing.assert_allclose(
-        jax.jit(lambda x, *w: gmm_blocks(x, g, *w, block))(x, *w),
-        _per_row(x, g, *w),
-        atol=1e-5,
-        rtol=1e-5,
-    )
-    got = jax.jit(jax.grad(got_fn, argnums=(0, 1, 2, 3)))(x, *w)
-    ref = jax.jit(jax.grad(ref_fn, argnums=(0, 1, 2, 3)))(x, *w)
-    for name, a, b in zip(("x", "w_gate", "w_up", "w_down"), got, ref):
-        assert float(jnp.max(jnp.abs(b))) > 0, name
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+def _routing(kind: str, rows: int, x_count: int, rng) -> np.ndarray:
+    """Expert ids of `rows` rows (x_count: a padding row, which must come out 0)."""
+    if kind == "balanced":
+        return rng.integers(0, x_count, rows)
+    if kind == "round robin":  # every expert the same number of rows
+        return np.arange(rows) % x_count
+    if (
+        kind == "skewed"
+    ):  # 7 of 8 rows to expert 0, the rest to the last; the experts between get none
+        return np.where(rng.random(rows) < 7 / 8, 0, x_count - 1)
+    if kind == "one expert":
+        return np.full(rows, x_count // 2)
+    if kind == "empty experts and padding":  # the first and last expert get none; 3/8 padding
+        return np.where(
+            np.arange(rows) < rows * 5 // 8, rng.integers(1, x_count - 1, rows), x_count
+        )
+    assert kind == "all padding", kind
+    return np.full(rows, x_count)
+
+
+KERNEL_CASES = [  # rows, experts, block, routing
+    (40, 4, 8, "balanced"),  # partial last blocks
+    (40, 4, 8, "skewed"),
+    (40, 4, 8, "one expert"),  # 5 whole blocks of one expert
+    (40, 4, 8, "empty experts and padding"),
+    (64, 4, 16, "round robin"),  # whole blocks only
+    (1, 4, 8, "balanced"),  # one row: one block, 7 padding rows
+    (7, 3, 1, "balanced"),  # a block per row: no padding
+    (33, 3, 4, "skewed"),  # odd sizes: every used expert ends in a partial block
+    (40, 4, 64, "balanced"),  # a block longer than all the rows
+    (96, 8, 16, "skewed"),
+    (16, 4, 8, "all padding"),  # no used block: output and gradients 0
+]
+
+
+@pytest.mark.parametrize(
+    "rows,x_count,block,kind",
+    KERNEL_CASES,
+    ids=[f"{r}x{x}-b{b}-{k}" for r, x, b, k in KERNEL_CASES],
+)
+def test_kernels_equal_per_row_with_gradients(rows, x_count, block, kind):
+    """gmm_blocks (the hand-written backward) and gmm_ragged against autodiff of the per-row
+    reference: the output and the gradients of the rows and the three expert weights."""
+    rng = np.random.default_rng(rows * 100 + block)
+    g = jnp.asarray(_routing(kind, rows, x_count, rng), jnp.int32)
+    ks = jax.random.split(jax.random.key(rows), 2)
+    x, probe = jax.random.normal(ks[0], (rows, D)), jax.random.normal(ks[1], (rows, D))
+    w = _weights(x_count, seed=block)
+    kernels = {
+        "blocks": lambda x, *w: gmm_blocks(x, g, *w, block),
+        "ragged": lambda x, *w: gmm_ragged(x, g, *w),
+        "per row": lambda x, *w: _per_row(x, g, *w),
+    }
+
+    def outputs_and_grads(x, *w):
+        out = {}
+        for name, f in kernels.items():
+            y, vjp = jax.vjp(f, x, *w)
+            out[name] = (y, *vjp(probe))
+        return out
+
+    got = jax.jit(outputs_and_grads)(x, *w)
+    ref = got.pop("per row")
+    used = bool(np.any(np.asarray(g) < x_count))
+    for kernel, values in got.items():
+        for what, a, b in zip(("output", "x", "w_gate", "w_up", "w_down"), values, ref):
+            scale = float(jnp.max(jnp.abs(b)))
+            assert (scale > 0) == used, (kernel, what, scale)
+            np.testing.assert_allclose(
+                a, b, rtol=1e-5, atol=1e-5 * max(scale, 1.0), err_msg=f"{kernel} {what}"
+            )
 
 
 def test_blocks_kernel_in_bfloat16_follows_float32():

@@ -1,5 +1,6 @@
 """`python -m train` as 2 processes x 4 CPU devices on 127.0.0.1 (one 8-device mesh, gloo
-collectives) gives the same loss curve as 1 process with 8 fake devices.
+collectives) gives the same loss curve as 1 process with 8 fake devices, and the same parameters
+(every leaf of the final checkpoints).
 
 The 2-process run also passes `--mesh-dcn data=2`: the data axis spans the two processes
 ("hosts"), so the hybrid ICI x DCN mesh path is exercised too.
@@ -29,6 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cpu_env import xla_flags
+from equivalence import ADAM_ATOL, assert_trees_close
+
+from checkpoint.manager import open_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -164,7 +168,18 @@ def losses(run_dir: Path, logs: str = "") -> dict[str, list[float]]:
     assert path.exists(), f"{path} was not written\n{logs}"
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     recs = [r for r in recs if "loss" in r]
-    return {k: [r[k] for r in recs] for k in ("step", "loss", "grad_norm")}
+    return {k: [r[k] for r in recs] for k in ("step", "loss", "grad_norm", "lr")}
+
+
+def final_params(run_dir: Path, step: int) -> dict:
+    """The parameters of the run's final checkpoint (a 2-process run's: written by both processes
+    into process 0's run directory), on the host."""
+    ck, saved = open_checkpoint(str(run_dir))
+    try:
+        assert saved == step, (run_dir, saved)
+        return ck.restore_params_to_host(saved)
+    finally:
+        ck.close()
 
 
 @pytest.mark.slow
@@ -176,13 +191,16 @@ def test_two_processes_match_one_process(tmp_path):
     # Under test: two processes x 4 devices, one 8-device mesh whose data axis spans the two
     # processes (--mesh-dcn data=2). Each process gets its own --run-dir, so we can see that
     # only process 0 writes files.
+    # Adam's eps 1e-3 (tests/equivalence.py): a gradient coordinate whose sign is rounding noise
+    # then moves its parameter by ~lr x noise / eps, not a full lr step either way
+    flags = FLAGS + ["--train.eps", "1e-3"]
     port = free_port()
     kids = Children(tmp_path)
-    kids.start("single", FLAGS + ["--run-dir", str(tmp_path / "single")], child_env(8))
+    kids.start("single", flags + ["--run-dir", str(tmp_path / "single")], child_env(8))
     for i in range(2):
         kids.start(
             f"proc{i}",
-            FLAGS
+            flags
             + [
                 "--mesh-dcn",
                 "data=2",
@@ -207,6 +225,14 @@ def test_two_processes_match_one_process(tmp_path):
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5, err_msg=logs)
     np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=logs)
     assert (tmp_path / "multi0" / "summary.json").exists(), logs
+    # every parameter after the last step, within float32 reduction order and Adam's amplification
+    # of it (tests/equivalence.py's tolerances)
+    assert_trees_close(
+        final_params(tmp_path / "multi0", 4),
+        final_params(tmp_path / "single", 4),
+        "2 processes vs 1: params after step 4",
+        atol=ADAM_ATOL * sum(ref["lr"]),
+    )
 
     assert not (tmp_path / "multi1").exists(), (
         f"process 1 wrote files: {sorted(p.name for p in (tmp_path / 'multi1').rglob('*'))}"

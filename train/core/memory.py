@@ -17,7 +17,9 @@ GiB = 1024**3
 
 def step_bytes_per_device(compiled) -> dict[str, int]:
     """Per-device bytes of one compiled step: its arguments (state + batch), outputs, temporaries,
-    and the peak (XLA's when it reports one, else arguments + outputs - aliased + temporaries)."""
+    and the peak (XLA's when it reports one that holds the arguments and temporaries, else
+    arguments + outputs - aliased + temporaries). XLA:CPU reports a peak without the temporaries
+    (the default model at 32k tokens on context=8: 5.3 MiB against 829 MiB of temporaries)."""
     m = compiled.memory_analysis()
     if m is None:  # a backend without memory analysis
         return {}
@@ -27,10 +29,9 @@ def step_bytes_per_device(compiled) -> dict[str, int]:
         "alias": m.alias_size_in_bytes,
         "temp": m.temp_size_in_bytes,
     }
-    out["peak"] = (
-        getattr(m, "peak_memory_in_bytes", 0)
-        or out["argument"] + out["output"] - out["alias"] + out["temp"]
-    )
+    peak = getattr(m, "peak_memory_in_bytes", 0)
+    whole = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out["peak"] = peak if peak >= out["argument"] + out["temp"] else whole
     return out
 
 
