@@ -3,7 +3,6 @@ check_number): NaN, infinity and out-of-range values are one line naming the fla
 exit 2; `plan --search` refuses the sizes it cannot rank in about a minute."""
 
 import argparse
-import time
 
 import pytest
 
@@ -87,11 +86,9 @@ def test_out_of_range_numbers_are_one_line_naming_the_flag(name):
     ],
 )
 def test_plan_numbers(capsys, argv, line):
-    t0 = time.perf_counter()
     assert plan_main(["--model", "tiny", "--hardware", "h100", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith(line), err
-    assert time.perf_counter() - t0 < 30
 
 
 def test_search_sizes_that_rank_are_accepted():

@@ -1,8 +1,6 @@
 """A YAML file from the user (`--config`, a data mixture file) is read without trusting it: a key
 given twice, an alias bomb, an oversized or binary file are each one line naming the file."""
 
-import time
-
 import pytest
 
 from errors import UserError
@@ -48,13 +46,13 @@ def _bomb(levels: int, width: int = 9) -> str:
     return "train:\n  " + "\n  ".join(lines) + f"\n  lr: *a{levels - 1}\n"
 
 
-def test_an_alias_bomb_is_refused_quickly(tmp_path):
-    t0 = time.perf_counter()
+def test_an_alias_bomb_is_refused_before_it_expands(tmp_path):
+    # the refusal counts nodes on the composed graph, where each alias is one shared node: the 43
+    # million lists are never built (the test itself would not return otherwise)
     with pytest.raises(UserError, match=r"aliases expand to \d+ nodes, more than the 100000"):
         _build(tmp_path, _bomb(9))  # 9**8 ~ 43 million lists once expanded
     with pytest.raises(UserError, match="more than 100 alias uses"):
         _build(tmp_path, "train:\n  a: &a 1\n  b: [" + ", ".join(["*a"] * 101) + "]\n")
-    assert time.perf_counter() - t0 < 5
 
 
 def test_an_alias_inside_itself_is_refused(tmp_path):
@@ -77,16 +75,16 @@ def test_size_binary_and_nesting_are_one_line(tmp_path):
     assert _build(tmp_path, b"\xef\xbb\xbftrain: {steps: 5}\n").train.steps == 5  # a BOM is fine
 
 
-def test_the_largest_file_loads_in_seconds(tmp_path):
+def test_the_largest_accepted_file_loads(tmp_path):
+    # its slowest content, a flow list of small ints, loads in ~2.5 s on one core (a 30 MB value
+    # took minutes); a figure for the docstring, not an assertion: tests do not time
     from train.data import yaml_load
 
     path = tmp_path / "big.yaml"
     body = "x: [" + "1, " * ((yaml_load.MAX_BYTES - 16) // 3) + "]\n"
     path.write_text(body)
     assert len(body) <= yaml_load.MAX_BYTES
-    t0 = time.perf_counter()
     assert len(yaml_load.load(str(path), "--config")["x"]) > 80_000
-    assert time.perf_counter() - t0 < 20  # ~2.5 s on one core; a 30 MB value took minutes
 
 
 def test_a_mixture_file_is_read_the_same_way(tmp_path):
