@@ -360,7 +360,6 @@ PENDING = {
     "plan/compiled_cost.py::from_plan": 75,
     "plan/cost.py::goodput": 64,
     "plan/cost.py::predict": 82,
-    "plan/estimate.py::evaluate": 122,
     "plan/hardware.py::_table": 62,
     "plan/render.py::render": 79,
     "plan/report.py::analyze": 70,
