@@ -358,8 +358,6 @@ PENDING = {
     "plan/activation_memory.py::activation_bytes": 86,
     "plan/cli.py::analytic": 75,
     "plan/compiled_cost.py::from_plan": 75,
-    "plan/cost.py::goodput": 64,
-    "plan/cost.py::predict": 82,
     "plan/hardware.py::_table": 62,
     "plan/render.py::render": 79,
     "plan/report.py::analyze": 70,
