@@ -355,7 +355,6 @@ PENDING = {
     "models/pipeline/explicit.py::loss": 69,
     "models/pipeline/gpipe.py::pipeline_apply": 61,
     "models/pipeline/split_backward.py::__init__": 68,
-    "plan/theory.py::theory": 84,
 }
 
 
