@@ -347,7 +347,6 @@ PENDING = {
     "benchmarks/peer.py::brigade": 67,
     "benchmarks/pipeline.py::main": 69,
     "benchmarks/pipeline.py::run": 94,
-    "mesh/bench.py::_main": 63,
     "models/attention.py::__call__": 65,
     "models/context.py::_ring": 68,
     "models/hf_config.py::config_from_hf": 70,
