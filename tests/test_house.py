@@ -342,8 +342,6 @@ PENDING = {
     "benchmarks/elastic.py::main": 83,
     "benchmarks/moe.py::steps": 61,
     "benchmarks/peer.py::brigade": 67,
-    "benchmarks/pipeline.py::main": 69,
-    "benchmarks/pipeline.py::run": 94,
     "models/attention.py::__call__": 65,
     "models/context.py::_ring": 68,
     "models/hf_config.py::config_from_hf": 70,
