@@ -92,37 +92,30 @@ def timed_restores(directory: str, step: int, abstract, repeats: int, verify: bo
     return out
 
 
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "brigade_ckpt_bench"))
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    cfg = ModelConfig(
+
+def model_config(d_model: int, layers: int) -> ModelConfig:
+    return ModelConfig(
         vocab_size=264,
-        d_model=args.d_model,
-        n_layers=args.layers,
+        d_model=d_model,
+        n_layers=layers,
         n_heads=8,
         n_kv_heads=8,
-        d_ff=4 * args.d_model,
+        d_ff=4 * d_model,
         max_seq_len=256,
         dtype="float32",
     )
-    tx = optim.make(TrainConfig())
-    mesh = make_mesh("fsdp=8")
-    state = train_state.create(cfg, tx, mesh, DEFAULT_RULES, 0)
-    jax.block_until_ready(state)
-    n_bytes = state_bytes(state)
-    meta = make_meta(0, {}, mesh, 0)
-    mb = n_bytes / 1e6
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    print(
-        f"state: {mb:.0f} MB ({n_params / 1e6:.1f}M params + AdamW),"
-        f" mesh fsdp=8, {args.repeats} repeats, dir {args.dir}"
-    )
 
+
+def bench_saves(args, state, meta, mb: float, n_bytes: int) -> None:
+    """Sync and async saves against the disk's raw write speed."""
     raw = statistics.median(
         raw_write_mb_s(os.path.dirname(args.dir) or ".", n_bytes) for _ in range(args.repeats)
     )
@@ -143,6 +136,10 @@ def main() -> None:
         f" save throughput {100 * mb / med(a_total) / raw:.0f}% of raw disk"
     )
 
+
+def bench_restores(args, cfg, tx, mesh, mb: float) -> None:
+    """The async save restored onto the same mesh, another layout and one device, with and
+    without the pre-restore verification."""
     abstract_same = train_state.abstract(cfg, tx, mesh, DEFAULT_RULES)
     other = make_mesh("data=2,model=4")
     abstract_other = train_state.abstract(cfg, tx, other, DEFAULT_RULES)
@@ -150,6 +147,7 @@ def main() -> None:
     abstract_one = train_state.abstract(cfg, tx, one, DEFAULT_RULES)
     step = args.repeats
     d = args.dir + "_async"
+    med = statistics.median
     for name, ab in (
         ("same mesh fsdp=8", abstract_same),
         ("resharded to data=2,model=4", abstract_other),
@@ -161,6 +159,25 @@ def main() -> None:
             f"restore {name:28s} {plain:6.2f} s ({mb / plain:5.0f} MB/s);"
             f" with Brigade's pre-restore verification {checked:6.2f} s"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    cfg = model_config(args.d_model, args.layers)
+    tx = optim.make(TrainConfig())
+    mesh = make_mesh("fsdp=8")
+    state = train_state.create(cfg, tx, mesh, DEFAULT_RULES, 0)
+    jax.block_until_ready(state)
+    n_bytes = state_bytes(state)
+    meta = make_meta(0, {}, mesh, 0)
+    mb = n_bytes / 1e6
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    print(
+        f"state: {mb:.0f} MB ({n_params / 1e6:.1f}M params + AdamW),"
+        f" mesh fsdp=8, {args.repeats} repeats, dir {args.dir}"
+    )
+    bench_saves(args, state, meta, mb, n_bytes)
+    bench_restores(args, cfg, tx, mesh, mb)
     for suffix in ("_async", "_sync"):
         shutil.rmtree(args.dir + suffix, ignore_errors=True)
 

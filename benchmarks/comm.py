@@ -42,10 +42,9 @@ SETTINGS = (
 )
 
 
-def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
-    mesh = make_mesh(mesh_spec)
-    rules = make_rules()
-    cfg = preset(model)
+def sync_grads_input(cfg, mesh, rules):
+    """Random per-replica gradients of the model, one copy per data-parallel replica: (the
+    replicated batch axes, their size, the parameters' specs and shapes, the gradients)."""
     dp = tuple(a for a in rules["batch"] if mesh.shape[a] > 1 and a not in ("fsdp",))
     n_dp = int(np.prod([mesh.shape[a] for a in dp]))
     specs = jax.tree.map(
@@ -63,42 +62,52 @@ def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
         shapes,
         specs,
     )
+    return dp, n_dp, specs, shapes, grads
+
+
+def sync_row(label: str, c, grads, dp, specs, mesh, iters: int) -> dict:
+    """One compression setting: the wire bytes and collectives over the data-parallel axes in the
+    compiled HLO, and the median sync time."""
+    fn = jax.jit(
+        lambda g: comm.sync_grads(
+            g, None, compression=c, dp_axes=dp, param_specs=specs, topk_fraction=0.01
+        )[0]
+    )
+    text = fn.lower(grads).compile().as_text()
+    s = summarize(parse_collectives(text, mesh))
+    wire = sum(
+        a["wire_bytes"]
+        for v in s.values()
+        for ax, a in v["by_axes"].items()
+        if set(dp) & set(ax.split(","))
+    )
+    kinds = {
+        k: v["count"]
+        for k, v in s.items()
+        if any(set(dp) & set(ax.split(",")) for ax in v["by_axes"])
+    }
+    jax.block_until_ready(fn(grads))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(grads))
+        times.append(time.perf_counter() - t0)
+    return {
+        "setting": label,
+        "wire_bytes": wire,
+        "kinds": kinds,
+        "time_ms": 1e3 * statistics.median(times),
+    }
+
+
+def sync_table(model: str, mesh_spec: str, iters: int) -> list[dict]:
+    mesh = make_mesh(mesh_spec)
+    rules = make_rules()
+    cfg = preset(model)
+    dp, n_dp, specs, shapes, grads = sync_grads_input(cfg, mesh, rules)
     n_params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
-    rows = []
     with jax.set_mesh(mesh), axis_rules(rules):
-        for label, c in SETTINGS:
-            fn = jax.jit(
-                lambda g, c=c: comm.sync_grads(
-                    g, None, compression=c, dp_axes=dp, param_specs=specs, topk_fraction=0.01
-                )[0]
-            )
-            text = fn.lower(grads).compile().as_text()
-            s = summarize(parse_collectives(text, mesh))
-            wire = sum(
-                a["wire_bytes"]
-                for v in s.values()
-                for ax, a in v["by_axes"].items()
-                if set(dp) & set(ax.split(","))
-            )
-            kinds = {
-                k: v["count"]
-                for k, v in s.items()
-                if any(set(dp) & set(ax.split(",")) for ax in v["by_axes"])
-            }
-            jax.block_until_ready(fn(grads))
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(grads))
-                times.append(time.perf_counter() - t0)
-            rows.append(
-                {
-                    "setting": label,
-                    "wire_bytes": wire,
-                    "kinds": kinds,
-                    "time_ms": 1e3 * statistics.median(times),
-                }
-            )
+        rows = [sync_row(label, c, grads, dp, specs, mesh, iters) for label, c in SETTINGS]
     base = rows[0]["wire_bytes"]
     print(
         f"\n## Gradient sync over {','.join(dp)} (n={n_dp}), model `{model}`"

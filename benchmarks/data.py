@@ -127,13 +127,47 @@ def grain_rate(pipe, B: int, min_s: float = 2.0) -> float:
     return n * B * pipe.T / (time.perf_counter() - t0)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=16, help="MB of input text for prepare")
-    ap.add_argument(
-        "--train-steps", type=int, default=0, help="also run the default model this many steps"
+def prepare_table(work: str, mb: int) -> None:
+    """`prepare`'s throughput over a sample of the standard library's sources, byte and BPE
+    tokenizers, 1 and 2 workers (the byte run with 2 workers is what `loader_table` reads)."""
+    os.makedirs(os.path.join(work, "txt"))
+    files = stdlib_sample(os.path.join(work, "txt"), mb)
+    bpe = train_bpe(os.path.join(work, "bpe.json"), files)
+    print(
+        f"prepare: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB,"
+        f" {os.cpu_count()} cores"
     )
-    args = ap.parse_args(argv)
+    print("| tokenizer | workers | MB/s | tokens |\n|---|---|---|---|")
+    for tok, label in (("byte", "byte"), (bpe, "HF BPE 4k")):
+        for workers in (1, 2):
+            mbs, n = bench_prepare(work, files, tok, workers)
+            print(f"| {label} | {workers} | {mbs:.1f} | {n / 1e6:.1f}M |")
+    print(
+        "| HF BPE 4k, the library alone (`encode_batch`, all threads, no I/O) | -"
+        f" | {hf_alone(bpe, files):.1f} | |"
+    )
+
+
+def loader_rows(pipe, tag: str, B: int, T: int, mask: bool) -> None:
+    """One pipeline's rates: host rows, on the 8 devices, and (unmasked) Grain's."""
+    import jax
+
+    r = rate(pipe.global_batch, B * T)
+    print(f"| {tag} | host rows (numpy) | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |")
+    # rate() calls it before the loop moves on; the default binds this pipeline
+    r = rate(lambda s, pipe=pipe: jax.block_until_ready(pipe.device_batch(s)), B * T)
+    print(f"| {tag} | on 8 devices | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |")
+    if not mask:
+        r = grain_rate(pipe, B)
+        print(
+            f"| {tag} | Grain MapDataset, 2 threads | {r / 1e6:.2f}M"
+            f" | {r / TRAIN_TOKENS_PER_S:,.0f} |"
+        )
+
+
+def loader_table(work: str) -> None:
+    """The loader's tokens/s on the prepared byte dataset against what the default run
+    consumes."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -142,58 +176,37 @@ def main(argv=None) -> int:
     from train.core.config import DataConfig
     from train.data.pipeline import make_pipeline
 
+    data = os.path.join(work, "ds-byte-2")
+    mesh = make_mesh("data=8")
+    sharding = NamedSharding(mesh, P(("data", "fsdp", "expert"), None))
+    print(
+        f"\nloader (1 process, {jax.device_count()} fake devices); the default run consumes"
+        f" {TRAIN_TOKENS_PER_S} tokens/s"
+    )
+    print("| batch | variant | tokens/s | x training |\n|---|---|---|---|")
+    for B, T in ((16, 128), (8, 2048)):
+        for mask in (False, True):
+            pipe = make_pipeline(
+                DataConfig(source=data, packing_mask=mask),
+                batch_size=B,
+                seq_len=T,
+                seed=0,
+                batch_sharding=sharding,
+            )
+            loader_rows(pipe, f"{B}x{T}" + (" +mask" if mask else ""), B, T, mask)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=16, help="MB of input text for prepare")
+    ap.add_argument(
+        "--train-steps", type=int, default=0, help="also run the default model this many steps"
+    )
+    args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="brigade-data-bench-")
     try:
-        os.makedirs(os.path.join(work, "txt"))
-        files = stdlib_sample(os.path.join(work, "txt"), args.mb)
-        bpe = train_bpe(os.path.join(work, "bpe.json"), files)
-        print(
-            f"prepare: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB,"
-            f" {os.cpu_count()} cores"
-        )
-        print("| tokenizer | workers | MB/s | tokens |\n|---|---|---|---|")
-        for tok, label in (("byte", "byte"), (bpe, "HF BPE 4k")):
-            for workers in (1, 2):
-                mbs, n = bench_prepare(work, files, tok, workers)
-                print(f"| {label} | {workers} | {mbs:.1f} | {n / 1e6:.1f}M |")
-        print(
-            "| HF BPE 4k, the library alone (`encode_batch`, all threads, no I/O) | -"
-            f" | {hf_alone(bpe, files):.1f} | |"
-        )
-
-        data = os.path.join(work, "ds-byte-2")
-        mesh = make_mesh("data=8")
-        sharding = NamedSharding(mesh, P(("data", "fsdp", "expert"), None))
-        print(
-            f"\nloader (1 process, {jax.device_count()} fake devices); the default run consumes"
-            f" {TRAIN_TOKENS_PER_S} tokens/s"
-        )
-        print("| batch | variant | tokens/s | x training |\n|---|---|---|---|")
-        for B, T in ((16, 128), (8, 2048)):
-            for mask in (False, True):
-                pipe = make_pipeline(
-                    DataConfig(source=data, packing_mask=mask),
-                    batch_size=B,
-                    seq_len=T,
-                    seed=0,
-                    batch_sharding=sharding,
-                )
-                tag = f"{B}x{T}" + (" +mask" if mask else "")
-                r = rate(pipe.global_batch, B * T)
-                print(
-                    f"| {tag} | host rows (numpy) | {r / 1e6:.2f}M"
-                    f" | {r / TRAIN_TOKENS_PER_S:,.0f} |"
-                )
-                # rate() calls it before the loop moves on; the default binds this pipeline
-                r = rate(lambda s, pipe=pipe: jax.block_until_ready(pipe.device_batch(s)), B * T)
-                print(f"| {tag} | on 8 devices | {r / 1e6:.2f}M | {r / TRAIN_TOKENS_PER_S:,.0f} |")
-                if not mask:
-                    r = grain_rate(pipe, B)
-                    print(
-                        f"| {tag} | Grain MapDataset, 2 threads | {r / 1e6:.2f}M"
-                        f" | {r / TRAIN_TOKENS_PER_S:,.0f} |"
-                    )
-
+        prepare_table(work, args.mb)
+        loader_table(work)
         if args.train_steps:
             train_wait(args.train_steps)
     finally:

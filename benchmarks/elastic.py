@@ -57,19 +57,24 @@ def wait(what: str, ready, limit_s: float = 900) -> None:
         time.sleep(0.05)
 
 
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kill-at", type=int, default=12)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--peer-timeout", type=float, default=10)
     ap.add_argument("--elastic-wait", type=float, default=3)
-    a = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="elastic-bench-")
-    run_dir = os.path.join(tmp, "run")
+    return ap.parse_args()
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def launcher(a, tmp: str, run_dir: str, port: int):
+    """start(slot, name): one process of the 2-process elastic run, logging to tmp/name.log."""
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
@@ -101,6 +106,38 @@ def main() -> None:
             start_new_session=True,
         )
 
+    return start
+
+
+def report(run_dir, statuses, logged_before, killed_at, returned_at, first4, first8) -> None:
+    """The shrink's and the grow's costs, from the run's events and logged records."""
+    # (a restart of both, when the loaded machine made JAX's own heartbeat give up, comes first)
+    shrink = next(e for e in events(run_dir) if e["event"] == "shrink")
+    grow = next(e for e in events(run_dir) if e["event"] == "grow")
+    resumed_from = shrink["checkpoint_step"]
+    print(f"run dir {run_dir}; exit statuses {statuses[0]}, {statuses[1]}")
+    print(
+        f"shrink 8 -> 4 devices, killed after step {logged_before} was logged:"
+        f" detection {shrink['exited_at'] - killed_at:.1f}s, rendezvous and re-plan"
+        f" {shrink['cost_s']:.1f}s, restart (start, compile, restore, first step)"
+        f" {first4['time'] - shrink['started_at']:.1f}s; loss to resumed training"
+        f" {first4['time'] - killed_at:.1f}s; resumed from step {resumed_from}:"
+        f" {logged_before - resumed_from} logged step(s) trained again"
+    )
+    print(
+        f"grow 4 -> 8 devices: process 1 started again to the stop at a checkpoint"
+        f" {grow['exited_at'] - returned_at:.1f}s, rendezvous {grow['cost_s']:.1f}s, restart"
+        f" {first8['time'] - grow['started_at']:.1f}s; return to training on 8"
+        f" {first8['time'] - returned_at:.1f}s; resumed from step {grow['checkpoint_step']}:"
+        f" {grow['lost_steps']} step(s) trained again"
+    )
+
+
+def main() -> None:
+    a = parse_args()
+    tmp = tempfile.mkdtemp(prefix="elastic-bench-")
+    run_dir = os.path.join(tmp, "run")
+    start = launcher(a, tmp, run_dir, free_port())
     slot0, slot1 = start(0, "slot0"), start(1, "slot1")
     wait(f"step {a.kill_at}", lambda: any(r["step"] >= a.kill_at for r in records(run_dir)))
     logged_before = max(r["step"] for r in records(run_dir))
@@ -120,26 +157,8 @@ def main() -> None:
     first8 = next(r for r in records(run_dir) if r["devices"] == 8 and r["time"] > returned_at)
     for p in (slot0, back):
         p.wait(timeout=900)
-    # (a restart of both, when the loaded machine made JAX's own heartbeat give up, comes first)
-    shrink = next(e for e in events(run_dir) if e["event"] == "shrink")
-    grow = next(e for e in events(run_dir) if e["event"] == "grow")
-    resumed_from = shrink["checkpoint_step"]
-    print(f"run dir {run_dir}; exit statuses {slot0.returncode}, {back.returncode}")
-    print(
-        f"shrink 8 -> 4 devices, killed after step {logged_before} was logged:"
-        f" detection {shrink['exited_at'] - killed_at:.1f}s, rendezvous and re-plan"
-        f" {shrink['cost_s']:.1f}s, restart (start, compile, restore, first step)"
-        f" {first4['time'] - shrink['started_at']:.1f}s; loss to resumed training"
-        f" {first4['time'] - killed_at:.1f}s; resumed from step {resumed_from}:"
-        f" {logged_before - resumed_from} logged step(s) trained again"
-    )
-    print(
-        f"grow 4 -> 8 devices: process 1 started again to the stop at a checkpoint"
-        f" {grow['exited_at'] - returned_at:.1f}s, rendezvous {grow['cost_s']:.1f}s, restart"
-        f" {first8['time'] - grow['started_at']:.1f}s; return to training on 8"
-        f" {first8['time'] - returned_at:.1f}s; resumed from step {grow['checkpoint_step']}:"
-        f" {grow['lost_steps']} step(s) trained again"
-    )
+    statuses = (slot0.returncode, back.returncode)
+    report(run_dir, statuses, logged_before, killed_at, returned_at, first4, first8)
 
 
 if __name__ == "__main__":

@@ -48,13 +48,9 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + GPU_XLA_F
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
 
 import argparse  # noqa: E402
-import importlib.metadata  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import shlex  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -64,17 +60,9 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mesh.xla import known_xla_flags, unknown_xla_flags  # noqa: E402
+from gpu_env import drop_unknown_xla_flags, environment  # noqa: E402
+from gpu_run import run_cmd, say, table  # noqa: E402
 
-OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|\bOOM\b")
-FIELDS = (
-    "tokens_per_sec",
-    "tokens_per_sec_per_device",
-    "mfu",
-    "step_time_s",
-    "data_wait_s",
-    "moe/dropped_fraction",
-)
 # Mixtral 8x7B's layout (GQA 2:1, 8 experts, top-2, expert width 3.5 x d_model) at 1/4 the width and
 # 1/4 the depth: 0.8B parameters (Adam state ~13 GB), so batch 8-16 at seq 2048 fits one H200.
 MOE_SHAPES = {
@@ -112,14 +100,7 @@ VARIANTS = {
 }
 
 
-def say(*a) -> None:
-    print(*a, flush=True)  # flushed so a hard kill still leaves the progress in the log
-
-
-def parse_args():
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--presets", default="1b", help="comma-separated dense model presets ('' = none)"
@@ -172,6 +153,16 @@ def parse_args():
         " (python -m train plan --hardware); '' = none",
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    return p
+
+
+def parse_args():
+    """The sweep's settings, the comma-separated lists split and checked; what follows `--` goes
+    to every train run (args.extra)."""
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = make_parser()
     args = p.parse_args(argv)
     args.extra = extra
     args.presets = [s for s in args.presets.split(",") if s]
@@ -301,73 +292,6 @@ def predict(args, case: dict, batch: int) -> dict:
         return {"predicted_error": out.stderr.strip()[-300:]}
 
 
-def drop_unknown_xla_flags() -> None:
-    """An unknown flag in XLA_FLAGS aborts every jax process, and flags come and go between
-    jaxlib releases: drop the ones the installed jaxlib rejects (probed on CPU, mesh/xla.py)."""
-    flags = os.environ["XLA_FLAGS"].split()
-    for name in unknown_xla_flags(flags, os.environ):
-        say(f"dropping XLA flag unknown to this jaxlib: {name}")
-    os.environ["XLA_FLAGS"] = " ".join(known_xla_flags(flags, os.environ))
-
-
-def environment() -> dict:
-    info = {
-        "xla_flags": os.environ["XLA_FLAGS"],
-        "mem_fraction": os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
-        "python": sys.version.split()[0],
-    }
-    info["packages"] = {
-        d.metadata["Name"]: d.version
-        for d in importlib.metadata.distributions()
-        if (d.metadata["Name"] or "").lower().startswith(("jax", "flax", "optax"))
-    }
-    try:
-        info["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired) as e:
-        info["gpu"] = f"unknown ({e})"
-    return info
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if "tokens_per_sec" in row:  # skip eval or other records
-            rows.append(row)
-    return rows
-
-
-def summarise(rows: list[dict]) -> dict:
-    steady = rows[1:] or rows  # the first logged interval includes compilation
-    out = {"logged_steps": [r.get("step") for r in rows], "includes_compile": len(rows) < 2}
-    for k in FIELDS:
-        vals = [r[k] for r in steady if isinstance(r.get(k), (int, float))]
-        out[k] = statistics.median(vals) if vals else None
-    return out
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> None:
     """Run one config and fill `res` (already in the results list, so an interrupt keeps it)."""
     preset, batch = res["preset"], res["batch_size"]
@@ -378,99 +302,58 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
         steps=args.steps, cmd=shlex.join(cmd), status="running", **predict(args, case, batch)
     )
     say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
-    log_path, metrics_path = run_dir / "train.log", run_dir / "metrics.jsonl"
-    t0, seen, proc = time.time(), 0, None
-    try:
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    run_cmd(cmd, REPO, run_dir, res, timeout, logs, tag)
+
+
+def dry_run(args) -> int:
+    """Print the XLA flags and every train command the sweep would run."""
+    say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
+    for case in cases(args):
+        for b in case["batch_sizes"]:
+            say(
+                shlex.join(train_cmd(args, case, b, f"<tmp>/{case['name'].replace('/', '-')}-b{b}"))
             )
-            while proc.poll() is None:
-                time.sleep(2)
-                rows = read_metrics(metrics_path)
-                for r in rows[seen:]:  # stream progress as it is logged
-                    say(
-                        f"  step {r.get('step')}: loss {r.get('loss'):.4f}"
-                        f" tok/s {r.get('tokens_per_sec'):,.0f}"
-                        f" mfu {r.get('mfu'):.1%} step {r.get('step_time_s'):.3f}s"
-                    )
-                seen = len(rows)
-                if time.time() - t0 > timeout:
-                    res["status"] = "timeout"
-                    break
-    except KeyboardInterrupt:
-        res["status"] = "interrupted"
-        raise
-    finally:
-        if proc is not None and proc.poll() is None:
-            kill_group(proc)
-        res["rc"], res["wall_s"] = proc and proc.returncode, round(time.time() - t0, 1)
-        text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        rows = read_metrics(metrics_path)
-        if res["status"] == "running":
-            res["status"] = (
-                "ok"
-                if proc is not None and proc.returncode == 0 and rows
-                else "oom"
-                if OOM.search(text)
-                else "no-metrics"
-                if proc is not None and proc.returncode == 0
-                else "error"
+    return 0
+
+
+def sweep(args, results: dict, deadline: float, out_dir: Path | None, save) -> None:
+    """Run every case's batch sizes, small to large, into results['runs'] (saved after each run):
+    a case stops growing at its first OOM or timeout, and no run starts with less than
+    --min-run-s of the budget left."""
+    for case in cases(args):
+        name = case["name"]
+        for b in case["batch_sizes"]:
+            left = deadline - time.time()
+            if left < args.min_run_s:
+                say(f"\nbudget: {left:.0f}s left, skipping {name} batch={b}")
+                results["runs"].append(
+                    {
+                        "preset": name,
+                        "batch_size": b,
+                        "seq_len": args.seq_len,
+                        "status": "skipped-budget",
+                    }
+                )
+                continue
+            res = {"preset": name, "batch_size": b, "seq_len": args.seq_len}
+            results["runs"].append(res)
+            run_one(
+                args,
+                case,
+                res,
+                min(args.run_timeout_s, left - 15),
+                out_dir / "gpu_logs" if out_dir else None,
             )
-        res.update(summarise(rows))
-        res["metrics"] = rows
-        summary = run_dir / "summary.json"  # the CLI's end-of-run figures (compile time, goodput)
-        if summary.exists():
-            res["summary"] = {
-                k: v for k, v in json.loads(summary.read_text()).items() if k != "sample"
-            }
-        if res["status"] != "ok":
-            res["log_tail"] = text[-3000:]
-        if logs:
-            logs.mkdir(parents=True, exist_ok=True)
-            (logs / f"{tag}-b{batch}.log").write_text(text)
-        # A 1b checkpoint with optimizer state is ~16 GB; never let runs accumulate on disk.
-        shutil.rmtree(run_dir, ignore_errors=True)
-    say(
-        f"--> {res['status']} rc={res['rc']} wall={res['wall_s']}s tok/s={res['tokens_per_sec']}"
-        f" tok/s/dev={res['tokens_per_sec_per_device']} mfu={res['mfu']} step={res['step_time_s']}s"
-    )
-
-
-def table(runs: list[dict]) -> str:
-    def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
-    lines = [
-        "| preset | batch | seq | tokens/s | tokens/s/device | MFU | step (s) | predicted step (s)"
-        " | predicted MFU"
-        " | dropped | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in runs:
-        lines.append(
-            f"| {r['preset']} | {r['batch_size']} | {r['seq_len']}"
-            f" | {f(r.get('tokens_per_sec'), ',.0f')}"
-            f" | {f(r.get('tokens_per_sec_per_device'), ',.0f')} | {f(r.get('mfu'), '.1%')}"
-            f" | {f(r.get('step_time_s'), '.3f')} | {f(r.get('predicted_step_time_s'), '.3f')}"
-            f" | {f(r.get('predicted_mfu'), '.1%')} | {f(r.get('moe/dropped_fraction'), '.2%')}"
-            f" | {r['status']} |"
-        )
-    return "\n".join(lines)
+            save()
+            if res["status"] in ("oom", "timeout"):
+                say(f"stopping {name} at batch {b}: {res['status']}")
+                break
 
 
 def main() -> int:
     args = parse_args()
     if args.dry_run:
-        say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
-        for case in cases(args):
-            for b in case["batch_sizes"]:
-                say(
-                    shlex.join(
-                        train_cmd(args, case, b, f"<tmp>/{case['name'].replace('/', '-')}-b{b}")
-                    )
-                )
-        return 0
+        return dry_run(args)
 
     start = time.time()
     deadline = start + args.budget_s
@@ -493,34 +376,7 @@ def main() -> int:
         results["environment"] = environment()
         say(json.dumps(results["environment"], indent=1))
         save()
-        for case in cases(args):
-            name = case["name"]
-            for b in case["batch_sizes"]:
-                left = deadline - time.time()
-                if left < args.min_run_s:
-                    say(f"\nbudget: {left:.0f}s left, skipping {name} batch={b}")
-                    results["runs"].append(
-                        {
-                            "preset": name,
-                            "batch_size": b,
-                            "seq_len": args.seq_len,
-                            "status": "skipped-budget",
-                        }
-                    )
-                    continue
-                res = {"preset": name, "batch_size": b, "seq_len": args.seq_len}
-                results["runs"].append(res)
-                run_one(
-                    args,
-                    case,
-                    res,
-                    min(args.run_timeout_s, left - 15),
-                    out_dir / "gpu_logs" if out_dir else None,
-                )
-                save()
-                if res["status"] in ("oom", "timeout"):
-                    say(f"stopping {name} at batch {b}: {res['status']}")
-                    break
+        sweep(args, results, deadline, out_dir, save)
     except KeyboardInterrupt:
         say("interrupted; saving partial results")
         results["interrupted"] = True

@@ -90,6 +90,34 @@ def kernels(reps: int) -> None:
     print(f"  {name:<38}{1e3 * _time(fn, x, *wide, reps=reps):8.1f} ms")
 
 
+def timed_run(overrides: dict, tok, n_steps: int, with_report: bool):
+    """One configuration's compiled train step run n_steps times on the fixed batch `tok`:
+    (step seconds, compile seconds, the last step's metrics, the plan report or None)."""
+    with tempfile.TemporaryDirectory() as d:
+        tr = Trainer(build({**overrides, "logging.run_dir": d}))
+        state = create_state(tr.setup)
+        batch = jax.device_put(
+            {
+                "inputs": tok[:, :-1],
+                "targets": tok[:, 1:],
+                "weights": np.ones((16, 128), np.float32),
+            },
+            tr.setup.batch_sharding,
+        )
+        t0 = time.perf_counter()
+        fn = compile_step(tr.setup, state, batch)
+        compile_s = time.perf_counter() - t0
+        times = []
+        with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
+            for _ in range(n_steps):
+                t0 = time.perf_counter()
+                state, m = fn(state, batch)
+                jax.block_until_ready(m["loss"])
+                times.append(time.perf_counter() - t0)
+        r = analyze(tr.setup) if with_report else None
+    return times, compile_s, m, r
+
+
 def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "capacity")) -> None:
     base = {
         "model.preset": "moe-default",
@@ -108,37 +136,8 @@ def steps(n_steps: int, meshes=("data=8", "expert=8"), dispatches=("dropless", "
     )
     for mesh in meshes:
         for dispatch in dispatches:
-            with tempfile.TemporaryDirectory() as d:
-                tr = Trainer(
-                    build(
-                        {
-                            **base,
-                            "parallelism.mesh": mesh,
-                            "model.dispatch": dispatch,
-                            "logging.run_dir": d,
-                        }
-                    )
-                )
-                state = create_state(tr.setup)
-                batch = jax.device_put(
-                    {
-                        "inputs": tok[:, :-1],
-                        "targets": tok[:, 1:],
-                        "weights": np.ones((16, 128), np.float32),
-                    },
-                    tr.setup.batch_sharding,
-                )
-                t0 = time.perf_counter()
-                fn = compile_step(tr.setup, state, batch)
-                compile_s = time.perf_counter() - t0
-                times = []
-                with jax.set_mesh(tr.setup.mesh), axis_rules(tr.setup.rules):
-                    for _ in range(n_steps):
-                        t0 = time.perf_counter()
-                        state, m = fn(state, batch)
-                        jax.block_until_ready(m["loss"])
-                        times.append(time.perf_counter() - t0)
-                r = analyze(tr.setup) if mesh == "expert=8" else None
+            overrides = {**base, "parallelism.mesh": mesh, "model.dispatch": dispatch}
+            times, compile_s, m, r = timed_run(overrides, tok, n_steps, mesh == "expert=8")
             line = (
                 f"  {mesh:<10}{dispatch:<10}{statistics.median(times[1:]):7.3f} s/step"
                 f"  compile {compile_s:5.1f} s  dropped {float(m['moe/dropped_fraction']):.3f}"

@@ -105,7 +105,8 @@ def maxtext(py: str, shape, steps: int, out: str) -> float:
     return statistics.median(times)
 
 
-def brigade(shape, steps: int, out: str, extra: list[str]) -> float:
+def brigade_cmd(shape, steps: int, out: str, extra: list[str]) -> list[str]:
+    """The `python -m train` command of one peer shape on Brigade."""
     d, layers, heads, ff, vocab, seq, batch, mesh, *moe = shape
     experts = (
         [
@@ -119,51 +120,24 @@ def brigade(shape, steps: int, out: str, extra: list[str]) -> float:
         if moe
         else []
     )
-    args = [
-        sys.executable,
-        "-m",
-        "train",
-        "--model",
-        "tiny",
-        "--model.vocab_size",
-        str(vocab),
-        "--model.d_model",
-        str(d),
-        "--model.n_layers",
-        str(layers),
-        "--model.n_heads",
-        str(heads),
-        "--model.n_kv_heads",
-        str(heads),
-        "--model.d_ff",
-        str(ff),
-        "--model.max_seq_len",
-        str(seq),
-        "--seq-len",
-        str(seq),
-        "--batch-size",
-        str(batch),
-        "--mesh",
-        ",".join(f"{a}={n}" for a, n in mesh.items()),
-        "--steps",
-        str(steps),
-        "--data",
-        "synthetic",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--train.sample_tokens",
-        "0",
-        "--checkpoint.every",
-        "0",
-        "--logging.progress",
-        "lines",
-        "--run-dir",
-        out,
-        *experts,
-        *extra,
+    # fmt: off
+    return [
+        sys.executable, "-m", "train", "--model", "tiny",
+        "--model.vocab_size", str(vocab), "--model.d_model", str(d),
+        "--model.n_layers", str(layers), "--model.n_heads", str(heads),
+        "--model.n_kv_heads", str(heads), "--model.d_ff", str(ff),
+        "--model.max_seq_len", str(seq), "--seq-len", str(seq), "--batch-size", str(batch),
+        "--mesh", ",".join(f"{a}={n}" for a, n in mesh.items()), "--steps", str(steps),
+        "--data", "synthetic", "--log-every", "1", "--eval-every", "0",
+        "--train.sample_tokens", "0", "--checkpoint.every", "0", "--logging.progress", "lines",
+        "--run-dir", out, *experts, *extra,
     ]
+    # fmt: on
+
+
+def brigade(shape, steps: int, out: str, extra: list[str]) -> float:
+    mesh = shape[7]
+    args = brigade_cmd(shape, steps, out, extra)
     run = subprocess.run(args, env=env(mesh), capture_output=True, text=True, timeout=1800)
     if run.returncode:
         sys.exit(f"Brigade run failed: {run.stderr.strip().splitlines()[-1:]}")

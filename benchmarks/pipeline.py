@@ -73,8 +73,9 @@ def mean_square(stack):
     return lambda p, x, pos: jnp.mean(stack(p, x, pos) ** 2)
 
 
-def run(args, P, M, R, schedule, layer, params, axes, rules):
-    mesh = make_mesh(f"pipeline={P},data={8 // P}")
+def _loss(args, P, M, R, schedule, layer, params):
+    """The mean-square loss of the stack under one pipeline setting, and the parameters as it
+    reads them (circular: in stage order unless --model-order)."""
     remat = jax.checkpoint_policies.nothing_saveable
     if P == 1:
 
@@ -82,8 +83,8 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
             body = jax.checkpoint(lambda x, lp: layer(x, lp, pos), policy=remat)
             return jax.lax.scan(lambda x, lp: (body(x, lp), None), x, p)[0]
 
-        loss = mean_square(stack)
-    elif schedule in EXPLICIT:
+        return mean_square(stack), params
+    if schedule in EXPLICIT:
         # the loss is part of the schedule: the stack's input and the loss ride in the batch
 
         def loss(p, x, pos):
@@ -100,29 +101,32 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
                 remat_policy=remat,
                 schedule=schedule,
             )[0]
-    else:
-        # circular: the layer stack stored in stage order, so each device's chunks are local
-        ordered = R > 1 and not args.model_order
-        params = pipeline_lib.to_stage_order(params, P, R) if ordered else params
 
-        def stack(p, x, pos):
-            return pipeline_lib.pipeline_apply(
-                layer,
-                p,
-                x,
-                pos,
-                stages=P,
-                microbatches=M,
-                repeats=R,
-                schedule=schedule,
-                remat_policy=remat,
-                stage_ordered=ordered,
-            )
+        return loss, params
+    # circular: the layer stack stored in stage order, so each device's chunks are local
+    ordered = R > 1 and not args.model_order
+    params = pipeline_lib.to_stage_order(params, P, R) if ordered else params
 
-        loss = mean_square(stack)
-    batch = args.batch * M // P if args.fixed_micro_batch else args.batch
-    x = jax.random.normal(jax.random.key(1), (batch, args.seq, args.d_model))
-    pos = jnp.broadcast_to(jnp.arange(args.seq), (batch, args.seq))
+    def stack(p, x, pos):
+        return pipeline_lib.pipeline_apply(
+            layer,
+            p,
+            x,
+            pos,
+            stages=P,
+            microbatches=M,
+            repeats=R,
+            schedule=schedule,
+            remat_policy=remat,
+            stage_ordered=ordered,
+        )
+
+    return mean_square(stack), params
+
+
+def _compiled_step(loss, params, axes, rules, mesh, x, pos):
+    """The compiled value-and-grad step on the sharded inputs: (step, its arguments, compile
+    seconds, memory analysis, the pipeline axis's collective-permute from the HLO)."""
     with jax.set_mesh(mesh), axis_rules(rules):
         shard = jax.tree.map(
             lambda n: jax.NamedSharding(mesh, logical_to_spec(n)),
@@ -141,6 +145,16 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
         cp = summarize(parse_collectives(step.as_text(), mesh))["collective-permute"][
             "by_axes"
         ].get("pipeline", {})
+    return step, (p, *xs), compile_s, mem, cp
+
+
+def run(args, P, M, R, schedule, layer, params, axes, rules):
+    mesh = make_mesh(f"pipeline={P},data={8 // P}")
+    loss, params = _loss(args, P, M, R, schedule, layer, params)
+    batch = args.batch * M // P if args.fixed_micro_batch else args.batch
+    x = jax.random.normal(jax.random.key(1), (batch, args.seq, args.d_model))
+    pos = jnp.broadcast_to(jnp.arange(args.seq), (batch, args.seq))
+    step, step_args, compile_s, mem, cp = _compiled_step(loss, params, axes, rules, mesh, x, pos)
     theory = pipeline_lib.permute_bytes_theory(
         batch=batch,
         seq=args.seq,
@@ -153,7 +167,7 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
     )
 
     def timed():
-        return jax.block_until_ready(step(p, *xs))
+        return jax.block_until_ready(step(*step_args))
 
     return timed, {
         "P": P,
@@ -169,7 +183,7 @@ def run(args, P, M, R, schedule, layer, params, axes, rules):
     }
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=128)
@@ -191,33 +205,22 @@ def main():
         action="store_true",
         help="batch = M x batch/P: micro-batches of fixed size",
     )
-    args = ap.parse_args()
-    layer, params, axes = block_stack(args.layers, args.d_model, 4 * args.d_model)
-    rules = make_rules("layers=pipeline")
-    configs = [(1, 1, 1, "gpipe")] + [
-        (P, M, R, schedule)
-        for P in (2, 4)
-        for schedule, R in (
-            ("gpipe", 1),
-            ("circular", 2),
-            ("1f1b", 1),
-            ("zb_h1", 1),
-            ("interleaved_1f1b", 2),
-        )
-        for M in (P, 2 * P, 4 * P)
-        if schedule in args.schedules.split(",")
-    ]
-    runs = [run(args, *c, layer, params, axes, rules) for c in configs]
-    # Round-robin timing: on a shared CPU the load drifts, so every config sees the same drift.
+    return ap.parse_args()
+
+
+def round_robin(runs, steps: int) -> list[dict]:
+    """Each run's row with its fastest step. Round-robin timing: on a shared CPU the load
+    drifts, so every config sees the same drift."""
     times = [[] for _ in runs]
-    for _ in range(args.steps):
+    for _ in range(steps):
         for (timed, _), ts in zip(runs, times):
             t0 = time.perf_counter()
             timed()
             ts.append(time.perf_counter() - t0)
-    rows = [dict(r, step_s=min(ts)) for (_, r), ts in zip(runs, times)]
-    for r in rows:
-        print(json.dumps(r), flush=True)
+    return [dict(r, step_s=min(ts)) for (_, r), ts in zip(runs, times)]
+
+
+def print_table(args, rows: list[dict]) -> None:
     base = rows[0]["step_s"]
     print(
         f"\n{args.layers} Blocks, d_model {args.d_model}, batch {args.batch} x seq {args.seq},"
@@ -238,6 +241,30 @@ def main():
             f"{r['params_MiB']:.2f} | {r['temp_MiB']:.1f} | "
             f"{r['permute_hlo_KiB']:.0f} ({r['permute_theory_KiB']:.0f}) | {r['compile_s']:.1f} |"
         )
+
+
+def main():
+    args = parse_args()
+    layer, params, axes = block_stack(args.layers, args.d_model, 4 * args.d_model)
+    rules = make_rules("layers=pipeline")
+    configs = [(1, 1, 1, "gpipe")] + [
+        (P, M, R, schedule)
+        for P in (2, 4)
+        for schedule, R in (
+            ("gpipe", 1),
+            ("circular", 2),
+            ("1f1b", 1),
+            ("zb_h1", 1),
+            ("interleaved_1f1b", 2),
+        )
+        for M in (P, 2 * P, 4 * P)
+        if schedule in args.schedules.split(",")
+    ]
+    runs = [run(args, *c, layer, params, axes, rules) for c in configs]
+    rows = round_robin(runs, args.steps)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    print_table(args, rows)
 
 
 if __name__ == "__main__":

@@ -284,22 +284,42 @@ def main(argv: list[str] | None = None) -> int:
     return _main(make_parser().parse_args(sys.argv[1:] if argv is None else argv))
 
 
-def _main(args) -> int:
-    ops = _choices("--ops", args.ops, OPS)
-    dtypes = _choices("--dtypes", args.dtypes, DTYPES)
-    sizes = parse_sizes(args.sizes)
+def _mesh(args):
+    """The mesh the collectives run on, after joining the other processes where there are any."""
     import jax
 
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     from mesh.build import init_distributed, make_mesh
-    from mesh.spec import mesh_text
 
     if args.coordinator or args.num_processes > 1:
         init_distributed(args.coordinator or None, args.num_processes, args.process_id)
     else:
         init_distributed()
-    mesh = make_mesh(args.mesh, args.mesh_dcn)
+    return make_mesh(args.mesh, args.mesh_dcn)
+
+
+def _print_peak(peak: dict[str, dict[str, float]], groups) -> None:
+    """The peak bus bandwidth as a table: one row per op, one column per axes group."""
+    print(
+        "# busbw GB/s at the largest size, per axes"
+        " (a slow link shows as one axes column far below the rest)"
+    )
+    labels = [label for label, _ in groups]
+    print(f"{'op':<15}" + "".join(f"{lab:>16}" for lab in labels))
+    for op, by_axes in peak.items():
+        print(f"{op:<15}" + "".join(f"{by_axes.get(lab, float('nan')):>16.3f}" for lab in labels))
+
+
+def _main(args) -> int:
+    ops = _choices("--ops", args.ops, OPS)
+    dtypes = _choices("--dtypes", args.dtypes, DTYPES)
+    sizes = parse_sizes(args.sizes)
+    mesh = _mesh(args)
+    import jax
+
+    from mesh.spec import mesh_text
+
     groups = axis_groups(dict(mesh.shape), args.axes)
     main_proc = jax.process_index() == 0
     info = {
@@ -311,41 +331,21 @@ def _main(args) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
     }
-    if main_proc and not args.json:
+    text = main_proc and not args.json
+    if text:
         print(
             f"# mesh {info['mesh']}: {info['devices']} {info['device_kind']} devices,"
             f" {info['processes']} process(es); median of {args.iters} runs after"
             f" {args.warmup} warm-up; size = larger per-device buffer"
         )
         print(HEADER, flush=True)
-    rows = run(
-        mesh,
-        ops,
-        groups,
-        sizes,
-        dtypes,
-        args.iters,
-        args.warmup,
-        on_row=(lambda r: print(format_row(r), flush=True))
-        if main_proc and not args.json
-        else None,
-    )
+    on_row = (lambda r: print(format_row(r), flush=True)) if text else None
+    rows = run(mesh, ops, groups, sizes, dtypes, args.iters, args.warmup, on_row=on_row)
     peak = peak_busbw(rows)
-    if main_proc:
-        if args.json:
-            print(json.dumps({**info, "results": rows, "peak_busbw_GBps": peak}))
-        else:
-            print(
-                "# busbw GB/s at the largest size, per axes"
-                " (a slow link shows as one axes column far below the rest)"
-            )
-            labels = [label for label, _ in groups]
-            print(f"{'op':<15}" + "".join(f"{lab:>16}" for lab in labels))
-            for op, by_axes in peak.items():
-                print(
-                    f"{op:<15}"
-                    + "".join(f"{by_axes.get(lab, float('nan')):>16.3f}" for lab in labels)
-                )
+    if main_proc and args.json:
+        print(json.dumps({**info, "results": rows, "peak_busbw_GBps": peak}))
+    elif main_proc:
+        _print_peak(peak, groups)
     return 0
 
 

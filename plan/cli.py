@@ -179,51 +179,48 @@ def _goodput(ns, cfg, pred: dict, state_bytes: float, hw: Hardware) -> dict:
     )
 
 
-def analytic(ns, cfg) -> tuple[dict, str]:
-    """`plan --search N` / `plan --devices N`: no compile. -> (JSON-able report, text)."""
-    t, p = cfg.train, cfg.parallelism
-    n = ns.search or ns.devices
-    hw = _hardware(ns, n, cfg)
-    rules = make_rules(p.rules)
-    if ns.search:
-        check_search_size(ns.search)
-        rows = search.search(
-            cfg.model,
-            n,
-            hw,
-            t.batch_size,
-            t.seq_len,
-            t.micro_batches,
-            rules=rules,
-            train_cfg=t,
-            comm_cfg=cfg.comm,
-            pipeline_cfg=cfg.pipeline,
-            vocab_parallel=p.vocab_parallel,
-        )
-        fit = [r for r in rows if r["fits"]]
-        text = render_search(rows, ns.top, hw, n)
-        report = {
-            "devices": n,
-            "hardware": hw.name,
-            "valid": len(rows),
-            "fit": len(fit),
-            "top": fit[: ns.top],
-        }
-        if fit:
-            best = fit[0]
-            report["goodput"] = _goodput(
-                ns, cfg, best, best["memory"]["params"] + best["memory"]["optimizer"], hw
-            )
-            text += f"\nbest mesh: {run_flags(best)}\n" + render_cost(best, report["goodput"])
-        return report, text
-    shape = resolve(p.mesh, n, p.mesh_dcn)
-    row = evaluate(
+def _search(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
+    """`plan --search N`: every mesh of N devices ranked, the best one's goodput."""
+    t, p, n = cfg.train, cfg.parallelism, ns.search
+    check_search_size(n)
+    rows = search.search(
         cfg.model,
-        shape.as_dict(),
+        n,
         hw,
         t.batch_size,
         t.seq_len,
         t.micro_batches,
+        rules=rules,
+        train_cfg=t,
+        comm_cfg=cfg.comm,
+        pipeline_cfg=cfg.pipeline,
+        vocab_parallel=p.vocab_parallel,
+    )
+    fit = [r for r in rows if r["fits"]]
+    text = render_search(rows, ns.top, hw, n)
+    report = {
+        "devices": n,
+        "hardware": hw.name,
+        "valid": len(rows),
+        "fit": len(fit),
+        "top": fit[: ns.top],
+    }
+    if fit:
+        best = fit[0]
+        report["goodput"] = _goodput(
+            ns, cfg, best, best["memory"]["params"] + best["memory"]["optimizer"], hw
+        )
+        text += f"\nbest mesh: {run_flags(best)}\n" + render_cost(best, report["goodput"])
+    return report, text
+
+
+def _estimate(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
+    """`plan --devices N`: the run's own mesh priced, and on a pipeline mesh every schedule's
+    price beside it."""
+    t, p = cfg.train, cfg.parallelism
+    shape = resolve(p.mesh, ns.devices, p.mesh_dcn)
+    args = (cfg.model, shape.as_dict(), hw, t.batch_size, t.seq_len, t.micro_batches)
+    kwargs = dict(
         rules=rules,
         train_cfg=t,
         dcn=dict(zip(AXES, shape.dcn)),
@@ -232,28 +229,24 @@ def analytic(ns, cfg) -> tuple[dict, str]:
         vocab_parallel=p.vocab_parallel,
         sequence_parallel=p.sequence_parallel,
     )
+    row = evaluate(*args, **kwargs)
     row["goodput"] = _goodput(
         ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw
     )
     text = render_estimate(row, hw)
     if shape.as_dict().get("pipeline", 1) > 1:
-        row["schedules"] = compare_schedules(
-            cfg.model,
-            shape.as_dict(),
-            hw,
-            t.batch_size,
-            t.seq_len,
-            t.micro_batches,
-            rules=rules,
-            train_cfg=t,
-            dcn=dict(zip(AXES, shape.dcn)),
-            comm_cfg=cfg.comm,
-            pipeline_cfg=cfg.pipeline,
-            vocab_parallel=p.vocab_parallel,
-            sequence_parallel=p.sequence_parallel,
-        )
+        row["schedules"] = compare_schedules(*args, **kwargs)
         text += "\n" + render_schedules(row["schedules"])
     return row, text
+
+
+def analytic(ns, cfg) -> tuple[dict, str]:
+    """`plan --search N` / `plan --devices N`: no compile. -> (JSON-able report, text)."""
+    hw = _hardware(ns, ns.search or ns.devices, cfg)
+    rules = make_rules(cfg.parallelism.rules)
+    if ns.search:
+        return _search(ns, cfg, hw, rules)
+    return _estimate(ns, cfg, hw, rules)
 
 
 def with_cost(report: dict, ns, cfg, mesh) -> str:

@@ -14,6 +14,49 @@ from plan.cost import hardware_flops_per_step, pipeline_comm, predict, ragged_al
 from plan.hardware import Hardware
 
 
+def _measured_comm(report: dict) -> dict:
+    """The collectives measured in the report's HLO, per kind and mesh axes. DiLoCo's HLO holds
+    one sync, run every H steps: its traffic is spread over the H steps."""
+    comm = {
+        f"{kind}@{axes}": {"wire_bytes": v["wire_bytes"], "count": v["count"]}
+        for kind, c in report["collectives_detail"].items()
+        for axes, v in c["by_axes"].items()
+    }
+    for key, th in report["theory_detail"].items():
+        if "sync_every" in th and key in comm:
+            h = th["sync_every"]
+            comm[key] = {
+                "wire_bytes": comm[key]["wire_bytes"] / h,
+                "count": comm[key]["count"] / h,
+                "per_sync_wire_bytes": comm[key]["wire_bytes"],
+                "sync_every": h,
+            }
+    return comm
+
+
+def _theory_comm(
+    report: dict, hw: Hardware, cfg, batch_size, seq_len, micro_batches, sizes, act_bytes, pp
+) -> dict:
+    """The report's theory as GPU/TPU lower it, with the pipeline's stage-to-stage sends where the
+    theory has none."""
+    comm = ragged_all_to_all(report["theory_detail"], hw.platform)
+    if not any(k.startswith("collective-permute@") for k in comm):
+        comm.update(
+            pipeline_comm(
+                cfg,
+                sizes,
+                batch_size,
+                seq_len,
+                micro_batches,
+                act_bytes,
+                pipeline_microbatches=pp["microbatches"],
+                repeats=pp["repeats"],
+                batch_shards=pp["batch_shards"],
+            )
+        )
+    return comm
+
+
 def from_plan(
     report: dict,
     hw: Hardware,
@@ -34,37 +77,11 @@ def from_plan(
     same = hw.platform == report["backend"]
     dtype = cfg.compute_dtype(hw.platform)
     if same:
-        comm = {
-            f"{kind}@{axes}": {"wire_bytes": v["wire_bytes"], "count": v["count"]}
-            for kind, c in report["collectives_detail"].items()
-            for axes, v in c["by_axes"].items()
-        }
-        # DiLoCo: the HLO holds one sync, run every H steps
-        for key, th in report["theory_detail"].items():
-            if "sync_every" in th and key in comm:
-                h = th["sync_every"]
-                comm[key] = {
-                    "wire_bytes": comm[key]["wire_bytes"] / h,
-                    "count": comm[key]["count"] / h,
-                    "per_sync_wire_bytes": comm[key]["wire_bytes"],
-                    "sync_every": h,
-                }
+        comm = _measured_comm(report)
     else:
-        comm = ragged_all_to_all(report["theory_detail"], hw.platform)
-        if not any(k.startswith("collective-permute@") for k in comm):
-            comm.update(
-                pipeline_comm(
-                    cfg,
-                    sizes,
-                    batch_size,
-                    seq_len,
-                    micro_batches,
-                    np.dtype(dtype).itemsize,
-                    pipeline_microbatches=pp["microbatches"],
-                    repeats=pp["repeats"],
-                    batch_shards=pp["batch_shards"],
-                )
-            )
+        comm = _theory_comm(
+            report, hw, cfg, batch_size, seq_len, micro_batches, sizes, np.dtype(dtype).itemsize, pp
+        )
     n = math.prod(sizes.get(a, 1) for a in AXES)
     # Memory traffic only from a compile for the target's own backend: XLA:CPU fuses less and has
     # no flash attention, so its bytes (224 GiB per device per step for the 1b preset on fsdp=8)

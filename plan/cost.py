@@ -192,6 +192,59 @@ def ragged_all_to_all(comm: dict, platform: str) -> dict:
     return out
 
 
+def _compute(
+    device_flops: float,
+    device_bytes: float,
+    peak: float,
+    hw: Hardware,
+    sizes: dict[str, int],
+    schedule: str,
+    pipeline_microbatches: int,
+    repeats: int,
+) -> dict:
+    """One device's compute time per step: flops and memory traffic overlap where the hardware
+    hides the traffic behind the math and add up otherwise; the pipeline bubble stretches both."""
+    t_flops = device_flops / (peak * hw.compute_efficiency)
+    t_memory = device_bytes / (hw.hbm_bw * hw.memory_efficiency)
+    t_compute = max(t_flops, t_memory) if hw.memory_overlap else t_flops + t_memory
+    p = sizes.get("pipeline", 1)
+    bubble = (
+        pipeline.schedule_bubble(schedule, p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
+    )
+    return {
+        "t_flops_s": t_flops,
+        "t_memory_s": t_memory,
+        "device_bytes": device_bytes,
+        "t_compute_s": t_compute,
+        "bubble": bubble,
+        "t_compute_with_bubble_s": t_compute / (1 - bubble),
+    }
+
+
+def _comm_rows(
+    comm: dict, sizes: dict[str, int], where: dict, hw: Hardware
+) -> tuple[dict, float, float]:
+    """Each collective's time and link, and the totals of those the step can overlap with
+    compute and of those it waits for: (rows, overlappable seconds, exposed seconds)."""
+    rows, t_overlappable, t_exposed = {}, 0.0, 0.0
+    for key, e in comm.items():
+        kind, axes = split_key(key)
+        t, link = comm_time(kind, axes, e["wire_bytes"], e.get("count", 0), sizes, where, hw)
+        ov = overlappable(kind, axes)
+        rows[key] = {
+            "wire_bytes": e["wire_bytes"],
+            "time_s": t,
+            "link": link,
+            "overlappable": ov,
+            **{k: e[k] for k in ("sync_every", "per_sync_wire_bytes") if k in e},
+        }
+        if ov:
+            t_overlappable += t
+        else:
+            t_exposed += t
+    return rows, t_overlappable, t_exposed
+
+
 def predict(
     *,
     model_flops: float,
@@ -217,31 +270,12 @@ def predict(
     bubble."""
     n_dev = math.prod(sizes.get(a, 1) for a in AXES)
     peak = hw.peak_flops(dtype)
-    t_flops = device_flops / (peak * hw.compute_efficiency)
-    t_memory = device_bytes / (hw.hbm_bw * hw.memory_efficiency)
-    t_compute = max(t_flops, t_memory) if hw.memory_overlap else t_flops + t_memory
-    p = sizes.get("pipeline", 1)
-    bubble = (
-        pipeline.schedule_bubble(schedule, p, pipeline_microbatches or p, repeats) if p > 1 else 0.0
+    compute = _compute(
+        device_flops, device_bytes, peak, hw, sizes, schedule, pipeline_microbatches, repeats
     )
-    t_busy = t_compute / (1 - bubble)
+    t_busy = compute["t_compute_with_bubble_s"]
     where = placement(sizes, hw, dcn)
-    rows, t_overlappable, t_exposed = {}, 0.0, 0.0
-    for key, e in comm.items():
-        kind, axes = split_key(key)
-        t, link = comm_time(kind, axes, e["wire_bytes"], e.get("count", 0), sizes, where, hw)
-        ov = overlappable(kind, axes)
-        rows[key] = {
-            "wire_bytes": e["wire_bytes"],
-            "time_s": t,
-            "link": link,
-            "overlappable": ov,
-            **{k: e[k] for k in ("sync_every", "per_sync_wire_bytes") if k in e},
-        }
-        if ov:
-            t_overlappable += t
-        else:
-            t_exposed += t
+    rows, t_overlappable, t_exposed = _comm_rows(comm, sizes, where, hw)
     t_serial = t_busy + t_overlappable + t_exposed
     t_overlap = max(t_busy, t_overlappable) + t_exposed
     t_step = t_overlap if hw.overlap else t_serial
@@ -256,12 +290,7 @@ def predict(
         "placement": where,
         "overlap": hw.overlap,
         "memory_overlap": hw.memory_overlap,
-        "t_flops_s": t_flops,
-        "t_memory_s": t_memory,
-        "device_bytes": device_bytes,
-        "t_compute_s": t_compute,
-        "bubble": bubble,
-        "t_compute_with_bubble_s": t_busy,
+        **compute,
         "comm": rows,
         "t_comm_s": t_overlappable + t_exposed,
         "t_comm_exposed_s": t_exposed,
@@ -273,6 +302,31 @@ def predict(
         "tokens_per_s_per_device": tokens_per_step / t_step / n_dev
         if tokens_per_step and t_step
         else 0.0,
+    }
+
+
+def _interval(
+    tau: float,
+    t_step: float,
+    state_bytes: float,
+    t_write: float,
+    mtbf: float,
+    hw: Hardware,
+    async_save: bool,
+    restart_s: float,
+) -> dict:
+    """The cost of saving every `tau` training seconds: the blocking time of one save, the time one
+    failure costs, and the fraction of the wall time left for training (see `goodput`)."""
+    t_save = state_bytes / hw.host_bw + max(0.0, t_write - tau) if async_save else t_write
+    t_recover = restart_s + t_write + tau / 2
+    lost = t_recover / mtbf if math.isfinite(mtbf) else 0.0
+    frac = max(0.0, 1 - lost) / (1 + t_save / tau) if tau > 0 else 0.0
+    return {
+        "interval_s": tau,
+        "interval_steps": tau / t_step if t_step else 0.0,
+        "t_save_s": t_save,
+        "t_recover_s": t_recover,
+        "goodput": frac,
     }
 
 
@@ -306,17 +360,7 @@ def goodput(
     mtbf = DAY_S / (fail_rate * n_devices) if fail_rate > 0 else math.inf
 
     def at(tau: float) -> dict:
-        t_save = state_bytes / hw.host_bw + max(0.0, t_write - tau) if async_save else t_write
-        t_recover = restart_s + t_write + tau / 2
-        lost = t_recover / mtbf if math.isfinite(mtbf) else 0.0
-        frac = max(0.0, 1 - lost) / (1 + t_save / tau) if tau > 0 else 0.0
-        return {
-            "interval_s": tau,
-            "interval_steps": tau / t_step if t_step else 0.0,
-            "t_save_s": t_save,
-            "t_recover_s": t_recover,
-            "goodput": frac,
-        }
+        return _interval(tau, t_step, state_bytes, t_write, mtbf, hw, async_save, restart_s)
 
     given = at(ckpt_every * t_step) if ckpt_every > 0 else at(0.0)
     t_save0 = state_bytes / hw.host_bw if async_save else t_write

@@ -119,6 +119,122 @@ def with_batch(
     )
 
 
+def _checked_rules(
+    cfg,
+    sizes,
+    rules,
+    t: TrainConfig,
+    pc: PipelineConfig,
+    act_bytes: int,
+    vocab_parallel: str,
+    sequence_parallel: bool,
+) -> dict:
+    """The run's logical-axis rules on this mesh: sequence parallelism and the LM head's layout
+    (head_layout) applied to `rules` (the defaults without it). A mesh the run would refuse is
+    bad input, named with the reason."""
+    rules = rules or make_rules()
+    rules = head_layout(
+        sequence_parallel_rules(rules) if sequence_parallel else rules,
+        vocab_parallel,
+        sizes,
+        vocab=cfg.vocab_size,
+        batch_tokens=t.batch_size // t.micro_batches * t.seq_len,
+        act_bytes=act_bytes,
+        param_bytes=np.dtype(cfg.param_dtype).itemsize,
+    )
+    why = check(cfg, sizes, t, pc, rules)
+    if why:
+        raise UserError(f"mesh {mesh_text(sizes)}: {why}")
+    return rules
+
+
+def _collectives(cfg, run: RunSpec, params, act_bytes: int, pipe_m: int, shards: int) -> dict:
+    """The step's collective traffic: the ring formulas plan checks against the compiled HLO, and
+    the pipeline's stage-to-stage sends."""
+    t, pc = run.train, run.pipeline
+    comm = theory(run, params)
+    comm.update(
+        cost.pipeline_comm(
+            cfg,
+            run.sizes,
+            t.batch_size,
+            t.seq_len,
+            t.micro_batches,
+            act_bytes,
+            pipeline_microbatches=pipe_m,
+            repeats=pc.repeats,
+            batch_shards=shards,
+        )
+    )
+    return comm
+
+
+def _activations(
+    cfg,
+    run: RunSpec,
+    hw: Hardware,
+    mesh,
+    act_bytes: int,
+    pipe_m: int,
+    shards: int,
+    sequence_parallel: bool,
+) -> tuple[float, float]:
+    """Activation bytes per device: (on the device, offloaded to the host)."""
+    t, pc = run.train, run.pipeline
+    return activation_bytes(
+        cfg,
+        run.sizes,
+        t.batch_size,
+        t.seq_len,
+        t.micro_batches,
+        act_bytes,
+        attention_on(cfg, hw, t.seq_len),
+        shards=shards,
+        seq_shards=seq_shards(mesh, run.rules),
+        sequence_parallel=sequence_parallel,
+        pipeline_microbatches=pipe_m,
+        schedule=pc.schedule,
+        repeats=pc.repeats,
+    )
+
+
+def _predict(cfg, run: RunSpec, hw: Hardware, comm: dict, platform: str, pipe_m: int, dcn) -> dict:
+    """The step time from the flops, the collective traffic and the hardware (cost.predict)."""
+    t, pc, sizes = run.train, run.pipeline, run.sizes
+    p = sizes["pipeline"]
+    return cost.predict(
+        model_flops=cost.model_flops_per_step(cfg, t.batch_size, t.seq_len),
+        device_flops=cost.hardware_flops_per_step(
+            cfg, t.batch_size, t.seq_len, pc.schedule if p > 1 else "gpipe"
+        )
+        / math.prod(sizes.values()),
+        comm=cost.ragged_all_to_all(comm, platform),
+        sizes=sizes,
+        hw=hw,
+        dtype=run.compute_dtype,
+        pipeline_microbatches=pipe_m,
+        repeats=pc.repeats,
+        dcn=dcn,
+        tokens_per_step=t.batch_size * t.seq_len,
+        schedule=pc.schedule,
+    )
+
+
+def _count_host_offload(comm: dict, host: float) -> None:
+    """Add the host link's traffic to `comm`: activations go out and come back, the optimizer
+    state comes in for the update and goes out again, so twice what lives on the host."""
+    if host:
+        moved = 2 * host
+        comm[cost.HOST_OFFLOAD] = {"operand_bytes": moved, "wire_bytes": moved, "count": 0}
+
+
+def _pipeline_entry(pc: PipelineConfig, p: int, pipe_m: int) -> dict:
+    """The pipeline schedule the prediction assumed ({} without a pipeline axis)."""
+    if p == 1:
+        return {}
+    return {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule}
+
+
 def evaluate(
     cfg,
     sizes: dict[str, int],
@@ -147,94 +263,26 @@ def evaluate(
     platform = platform or hw.platform
     dtype = cfg.compute_dtype(platform)
     act_bytes = np.dtype(dtype).itemsize
-    rules = rules or make_rules()
-    rules = head_layout(
-        sequence_parallel_rules(rules) if sequence_parallel else rules,
-        vocab_parallel,
-        sizes,
-        vocab=cfg.vocab_size,
-        batch_tokens=batch_size // micro_batches * seq_len,
-        act_bytes=act_bytes,
-        param_bytes=np.dtype(cfg.param_dtype).itemsize,
-    )
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
-    why = check(cfg, sizes, t, pc, rules)
-    if why:
-        raise UserError(f"mesh {mesh_text(sizes)}: {why}")
+    rules = _checked_rules(cfg, sizes, rules, t, pc, act_bytes, vocab_parallel, sequence_parallel)
     p = sizes["pipeline"]
     stage = _stage_cfg(cfg, p)
     mesh = abstract_mesh(sizes)
     shards, pipe_m = batch_shards(mesh, rules), pc.microbatches_for(p)
     params = _sharded_params(stage, mesh, rules)
-    run = RunSpec(
-        model=stage,
-        train=t,
-        comm=comm_cfg or CommConfig(),
-        pipeline=pc,
-        sizes=sizes,
-        rules=rules,
-        compute_dtype=dtype,
-    )
-    comm = theory(run, params)  # the ring formulas plan checks against the compiled HLO
-    comm.update(
-        cost.pipeline_comm(
-            cfg,
-            sizes,
-            batch_size,
-            seq_len,
-            micro_batches,
-            act_bytes,
-            pipeline_microbatches=pipe_m,
-            repeats=pc.repeats,
-            batch_shards=shards,
-        )
-    )
-
-    on_device, on_host = activation_bytes(
-        cfg,
-        sizes,
-        batch_size,
-        seq_len,
-        micro_batches,
-        act_bytes,
-        attention_on(cfg, hw, seq_len),
-        shards=shards,
-        seq_shards=seq_shards(mesh, rules),
-        sequence_parallel=sequence_parallel,
-        pipeline_microbatches=pipe_m,
-        schedule=pc.schedule,
-        repeats=pc.repeats,
+    run = RunSpec(stage, t, comm_cfg or CommConfig(), pc, sizes, rules, compute_dtype=dtype)
+    comm = _collectives(cfg, run, params, act_bytes, pipe_m, shards)
+    on_device, on_host = _activations(
+        cfg, run, hw, mesh, act_bytes, pipe_m, shards, sequence_parallel
     )
     memory = _memory(params, _optimizer_ratio(cfg, t), t, on_device, on_host)
-    host = on_host + memory["host_optimizer"]
-    if host:  # activations out and back; the optimizer state in for the update and out
-        moved = 2 * host
-        comm[cost.HOST_OFFLOAD] = {"operand_bytes": moved, "wire_bytes": moved, "count": 0}
-    n = math.prod(sizes.values())
-    pred = cost.predict(
-        model_flops=cost.model_flops_per_step(cfg, batch_size, seq_len),
-        device_flops=cost.hardware_flops_per_step(
-            cfg, batch_size, seq_len, pc.schedule if p > 1 else "gpipe"
-        )
-        / n,
-        comm=cost.ragged_all_to_all(comm, platform),
-        sizes=sizes,
-        hw=hw,
-        dtype=dtype,
-        pipeline_microbatches=pipe_m,
-        repeats=pc.repeats,
-        dcn=dcn,
-        tokens_per_step=batch_size * seq_len,
-        schedule=pc.schedule,
-    )
-    pipeline = (
-        {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule} if p > 1 else {}
-    )
+    _count_host_offload(comm, on_host + memory["host_optimizer"])
+    pred = _predict(cfg, run, hw, comm, platform, pipe_m, dcn)
     return {
         "mesh": mesh_text(sizes),
         "sizes": sizes,
         "micro_batches": micro_batches,
-        "pipeline": pipeline,
+        "pipeline": _pipeline_entry(pc, p, pipe_m),
         "sequence_parallel": sequence_parallel,
         "memory": memory,
         "fits": memory["total"] <= hw.hbm_bytes * hw.usable_memory,

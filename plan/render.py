@@ -13,19 +13,10 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:10.2f} MiB"
 
 
-def render(r: dict, show_sharding: bool) -> str:
-    """The compiled report (analyze) as text."""
+def _memory_lines(r: dict) -> list[str]:
+    """The report's per-device memory by part, a LoRA run's frozen base apart."""
     m = r["memory"]
-    active = (
-        f" ({r['active_params'] / 1e6:.2f}M active per token)"
-        if r["active_params"] != r["params"]
-        else ""
-    )
-    lines = [
-        f"plan: {r['params'] / 1e6:.2f}M params{active} on {r['devices']} {r['backend']} devices,"
-        f" mesh {r['mesh']}",
-        "memory per device:",
-    ]
+    lines = ["memory per device:"]
     for k in (
         "params_bytes",
         "optimizer_bytes",
@@ -41,14 +32,13 @@ def render(r: dict, show_sharding: bool) -> str:
                 f"  {'base':<12}{_mib(m['base_bytes'])} (the LoRA run's frozen base;"
                 " params above: its adapters)"
             )
-    lines.append(
-        f"model FLOPs per step: {r['flops_per_step']:.3e} (compiler, per device:"
-        f" {r['flops_per_step_per_device_compiled']:.3e})"
-    )
-    lines.append(
-        "collectives per step, per device"
-        " (measured from the compiled HLO | theory as this backend lowers it):"
-    )
+    return lines
+
+
+def _collective_lines(r: dict) -> list[str]:
+    """Each collective the HLO emits, per kind and mesh axes, beside its theory; then the ones
+    the theory expects and the HLO does not emit."""
+    lines = []
     for kind in KINDS:
         c = r["collectives_detail"][kind]
         if not c["count"]:
@@ -73,24 +63,54 @@ def render(r: dict, show_sharding: bool) -> str:
             lines.append(
                 f"  {kind:<19}{axes:<18} (not emitted)      | theory {_mib(th['operand_bytes'])}"
             )
+    return lines
+
+
+def _pipeline_lines(pp: dict) -> list[str]:
+    """The compiled pipeline's chart and its stage-to-stage traffic, HLO against theory."""
+    return [
+        pp["chart"],
+        f"pipeline: stage-to-stage collective-permute per device per step: HLO"
+        f" {_mib(pp['permute_bytes_hlo']).strip()}"
+        f" vs theory {_mib(pp['permute_bytes_theory']).strip()}"
+        " (of which useful, without bubble ticks:"
+        f" {_mib(pp['permute_bytes_useful']).strip()})",
+    ]
+
+
+def _sharding_lines(r: dict) -> list[str]:
+    """One row per parameter: its shape, spec and per-device shard."""
+    lines = [f"{'parameter':<34}{'shape':<22}{'spec':<40}{'per device':<20}{'bytes':>12}"]
+    for row in r["sharding"]:
+        lines.append(
+            f"{row['name']:<34}{str(tuple(row['shape'])):<22}{row['spec']:<40}"
+            f"{str(tuple(row['local_shape'])):<20}{row['local_bytes']:>12,}"
+        )
+    return lines
+
+
+def render(r: dict, show_sharding: bool) -> str:
+    """The compiled report (analyze) as text."""
+    active = (
+        f" ({r['active_params'] / 1e6:.2f}M active per token)"
+        if r["active_params"] != r["params"]
+        else ""
+    )
+    lines = [
+        f"plan: {r['params'] / 1e6:.2f}M params{active} on {r['devices']} {r['backend']} devices,"
+        f" mesh {r['mesh']}",
+        *_memory_lines(r),
+        f"model FLOPs per step: {r['flops_per_step']:.3e} (compiler, per device:"
+        f" {r['flops_per_step_per_device_compiled']:.3e})",
+        "collectives per step, per device"
+        " (measured from the compiled HLO | theory as this backend lowers it):",
+        *_collective_lines(r),
+    ]
     lines += [f"note: {n}" for n in r["notes"]]
     if "pipeline" in r:
-        pp = r["pipeline"]
-        lines += [
-            pp["chart"],
-            f"pipeline: stage-to-stage collective-permute per device per step: HLO"
-            f" {_mib(pp['permute_bytes_hlo']).strip()}"
-            f" vs theory {_mib(pp['permute_bytes_theory']).strip()}"
-            " (of which useful, without bubble ticks:"
-            f" {_mib(pp['permute_bytes_useful']).strip()})",
-        ]
+        lines += _pipeline_lines(r["pipeline"])
     if show_sharding:
-        lines.append(f"{'parameter':<34}{'shape':<22}{'spec':<40}{'per device':<20}{'bytes':>12}")
-        for row in r["sharding"]:
-            lines.append(
-                f"{row['name']:<34}{str(tuple(row['shape'])):<22}{row['spec']:<40}"
-                f"{str(tuple(row['local_shape'])):<20}{row['local_bytes']:>12,}"
-            )
+        lines += _sharding_lines(r)
     return "\n".join(lines)
 
 

@@ -89,6 +89,45 @@ def _cost_analysis(compiled) -> dict | None:
     return cost[0] if isinstance(cost, (list, tuple)) else cost
 
 
+def _memory(s: RunSetup, state, mem) -> dict:
+    """Per-device memory by part: the state's own shards, and the compiler's memory analysis."""
+    params_b = sum(local_bytes(x) for x in jax.tree.leaves(state.params))
+    opt_b = sum(local_bytes(x) for x in jax.tree.leaves(state.opt_state))
+    # LoRA: `params` (and so gradients and optimizer state) are the adapters; the frozen base is the
+    # step's third argument and takes memory of its own, which `params_bytes` would otherwise hide
+    base_b = (
+        0
+        if s.base_shardings is None
+        else sum(
+            local_bytes(x) for x in jax.tree.leaves(lora.abstract_base(s.cfg, s.base_shardings))
+        )
+    )
+    return {
+        "params_bytes": params_b,
+        "optimizer_bytes": opt_b,
+        "gradient_bytes": params_b,
+        "base_bytes": base_b,
+        "argument_bytes": mem.argument_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "peak_bytes": getattr(mem, "peak_memory_in_bytes", 0),
+    }
+
+
+def _collectives(measured: dict) -> dict:
+    """The measured collectives: kind -> operand bytes per device per step (all mesh axes
+    together), then the details."""
+    return {
+        "collectives": {k: measured[k]["operand_bytes"] for k in KINDS},
+        "collectives_detail": {
+            k: {kk: measured[k][kk] for kk in ("count", "operand_bytes", "wire_bytes", "async")}
+            | {"by_axes": measured[k]["by_axes"]}
+            for k in KINDS
+        },
+    }
+
+
 def analyze(s: RunSetup) -> dict:
     """Compile the step of the run `s` (train.core.setup.setup) and return the full report as a
     dict."""
@@ -102,7 +141,6 @@ def analyze(s: RunSetup) -> dict:
     cfg, t, m = s.cfg, s.cfg.train, s.cfg.model
     state = abstract_state(s)
     compiled = compile_step(s, state, abstract_batch(s))
-    mem = compiled.memory_analysis()
     cost = _cost_analysis(compiled)
     measured = summarize(parse_collectives(compiled.as_text(), s.mesh))
     # LoRA: the frozen base's weights are the ones that move (its adapters are tiny and replicated)
@@ -111,47 +149,20 @@ def analyze(s: RunSetup) -> dict:
         state.params if s.base_shardings is None else lora.abstract_base(s.cfg, s.base_shardings),
     )
     th_backend = on_backend(th, jax.default_backend(), dict(s.mesh.shape))
-    params_b = sum(local_bytes(x) for x in jax.tree.leaves(state.params))
-    opt_b = sum(local_bytes(x) for x in jax.tree.leaves(state.opt_state))
-    # LoRA: `params` (and so gradients and optimizer state) are the adapters; the frozen base is the
-    # step's third argument and takes memory of its own, which `params_bytes` would otherwise hide
-    base_b = (
-        0
-        if s.base_shardings is None
-        else sum(
-            local_bytes(x) for x in jax.tree.leaves(lora.abstract_base(s.cfg, s.base_shardings))
-        )
-    )
     return {
         "mesh": mesh_text(s.mesh.shape),
         "devices": s.mesh.size,
         "backend": jax.default_backend(),
         "params": param_count(m),
         "active_params": active_param_count(m),
-        "memory": {
-            "params_bytes": params_b,
-            "optimizer_bytes": opt_b,
-            "gradient_bytes": params_b,
-            "base_bytes": base_b,
-            "argument_bytes": mem.argument_size_in_bytes,
-            "output_bytes": mem.output_size_in_bytes,
-            "temp_bytes": mem.temp_size_in_bytes,
-            "alias_bytes": mem.alias_size_in_bytes,
-            "peak_bytes": getattr(mem, "peak_memory_in_bytes", 0),
-        },
+        "memory": _memory(s, state, compiled.memory_analysis()),
         "flops_per_step": flops_per_token(m, t.seq_len) * t.batch_size * t.seq_len,
         "flops_per_step_per_device_compiled": float(cost.get("flops", 0.0)) if cost else 0.0,
         "bytes_accessed_per_device_compiled": float(cost.get("bytes accessed", 0.0))
         if cost
         else 0.0,
         "sync_every": cfg.comm.sync_every,
-        # kind -> operand bytes per device per step (all mesh axes together), then the details
-        "collectives": {k: measured[k]["operand_bytes"] for k in KINDS},
-        "collectives_detail": {
-            k: {kk: measured[k][kk] for kk in ("count", "operand_bytes", "wire_bytes", "async")}
-            | {"by_axes": measured[k]["by_axes"]}
-            for k in KINDS
-        },
+        **_collectives(measured),
         "theory": _by_kind(th),
         "theory_on_backend": _by_kind(th_backend),
         "theory_detail": th,

@@ -172,6 +172,61 @@ def _other_schedules(cfg, sizes, t, pc, rules, best: dict, price) -> dict:
     return best
 
 
+def _best_on_mesh(
+    cfg,
+    sizes: dict[str, int],
+    hw: Hardware,
+    batch_size: int,
+    seq_len: int,
+    micro_batches: int,
+    rules,
+    t: TrainConfig,
+    comm_cfg,
+    pc: PipelineConfig,
+    vocab_parallel: str,
+) -> dict | None:
+    """The best row of one mesh (None where the run refuses every setting): the fastest pipeline
+    setting the run accepts, every other schedule tried on a pipeline mesh, and, where the best
+    does not fit, the same with state offloaded to the host."""
+    best = None
+    # this mesh's row under one pipeline setting (the arguments bound now, per mesh)
+    price = functools.partial(
+        _price,
+        cfg,
+        sizes,
+        hw,
+        batch_size,
+        seq_len,
+        micro_batches,
+        rules,
+        t,
+        comm_cfg,
+        vocab_parallel=vocab_parallel,
+    )
+    for choice in pipeline_choices(cfg, sizes, t, pc, rules):
+        if not check(cfg, sizes, t, choice, rules):
+            best = _better(best, price(choice))
+    if best is not None and sizes["pipeline"] > 1:
+        best = _other_schedules(cfg, sizes, t, pc, rules, best, price)
+    if best is not None and not best["fits"]:
+        offloaded = _offloaded(
+            cfg,
+            sizes,
+            hw,
+            batch_size,
+            seq_len,
+            micro_batches,
+            rules,
+            t,
+            comm_cfg,
+            best,
+            pc,
+            vocab_parallel,
+        )
+        best = _better(best, offloaded)
+    return best
+
+
 def search(
     cfg,
     n_devices: int,
@@ -200,10 +255,7 @@ def search(
         sizes = dict(zip(AXES, shape))
         if default_rules and _quick_reject(cfg, sizes, batch_size, rules):
             continue
-        best = None
-        # this mesh's row under one pipeline setting (the arguments bound now, per mesh)
-        price = functools.partial(
-            _price,
+        best = _best_on_mesh(
             cfg,
             sizes,
             hw,
@@ -213,31 +265,9 @@ def search(
             rules,
             t,
             comm_cfg,
-            vocab_parallel=vocab_parallel,
+            pc,
+            vocab_parallel,
         )
-        for choice in pipeline_choices(cfg, sizes, t, pc, rules):
-            if not check(cfg, sizes, t, choice, rules):
-                best = _better(best, price(choice))
-        if best is not None and sizes["pipeline"] > 1:
-            best = _other_schedules(cfg, sizes, t, pc, rules, best, price)
-        if best is not None and not best["fits"]:
-            best = _better(
-                best,
-                _offloaded(
-                    cfg,
-                    sizes,
-                    hw,
-                    batch_size,
-                    seq_len,
-                    micro_batches,
-                    rules,
-                    t,
-                    comm_cfg,
-                    best,
-                    pc,
-                    vocab_parallel,
-                ),
-            )
         if best is not None:
             rows.append(best)
     # ties (compute-bound meshes whose traffic all hides) go to less traffic, then less memory

@@ -30,6 +30,68 @@ from plan.activation_theory import (
 from plan.run_spec import RunSpec, axes_key, local_bytes, tokens_per_device, vocab_parallel_axes
 
 
+def _param_collectives(
+    run: RunSpec,
+    path: str,
+    sds,
+    name: tuple,
+    batch_axes: list[str],
+    expert_axes,
+    vocab_axes,
+    uses: float,
+    replicas: set[str],
+):
+    """The collectives one parameter's weights and gradient make per step (see `theory`), in the
+    order they add up: (kind, mesh axes, operand bytes, group size, wire factor, whether it is
+    an explicit psum_scatter). `name`: the parameter's logical axis names."""
+    sizes, t, m = run.sizes, run.train, run.model
+    used = spec_axes(sds.sharding.spec)
+    # an expert's weights live on the devices its tokens travel to: no collective over the
+    # expert axes (the tokens move by all-to-all instead, below)
+    is_expert = "experts" in name
+    own = [a for a in batch_axes if not (is_expert and a in expert_axes)]
+    # a vocab-parallel head's weights never move: its input does (vocab_parallel_theory)
+    fsdp_axes = [a for a in own if a in used and not ("vocab" in name and a in vocab_axes)]
+    dp_axes = [a for a in own if a not in used]
+    n_f = math.prod(sizes[a] for a in fsdp_axes)
+    n_d = math.prod(sizes[a] for a in dp_axes)
+    # the gradient's bytes before the fsdp split (after tensor parallel)
+    full = local_bytes(sds) * n_f
+    in_stack = path.startswith(("blocks/", "moe_blocks/"))
+    per_pass = uses if in_stack and not set(fsdp_axes) <= replicas else 1
+    lookup = _lookup_bytes(run, path, sds, n_f)
+    yield "all-to-all", fsdp_axes, lookup, n_f, (n_f - 1) / n_f, False
+    # ZeRO-3 reduce-scatters every micro-batch's gradient
+    for _ in range(0 if lookup else t.micro_batches):
+        explicit = is_expert and n_f > 1
+        yield "reduce-scatter", fsdp_axes, full * per_pass, n_f, (n_f - 1) / n_f, explicit
+    # once per step (no_sync)
+    yield "all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d, False
+    # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
+    # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per
+    # micro-batch; the operand is the device's own shard, and it receives n-1 of them.
+    gathers = 0 if lookup else 2 if in_stack and m.remat != "none" else 1
+    for _ in range(gathers * t.micro_batches):
+        yield "all-gather", fsdp_axes, full / n_f * per_pass, n_f, n_f - 1, False
+
+
+def _add_activation_theory(out: dict, run: RunSpec) -> None:
+    """Add to `out` what moves activations rather than weights: the vocab-parallel head's input,
+    context parallelism's K/V and the MoE's token exchange."""
+    for key, e in (
+        *vocab_parallel_theory(run).items(),
+        *context_theory(run).items(),
+        *all_to_all_theory(run).items(),
+    ):
+        mine = out.setdefault(key, {"operand_bytes": 0.0, "wire_bytes": 0.0})
+        if "ideal_bytes" in e:  # what moves besides the MoE exchange moves in the ideal too
+            mine["ideal_bytes"] = mine["operand_bytes"] + e["ideal_bytes"]
+        mine["operand_bytes"] += e["operand_bytes"]
+        mine["wire_bytes"] += e["wire_bytes"]
+        if "note" in e:
+            mine["note"] = "; ".join(filter(None, (mine.get("note"), e["note"])))
+
+
 def theory(run: RunSpec, params) -> dict:
     """Ideal per-device collective bytes per step. `params`: the abstract parameters with their
     shardings (ShapeDtypeStructs; the model's, or one pipeline stage's).
@@ -40,7 +102,7 @@ def theory(run: RunSpec, params) -> dict:
     of the gradient, per micro-batch: (n-1)/n x M each). On a pipeline mesh the layer stack's FSDP
     traffic repeats on every tick (pipeline_uses).
     """
-    sizes, rules, t, m = run.sizes, run.rules, run.train, run.model
+    sizes, rules, m = run.sizes, run.rules, run.model
     # the axes that split the tokens: the batch's and the sequence's (context parallelism); over
     # those a weight is either sharded (FSDP traffic) or replicated (a data-parallel all-reduce)
     batch_axes = [a for a in spec_axes(logical_to_spec(("batch", "seq"), rules)) if sizes[a] > 1]
@@ -61,37 +123,13 @@ def theory(run: RunSpec, params) -> dict:
     explicit_rs: dict[str, float] = defaultdict(float)
     uses, replicas = pipeline_uses(sizes, run.pipeline)
     for path, sds in path_names(params, is_leaf=lambda x: hasattr(x, "shape")):
-        used = spec_axes(sds.sharding.spec)
-        # an expert's weights live on the devices its tokens travel to: no collective over the
-        # expert axes (the tokens move by all-to-all instead, below)
-        is_expert = "experts" in names[path]
-        own = [a for a in batch_axes if not (is_expert and a in expert_axes)]
-        # a vocab-parallel head's weights never move: its input does (vocab_parallel_theory)
-        fsdp_axes = [
-            a for a in own if a in used and not ("vocab" in names[path] and a in vocab_axes)
-        ]
-        dp_axes = [a for a in own if a not in used]
-        n_f = math.prod(sizes[a] for a in fsdp_axes)
-        n_d = math.prod(sizes[a] for a in dp_axes)
-        # the gradient's bytes before the fsdp split (after tensor parallel)
-        full = local_bytes(sds) * n_f
-        in_stack = path.startswith(("blocks/", "moe_blocks/"))
-        per_pass = uses if in_stack and not set(fsdp_axes) <= replicas else 1
-        lookup = _lookup_bytes(run, path, sds, n_f)
-        add("all-to-all", fsdp_axes, lookup, n_f, (n_f - 1) / n_f)
-        # ZeRO-3 reduce-scatters every micro-batch's gradient
-        for _ in range(0 if lookup else t.micro_batches):
-            add("reduce-scatter", fsdp_axes, full * per_pass, n_f, (n_f - 1) / n_f)
-            if is_expert and n_f > 1:
+        for kind, axes, operand, n, wire_factor, explicit in _param_collectives(
+            run, path, sds, names[path], batch_axes, expert_axes, vocab_axes, uses, replicas
+        ):
+            add(kind, axes, operand, n, wire_factor)
+            if explicit:
                 # models/moe_dispatch.py gathers them inside shard_map: an explicit psum_scatter
-                explicit_rs[axes_key(fsdp_axes)] += full * per_pass
-        add("all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d)  # once per step (no_sync)
-        # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
-        # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per
-        # micro-batch; the operand is the device's own shard, and it receives n-1 of them.
-        gathers = 0 if lookup else 2 if in_stack and m.remat != "none" else 1
-        for _ in range(gathers * t.micro_batches):
-            add("all-gather", fsdp_axes, full / n_f * per_pass, n_f, n_f - 1)
+                explicit_rs[axes_key(axes)] += operand
     for axes, b in explicit_rs.items():
         entries[("reduce-scatter", axes)]["explicit_bytes"] = b
     out = {f"{k}@{a}": v for (k, a), v in entries.items()}
@@ -101,18 +139,7 @@ def theory(run: RunSpec, params) -> dict:
     out.update(local_sgd(out, run.comm.sync_every, dp))
     if sizes["model"] > 1:
         out["all-reduce@model"] = tensor_parallel_theory(run)
-    for key, e in (
-        *vocab_parallel_theory(run).items(),
-        *context_theory(run).items(),
-        *all_to_all_theory(run).items(),
-    ):
-        mine = out.setdefault(key, {"operand_bytes": 0.0, "wire_bytes": 0.0})
-        if "ideal_bytes" in e:  # what moves besides the MoE exchange moves in the ideal too
-            mine["ideal_bytes"] = mine["operand_bytes"] + e["ideal_bytes"]
-        mine["operand_bytes"] += e["operand_bytes"]
-        mine["wire_bytes"] += e["wire_bytes"]
-        if "note" in e:
-            mine["note"] = "; ".join(filter(None, (mine.get("note"), e["note"])))
+    _add_activation_theory(out, run)
     return out
 
 

@@ -336,18 +336,6 @@ WHY = re.compile(r"#.*\bon purpose\b")
 # length each may not grow past. Split one (or give it its why) and drop it here: the test fails
 # while a row names a function that no longer needs it.
 PENDING = {
-    "benchmarks/checkpoint.py::main": 71,
-    "benchmarks/comm.py::sync_table": 75,
-    "benchmarks/data.py::main": 72,
-    "benchmarks/elastic.py::main": 83,
-    "benchmarks/gpu.py::main": 69,
-    "benchmarks/gpu.py::parse_args": 71,
-    "benchmarks/gpu.py::run_one": 67,
-    "benchmarks/moe.py::steps": 61,
-    "benchmarks/peer.py::brigade": 67,
-    "benchmarks/pipeline.py::main": 69,
-    "benchmarks/pipeline.py::run": 94,
-    "mesh/bench.py::_main": 63,
     "models/attention.py::__call__": 65,
     "models/context.py::_ring": 68,
     "models/hf_config.py::config_from_hf": 70,
@@ -355,17 +343,6 @@ PENDING = {
     "models/pipeline/explicit.py::loss": 69,
     "models/pipeline/gpipe.py::pipeline_apply": 61,
     "models/pipeline/split_backward.py::__init__": 68,
-    "plan/activation_memory.py::activation_bytes": 86,
-    "plan/cli.py::analytic": 75,
-    "plan/compiled_cost.py::from_plan": 75,
-    "plan/cost.py::goodput": 64,
-    "plan/cost.py::predict": 82,
-    "plan/estimate.py::evaluate": 122,
-    "plan/hardware.py::_table": 62,
-    "plan/render.py::render": 79,
-    "plan/report.py::analyze": 70,
-    "plan/search.py::search": 78,
-    "plan/theory.py::theory": 84,
 }
 
 
