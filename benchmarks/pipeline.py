@@ -233,7 +233,8 @@ def print_table(args, rows: list[dict]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ticks = timetable(r["schedule"]).ticks(r["P"], r["M"], r["R"])
+        # one stage (the "-" row) runs its micro-batches one after another: gpipe's count at P=1
+        ticks = timetable(r["schedule"] if r["P"] > 1 else "gpipe").ticks(r["P"], r["M"], r["R"])
         measured = 1 - base / r["step_s"]
         print(
             f"| {r['P']} | {r['schedule']} | {r['R']} | {r['M']} | {ticks} | {r['step_s']:.3f} | "
