@@ -19,7 +19,7 @@ from checkpoint import storage
 from checkpoint.saving import Saves
 from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
-from models import context
+from models import context, model
 from models.flops import flops_per_token, param_count
 from train import faults, resume
 from train.config import dump
@@ -299,7 +299,7 @@ def open_run(
     peak, peak_src = peak_flops(run_setup.compute_dtype, cfg.logging.peak_tflops, mesh.devices.flat)
     log.print(
         f"brigade: {param_count(cfg.model) / 1e6:.2f}M params, mesh {mesh_text(mesh.shape)}"
-        f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute, {attention(run_setup)},"
+        f" ({mesh.size} device{'s' * (mesh.size > 1)}), {model.compute_dtype_text(cfg.model)}, {attention(run_setup)},"
         f" {data.describe()}, step compiled in {compile_s:.1f}s; peak: {peak_src}"
     )
     if note:
