@@ -1,4 +1,4 @@
-"""Dense (XLA) against blockwise attention: forward + backward time and compiled temporary memory
+"""Dense (models/dense_attention.py) against blockwise attention: forward + backward time and compiled temporary memory
 per sequence length, interleaved, on one device. What `--model.attention auto`'s switch-over
 length (models.config.BLOCKWISE_FROM) rests on.
 
@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from models import dense_attention  # noqa: E402
 from models.context import local_attention  # noqa: E402
 
 
@@ -25,8 +26,9 @@ def compiled(kind: str, t: int, n: int, k: int, h: int):
     """The jitted gradient of sum(out * cotangent) w.r.t. q, k, v, and its arguments."""
 
     def loss(q, kk, v, pos, cot):
-        if kind == "dense":  # the index path of models/attention.py: XLA's causal mask
-            out = jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation="xla")
+        if kind == "dense":  # the index path of models/attention.py: a causal mask by index
+            seen_1TS = jnp.arange(t)[None, None, :] <= jnp.arange(t)[None, :, None]
+            out = dense_attention.attend(q, kk, v, seen_1TS)
         else:
             out = local_attention(q, kk, v, pos, pos, None, None, window=0, kind="blockwise")
         return jnp.sum(out * cot)
