@@ -12,12 +12,24 @@ After the dense sweep, the first preset runs once per --variants entry at --vari
 GPU preset, XLA vs cuDNN attention, FP8 matmuls; each row has the cost model's predicted step time
 and MFU (`python -m train plan --hardware h200 --devices 1`, analytic) next to the measured ones.
 
-The MoE case (after the dense presets) trains a Mixtral-shaped model small enough for one GPU
+The long-context case (after the dense presets) trains --long-preset at batch 1 for each length in
+--long-context (8k-32k tokens) once per attention in --long-kinds: the blockwise attention
+(models/blockwise.py, memory linear in the sequence) against cuDNN's fused flash attention.
+
+The MoE case (after the long-context case) trains a Mixtral-shaped model small enough for one GPU
 (`--moe-preset mixtral-small`: 8 layers, d_model 1024, 8 experts of width 3584, top-2; 0.8B
 parameters, 0.27B active) once per dispatch variant; its MFU counts active parameters. On one GPU
 there is no expert axis, so the variants compare the dropless grouped matmul (ragged_dot, or the
 padded blocks) with capacity dispatch, not the exchanges. Any registered preset works as
 `--moe-preset` (moe-tiny: a quick end-to-end run on CPU).
+
+With more than one GPU (nvidia-smi's count, or --gpus N), the MoE shape also runs with its experts
+split over all of them (`--mesh expert=N`, global batch --moe-batch-sizes x N) once per token
+exchange in --ep-exchanges: `fixed` (all_to_all of worst-case buffers) against `ragged`
+(ragged_all_to_all of the real rows). On one GPU this case is skipped.
+
+The cases run in this order, the dense sweep first and the variants last; the budget (--budget-s,
+default under 10 minutes) skips whatever no longer fits, and says so in the results.
 
 Each config is its own `python -m train` subprocess (fresh GPU memory, hard timeout, killed as a
 process group), so one hung or OOM config cannot eat the budget. A preset's batch sizes run
@@ -103,6 +115,17 @@ MOE_VARIANTS = {
 }
 # Settings compared on the first dense preset at --variant-batch, each against the plain run of
 # that preset and batch: the XLA GPU preset (mesh/xla.py), the attention implementation, FP8.
+# Long context on one GPU: the blockwise attention (pure JAX, memory linear in the sequence)
+# against cuDNN's flash attention, the same preset and tokens per step
+LONG_KINDS = {
+    "blockwise": ["--model.attention", "blockwise"],
+    "cudnn": ["--model.attention", "cudnn"],
+}
+# The dropless MoE's token exchange over an expert axis of several GPUs
+EP_EXCHANGES = {
+    "fixed": ["--model.dispatch", "dropless", "--model.ep_exchange", "fixed"],
+    "ragged": ["--model.dispatch", "dropless", "--model.ep_exchange", "ragged"],
+}
 VARIANTS = {
     "xla-preset": ["--xla-preset", "gpu"],
     "attention-dense": ["--model.attention", "dense"],
@@ -146,6 +169,7 @@ def parse_args():
     p.add_argument(
         "--variant-batch", type=int, default=8, help="global batch size of the variant runs"
     )
+    add_long_and_ep_args(p)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-every", type=int, default=10)
@@ -174,38 +198,88 @@ def parse_args():
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
     args.extra = extra
+    split_lists(p, args)
+    return args
+
+
+def add_long_and_ep_args(p: argparse.ArgumentParser) -> None:
+    """The long-context and the expert-parallel MoE cases' flags."""
+    p.add_argument(
+        "--long-context",
+        default="8192,32768",
+        help="comma-separated sequence lengths of the long-context case ('' = none)",
+    )
+    p.add_argument("--long-preset", default="1b", help="the long-context case's preset")
+    p.add_argument(
+        "--long-kinds",
+        default=",".join(LONG_KINDS),
+        help=f"attentions compared at each length, from {', '.join(LONG_KINDS)}",
+    )
+    p.add_argument(
+        "--ep-exchanges",
+        default=",".join(EP_EXCHANGES),
+        help=f"MoE token exchanges over the expert axis on more than one GPU, from"
+        f" {', '.join(EP_EXCHANGES)}; '' = no such case",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="GPUs for the expert-parallel MoE case; 0 = nvidia-smi's count (a dry run without"
+        " GPUs shows the commands for 8)",
+    )
+
+
+def split_lists(p: argparse.ArgumentParser, args) -> None:
+    """The comma-separated flags as lists, each name checked against its table."""
     args.presets = [s for s in args.presets.split(",") if s]
     args.batch_sizes = sorted(int(s) for s in args.batch_sizes.split(",") if s)
     args.moe_variants = [s for s in args.moe_variants.split(",") if s]
     args.moe_batch_sizes = sorted(int(s) for s in args.moe_batch_sizes.split(",") if s)
     args.variants = [s for s in args.variants.split(",") if s]
+    args.long_context = [int(s) for s in args.long_context.split(",") if s]
+    args.long_kinds = [s for s in args.long_kinds.split(",") if s]
+    args.ep_exchanges = [s for s in args.ep_exchanges.split(",") if s]
     for flag, given, valid in (
         ("--moe-variants", args.moe_variants, MOE_VARIANTS),
         ("--variants", args.variants, VARIANTS),
+        ("--long-kinds", args.long_kinds, LONG_KINDS),
+        ("--ep-exchanges", args.ep_exchanges, EP_EXCHANGES),
     ):
         bad = [v for v in given if v not in valid]
         if bad:
             p.error(f"{flag}: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
-    return args
 
 
-def cases(args) -> list[dict]:
-    """What to run, in order: each dense preset, the first one's variants, then the MoE shape once
-    per dispatch variant. name: the label in the results; preset + flags: the train command's
-    model."""
+def gpu_count() -> int:
+    """Visible NVIDIA GPUs (nvidia-smi -L), 0 without a driver."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def cases(args, gpus: int) -> list[dict]:
+    """What to run, in order: each dense preset, the long-context case (each length, each
+    attention), the MoE shape once per dispatch variant, with `gpus` > 1 the MoE shape over an
+    expert axis of all of them once per exchange, then the first dense preset's variants. name: the
+    label in the results; preset + flags: the train command's model; seq_len and devices where
+    they differ from --seq-len and one GPU."""
     out = [
         {"name": p, "preset": p, "flags": [], "batch_sizes": args.batch_sizes} for p in args.presets
     ]
-    if args.presets:
-        out += [
-            {
-                "name": f"{args.presets[0]}/{v}",
-                "preset": args.presets[0],
-                "flags": VARIANTS[v],
-                "batch_sizes": [args.variant_batch],
-            }
-            for v in args.variants
-        ]
+    out += [
+        {
+            "name": f"{args.long_preset}/{kind}/{seq}",
+            "preset": args.long_preset,
+            "flags": [*LONG_KINDS[kind], "--model.max_seq_len", str(seq)],
+            "batch_sizes": [1],
+            "seq_len": seq,
+        }
+        for seq in args.long_context
+        for kind in args.long_kinds
+    ]
     preset, flags = MOE_SHAPES.get(args.moe_preset, (args.moe_preset, []))
     out += [
         {
@@ -216,6 +290,27 @@ def cases(args) -> list[dict]:
         }
         for v in args.moe_variants
     ]
+    if gpus > 1:
+        out += [
+            {
+                "name": f"{args.moe_preset}/expert{gpus}/{x}",
+                "preset": preset,
+                "flags": flags + EP_EXCHANGES[x] + ["--mesh", f"expert={gpus}"],
+                "batch_sizes": [b * gpus for b in args.moe_batch_sizes],
+                "devices": gpus,
+            }
+            for x in args.ep_exchanges
+        ]
+    if args.presets:
+        out += [
+            {
+                "name": f"{args.presets[0]}/{v}",
+                "preset": args.presets[0],
+                "flags": VARIANTS[v],
+                "batch_sizes": [args.variant_batch],
+            }
+            for v in args.variants
+        ]
     return out
 
 
@@ -236,7 +331,7 @@ def train_cmd(args, case: dict, batch: int, run_dir: str) -> list[str]:
         "--batch-size",
         str(batch),
         "--seq-len",
-        str(args.seq_len),
+        str(case.get("seq_len", args.seq_len)),
         "--log-every",
         str(args.log_every),
         "--data",
@@ -276,7 +371,7 @@ def predict(args, case: dict, batch: int) -> dict:
         "--hardware",
         args.hardware,
         "--devices",
-        "1",
+        str(case.get("devices", 1)),
         "--json",
         *model,
     ]
@@ -377,7 +472,7 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
     res.update(
         steps=args.steps, cmd=shlex.join(cmd), status="running", **predict(args, case, batch)
     )
-    say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
+    say(f"\n=== {preset} batch={batch} seq={res['seq_len']} (timeout {timeout:.0f}s)\n{res['cmd']}")
     log_path, metrics_path = run_dir / "train.log", run_dir / "metrics.jsonl"
     t0, seen, proc = time.time(), 0, None
     try:
@@ -459,17 +554,22 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dry_run(args, gpus: int) -> None:
+    """Print the commands the sweep would run (the expert-parallel case as on 8 GPUs if fewer)."""
+    say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
+    if gpus < 2 and args.ep_exchanges:
+        say("# the expert-parallel MoE case as it would run on 8 GPUs:")
+    for case in cases(args, gpus if gpus > 1 else 8):
+        for b in case["batch_sizes"]:
+            run_dir = f"<tmp>/{case['name'].replace('/', '-')}-b{b}"
+            say(shlex.join(train_cmd(args, case, b, run_dir)))
+
+
 def main() -> int:
     args = parse_args()
+    gpus = args.gpus or gpu_count()
     if args.dry_run:
-        say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
-        for case in cases(args):
-            for b in case["batch_sizes"]:
-                say(
-                    shlex.join(
-                        train_cmd(args, case, b, f"<tmp>/{case['name'].replace('/', '-')}-b{b}")
-                    )
-                )
+        dry_run(args, gpus)
         return 0
 
     start = time.time()
@@ -493,8 +593,11 @@ def main() -> int:
         results["environment"] = environment()
         say(json.dumps(results["environment"], indent=1))
         save()
-        for case in cases(args):
+        if gpus < 2 and args.ep_exchanges:
+            say("one GPU: the expert-parallel MoE case (--ep-exchanges) needs more; skipped")
+        for case in cases(args, gpus):
             name = case["name"]
+            seq = case.get("seq_len", args.seq_len)
             for b in case["batch_sizes"]:
                 left = deadline - time.time()
                 if left < args.min_run_s:
@@ -503,12 +606,12 @@ def main() -> int:
                         {
                             "preset": name,
                             "batch_size": b,
-                            "seq_len": args.seq_len,
+                            "seq_len": seq,
                             "status": "skipped-budget",
                         }
                     )
                     continue
-                res = {"preset": name, "batch_size": b, "seq_len": args.seq_len}
+                res = {"preset": name, "batch_size": b, "seq_len": seq}
                 results["runs"].append(res)
                 run_one(
                     args,
