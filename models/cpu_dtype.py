@@ -11,9 +11,8 @@ Two things must hold for bf16 to be the faster choice on CPU:
   Checked directly: one small bf16 matmul is compiled and its optimized HLO read (~50 ms, once per
   process), so no version table has to be kept.
 
-Measured on an AMD EPYC with avx512_bf16 under jaxlib 0.12 (BENCHMARKS.md, "Compute dtype on
-CPU"): bf16 took 33% less CPU time per step than float32 on the peer shape; under jaxlib 0.10.2,
-whose XLA:CPU upcasts, bf16 was no faster (0.97, inside the noise).
+Under jaxlib 0.10.2, whose XLA:CPU upcasts, bf16 was no faster than float32 (BENCHMARKS.md,
+"Compute dtype on CPU": 0.97, inside the noise).
 """
 
 from __future__ import annotations
@@ -45,9 +44,10 @@ def xla_keeps_bf16_dots() -> bool:
 
     # a layer's matmul: bf16 in and out (XLA:CPU of jaxlib 0.10 keeps bf16 operands where the
     # output is float32, and upcasts this one)
-    a = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
-    cpu = jax.devices("cpu")[0]
-    hlo = jax.jit(jnp.dot, device=cpu).lower(a, a).compile().as_text()
+    # placed on a CPU device by its sharding (jit's device= argument is deprecated)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    a = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=cpu)
+    hlo = jax.jit(jnp.dot).lower(a, a).compile().as_text()
     dots = re.findall(r"= \S+ dot\(([^)]*)\)", hlo)
     operand_types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
     # operands named in the dot line, typed by their definitions (fusion parameters included)
