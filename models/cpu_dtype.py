@@ -17,6 +17,7 @@ Under jaxlib 0.10.2, whose XLA:CPU upcasts, bf16 was no faster than float32 (BEN
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import re
 
@@ -39,15 +40,10 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
 def xla_keeps_bf16_dots() -> bool:
     """Whether this jaxlib's XLA:CPU compiles a bf16 x bf16 matmul as a bf16 dot (True) or
     rewrites it to float32 operands (False)."""
-    import jax
-    import jax.numpy as jnp
-
-    # a layer's matmul: bf16 in and out (XLA:CPU of jaxlib 0.10 keeps bf16 operands where the
-    # output is float32, and upcasts this one)
-    # placed on a CPU device by its sharding (jit's device= argument is deprecated)
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    a = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=cpu)
-    hlo = jax.jit(jnp.dot).lower(a, a).compile().as_text()
+    # in a thread of its own: the caller's mesh context and jit trace are thread-local, and the
+    # probe is first asked inside both (a model built in a traced step under its mesh)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hlo = pool.submit(_compiled_bf16_dot).result()
     dots = re.findall(r"= \S+ dot\(([^)]*)\)", hlo)
     operand_types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
     # operands named in the dot line, typed by their definitions (fusion parameters included)
@@ -55,6 +51,18 @@ def xla_keeps_bf16_dots() -> bool:
         all(operand_types.get(o.strip().split(" ")[-1]) == "bf16" for o in d.split(","))
         for d in dots
     )
+
+
+def _compiled_bf16_dot() -> str:
+    """The optimized HLO of a layer's matmul on one CPU device: bf16 in and out (XLA:CPU of jaxlib
+    0.10 keeps bf16 operands where the output is float32, and upcasts this one)."""
+    import jax
+    import jax.numpy as jnp
+
+    # placed on the CPU by its sharding (jit's device= argument is deprecated)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    a = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=cpu)
+    return jax.jit(jnp.dot).lower(a, a).compile().as_text()
 
 
 def choose(flags: frozenset[str], keeps_bf16_dots: bool) -> tuple[str, str]:

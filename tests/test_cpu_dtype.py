@@ -4,8 +4,10 @@ the facts, and what the config and the start line make of them."""
 import dataclasses
 import warnings
 
+import jax
 import pytest
 
+from mesh.build import make_mesh
 from models import cpu_dtype
 from models import model as model_lib
 from models.presets import PRESETS
@@ -38,10 +40,16 @@ def test_flags_are_read_from_cpuinfo(tmp_path):
 
 def test_the_probe_reads_this_jaxlib():
     """Whatever this jaxlib does, the probe answers it, through no deprecated jax argument (one
-    that a later jax drops would break `auto` on every CPU)."""
+    that a later jax drops would break `auto` on every CPU), and the same inside a jit trace under
+    a mesh of 8 devices, where a model is first built."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        assert isinstance(cpu_dtype.xla_keeps_bf16_dots(), bool)
+        alone = cpu_dtype.xla_keeps_bf16_dots()
+        assert isinstance(alone, bool)
+        seen = []
+        with jax.set_mesh(make_mesh("data=8")):
+            jax.jit(lambda x: (seen.append(cpu_dtype.xla_keeps_bf16_dots()), x)[1])(1.0)
+        assert seen == [alone]
 
 
 @pytest.mark.parametrize("keeps, want", [(True, "bfloat16"), (False, "float32")])
