@@ -1,6 +1,6 @@
-"""Dense (XLA) against blockwise attention: forward + backward time and compiled temporary memory
-per sequence length, interleaved, on one device. What `--model.attention auto`'s switch-over
-length (models.config.BLOCKWISE_FROM) rests on.
+"""Dense (models/dense_attention.py) against blockwise attention: forward + backward time and
+compiled temporary memory per sequence length, interleaved, on one device. What
+`--model.attention auto`'s switch-over length (models.config.BLOCKWISE_FROM) rests on.
 
     python benchmarks/attention.py [--lengths 512,1024,2048,4096] [--reps 5]
         [--heads 4 --kv-heads 2 --head-dim 64]
@@ -19,15 +19,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
-from models.context import local_attention
+from models import dense_attention  # noqa: E402
+from models.context import local_attention  # noqa: E402
 
 
 def compiled(kind: str, t: int, n: int, k: int, h: int):
     """The jitted gradient of sum(out * cotangent) w.r.t. q, k, v, and its arguments."""
 
     def loss(q, kk, v, pos, cot):
-        if kind == "dense":  # the index path of models/attention.py: XLA's causal mask
-            out = jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation="xla")
+        if kind == "dense":  # the index path of models/attention.py: a causal mask by index
+            seen_1TS = jnp.arange(t)[None, None, :] <= jnp.arange(t)[None, :, None]
+            out = dense_attention.attend(q, kk, v, seen_1TS)
         else:
             out = local_attention(q, kk, v, pos, pos, None, None, window=0, kind="blockwise")
         return jnp.sum(out * cot)

@@ -3,7 +3,8 @@
     python benchmarks/dtype.py [--steps 16] [--reps 3]
 
 Runs on the devices the environment gives (1 CPU device unless XLA_FLAGS says otherwise), like
-the default `python -m train`.
+the default `python -m train`, and prints what `--model.dtype auto` picks on this host
+(models/cpu_dtype.py), to check the rule against the measurement.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from models import cpu_dtype  # noqa: E402
 from train.core.config import build  # noqa: E402
 from train.run.loop import Trainer  # noqa: E402
 
@@ -50,6 +52,8 @@ def main():
     for dt, ts in times.items():
         print(f"{dt:<9} {min(ts):.3f} s/step (runs: {', '.join(f'{t:.3f}' for t in ts)})")
     print(f"bfloat16 / float32 step time: {min(times['bfloat16']) / min(times['float32']):.2f}")
+    dtype, why = cpu_dtype.auto()
+    print(f"--model.dtype auto on this host: {dtype} ({why})")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from flax import nnx
 
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, constrain
-from models import context, fp8
+from models import context, dense_attention, fp8
 from models.blockwise import visible
 from models.config import ModelConfig
 from models.context import context_size
@@ -159,7 +159,15 @@ class Attention(nnx.Module):
     def _by_index(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind: str):
         """Attention on an unsharded sequence in index order: causal by index (the masks XLA and
         cuDNN build themselves), packed segments by a [B,1,T,T] mask."""
-        impl = {"dense": "xla", "cudnn": "cudnn", "jax": None}[kind]
+        if kind == "dense":  # XLA's einsums, with a backward in the compute dtype
+            t = q_BTNH.shape[1]
+            seen_1TS = visible(
+                jnp.arange(t)[None, :, None], jnp.arange(t)[None, None, :], None, None, self.window
+            )
+            if segment_ids_BT is not None:
+                seen_1TS = seen_1TS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+            return dense_attention.attend(q_BTNH, k_BTKH, v_BTKH, seen_1TS)
+        impl = {"cudnn": "cudnn", "jax": None}[kind]
         if segment_ids_BT is None:
             # A window of W keys, the query's own included: W - 1 to the left, none to the right.
             window = (self.window - 1, 0) if self.window else None

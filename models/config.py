@@ -100,8 +100,9 @@ class ModelConfig:
     tie_embeddings: bool = option(False, "the output projection reuses the input embedding")
     dtype: str = option(
         "auto",
-        f"compute dtype: {' | '.join(DTYPES)}; auto = bfloat16 on GPU/TPU, float32 on"
-        " CPU (measured faster there)",
+        f"compute dtype: {' | '.join(DTYPES)}; auto = bfloat16 on GPU/TPU, and on a CPU"
+        " whose XLA:CPU multiplies bf16 natively (bf16 instructions and a jaxlib that keeps"
+        " bf16 matmuls in bf16, detected on the host); float32 on other CPUs",
     )
     param_dtype: str = option(
         "float32", f"dtype of the parameters and optimizer state: {' | '.join(DTYPES[1:])}"
@@ -315,9 +316,17 @@ class ModelConfig:
                 "model: dtype 'float16' does not run on CPU (XLA:CPU has no float16 matmul"
                 " accumulating in float32); valid on CPU: auto, float32, bfloat16"
             )
+        return self.compute_dtype_why(platform)[0]
+
+    def compute_dtype_why(self, platform: str) -> tuple[str, str]:
+        """(compute dtype, why) on `platform`: the start line says which `auto` picked and why."""
         if self.dtype != "auto":
-            return self.dtype
-        return "float32" if platform == "cpu" else "bfloat16"
+            return self.dtype, "set"
+        if platform == "cpu":
+            from models import cpu_dtype  # detection compiles a probe: only when asked
+
+            return cpu_dtype.auto()
+        return "bfloat16", "auto: bfloat16 on GPU/TPU"
 
 
 @dataclasses.dataclass(frozen=True)

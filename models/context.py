@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from errors import UserError
 from mesh.rules import current_rules, logical_to_spec
 from mesh.shard import constrain, entry_axes
+from models import dense_attention
 from models.blockwise import NO_KEYS_LSE, blockwise_attention, visible
 from models.config import CONTEXT_STRATEGIES
 
@@ -139,7 +140,7 @@ def local_attention(
     return_lse: bool = False,
 ):
     """Attention of these queries to these keys, masked by positions: `kind` blockwise (memory
-    linear in S) or dense (a [B,1,T,S] mask; jax.nn.dot_product_attention)."""
+    linear in S) or dense (a [B,1,T,S] mask; models/dense_attention.py)."""
     if kind == "blockwise":
         return blockwise_attention(
             q_BTNH,
@@ -159,9 +160,7 @@ def local_attention(
     )
     mask_B1TS = visible(q_pos_BT[:, None, :, None], k_pos_BS[:, None, None, :], *seg, window)
     if not return_lse:
-        return jax.nn.dot_product_attention(
-            q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS, implementation="xla"
-        )
+        return dense_attention.attend(q_BTNH, k_BSKH, v_BSKH, mask_B1TS[:, 0])
     return _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS)
 
 

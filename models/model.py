@@ -43,6 +43,12 @@ def compute_dtype(cfg: ModelConfig) -> str:
     return cfg.compute_dtype(jax.default_backend())
 
 
+def compute_dtype_text(cfg: ModelConfig) -> str:
+    """The start line's words for the compute dtype: `bfloat16 compute (auto: why)`."""
+    dtype, why = cfg.compute_dtype_why(jax.default_backend())
+    return f"{dtype} compute" + ("" if why == "set" else f" ({why})")
+
+
 def module(cfg: ModelConfig, params: dict) -> Decoder:
     gdef, abstract_state = _graph(cfg, compute_dtype(cfg))
     # fresh Variables; replace_by_pure_dict mutates

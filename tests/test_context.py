@@ -335,7 +335,7 @@ def test_sequence_check_needs_both_the_zigzag_chunks_and_the_residual_shards():
     """context=2 x model=3 with sequence parallelism: 4 zigzag chunks and 6 residual shards, so
     --seq-len must be a multiple of 12 (30 has 6 shards but not 4 chunks)."""
     from mesh.rules import make_rules, sequence_parallel
-    from plan.theory import abstract_mesh
+    from plan.run_spec import abstract_mesh
     from train.core.config import TrainConfig
     from train.core.shapes import validate_sequence
 

@@ -65,6 +65,43 @@ def test_head_logits_keeps_the_input_dtypes():
     np.testing.assert_array_equal(np.asarray(gh, np.float32), np.asarray(wh, np.float32))
 
 
+def test_head_backward_multiplies_in_the_compute_dtype():
+    """With bf16 compute the float32 logits' gradient is cast to bf16 before the two backward
+    matmuls (accumulating in float32), as the forward's operands are: no float32 matmul over
+    [tokens, V]. The gradients stay within bf16 rounding of the float32 ones."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 16), jnp.bfloat16)
+    head = jax.random.normal(jax.random.key(1), (16, 40), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (2, 3, 40))
+
+    def loss(a, b):
+        return jnp.sum(layers.head_logits(a, b) * w)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, head)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    inner = [e for d in jaxpr.jaxpr.eqns for e in _sub_eqns(d) if e.primitive.name == "dot_general"]
+    operand_dtypes = {str(v.aval.dtype) for e in dots + inner for v in e.invars}
+    assert len(dots + inner) == 3 and operand_dtypes == {"bfloat16"}, operand_dtypes
+    gx, gh = jax.grad(loss, argnums=(0, 1))(x, head)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    wx, wh = jax.grad(lambda a, b: jnp.sum(einsum_head(a, b) * w), argnums=(0, 1))(
+        f32(x), f32(head)
+    )
+    np.testing.assert_allclose(f32(gx), wx, rtol=0, atol=2e-2 * float(jnp.abs(wx).max()))
+    np.testing.assert_allclose(f32(gh), wh, rtol=0, atol=2e-2 * float(jnp.abs(wh).max()))
+
+
+def _sub_eqns(eqn):
+    """The equations of the jaxprs inside one (a custom VJP's call, a pjit)."""
+    for p in eqn.params.values():
+        for j in p if isinstance(p, (tuple, list)) else (p,):
+            inner = getattr(j, "jaxpr", None)
+            inner = getattr(inner, "jaxpr", inner)
+            if hasattr(inner, "eqns"):
+                for e in inner.eqns:
+                    yield e
+                    yield from _sub_eqns(e)
+
+
 def test_token_xent_matches_the_masked_sum_outside_the_vocabulary_too():
     """A target outside [0, V) picks nothing (its shifted logit counts as 0: the loss is the
     log-sum-exp less the max logit, the gradient the softmax), as the masked sum does; a gather

@@ -20,7 +20,7 @@ from checkpoint.saving import Saves
 from mesh.devices import peak_flops
 from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
-from models import context
+from models import context, model
 from models.flops import flops_per_token, param_count
 from train.core.config import dump
 from train.core.setup import RunSetup
@@ -302,7 +302,7 @@ def open_run(
     peak, peak_src = peak_flops(run_setup.compute_dtype, cfg.logging.peak_tflops, mesh.devices.flat)
     log.print(
         f"brigade: {param_count(cfg.model) / 1e6:.2f}M params, mesh {mesh_text(mesh.shape)}"
-        f" ({mesh.size} device{'s' * (mesh.size > 1)}), {run_setup.compute_dtype} compute,"
+        f" ({mesh.size} device{'s' * (mesh.size > 1)}), {model.compute_dtype_text(cfg.model)},"
         f" {attention(run_setup)}, {data.describe()}, step compiled in {compile_s:.1f}s; peak:"
         f" {peak_src}"
     )
