@@ -12,12 +12,24 @@ After the dense sweep, the first preset runs once per --variants entry at --vari
 GPU preset, XLA vs cuDNN attention, FP8 matmuls; each row has the cost model's predicted step time
 and MFU (`python -m train plan --hardware h200 --devices 1`, analytic) next to the measured ones.
 
-The MoE case (after the dense presets) trains a Mixtral-shaped model small enough for one GPU
+The long-context case (after the dense presets) trains --long-preset at batch 1 for each length in
+--long-context (8k-32k tokens) once per attention in --long-kinds: the blockwise attention
+(models/blockwise.py, memory linear in the sequence) against cuDNN's fused flash attention.
+
+The MoE case (after the long-context case) trains a Mixtral-shaped model small enough for one GPU
 (`--moe-preset mixtral-small`: 8 layers, d_model 1024, 8 experts of width 3584, top-2; 0.8B
 parameters, 0.27B active) once per dispatch variant; its MFU counts active parameters. On one GPU
 there is no expert axis, so the variants compare the dropless grouped matmul (ragged_dot, or the
 padded blocks) with capacity dispatch, not the exchanges. Any registered preset works as
 `--moe-preset` (moe-tiny: a quick end-to-end run on CPU).
+
+With more than one GPU (nvidia-smi's count, or --gpus N), the MoE shape also runs with its experts
+split over all of them (`--mesh expert=N`, global batch --moe-batch-sizes x N) once per token
+exchange in --ep-exchanges: `fixed` (all_to_all of worst-case buffers) against `ragged`
+(ragged_all_to_all of the real rows). On one GPU this case is skipped.
+
+The cases run in this order, the dense sweep first and the variants last; the budget (--budget-s,
+default under 10 minutes) skips whatever no longer fits, and says so in the results.
 
 Each config is its own `python -m train` subprocess (fresh GPU memory, hard timeout, killed as a
 process group), so one hung or OOM config cannot eat the budget. A preset's batch sizes run
@@ -60,44 +72,17 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from gpu_cases import (  # noqa: E402
+    MOE_SHAPES,
+    MOE_VARIANTS,
+    VARIANTS,
+    add_long_and_ep_args,
+    cases,
+    gpu_count,
+    split_lists,
+)
 from gpu_env import drop_unknown_xla_flags, environment  # noqa: E402
 from gpu_run import run_cmd, say, table  # noqa: E402
-
-# Mixtral 8x7B's layout (GQA 2:1, 8 experts, top-2, expert width 3.5 x d_model) at 1/4 the width and
-# 1/4 the depth: 0.8B parameters (Adam state ~13 GB), so batch 8-16 at seq 2048 fits one H200.
-MOE_SHAPES = {
-    "mixtral-small": (
-        "mixtral-8x7b",
-        [
-            "--model.n_layers",
-            "8",
-            "--model.d_model",
-            "1024",
-            "--model.n_heads",
-            "16",
-            "--model.n_kv_heads",
-            "8",
-            "--model.d_ff",
-            "3584",
-            "--model.d_ff_expert",
-            "3584",
-        ],
-    )
-}
-MOE_VARIANTS = {
-    "dropless": ["--model.dispatch", "dropless"],  # kernel auto: ragged_dot on GPU
-    "dropless-blocks": ["--model.dispatch", "dropless", "--model.dropless_kernel", "blocks"],
-    "capacity": ["--model.dispatch", "capacity", "--model.capacity_factor", "1.25"],
-}
-# Settings compared on the first dense preset at --variant-batch, each against the plain run of
-# that preset and batch: the XLA GPU preset (mesh/xla.py), the attention implementation, FP8.
-VARIANTS = {
-    "xla-preset": ["--xla-preset", "gpu"],
-    "attention-dense": ["--model.attention", "dense"],
-    "attention-blockwise": ["--model.attention", "blockwise"],
-    "attention-cudnn": ["--model.attention", "cudnn"],
-    "fp8": ["--model.matmul_precision", "fp8"],
-}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -127,6 +112,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--variant-batch", type=int, default=8, help="global batch size of the variant runs"
     )
+    add_long_and_ep_args(p)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-every", type=int, default=10)
@@ -165,49 +151,8 @@ def parse_args():
     p = make_parser()
     args = p.parse_args(argv)
     args.extra = extra
-    args.presets = [s for s in args.presets.split(",") if s]
-    args.batch_sizes = sorted(int(s) for s in args.batch_sizes.split(",") if s)
-    args.moe_variants = [s for s in args.moe_variants.split(",") if s]
-    args.moe_batch_sizes = sorted(int(s) for s in args.moe_batch_sizes.split(",") if s)
-    args.variants = [s for s in args.variants.split(",") if s]
-    for flag, given, valid in (
-        ("--moe-variants", args.moe_variants, MOE_VARIANTS),
-        ("--variants", args.variants, VARIANTS),
-    ):
-        bad = [v for v in given if v not in valid]
-        if bad:
-            p.error(f"{flag}: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
+    split_lists(p, args)
     return args
-
-
-def cases(args) -> list[dict]:
-    """What to run, in order: each dense preset, the first one's variants, then the MoE shape once
-    per dispatch variant. name: the label in the results; preset + flags: the train command's
-    model."""
-    out = [
-        {"name": p, "preset": p, "flags": [], "batch_sizes": args.batch_sizes} for p in args.presets
-    ]
-    if args.presets:
-        out += [
-            {
-                "name": f"{args.presets[0]}/{v}",
-                "preset": args.presets[0],
-                "flags": VARIANTS[v],
-                "batch_sizes": [args.variant_batch],
-            }
-            for v in args.variants
-        ]
-    preset, flags = MOE_SHAPES.get(args.moe_preset, (args.moe_preset, []))
-    out += [
-        {
-            "name": f"{args.moe_preset}/{v}",
-            "preset": preset,
-            "flags": flags + MOE_VARIANTS[v],
-            "batch_sizes": args.moe_batch_sizes,
-        }
-        for v in args.moe_variants
-    ]
-    return out
 
 
 def train_cmd(args, case: dict, batch: int, run_dir: str) -> list[str]:
@@ -227,7 +172,7 @@ def train_cmd(args, case: dict, batch: int, run_dir: str) -> list[str]:
         "--batch-size",
         str(batch),
         "--seq-len",
-        str(args.seq_len),
+        str(case.get("seq_len", args.seq_len)),
         "--log-every",
         str(args.log_every),
         "--data",
@@ -249,8 +194,9 @@ def train_cmd(args, case: dict, batch: int, run_dir: str) -> list[str]:
 
 
 def predict(args, case: dict, batch: int) -> dict:
-    """The cost model's step time and MFU for this config on one device of --hardware (analytic,
-    no compile; run on the host CPU so it takes no GPU memory from the runs)."""
+    """The cost model's step time and MFU for this config on its devices of --hardware (one, or
+    all GPUs for the expert-parallel case; analytic, no compile; run on the host CPU so it takes
+    no GPU memory from the runs)."""
     if not args.hardware:
         return {}
     model = train_cmd(args, case, batch, "unused")[3:]
@@ -267,7 +213,7 @@ def predict(args, case: dict, batch: int) -> dict:
         "--hardware",
         args.hardware,
         "--devices",
-        "1",
+        str(case.get("devices", 1)),
         "--json",
         *model,
     ]
@@ -301,14 +247,17 @@ def run_one(args, case: dict, res: dict, timeout: float, logs: Path | None) -> N
     res.update(
         steps=args.steps, cmd=shlex.join(cmd), status="running", **predict(args, case, batch)
     )
-    say(f"\n=== {preset} batch={batch} seq={args.seq_len} (timeout {timeout:.0f}s)\n{res['cmd']}")
+    say(f"\n=== {preset} batch={batch} seq={res['seq_len']} (timeout {timeout:.0f}s)\n{res['cmd']}")
     run_cmd(cmd, REPO, run_dir, res, timeout, logs, tag)
 
 
-def dry_run(args) -> int:
-    """Print the XLA flags and every train command the sweep would run."""
+def dry_run(args, gpus: int) -> int:
+    """Print the XLA flags and every train command the sweep would run (the expert-parallel case
+    as on 8 GPUs if fewer)."""
     say(f"XLA_FLAGS={shlex.quote(os.environ['XLA_FLAGS'])}")
-    for case in cases(args):
+    if gpus < 2 and args.ep_exchanges:
+        say("# the expert-parallel MoE case as it would run on 8 GPUs:")
+    for case in cases(args, gpus if gpus > 1 else 8):
         for b in case["batch_sizes"]:
             say(
                 shlex.join(train_cmd(args, case, b, f"<tmp>/{case['name'].replace('/', '-')}-b{b}"))
@@ -316,12 +265,14 @@ def dry_run(args) -> int:
     return 0
 
 
-def sweep(args, results: dict, deadline: float, out_dir: Path | None, save) -> None:
+def sweep(args, gpus: int, results: dict, deadline: float, out_dir: Path | None, save) -> None:
     """Run every case's batch sizes, small to large, into results['runs'] (saved after each run):
     a case stops growing at its first OOM or timeout, and no run starts with less than
     --min-run-s of the budget left."""
-    for case in cases(args):
-        name = case["name"]
+    if gpus < 2 and args.ep_exchanges:
+        say("one GPU: the expert-parallel MoE case (--ep-exchanges) needs more; skipped")
+    for case in cases(args, gpus):
+        name, seq = case["name"], case.get("seq_len", args.seq_len)
         for b in case["batch_sizes"]:
             left = deadline - time.time()
             if left < args.min_run_s:
@@ -330,12 +281,12 @@ def sweep(args, results: dict, deadline: float, out_dir: Path | None, save) -> N
                     {
                         "preset": name,
                         "batch_size": b,
-                        "seq_len": args.seq_len,
+                        "seq_len": seq,
                         "status": "skipped-budget",
                     }
                 )
                 continue
-            res = {"preset": name, "batch_size": b, "seq_len": args.seq_len}
+            res = {"preset": name, "batch_size": b, "seq_len": seq}
             results["runs"].append(res)
             run_one(
                 args,
@@ -352,8 +303,9 @@ def sweep(args, results: dict, deadline: float, out_dir: Path | None, save) -> N
 
 def main() -> int:
     args = parse_args()
+    gpus = args.gpus or gpu_count()
     if args.dry_run:
-        return dry_run(args)
+        return dry_run(args, gpus)
 
     start = time.time()
     deadline = start + args.budget_s
@@ -376,7 +328,7 @@ def main() -> int:
         results["environment"] = environment()
         say(json.dumps(results["environment"], indent=1))
         save()
-        sweep(args, results, deadline, out_dir, save)
+        sweep(args, gpus, results, deadline, out_dir, save)
     except KeyboardInterrupt:
         say("interrupted; saving partial results")
         results["interrupted"] = True

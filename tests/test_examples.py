@@ -121,6 +121,11 @@ def test_gpu_dry_run_prints_commands():
     cmds = [line for line in r.stdout.splitlines() if "-m train" in line]
     assert len(cmds) >= 2 and all("--seed 1" in c for c in cmds)  # args after `--` reach every run
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in r.stdout
+    # the long-context case at 32k tokens, and the expert-parallel MoE case shown as for 8 GPUs
+    assert any("--model.attention cudnn --model.max_seq_len 32768" in c for c in cmds)
+    assert any("--seq-len 32768" in c and "--batch-size 1 " in c for c in cmds)
+    ragged = [c for c in cmds if "--model.ep_exchange ragged" in c]
+    assert ragged and all("--mesh expert=8" in c for c in ragged)
 
 
 @pytest.mark.skipif(cli_missing(), reason="the train CLI (train/__main__.py) does not exist yet")
