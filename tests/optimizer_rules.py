@@ -1,6 +1,6 @@
 """The optimizers' update rules as their papers state them, in float64 numpy, one parameter at a
 time: the references tests/test_optimizers.py holds --optim.name's optimizers to. Nothing here
-calls optax or train/optim.py.
+calls optax or train/core/optim.py.
 
 Every rule takes the learning rate lr_t of its update and applies weight decay decoupled from the
 gradient (Loshchilov & Hutter): the update also takes lr_t x weight_decay x x off each decayed

@@ -61,7 +61,7 @@ def test_the_planner_re_plans_for_the_devices_that_remain():
 
 def test_the_elastic_supervisor_starts_no_jax():
     """It must not take devices from its children: neither it nor what it imports loads JAX."""
-    code = "import sys, train.elastic_supervisor; sys.exit('jax' in sys.modules)"
+    code = "import sys, train.run.elastic_supervisor; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 

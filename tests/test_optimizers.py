@@ -200,9 +200,10 @@ def _shape_at(tree, path):
     return tuple(tree.shape)
 
 
-# A model's parameter tree in miniature, each leaf with what the rules need to know of it, written
-# here by hand (not read from train/optim.py): decayed or not (embeddings and norms are not), and
-# for Muon its matrix view (reduction, output axes; the stacked-layer dim is a batch dim).
+# A model's parameter tree in miniature, each leaf with what the rules need to know of it,
+# written here by hand (not read from train/core/optim.py): decayed or not (embeddings and norms
+# are not), and for Muon its matrix view (reduction, output axes; the stacked-layer dim is a batch
+# dim).
 # w_down_FD's two largest dims are both >= 128: Adafactor factors its second moment (and Muon
 # transposes it: 160 rows > 128 columns). A small tree compiles in a fraction of a model's time.
 SMALL = {

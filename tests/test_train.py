@@ -55,6 +55,8 @@ STEP_KEYS = {
     "step_time_max_over_median",
     "slowest_process",  # + the straggler check
     "host_rss_bytes",
+    "mesh",  # + the mesh of each step (an elastic run changes it)
+    "devices",
 }  # + runtime memory (device counters too where the backend keeps them: not on CPU)
 STEPS = 40
 
@@ -117,6 +119,7 @@ def test_metrics_jsonl(run):
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     for r in steps:
         assert set(r) == STEP_KEYS, set(r) ^ STEP_KEYS
+        assert (r["mesh"], r["devices"]) == ("data=8", 8), r
         assert 0.0 < r["mfu"] < 1.0, r
         assert r["step_time_s"] > 0 and r["tokens_per_sec"] > 0 and r["data_wait_s"] >= 0
         assert r["tokens_per_sec"] == pytest.approx(8 * 64 / r["step_time_s"], rel=1e-6)

@@ -4,7 +4,7 @@ record for it.
 The job's first attempt runs the command as given; its process 0 records the layout it ran on
 (`<run-dir>/elastic/origin.json`: processes, devices, the resolved --mesh and --mesh-dcn, the
 micro-batch count). Every later attempt runs on the processes the rendezvous fixed
-(train/rendezvous.py), on a layout re-planned from that origin for the devices they hold:
+(train/run/rendezvous.py), on a layout re-planned from that origin for the devices they hold:
 
 - the same processes: the origin's layout (a restart, or a grow back to the full job);
 - fewer: the --mesh axes shrunk on `data`, then `fsdp` (the other axes keep their sizes, so
@@ -15,7 +15,7 @@ micro-batch count). Every later attempt runs on the processes the rendezvous fix
   the same (the data order is a function of the step and the global batch).
 
 Nothing here imports JAX but what runs in the child: the supervisor uses the rest
-(train/elastic_supervisor.py).
+(train/run/elastic_supervisor.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """`--max-restarts N --train.elastic true`: the supervisor of an elastic job.
 
-Like train/supervisor.py it runs training as a child and restarts it after a crash, and it never
-imports JAX. Between two children it meets the job's other supervisors (train/rendezvous.py), so
+Like train/run/supervisor.py it runs training as a child and restarts it after a crash, and it never
+imports JAX. Between two children it meets the job's other supervisors (train/run/rendezvous.py), so
 that each attempt runs on the processes that are there:
 
 - a child that ends as a crash (a lost peer's 5, a watchdog's 4, a signal, a Python error): its
   supervisor joins the next generation; if a process does not come back within
-  --train.elastic_wait seconds, the others continue without it, on the layout train/elastic.py
+  --train.elastic_wait seconds, the others continue without it, on the layout train/run/elastic.py
   re-plans for the devices that remain, resumed from the newest checkpoint (a shrink);
 - while a child runs, its supervisor watches for a process that comes back (announced in the next
   generation): once the child has committed a checkpoint of its own (it trained on the layout

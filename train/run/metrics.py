@@ -257,7 +257,7 @@ def summary(
         "mem_peak_bytes": largest("mem_peak_bytes"),
         "host_rss_bytes": largest("host_rss_bytes"),
         **gp.totals(),
-        # an elastic job's shrinks and grows before this attempt (train/elastic.py record_fields)
+        # an elastic job's shrinks and grows before this attempt (elastic.py's record_fields)
         **({k: v for k, v in history[-1].items() if k.startswith("elastic_")} if history else {}),
     }
 

@@ -62,7 +62,7 @@ class Run:
     delay_s: float = 0.0  # BRIGADE_INJECT_STEP_DELAY: this process sleeps this long after each step
     spike_at: set[int] = dataclasses.field(default_factory=set)  # BRIGADE_INJECT_SPIKE_STEPS
     spike_target: int = 0  # the token id every target of an injected spike's batch becomes
-    # in every record: the mesh and an elastic job's counts (train/elastic.py record_fields)
+    # in every record: the mesh and an elastic job's counts (train/run/elastic.py record_fields)
     fields: dict = dataclasses.field(default_factory=dict)
     history: list[dict] = dataclasses.field(default_factory=list)
     eval_history: list[dict] = dataclasses.field(default_factory=list)
