@@ -340,9 +340,6 @@ PENDING = {
     "models/context.py::_ring": 68,
     "models/hf_config.py::config_from_hf": 70,
     "models/moe.py::experts": 66,
-    "models/pipeline/explicit.py::loss": 69,
-    "models/pipeline/gpipe.py::pipeline_apply": 61,
-    "models/pipeline/split_backward.py::__init__": 68,
 }
 
 

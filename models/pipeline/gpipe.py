@@ -133,6 +133,8 @@ def pipeline_apply(
     collectives, the memory of the gathered stage weights and their gradients); otherwise fsdp
     gathers and reduces them every tick and layer. Never list 'expert' (expert parallelism).
     """
+    # Long on purpose: the docstring above is the forward-scan engine's contract (sharding,
+    # replicas, remat); the body is ~25 lines.
     L, B = jax.tree.leaves(params)[0].shape[0], x_BTD.shape[0]
     replicas = replica_axes_of(replica_axes)
     with axis_rules(inner_rules(replicas)):

@@ -28,88 +28,7 @@ from typing import Any
 import jax
 from jax._src import core
 
-# call-like primitives whose body is inlined before the split (their parameters name the body)
-_INLINE = (
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "remat2",
-    "checkpoint",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    "custom_lin",
-)
-
-
-def _body(eqn) -> tuple[core.Jaxpr, list]:
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if isinstance(j, core.ClosedJaxpr):
-            return j.jaxpr, list(j.consts)
-        if isinstance(j, core.Jaxpr):
-            return j, []
-    raise NotImplementedError(f"no body in {eqn.primitive.name}")
-
-
-def _bind(eqn, invals):
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-class _Env(dict):
-    def read(self, v):
-        return v.val if isinstance(v, core.Literal) else self[v]
-
-    def write(self, vs, vals):
-        for v, x in zip(vs, vals):
-            if not isinstance(v, core.DropVar):
-                self[v] = x
-
-
-def _scan(eqn, invals, body_fn):
-    """Re-bind a scan equation through lax.scan with `body_fn(consts, carry, xs) -> (carry, ys)`."""
-    p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
-    carry, ys = jax.lax.scan(
-        lambda c, x: body_fn(consts, c, x),
-        list(init),
-        list(xs),
-        length=p["length"],
-        reverse=p["reverse"],
-        unroll=p["unroll"],
-    )
-    return list(carry) + list(ys)
-
-
-def _eval_inlined(jaxpr: core.Jaxpr, consts, args):
-    """eval_jaxpr with call-like equations inlined, in scans too (traced again, this leaves a jaxpr
-    whose only structure is scans and atomic equations)."""
-    env = _Env()
-    env.write(jaxpr.constvars, consts)
-    env.write(jaxpr.invars, args)
-    for eqn in jaxpr.eqns:
-        invals = [env.read(v) for v in eqn.invars]
-        if eqn.primitive.name in _INLINE:
-            outs = _eval_inlined(*_body(eqn), invals)
-        elif eqn.primitive.name == "scan":
-            body, ncar = eqn.params["jaxpr"], eqn.params["num_carry"]
-
-            def step(c, carry, x, body=body, ncar=ncar):
-                out = _eval_inlined(body.jaxpr, body.consts, [*c, *carry, *x])
-                return out[:ncar], out[ncar:]
-
-            outs = _scan(eqn, invals, step)
-        else:
-            outs = _bind(eqn, invals)
-        env.write(eqn.outvars, outs)
-    return [env.read(v) for v in jaxpr.outvars]
-
-
-# ------------------------------------------------------------------------------ the partition
+from models.pipeline.jaxpr_eval import Env, bind, eval_inlined
 
 
 class _Stash:
@@ -157,17 +76,17 @@ class _Plan:
             if k and isinstance(v, core.Var) and v not in self.reads_b
         ]
 
-    def run_b(self, env: _Env):
+    def run_b(self, env: Env):
         self._run(self.b, env)
 
-    def run_w(self, env: _Env):
+    def run_w(self, env: Env):
         self._run(self.w, env)
 
     @staticmethod
-    def _run(items, env: _Env):
+    def _run(items, env: Env):
         for kind, x in items:
             if kind == "eqn":
-                env.write(x.outvars, _bind(x, [env.read(v) for v in x.invars]))
+                env.write(x.outvars, bind(x, [env.read(v) for v in x.invars]))
             else:
                 (x.run_b if kind == "scan-b" else x.run_w)(env)
 
@@ -198,6 +117,26 @@ def _outs(kind, x):
     return x.outer_defs_b if kind == "scan-b" else x.outer_defs_w
 
 
+def _split_carries(bj, carry_in, ncar: int, ys_b: list[bool], ob: list[bool], ow: list[bool]):
+    """-> (the body's plan, B's carries, W's carries): the carries each part reads must be computed
+    by that part, so both sets grow to a fixed point."""
+    ny = len(ys_b)
+    carry_b = {i for i in range(ncar) if ob[i]}
+    carry_w = {i for i in range(ncar) if ow[i] and i not in carry_b}
+    while True:
+        plan = _Plan(
+            bj,
+            [i in carry_b for i in range(ncar)] + ys_b,
+            [i in carry_w for i in range(ncar)] + [ow[ncar + j] and not ys_b[j] for j in range(ny)],
+        )
+        more_b = {i for i, v in enumerate(carry_in) if v in set(plan.reads_b)} - carry_b
+        more_w = {i for i, v in enumerate(carry_in) if v in set(plan.reads_w)} - carry_b - carry_w
+        if not more_b and not more_w:
+            return plan, sorted(carry_b), sorted(carry_w)
+        carry_b |= more_b
+        carry_w = (carry_w | more_w) - carry_b
+
+
 class _ScanSplit:
     """One scan split into a B scan and a W scan (see the module's docstring)."""
 
@@ -213,25 +152,9 @@ class _ScanSplit:
             bj.invars[nc + ncar :],
         )
         ny = len(bj.outvars) - ncar
-        carry_b = {i for i in range(ncar) if ob[i]}
         ys_b = [ob[ncar + j] for j in range(ny)]
-        carry_w = {i for i in range(ncar) if ow[i] and i not in carry_b}
-        while True:  # the carries each part reads must be computed by that part (fixed point)
-            plan = _Plan(
-                bj,
-                [i in carry_b for i in range(ncar)] + ys_b,
-                [i in carry_w for i in range(ncar)]
-                + [ow[ncar + j] and not ys_b[j] for j in range(ny)],
-            )
-            more_b = {i for i, v in enumerate(carry_in) if v in set(plan.reads_b)} - carry_b
-            more_w = (
-                {i for i, v in enumerate(carry_in) if v in set(plan.reads_w)} - carry_b - carry_w
-            )
-            if not more_b and not more_w:
-                break
-            carry_b |= more_b
-            carry_w = (carry_w | more_w) - carry_b
-        self.plan, self.carry_b, self.carry_w = plan, sorted(carry_b), sorted(carry_w)
+        plan, carry_b, carry_w = _split_carries(bj, carry_in, ncar, ys_b, ob, ow)
+        self.plan, self.carry_b, self.carry_w = plan, carry_b, carry_w
         self.ys_b = [j for j in range(ny) if ys_b[j]]
         self.ys_w = [j for j in range(ny) if ow[ncar + j] and not ys_b[j]]
         own_w = (
@@ -246,7 +169,11 @@ class _ScanSplit:
         self.consts_w = [k for k, v in enumerate(consts_in) if v in rw]
         self.xs_b = [k for k, v in enumerate(xs_in) if v in rb]
         self.xs_w = [k for k, v in enumerate(xs_in) if v in rw]
-        outer = eqn.invars
+        self._outer_vars(eqn)
+
+    def _outer_vars(self, eqn) -> None:
+        """The scan equation's own inputs each part reads and outputs each part defines."""
+        outer, nc, ncar = eqn.invars, self.nc, self.ncar
 
         def lit(vs):
             return [v for v in vs if isinstance(v, core.Var)]
@@ -272,7 +199,7 @@ class _ScanSplit:
 
     def _body_env(self, consts, const_idx, carry, carry_idx, xs, xs_idx):
         bj, nc, ncar = self.plan.jaxpr, self.nc, self.ncar
-        env = _Env()
+        env = Env()
         env.write(bj.constvars, self.body_consts)
         env.write([bj.invars[k] for k in const_idx], consts)
         env.write([bj.invars[nc + i] for i in carry_idx], carry)
@@ -290,7 +217,7 @@ class _ScanSplit:
             unroll=p["unroll"],
         )
 
-    def run_b(self, outer: _Env):
+    def run_b(self, outer: Env):
         bj, ncar, nc, ins = self.plan.jaxpr, self.ncar, self.nc, self.eqn.invars
 
         def body(consts, carry, xs):
@@ -311,7 +238,7 @@ class _ScanSplit:
         )
         outer.write(self.outer_defs_b, list(carry) + list(ys))
 
-    def run_w(self, outer: _Env):
+    def run_w(self, outer: Env):
         bj, ncar, nc, ins = self.plan.jaxpr, self.ncar, self.nc, self.eqn.invars
 
         def body(consts, carry, xs):
@@ -359,7 +286,7 @@ class Split:
         self.now_tree, self.later_tree = jax.tree.structure(now), jax.tree.structure(later)
         n_now = self.now_tree.num_leaves
         # inline call-like equations (traced again: a jaxpr of scans and atomic equations)
-        inlined = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*flat)
+        inlined = jax.make_jaxpr(lambda *a: eval_inlined(closed.jaxpr, closed.consts, a))(*flat)
         self.jaxpr, self.consts = inlined.jaxpr, inlined.consts
         n_out = len(self.jaxpr.outvars)
         self.plan = _Plan(
@@ -381,7 +308,7 @@ class Split:
         ]
 
     def b(self, *args) -> tuple[Any, list]:
-        env = _Env()
+        env = Env()
         env.write(self.jaxpr.constvars, self.consts)
         env.write(self.jaxpr.invars, jax.tree.leaves(args))
         self.plan.run_b(env)
@@ -389,7 +316,7 @@ class Split:
         return jax.tree.unflatten(self.now_tree, now), [env[v] for v in self.saved]
 
     def w(self, saved: list, *kept) -> Any:
-        env = _Env()
+        env = Env()
         env.write(self.jaxpr.constvars, self.consts)
         env.write(self.kept, jax.tree.leaves(kept))
         env.write(self.saved, saved)
