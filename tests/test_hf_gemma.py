@@ -2,10 +2,10 @@
 random transformers model with every option that changes the math switched on (soft-capping, a
 window shorter than the sequence, a local/global pattern that leaves tail layers after its last
 whole repeat, query_pre_attn_scalar apart from head_dim, Gemma 3's local RoPE base and linear
-scaling, random norm weights) -> import -> logits within 1e-4 of transformers'; each option shown to matter;
-export -> re-import bit-exact, transformers loads the export to the same logits; greedy generation
-with the KV cache (ring caches of the window on the local layers) picks HF's tokens, and the cached
-logits equal the uncached forward. Then the refusals, one line each."""
+scaling, random norm weights) -> import -> logits within 1e-4 of transformers'; each option shown
+to matter; export -> re-import bit-exact, transformers loads the export to the same logits; greedy
+generation with the KV cache (ring caches of the window on the local layers) picks HF's tokens, and
+the cached logits equal the uncached forward. Then the refusals, one line each."""
 
 import dataclasses
 
