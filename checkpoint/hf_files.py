@@ -260,7 +260,7 @@ def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
     out = {}
     for row in rows_for(model.model_type, cfg):
         arr = np.asarray(jax.device_get(get_path(model.params, row.brigade)))
-        for idx, name in hf_names(row.hf, arr.shape):
+        for idx, name in hf_names(row.hf, arr.shape, row.first_layer):
             out[name] = np.ascontiguousarray(
                 LAYOUTS[row.layout].to_hf(arr[idx], cfg.head_dim).astype(dt)
             )

@@ -12,15 +12,25 @@ import numpy as np
 
 from errors import UserError
 from models.config import ModelConfig
-from models.hf import IGNORED_SUFFIXES, LAYOUTS, ROWS, Row, expected_shapes
+from models.hf import IGNORED_SUFFIXES, LAYOUTS, ROWS, Row, expected_shapes, with_tail
 from models.hf_config import short_json
 
 
-def hf_names(template: str, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
+def hf_names(
+    template: str, shape: tuple[int, ...], first_layer: int = 0
+) -> Iterator[tuple[tuple[int, ...], str]]:
     """Every (index into the Brigade array's stacked dims, HF name) of a row: the template's
-    placeholders, layer then expert, enumerate the leading dims of `shape`."""
+    placeholders, layer then expert, enumerate the leading dims of `shape` (the layer counted from
+    `first_layer`)."""
     keys = [k for k in ("l", "e") if "{" + k + "}" in template]
-    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[: len(keys)]))
+
+    def name(idx: tuple[int, ...]) -> str:
+        values = dict(zip(keys, idx))
+        if "l" in values:
+            values["l"] += first_layer
+        return template.format(**values)
+
+    return ((idx, name(idx)) for idx in _indices(shape[: len(keys)]))
 
 
 def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
@@ -35,7 +45,11 @@ def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
 
 
 def rows_for(model_type: str, cfg: ModelConfig) -> list[Row]:
-    return [r for r in ROWS[model_type] if not (cfg.tie_embeddings and r.brigade == "lm_head_DV")]
+    return [
+        r
+        for r in with_tail(ROWS[model_type], cfg)
+        if not (cfg.tie_embeddings and r.brigade == "lm_head_DV")
+    ]
 
 
 def set_path(tree: dict, path: str, value) -> None:
@@ -78,7 +92,7 @@ def plan_rows(
     for row in rows_for(model_type, cfg):
         shape = want[row.brigade]
         hf_shape, names = _hf_shape(row, shape, cfg.head_dim), []
-        for idx, name in hf_names(row.hf, shape):
+        for idx, name in hf_names(row.hf, shape, row.first_layer):
             if name not in shapes:
                 raise UserError(f"'{source}': tensor {name} is missing (needed for {row.brigade})")
             if shapes[name] != hf_shape:

@@ -54,6 +54,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "norm": (),
     # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
     "layers": ("pipeline",),
+    # the layers after a layer pattern's last whole repeat (models/pieces.py): the last stage runs
+    # them, each stage keeps them whole
+    "tail_layers": (),
     "experts": ("expert",),  # expert parallelism: each device holds n_experts / expert of them
     "expert_mlp": ("model",),  # tensor parallelism inside each expert
     # the experts' d_model dim: `expert` already shards their `experts` dim

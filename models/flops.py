@@ -8,7 +8,7 @@ import math
 
 import jax
 
-from models import model
+from models import layer_pattern, model
 from models.config import ModelConfig
 
 
@@ -28,7 +28,8 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     lookup (no FLOPs) unless it is tied to the LM head, which is a matmul; the MoE router bias
     only shifts the expert choice."""
     n = active_param_count(cfg)
-    norms = cfg.d_model * (2 * cfg.n_layers + 1) + (
+    norms_per_layer = 4 if cfg.sandwich_norm else 2  # Gemma 2/3 norm each sublayer's output too
+    norms = cfg.d_model * (norms_per_layer * cfg.n_layers + 1) + (
         2 * cfg.n_layers * cfg.head_dim if cfg.qk_norm else 0
     )
     embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
@@ -41,9 +42,12 @@ def matmul_param_count(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token, without remat recomputation (the MFU
-    convention). Attention: 12 * layers * heads * head_dim * keys (PaLM; causal masking not
-    subtracted), keys = seq_len, or the sliding window where it is shorter (each query scores at
-    most that many keys)."""
-    keys = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
-    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * keys
+    convention). Attention: 12 * heads * head_dim * keys per layer (PaLM; causal masking not
+    subtracted), keys = seq_len, or the layer's sliding window where it is shorter (each query
+    scores at most that many keys; a layer pattern's local layers)."""
+    keys = sum(
+        min(seq_len, spec.window) if spec.window else seq_len
+        for spec in layer_pattern.layer_specs(cfg)
+    )
+    attn = 12 * cfg.n_heads * cfg.head_dim * keys
     return 6 * matmul_param_count(cfg) + attn

@@ -1,5 +1,5 @@
-"""HuggingFace Llama, Mistral, Mixtral, Qwen2/2.5 and Qwen3 <-> Brigade: the family tables, and
-the model object (`Model`: a ModelConfig and its params).
+"""HuggingFace Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3 and Gemma 1/2/3 <-> Brigade: the family
+tables, and the model object (`Model`: a ModelConfig and its params).
 
 The conversion is a table per architecture (`ROWS`): each row names a Brigade parameter (its '/'
 path in the params dict), the HF tensor it comes from (a name template over layer `{l}`, and
@@ -52,6 +52,7 @@ class Row(NamedTuple):
     brigade: str  # '/' path in the params dict
     hf: str  # tensor name; {l} = layer, {e} = expert: the leading stacked dims, in order
     layout: str  # key of LAYOUTS
+    first_layer: int = 0  # the HF layer number {l} of the Brigade stack's index 0
 
 
 _LAYER = "model.layers.{l}."
@@ -109,13 +110,52 @@ QWEN3_ROWS = LLAMA_ROWS + (
     Row("blocks/attn/q_norm/scale", _ATTN + "q_norm.weight", "same"),
     Row("blocks/attn/k_norm/scale", _ATTN + "k_norm.weight", "same"),
 )
+# Gemma: Llama's tensors (its RMSNorm's 1 + w is model.norm_plus_one: w is stored as HF stores it).
+# Gemma 2/3 norm each sublayer's output too (sandwich): HF's post_attention_layernorm is the norm
+# after attention, not before the MLP (that is pre_feedforward_layernorm). Gemma 3 adds the q/k
+# norms of Qwen3.
+GEMMA2_ROWS = _OUTER + (
+    Row("blocks/attn_norm/scale", _LAYER + "input_layernorm.weight", "same"),
+    Row("blocks/attn/wq_DNH", _ATTN + "q_proj.weight", "in_heads"),
+    Row("blocks/attn/wk_DKH", _ATTN + "k_proj.weight", "in_heads"),
+    Row("blocks/attn/wv_DKH", _ATTN + "v_proj.weight", "in_heads"),
+    Row("blocks/attn/wo_NHD", _ATTN + "o_proj.weight", "out_heads"),
+    Row("blocks/post_attn_norm/scale", _LAYER + "post_attention_layernorm.weight", "same"),
+    Row("blocks/mlp_norm/scale", _LAYER + "pre_feedforward_layernorm.weight", "same"),
+    Row("blocks/mlp/w_gate_DF", _LAYER + "mlp.gate_proj.weight", "T"),
+    Row("blocks/mlp/w_up_DF", _LAYER + "mlp.up_proj.weight", "T"),
+    Row("blocks/mlp/w_down_FD", _LAYER + "mlp.down_proj.weight", "T"),
+    Row("blocks/post_mlp_norm/scale", _LAYER + "post_feedforward_layernorm.weight", "same"),
+)
+GEMMA3_ROWS = GEMMA2_ROWS + QWEN3_ROWS[len(LLAMA_ROWS) :]
 ROWS = {
     "llama": LLAMA_ROWS,
     "mistral": LLAMA_ROWS,
     "mixtral": MIXTRAL_ROWS,
     "qwen2": QWEN2_ROWS,
     "qwen3": QWEN3_ROWS,
+    "gemma": LLAMA_ROWS,
+    "gemma2": GEMMA2_ROWS,
+    "gemma3_text": GEMMA3_ROWS,
 }
+
+
+def with_tail(rows: tuple[Row, ...], cfg: ModelConfig) -> list[Row]:
+    """`rows` plus, for a model with tail layers (the layers past its layer pattern's last whole
+    repeat: models/layer_pattern.py), each dense layer row again for the `tail_blocks` stack,
+    whose index 0 is the HF layer after the groups'."""
+    from models.pieces import layers_per_group, n_groups_and_tail
+
+    n_groups, tail = n_groups_and_tail(cfg)
+    if not tail:
+        return list(rows)
+    first = n_groups * layers_per_group(cfg)
+    return list(rows) + [
+        Row("tail_" + r.brigade, r.hf, r.layout, first)
+        for r in rows
+        if r.brigade.startswith("blocks/")
+    ]
+
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -153,6 +193,8 @@ _SHAPE_FIELDS = (
     "tie_embeddings",
     "qkv_bias",
     "qk_norm",
+    "sandwich_norm",
+    "layer_pattern",
 )
 
 

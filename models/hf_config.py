@@ -1,7 +1,8 @@
-"""HuggingFace config.json <-> Brigade's ModelConfig, for the Llama, Mistral, Mixtral, Qwen2/2.5
-and Qwen3 families: every key's JSON type checked, anything Brigade would compute differently
-refused in one line naming the key, and the reverse for export (which family a ModelConfig
-converts to). The tensors' tables are models/hf.py's.
+"""HuggingFace config.json <-> Brigade's ModelConfig, for the Llama, Mistral, Mixtral, Qwen2/2.5,
+Qwen3 and Gemma 1/2/3 families: every key's JSON type checked, anything Brigade would compute
+differently refused in one line naming the key, and the reverse for export (which family a
+ModelConfig converts to). The Gemma families' own keys are models/hf_gemma.py's; the tensors'
+tables are models/hf.py's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import math
 
 from errors import UserError
+from models import hf_gemma
 from models.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -21,27 +23,15 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **hf_gemma.ARCHITECTURES,
 }
 # config.json keys each family's HF model reads that add tensors Brigade has no place
 # for (true is refused)
 _BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
 # families whose config.json may set head_dim apart from hidden_size / num_attention_heads
-_FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3")
-# Gemma 2/3 differ from the Llama block in ways the stacked decoder does not express: tanh
-# soft-capping of attention and final logits, norms after attention and MLP too
-# (sandwich), RMSNorm scaled by 1 + w, embeddings scaled by sqrt(hidden_size), GeGLU, and
-# local/global layers alternating with their own RoPE bases. Refused by name, with the
-# keys that carry those differences.
-_GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
-_GEMMA_KEYS = (
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
-    "query_pre_attn_scalar",
-    "hidden_activation",
-    "sliding_window_pattern",
-    "layer_types",
-    "rope_local_base_freq",
-)
+_FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3", *hf_gemma.ARCHITECTURES)
+# multimodal configs: the text model inside is supported, the towers that feed it are not
+_TOWERS = {"gemma3": ("vision_config", "gemma3_text")}
 # Llama 3.1's "llama3" RoPE scaling, where this ModelConfig has its fields.
 _LLAMA3_ROPE = "rope_scaling_factor" in {f.name for f in dataclasses.fields(ModelConfig)}
 _LLAMA3_KEYS = {
@@ -106,6 +96,7 @@ _KEY_KINDS = {
     "hidden_act": "a string",
     "rope_scaling": "an object",
     "rope_parameters": "an object",
+    **hf_gemma.KEY_KINDS,
 }
 _ROPE_KINDS = {"rope_theta": "a positive number", "rope_type": "a string", "type": "a string"}
 
@@ -144,20 +135,19 @@ def config_from_hf(
     is refused with one line naming the key."""
     check_config_types(hf, where)
     mtype = hf.get("model_type")
-    if mtype in _GEMMA_TYPES:
-        keys = [k for k in _GEMMA_KEYS if k in hf]
+    if mtype in _TOWERS:
+        key, text = _TOWERS[mtype]
         raise UserError(
-            f"{where}: model_type={json.dumps(mtype)} is not supported: Brigade's decoder has no"
-            " soft-capping, sandwich norms, scaled embeddings, GeGLU or alternating local/global"
-            " layers"
-            + (f" (this config sets {', '.join(keys)})" if keys else "")
-            + f"; supported model types: {', '.join(ARCHITECTURES)}"
+            f"{where}: model_type={json.dumps(mtype)} is a multimodal model: its tower"
+            f" ({key}{' set' if key in hf else ''}) has no place in Brigade's decoder; its"
+            f" language model converts as model_type {text} (its text_config)"
         )
     if mtype not in ARCHITECTURES:
         _bad(where, "model_type", mtype, ", ".join(ARCHITECTURES))
     if dtype not in DTYPES:
         raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
-    if hf.get("hidden_act", "silu") != "silu":
+    gemma = mtype in hf_gemma.ARCHITECTURES
+    if not gemma and hf.get("hidden_act", "silu") != "silu":
         _bad(where, "hidden_act", hf["hidden_act"], "silu")
     for key in _BIAS_KEYS.get(mtype, ()):
         if hf.get(key):
@@ -167,23 +157,8 @@ def config_from_hf(
     if mtype not in _FREE_HEAD_DIM and (head_dim not in (None, d // n) or d % n):
         _bad(where, "head_dim", head_dim, f"hidden_size/num_attention_heads = {d / n:g}")
     free_head_dim = head_dim is not None and (head_dim != d // n or d % n)
-    moe = {}
-    if mtype == "mixtral":
-        for key in ("num_local_experts", "num_experts_per_tok"):
-            if hf.get(key) is None:
-                raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
-        moe = dict(
-            n_experts=hf["num_local_experts"],
-            experts_per_token=hf["num_experts_per_tok"],
-            d_ff_expert=hf["intermediate_size"],
-            moe_every=1,
-            router="softmax",
-            dispatch="dropless",
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
-            z_loss_coef=0.0,
-        )
     rope = hf.get("rope_parameters") or {}  # transformers >= 5; before: rope_theta + rope_scaling
-    cfg = ModelConfig(
+    fields = dict(
         vocab_size=hf["vocab_size"],
         d_model=d,
         n_layers=hf["num_hidden_layers"],
@@ -200,13 +175,31 @@ def config_from_hf(
         sliding_window=_sliding_window(hf, mtype, where),
         dtype=dtype,
         param_dtype=dtype,
-        **moe,
-        **_rope_scaling(hf, where),
     )
+    if mtype == "mixtral":
+        fields.update(_mixtral(hf, where))
+    fields.update(hf_gemma.fields_from_hf(hf, mtype, where) if gemma else _rope_scaling(hf, where))
     try:
-        return mtype, cfg.validate()
+        return mtype, ModelConfig(**fields).validate()
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+def _mixtral(hf: dict, where: str) -> dict:
+    """Mixtral's MoE fields: every layer MoE, softmax top-k renormalised, dropless."""
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        if hf.get(key) is None:
+            raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
+    return dict(
+        n_experts=hf["num_local_experts"],
+        experts_per_token=hf["num_experts_per_tok"],
+        d_ff_expert=hf["intermediate_size"],
+        moe_every=1,
+        router="softmax",
+        dispatch="dropless",
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
+        z_loss_coef=0.0,
+    )
 
 
 def _rope_scaling(hf: dict, where: str) -> dict:
@@ -268,8 +261,12 @@ def _sliding_window(hf: dict, mtype: str, where: str) -> int:
 
 def model_type_of(cfg: ModelConfig) -> str:
     """The HF architecture a Brigade config converts to; UserError naming the field it cannot
-    express. Qwen3 has the q/k norms, Qwen2 the q/k/v biases, Mistral a sliding window or a free
-    head_dim (Qwen2/3 carry those too); plain Llama what is left."""
+    express. A Gemma field set: that Gemma (models/hf_gemma.py). Qwen3 has the q/k norms, Qwen2 the
+    q/k/v biases, Mistral a sliding window or a free head_dim (Qwen2/3 carry those too); plain
+    Llama what is left."""
+    gemma = hf_gemma.family_of(cfg)
+    if gemma:
+        return gemma
     if cfg.n_experts:
         for field, want in (
             ("moe_every", 1),
@@ -344,4 +341,6 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
             num_experts_per_tok=cfg.experts_per_token,
             router_aux_loss_coef=cfg.aux_loss_coef,
         )
+    if model_type in hf_gemma.ARCHITECTURES:
+        out.update(hf_gemma.to_hf(cfg, model_type))
     return out

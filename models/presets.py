@@ -1,5 +1,5 @@
-"""The named model presets (`--model NAME`): the test and CPU demo shapes, Llama, Mixtral and
-DeepSeek-V3 shapes."""
+"""The named model presets (`--model NAME`): the test and CPU demo shapes, Llama, Mixtral,
+DeepSeek-V3 and Gemma 3 shapes."""
 
 from __future__ import annotations
 
@@ -70,6 +70,64 @@ PRESETS.update(
             router_bias_rate=0.001,
             aux_loss_coef=0.0001,
         ),
+    }
+)
+
+
+# Gemma 3's math (models/layer_pattern.py, models/softcap.py): five local layers of a 1,024-token
+# window (RoPE base 10k) to one global (1M, positions interpolated x8), q/k norms, sandwich norms,
+# RMSNorm by 1 + w, GeGLU, embeddings scaled by sqrt(d_model) and tied to the head
+GEMMA3 = dict(
+    layer_pattern="LLLLLG",
+    sliding_window=1024,
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    rope_linear_factor=8.0,
+    qk_norm=True,
+    sandwich_norm=True,
+    norm_plus_one=True,
+    embed_scale=True,
+    mlp_activation="gelu_tanh",
+    tie_embeddings=True,
+    norm_eps=1e-6,
+)
+
+
+def _gemma3(d, layers, heads, kv, head_dim, ff, query_pre_attn_scalar) -> ModelConfig:
+    """A Gemma 3 text model (HF google/gemma-3-*-pt text_config); 262,208 tokens, 128K context."""
+    return ModelConfig(
+        vocab_size=262208,
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        attn_head_dim=head_dim,
+        d_ff=ff,
+        max_seq_len=131072,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        dtype="auto",
+        **GEMMA3,
+    )
+
+
+PRESETS.update(
+    {
+        # tests: the tiny shape with every Gemma option on (Gemma 2's soft-capping and Gemma 3's
+        # q/k norms and RoPE alike), a window shorter than the tests' 32 tokens, and 5 layers of an
+        # LG pattern: 2 groups and a tail layer
+        "gemma-tiny": dataclasses.replace(
+            PRESETS["tiny"],
+            n_layers=5,
+            attn_head_dim=16,
+            query_pre_attn_scalar=24.0,
+            attn_softcap=5.0,
+            final_softcap=30.0,
+            **{**GEMMA3, "layer_pattern": "LG", "sliding_window": 8, "rope_linear_factor": 2.0},
+        ),
+        # Gemma 3 (https://arxiv.org/abs/2503.19786), the text model: 34 layers (5 groups of six
+        # and 4 local layers after them), 62 (10 groups and 2)
+        "gemma3-4b": _gemma3(2560, 34, 8, 4, 256, 10240, 256.0),
+        "gemma3-27b": _gemma3(5376, 62, 32, 16, 128, 21504, 168.0),
     }
 )
 

@@ -244,20 +244,6 @@ def test_hf_window_semantics():
             dict(model_type="qwen2", max_window_layers=-1),
             ["max_window_layers", "a non-negative integer"],
         ),
-        (
-            dict(
-                model_type="gemma2",
-                attn_logit_softcapping=50.0,
-                final_logit_softcapping=30.0,
-                query_pre_attn_scalar=8,
-            ),
-            [
-                'model_type="gemma2"',
-                "attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar",
-                "soft-capping",
-                "qwen3",
-            ],
-        ),
     ],
 )
 def test_unsupported_config_is_one_line(config, words):
