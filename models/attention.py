@@ -100,18 +100,10 @@ class Attention(nnx.Module):
         k_BTKH, v_BTKH = fp8.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]), self.fp8)
         return q_BTNH, k_BTKH, v_BTKH
 
-    def __call__(
-        self,
-        x_BTD: jax.Array,
-        positions_BT: jax.Array,
-        cache: KVCache | None = None,
-        segment_ids_BT: jax.Array | None = None,
-        spec: layer_pattern.LayerSpec | None = None,
-    ):
-        """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own
-        segment. `spec`: this layer's window and RoPE (default: the config's)."""
+    def _rotated_qkv(self, x_BTD, positions_BT, rope_args):
+        """q, k, v with their biases, q/k norms and RoPE (`rope_args`: this layer's), the queries
+        scaled for query_pre_attn_scalar, each constrained to its heads' sharding."""
         dt = self.dtype
-        window, rope_args = spec or self.spec
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD)
         if self.qkv_bias:
             q_BTNH = q_BTNH + self.bq_NH[...].astype(dt)
@@ -127,6 +119,21 @@ class Attention(nnx.Module):
             rope(k_BTKH, positions_BT, *rope_args), ("batch", "seq", "act_kv_heads", None)
         )
         v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        segment_ids_BT: jax.Array | None = None,
+        spec: layer_pattern.LayerSpec | None = None,
+    ):
+        """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own
+        segment. `spec`: this layer's window and RoPE (default: the config's)."""
+        dt = self.dtype
+        window, rope_args = spec or self.spec
+        q_BTNH, k_BTKH, v_BTKH = self._rotated_qkv(x_BTD, positions_BT, rope_args)
         kind = self.kind(x_BTD.shape[1], segment_ids_BT is not None)
         if cache is None and kind != "blockwise" and context_size() == 1 and not self.softcap:
             out_BTNH = self._by_index(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind, window)

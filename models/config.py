@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from errors import UserError
-from models import layer_pattern
+from models import gemma_fields
 from models.fields import check_ranges, option, ranged
 from models.pipeline.timetables import SCHEDULES, TIMETABLES
 
@@ -27,7 +27,6 @@ ROUTERS = ("softmax", "sigmoid")
 DISPATCHES = ("dropless", "capacity")
 KERNELS = ("auto", "ragged", "blocks")
 EXCHANGES = ("auto", "fixed", "ragged")
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")  # --model.mlp_activation (models/layers.py MLP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,50 +194,18 @@ class ModelConfig:
         help="MoE: DeepSeek-V3 aux-loss-free balancing, the bias step per update; 0 = off",
     )
 
-    # -- per-layer attention patterns and the Gemma family's math (models/layer_pattern.py,
-    # models/softcap.py); every default leaves the Llama decoder as it is
-    layer_pattern: str = option(
-        "",
-        "attention per layer, a pattern repeated over the layers: L = local (sliding_window"
-        " keys, RoPE base rope_local_theta), G = global (the whole causal prefix, rope_theta"
-        " and its scaling); e.g. LG (Gemma 2), LLLLLG (Gemma 3); the pattern is the repeating"
-        " layer group (scanned, pipelined), layers past its last whole repeat run after the"
-        " stack; empty = every layer alike (sliding_window, if set, on all)",
-    )
-    rope_local_theta: float = ranged(
-        0.0, ">=0", help="RoPE base of the local (L) layers of layer_pattern; 0 = rope_theta"
-    )
-    rope_linear_factor: float = ranged(
-        1.0,
-        ">=1",
-        help="linear RoPE scaling of the global layers (HF rope_type linear): positions divided"
-        " by this factor (Gemma 3 4B and up: 8); 1 = none",
-    )
-    embed_scale: bool = option(False, "embeddings multiplied by sqrt(d_model) (Gemma)")
-    norm_plus_one: bool = option(
-        False, "every RMSNorm scales by 1 + w, w stored and initialised to 0 (Gemma)"
-    )
-    mlp_activation: str = option(
-        "silu",
-        "the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU with the tanh"
-        " approximation: Gemma) | gelu (GeGLU, exact)",
-    )
-    sandwich_norm: bool = option(
-        False,
-        "an RMSNorm after attention and after the MLP too, before each residual add (Gemma 2/3)",
-    )
-    attn_softcap: float = ranged(
-        0.0, ">=0", help="attention scores soft-capped to c * tanh(s / c) (Gemma 2); 0 = none"
-    )
-    final_softcap: float = ranged(
-        0.0, ">=0", help="logits soft-capped to c * tanh(logits / c) (Gemma 2); 0 = none"
-    )
-    query_pre_attn_scalar: float = ranged(
-        0.0,
-        ">=0",
-        help="attention scores scaled by query_pre_attn_scalar ** -0.5 instead of"
-        " head_dim ** -0.5 (Gemma 2/3); 0 = head_dim",
-    )
+    # -- per-layer attention patterns and the Gemma family's math; ranges, help and the rules
+    # between them: models/gemma_fields.py (every default leaves the Llama decoder as it is)
+    layer_pattern: str = gemma_fields.FIELDS["layer_pattern"]
+    rope_local_theta: float = gemma_fields.FIELDS["rope_local_theta"]
+    rope_linear_factor: float = gemma_fields.FIELDS["rope_linear_factor"]
+    embed_scale: bool = gemma_fields.FIELDS["embed_scale"]
+    norm_plus_one: bool = gemma_fields.FIELDS["norm_plus_one"]
+    mlp_activation: str = gemma_fields.FIELDS["mlp_activation"]
+    sandwich_norm: bool = gemma_fields.FIELDS["sandwich_norm"]
+    attn_softcap: float = gemma_fields.FIELDS["attn_softcap"]
+    final_softcap: float = gemma_fields.FIELDS["final_softcap"]
+    query_pre_attn_scalar: float = gemma_fields.FIELDS["query_pre_attn_scalar"]
 
     @property
     def head_dim(self) -> int:
@@ -310,13 +277,9 @@ class ModelConfig:
             self.param_dtype in DTYPES[1:],
             f"param_dtype '{self.param_dtype}' is not one of {', '.join(DTYPES[1:])}",
         )
-        need(
-            self.mlp_activation in ACTIVATIONS,
-            f"mlp_activation '{self.mlp_activation}' is not one of {', '.join(ACTIVATIONS)}",
-        )
         if self.n_experts:
             self._validate_moe(need)
-        layer_pattern.validate(self, need)
+        gemma_fields.check(self, need)
         return self
 
     def _validate_moe(self, need) -> None:

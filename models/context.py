@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
@@ -276,26 +277,16 @@ def _ring(
         )
     perm = [(i, (i + 1) % n) for i in range(n)]
     has_seg = segment_ids_BT is not None
+    attend = functools.partial(
+        local_attention, window=window, kind=kind, return_lse=True, softcap=softcap
+    )
 
     def body(q, k, v, q_pos, *seg):
         q_seg = seg[0] if has_seg else None
 
         def attend_to(kv):
             """This device's queries against one K/V block (k, v, positions[, segment ids])."""
-            k_seg = kv[3] if has_seg else None
-            return local_attention(
-                q,
-                kv[0],
-                kv[1],
-                q_pos,
-                kv[2],
-                q_seg,
-                k_seg,
-                window=window,
-                kind=kind,
-                return_lse=True,
-                softcap=softcap,
-            )
+            return attend(q, kv[0], kv[1], q_pos, kv[2], q_seg, kv[3] if has_seg else None)
 
         local = (k, v, q_pos) + tuple(seg)
         out, lse = attend_to(local)  # the local block: every query sees at least itself

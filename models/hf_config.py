@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 from errors import UserError
 from models import hf_gemma
 from models.config import ModelConfig
+from models.fields import is_int, is_number
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,15 +41,6 @@ _LLAMA3_KEYS = {
     "original_max_position_embeddings": "rope_original_max_len",
 }
 # Tensors some checkpoints carry that hold nothing to convert (recomputed from the config).
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is a Python int
-
-
-def is_number(v) -> bool:
-    # finite: Python's json reads NaN and Infinity
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 _KINDS = {

@@ -15,6 +15,7 @@ configs `rope_theta` (global), `rope_local_base_freq` and `rope_scaling` (global
 from __future__ import annotations
 
 from errors import UserError
+from models.fields import is_number
 from models.layer_pattern import GLOBAL, LOCAL, layer_kinds, shortest_period
 
 ARCHITECTURES = {
@@ -132,8 +133,6 @@ def _rope(hf: dict, mtype: str, where: str) -> dict:
 
 def _one_rope(section, name: str, where: str, *, linear: bool) -> tuple[float, float]:
     """(theta, linear factor) of one RoPE section: rope_type default, or linear where allowed."""
-    from models.hf_config import is_number
-
     if not isinstance(section, dict):
         _bad(where, name, section, "an object with rope_type and rope_theta")
     kind = section.get("rope_type", section.get("type", "default"))

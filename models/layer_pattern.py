@@ -17,10 +17,7 @@ with it while flags are parsed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from models.config import ModelConfig
+from typing import NamedTuple
 
 LOCAL, GLOBAL = "L", "G"
 KINDS = {LOCAL: "local (sliding_window keys)", GLOBAL: "global (the whole causal prefix)"}
@@ -33,12 +30,12 @@ class LayerSpec(NamedTuple):
     rope: tuple  # models.layers.rope's (theta, llama3 scaling or None, linear factor)
 
 
-def period(cfg: ModelConfig) -> int:
+def period(cfg) -> int:
     """Layers in one repeat of the pattern (1 without a pattern)."""
     return len(cfg.layer_pattern) or 1
 
 
-def spec(cfg: ModelConfig, kind: str | None) -> LayerSpec:
+def spec(cfg, kind: str | None) -> LayerSpec:
     """The spec of a layer of `kind` (None: no pattern, every layer as the config says)."""
     if kind == LOCAL:
         return LayerSpec(cfg.sliding_window, (cfg.rope_local_theta or cfg.rope_theta, None, 1.0))
@@ -46,7 +43,7 @@ def spec(cfg: ModelConfig, kind: str | None) -> LayerSpec:
     return LayerSpec(window, (cfg.rope_theta, cfg.rope_scaling, cfg.rope_linear_factor))
 
 
-def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+def layer_specs(cfg) -> tuple[LayerSpec, ...]:
     """One spec per layer, in order."""
     if not cfg.layer_pattern:
         return (spec(cfg, None),) * cfg.n_layers
@@ -54,7 +51,7 @@ def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
     return tuple(spec(cfg, cfg.layer_pattern[i % p]) for i in range(cfg.n_layers))
 
 
-def layer_kinds(cfg: ModelConfig) -> list[str]:
+def layer_kinds(cfg) -> list[str]:
     """The pattern spelled out over the layers (every layer GLOBAL-or-window-alike: '')."""
     p = period(cfg)
     return [cfg.layer_pattern[i % p] if cfg.layer_pattern else "" for i in range(cfg.n_layers)]
@@ -69,7 +66,7 @@ def shortest_period(kinds: list[str]) -> str:
     return ""
 
 
-def validate(cfg: ModelConfig, need) -> None:
+def validate(cfg, need) -> None:
     """The pattern's rules (need(ok, message) raises the section's one-line error)."""
     pattern = cfg.layer_pattern
     bad = sorted(set(pattern) - set(KINDS))
