@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from errors import UserError
+from models import family_fields
 from models.fields import check_ranges, option, ranged
 from models.pipeline.timetables import SCHEDULES, TIMETABLES
 
@@ -193,6 +194,23 @@ class ModelConfig:
         help="MoE: DeepSeek-V3 aux-loss-free balancing, the bias step per update; 0 = off",
     )
 
+    # -- DeepSeek-V3 / Qwen3-MoE: latent attention, group-limited routing, the dense first layers,
+    # multi-token prediction; ranges, help and the rules between them: models/family_fields.py
+    kv_lora_rank: int = family_fields.FIELDS["kv_lora_rank"]
+    q_lora_rank: int = family_fields.FIELDS["q_lora_rank"]
+    qk_nope_head_dim: int = family_fields.FIELDS["qk_nope_head_dim"]
+    qk_rope_head_dim: int = family_fields.FIELDS["qk_rope_head_dim"]
+    v_head_dim: int = family_fields.FIELDS["v_head_dim"]
+    rope_interleave: bool = family_fields.FIELDS["rope_interleave"]
+    router_groups: int = family_fields.FIELDS["router_groups"]
+    router_topk_groups: int = family_fields.FIELDS["router_topk_groups"]
+    router_renorm: bool = family_fields.FIELDS["router_renorm"]
+    router_scale: float = family_fields.FIELDS["router_scale"]
+    router_bias: bool = family_fields.FIELDS["router_bias"]
+    first_dense_layers: int = family_fields.FIELDS["first_dense_layers"]
+    mtp_layers: int = family_fields.FIELDS["mtp_layers"]
+    mtp_loss_weight: float = family_fields.FIELDS["mtp_loss_weight"]
+
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.d_model // self.n_heads
@@ -213,8 +231,21 @@ class ModelConfig:
         return self.d_ff_expert or self.d_ff
 
     @property
+    def n_group_layers(self) -> int:  # the layers of the repeating groups
+        return self.n_layers - self.first_dense_layers
+
+    @property
     def n_moe_layers(self) -> int:
-        return self.n_layers // self.moe_every if self.n_experts else 0
+        return self.n_group_layers // self.moe_every if self.n_experts else 0
+
+    @property
+    def latent_attention(self) -> bool:  # models/mla.py
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The query/key width of a latent-attention head: the RoPE-free part, then the rotary."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def validate(self) -> ModelConfig:
         """The declared ranges, then the rules between fields; UserError on the first broken one."""
@@ -225,7 +256,7 @@ class ModelConfig:
                 raise UserError(f"model: {msg}")
 
         need(
-            self.attn_head_dim or self.d_model % self.n_heads == 0,
+            self.attn_head_dim or self.latent_attention or self.d_model % self.n_heads == 0,
             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set"
             " attn_head_dim)",
         )
@@ -235,7 +266,7 @@ class ModelConfig:
             f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}",
         )
         need(
-            self.head_dim % 2 == 0,
+            self.latent_attention or self.head_dim % 2 == 0,
             f"head_dim={self.head_dim} (attn_head_dim, or d_model/n_heads) must be even for"
             " rotary embeddings",
         )
@@ -265,15 +296,18 @@ class ModelConfig:
         )
         if self.n_experts:
             self._validate_moe(need)
+        family_fields.check(self, need)
         return self
 
     def _validate_moe(self, need) -> None:
         e, k = self.n_experts, self.experts_per_token
         need(k <= e, f"experts_per_token={k} must be in [1, n_experts={e}]")
+        grouped, first = self.n_group_layers, self.first_dense_layers
         need(
-            self.n_layers % self.moe_every == 0,
-            f"moe_every={self.moe_every} must divide n_layers={self.n_layers}; valid:"
-            f" {[m for m in range(1, self.n_layers + 1) if self.n_layers % m == 0]}",
+            grouped % self.moe_every == 0,
+            f"moe_every={self.moe_every} must divide n_layers={self.n_layers}"
+            + (f" less first_dense_layers={first} = {grouped}" if first else "")
+            + f"; valid: {[m for m in range(1, grouped + 1) if grouped % m == 0]}",
         )
         need(self.router in ROUTERS, f"router '{self.router}' is not one of {', '.join(ROUTERS)}")
         need(
