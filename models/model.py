@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from errors import UserError
+from models import mla, registry
 from models import pipeline as pipeline_lib
-from models import registry
 from models.attention import KVCache
 from models.config import ModelConfig, PipelineConfig
 from models.loss import token_xent
@@ -98,6 +98,8 @@ def _forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT, segment_id
 
 def _init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
     dtype = jnp.dtype(dtype or compute_dtype(cfg))
+    if cfg.latent_attention:  # the latent and the rotary key (models/mla.py)
+        return mla.init_cache(cfg, batch, length, dtype)
     shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
     return KVCache(
         jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((cfg.n_layers,), jnp.int32)

@@ -9,6 +9,7 @@ so checkpoints do not depend on it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +20,23 @@ from models import pipeline as pipeline_lib
 from models.attention import Attention, KVCache
 from models.config import ModelConfig, PipelineConfig
 from models.layers import MLP, RMSNorm, param
+from models.mla import LatentAttention
 from models.moe import MoE
+from models.mtp import MTPModule
 from models.pieces import ACT_BTD, DecoderPieces
+
+
+def attention(cfg: ModelConfig, dtype, param_dtype, rngs: nnx.Rngs):
+    """The layer's attention: latent (models/mla.py) where the config has a KV latent, else
+    grouped-query."""
+    kind = LatentAttention if cfg.latent_attention else Attention
+    return kind(cfg, dtype, param_dtype, rngs=rngs)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
-        self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
+        self.attn = attention(cfg, dtype, param_dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
         self.mlp = MLP(
             cfg.d_model,
@@ -49,7 +59,7 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
-        self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
+        self.attn = attention(cfg, dtype, param_dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs)
         self.moe = MoE(cfg, dtype, param_dtype, rngs=rngs)
 
@@ -60,9 +70,9 @@ class MoEBlock(nnx.Module):
         return constrain(x_BTD + y_BTD, ACT_BTD), cache, stats
 
 
-def _stack(cfg: ModelConfig, n: int, cls, dtype, pdt, rngs):
+def _stack(cfg: ModelConfig, n: int, cls, dtype, pdt, rngs, axis: str = "layers"):
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs):
         return cls(cfg, dtype, pdt, rngs=rngs)
 
@@ -104,11 +114,19 @@ class Decoder(nnx.Module):
         self.embed_VD = param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "vocab_embed"), pdt, std=cfg.init_std
         )
-        n_dense = cfg.n_layers - cfg.n_moe_layers
+        n_dense = cfg.n_group_layers - cfg.n_moe_layers
+        if cfg.first_dense_layers:  # run with the embedding: not a pipelined stack
+            self.first_blocks = _stack(
+                cfg, cfg.first_dense_layers, Block, self.dtype, pdt, rngs, "outer_layers"
+            )
         if n_dense:
             self.blocks = _stack(cfg, n_dense, Block, self.dtype, pdt, rngs)
         if cfg.n_moe_layers:
             self.moe_blocks = _stack(cfg, cfg.n_moe_layers, MoEBlock, self.dtype, pdt, rngs)
+        if cfg.mtp_layers:  # the layer type of the last layer, as DeepSeek-V3's MTP modules
+            block = MoEBlock if cfg.n_experts else Block
+            mtp = functools.partial(MTPModule, block_cls=block)
+            self.mtp = _stack(cfg, cfg.mtp_layers, mtp, self.dtype, pdt, rngs, "outer_layers")
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head_DV = param(
@@ -120,7 +138,7 @@ class Decoder(nnx.Module):
         the head's custom per-token loss (DecoderPieces)."""
         cfg = self.cfg
         pieces = DecoderPieces(cfg, self.dtype, None, None, None, token_loss)
-        n_groups = cfg.n_layers // pieces.per_group
+        n_groups = cfg.n_group_layers // pieces.per_group
         dense_gdef, dense = nnx.split(self.blocks) if pieces.n_dense else (None, None)
         moe_gdef, moe = nnx.split(self.moe_blocks) if cfg.n_experts else (None, None)
         if pieces.n_dense:
@@ -134,6 +152,11 @@ class Decoder(nnx.Module):
             "norm": norm,
             "head_DV": None if cfg.tie_embeddings else self.lm_head_DV[...],
         }
+        # the stacks outside the groups: their graph merges with one layer's slice of the state
+        for name, attr in (("first", "first_blocks"), ("mtp", "mtp")):
+            if hasattr(self, attr):
+                gdef, outer[name] = nnx.split(getattr(self, attr))
+                pieces = dataclasses.replace(pieces, **{f"{name}_gdef": gdef})
         return pieces, outer, (dense, moe)
 
     def __call__(
@@ -153,12 +176,15 @@ class Decoder(nnx.Module):
         pieces, outer, stack = self.pieces()
         if positions_BT is None:
             positions_BT = default_positions(segment_ids_BT, tokens_BT.shape)
-        x_BTD = pieces.embed(outer, tokens_BT)
         if cache is None:
+            x_BTD = pieces.embed(outer, tokens_BT, positions_BT, segment_ids_BT)
             x_BTD, stats = pipeline_lib.stack_forward(
                 pieces, stack, x_BTD, positions_BT, segment_ids_BT, pipeline=pipeline
             )
         else:
-            x_BTD, stats, cache = pieces.decode(stack, x_BTD, positions_BT, cache, segment_ids_BT)
+            x_BTD = pieces.embed_tokens(outer, tokens_BT)
+            x_BTD, stats, cache = pieces.decode(
+                outer, stack, x_BTD, positions_BT, cache, segment_ids_BT
+            )
         x_BTD, head_DV = pieces.final(outer, x_BTD)
         return pieces.logits(x_BTD, head_DV), cache, stats
