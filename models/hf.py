@@ -49,9 +49,34 @@ LAYOUTS = {
 
 
 class Row(NamedTuple):
+    """One parameter's conversion. A row applies to a config whose model has its Brigade parameter
+    (the latent and the plain query projection, say, are rows of one table)."""
+
     brigade: str  # '/' path in the params dict
     hf: str  # tensor name; {l} = layer, {e} = expert: the leading stacked dims, in order
     layout: str  # key of LAYOUTS
+    # the head width the layout reshapes by, from the config (None: ModelConfig.head_dim)
+    dim: Callable[[ModelConfig], int] | None = None
+
+
+def row_dim(row: Row, cfg: ModelConfig) -> int:
+    return cfg.head_dim if row.dim is None else row.dim(cfg)
+
+
+def hf_layer(cfg: ModelConfig, brigade: str) -> Callable[[int], int]:
+    """The HF layer number of slice j of a Brigade layer stack (the first part of the row's path).
+    HF numbers layers 0..L-1 in order, the multi-token prediction modules after them (L, L+1 ...,
+    DeepSeek-V3's layout); Brigade's dense first layers come first, then groups of moe_every
+    layers, moe_every - 1 dense (`blocks`) and one MoE (`moe_blocks`)."""
+    stack = brigade.split("/")[0]
+    first, per = cfg.first_dense_layers, (cfg.moe_every if cfg.n_experts else 1)
+    if stack == "mtp":
+        return lambda j: cfg.n_layers + j
+    if stack == "moe_blocks":
+        return lambda j: first + j * per + per - 1
+    if stack == "blocks" and per > 1:
+        return lambda j: first + j // (per - 1) * per + j % (per - 1)
+    return lambda j: j
 
 
 _LAYER = "model.layers.{l}."
@@ -109,15 +134,140 @@ QWEN3_ROWS = LLAMA_ROWS + (
     Row("blocks/attn/q_norm/scale", _ATTN + "q_norm.weight", "same"),
     Row("blocks/attn/k_norm/scale", _ATTN + "k_norm.weight", "same"),
 )
+
+
+_SWIGLU = (("gate_DF", "gate"), ("up_DF", "up"), ("down_FD", "down"))
+
+
+def _mlp_rows(stack: str) -> tuple[Row, ...]:
+    return tuple(
+        Row(f"{stack}/mlp/w_{ours}", _LAYER + f"mlp.{theirs}_proj.weight", "T")
+        for ours, theirs in _SWIGLU
+    )
+
+
+def _expert_rows(stack: str) -> tuple[Row, ...]:
+    """An MoE layer's router and experts as Qwen2/3-MoE and DeepSeek-V3 name them, and DeepSeek-V3's
+    selection bias and shared experts (rows that apply where the model has them)."""
+    moe = f"{stack}/moe/"
+    return (
+        (
+            Row(moe + "router_DE", _LAYER + "mlp.gate.weight", "T"),
+            Row(moe + "router_bias_E", _LAYER + "mlp.gate.e_score_correction_bias", "same"),
+        )
+        + tuple(
+            Row(moe + ours, _LAYER + f"mlp.experts.{{e}}.{theirs}_proj.weight", "T")
+            for ours, theirs in (("w_gate_EDF", "gate"), ("w_up_EDF", "up"), ("w_down_EFD", "down"))
+        )
+        + tuple(
+            Row(moe + f"shared/w_{ours}", _LAYER + f"mlp.shared_experts.{theirs}_proj.weight", "T")
+            for ours, theirs in _SWIGLU
+        )
+    )
+
+
+# Qwen3-MoE: Qwen3's attention in every layer; dense layers (the first_dense_layers, and all but
+# the last of each moe_every group) with an MLP, the others MoE. The router is softmax, top-k,
+# renormalised or not (norm_topk_prob).
+_QWEN3_NORMS = (
+    Row("{stack}/attn/q_norm/scale", _ATTN + "q_norm.weight", "same"),
+    Row("{stack}/attn/k_norm/scale", _ATTN + "k_norm.weight", "same"),
+)
+
+
+def _qwen3_attention(stack: str) -> tuple[Row, ...]:
+    norms = tuple(r._replace(brigade=r.brigade.format(stack=stack)) for r in _QWEN3_NORMS)
+    return _attention_rows(stack) + norms
+
+
+QWEN3_MOE_ROWS = (
+    _OUTER
+    + _qwen3_attention("first_blocks")
+    + _mlp_rows("first_blocks")
+    + _qwen3_attention("blocks")
+    + _mlp_rows("blocks")
+    + _qwen3_attention("moe_blocks")
+    + _expert_rows("moe_blocks")
+)
+
+
+# DeepSeek-V3: latent attention (models/mla.py). q_proj (no query latent) or q_a_proj, its norm and
+# q_b_proj; kv_a_proj_with_mqa holds the KV latent then the rotary key; kv_b_proj each head's
+# RoPE-free key features then its value, as the heads' rows [N*(G+W), C]; o_proj the values'
+# columns [D, N*W].
+def _qk_width(cfg: ModelConfig) -> int:
+    return cfg.qk_head_dim
+
+
+def _kv_width(cfg: ModelConfig) -> int:
+    return cfg.qk_nope_head_dim + cfg.v_head_dim
+
+
+def _v_width(cfg: ModelConfig) -> int:
+    return cfg.v_head_dim
+
+
+def _mla_rows(stack: str) -> tuple[Row, ...]:
+    a = f"{stack}/attn/"
+    return (
+        Row(f"{stack}/attn_norm/scale", _LAYER + "input_layernorm.weight", "same"),
+        Row(a + "wq_DNH", _ATTN + "q_proj.weight", "in_heads", _qk_width),
+        Row(a + "wq_a_DQ", _ATTN + "q_a_proj.weight", "T"),
+        Row(a + "q_norm/scale", _ATTN + "q_a_layernorm.weight", "same"),
+        Row(a + "wq_b_QNH", _ATTN + "q_b_proj.weight", "in_heads", _qk_width),
+        Row(a + "wkv_a_DC", _ATTN + "kv_a_proj_with_mqa.weight", "T"),
+        Row(a + "kv_norm/scale", _ATTN + "kv_a_layernorm.weight", "same"),
+        Row(a + "wkv_b_CNH", _ATTN + "kv_b_proj.weight", "in_heads", _kv_width),
+        Row(a + "wo_NWD", _ATTN + "o_proj.weight", "out_heads", _v_width),
+        Row(f"{stack}/mlp_norm/scale", _LAYER + "post_attention_layernorm.weight", "same"),
+    )
+
+
+# Multi-token prediction modules (models/mtp.py) are the layers after the last, as DeepSeek-V3's
+# checkpoints hold them: a decoder layer plus enorm, hnorm, eh_proj ([D, 2D]: the embedding's
+# columns first) and shared_head.norm; their embed_tokens and shared_head.head repeat the model's
+# (shared_copies).
+DEEPSEEK_V3_ROWS = (
+    _OUTER
+    + _mla_rows("first_blocks")
+    + _mlp_rows("first_blocks")
+    + _mla_rows("moe_blocks")
+    + _expert_rows("moe_blocks")
+    + _mla_rows("mtp/block")
+    + _expert_rows("mtp/block")
+    + (
+        Row("mtp/enorm/scale", _LAYER + "enorm.weight", "same"),
+        Row("mtp/hnorm/scale", _LAYER + "hnorm.weight", "same"),
+        Row("mtp/w_eh_ED", _LAYER + "eh_proj.weight", "T"),
+        Row("mtp/norm/scale", _LAYER + "shared_head.norm.weight", "same"),
+    )
+)
 ROWS = {
     "llama": LLAMA_ROWS,
     "mistral": LLAMA_ROWS,
     "mixtral": MIXTRAL_ROWS,
     "qwen2": QWEN2_ROWS,
     "qwen3": QWEN3_ROWS,
+    "qwen3_moe": QWEN3_MOE_ROWS,
+    "deepseek_v3": DEEPSEEK_V3_ROWS,
 }
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def shared_copies(model_type: str, cfg: ModelConfig) -> dict[str, str]:
+    """HF tensors that repeat another, {copy: original}: DeepSeek-V3's multi-token prediction
+    modules store the model's embedding and LM head again (`embed_tokens`, `shared_head.head`),
+    which they share. Import reads the originals only; export writes the copies too."""
+    if model_type != "deepseek_v3":
+        return {}
+    out = {}
+    for j in range(cfg.mtp_layers):
+        layer = f"model.layers.{cfg.n_layers + j}."
+        out[layer + "embed_tokens.weight"] = "model.embed_tokens.weight"
+        if not cfg.tie_embeddings:
+            out[layer + "shared_head.head.weight"] = "lm_head.weight"
+    return out
 
 
 # -- the model object ---------------------------------------------------------------------------
@@ -153,6 +303,11 @@ _SHAPE_FIELDS = (
     "tie_embeddings",
     "qkv_bias",
     "qk_norm",
+    "moe_every",
+    "first_dense_layers",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "mtp_layers",
 )
 
 
