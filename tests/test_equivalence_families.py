@@ -2,9 +2,9 @@
 with latent attention (and its query latent), group-limited sigmoid routing with bias balancing,
 shared experts, a dense first layer and a multi-token prediction module (`deepseek-tiny`), and
 with Qwen3-MoE's (q/k norms, a free head width, softmax routing without renormalisation, a dense
-first layer), on fsdp x model, expert, pipeline (a forward-scan and an explicit schedule; DeepSeek)
-and context (ring; DeepSeek) meshes, compared per step after the warm-up (loss, gradient norm,
-every parameter).
+first layer), on expert x fsdp x model, pipeline (a forward-scan and an explicit schedule;
+DeepSeek) and context (ring; DeepSeek) meshes, compared per step after the warm-up (loss, gradient
+norm, every parameter).
 
 As in tests/test_equivalence_pipeline.py, the one-device reference of a pipeline run accumulates
 gradients over the same micro-batches: the balance losses and loads are per micro-batch there."""
@@ -32,7 +32,6 @@ QWEN3_MOE = {
 MODELS = {"deepseek": DEEPSEEK, "qwen3_moe": QWEN3_MOE}
 # (model, mesh, overrides, micro-batches)
 CASES = [
-    ("deepseek", "fsdp=2,model=2", {}, 1),
     ("deepseek", "expert=2,fsdp=2,model=2", {}, 1),
     ("deepseek", "pipeline=2,fsdp=2", {"pipeline.schedule": "gpipe"}, 2),
     ("deepseek", "pipeline=2,model=2", {"pipeline.schedule": "1f1b"}, 2),
