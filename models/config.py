@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from errors import UserError
-from models import gemma_fields
+from models import family_fields, gemma_fields
 from models.fields import check_ranges, option, ranged
-from models.pipeline.timetables import SCHEDULES, TIMETABLES
+from models.pipeline_config import PipelineConfig as PipelineConfig  # its home before
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_offload")
 MATMUL_PRECISIONS = ("default", "fp8")
@@ -206,6 +206,22 @@ class ModelConfig:
     attn_softcap: float = gemma_fields.FIELDS["attn_softcap"]
     final_softcap: float = gemma_fields.FIELDS["final_softcap"]
     query_pre_attn_scalar: float = gemma_fields.FIELDS["query_pre_attn_scalar"]
+    # -- DeepSeek-V3 / Qwen3-MoE: latent attention, group-limited routing, the dense first layers,
+    # multi-token prediction; ranges, help and the rules between them: models/family_fields.py
+    kv_lora_rank: int = family_fields.FIELDS["kv_lora_rank"]
+    q_lora_rank: int = family_fields.FIELDS["q_lora_rank"]
+    qk_nope_head_dim: int = family_fields.FIELDS["qk_nope_head_dim"]
+    qk_rope_head_dim: int = family_fields.FIELDS["qk_rope_head_dim"]
+    v_head_dim: int = family_fields.FIELDS["v_head_dim"]
+    rope_interleave: bool = family_fields.FIELDS["rope_interleave"]
+    router_groups: int = family_fields.FIELDS["router_groups"]
+    router_topk_groups: int = family_fields.FIELDS["router_topk_groups"]
+    router_renorm: bool = family_fields.FIELDS["router_renorm"]
+    router_scale: float = family_fields.FIELDS["router_scale"]
+    router_bias: bool = family_fields.FIELDS["router_bias"]
+    first_dense_layers: int = family_fields.FIELDS["first_dense_layers"]
+    mtp_layers: int = family_fields.FIELDS["mtp_layers"]
+    mtp_loss_weight: float = family_fields.FIELDS["mtp_loss_weight"]
 
     @property
     def head_dim(self) -> int:
@@ -227,8 +243,21 @@ class ModelConfig:
         return self.d_ff_expert or self.d_ff
 
     @property
+    def n_group_layers(self) -> int:  # the layers of the repeating groups
+        return self.n_layers - self.first_dense_layers
+
+    @property
     def n_moe_layers(self) -> int:
-        return self.n_layers // self.moe_every if self.n_experts else 0
+        return self.n_group_layers // self.moe_every if self.n_experts else 0
+
+    @property
+    def latent_attention(self) -> bool:  # models/mla.py
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The query/key width of a latent-attention head: the RoPE-free part, then the rotary."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def validate(self) -> ModelConfig:
         """The declared ranges, then the rules between fields; UserError on the first broken one."""
@@ -239,7 +268,7 @@ class ModelConfig:
                 raise UserError(f"model: {msg}")
 
         need(
-            self.attn_head_dim or self.d_model % self.n_heads == 0,
+            self.attn_head_dim or self.latent_attention or self.d_model % self.n_heads == 0,
             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set"
             " attn_head_dim)",
         )
@@ -249,7 +278,7 @@ class ModelConfig:
             f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}",
         )
         need(
-            self.head_dim % 2 == 0,
+            self.latent_attention or self.head_dim % 2 == 0,
             f"head_dim={self.head_dim} (attn_head_dim, or d_model/n_heads) must be even for"
             " rotary embeddings",
         )
@@ -280,15 +309,18 @@ class ModelConfig:
         if self.n_experts:
             self._validate_moe(need)
         gemma_fields.check(self, need)
+        family_fields.check(self, need)
         return self
 
     def _validate_moe(self, need) -> None:
         e, k = self.n_experts, self.experts_per_token
         need(k <= e, f"experts_per_token={k} must be in [1, n_experts={e}]")
+        grouped, first = self.n_group_layers, self.first_dense_layers
         need(
-            self.n_layers % self.moe_every == 0,
-            f"moe_every={self.moe_every} must divide n_layers={self.n_layers}; valid:"
-            f" {[m for m in range(1, self.n_layers + 1) if self.n_layers % m == 0]}",
+            grouped % self.moe_every == 0,
+            f"moe_every={self.moe_every} must divide n_layers={self.n_layers}"
+            + (f" less first_dense_layers={first} = {grouped}" if first else "")
+            + f"; valid: {[m for m in range(1, grouped + 1) if grouped % m == 0]}",
         )
         need(self.router in ROUTERS, f"router '{self.router}' is not one of {', '.join(ROUTERS)}")
         need(
@@ -342,49 +374,3 @@ class ModelConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if platform == "cpu" else "bfloat16"
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
-    pipeline axis (`--mesh pipeline=P`)."""
-
-    microbatches: int = ranged(
-        0,
-        ">=0",
-        help="microbatches per step; 0 = as many as stages; more shrinks the"
-        " bubble (P-1)/(R*M+P-1)",
-    )
-    repeats: int = ranged(
-        1,
-        ">=1",
-        help="circular and interleaved_1f1b: layer chunks per device (virtual stages per device)",
-    )
-    schedule: str = option(
-        "gpipe",
-        f"pipeline schedule: {' | '.join(SCHEDULES)}"
-        f" ({'; '.join(f'{t.name}: {t.about}' for t in TIMETABLES.values() if t.about)})",
-    )
-    remat_stage: bool = option(
-        False, "also recompute each stage in the backward pass (less memory)"
-    )
-    gather_once: bool = option(
-        False, "fsdp: all-gather each stage's weights once per step, not every tick"
-    )
-
-    def validate(self) -> PipelineConfig:
-        """The declared ranges and the schedule's name; what needs the mesh (stages, layer and batch
-        divisibility) the Trainer checks."""
-        check_ranges(self, lambda name: f"--pipeline.{name}")
-        if self.schedule not in SCHEDULES:
-            raise UserError(
-                f"--pipeline.schedule '{self.schedule}' is not one of {', '.join(SCHEDULES)}"
-            )
-        return self
-
-    @property
-    def replica_axes(self) -> tuple[str, ...]:
-        return ("data", "fsdp") if self.gather_once else ("data",)
-
-    def microbatches_for(self, stages: int) -> int:
-        return self.microbatches or stages

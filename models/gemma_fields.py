@@ -65,3 +65,11 @@ def check(cfg, need: Callable[[bool, str], None]) -> None:
         f"mlp_activation '{cfg.mlp_activation}' is not one of {', '.join(ACTIVATIONS)}",
     )
     layer_pattern.validate(cfg, need)
+    # no family has both; the decoder's layer stacks outside the groups are one or the other
+    for field in ("first_dense_layers", "mtp_layers", "kv_lora_rank"):
+        need(
+            not (cfg.layer_pattern and getattr(cfg, field)),
+            f"layer_pattern '{cfg.layer_pattern}' with {field}={getattr(cfg, field)}: a layer"
+            " pattern runs with neither dense first layers, MTP modules nor latent attention;"
+            f" set one of them empty/0",
+        )

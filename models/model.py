@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from errors import UserError
-from models import layer_pattern, registry
+from models import layer_pattern, mla, registry
 from models import pipeline as pipeline_lib
 from models.attention import KVCache
 from models.config import ModelConfig, PipelineConfig
@@ -101,6 +101,8 @@ def _init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
     """KVCache [L, B, S, K, H]; S = length, or a window's ring of min(window, length) slots
     (models/window_cache.py). With a layer pattern, whose layers' S differ: a PatternCache."""
     dtype = jnp.dtype(dtype or compute_dtype(cfg))
+    if cfg.latent_attention:  # the latent and the rotary key (models/mla.py)
+        return mla.init_cache(cfg, batch, length, dtype)
 
     def empty(spec: layer_pattern.LayerSpec, lead: tuple[int, ...]) -> KVCache:
         slots = min(length, spec.window) if spec.window else length

@@ -6,13 +6,15 @@ plain scan included, so a change to the decoder's layers (a new family's block, 
 attention pattern) is made here once and every schedule runs it.
 
 The params as the pieces see them (`Decoder.pieces` splits the module): `outer`, what lies outside
-the layer stack ({"embed_VD", "norm": the final norm's state, "head_DV": None when tied, and
-"tail": the tail layers' [r, ...] where there are any}), and `stack`, the layer groups' params
-with every leaf [G, ...]: (dense [G, n_dense, ...] or None, MoE [G, ...] or None). A group is
-moe_every layers, moe_every - 1 dense then one MoE (a dense model: one dense layer, or one repeat
-of its layer pattern), so every group has the same structure and the stack scans, and pipelines,
-by group. Layer j of a group runs with its own LayerSpec (window, RoPE: models/layer_pattern.py);
-the layers past the pattern's last whole repeat (the tail) run after the groups, inside `head`.
+the layer stack ({"embed_VD", "norm": the final norm's state, "head_DV": None when tied; where the
+model has them, "tail": the tail layers' [r, ...], "first": the dense first layers
+[first_dense_layers, ...], which `embed` runs, and "mtp": the multi-token prediction modules
+[mtp_layers, ...], which `head` runs}), and `stack`, the layer groups' params with every leaf
+[G, ...]: (dense [G, n_dense, ...] or None, MoE [G, ...] or None). A group is moe_every layers,
+moe_every - 1 dense then one MoE (a dense model: one dense layer, or one repeat of its layer
+pattern), so every group has the same structure and the stack scans, and pipelines, by group.
+Layer j of a group runs with its own LayerSpec (window, RoPE: models/layer_pattern.py); the layers
+past the pattern's last whole repeat (the tail) run after the groups, inside `head`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mesh.shard import constrain
-from models import context, layer_pattern
-from models.attention import KVCache
+from models import context, layer_pattern, mtp
 from models.config import ModelConfig
 from models.layers import head_logits
 from models.loss import chunked_token_xent, token_xent
@@ -66,7 +67,7 @@ def layers_per_group(cfg: ModelConfig) -> int:
 def n_groups_and_tail(cfg: ModelConfig) -> tuple[int, int]:
     """(the repeating groups, the layers after them): Gemma 3 4B's 34 layers in groups of 6 are
     (5, 4)."""
-    return divmod(cfg.n_layers, layers_per_group(cfg))
+    return divmod(cfg.n_group_layers, layers_per_group(cfg))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,8 @@ class DecoderPieces:
     norm_gdef: Any  # ... of the final norm
     token_loss: Callable | None = None
     tail_gdef: Any = None  # ... of one tail layer (None: no tail)
+    first_gdef: Any = None  # ... of one of the dense first layers (None: none)
+    mtp_gdef: Any = None  # ... of one multi-token prediction module (None: none)
 
     # MoE stats that are sums over tokens (the rest are means); the pipelines average every stat
     # over the pieces of the batch, so these are scaled back by the piece count
@@ -111,12 +114,28 @@ class DecoderPieces:
 
     # -------------------------------------------------------------------------- the pieces
 
-    def embed(self, outer: dict, tokens_BT: jax.Array) -> jax.Array:
+    def embed_tokens(self, outer: dict, tokens_BT: jax.Array) -> jax.Array:
         x_VD = outer["embed_VD"]
         x_BTD = jnp.take(x_VD, tokens_BT, axis=0).astype(self.dtype)
         if self.cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the compute dtype as HF does
             x_BTD = x_BTD * jnp.asarray(self.cfg.d_model**0.5, self.dtype)
         return constrain(x_BTD, ACT_BTD)
+
+    def embed(self, outer: dict, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
+        """The token embedding, then the dense first layers where the model has them
+        (first_dense_layers; they need the positions): they run wherever the embedding runs, every
+        schedule's first stage, outside the pipelined groups."""
+        x_BTD = self.embed_tokens(outer, tokens_BT)
+        if self.first_gdef is None:
+            return x_BTD
+
+        def step(x_BTD, params):
+            layer = nnx.merge(self.first_gdef, params)
+            return layer(x_BTD, positions_BT, None, segment_ids_BT)[0], None
+
+        if self.remat_policy is not None:
+            step = jax.checkpoint(step, policy=self.remat_policy, prevent_cse=not self.scan_layers)
+        return over_groups(step, x_BTD, outer["first"], self.scan_layers)[0]
 
     def group(self, x_BTD, params_G, positions_BT, segment_ids_BT=None):
         """One group of layers -> (x_BTD, the MoE layer's stats or {}). Positions and segment ids
@@ -134,7 +153,7 @@ class DecoderPieces:
         dense_G, moe_G = params_G
         new_caches, stats = [], {}
         # the cache: [per_group, ...] stacked, or (a layer pattern's) one per layer of the group
-        per_layer = cache_G is not None and not isinstance(cache_G, KVCache)
+        per_layer = cache_G is not None and bool(self.cfg.layer_pattern)
         for j, spec in enumerate(self.group_specs):
             if cache_G is None or per_layer:
                 c = None if cache_G is None else cache_G[j]
@@ -208,13 +227,28 @@ class DecoderPieces:
                 else self.token_loss(logits_BTV, batch)
             )
         weights_BT = batch.get("weights")
-        return jnp.sum(loss_BT if weights_BT is None else loss_BT * weights_BT)
+        loss = jnp.sum(loss_BT if weights_BT is None else loss_BT * weights_BT)
+        if self.mtp_gdef is not None and self.cfg.mtp_loss_weight > 0:
+            # in the gradient, not in the value: the loss reported stays the next-token one
+            term = mtp.loss_sum(
+                self.cfg,
+                self.mtp_gdef,
+                outer["mtp"],
+                outer["embed_VD"],
+                x_BTD,
+                head_DV,
+                batch,
+                chunk=chunk if self.token_loss is None else 0,
+                remat_policy=self.remat_policy,
+            )
+            loss = loss + (term - jax.lax.stop_gradient(term))
+        return loss
 
-    def decode(self, stack, x_BTD, positions_BT, cache, segment_ids_BT=None):
-        """Every group with the KV cache ([L, ...] stacked, or a layer pattern's tuple of one
-        [G, ...] cache per layer of the group) -> (x_BTD, stats [G, ...], cache). Decoding has no
-        backward pass: no remat, no pipeline."""
-        if not isinstance(cache, KVCache):
+    def decode(self, outer, stack, x_BTD, positions_BT, cache, segment_ids_BT=None):
+        """The dense first layers and every group with the KV cache ([L, ...] stacked, the first
+        layers' first; with a layer pattern, a tuple of one [G, ...] cache per layer of the group)
+        -> (x_BTD, stats [G, ...], cache). Decoding has no backward pass: no remat, no pipeline."""
+        if self.cfg.layer_pattern:
             x_BTD, (stats, cache) = over_groups(
                 functools.partial(self._decode_step, positions_BT, segment_ids_BT),
                 x_BTD,
@@ -222,7 +256,19 @@ class DecoderPieces:
                 self.scan_layers,
             )
             return x_BTD, stats, cache
-        n_groups = self.cfg.n_layers // self.per_group
+        first = self.cfg.first_dense_layers
+        if first:
+
+            def first_step(x_BTD, xs):
+                params, c = xs
+                return nnx.merge(self.first_gdef, params)(x_BTD, positions_BT, c, segment_ids_BT)
+
+            head_cache = jax.tree.map(lambda a: a[:first], cache)
+            x_BTD, head_cache = over_groups(
+                first_step, x_BTD, (outer["first"], head_cache), self.scan_layers
+            )
+            cache = jax.tree.map(lambda a: a[first:], cache)
+        n_groups = self.cfg.n_group_layers // self.per_group
         caches = jax.tree.map(lambda a: a.reshape(n_groups, self.per_group, *a.shape[1:]), cache)
 
         def step(x_BTD, xs):
@@ -233,7 +279,9 @@ class DecoderPieces:
             return x_BTD, (stats, cache_G)
 
         x_BTD, (stats, caches) = over_groups(step, x_BTD, (stack, caches), self.scan_layers)
-        cache = jax.tree.map(lambda a: a.reshape(self.cfg.n_layers, *a.shape[2:]), caches)
+        cache = jax.tree.map(lambda a: a.reshape(self.cfg.n_group_layers, *a.shape[2:]), caches)
+        if first:
+            cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head_cache, cache)
         return x_BTD, stats, cache
 
     def _decode_step(self, positions_BT, segment_ids_BT, x_BTD, xs):

@@ -9,6 +9,7 @@ so checkpoints do not depend on it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +21,21 @@ from models.attention import Attention, KVCache
 from models.config import ModelConfig, PipelineConfig
 from models.layer_pattern import LayerSpec, PatternCache
 from models.layers import MLP, RMSNorm, param
+from models.mla import LatentAttention
 from models.moe import MoE
+from models.mtp import MTPModule
 from models.pieces import ACT_BTD, TAIL_LAYERS, DecoderPieces, n_groups_and_tail
 
 
 def _norm(cfg: ModelConfig, param_dtype, rngs) -> RMSNorm:
     return RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype, rngs=rngs, plus_one=cfg.norm_plus_one)
+
+
+def attention(cfg: ModelConfig, dtype, param_dtype, rngs: nnx.Rngs):
+    """The layer's attention: latent (models/mla.py) where the config has a KV latent, else
+    grouped-query."""
+    kind = LatentAttention if cfg.latent_attention else Attention
+    return kind(cfg, dtype, param_dtype, rngs=rngs)
 
 
 class Block(nnx.Module):
@@ -34,7 +44,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
         self.attn_norm = _norm(cfg, param_dtype, rngs)
-        self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
+        self.attn = attention(cfg, dtype, param_dtype, rngs)
         self.mlp_norm = _norm(cfg, param_dtype, rngs)
         self.mlp = MLP(
             cfg.d_model,
@@ -73,7 +83,7 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
         self.attn_norm = _norm(cfg, param_dtype, rngs)
-        self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
+        self.attn = attention(cfg, dtype, param_dtype, rngs)
         self.mlp_norm = _norm(cfg, param_dtype, rngs)
         self.moe = MoE(cfg, dtype, param_dtype, rngs=rngs)
         if cfg.sandwich_norm:
@@ -139,13 +149,21 @@ class Decoder(nnx.Module):
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "vocab_embed"), pdt, std=cfg.init_std
         )
         tail = n_groups_and_tail(cfg)[1]
-        n_dense = cfg.n_layers - cfg.n_moe_layers - tail
+        n_dense = cfg.n_group_layers - cfg.n_moe_layers - tail
+        if cfg.first_dense_layers:  # run with the embedding: not a pipelined stack
+            self.first_blocks = _stack(
+                cfg, cfg.first_dense_layers, Block, self.dtype, pdt, rngs, "outer_layers"
+            )
         if n_dense:
             self.blocks = _stack(cfg, n_dense, Block, self.dtype, pdt, rngs)
         if cfg.n_moe_layers:
             self.moe_blocks = _stack(cfg, cfg.n_moe_layers, MoEBlock, self.dtype, pdt, rngs)
         if tail:  # the layers past the pattern's last whole repeat (models/layer_pattern.py)
             self.tail_blocks = _stack(cfg, tail, Block, self.dtype, pdt, rngs, TAIL_LAYERS)
+        if cfg.mtp_layers:  # the layer type of the last layer, as DeepSeek-V3's MTP modules
+            block = MoEBlock if cfg.n_experts else Block
+            mtp = functools.partial(MTPModule, block_cls=block)
+            self.mtp = _stack(cfg, cfg.mtp_layers, mtp, self.dtype, pdt, rngs, "outer_layers")
         self.final_norm = _norm(cfg, pdt, rngs)
         if not cfg.tie_embeddings:
             self.lm_head_DV = param(
@@ -176,6 +194,11 @@ class Decoder(nnx.Module):
         }
         if tail:  # runs after the groups, with the head (under a pipeline: on the last stage)
             outer["tail"] = tail_params
+        # the stacks outside the groups: their graph merges with one layer's slice of the state
+        for name, attr in (("first", "first_blocks"), ("mtp", "mtp")):
+            if hasattr(self, attr):
+                gdef, outer[name] = nnx.split(getattr(self, attr))
+                pieces = dataclasses.replace(pieces, **{f"{name}_gdef": gdef})
         return pieces, outer, (dense, moe)
 
     def __call__(
@@ -196,19 +219,23 @@ class Decoder(nnx.Module):
         pieces, outer, stack = self.pieces()
         if positions_BT is None:
             positions_BT = default_positions(segment_ids_BT, tokens_BT.shape)
-        x_BTD = pieces.embed(outer, tokens_BT)
         if cache is None:
+            x_BTD = pieces.embed(outer, tokens_BT, positions_BT, segment_ids_BT)
             x_BTD, stats = pipeline_lib.stack_forward(
                 pieces, stack, x_BTD, positions_BT, segment_ids_BT, pipeline=pipeline
             )
             x_BTD, _ = pieces.tail(outer, x_BTD, positions_BT, segment_ids_BT)
         elif isinstance(cache, PatternCache):
+            x_BTD = pieces.embed_tokens(outer, tokens_BT)
             x_BTD, stats, groups = pieces.decode(
-                stack, x_BTD, positions_BT, cache.groups, segment_ids_BT
+                outer, stack, x_BTD, positions_BT, cache.groups, segment_ids_BT
             )
             x_BTD, tail = pieces.tail(outer, x_BTD, positions_BT, segment_ids_BT, cache.tail)
             cache = PatternCache(groups, tail)
         else:
-            x_BTD, stats, cache = pieces.decode(stack, x_BTD, positions_BT, cache, segment_ids_BT)
+            x_BTD = pieces.embed_tokens(outer, tokens_BT)
+            x_BTD, stats, cache = pieces.decode(
+                outer, stack, x_BTD, positions_BT, cache, segment_ids_BT
+            )
         x_BTD, head_DV = pieces.final(outer, x_BTD)
         return pieces.logits(x_BTD, head_DV), cache, stats
