@@ -22,6 +22,7 @@ from errors import UserError
 from models.config import ModelConfig
 from models.hf import LAYOUTS, Model
 from models.hf_config import is_int, short_json
+from models.hf_numbering import hf_layer, row_dim, shared_copies
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -238,7 +239,7 @@ def params_from_hf(
     for row, shape, names in plan_rows(source, shapes, model_type, cfg):
         out = np.empty(shape, dtype)
         for idx, name in names:
-            piece = LAYOUTS[row.layout].to_brigade(read(name), cfg.head_dim).astype(dtype)
+            piece = LAYOUTS[row.layout].to_brigade(read(name), row_dim(row, cfg)).astype(dtype)
             finite.check_host(source, name, piece, allow_nonfinite)
             out[idx] = piece
         set_path(params, row.brigade, out)
@@ -260,10 +261,12 @@ def hf_tensors(model: Model, dtype: str | None = None) -> dict[str, np.ndarray]:
     out = {}
     for row in rows_for(model.model_type, cfg):
         arr = np.asarray(jax.device_get(get_path(model.params, row.brigade)))
-        for idx, name in hf_names(row.hf, arr.shape):
+        for idx, name in hf_names(row.hf, arr.shape, hf_layer(cfg, row)):
             out[name] = np.ascontiguousarray(
-                LAYOUTS[row.layout].to_hf(arr[idx], cfg.head_dim).astype(dt)
+                LAYOUTS[row.layout].to_hf(arr[idx], row_dim(row, cfg)).astype(dt)
             )
+    for copy, original in shared_copies(model.model_type, cfg).items():
+        out[copy] = out[original]
     return out
 
 

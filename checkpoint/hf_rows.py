@@ -6,7 +6,7 @@ checkpoint/hf_files.py moves the tensors along the plan.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -14,13 +14,25 @@ from errors import UserError
 from models.config import ModelConfig
 from models.hf import IGNORED_SUFFIXES, LAYOUTS, ROWS, Row, expected_shapes
 from models.hf_config import short_json
+from models.hf_numbering import hf_layer, row_dim, shared_copies, with_tail
 
 
-def hf_names(template: str, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
+def hf_names(
+    template: str, shape: tuple[int, ...], layer: Callable[[int], int] | None = None
+) -> Iterator[tuple[tuple[int, ...], str]]:
     """Every (index into the Brigade array's stacked dims, HF name) of a row: the template's
-    placeholders, layer then expert, enumerate the leading dims of `shape`."""
+    placeholders, layer then expert, enumerate the leading dims of `shape`; `layer` maps the
+    stack's index to HF's layer number (models.hf_numbering.hf_layer; default: the same)."""
     keys = [k for k in ("l", "e") if "{" + k + "}" in template]
-    return ((idx, template.format(**dict(zip(keys, idx)))) for idx in _indices(shape[: len(keys)]))
+    layer = layer or (lambda j: j)
+
+    def name(idx):
+        values = dict(zip(keys, idx))
+        if "l" in values:
+            values["l"] = layer(values["l"])
+        return template.format(**values)
+
+    return ((idx, name(idx)) for idx in _indices(shape[: len(keys)]))
 
 
 def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
@@ -35,7 +47,11 @@ def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
 
 
 def rows_for(model_type: str, cfg: ModelConfig) -> list[Row]:
-    return [r for r in ROWS[model_type] if not (cfg.tie_embeddings and r.brigade == "lm_head_DV")]
+    """The rows of the table whose Brigade parameter the config's model has (tied embeddings have
+    no lm_head_DV, a model without a query latent no wq_a_DQ ...), a layer pattern's tail rows
+    included."""
+    have = expected_shapes(cfg)
+    return [r for r in with_tail(ROWS[model_type], cfg) if r.brigade in have]
 
 
 def set_path(tree: dict, path: str, value) -> None:
@@ -77,8 +93,8 @@ def plan_rows(
     plan, used = [], set()
     for row in rows_for(model_type, cfg):
         shape = want[row.brigade]
-        hf_shape, names = _hf_shape(row, shape, cfg.head_dim), []
-        for idx, name in hf_names(row.hf, shape):
+        hf_shape, names = _hf_shape(row, shape, row_dim(row, cfg)), []
+        for idx, name in hf_names(row.hf, shape, hf_layer(cfg, row)):
             if name not in shapes:
                 raise UserError(f"'{source}': tensor {name} is missing (needed for {row.brigade})")
             if shapes[name] != hf_shape:
@@ -89,10 +105,12 @@ def plan_rows(
             names.append((idx, name))
         used.update(name for _, name in names)
         plan.append((row, shape, names))
+    copies = shared_copies(model_type, cfg)
     extra = sorted(
         n
         for n in shapes
         if n not in used
+        and n not in copies
         and not n.endswith(IGNORED_SUFFIXES)
         and not (cfg.tie_embeddings and n == "lm_head.weight")
     )

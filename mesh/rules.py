@@ -54,6 +54,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "norm": (),
     # each pipeline device stores (and optimises) only its stage; no-op at pipeline=1
     "layers": ("pipeline",),
+    # the layers after a layer pattern's last whole repeat (models/pieces.py): the last stage runs
+    # them, each stage keeps them whole
+    "tail_layers": (),
     "experts": ("expert",),  # expert parallelism: each device holds n_experts / expert of them
     "expert_mlp": ("model",),  # tensor parallelism inside each expert
     # the experts' d_model dim: `expert` already shards their `experts` dim
@@ -63,6 +66,12 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     ),
     # the router's expert dim: every device routes its own tokens to all experts
     "router_experts": (),
+    # latent attention's compressed dims (models/mla.py): sharded as FSDP shards `embed` where the
+    # array's d_model dim does not already take those axes
+    "latent": ("fsdp", "context", "expert"),
+    # a layer stack outside the pipelined groups (the dense first layers, the multi-token
+    # prediction modules): every pipeline stage holds it
+    "outer_layers": (),
     "stages": ("pipeline",),
 }
 
@@ -80,6 +89,7 @@ HINTS = {
     "experts": "model.n_experts",
     "expert_mlp": "model.d_ff_expert",
     "router_experts": "model.n_experts",
+    "latent": "model.kv_lora_rank and model.q_lora_rank",
 }
 
 _RULES: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar(

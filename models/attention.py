@@ -1,5 +1,7 @@
 """Grouped-query causal self-attention with rotary embeddings and an optional KV cache; optional
-q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and a sliding window (Mistral)."""
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), a sliding window (Mistral), and Gemma's
+query_pre_attn_scalar and soft-capped scores; the window and RoPE of each layer may come from its
+LayerSpec (models/layer_pattern.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from flax import nnx
 
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, constrain
-from models import context, dense_attention, fp8
+from models import context, dense_attention, fp8, layer_pattern, window_cache
 from models.blockwise import visible
 from models.config import ModelConfig
 from models.context import context_size
@@ -55,10 +57,18 @@ class Attention(nnx.Module):
             self.bk_KH = param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros=True)
             self.bv_KH = param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, zeros=True)
         if cfg.qk_norm:  # one scale per head feature, shared by all heads (Qwen3)
-            self.q_norm = RMSNorm(h, cfg.norm_eps, param_dtype, rngs=rngs)
-            self.k_norm = RMSNorm(h, cfg.norm_eps, param_dtype, rngs=rngs)
-        self.rope_args = (cfg.rope_theta, cfg.rope_scaling)
-        self.qkv_bias, self.qk_norm, self.window = cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window
+            self.q_norm = RMSNorm(
+                h, cfg.norm_eps, param_dtype, rngs=rngs, plus_one=cfg.norm_plus_one
+            )
+            self.k_norm = RMSNorm(
+                h, cfg.norm_eps, param_dtype, rngs=rngs, plus_one=cfg.norm_plus_one
+            )
+        self.spec = layer_pattern.spec(cfg, None)  # a layer's own spec may replace it per call
+        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        # scores scaled by query_pre_attn_scalar^-1/2, not head_dim^-1/2: queries times this factor
+        # (every attention path then scales by head_dim^-1/2 as usual)
+        self.q_factor = (h / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
+        self.softcap = cfg.attn_softcap
         self.dtype, self.fp8 = dtype, cfg.matmul_precision == "fp8"
         self.kind = functools.partial(cfg.attention_kind, jax.default_backend())
         # an attention this backend lacks: one line when the model is built
@@ -90,15 +100,9 @@ class Attention(nnx.Module):
         k_BTKH, v_BTKH = fp8.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]), self.fp8)
         return q_BTNH, k_BTKH, v_BTKH
 
-    def __call__(
-        self,
-        x_BTD: jax.Array,
-        positions_BT: jax.Array,
-        cache: KVCache | None = None,
-        segment_ids_BT: jax.Array | None = None,
-    ):
-        """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own
-        segment."""
+    def _rotated_qkv(self, x_BTD, positions_BT, rope_args):
+        """q, k, v with their biases, q/k norms and RoPE (`rope_args`: this layer's), the queries
+        scaled for query_pre_attn_scalar, each constrained to its heads' sharding."""
         dt = self.dtype
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD)
         if self.qkv_bias:
@@ -107,16 +111,32 @@ class Attention(nnx.Module):
             v_BTKH = v_BTKH + self.bv_KH[...].astype(dt)
         if self.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        q_BTNH = constrain(
-            rope(q_BTNH, positions_BT, *self.rope_args), ("batch", "seq", "act_heads", None)
-        )
+        q_BTNH = rope(q_BTNH, positions_BT, *rope_args)
+        if self.q_factor != 1.0:
+            q_BTNH = q_BTNH * jnp.asarray(self.q_factor, q_BTNH.dtype)
+        q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None))
         k_BTKH = constrain(
-            rope(k_BTKH, positions_BT, *self.rope_args), ("batch", "seq", "act_kv_heads", None)
+            rope(k_BTKH, positions_BT, *rope_args), ("batch", "seq", "act_kv_heads", None)
         )
         v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", None))
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        segment_ids_BT: jax.Array | None = None,
+        spec: layer_pattern.LayerSpec | None = None,
+    ):
+        """`segment_ids_BT` (packed sequences): a query sees only earlier keys of its own
+        segment. `spec`: this layer's window and RoPE (default: the config's)."""
+        dt = self.dtype
+        window, rope_args = spec or self.spec
+        q_BTNH, k_BTKH, v_BTKH = self._rotated_qkv(x_BTD, positions_BT, rope_args)
         kind = self.kind(x_BTD.shape[1], segment_ids_BT is not None)
-        if cache is None and kind != "blockwise" and context_size() == 1:
-            out_BTNH = self._by_index(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind)
+        if cache is None and kind != "blockwise" and context_size() == 1 and not self.softcap:
+            out_BTNH = self._by_index(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind, window)
         elif cache is None:
             # the sequence is sharded (and permuted), or blockwise: masks from positions
             out_BTNH = context.attend(
@@ -125,8 +145,13 @@ class Attention(nnx.Module):
                 v_BTKH,
                 positions_BT,
                 segment_ids_BT,
-                window=self.window,
+                window=window,
                 kind=context.by_positions(kind),
+                softcap=self.softcap,
+            )
+        elif window or self.softcap:  # a ring of the window's positions, or capped scores
+            out_BTNH, cache = window_cache.attend_and_write(
+                q_BTNH, k_BTKH, v_BTKH, positions_BT, cache, window=window, softcap=self.softcap
             )
         else:
             cache = KVCache(
@@ -140,14 +165,13 @@ class Attention(nnx.Module):
             )
             s = cache.k.shape[1]
             # Slot s holds the key of position s: a query at position p sees the cached
-            # keys at positions <= p (slots past `index` are empty), and with a window
-            # only the last W of them.
+            # keys at positions <= p (slots past `index` are empty).
             mask_B1TS = visible(
                 positions_BT[:, None, :, None],
                 jnp.arange(s)[None, None, None, :],
                 None,
                 None,
-                self.window,
+                window,
             )
             out_BTNH = jax.nn.dot_product_attention(
                 q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS
@@ -156,13 +180,13 @@ class Attention(nnx.Module):
         out_BTD = fp8.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt), self.fp8)
         return out_BTD, cache
 
-    def _by_index(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind: str):
+    def _by_index(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind: str, window: int):
         """Attention on an unsharded sequence in index order: causal by index (the masks XLA and
         cuDNN build themselves), packed segments by a [B,1,T,T] mask."""
         if kind == "dense":  # XLA's einsums, with a backward in the compute dtype
             t = q_BTNH.shape[1]
             seen_1TS = visible(
-                jnp.arange(t)[None, :, None], jnp.arange(t)[None, None, :], None, None, self.window
+                jnp.arange(t)[None, :, None], jnp.arange(t)[None, None, :], None, None, window
             )
             if segment_ids_BT is not None:
                 seen_1TS = seen_1TS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
@@ -170,18 +194,17 @@ class Attention(nnx.Module):
         impl = {"cudnn": "cudnn", "jax": None}[kind]
         if segment_ids_BT is None:
             # A window of W keys, the query's own included: W - 1 to the left, none to the right.
-            window = (self.window - 1, 0) if self.window else None
             return jax.nn.dot_product_attention(
                 q_BTNH,
                 k_BTKH,
                 v_BTKH,
                 is_causal=True,
-                local_window_size=window,
+                local_window_size=(window - 1, 0) if window else None,
                 implementation=impl,
             )
         t = q_BTNH.shape[1]
         # within a segment, index distance is position distance: the window applies to it alike
-        seen_TT = visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :], None, None, self.window)
+        seen_TT = visible(jnp.arange(t)[:, None], jnp.arange(t)[None, :], None, None, window)
         same_B1TT = segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
         return jax.nn.dot_product_attention(
             q_BTNH, k_BTKH, v_BTKH, mask=same_B1TT & seen_TT, implementation=impl

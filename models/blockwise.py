@@ -20,6 +20,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from models.softcap import softcap as cap_scores
+from models.softcap import softcap_grad
+
 # The log-sum-exp of a query that sees no key at all (its output is 0). Finite, not -inf: callers
 # that combine partial results over several key blocks (ring attention) take
 # lse = logaddexp(lse_a, lse_b) and weigh each part by exp(lse_part - lse); with -inf on both sides
@@ -42,8 +45,10 @@ def blockwise_attention(
     window: int | None = None,
     block_k: int = BLOCK_K,
     return_lse: bool = False,
+    softcap: float = 0.0,
 ):
-    """Grouped-query attention (query head n uses kv head n // (N / K)), scale 1/sqrt(H).
+    """Grouped-query attention (query head n uses kv head n // (N / K)), scale 1/sqrt(H), the
+    scaled scores soft-capped by `softcap` (models/softcap.py; 0 = none).
 
     Returns out_BTNH in q's dtype, and with `return_lse` also lse_BTN (float32): the log-sum-exp
     of the query's visible scaled scores, NO_KEYS_LSE where it sees none. Both are differentiable;
@@ -76,7 +81,16 @@ def blockwise_attention(
         raise ValueError(f"block_k={block_k}: must be at least 1")
     # no padding beyond S when one block holds every key
     out_BTNH, lse_BTN = _attention(
-        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, min(block_k, s)
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        q_pos_BT,
+        k_pos_BS,
+        q_seg_BT,
+        k_seg_BS,
+        window,
+        min(block_k, s),
+        softcap,
     )
     return (out_BTNH, lse_BTN) if return_lse else out_BTNH
 
@@ -134,9 +148,11 @@ def _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window):
     return seen_BTC[:, :, None, None, :]
 
 
-def _scores_BTKQC(q_BTKQH, k_BCKH, scale):
-    return (
-        jnp.einsum("btkqh,bckh->btkqc", q_BTKQH, k_BCKH, preferred_element_type=jnp.float32) * scale
+def _scores_BTKQC(q_BTKQH, k_BCKH, scale, softcap):
+    return cap_scores(
+        jnp.einsum("btkqh,bckh->btkqc", q_BTKQH, k_BCKH, preferred_element_type=jnp.float32)
+        * scale,
+        softcap,
     )
 
 
@@ -146,7 +162,7 @@ def _grouped(x_BTNH, kv_heads: int):
     return x_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
 
 
-def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c):
+def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c, softcap):
     b, t, n, h = q_BTNH.shape
     kv_heads = k_BSKH.shape[2]
     scale = 1.0 / math.sqrt(h)
@@ -157,7 +173,7 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, win
         m_BTKQ, l_BTKQ, acc_BTKQH = carry
         k_BCKH, v_BCKH, k_pos_BC, k_seg_BC, real_BC = _tied(block)
         seen = _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window)
-        s_BTKQC = jnp.where(seen, _scores_BTKQC(q_BTKQH, k_BCKH, scale), -jnp.inf)
+        s_BTKQC = jnp.where(seen, _scores_BTKQC(q_BTKQH, k_BCKH, scale, softcap), -jnp.inf)
         m_new = jnp.maximum(m_BTKQ, s_BTKQC.max(-1))
         # a query that has seen no key yet keeps m = -inf; shifting by 0 instead keeps exp() free
         # of -inf - (-inf): its p and correction are exp(-inf) = 0
@@ -188,14 +204,18 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, win
     return out_BTKQH.reshape(b, t, n, h).astype(q_BTNH.dtype), lse_BTKQ.reshape(b, t, n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c):
-    return _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c, softcap):
+    return _forward(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c, softcap
+    )
 
 
-def _attention_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c):
+def _attention_fwd(
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c, softcap
+):
     out_BTNH, lse_BTN = _forward(
-        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, window, c, softcap
     )
     # the residuals are O(T + S): no probabilities, the backward recomputes them from lse
     return (out_BTNH, lse_BTN), (
@@ -211,10 +231,11 @@ def _attention_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_B
     )
 
 
-def _attention_bwd(window, c, residuals, cotangents):
+def _attention_bwd(window, c, softcap, residuals, cotangents):
     """FlashAttention-2's backward over key blocks: with p = softmax probabilities (exp(s - lse)),
     dv = p^T dout, dp = dout v^T, ds = p * (dp - D) with D = rowsum(dout * out) - dlse (d lse/d s =
-    p, so the lse cotangent enters D), dq = ds k, dk = ds^T q, both times the scale."""
+    p, so the lse cotangent enters D), dq = ds k, dk = ds^T q, both times the scale (and, with a
+    soft cap, times its derivative at the score)."""
     q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN = residuals
     dout_BTNH, dlse_BTN = cotangents
     b, t, n, h = q_BTNH.shape
@@ -231,7 +252,7 @@ def _attention_bwd(window, c, residuals, cotangents):
         seen = _visible_BTKQC(q_pos_BT, q_seg_BT, k_pos_BC, k_seg_BC, real_BC, window)
         # hidden scores get exp(-inf) = 0; a query that sees nothing has lse = NO_KEYS_LSE and
         # only hidden scores, so its p, ds and dq are 0
-        s_BTKQC = _scores_BTKQC(q_BTKQH, k_BCKH, scale)
+        s_BTKQC = _scores_BTKQC(q_BTKQH, k_BCKH, scale, softcap)
         p_BTKQC = jnp.exp(jnp.where(seen, s_BTKQC - lse_BTKQ[..., None], -jnp.inf))
         dv_BCKH = jnp.einsum(
             "btkqc,btkqh->bckh",
@@ -240,7 +261,10 @@ def _attention_bwd(window, c, residuals, cotangents):
             preferred_element_type=f32,
         )
         dp_BTKQC = jnp.einsum("btkqh,bckh->btkqc", dout_BTKQH, v_BCKH, preferred_element_type=f32)
-        ds_BTKQC = (p_BTKQC * (dp_BTKQC - d_BTKQ[..., None]) * scale).astype(q_BTKQH.dtype)
+        ds_BTKQC = p_BTKQC * (dp_BTKQC - d_BTKQ[..., None]) * scale
+        if softcap:
+            ds_BTKQC = ds_BTKQC * softcap_grad(s_BTKQC, softcap)
+        ds_BTKQC = ds_BTKQC.astype(q_BTKQH.dtype)
         dq_BTKQH = dq_BTKQH + jnp.einsum(
             "btkqc,bckh->btkqh", ds_BTKQC, k_BCKH, preferred_element_type=f32
         )

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from errors import UserError
+from models import family_fields, gemma_fields
 from models.fields import check_ranges, option, ranged
-from models.pipeline.timetables import SCHEDULES, TIMETABLES
+from models.pipeline_config import PipelineConfig as PipelineConfig  # its home before
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_offload")
 MATMUL_PRECISIONS = ("default", "fp8")
@@ -194,6 +195,35 @@ class ModelConfig:
         help="MoE: DeepSeek-V3 aux-loss-free balancing, the bias step per update; 0 = off",
     )
 
+    # -- per-layer attention patterns and the Gemma family's math; ranges, help and the rules
+    # between them: models/gemma_fields.py (every default leaves the Llama decoder as it is)
+    layer_pattern: str = gemma_fields.FIELDS["layer_pattern"]
+    rope_local_theta: float = gemma_fields.FIELDS["rope_local_theta"]
+    rope_linear_factor: float = gemma_fields.FIELDS["rope_linear_factor"]
+    embed_scale: bool = gemma_fields.FIELDS["embed_scale"]
+    norm_plus_one: bool = gemma_fields.FIELDS["norm_plus_one"]
+    mlp_activation: str = gemma_fields.FIELDS["mlp_activation"]
+    sandwich_norm: bool = gemma_fields.FIELDS["sandwich_norm"]
+    attn_softcap: float = gemma_fields.FIELDS["attn_softcap"]
+    final_softcap: float = gemma_fields.FIELDS["final_softcap"]
+    query_pre_attn_scalar: float = gemma_fields.FIELDS["query_pre_attn_scalar"]
+    # -- DeepSeek-V3 / Qwen3-MoE: latent attention, group-limited routing, the dense first layers,
+    # multi-token prediction; ranges, help and the rules between them: models/family_fields.py
+    kv_lora_rank: int = family_fields.FIELDS["kv_lora_rank"]
+    q_lora_rank: int = family_fields.FIELDS["q_lora_rank"]
+    qk_nope_head_dim: int = family_fields.FIELDS["qk_nope_head_dim"]
+    qk_rope_head_dim: int = family_fields.FIELDS["qk_rope_head_dim"]
+    v_head_dim: int = family_fields.FIELDS["v_head_dim"]
+    rope_interleave: bool = family_fields.FIELDS["rope_interleave"]
+    router_groups: int = family_fields.FIELDS["router_groups"]
+    router_topk_groups: int = family_fields.FIELDS["router_topk_groups"]
+    router_renorm: bool = family_fields.FIELDS["router_renorm"]
+    router_scale: float = family_fields.FIELDS["router_scale"]
+    router_bias: bool = family_fields.FIELDS["router_bias"]
+    first_dense_layers: int = family_fields.FIELDS["first_dense_layers"]
+    mtp_layers: int = family_fields.FIELDS["mtp_layers"]
+    mtp_loss_weight: float = family_fields.FIELDS["mtp_loss_weight"]
+
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.d_model // self.n_heads
@@ -214,8 +244,21 @@ class ModelConfig:
         return self.d_ff_expert or self.d_ff
 
     @property
+    def n_group_layers(self) -> int:  # the layers of the repeating groups
+        return self.n_layers - self.first_dense_layers
+
+    @property
     def n_moe_layers(self) -> int:
-        return self.n_layers // self.moe_every if self.n_experts else 0
+        return self.n_group_layers // self.moe_every if self.n_experts else 0
+
+    @property
+    def latent_attention(self) -> bool:  # models/mla.py
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The query/key width of a latent-attention head: the RoPE-free part, then the rotary."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def validate(self) -> ModelConfig:
         """The declared ranges, then the rules between fields; UserError on the first broken one."""
@@ -226,7 +269,7 @@ class ModelConfig:
                 raise UserError(f"model: {msg}")
 
         need(
-            self.attn_head_dim or self.d_model % self.n_heads == 0,
+            self.attn_head_dim or self.latent_attention or self.d_model % self.n_heads == 0,
             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads} (or set"
             " attn_head_dim)",
         )
@@ -236,7 +279,7 @@ class ModelConfig:
             f" must exceed rope_low_freq_factor={self.rope_low_freq_factor}",
         )
         need(
-            self.head_dim % 2 == 0,
+            self.latent_attention or self.head_dim % 2 == 0,
             f"head_dim={self.head_dim} (attn_head_dim, or d_model/n_heads) must be even for"
             " rotary embeddings",
         )
@@ -266,15 +309,19 @@ class ModelConfig:
         )
         if self.n_experts:
             self._validate_moe(need)
+        gemma_fields.check(self, need)
+        family_fields.check(self, need)
         return self
 
     def _validate_moe(self, need) -> None:
         e, k = self.n_experts, self.experts_per_token
         need(k <= e, f"experts_per_token={k} must be in [1, n_experts={e}]")
+        grouped, first = self.n_group_layers, self.first_dense_layers
         need(
-            self.n_layers % self.moe_every == 0,
-            f"moe_every={self.moe_every} must divide n_layers={self.n_layers}; valid:"
-            f" {[m for m in range(1, self.n_layers + 1) if self.n_layers % m == 0]}",
+            grouped % self.moe_every == 0,
+            f"moe_every={self.moe_every} must divide n_layers={self.n_layers}"
+            + (f" less first_dense_layers={first} = {grouped}" if first else "")
+            + f"; valid: {[m for m in range(1, grouped + 1) if grouped % m == 0]}",
         )
         need(self.router in ROUTERS, f"router '{self.router}' is not one of {', '.join(ROUTERS)}")
         need(
@@ -304,10 +351,19 @@ class ModelConfig:
                 f"model: attention 'cudnn' needs an NVIDIA GPU, this backend is {platform};"
                 f" valid here: auto, dense, blockwise"
             )
+        if self.attention == "cudnn" and self.attn_softcap:
+            raise UserError(
+                "model: attention 'cudnn' cannot soft-cap scores"
+                f" (attn_softcap={self.attn_softcap}); valid with soft-capping: auto, dense,"
+                " blockwise"
+            )
         if self.attention != "auto":
             return self.attention
         if platform == "gpu":
-            return "blockwise" if packed and seq_len >= BLOCKWISE_FROM else "jax"
+            kind = "blockwise" if packed and seq_len >= BLOCKWISE_FROM else "jax"
+            if self.attn_softcap and kind == "jax":  # no fused kernel soft-caps the scores
+                kind = "blockwise" if seq_len >= BLOCKWISE_FROM else "dense"
+            return kind
         return "blockwise" if seq_len >= BLOCKWISE_FROM else "dense"
 
     def compute_dtype(self, platform: str) -> str:
@@ -327,49 +383,3 @@ class ModelConfig:
 
             return cpu_dtype.auto()
         return "bfloat16", "auto: bfloat16 on GPU/TPU"
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """The `pipeline` config section (`--pipeline.microbatches` ...); the stage count is the mesh's
-    pipeline axis (`--mesh pipeline=P`)."""
-
-    microbatches: int = ranged(
-        0,
-        ">=0",
-        help="microbatches per step; 0 = as many as stages; more shrinks the"
-        " bubble (P-1)/(R*M+P-1)",
-    )
-    repeats: int = ranged(
-        1,
-        ">=1",
-        help="circular and interleaved_1f1b: layer chunks per device (virtual stages per device)",
-    )
-    schedule: str = option(
-        "gpipe",
-        f"pipeline schedule: {' | '.join(SCHEDULES)}"
-        f" ({'; '.join(f'{t.name}: {t.about}' for t in TIMETABLES.values() if t.about)})",
-    )
-    remat_stage: bool = option(
-        False, "also recompute each stage in the backward pass (less memory)"
-    )
-    gather_once: bool = option(
-        False, "fsdp: all-gather each stage's weights once per step, not every tick"
-    )
-
-    def validate(self) -> PipelineConfig:
-        """The declared ranges and the schedule's name; what needs the mesh (stages, layer and batch
-        divisibility) the Trainer checks."""
-        check_ranges(self, lambda name: f"--pipeline.{name}")
-        if self.schedule not in SCHEDULES:
-            raise UserError(
-                f"--pipeline.schedule '{self.schedule}' is not one of {', '.join(SCHEDULES)}"
-            )
-        return self
-
-    @property
-    def replica_axes(self) -> tuple[str, ...]:
-        return ("data", "fsdp") if self.gather_once else ("data",)
-
-    def microbatches_for(self, stages: int) -> int:
-        return self.microbatches or stages

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
@@ -41,6 +42,7 @@ from mesh.shard import constrain, entry_axes
 from models import dense_attention
 from models.blockwise import NO_KEYS_LSE, blockwise_attention, visible
 from models.config import CONTEXT_STRATEGIES
+from models.softcap import softcap as cap_scores
 
 _STRATEGY: contextvars.ContextVar[str] = contextvars.ContextVar(
     "context_strategy", default="all_gather"
@@ -138,9 +140,11 @@ def local_attention(
     window: int,
     kind: str,
     return_lse: bool = False,
+    softcap: float = 0.0,
 ):
     """Attention of these queries to these keys, masked by positions: `kind` blockwise (memory
-    linear in S) or dense (a [B,1,T,S] mask; models/dense_attention.py)."""
+    linear in S) or dense (a [B,1,T,S] mask; models/dense_attention.py, or scores of our own where
+    they are soft-capped by `softcap`, models/softcap.py)."""
     if kind == "blockwise":
         return blockwise_attention(
             q_BTNH,
@@ -152,6 +156,7 @@ def local_attention(
             k_seg_BS,
             window=window or None,
             return_lse=return_lse,
+            softcap=softcap,
         )
     seg = (
         (None, None)
@@ -159,19 +164,23 @@ def local_attention(
         else (q_seg_BT[:, None, :, None], k_seg_BS[:, None, None, :])
     )
     mask_B1TS = visible(q_pos_BT[:, None, :, None], k_pos_BS[:, None, None, :], *seg, window)
+    if softcap and not return_lse:
+        return _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, softcap)[0]
     if not return_lse:
         return dense_attention.attend(q_BTNH, k_BSKH, v_BSKH, mask_B1TS[:, 0])
-    return _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS)
+    return _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, softcap)
 
 
-def _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS):
+def _dense_with_lse(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, softcap: float = 0.0):
     """Dense masked attention that also returns the log-sum-exp of each query's visible scores
     ([B,T,N] float32; NO_KEYS_LSE where none is visible, and then an output of 0): a ring step's
-    result."""
+    result. The scaled scores are soft-capped by `softcap` (0: none)."""
     b, t, n, h = q_BTNH.shape
     k = k_BSKH.shape[2]
     q_BTKQH = q_BTNH.reshape(b, t, k, n // k, h).astype(jnp.float32) / math.sqrt(h)
-    s_BKQTS = jnp.einsum("btkqh,bskh->bkqts", q_BTKQH, k_BSKH.astype(jnp.float32))
+    s_BKQTS = cap_scores(
+        jnp.einsum("btkqh,bskh->bkqts", q_BTKQH, k_BSKH.astype(jnp.float32)), softcap
+    )
     mask_B11TS = mask_B1TS[:, :, None]
     # hidden scores at NO_KEYS_LSE, not -inf: a row with nothing visible stays finite in both passes
     lse_BKQT = jax.nn.logsumexp(jnp.where(mask_B11TS, s_BKQTS, NO_KEYS_LSE), axis=-1)
@@ -194,12 +203,32 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, kind: str):
+def attend(
+    q_BTNH,
+    k_BTKH,
+    v_BTKH,
+    positions_BT,
+    segment_ids_BT,
+    *,
+    window: int,
+    kind: str,
+    softcap: float = 0.0,
+):
     """Causal attention masked by positions, on whatever mesh is in context: with the sequence
-    sharded (context > 1), by the strategy in context (`strategy`); else on the local sequence."""
+    sharded (context > 1), by the strategy in context (`strategy`); else on the local sequence.
+    `softcap`: the scores soft-capped (models/softcap.py)."""
     n = context_size()
     if n > 1 and _STRATEGY.get() == "ring":
-        return _ring(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=window, kind=kind)
+        return _ring(
+            q_BTNH,
+            k_BTKH,
+            v_BTKH,
+            positions_BT,
+            segment_ids_BT,
+            window=window,
+            kind=kind,
+            softcap=softcap,
+        )
     if n > 1:  # all_gather: the keys' sequence dim replicated, which XLA turns into an all-gather
         kv = ("batch", None, "act_kv_heads", None)
         k_BTKH, v_BTKH = constrain(k_BTKH, kv), constrain(v_BTKH, kv)
@@ -217,10 +246,13 @@ def attend(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int,
         k_seg_BT,
         window=window,
         kind=kind,
+        softcap=softcap,
     )
 
 
-def _ring(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, kind: str):
+def _ring(
+    q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, kind: str, softcap: float
+):
     """The ring strategy: a shard_map manual over every real mesh axis (as the MoE layer's), each
     device holding its own queries; K/V blocks travel one hop per step, n - 1 hops in all."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -244,25 +276,16 @@ def _ring(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, *, window: int, 
         )
     perm = [(i, (i + 1) % n) for i in range(n)]
     has_seg = segment_ids_BT is not None
+    attend = functools.partial(
+        local_attention, window=window, kind=kind, return_lse=True, softcap=softcap
+    )
 
     def body(q, k, v, q_pos, *seg):
         q_seg = seg[0] if has_seg else None
 
         def attend_to(kv):
             """This device's queries against one K/V block (k, v, positions[, segment ids])."""
-            k_seg = kv[3] if has_seg else None
-            return local_attention(
-                q,
-                kv[0],
-                kv[1],
-                q_pos,
-                kv[2],
-                q_seg,
-                k_seg,
-                window=window,
-                kind=kind,
-                return_lse=True,
-            )
+            return attend(q, kv[0], kv[1], q_pos, kv[2], q_seg, kv[3] if has_seg else None)
 
         local = (k, v, q_pos) + tuple(seg)
         out, lse = attend_to(local)  # the local block: every query sees at least itself

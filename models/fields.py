@@ -6,6 +6,7 @@ flags and environment variables share them."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -46,3 +47,13 @@ def check_ranges(section: Any, flag_of: Callable[[str], str]) -> None:
         check_number(
             flag_of(f.name), getattr(section, f.name), hints[f.name], rng, f.metadata["why"]
         )
+
+
+# the kinds of a config.json value (models/hf_config.py and models/hf_gemma.py check keys with them)
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is a Python int
+
+
+def is_number(v) -> bool:
+    # finite: Python's json reads NaN and Infinity
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

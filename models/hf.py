@@ -1,5 +1,5 @@
-"""HuggingFace Llama, Mistral, Mixtral, Qwen2/2.5 and Qwen3 <-> Brigade: the family tables, and
-the model object (`Model`: a ModelConfig and its params).
+"""HuggingFace Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3 and Gemma 1/2/3 <-> Brigade: the family
+tables, and the model object (`Model`: a ModelConfig and its params).
 
 The conversion is a table per architecture (`ROWS`): each row names a Brigade parameter (its '/'
 path in the params dict), the HF tensor it comes from (a name template over layer `{l}`, and
@@ -49,9 +49,15 @@ LAYOUTS = {
 
 
 class Row(NamedTuple):
+    """One parameter's conversion. A row applies to a config whose model has its Brigade parameter
+    (the latent and the plain query projection, say, are rows of one table)."""
+
     brigade: str  # '/' path in the params dict
     hf: str  # tensor name; {l} = layer, {e} = expert: the leading stacked dims, in order
     layout: str  # key of LAYOUTS
+    # the head width the layout reshapes by, from the config (None: ModelConfig.head_dim)
+    dim: Callable[[ModelConfig], int] | None = None
+    first_layer: int = 0  # the HF layer number {l} of a tail stack's index 0
 
 
 _LAYER = "model.layers.{l}."
@@ -109,13 +115,145 @@ QWEN3_ROWS = LLAMA_ROWS + (
     Row("blocks/attn/q_norm/scale", _ATTN + "q_norm.weight", "same"),
     Row("blocks/attn/k_norm/scale", _ATTN + "k_norm.weight", "same"),
 )
+# Gemma: Llama's tensors (its RMSNorm's 1 + w is model.norm_plus_one: w is stored as HF stores it).
+# Gemma 2/3 norm each sublayer's output too (sandwich): HF's post_attention_layernorm is the norm
+# after attention, not before the MLP (that is pre_feedforward_layernorm). Gemma 3 adds the q/k
+# norms of Qwen3.
+GEMMA2_ROWS = _OUTER + (
+    Row("blocks/attn_norm/scale", _LAYER + "input_layernorm.weight", "same"),
+    Row("blocks/attn/wq_DNH", _ATTN + "q_proj.weight", "in_heads"),
+    Row("blocks/attn/wk_DKH", _ATTN + "k_proj.weight", "in_heads"),
+    Row("blocks/attn/wv_DKH", _ATTN + "v_proj.weight", "in_heads"),
+    Row("blocks/attn/wo_NHD", _ATTN + "o_proj.weight", "out_heads"),
+    Row("blocks/post_attn_norm/scale", _LAYER + "post_attention_layernorm.weight", "same"),
+    Row("blocks/mlp_norm/scale", _LAYER + "pre_feedforward_layernorm.weight", "same"),
+    Row("blocks/mlp/w_gate_DF", _LAYER + "mlp.gate_proj.weight", "T"),
+    Row("blocks/mlp/w_up_DF", _LAYER + "mlp.up_proj.weight", "T"),
+    Row("blocks/mlp/w_down_FD", _LAYER + "mlp.down_proj.weight", "T"),
+    Row("blocks/post_mlp_norm/scale", _LAYER + "post_feedforward_layernorm.weight", "same"),
+)
+GEMMA3_ROWS = GEMMA2_ROWS + QWEN3_ROWS[len(LLAMA_ROWS) :]
+
+
+_SWIGLU = (("gate_DF", "gate"), ("up_DF", "up"), ("down_FD", "down"))
+
+
+def _mlp_rows(stack: str) -> tuple[Row, ...]:
+    return tuple(
+        Row(f"{stack}/mlp/w_{ours}", _LAYER + f"mlp.{theirs}_proj.weight", "T")
+        for ours, theirs in _SWIGLU
+    )
+
+
+def _expert_rows(stack: str) -> tuple[Row, ...]:
+    """An MoE layer's router and experts as Qwen2/3-MoE and DeepSeek-V3 name them, and DeepSeek-V3's
+    selection bias and shared experts (rows that apply where the model has them)."""
+    moe = f"{stack}/moe/"
+    return (
+        (
+            Row(moe + "router_DE", _LAYER + "mlp.gate.weight", "T"),
+            Row(moe + "router_bias_E", _LAYER + "mlp.gate.e_score_correction_bias", "same"),
+        )
+        + tuple(
+            Row(moe + ours, _LAYER + f"mlp.experts.{{e}}.{theirs}_proj.weight", "T")
+            for ours, theirs in (("w_gate_EDF", "gate"), ("w_up_EDF", "up"), ("w_down_EFD", "down"))
+        )
+        + tuple(
+            Row(moe + f"shared/w_{ours}", _LAYER + f"mlp.shared_experts.{theirs}_proj.weight", "T")
+            for ours, theirs in _SWIGLU
+        )
+    )
+
+
+# Qwen3-MoE: Qwen3's attention in every layer; dense layers (the first_dense_layers, and all but
+# the last of each moe_every group) with an MLP, the others MoE. The router is softmax, top-k,
+# renormalised or not (norm_topk_prob).
+_QWEN3_NORMS = (
+    Row("{stack}/attn/q_norm/scale", _ATTN + "q_norm.weight", "same"),
+    Row("{stack}/attn/k_norm/scale", _ATTN + "k_norm.weight", "same"),
+)
+
+
+def _qwen3_attention(stack: str) -> tuple[Row, ...]:
+    norms = tuple(r._replace(brigade=r.brigade.format(stack=stack)) for r in _QWEN3_NORMS)
+    return _attention_rows(stack) + norms
+
+
+QWEN3_MOE_ROWS = (
+    _OUTER
+    + _qwen3_attention("first_blocks")
+    + _mlp_rows("first_blocks")
+    + _qwen3_attention("blocks")
+    + _mlp_rows("blocks")
+    + _qwen3_attention("moe_blocks")
+    + _expert_rows("moe_blocks")
+)
+
+
+# DeepSeek-V3: latent attention (models/mla.py). q_proj (no query latent) or q_a_proj, its norm and
+# q_b_proj; kv_a_proj_with_mqa holds the KV latent then the rotary key; kv_b_proj each head's
+# RoPE-free key features then its value, as the heads' rows [N*(G+W), C]; o_proj the values'
+# columns [D, N*W].
+def _qk_width(cfg: ModelConfig) -> int:
+    return cfg.qk_head_dim
+
+
+def _kv_width(cfg: ModelConfig) -> int:
+    return cfg.qk_nope_head_dim + cfg.v_head_dim
+
+
+def _v_width(cfg: ModelConfig) -> int:
+    return cfg.v_head_dim
+
+
+def _mla_rows(stack: str) -> tuple[Row, ...]:
+    a = f"{stack}/attn/"
+    return (
+        Row(f"{stack}/attn_norm/scale", _LAYER + "input_layernorm.weight", "same"),
+        Row(a + "wq_DNH", _ATTN + "q_proj.weight", "in_heads", _qk_width),
+        Row(a + "wq_a_DQ", _ATTN + "q_a_proj.weight", "T"),
+        Row(a + "q_norm/scale", _ATTN + "q_a_layernorm.weight", "same"),
+        Row(a + "wq_b_QNH", _ATTN + "q_b_proj.weight", "in_heads", _qk_width),
+        Row(a + "wkv_a_DC", _ATTN + "kv_a_proj_with_mqa.weight", "T"),
+        Row(a + "kv_norm/scale", _ATTN + "kv_a_layernorm.weight", "same"),
+        Row(a + "wkv_b_CNH", _ATTN + "kv_b_proj.weight", "in_heads", _kv_width),
+        Row(a + "wo_NWD", _ATTN + "o_proj.weight", "out_heads", _v_width),
+        Row(f"{stack}/mlp_norm/scale", _LAYER + "post_attention_layernorm.weight", "same"),
+    )
+
+
+# Multi-token prediction modules (models/mtp.py) are the layers after the last, as DeepSeek-V3's
+# checkpoints hold them: a decoder layer plus enorm, hnorm, eh_proj ([D, 2D]: the embedding's
+# columns first) and shared_head.norm; their embed_tokens and shared_head.head repeat the model's
+# (shared_copies).
+DEEPSEEK_V3_ROWS = (
+    _OUTER
+    + _mla_rows("first_blocks")
+    + _mlp_rows("first_blocks")
+    + _mla_rows("moe_blocks")
+    + _expert_rows("moe_blocks")
+    + _mla_rows("mtp/block")
+    + _expert_rows("mtp/block")
+    + (
+        Row("mtp/enorm/scale", _LAYER + "enorm.weight", "same"),
+        Row("mtp/hnorm/scale", _LAYER + "hnorm.weight", "same"),
+        Row("mtp/w_eh_ED", _LAYER + "eh_proj.weight", "T"),
+        Row("mtp/norm/scale", _LAYER + "shared_head.norm.weight", "same"),
+    )
+)
 ROWS = {
     "llama": LLAMA_ROWS,
     "mistral": LLAMA_ROWS,
     "mixtral": MIXTRAL_ROWS,
     "qwen2": QWEN2_ROWS,
     "qwen3": QWEN3_ROWS,
+    "gemma": LLAMA_ROWS,
+    "gemma2": GEMMA2_ROWS,
+    "gemma3_text": GEMMA3_ROWS,
+    "qwen3_moe": QWEN3_MOE_ROWS,
+    "deepseek_v3": DEEPSEEK_V3_ROWS,
 }
+
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -153,6 +291,13 @@ _SHAPE_FIELDS = (
     "tie_embeddings",
     "qkv_bias",
     "qk_norm",
+    "sandwich_norm",
+    "layer_pattern",
+    "moe_every",
+    "first_dense_layers",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "mtp_layers",
 )
 
 

@@ -1,17 +1,19 @@
-"""HuggingFace config.json <-> Brigade's ModelConfig, for the Llama, Mistral, Mixtral, Qwen2/2.5
-and Qwen3 families: every key's JSON type checked, anything Brigade would compute differently
-refused in one line naming the key, and the reverse for export (which family a ModelConfig
-converts to). The tensors' tables are models/hf.py's.
+"""HuggingFace config.json <-> Brigade's ModelConfig, for the Llama, Mistral, Mixtral, Qwen2/2.5,
+Qwen3 and Gemma 1/2/3 families: every key's JSON type checked, anything Brigade would compute
+differently refused in one line naming the key, and the reverse for export (which family a
+ModelConfig converts to). The Gemma families' own keys are models/hf_gemma.py's; the tensors'
+tables are models/hf.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 from errors import UserError
+from models import hf_gemma, hf_moe_config
 from models.config import ModelConfig
+from models.fields import is_int, is_number
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -21,27 +23,24 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **hf_gemma.ARCHITECTURES,
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # config.json keys each family's HF model reads that add tensors Brigade has no place
 # for (true is refused)
-_BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+_BIAS_KEYS = {
+    "llama": ("attention_bias", "mlp_bias"),
+    "qwen3": ("attention_bias",),
+    "qwen3_moe": ("attention_bias",),
+    "deepseek_v3": ("attention_bias",),
+}
 # families whose config.json may set head_dim apart from hidden_size / num_attention_heads
-_FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3")
-# Gemma 2/3 differ from the Llama block in ways the stacked decoder does not express: tanh
-# soft-capping of attention and final logits, norms after attention and MLP too
-# (sandwich), RMSNorm scaled by 1 + w, embeddings scaled by sqrt(hidden_size), GeGLU, and
-# local/global layers alternating with their own RoPE bases. Refused by name, with the
-# keys that carry those differences.
-_GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
-_GEMMA_KEYS = (
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
-    "query_pre_attn_scalar",
-    "hidden_activation",
-    "sliding_window_pattern",
-    "layer_types",
-    "rope_local_base_freq",
-)
+# (DeepSeek-V3's is its rotary width: latent attention has its own head widths)
+_FREE_HEAD_DIM = ("mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", *hf_gemma.ARCHITECTURES)
+_QWEN3_TYPES = ("qwen3", "qwen3_moe")
+# multimodal configs: the text model inside is supported, the towers that feed it are not
+_TOWERS = {"gemma3": ("vision_config", "gemma3_text")}
 # Llama 3.1's "llama3" RoPE scaling, where this ModelConfig has its fields.
 _LLAMA3_ROPE = "rope_scaling_factor" in {f.name for f in dataclasses.fields(ModelConfig)}
 _LLAMA3_KEYS = {
@@ -53,19 +52,13 @@ _LLAMA3_KEYS = {
 # Tensors some checkpoints carry that hold nothing to convert (recomputed from the config).
 
 
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is a Python int
-
-
-def is_number(v) -> bool:
-    # finite: Python's json reads NaN and Infinity
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 _KINDS = {
     "a positive integer": lambda v: is_int(v) and v > 0,
     "a non-negative integer": lambda v: is_int(v) and v >= 0,
     "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "a list of non-negative integers": lambda v: (
+        isinstance(v, list) and all(is_int(x) and x >= 0 for x in v)
+    ),
     "a positive number": lambda v: is_number(v) and v > 0,
     "a non-negative number": lambda v: is_number(v) and v >= 0,
     "true or false": lambda v: isinstance(v, bool),
@@ -106,6 +99,8 @@ _KEY_KINDS = {
     "hidden_act": "a string",
     "rope_scaling": "an object",
     "rope_parameters": "an object",
+    **hf_gemma.KEY_KINDS,
+    **hf_moe_config.KEY_KINDS,
 }
 _ROPE_KINDS = {"rope_theta": "a positive number", "rope_type": "a string", "type": "a string"}
 
@@ -144,20 +139,19 @@ def config_from_hf(
     is refused with one line naming the key."""
     check_config_types(hf, where)
     mtype = hf.get("model_type")
-    if mtype in _GEMMA_TYPES:
-        keys = [k for k in _GEMMA_KEYS if k in hf]
+    if mtype in _TOWERS:
+        key, text = _TOWERS[mtype]
         raise UserError(
-            f"{where}: model_type={json.dumps(mtype)} is not supported: Brigade's decoder has no"
-            " soft-capping, sandwich norms, scaled embeddings, GeGLU or alternating local/global"
-            " layers"
-            + (f" (this config sets {', '.join(keys)})" if keys else "")
-            + f"; supported model types: {', '.join(ARCHITECTURES)}"
+            f"{where}: model_type={json.dumps(mtype)} is a multimodal model: its tower"
+            f" ({key}{' set' if key in hf else ''}) has no place in Brigade's decoder; its"
+            f" language model converts as model_type {text} (its text_config)"
         )
     if mtype not in ARCHITECTURES:
         _bad(where, "model_type", mtype, ", ".join(ARCHITECTURES))
     if dtype not in DTYPES:
         raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
-    if hf.get("hidden_act", "silu") != "silu":
+    gemma = mtype in hf_gemma.ARCHITECTURES
+    if not gemma and hf.get("hidden_act", "silu") != "silu":
         _bad(where, "hidden_act", hf["hidden_act"], "silu")
     for key in _BIAS_KEYS.get(mtype, ()):
         if hf.get(key):
@@ -166,24 +160,11 @@ def config_from_hf(
     head_dim = hf.get("head_dim")
     if mtype not in _FREE_HEAD_DIM and (head_dim not in (None, d // n) or d % n):
         _bad(where, "head_dim", head_dim, f"hidden_size/num_attention_heads = {d / n:g}")
-    free_head_dim = head_dim is not None and (head_dim != d // n or d % n)
-    moe = {}
-    if mtype == "mixtral":
-        for key in ("num_local_experts", "num_experts_per_tok"):
-            if hf.get(key) is None:
-                raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
-        moe = dict(
-            n_experts=hf["num_local_experts"],
-            experts_per_token=hf["num_experts_per_tok"],
-            d_ff_expert=hf["intermediate_size"],
-            moe_every=1,
-            router="softmax",
-            dispatch="dropless",
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
-            z_loss_coef=0.0,
-        )
+    free_head_dim = (
+        mtype != "deepseek_v3" and head_dim is not None and (head_dim != d // n or d % n)
+    )
     rope = hf.get("rope_parameters") or {}  # transformers >= 5; before: rope_theta + rope_scaling
-    cfg = ModelConfig(
+    fields = dict(
         vocab_size=hf["vocab_size"],
         d_model=d,
         n_layers=hf["num_hidden_layers"],
@@ -196,17 +177,37 @@ def config_from_hf(
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attn_head_dim=head_dim if free_head_dim else 0,
         qkv_bias=mtype == "qwen2",
-        qk_norm=mtype == "qwen3",
+        qk_norm=mtype in _QWEN3_TYPES,
         sliding_window=_sliding_window(hf, mtype, where),
         dtype=dtype,
         param_dtype=dtype,
-        **moe,
-        **_rope_scaling(hf, where),
     )
+    if mtype == "mixtral":
+        fields.update(_mixtral(hf, where))
+    if mtype in hf_moe_config.MOE_TYPES:
+        fields.update(hf_moe_config.fields_from_hf(hf, mtype, where))
+    fields.update(hf_gemma.fields_from_hf(hf, mtype, where) if gemma else _rope_scaling(hf, where))
     try:
-        return mtype, cfg.validate()
+        return mtype, ModelConfig(**fields).validate()
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+def _mixtral(hf: dict, where: str) -> dict:
+    """Mixtral's MoE fields: every layer MoE, softmax top-k renormalised, dropless."""
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        if hf.get(key) is None:
+            raise UserError(f"{where}: {key} is missing (a mixtral config needs it)")
+    return dict(
+        n_experts=hf["num_local_experts"],
+        experts_per_token=hf["num_experts_per_tok"],
+        d_ff_expert=hf["intermediate_size"],
+        moe_every=1,
+        router="softmax",
+        dispatch="dropless",
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
+        z_loss_coef=0.0,
+    )
 
 
 def _rope_scaling(hf: dict, where: str) -> dict:
@@ -241,6 +242,8 @@ def _sliding_window(hf: dict, mtype: str, where: str) -> int:
     window = hf.get("sliding_window")
     if mtype in ("mistral", "mixtral"):
         return window or 0
+    if mtype == "qwen3_moe":  # every layer, with use_sliding_window
+        return (window or 0) if hf.get("use_sliding_window") else 0
     if window is None or not hf.get("use_sliding_window", mtype == "llama"):
         return 0
     if mtype == "llama":
@@ -268,24 +271,21 @@ def _sliding_window(hf: dict, mtype: str, where: str) -> int:
 
 def model_type_of(cfg: ModelConfig) -> str:
     """The HF architecture a Brigade config converts to; UserError naming the field it cannot
-    express. Qwen3 has the q/k norms, Qwen2 the q/k/v biases, Mistral a sliding window or a free
-    head_dim (Qwen2/3 carry those too); plain Llama what is left."""
+    express. A Gemma field set: that Gemma (models/hf_gemma.py). MoE: DeepSeek-V3 has latent
+    attention, Qwen3-MoE the q/k norms, Mixtral neither (models/hf_moe_config.py). Dense: Qwen3
+    has the q/k norms, Qwen2 the q/k/v biases, Mistral a sliding window or a free head_dim
+    (Qwen2/3 carry those too); plain Llama what is left."""
+    gemma = hf_gemma.family_of(cfg)
+    if gemma:
+        return gemma
     if cfg.n_experts:
-        for field, want in (
-            ("moe_every", 1),
-            ("n_shared_experts", 0),
-            ("router", "softmax"),
-            ("router_bias_rate", 0),
-            ("qkv_bias", False),
-            ("qk_norm", False),
-            ("attn_head_dim", 0),
-        ):
-            if getattr(cfg, field) != want:
-                raise UserError(
-                    f"model.{field}={getattr(cfg, field)} has no HuggingFace Mixtral equivalent"
-                    f" (needs {want})"
-                )
-        return "mixtral"
+        return hf_moe_config.moe_type_of(cfg)
+    for field in ("kv_lora_rank", "mtp_layers"):
+        if getattr(cfg, field):
+            raise UserError(
+                f"model.{field}={getattr(cfg, field)} has a HuggingFace equivalent only in"
+                " DeepSeek-V3, an MoE model (needs n_experts > 0)"
+            )
     if cfg.qkv_bias and cfg.qk_norm:
         raise UserError(
             "model.qkv_bias=True with model.qk_norm=True has no HuggingFace equivalent"
@@ -307,7 +307,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.expert_width if cfg.n_experts else cfg.d_ff,
+        "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
@@ -330,6 +330,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
     window = cfg.sliding_window or None
     if model_type in ("mistral", "mixtral"):
         out["sliding_window"] = window
+    elif model_type == "qwen3_moe":
+        out.update(use_sliding_window=bool(window), sliding_window=window)
     elif model_type in ("qwen2", "qwen3"):  # every layer alike: all sliding or all full
         kind = "sliding_attention" if window else "full_attention"
         out.update(
@@ -338,10 +340,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
             max_window_layers=0 if window else cfg.n_layers,
             layer_types=[kind] * cfg.n_layers,
         )
-    if model_type == "mixtral":
-        out.update(
-            num_local_experts=cfg.n_experts,
-            num_experts_per_tok=cfg.experts_per_token,
-            router_aux_loss_coef=cfg.aux_loss_coef,
-        )
+    if cfg.n_experts:
+        out.update(hf_moe_config.config_keys(cfg, model_type))
+    if model_type in hf_gemma.ARCHITECTURES:
+        out.update(hf_gemma.to_hf(cfg, model_type))
     return out

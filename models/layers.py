@@ -34,15 +34,18 @@ def param(
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, d: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
-        self.scale = param(rngs, (d,), ("norm",), param_dtype, ones=True)
-        self.eps = eps
+    """`plus_one` (Gemma): the scale is 1 + w, w stored and initialised to 0, as HF stores it."""
+
+    def __init__(self, d: int, eps: float, param_dtype, *, rngs: nnx.Rngs, plus_one: bool = False):
+        self.scale = param(rngs, (d,), ("norm",), param_dtype, ones=not plus_one, zeros=plus_one)
+        self.eps, self.plus_one = eps, plus_one
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         # Statistics in float32 whatever the compute dtype; bf16 variance loses too much.
         x = x_BTD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x * (1.0 + scale if self.plus_one else scale)).astype(x_BTD.dtype)
 
 
 def rope_frequencies(h: int, theta: float, scaling: tuple | None = None) -> jax.Array:
@@ -59,11 +62,18 @@ def rope_frequencies(h: int, theta: float, scaling: tuple | None = None) -> jax.
 
 
 def rope(
-    x_BTNH: jax.Array, positions_BT: jax.Array, theta: float, scaling: tuple | None = None
+    x_BTNH: jax.Array,
+    positions_BT: jax.Array,
+    theta: float,
+    scaling: tuple | None = None,
+    linear: float = 1.0,
 ) -> jax.Array:
-    """Rotary embedding, split-halves layout (Llama/HF): pairs are (i, i + H/2)."""
+    """Rotary embedding, split-halves layout (Llama/HF): pairs are (i, i + H/2). `linear`: HF's
+    "linear" scaling, every wavelength stretched by that factor."""
     h = x_BTNH.shape[-1]
     inv_freq = rope_frequencies(h, theta, scaling)  # [H/2]
+    if linear != 1.0:
+        inv_freq = inv_freq / linear
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
     sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
@@ -71,16 +81,31 @@ def rope(
     return out.astype(x_BTNH.dtype)
 
 
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # HF gelu_pytorch_tanh
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+    """SwiGLU: down(silu(x W_gate) * (x W_up)); GeGLU with `activation` gelu_tanh or gelu."""
 
     def __init__(
-        self, d: int, f: int, dtype, param_dtype, *, rngs: nnx.Rngs, fp8_matmuls: bool = False
+        self,
+        d: int,
+        f: int,
+        dtype,
+        param_dtype,
+        *,
+        rngs: nnx.Rngs,
+        fp8_matmuls: bool = False,
+        activation: str = "silu",
     ):
         self.w_gate_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
         self.w_up_DF = param(rngs, (d, f), ("embed", "mlp"), param_dtype, fan_in=d)
         self.w_down_FD = param(rngs, (f, d), ("mlp", "embed"), param_dtype, fan_in=f)
-        self.dtype, self.fp8 = dtype, fp8_matmuls
+        self.dtype, self.fp8, self.activation = dtype, fp8_matmuls, activation
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = self.dtype
@@ -88,7 +113,8 @@ class MLP(nnx.Module):
         # tensor parallelism all-reduces it once instead of once per projection
         w_ZDF = jnp.stack([self.w_gate_DF[...], self.w_up_DF[...]]).astype(dt)
         gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
-        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
+        act = ACTIVATIONS[self.activation]
+        h_BTF = constrain(act(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
         return fp8.einsum("btf,fd->btd", h_BTF, self.w_down_FD[...].astype(dt), self.fp8)
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from models.layers import head_logits
+from models.softcap import softcap as cap_logits
 
 
 def token_xent(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -56,6 +57,7 @@ def chunked_token_xent(
     chunk_tokens: int,
     seq_shards: int = 1,
     compute_dtype=None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """`token_xent` of the logits einsum("btd,dv->btv", x, head) [B,T] float32, computed
     chunk_tokens tokens at a time: a scan over sequence chunks whose body is rematerialised
@@ -69,6 +71,7 @@ def chunked_token_xent(
     mesh axis; T is viewed as [seq_shards, T/seq_shards] and chunked inside each block, the block
     dim kept whole, so every chunk holds tokens of every sequence shard and GSPMD never reshards T.
     Batch and vocabulary dims may be sharded in any way: they are carried through untouched.
+    `softcap`: the logits soft-capped first (models/softcap.py; 0 = none).
 
     A block length that chunk_tokens does not divide is padded up to a whole number of chunks
     (zeros; their losses are sliced off, so they receive no gradient) rather than shrinking the
@@ -95,7 +98,7 @@ def chunked_token_xent(
 
     def chunk_xent(carry, xs):
         x_BSCD, targets_BSC = xs
-        logits_BSCV = head_logits(x_BSCD, head_DV)
+        logits_BSCV = cap_logits(head_logits(x_BSCD, head_DV), softcap)
         return carry, token_xent(logits_BSCV, targets_BSC)
 
     # Saves nothing of the body: the backward recomputes the chunk's logits. prevent_cse=False: a

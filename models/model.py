@@ -17,11 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from errors import UserError
+from models import layer_pattern, mla, registry
 from models import pipeline as pipeline_lib
-from models import registry
 from models.attention import KVCache
 from models.config import ModelConfig, PipelineConfig
 from models.loss import token_xent
+from models.pieces import layers_per_group, n_groups_and_tail
 from models.transformer import Decoder, default_positions
 
 # Shardings come from the logical-axis table through jit out_shardings, not from Flax's eager
@@ -102,11 +103,26 @@ def _forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT, segment_id
     return logits_BTV, stats
 
 
-def _init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+def _init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
+    """KVCache [L, B, S, K, H]; S = length, or a window's ring of min(window, length) slots
+    (models/window_cache.py). With a layer pattern, whose layers' S differ: a PatternCache."""
     dtype = jnp.dtype(dtype or compute_dtype(cfg))
-    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return KVCache(
-        jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((cfg.n_layers,), jnp.int32)
+    if cfg.latent_attention:  # the latent and the rotary key (models/mla.py)
+        return mla.init_cache(cfg, batch, length, dtype)
+
+    def empty(spec: layer_pattern.LayerSpec, lead: tuple[int, ...]) -> KVCache:
+        slots = min(length, spec.window) if spec.window else length
+        shape = (*lead, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(lead, jnp.int32))
+
+    specs = layer_pattern.layer_specs(cfg)
+    if not cfg.layer_pattern:
+        return empty(specs[0], (cfg.n_layers,))
+    n_groups, tail = n_groups_and_tail(cfg)
+    per_group = layers_per_group(cfg)
+    return layer_pattern.PatternCache(
+        tuple(empty(specs[j], (n_groups,)) for j in range(per_group)),
+        tuple(empty(spec, ()) for spec in specs[n_groups * per_group :]),
     )
 
 

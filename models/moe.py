@@ -120,6 +120,12 @@ def experts(
 # ------------------------------------------------------------------ the layer
 
 
+def has_router_bias(cfg: ModelConfig) -> bool:
+    """Whether the MoE layers hold the aux-loss-free selection bias: trained (router_bias_rate) or
+    kept as imported (router_bias)."""
+    return cfg.router_bias or cfg.router_bias_rate > 0
+
+
 class MoE(nnx.Module):
     """Routed experts (+ optional always-on shared experts). Returns (y [B,T,D], stats)."""
 
@@ -128,7 +134,7 @@ class MoE(nnx.Module):
         self.router_DE = param(
             rngs, (d, e), ("embed", "router_experts"), param_dtype, std=cfg.init_std
         )
-        if cfg.router_bias_rate > 0:  # updated by the train step from the loads, never by gradients
+        if has_router_bias(cfg):  # updated by the train step from the loads, never by gradients
             self.router_bias_E = param(rngs, (e,), ("router_experts",), jnp.float32, zeros=True)
         self.w_gate_EDF = param(rngs, (e, d, f), W_EDF, param_dtype, fan_in=d)
         self.w_up_EDF = param(rngs, (e, d, f), W_EDF, param_dtype, fan_in=d)
@@ -145,7 +151,7 @@ class MoE(nnx.Module):
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x_BTD: jax.Array):
-        bias = self.router_bias_E[...] if self.cfg.router_bias_rate > 0 else None
+        bias = self.router_bias_E[...] if has_router_bias(self.cfg) else None
         idx_BTJ, gate_BTJ, stats = route(self.cfg, x_BTD, self.router_DE[...], bias)
         dt = self.dtype
         y_BTD, dropped = experts(

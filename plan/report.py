@@ -17,7 +17,7 @@ from mesh.shard import path_names
 from mesh.spec import mesh_text
 from models import pipeline as pipeline_lib
 from models.flops import active_param_count, flops_per_token, param_count
-from models.pieces import layers_per_group
+from models.pieces import n_groups_and_tail
 from plan.hlo import KINDS, parse_collectives, summarize
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
@@ -178,7 +178,7 @@ def pipeline_report(s: RunSetup, measured: dict) -> dict:
     tick and direction)."""
     m, t, pc, P = s.cfg.model, s.cfg.train, s.cfg.pipeline, s.mesh.shape["pipeline"]
     M_, R = pc.microbatches_for(P), pc.repeats
-    n_groups = m.n_layers // layers_per_group(m)
+    n_groups = n_groups_and_tail(m)[0]
     shards = batch_shards(s.mesh, s.rules)
     th = pipeline_lib.permute_bytes_theory(
         batch=rows_per_shard(t.batch_size, t.micro_batches, shards),

@@ -136,7 +136,10 @@ SKIP = {
     " executed by tests/test_notebook.py",
 }
 # Section -> the earlier section whose directory it continues (it reads a run made there).
-HF_SECTION = "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3)"
+HF_SECTION = (
+    "HuggingFace checkpoints (Llama, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE, DeepSeek-V3,"
+    " Gemma 1/2/3)"
+)
 CONTINUES = {
     "Run reports": HF_SECTION,
     "Fine-tuning, evaluation and sampling: `configs/finetune.yaml`, `eval`, `sample`": HF_SECTION,

@@ -4,11 +4,11 @@ schedule's timetable's: the forward scan (gpipe.py, differentiated by autodiff),
 program (explicit.py, its backward written out), or, without a pipeline axis, a plain scan over
 the layer groups.
 
-What the pieces must provide: `embed(outer, tokens_BT) -> x_BTD`, `group(x_BTD, group_params,
-positions_BT, segment_ids_BT=None) -> (x_BTD, stats)`, `head(outer, x_BTD, batch, chunk=0) ->
-loss sum`, `count_stats` (the stat names that are sums over tokens), `remat_policy`,
-`scan_layers` and `cfg` (the model config). The params are (outer, stack), every stack leaf
-[G, ...] over the G layer groups.
+What the pieces must provide: `embed(outer, tokens_BT, positions_BT, segment_ids_BT=None) ->
+x_BTD`, `group(x_BTD, group_params, positions_BT, segment_ids_BT=None) -> (x_BTD, stats)`,
+`head(outer, x_BTD, batch, chunk=0) -> loss sum`, `count_stats` (the stat names that are sums over
+tokens), `remat_policy`, `scan_layers` and `cfg` (the model config). The params are (outer,
+stack), every stack leaf [G, ...] over the G layer groups.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def objective(pieces, params, batch: dict, *, pipeline=None, stat_weights=None, 
     stat_weights = stat_weights or {}
     if engine_for(pieces.cfg, pipeline) == EXPLICIT_PROGRAM:
         return _explicit_objective(pieces, outer, stack, batch, pipeline, stat_weights)
-    x_BTD = pieces.embed(outer, batch["inputs"])
+    x_BTD = pieces.embed(outer, batch["inputs"], batch["positions"], batch.get("segment_ids"))
     x_BTD, stats = stack_forward(
         pieces, stack, x_BTD, batch["positions"], batch.get("segment_ids"), pipeline=pipeline
     )
@@ -115,7 +115,7 @@ def _explicit_objective(pieces, outer, stack, batch, pipeline, stat_weights):
     M = pipeline.microbatches_for(P)
     n_groups = jax.tree.leaves(stack)[0].shape[0]
     objective, (loss_sum, stats) = explicit.loss(
-        lambda outer, mb: pieces.embed(outer, mb["inputs"]),
+        lambda outer, mb: pieces.embed(outer, mb["inputs"], mb["positions"], mb.get("segment_ids")),
         lambda x, p, mb: pieces.group(x, p, mb["positions"], mb.get("segment_ids")),
         lambda outer, y, mb: pieces.head(outer, y, mb),
         outer,

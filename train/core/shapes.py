@@ -13,7 +13,7 @@ from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
 from models import model, pipeline
 from models.config import PipelineConfig
-from models.pieces import layers_per_group
+from models.pieces import n_groups_and_tail
 from models.pipeline import explicit
 from train.core.config import TrainConfig
 
@@ -27,7 +27,7 @@ def validate_batch(
     mesh, rules, model_cfg, train_cfg: TrainConfig, pipeline_cfg: PipelineConfig
 ) -> None:
     """The batch split over the rules' batch axes and, with pipeline > 1, the schedule
-    (models.pipeline.validate on layer groups: models.pieces.layers_per_group)."""
+    (models.pipeline.validate on layer groups: models.pieces.n_groups_and_tail)."""
     t, m = train_cfg, model_cfg
     if t.batch_size % t.micro_batches:
         raise UserError(
@@ -46,9 +46,9 @@ def validate_batch(
         )
     stages = mesh.shape["pipeline"]
     if stages > 1:  # before compiling: a bad schedule is one line, not a trace error
-        pc, per_group = pipeline_cfg, layers_per_group(m)
+        pc = pipeline_cfg
         pipeline.validate(
-            n_layers=m.n_layers // per_group,
+            n_layers=n_groups_and_tail(m)[0],
             batch=per_micro,
             stages=stages,
             microbatches=pc.microbatches_for(stages),
