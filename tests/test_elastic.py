@@ -225,7 +225,7 @@ class Job:
         self.procs: dict[str, subprocess.Popen] = {}
         self.killed: set[str] = set()
 
-    def start(self, name: str, slot: int) -> subprocess.Popen:
+    def start(self, name: str, slot: int, env: dict[str, str] | None = None) -> subprocess.Popen:
         args = [
             *FLAGS,
             "--run-dir",
@@ -251,7 +251,7 @@ class Job:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "train", *args],
                 cwd=REPO,
-                env=child_env(4),
+                env={**child_env(4), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -330,8 +330,11 @@ def test_drill_a_lost_process_shrinks_the_job_and_its_return_grows_it_back(tmp_p
     job = Job(tmp_path, free_port())
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        job.start("slot0", 0)
-        job.start("slot1", 1)
+        # process 0 sleeps 1 s after each step, so that the shrunk attempt cannot finish its steps
+        # before process 1's supervisor is back (it starts no JAX: a second or two)
+        slow = {"BRIGADE_INJECT_STEP_DELAY": "0:1"}
+        job.start("slot0", 0, slow)
+        job.start("slot1", 1, slow)
         job.wait_for(
             f"step {kill_at}",
             lambda: any(r["step"] >= kill_at for r in _records(job.run_dir)),
@@ -340,15 +343,24 @@ def test_drill_a_lost_process_shrinks_the_job_and_its_return_grows_it_back(tmp_p
         job.kill("slot1")
         job.wait_for("the shrunk generation", lambda: job.members(1) is not None, deadline)
         assert job.members(1) == [0], job.logs()
-        job.start("slot1-back", 1)
+        # back once the shrunk attempt has trained (started earlier, it may grow before a step)
+        job.wait_for(
+            "a step on the shrunk mesh",
+            lambda: any(r.get("mesh") == "fsdp=2,model=2" for r in _records(job.run_dir)),
+            deadline,
+        )
+        job.start("slot1-back", 1, slow)
         for name in ("slot0", "slot1-back"):
             left = max(1.0, deadline - time.monotonic())
             assert job.procs[name].wait(timeout=left) == 0, job.logs()
     finally:
         job.stop_all()
     got = _assert_same_losses(job, reference())
-    meshes = [got[s]["mesh"] for s in sorted(got)]
-    assert "fsdp=2,model=2" in meshes and meshes[-1] == "data=2,fsdp=2,model=2", (meshes, kill_at)
+    meshes = [r["mesh"] for r in _records(job.run_dir)]  # every attempt's, redone steps too
+    assert "fsdp=2,model=2" in meshes and got[STEPS]["mesh"] == "data=2,fsdp=2,model=2", (
+        meshes,
+        kill_at,
+    )
     assert [e["event"] for e in _events(job)] == ["shrink", "grow"], job.logs()
     shrink_event = _events(job)[0]
     assert shrink_event["devices_to"] == 4 and shrink_event["lost"] == [1]

@@ -184,7 +184,7 @@ def test_tensorboard_events(run):
     files = glob.glob(str(run_dir / "tb" / "events.out.tfevents.*"))
     assert len(files) == 1 and os.path.getsize(files[0]) > 0
     tags = _tb_scalars(files[0])
-    assert STEP_KEYS - {"step"} <= set(tags)
+    assert STEP_KEYS - {"step", "mesh"} <= set(tags)  # the mesh is text: no scalar
     assert [s for s, _ in tags["loss"]] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(
         [v for _, v in tags["loss"]], [r["loss"] for r in tr.history], rtol=1e-6
