@@ -404,13 +404,8 @@ def _fit(tmp_path, name, **comm_opts):
 
 @pytest.mark.slow  # three short real runs (compiles dominate)
 def test_train_step_with_compression_and_diloco(tmp_path):
-    """Once train/{config,state,step,loop}.py carry the comm integration: int8 + error feedback
-    tracks the float32 run, the residual lives in the state sharded over data, and DiLoCo
-    (sync_every 2) trains from the same start."""
-    from train.core.config import SECTIONS
-
-    if "comm" not in SECTIONS:
-        pytest.skip("train/core/config.py has no `comm` section yet (integration pending)")
+    """int8 + error feedback tracks the float32 run, the residual lives in the state sharded over
+    data, and DiLoCo (sync_every 2) trains from the same start."""
     _, base = _fit(tmp_path, "none")
     tr, int8 = _fit(tmp_path, "int8", compression="int8")
     assert int8[0] == base[0]  # same start: the first loss precedes any sync

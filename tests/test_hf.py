@@ -383,8 +383,6 @@ def test_init_from_imported_checkpoint(tmp_path, case, mesh):
     from train.core.config import build
     from train.run.loop import Trainer
 
-    if not hasattr(Trainer, "init_from"):
-        pytest.skip("the trainer has no --init-from yet")
     make_hf(tmp_path / "hf", **CASES[case])
     hf.import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     over = {
