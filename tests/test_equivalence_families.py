@@ -2,9 +2,9 @@
 with latent attention (and its query latent), group-limited sigmoid routing with bias balancing,
 shared experts, a dense first layer and a multi-token prediction module (`deepseek-tiny`), and
 with Qwen3-MoE's (q/k norms, a free head width, softmax routing without renormalisation, a dense
-first layer), on expert x fsdp x model, pipeline (a forward-scan and an explicit schedule;
-DeepSeek) and context (ring; DeepSeek) meshes, compared per step after the warm-up (loss, gradient
-norm, every parameter).
+first layer), on expert x fsdp x model, pipeline (a forward-scan and an explicit schedule, and
+DeepSeek's under zb_h1's split backward; Qwen3-MoE's with an expert axis) and context (ring and
+all_gather) meshes, compared per step after the warm-up (loss, gradient norm, every parameter).
 
 As in tests/test_equivalence_pipeline.py, the one-device reference of a pipeline run accumulates
 gradients over the same micro-batches: the balance losses and loads are per micro-batch there."""
@@ -36,7 +36,13 @@ CASES = [
     ("deepseek", "pipeline=2,fsdp=2", {"pipeline.schedule": "gpipe"}, 2),
     ("deepseek", "pipeline=2,model=2", {"pipeline.schedule": "1f1b"}, 2),
     ("deepseek", "context=4", {"parallelism.context_strategy": "ring"}, 1),
+    ("deepseek", "context=2,fsdp=2", {"parallelism.context_strategy": "all_gather"}, 1),
+    ("deepseek", "pipeline=2,fsdp=2", {"pipeline.schedule": "zb_h1"}, 2),
     ("qwen3_moe", "expert=2,fsdp=2,model=2", {}, 1),
+    ("qwen3_moe", "pipeline=2,expert=2", {"pipeline.schedule": "gpipe"}, 2),
+    ("qwen3_moe", "pipeline=2,model=2", {"pipeline.schedule": "1f1b"}, 2),
+    ("qwen3_moe", "context=2,expert=2", {"parallelism.context_strategy": "ring"}, 1),
+    ("qwen3_moe", "context=2,fsdp=2", {"parallelism.context_strategy": "all_gather"}, 1),
 ]
 
 
