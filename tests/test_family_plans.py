@@ -4,22 +4,30 @@ what the run replicates: parameters per device x devices / data = the model's co
 pipeline mesh, (pipeline - 1) x what every stage keeps whole (the embedding, the head, the dense
 first layers, the multi-token prediction modules: mesh/rules.py's `outer_layers`), within 1% (the
 norms and router biases, replicated over every axis, are the rest: DeepSeek-V3 683.2B held against
-682.6B on expert=64,fsdp=8,data=4; 698.4B against 682.6B + 15.2B on the pipeline mesh)."""
+682.6B on expert=64,fsdp=8,data=4; 698.4B against 682.6B + 15.2B on the pipeline mesh). On
+small pipeline meshes plan's parameter bytes per device are exactly the run's own shardings'."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import jax
 import pytest
 
+from mesh.rules import make_rules
 from mesh.shard import is_axis_names
 from models import flops
 from models import model as model_lib
 from models.presets import preset as build_preset
 from plan import hardware, search
 from plan.cli import main as plan_main
+from plan.estimate import evaluate
+from plan.run_spec import abstract_mesh
+from train.core import optim
+from train.core import state as state_lib
+from train.core.config import TrainConfig
 
 # preset, mesh, devices, global batch, sequence
 CASES = [
@@ -67,3 +75,25 @@ def test_search_finds_pipeline_meshes_past_the_dense_first_layers():
     rows = search.search(cfg, 4, hardware.get("h100"), batch_size=8, seq_len=64)
     piped = [r for r in rows if r["sizes"]["pipeline"] == 2]
     assert piped and all(r["fits"] for r in piped), [r["mesh"] for r in rows]
+
+
+@pytest.mark.parametrize(
+    "preset,fields",
+    [
+        ("deepseek-tiny", {}),  # a dense first layer, 2 MoE groups, an MTP module
+        ("deepseek-tiny", {"n_layers": 5}),  # 4 groups
+        ("gemma-tiny", {"n_layers": 9}),  # LG: 4 groups and a tail layer
+    ],
+)
+def test_plan_holds_what_the_runs_shardings_hold(preset, fields):
+    """`plan`'s parameter bytes per device on a pipeline mesh are those of the run's own state
+    shardings (train/core/state.py abstract) on that mesh, summed over one device's shards."""
+    cfg = dataclasses.replace(build_preset(preset), **fields).validate()
+    sizes = {"pipeline": 2, "fsdp": 2, "data": 2}
+    r = evaluate(cfg, sizes, hardware.get("h100"), batch_size=8, seq_len=64)
+    tx = optim.make(TrainConfig())
+    run = state_lib.abstract(cfg, tx, abstract_mesh(r["sizes"]), make_rules()).params
+    per_device = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(run)
+    )
+    assert r["memory"]["params"] == per_device
