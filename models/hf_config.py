@@ -136,16 +136,17 @@ def config_from_hf(
     hf: dict, dtype: str = "float32", where: str = "config.json"
 ) -> tuple[str, ModelConfig]:
     """An HF config dict -> (model_type, ModelConfig). Anything Brigade would compute differently
-    is refused with one line naming the key."""
-    check_config_types(hf, where)
+    is refused with one line naming the key. A multimodal config is refused first: its language
+    model's keys (vocab_size ...) are in its text_config, so the key checks would name those."""
     mtype = hf.get("model_type")
-    if mtype in _TOWERS:
+    if isinstance(mtype, str) and mtype in _TOWERS:
         key, text = _TOWERS[mtype]
         raise UserError(
             f"{where}: model_type={json.dumps(mtype)} is a multimodal model: its tower"
             f" ({key}{' set' if key in hf else ''}) has no place in Brigade's decoder; its"
             f" language model converts as model_type {text} (its text_config)"
         )
+    check_config_types(hf, where)
     if mtype not in ARCHITECTURES:
         _bad(where, "model_type", mtype, ", ".join(ARCHITECTURES))
     if dtype not in DTYPES:

@@ -18,6 +18,7 @@ from mesh.rules import make_rules
 from mesh.rules import sequence_parallel as sequence_parallel_rules
 from mesh.spec import AXES
 from models.config import PipelineConfig
+from models.pieces import n_groups_and_tail
 from models.pipeline import EXPLICIT
 from plan.estimate import check, evaluate, with_batch
 from plan.hardware import Hardware
@@ -49,7 +50,7 @@ def _quick_reject(cfg, sizes: dict[str, int], batch_size: int, rules) -> bool:
         or cfg.d_ff % mdl
         or cfg.vocab_size % mdl
         or cfg.d_model % sizes["fsdp"]
-        or cfg.n_layers % sizes["pipeline"]
+        or n_groups_and_tail(cfg)[0] % sizes["pipeline"]  # stages split the groups
         or batch_size % batch_shards(abstract_mesh(sizes), rules)
     )
 

@@ -2,9 +2,10 @@
 with latent attention (and its query latent), group-limited sigmoid routing with bias balancing,
 shared experts, a dense first layer and a multi-token prediction module (`deepseek-tiny`), and
 with Qwen3-MoE's (q/k norms, a free head width, softmax routing without renormalisation, a dense
-first layer), on expert x fsdp x model, pipeline (a forward-scan and an explicit schedule;
-DeepSeek) and context (ring; DeepSeek) meshes, compared per step after the warm-up (loss, gradient
-norm, every parameter).
+first layer), on expert x fsdp x model, pipeline (a forward-scan and an explicit schedule, and
+DeepSeek's under zb_h1's split backward and interleaved_1f1b's virtual stages; Qwen3-MoE's with an
+expert axis) and context (ring and all_gather) meshes, compared per step after the warm-up (loss,
+gradient norm, every parameter).
 
 As in tests/test_equivalence_pipeline.py, the one-device reference of a pipeline run accumulates
 gradients over the same micro-batches: the balance losses and loads are per micro-batch there."""
@@ -29,14 +30,28 @@ QWEN3_MOE = {
     "model.router_renorm": False,
     "model.aux_loss_coef": 0.1,
 }
-MODELS = {"deepseek": DEEPSEEK, "qwen3_moe": QWEN3_MOE}
+# 5 layers: the dense first one and 4 MoE groups, a group a virtual stage at pipeline 2 x repeats 2
+DEEPSEEK_5 = {**DEEPSEEK, "model.n_layers": 5}
+MODELS = {"deepseek": DEEPSEEK, "deepseek_5": DEEPSEEK_5, "qwen3_moe": QWEN3_MOE}
 # (model, mesh, overrides, micro-batches)
 CASES = [
     ("deepseek", "expert=2,fsdp=2,model=2", {}, 1),
     ("deepseek", "pipeline=2,fsdp=2", {"pipeline.schedule": "gpipe"}, 2),
     ("deepseek", "pipeline=2,model=2", {"pipeline.schedule": "1f1b"}, 2),
     ("deepseek", "context=4", {"parallelism.context_strategy": "ring"}, 1),
+    ("deepseek", "context=2,fsdp=2", {"parallelism.context_strategy": "all_gather"}, 1),
+    ("deepseek", "pipeline=2,fsdp=2", {"pipeline.schedule": "zb_h1"}, 2),
+    (
+        "deepseek_5",
+        "pipeline=2,fsdp=2",
+        {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2},
+        2,
+    ),
     ("qwen3_moe", "expert=2,fsdp=2,model=2", {}, 1),
+    ("qwen3_moe", "pipeline=2,expert=2", {"pipeline.schedule": "gpipe"}, 2),
+    ("qwen3_moe", "pipeline=2,model=2", {"pipeline.schedule": "1f1b"}, 2),
+    ("qwen3_moe", "context=2,expert=2", {"parallelism.context_strategy": "ring"}, 1),
+    ("qwen3_moe", "context=2,fsdp=2", {"parallelism.context_strategy": "all_gather"}, 1),
 ]
 
 

@@ -5,8 +5,8 @@ their own windows and RoPE, soft-capped scores and logits, sandwich and (1 + w) 
 norms, scaled tied embeddings) at 9 layers, so an LG pattern is 4 groups and a tail layer. On
 fsdp x model (layers unrolled), context (all_gather with dense attention, ring with blockwise: both
 soft-capping paths) and the pipeline under gpipe (the forward-scan engine) and 1f1b (the explicit
-schedules' engine; the tail runs on the last stage). The other schedules run the same pieces
-(models/pieces.py) through these two engines; the suite's CI time keeps one of each here."""
+schedules' engine; the tail runs on the last stage), and zb_h1 (its split backward), circular
+and interleaved_1f1b (two virtual stages a device): every schedule."""
 
 import pytest
 from equivalence import (
@@ -28,6 +28,11 @@ CASES = [
     ),
     ("pipeline=2,fsdp=2", {"pipeline.schedule": "gpipe"}),
     ("pipeline=2,fsdp=2", {"pipeline.schedule": "1f1b"}),
+    # the schedules that run the same two engines differently: the split backward, and 2 virtual
+    # stages a device (4 groups: one a virtual stage)
+    ("pipeline=2,fsdp=2", {"pipeline.schedule": "zb_h1"}),
+    ("pipeline=2,fsdp=2", {"pipeline.schedule": "circular", "pipeline.repeats": 2}),
+    ("pipeline=2,model=2", {"pipeline.schedule": "interleaved_1f1b", "pipeline.repeats": 2}),
 ]
 
 

@@ -4,8 +4,9 @@ attention with and without the query latent, interleaved rotary features, group-
 routing with the selection bias, renormalisation and scale, shared experts, dense first layers,
 the MTP module's logits; Qwen3-MoE's renormalisation or not, mlp_only_layers and
 decoder_sparse_step, a window); export -> re-import bit-exact, the files hold the source's
-tensors, transformers loads the export to the same logits; greedy generation with the latent KV
-cache picks transformers' tokens. Then the refusals, one line each."""
+tensors, transformers loads the export to the same logits; decoding through the KV cache (the
+latent one for DeepSeek-V3) gives the uncached forward's logits and greedy generation picks
+transformers' tokens. Then the refusals, one line each."""
 
 import dataclasses
 import json
@@ -21,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from hf_moe_models import load_mtp, make_deepseek, make_qwen3_moe, mtp_logits  # noqa: E402
 from test_hf import assert_export_is_exact, tokens, torch_logits  # noqa: E402
+from test_hf_gemma import assert_cache_matches_forward  # noqa: E402
 
 from checkpoint import hf  # noqa: E402
 from errors import UserError  # noqa: E402
@@ -114,6 +116,9 @@ def test_deepseek_v3_matches_transformers(tmp_path, case):
         ):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
+    # prefill, then a token at a time through the latent cache: the uncached forward's logits
+    cache = assert_cache_matches_forward(model, toks)
+    assert cache.latent.shape[-1] == cfg.kv_lora_rank
     # 11 prompt + 6 new tokens through the latent cache
     np.testing.assert_array_equal(
         np.asarray(model.generate(toks[:1], 6))[0], greedy(ref_model, toks)
@@ -159,6 +164,7 @@ def test_qwen3_moe_matches_transformers(tmp_path, case):
     reloaded = assert_export_is_exact(model, tmp_path / "hf", tmp_path / "out")
     assert type(reloaded) is type(ref_model)
     np.testing.assert_allclose(torch_logits(reloaded, toks), ref, atol=1e-4, rtol=1e-4)
+    assert_cache_matches_forward(model, toks)  # the KV cache (a ring of the window with one)
     np.testing.assert_array_equal(
         np.asarray(model.generate(toks[:1], 6))[0], greedy(ref_model, toks)
     )
