@@ -70,6 +70,16 @@ def n_groups_and_tail(cfg: ModelConfig) -> tuple[int, int]:
     return divmod(cfg.n_group_layers, layers_per_group(cfg))
 
 
+def stage_layers(cfg: ModelConfig, stages: int) -> tuple[int, int]:
+    """(the layers one pipeline stage holds, of them the repeating groups' share): the `layers`
+    rule shards the groups over `pipeline`; the dense first layers and the tail after the last
+    group are whole on every stage (mesh/rules.py's `outer_layers`, `tail_layers`). DeepSeek-V3's
+    61 layers at 2 stages: 3 + 29 + 0 = 32 held, 29 of them the stage's groups."""
+    n_groups, tail = n_groups_and_tail(cfg)
+    grouped = n_groups // stages * layers_per_group(cfg)
+    return cfg.first_dense_layers + grouped + tail, grouped
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderPieces:
     """The decoder's pieces for one config; the graph definitions are the modules' (nnx.split).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from models.blockwise import BLOCK_K
 from models.config import LOSS_CHUNK, LOSS_CHUNK_FROM
+from models.pieces import stage_layers
 from models.pipeline import EXPLICIT, timetable
 from plan.hardware import Hardware
 from plan.run_spec import rows_per_shard
@@ -61,10 +62,15 @@ def _held_by_schedule(
     ring_slots, one [D] per token each), recompute one chunk's layers per backward (one
     micro-batch's saved set of L/(P x repeats) layers) and run the head per micro-batch. zb_h1
     also keeps, for up to P micro-batches, what its deferred weight gradients read (each
-    projection's input and output gradient, the norms' input and gradient)."""
-    layers, tt = cfg.n_layers // p, timetable(schedule)
+    projection's input and output gradient, the norms' input and gradient).
+
+    A stage holds its share of the layer groups and, whole, the dense first layers and the tail
+    (models.pieces.stage_layers); the forward-scan engine runs those on the whole pass. The
+    explicit schedules' ring and recompute count the groups' share only: the first layers they
+    run per micro-batch on the first stage are not priced."""
+    (held, layers), tt = stage_layers(cfg, p), timetable(schedule)
     if not (p > 1 and schedule in EXPLICIT):
-        return saved * layers * pass_tokens, 0, pass_tokens
+        return saved * held * pass_tokens, 0, pass_tokens
     f, n, k, h = cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     kept = tt.ring_slots(p, pipeline_microbatches, repeats) * res * tokens
     if tt.splits_backward:

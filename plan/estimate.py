@@ -20,7 +20,7 @@ from mesh.shard import is_axis_names
 from mesh.spec import AXES, mesh_text
 from models import model as model_lib
 from models.config import PipelineConfig
-from models.pieces import layers_per_group, n_groups_and_tail
+from models.pieces import stage_layers
 from plan import cost
 from plan.activation_memory import activation_bytes, attention_on
 from plan.hardware import Hardware
@@ -50,17 +50,14 @@ def _optimizer_ratio(cfg, train_cfg: TrainConfig) -> float:
 
 
 def _stage_cfg(cfg, p: int):
-    """The layers one pipeline stage holds: its 1/p of the repeating groups (the `layers` rule
-    shards them over `pipeline`) and, whole, what every stage keeps (mesh/rules.py's
-    `outer_layers` and `tail_layers`): the dense first layers, the tail after the last group and
-    the multi-token prediction modules. The embedding and head count on every stage too. Splitting
-    n_layers itself would put the first layers into the split: DeepSeek-V3's 61 layers at
-    pipeline 2 gave 3 + 27 MoE layers a stage, not 3 + 29, 652B parameters held, not 698B."""
+    """The layers one pipeline stage holds (models.pieces.stage_layers: its 1/p of the repeating
+    groups and, whole, the dense first layers and the tail; the multi-token prediction modules,
+    the embedding and the head on every stage too). Splitting n_layers itself would put the first
+    layers into the split: DeepSeek-V3's 61 layers at pipeline 2 gave 3 + 27 MoE layers a stage,
+    not 3 + 29, 652B parameters held, not 698B."""
     if p == 1:
         return cfg
-    n_groups, tail = n_groups_and_tail(cfg)
-    held = cfg.first_dense_layers + n_groups // p * layers_per_group(cfg) + tail
-    return dataclasses.replace(cfg, n_layers=held)
+    return dataclasses.replace(cfg, n_layers=stage_layers(cfg, p)[0])
 
 
 def _sharded_params(stage, mesh, rules) -> dict:

@@ -22,6 +22,7 @@ from models import flops
 from models import model as model_lib
 from models.presets import preset as build_preset
 from plan import hardware, search
+from plan.activation_memory import activation_bytes
 from plan.cli import main as plan_main
 from plan.estimate import evaluate
 from plan.run_spec import abstract_mesh
@@ -97,3 +98,20 @@ def test_plan_holds_what_the_runs_shardings_hold(preset, fields):
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(run)
     )
     assert r["memory"]["params"] == per_device
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_activations_count_the_layers_a_stage_holds(schedule):
+    """The forward-scan engine's saved set covers what a stage runs: its share of the layer groups
+    and, whole, the dense first layers (deepseek-tiny at 5 layers: 1 dense + 4 groups holds 5, 3
+    and 2 layers at 1, 2 and 4 stages), so the savings from 1 to 2 and 1 to 4 stages are 2:3 of
+    a layer's saved set (n_layers / p gave 5, 2, 1: 3:4)."""
+    cfg = dataclasses.replace(build_preset("deepseek-tiny"), n_layers=5).validate()
+
+    def device_bytes(p):
+        sizes = {a: 1 for a in ("data", "fsdp", "model", "expert", "context")} | {"pipeline": p}
+        args = dict(batch_size=8, seq_len=64, micro_batches=1, act_bytes=4, attention="dense")
+        return activation_bytes(cfg, sizes, **args, shards=1, schedule=schedule)[0]
+
+    one = device_bytes(1)
+    assert (one - device_bytes(2)) / (one - device_bytes(4)) == pytest.approx(2 / 3)
