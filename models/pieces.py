@@ -14,7 +14,9 @@ model has them, "tail": the tail layers' [r, ...], "first": the dense first laye
 moe_every - 1 dense then one MoE (a dense model: one dense layer, or one repeat of its layer
 pattern), so every group has the same structure and the stack scans, and pipelines, by group.
 Layer j of a group runs with its own LayerSpec (window, RoPE: models/layer_pattern.py); the layers
-past the pattern's last whole repeat (the tail) run after the groups, inside `head`.
+past the pattern's last whole repeat (the tail) run after the groups, inside `head`. A layer's
+params may hold quantised weights (models/quant.py, a QLoRA base): each layer materialises its own
+where it runs, so the full-precision temporary is one layer's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from models import context, layer_pattern, mtp
 from models.config import ModelConfig
 from models.layers import head_logits
 from models.loss import chunked_token_xent, token_xent
+from models.quant import materialise
 from models.softcap import softcap
 
 # the residual stream between blocks: its sequence dim is also split over `model` with sequence
@@ -130,7 +133,7 @@ class DecoderPieces:
             return x_BTD
 
         def step(x_BTD, params):
-            layer = nnx.merge(self.first_gdef, params)
+            layer = nnx.merge(self.first_gdef, materialise(params))
             return layer(x_BTD, positions_BT, None, segment_ids_BT)[0], None
 
         if self.remat_policy is not None:
@@ -160,10 +163,11 @@ class DecoderPieces:
             else:
                 c = jax.tree.map(lambda a, j=j: a[j], cache_G)
             if j < self.n_dense:
-                layer = nnx.merge(self.dense_gdef, jax.tree.map(lambda a, j=j: a[j], dense_G))
+                dense_j = jax.tree.map(lambda a, j=j: a[j], dense_G)
+                layer = nnx.merge(self.dense_gdef, materialise(dense_j))
                 x_BTD, c = layer(x_BTD, positions_BT, c, segment_ids_BT, spec)
             else:
-                layer = nnx.merge(self.moe_gdef, moe_G)
+                layer = nnx.merge(self.moe_gdef, materialise(moe_G))
                 x_BTD, c, stats = layer(x_BTD, positions_BT, c, segment_ids_BT, spec)
             new_caches.append(c)
         if per_layer:
@@ -183,7 +187,7 @@ class DecoderPieces:
         for i in range(tail):
 
             def run(x_BTD, params, c, i=i):
-                layer = nnx.merge(self.tail_gdef, params)
+                layer = nnx.merge(self.tail_gdef, materialise(params))
                 return layer(x_BTD, positions_BT, c, segment_ids_BT, specs[i])
 
             if caches is None and self.remat_policy is not None:
@@ -261,7 +265,8 @@ class DecoderPieces:
 
             def first_step(x_BTD, xs):
                 params, c = xs
-                return nnx.merge(self.first_gdef, params)(x_BTD, positions_BT, c, segment_ids_BT)
+                layer = nnx.merge(self.first_gdef, materialise(params))
+                return layer(x_BTD, positions_BT, c, segment_ids_BT)
 
             head_cache = jax.tree.map(lambda a: a[:first], cache)
             x_BTD, head_cache = over_groups(

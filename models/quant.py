@@ -1,0 +1,203 @@
+"""A frozen weight held quantised (QLoRA's base, --lora.base_dtype int8|nf4) and dequantised one
+layer at a time, where the layer runs.
+
+Formats (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv:2305.14314):
+
+- int8, per output channel: s_o = max_i |W_io| / 127 over the input dims i, codes
+  q_io = round(W_io / s_o) in [-127, 127], W ~ q s (error <= s_o / 2).
+- nf4, per block of `block` consecutive values along the weight's d_model dim: s_b = max |W| over
+  the block (absmax), q = the nearest of NormalFloat4's 16 values v_k (the paper's Appendix E,
+  quantiles of N(0, 1) scaled to [-1, 1] with an exact zero) to W / s_b, stored as a 4-bit index,
+  two to a byte along the weight's last dim (`pack`); W ~ v_q s_b (error <= s_b x the largest
+  half gap, (1 - 0.696) / 2).
+  Double quantisation (the paper's section 3) quantises the float32 block scales once more: minus
+  their mean per layer, to int8 with one float32 scale per row of blocks (the scales of one
+  output channel), 8.1 bits per 64 values instead of 32. The paper groups 256 consecutive scales;
+  a row keeps every group inside the shards of the weight, so no group straddles devices.
+
+The codes keep the weight's dims (nf4's last one halved), so its logical axes and sharding; the
+scales have the weight's rank, with the quantised-over dims reduced (int8: the input dims to 1;
+nf4: d_model to d_model / block), and are sharded on a dim wherever the reduced size still
+divides.
+
+The per-array quantise and dequantise are qwix's (google/qwix: `qwix.quantize` with channelwise
+and tiled axes, its QArray, its NF4 table): it installs from PyPI and runs on the jax this project
+supports. qwix has no double quantisation, which is added here on top of its int8 quantiser.
+qwix's model-level QLoRA (intercepting Flax modules' dot_generals) is not used: this project's
+layers are stacked [L, ...] and scanned, and the dequantisation has to happen inside that scan,
+per layer, which `materialise` does where models/pieces.py merges one layer's params.
+
+`QuantizedWeight` and `LoraWeight` are pytrees whose arrays all lead with the layer dim, so the
+stack's slicing, reshaping and pipelining treat them as any weight; `materialise` turns a layer's
+slice of them into the weight the layer multiplies by.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import qwix
+
+FORMATS = ("int8", "nf4")
+CODE_BITS = {"int8": 8, "nf4": 4}
+# qwix's symmetric int8 range is [-127.5, 127.5] (its top code is hit by rounding 127.5 up, which
+# relies on the float -> int8 conversion saturating); scaling the absmax by 127.5 / 127 gives the
+# usual absmax / 127 step, codes in [-127, 127] without relying on saturation
+_INT8_ABSMAX = f"absmax,{127.5 / 127}"
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A weight [L, ...] as codes and scales (see the module docstring); `dtype`: what
+    `materialise` returns. With double quantisation `scales` are int8 codes of the centred scales,
+    `scale_scales` their float32 step per row, `scale_offset` the mean that was subtracted."""
+
+    codes: jax.Array
+    scales: jax.Array
+    scale_scales: jax.Array | None = None
+    scale_offset: jax.Array | None = None
+    fmt: str = flax.struct.field(pytree_node=False, default="int8")
+    dtype: str = flax.struct.field(pytree_node=False, default="float32")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape (nf4's codes hold two values a byte along the last dim)."""
+        *lead, last = self.codes.shape
+        return (*lead, last * 2) if self.fmt == "nf4" else tuple(self.codes.shape)
+
+    def block_scales(self) -> jax.Array:
+        """The float32 scales (double quantisation undone)."""
+        if self.scale_scales is None:
+            return self.scales
+        return self.scales.astype(jnp.float32) * self.scale_scales + self.scale_offset
+
+    def dequantize(self) -> jax.Array:
+        """float32 W ~ codes x scales."""
+        if self.fmt == "nf4":
+            return qwix.dequantize(
+                qwix.QArray(unpack(self.codes), self.block_scales(), None, "nf4")
+            )
+        return qwix.dequantize(qwix.QArray(self.codes, self.block_scales(), None, jnp.int8))
+
+    def materialise(self) -> jax.Array:
+        return self.dequantize().astype(self.dtype)
+
+
+@flax.struct.dataclass
+class LoraWeight:
+    """A frozen quantised weight with its LoRA adapters: W + scale A B, formed per layer.
+    A [L, in..., r], B [L, r, out...] (train/core/lora.py)."""
+
+    base: QuantizedWeight
+    lora_a: jax.Array
+    lora_b: jax.Array
+    scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+    def materialise(self) -> jax.Array:
+        return (
+            self.base.dequantize()
+            + self.scale * lora_delta(self.lora_a, self.lora_b, self.base.codes.ndim)
+        ).astype(self.base.dtype)
+
+
+def lora_delta(a: jax.Array, b: jax.Array, ndim: int) -> jax.Array:
+    """A [lead..., in..., r] B [lead..., r, out...] -> A B [lead..., in..., out...] in float32, for
+    a weight of rank `ndim`; lead: the dims the weight shares with both (its layer dims)."""
+    lead = a.ndim + b.ndim - 2 - ndim
+    n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
+    letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank
+    lead_s = letters[:lead]
+    in_s = letters[lead : lead + n_in]
+    out_s = letters[lead + n_in : lead + n_in + n_out]
+    return jnp.einsum(
+        f"{lead_s}{in_s}r,{lead_s}r{out_s}->{lead_s}{in_s}{out_s}",
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+    )
+
+
+def pack(codes: jax.Array) -> jax.Array:
+    """4-bit codes [..., n] -> uint8 [..., n / 2]: value 2i in the low nibble, 2i + 1 in the high
+    one. Packed by hand rather than held as jnp.uint4: XLA:CPU lays a uint4 jit output out one
+    code per byte and a compiled argument two per byte, so they do not pass between programs."""
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack(packed: jax.Array) -> jax.Array:
+    """The inverse of `pack`: uint8 [..., n / 2] -> codes uint8 [..., n]."""
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def is_lazy(x) -> bool:
+    return isinstance(x, (QuantizedWeight, LoraWeight))
+
+
+def materialise(tree):
+    """`tree` (one layer's params, or any) with every quantised weight dequantised (and its
+    adapters added): what the layer multiplies by. Plain arrays pass through."""
+    return jax.tree.map(lambda x: x.materialise() if is_lazy(x) else x, tree, is_leaf=is_lazy)
+
+
+def scale_shape(shape: tuple[int, ...], fmt: str, n_in: int, block_dim: int, block: int):
+    """The scales' shape of a weight `shape` [L, in..., out...] (`n_in` input dims after the layer
+    dim; `block_dim`: the nf4 blocks' dim)."""
+    if fmt == "int8":
+        return tuple(1 if 1 <= d <= n_in else n for d, n in enumerate(shape))
+    return tuple(n // block if d == block_dim else n for d, n in enumerate(shape))
+
+
+def quantize(
+    w: jax.Array,
+    fmt: str,
+    *,
+    n_in: int,
+    block_dim: int,
+    block: int = 64,
+    double_quant: bool = False,
+    dtype: str = "float32",
+) -> QuantizedWeight:
+    """Quantise `w` [L, in..., out...] (jittable; see the module docstring). `n_in`: its input
+    dims (int8's scales reduce over them); `block_dim`, `block`: nf4's blocks."""
+    w = jnp.asarray(w, jnp.float32)
+    dims = range(w.ndim)
+    if fmt == "int8":
+        out = tuple(d for d in dims if not 1 <= d <= n_in)
+        q = qwix.quantize(w, jnp.int8, channelwise_axes=out, calibration_method=_INT8_ABSMAX)
+        return QuantizedWeight(q.qvalue, q.scale.astype(jnp.float32), fmt=fmt, dtype=dtype)
+    if fmt != "nf4":
+        raise ValueError(f"unknown quantised format {fmt!r}; one of {FORMATS}")
+    q = qwix.quantize(
+        w,
+        "nf4",
+        channelwise_axes=tuple(d for d in dims if d != block_dim),
+        tiled_axes={block_dim: block},
+    )
+    scales, codes = q.scale.astype(jnp.float32), pack(q.qvalue)
+    if not double_quant:
+        return QuantizedWeight(codes, scales, fmt=fmt, dtype=dtype)
+    # the scales minus their per-layer mean, to int8 per row of blocks (the block dim reduced)
+    offset = jnp.mean(scales, axis=tuple(range(1, w.ndim)), keepdims=True)
+    rows = tuple(d for d in dims if d != block_dim)
+    q2 = qwix.quantize(
+        scales - offset, jnp.int8, channelwise_axes=rows, calibration_method=_INT8_ABSMAX
+    )
+    return QuantizedWeight(
+        codes, q2.qvalue, q2.scale.astype(jnp.float32), offset, fmt=fmt, dtype=dtype
+    )
+
+
+def stored_bytes(shape: tuple[int, ...], fmt: str, n_in: int, block_dim: int, block: int,
+                 double_quant: bool) -> int:  # fmt: skip
+    """Bytes of a QuantizedWeight of a weight `shape`: codes (nf4: two per byte) and scales."""
+    codes = math.prod(shape) * CODE_BITS[fmt] // 8
+    sshape = scale_shape(shape, fmt, n_in, block_dim, block)
+    n_scales = math.prod(sshape)
+    if fmt == "nf4" and double_quant:
+        rows = math.prod(n for d, n in enumerate(sshape) if d != block_dim)
+        return codes + n_scales + 4 * rows + 4 * shape[0]
+    return codes + 4 * n_scales
