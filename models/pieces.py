@@ -35,7 +35,7 @@ from models import context, layer_pattern, mtp
 from models.config import ModelConfig
 from models.layers import head_logits
 from models.loss import chunked_token_xent, token_xent
-from models.quant import materialise
+from models.quant import materialise, remat_policy
 from models.softcap import softcap
 
 # the residual stream between blocks: its sequence dim is also split over `model` with sequence
@@ -136,8 +136,9 @@ class DecoderPieces:
             layer = nnx.merge(self.first_gdef, materialise(params))
             return layer(x_BTD, positions_BT, None, segment_ids_BT)[0], None
 
-        if self.remat_policy is not None:
-            step = jax.checkpoint(step, policy=self.remat_policy, prevent_cse=not self.scan_layers)
+        policy = remat_policy(self.remat_policy, outer["first"])
+        if policy is not None:
+            step = jax.checkpoint(step, policy=policy, prevent_cse=not self.scan_layers)
         return over_groups(step, x_BTD, outer["first"], self.scan_layers)[0]
 
     def group(self, x_BTD, params_G, positions_BT, segment_ids_BT=None):
@@ -190,8 +191,9 @@ class DecoderPieces:
                 layer = nnx.merge(self.tail_gdef, materialise(params))
                 return layer(x_BTD, positions_BT, c, segment_ids_BT, specs[i])
 
-            if caches is None and self.remat_policy is not None:
-                run = jax.checkpoint(run, policy=self.remat_policy)
+            policy = remat_policy(self.remat_policy, outer["tail"])
+            if caches is None and policy is not None:
+                run = jax.checkpoint(run, policy=policy)
             params = jax.tree.map(lambda a, i=i: a[i], outer["tail"])
             x_BTD, c = run(x_BTD, params, None if caches is None else caches[i])
             new_caches.append(c)

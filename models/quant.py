@@ -112,11 +112,13 @@ def lora_delta(a: jax.Array, b: jax.Array, ndim: int) -> jax.Array:
     lead_s = letters[:lead]
     in_s = letters[lead : lead + n_in]
     out_s = letters[lead + n_in : lead + n_in + n_out]
+    # a batch dim of 1 (z): the remat policies that keep projection outputs ("dots": dots without
+    # batch dims) then recompute this product in the backward rather than keep it per layer
     return jnp.einsum(
-        f"{lead_s}{in_s}r,{lead_s}r{out_s}->{lead_s}{in_s}{out_s}",
-        a.astype(jnp.float32),
-        b.astype(jnp.float32),
-    )
+        f"z{lead_s}{in_s}r,z{lead_s}r{out_s}->z{lead_s}{in_s}{out_s}",
+        a.astype(jnp.float32)[None],
+        b.astype(jnp.float32)[None],
+    )[0]
 
 
 def pack(codes: jax.Array) -> jax.Array:
@@ -141,6 +143,20 @@ def materialise(tree):
     """`tree` (one layer's params, or any) with every quantised weight dequantised (and its
     adapters added): what the layer multiplies by. Plain arrays pass through."""
     return jax.tree.map(lambda x: x.materialise() if is_lazy(x) else x, tree, is_leaf=is_lazy)
+
+
+def has_lazy(tree) -> bool:
+    return any(is_lazy(x) for x in jax.tree.leaves(tree, is_leaf=is_lazy))
+
+
+def remat_policy(policy, params):
+    """The remat policy of layers whose `params` may hold quantised weights: with none set, keep
+    the projection outputs only (as --model.remat dots), so the backward recomputes each layer's
+    dequantised weights rather than keeping them for every layer ([L, ...] at full precision);
+    the policies that keep less already do."""
+    if policy is None and has_lazy(params):
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return policy
 
 
 def scale_shape(shape: tuple[int, ...], fmt: str, n_in: int, block_dim: int, block: int):
