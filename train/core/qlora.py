@@ -139,7 +139,7 @@ def abstract_base(cfg, table: dict, full: dict) -> dict:
     return jax.eval_shape(lambda p: quantize_base(cfg, table, p), full)
 
 
-def _part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], mesh) -> P:
+def part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], mesh) -> P:
     """A codes' or scales' spec from the weight's: a dim keeps the weight's mesh axes where its
     size still divides by them (a scale's reduced dim, else replicated)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -153,7 +153,7 @@ def _part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], m
 
 def shardings(cfg, table: dict, full_shardings: dict, mesh) -> dict:
     """The quantised base's NamedShardings: the full base's, with each quantised weight's codes
-    sharded as the weight and its scales on the matching axes (see `_part_spec`)."""
+    sharded as the weight and its scales on the matching axes (see `part_spec`)."""
     full = model.abstract_params(cfg.model)
     abstract = abstract_base(cfg, table, full)
     items = {}
@@ -161,7 +161,7 @@ def shardings(cfg, table: dict, full_shardings: dict, mesh) -> dict:
         q, spec, shape = _at(abstract, w.path), _at(full_shardings, w.path).spec, _at(full, w.path)
         items[w.path] = jax.tree.map(
             lambda a, spec=spec, shape=shape.shape: NamedSharding(
-                mesh, _part_spec(spec, a.shape, shape, mesh)
+                mesh, part_spec(spec, a.shape, shape, mesh)
             ),
             q,
         )
