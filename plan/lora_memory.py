@@ -81,8 +81,9 @@ def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str) -> dict:
             for part in jax.tree.leaves(node):
                 part_spec = qlora.part_spec(spec, part.shape, weight_shape, mesh)
                 base += _shard_bytes(part.shape, part.dtype, part_spec, mesh)
-        else:
-            base += _shard_bytes(node.shape, node.dtype, spec, mesh)
+        else:  # a quantised base holds the rest in the target's compute dtype
+            dtype = compute_dtype if quantised else node.dtype
+            base += _shard_bytes(node.shape, dtype, spec, mesh)
     adapter_specs = _specs(adapter_axes, rules)
     adapter_bytes = sum(
         _shard_bytes(_at(adapters, key).shape, _at(adapters, key).dtype, spec, mesh)
