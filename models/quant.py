@@ -11,8 +11,8 @@ Formats (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", 
   two to a byte along the weight's last dim (`pack`); W ~ v_q s_b (error <= s_b x the largest
   half gap, (1 - 0.696) / 2).
   Double quantisation (the paper's section 3) quantises the float32 block scales once more: minus
-  their mean per layer, to int8 with one float32 scale per row of blocks (the scales of one
-  output channel), 8.1 bits per 64 values instead of 32. The paper groups 256 consecutive scales;
+  their midrange per layer, to int8 with one float32 scale per row of blocks (every dim but d_model
+  fixed), 8.1 bits per 64 values instead of 32. The paper groups 256 consecutive scales;
   a row keeps every group inside the shards of the weight, so no group straddles devices.
 
 The codes keep the weight's dims (nf4's last one halved), so its logical axes and sharding; the
@@ -196,8 +196,14 @@ def quantize(
     scales, codes = q.scale.astype(jnp.float32), pack(q.qvalue)
     if not double_quant:
         return QuantizedWeight(codes, scales, fmt=fmt, dtype=dtype)
-    # the scales minus their per-layer mean, to int8 per row of blocks (the block dim reduced)
-    offset = jnp.mean(scales, axis=tuple(range(1, w.ndim)), keepdims=True)
+    # the scales minus their per-layer midrange, to int8 per row of blocks (the block dim reduced).
+    # The midrange, (max + min) / 2, not bitsandbytes' mean: max and min are exact in any order, so
+    # the codes do not depend on the sharding (a sum's rounding does), and centring on it gives the
+    # smallest absmax
+    layer = tuple(range(1, w.ndim))
+    offset = (
+        jnp.max(scales, axis=layer, keepdims=True) + jnp.min(scales, layer, keepdims=True)
+    ) / 2
     rows = tuple(d for d in dims if d != block_dim)
     q2 = qwix.quantize(
         scales - offset, jnp.int8, channelwise_axes=rows, calibration_method=_INT8_ABSMAX

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from errors import UserError
-from mesh.shard import axes_size
+from mesh.shard import axes_size, entry_axes
 from models import model, quant
 from models.config import ModelConfig
 from train.core.config import LoraConfig
@@ -141,14 +141,23 @@ def abstract_base(cfg, table: dict, full: dict) -> dict:
 
 def part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], mesh) -> P:
     """A codes' or scales' spec from the weight's: a dim keeps the weight's mesh axes where its
-    size still divides by them (a scale's reduced dim, else replicated)."""
+    size still divides by them; the axes of a dim that no longer divides (a scale's reduced dim)
+    move to the largest unsharded dim they divide, so that under FSDP the scales are split
+    too rather than held whole on every device; else they are left out (replicated)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    return P(
-        *(
-            e if n == wn or (e is not None and n % axes_size(mesh, e) == 0) else None
-            for e, n, wn in zip(entries, shape, weight_shape, strict=True)
-        )
-    )
+    out, dropped = [], []
+    for e, n, wn in zip(entries, shape, weight_shape, strict=True):
+        keep = n == wn or (e is not None and n % axes_size(mesh, e) == 0)
+        out.append(e if keep else None)
+        if not keep and e is not None:
+            dropped.append(e)
+    for e in dropped:  # onto a dim whose own axes split nothing (size 1 on this mesh), if any
+        free = [d for d in range(1, len(shape)) if out[d] is None or axes_size(mesh, out[d]) == 1]
+        fits = [d for d in free if shape[d] % axes_size(mesh, e) == 0 and shape[d] > 1]
+        if fits:
+            d = max(fits, key=lambda d: shape[d])
+            out[d] = (*entry_axes(out[d]), *entry_axes(e))
+    return P(*out)
 
 
 def shardings(cfg, table: dict, full_shardings: dict, mesh) -> dict:
