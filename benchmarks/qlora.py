@@ -6,7 +6,7 @@ small fine-tune.
     python benchmarks/qlora.py speed [--reps 3] [--steps 3]
     python benchmarks/qlora.py quality [--base-steps 300] [--steps 150]
 
-memory: the step of a rank-16 LoRA run (all seven projections adapted) compiled for 8 fake CPU
+memory: the step of a rank-16 LoRA run (and QLoRA with --lora.quantize_embeddings) (all seven projections adapted) compiled for 8 fake CPU
 devices against abstract arrays (nothing allocated), bfloat16 compute (so the unquantised rest of a
 quantised base, embedding, head and norms, is bfloat16 as on a GPU), batch 8 x 128. The base's
 bytes per device are the compiled program's argument bytes less the state's and the batch's (the
@@ -45,6 +45,8 @@ from train.core.setup import abstract_batch, abstract_state, compile_step, creat
 from train.run.loop import Trainer
 
 FORMATS = ("bfloat16", "int8", "nf4")
+# memory: also with --lora.quantize_embeddings (the embedding and head quantised too)
+MEMORY_MODES = (*FORMATS, "int8+embeddings", "nf4+embeddings")
 LORA = {
     "lora.rank": 16,
     "lora.alpha": 32.0,
@@ -61,9 +63,11 @@ def memory(presets: list[str], mesh_spec: str) -> list[dict]:
     rows = []
     mesh = make_mesh(mesh_spec)
     for preset in presets:
-        for fmt in FORMATS:
+        for label in MEMORY_MODES:
+            fmt, emb = label.split("+")[0], label.endswith("+embeddings")
             over = {**LORA, "model.preset": preset, "model.dtype": "bfloat16"}
             over |= {"lora.base_dtype": fmt, "train.batch_size": 8, "train.seq_len": 128}
+            over |= {"lora.quantize_embeddings": emb}
             over |= {"parallelism.mesh": mesh_spec, "train.skip_memory_check": True}
             cfg = build(over)
             s = setup(cfg, mesh)
@@ -82,7 +86,7 @@ def memory(presets: list[str], mesh_spec: str) -> list[dict]:
             rows.append(
                 {
                     "preset": preset,
-                    "base_dtype": fmt,
+                    "base_dtype": label,
                     "compiled_base_bytes": args - other,
                     "held_base_bytes": sum(local_bytes(x) for x in jax.tree.leaves(held)),
                     "plan_base_bytes": est["memory"]["base"],
@@ -106,7 +110,7 @@ def memory_table(rows: list[dict], mesh_spec: str) -> str:
     for r in rows:
         lines.append(
             f"| {r['preset']} | {r['base_dtype']} | {r['compiled_base_bytes'] / 2**20:.2f}"
-            f" | {r['compiled_base_bytes'] / ref[r['preset']]:.3f}"
+            f" | {r['compiled_base_bytes'] / ref[r['preset']]:.4f}"
             f" | {r['plan_base_bytes'] / 2**20:.2f} | {r['plan_merge_bytes'] / 2**20:.2f}"
             f" | {r['temp_bytes'] / 2**20:.2f} |"
         )

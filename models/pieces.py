@@ -118,7 +118,7 @@ class DecoderPieces:
     # -------------------------------------------------------------------------- the pieces
 
     def embed_tokens(self, outer: dict, tokens_BT: jax.Array) -> jax.Array:
-        x_VD = outer["embed_VD"]
+        x_VD = materialise(outer["embed_VD"])  # a quantised one: dequantised whole
         x_BTD = jnp.take(x_VD, tokens_BT, axis=0).astype(self.dtype)
         if self.cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the compute dtype as HF does
             x_BTD = x_BTD * jnp.asarray(self.cfg.d_model**0.5, self.dtype)
@@ -202,7 +202,8 @@ class DecoderPieces:
     def final(self, outer: dict, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """-> (the final-normed states [B,T,D], the LM head [D,V] in the compute dtype)."""
         x_BTD = constrain(nnx.merge(self.norm_gdef, outer["norm"])(x_BTD), HIDDEN_BTD)
-        head_DV = outer["embed_VD"].T if outer["head_DV"] is None else outer["head_DV"]
+        tied = outer["head_DV"] is None
+        head_DV = materialise(outer["embed_VD"]).T if tied else materialise(outer["head_DV"])
         return x_BTD, head_DV.astype(self.dtype)
 
     def logits(self, x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
@@ -240,7 +241,7 @@ class DecoderPieces:
                 self.cfg,
                 self.mtp_gdef,
                 outer["mtp"],
-                outer["embed_VD"],
+                materialise(outer["embed_VD"]),
                 x_BTD,
                 head_DV,
                 batch,

@@ -34,8 +34,6 @@ slice of them into the weight the layer multiplies by.
 
 from __future__ import annotations
 
-import math
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -61,6 +59,12 @@ class QuantizedWeight:
     scale_offset: jax.Array | None = None
     fmt: str = flax.struct.field(pytree_node=False, default="int8")
     dtype: str = flax.struct.field(pytree_node=False, default="float32")
+
+    def __getitem__(self, index):
+        """`w[...]` is `w` (how an nnx.Param hands out its value)."""
+        if index is Ellipsis:
+            return self
+        raise TypeError("a QuantizedWeight is sliced through jax.tree.map over its arrays")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -159,30 +163,23 @@ def remat_policy(policy, params):
     return policy
 
 
-def scale_shape(shape: tuple[int, ...], fmt: str, n_in: int, block_dim: int, block: int):
-    """The scales' shape of a weight `shape` [L, in..., out...] (`n_in` input dims after the layer
-    dim; `block_dim`: the nf4 blocks' dim)."""
-    if fmt == "int8":
-        return tuple(1 if 1 <= d <= n_in else n for d, n in enumerate(shape))
-    return tuple(n // block if d == block_dim else n for d, n in enumerate(shape))
-
-
 def quantize(
     w: jax.Array,
     fmt: str,
     *,
-    n_in: int,
+    in_dims: tuple[int, ...],
     block_dim: int,
     block: int = 64,
     double_quant: bool = False,
     dtype: str = "float32",
 ) -> QuantizedWeight:
-    """Quantise `w` [L, in..., out...] (jittable; see the module docstring). `n_in`: its input
-    dims (int8's scales reduce over them); `block_dim`, `block`: nf4's blocks."""
+    """Quantise `w` (jittable; see the module docstring). `in_dims`: its input dims (int8's scales
+    reduce over them: a stacked projection [L, in..., out...]'s 1..n_in, the LM head [D, V]'s 0,
+    the embedding [V, D]'s 1, a scale per row); `block_dim`, `block`: nf4's blocks."""
     w = jnp.asarray(w, jnp.float32)
     dims = range(w.ndim)
     if fmt == "int8":
-        out = tuple(d for d in dims if not 1 <= d <= n_in)
+        out = tuple(d for d in dims if d not in in_dims)
         q = qwix.quantize(w, jnp.int8, channelwise_axes=out, calibration_method=_INT8_ABSMAX)
         return QuantizedWeight(q.qvalue, q.scale.astype(jnp.float32), fmt=fmt, dtype=dtype)
     if fmt != "nf4":
@@ -199,7 +196,7 @@ def quantize(
     # the scales minus their per-layer midrange, to int8 per row of blocks (the block dim reduced).
     # The midrange, (max + min) / 2, not bitsandbytes' mean: max and min are exact in any order, so
     # the codes do not depend on the sharding (a sum's rounding does), and centring on it gives the
-    # smallest absmax
+    # smallest absmax. Per layer: per index of the leading dim
     layer = tuple(range(1, w.ndim))
     offset = (
         jnp.max(scales, axis=layer, keepdims=True) + jnp.min(scales, layer, keepdims=True)
@@ -211,15 +208,3 @@ def quantize(
     return QuantizedWeight(
         codes, q2.qvalue, q2.scale.astype(jnp.float32), offset, fmt=fmt, dtype=dtype
     )
-
-
-def stored_bytes(shape: tuple[int, ...], fmt: str, n_in: int, block_dim: int, block: int,
-                 double_quant: bool) -> int:  # fmt: skip
-    """Bytes of a QuantizedWeight of a weight `shape`: codes (nf4: two per byte) and scales."""
-    codes = math.prod(shape) * CODE_BITS[fmt] // 8
-    sshape = scale_shape(shape, fmt, n_in, block_dim, block)
-    n_scales = math.prod(sshape)
-    if fmt == "nf4" and double_quant:
-        rows = math.prod(n for d, n in enumerate(sshape) if d != block_dim)
-        return codes + n_scales + 4 * rows + 4 * shape[0]
-    return codes + 4 * n_scales

@@ -8,7 +8,8 @@ step forms the weights it multiplies by from the base and the adapters:
   gradient: two [L, ...] copies of the adapted weights per device, sharded as they are;
 - a quantised base: one layer's weights dequantised at a time, inside the layer scan; priced at
   the compute dtype, gathered over the axes that shard d_model (FSDP gathers a layer's weights
-  before its matmuls), the forward's and the backward's layer both live: 2 x one layer.
+  before its matmuls), the forward's and the backward's layer both live: 2 x one layer; with
+  --lora.quantize_embeddings the embedding and head dequantised whole, once each.
 
 The stage's base bytes follow the same rule table as a full fine-tune's parameters (codes as the
 weights, scales on the matching axes where the reduced dim still divides).
@@ -68,7 +69,7 @@ def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str) -> dict:
     full, axes, held, (adapters, adapter_axes) = _abstract(stage, lora_cfg)
     specs = _specs(axes, rules)
     quantised = (
-        {w.path: w for w in qlora.weights(stage, lora.TARGET_WEIGHTS)}
+        {w.path: w for w in qlora.weights(stage, lora.TARGET_WEIGHTS, lora_cfg.quantize_embeddings)}
         if qlora.enabled(lora_cfg)
         else {}
     )
@@ -98,15 +99,18 @@ def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str) -> dict:
 def _merge_bytes(stage, lora_cfg, flat_full, specs, quantised, mesh, rules, compute_dtype) -> int:
     """The weights the step forms from the base and adapters, per device (module docstring)."""
     if quantised:
-        fsdp = set(rules.get("embed", ()))
-        layer = 0
+        fsdp = set(rules.get("embed", ())) | set(rules.get("vocab_embed", ()))
+        layer = whole = 0
         for key in quantised:
-            shape, spec = flat_full[key].shape[1:], tuple(specs[key])[1:]
+            stacked = len(key) > 1  # a layer stack's weight [L, ...]; else the embedding or head
+            shape, spec = flat_full[key].shape, tuple(specs[key])
+            shape, spec = (shape[1:], spec[1:]) if stacked else (shape, spec)
             gathered = tuple(
                 None if e is not None and set(np.atleast_1d(e)) & fsdp else e for e in spec
             )
-            layer += _shard_bytes(shape, compute_dtype, gathered, mesh)
-        return 2 * layer
+            size = _shard_bytes(shape, compute_dtype, gathered, mesh)
+            layer, whole = (layer + size, whole) if stacked else (layer, whole + size)
+        return 2 * layer + whole
     adapted = {tuple(k[:-1]) for k, _ in _flat(lora.adapter_axes(stage, lora_cfg))}
     return 2 * sum(
         _shard_bytes(flat_full[k].shape, stage.param_dtype, specs[k], mesh)

@@ -81,7 +81,7 @@ def _nf4_reference(w: np.ndarray, block_dim: int, block: int) -> tuple[np.ndarra
 )
 def test_int8_round_trip_matches_numpy(shape, n_in):
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 0.02
-    q = quant.quantize(w, "int8", n_in=n_in, block_dim=1)
+    q = quant.quantize(w, "int8", in_dims=tuple(range(1, 1 + n_in)), block_dim=1)
     codes, scale = _int8_reference(w, n_in)
     assert q.codes.dtype == jnp.int8 and q.scales.shape == scale.shape
     np.testing.assert_allclose(np.asarray(q.scales), scale, rtol=1e-6)
@@ -99,7 +99,9 @@ def test_nf4_round_trip_matches_numpy(shape, block_dim, double_quant):
     w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(
         0.005, 0.05, shape[:1] + (1,) * (len(shape) - 1)
     ).astype(np.float32)
-    q = quant.quantize(w, "nf4", n_in=1, block_dim=block_dim, block=32, double_quant=double_quant)
+    q = quant.quantize(
+        w, "nf4", in_dims=(1,), block_dim=block_dim, block=32, double_quant=double_quant
+    )
     deq_ref, absmax = _nf4_reference(w, block_dim, 32)
     assert q.codes.dtype == jnp.uint8 and q.codes.shape == (*shape[:-1], shape[-1] // 2)
     got = np.asarray(q.dequantize())

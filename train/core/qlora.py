@@ -36,16 +36,19 @@ from models.config import ModelConfig
 from train.core.config import LoraConfig
 
 BLOCK_AXIS = "embed"  # nf4's blocks run along the weight's d_model dim
+# --lora.quantize_embeddings: the embedding [V, D] (a scale per row) and the LM head [D, V] (a
+# scale per vocabulary column), blocked along their d_model dim
+EMBEDDINGS = {"embed_VD": (1,), "lm_head_DV": (0,)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Quantised:
-    """One weight the base holds quantised: its path, logical axes, input dims (after the layer
-    dim) and nf4 block dim."""
+    """One weight the base holds quantised: its path, logical axes, input dims (int8's scales
+    reduce over them) and nf4 block dim."""
 
     path: tuple[str, ...]
     axes: tuple
-    n_in: int
+    in_dims: tuple[int, ...]
     block_dim: int
 
 
@@ -53,18 +56,24 @@ def enabled(lora: LoraConfig | None) -> bool:
     return bool(lora is not None and lora.rank and lora.base_dtype in quant.FORMATS)
 
 
-def weights(cfg: ModelConfig, table: dict) -> list[Quantised]:
+def weights(cfg: ModelConfig, table: dict, embeddings: bool = False) -> list[Quantised]:
     """The weights a quantised base holds quantised: `table` (lora.TARGET_WEIGHTS: name ->
     (module, weight, input dims)) in every top-level layer stack that has them, with a d_model
-    dim."""
+    dim; with `embeddings` (--lora.quantize_embeddings) the embedding and LM head too."""
     out = []
     for stack, node in model.param_axes(cfg).items():
         if not isinstance(node, dict):
+            if embeddings and stack in EMBEDDINGS:
+                block = node.index("vocab_embed")
+                out.append(Quantised((stack,), node, EMBEDDINGS[stack], block))
             continue
         for module, weight, n_in in table.values():
             names = node.get(module, {}).get(weight) if isinstance(node.get(module), dict) else None
             if names is not None and BLOCK_AXIS in names:
-                out.append(Quantised((stack, module, weight), names, n_in, names.index(BLOCK_AXIS)))
+                in_dims = tuple(range(1, 1 + n_in))
+                out.append(
+                    Quantised((stack, module, weight), names, in_dims, names.index(BLOCK_AXIS))
+                )
     return out
 
 
@@ -80,7 +89,7 @@ def check(cfg, table: dict) -> None:
             " again to e4m3 in every matmul); use --model.matmul_precision default, or"
             " --lora.base_dtype bfloat16"
         )
-    if not weights(m, table):
+    if not weights(m, table, lora.quantize_embeddings):
         raise UserError(
             f"{flag}: this model has no projection with a d_model dim to quantise; use"
             " --lora.base_dtype bfloat16"
@@ -123,13 +132,13 @@ def quantize_base(cfg, table: dict, params: dict) -> dict:
             w.path: quant.quantize(
                 _at(params, w.path),
                 lora.base_dtype,
-                n_in=w.n_in,
+                in_dims=w.in_dims,
                 block_dim=w.block_dim,
                 block=lora.block_size,
                 double_quant=lora.double_quant,
                 dtype=dtype,
             )
-            for w in weights(cfg.model, table)
+            for w in weights(cfg.model, table, lora.quantize_embeddings)
         },
     )
 
@@ -166,7 +175,7 @@ def shardings(cfg, table: dict, full_shardings: dict, mesh) -> dict:
     full = model.abstract_params(cfg.model)
     abstract = abstract_base(cfg, table, full)
     items = {}
-    for w in weights(cfg.model, table):
+    for w in weights(cfg.model, table, cfg.lora.quantize_embeddings):
         q, spec, shape = _at(abstract, w.path), _at(full_shardings, w.path).spec, _at(full, w.path)
         items[w.path] = jax.tree.map(
             lambda a, spec=spec, shape=shape.shape: NamedSharding(

@@ -146,6 +146,11 @@ class LoraConfig:
     double_quant: bool = option(
         True, "nf4: quantise the block scales once more to int8 (QLoRA's double quantisation)"
     )
+    quantize_embeddings: bool = option(
+        False,
+        "int8/nf4: quantise the embedding and LM head too (kept at the compute dtype by default,"
+        " as QLoRA does); each is dequantised whole where it is used",
+    )
     allow_random_base: bool = option(
         False,
         "allow LoRA without --init-from: adapters on randomly initialised"
