@@ -6,11 +6,12 @@ small fine-tune.
     python benchmarks/qlora.py speed [--reps 3] [--steps 3]
     python benchmarks/qlora.py quality [--base-steps 300] [--steps 150]
 
-memory: the step of a rank-16 LoRA run (and QLoRA with --lora.quantize_embeddings) (all seven projections adapted) compiled for 8 fake CPU
-devices against abstract arrays (nothing allocated), bfloat16 compute (so the unquantised rest of a
-quantised base, embedding, head and norms, is bfloat16 as on a GPU), batch 8 x 128. The base's
-bytes per device are the compiled program's argument bytes less the state's and the batch's (the
-same adapters, optimizer state and batch in each mode); `plan`'s formula beside them.
+memory: the step of a rank-16 LoRA run (all seven projections adapted; QLoRA also with
+--lora.quantize_embeddings) compiled for 8 fake CPU devices against abstract arrays (nothing
+allocated), bfloat16 compute (so the unquantised rest of a quantised base, embedding, head and
+norms, is bfloat16 as on a GPU), batch 8 x 128. The base's bytes per device are the compiled
+program's argument bytes less the state's and the batch's (the same adapters, optimizer state and
+batch in each mode); `plan`'s formula beside them.
 
 speed: the default preset on one CPU device (float32 compute where the CPU has no bf16 matmul),
 batch 8 x 256, rank 16; the median of every timed step, the modes interleaved rep by rep (each rep
