@@ -4,7 +4,7 @@ small fine-tune.
 
     python benchmarks/qlora.py memory [--presets default,1b] [--mesh fsdp=8]
     python benchmarks/qlora.py speed [--reps 3] [--steps 3]
-    python benchmarks/qlora.py quality [--base-steps 300] [--steps 150]
+    python benchmarks/qlora.py quality [--base-steps 240] [--tune-steps 120] [--out DIR]
 
 memory: the step of a rank-16 LoRA run (all seven projections adapted; QLoRA also with
 --lora.quantize_embeddings) compiled for 8 fake CPU devices against abstract arrays (nothing
@@ -170,8 +170,8 @@ def main():
     ap.add_argument("--mesh", default="fsdp=8")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--base-steps", type=int, default=300)
-    ap.add_argument("--tune-steps", type=int, default=150)
+    ap.add_argument("--base-steps", type=int, default=240)
+    ap.add_argument("--tune-steps", type=int, default=120)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.what == "memory":

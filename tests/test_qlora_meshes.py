@@ -1,7 +1,8 @@
-"""QLoRA on meshes: a QLoRA run of the tiny model (NF4 with double quantisation, and int8) on fsdp,
-fsdp x model and pipeline (GPipe, 1F1B) meshes equals the same run on one device after the warm-up
-(loss, gradient norm, adapters over 5 steps), each quantising the same full-precision base at load
-(lora.load_base, as a run does) into its own shardings. Float32, 8 fake CPU devices."""
+"""QLoRA on meshes: a QLoRA run of the tiny model (NF4 with double quantisation, also with the
+embedding and head quantised, and int8) on fsdp, fsdp x model and pipeline (GPipe, 1F1B) meshes
+equals the same run on one device after the warm-up (loss, gradient norm, adapters over 5 steps),
+each quantising the same full-precision base at load (lora.load_base, as a run does) into its own
+shardings, to the same codes. Float32, 8 fake CPU devices."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ CASES = {
     "fsdp-nf4": ("fsdp=8", {"lora.base_dtype": "nf4"}),
     "fsdp-model-int8": ("fsdp=4,model=2", {"lora.base_dtype": "int8"}),
     "fsdp-model-nf4": ("fsdp=4,model=2", {"lora.base_dtype": "nf4"}),
+    "fsdp-model-nf4-embeddings": (
+        "fsdp=4,model=2",
+        {"lora.base_dtype": "nf4", "lora.quantize_embeddings": True},
+    ),
     "gpipe-nf4": (
         "pipeline=2,fsdp=2,model=2",
         {"lora.base_dtype": "nf4", "pipeline.microbatches": MICRO, "pipeline.schedule": "gpipe"},
@@ -83,22 +88,25 @@ def _run(tr, batches, adapters0) -> dict:
 
 @pytest.fixture(scope="module")
 def one_device(base_dir, tmp_path_factory):
-    """format -> the one-device run (and its initial adapters), computed once."""
+    """(format, embeddings quantised) -> the one-device run (and its initial adapters), computed
+    once."""
     cache = {}
 
-    def get(fmt: str):
-        if fmt not in cache:
+    def get(fmt: str, embeddings: bool = False):
+        if (fmt, embeddings) not in cache:
+            over = {"lora.base_dtype": fmt, "lora.quantize_embeddings": embeddings}
             tr = make_trainer(
                 "",
                 tmp_path_factory.mktemp("one"),
                 True,
                 **QLORA,
-                **{"lora.base_dtype": fmt, "checkpoint.init_from": base_dir},
+                **over,
+                **{"checkpoint.init_from": base_dir},
             )
             adapters0 = jax.device_get(create_state(tr.setup).params)
             batches = synthetic_batches(264, n=1) * (WARMUP + COMPARED)
-            cache[fmt] = adapters0, batches, _run(tr, batches, adapters0)
-        return cache[fmt]
+            cache[fmt, embeddings] = adapters0, batches, _run(tr, batches, adapters0)
+        return cache[fmt, embeddings]
 
     return get
 
@@ -107,7 +115,9 @@ def one_device(base_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_qlora_mesh_matches_one_device(case, base_dir, one_device, tmp_path):
     mesh, over = CASES[case]
-    adapters0, batches, want = one_device(over["lora.base_dtype"])
+    adapters0, batches, want = one_device(
+        over["lora.base_dtype"], over.get("lora.quantize_embeddings", False)
+    )
     tr = make_trainer(mesh, tmp_path, **QLORA, **over, **{"checkpoint.init_from": base_dir})
     got = _run(tr, batches, adapters0)
     assert_runs_match(got, want, f"QLoRA {case} on {mesh}")
@@ -124,3 +134,5 @@ def test_qlora_mesh_matches_one_device(case, base_dir, one_device, tmp_path):
         np.asarray(jax.device_get(q.codes)),
         np.asarray(jax.device_get(want["base"]["blocks"]["attn"]["wq_DNH"].codes)),
     )
+    embed = got["base"]["embed_VD"]
+    assert isinstance(embed, quant.QuantizedWeight) == over.get("lora.quantize_embeddings", False)
