@@ -266,11 +266,9 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
             " new --run-dir"
         )
     dtype = base_dtype(cfg.model, cfg.lora)
-    if qlora.enabled(cfg.lora):  # quantised once, the full-precision copy donated
+    if qlora.enabled(cfg.lora):  # quantised once (the codes cannot reuse the full base's buffers)
         params = jax.jit(
-            lambda p: qlora.quantize_base(cfg, TARGET_WEIGHTS, p),
-            out_shardings=shardings,
-            donate_argnums=(0,),
+            lambda p: qlora.quantize_base(cfg, TARGET_WEIGHTS, p), out_shardings=shardings
         )(params)
     elif dtype != cfg.model.param_dtype:
         params = jax.jit(
