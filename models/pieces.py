@@ -35,7 +35,7 @@ from models import context, layer_pattern, mtp
 from models.config import ModelConfig
 from models.layers import head_logits
 from models.loss import chunked_token_xent, token_xent
-from models.quant import materialise, remat_policy
+from models.quant import materialise, remat_policy, take_rows
 from models.softcap import softcap
 
 # the residual stream between blocks: its sequence dim is also split over `model` with sequence
@@ -118,8 +118,7 @@ class DecoderPieces:
     # -------------------------------------------------------------------------- the pieces
 
     def embed_tokens(self, outer: dict, tokens_BT: jax.Array) -> jax.Array:
-        x_VD = materialise(outer["embed_VD"])  # a quantised one: dequantised whole
-        x_BTD = jnp.take(x_VD, tokens_BT, axis=0).astype(self.dtype)
+        x_BTD = take_rows(outer["embed_VD"], tokens_BT).astype(self.dtype)
         if self.cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the compute dtype as HF does
             x_BTD = x_BTD * jnp.asarray(self.cfg.d_model**0.5, self.dtype)
         return constrain(x_BTD, ACT_BTD)

@@ -149,6 +149,14 @@ def materialise(tree):
     return jax.tree.map(lambda x: x.materialise() if is_lazy(x) else x, tree, is_leaf=is_lazy)
 
 
+def take_rows(table_VD, ids):
+    """`table_VD[ids]` (an embedding lookup); of a quantised table only the rows looked up are
+    dequantised (its codes and scales all lead with the vocabulary dim)."""
+    if not is_lazy(table_VD):
+        return jnp.take(table_VD, ids, axis=0)
+    return materialise(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table_VD))
+
+
 def has_lazy(tree) -> bool:
     return any(is_lazy(x) for x in jax.tree.leaves(tree, is_leaf=is_lazy))
 

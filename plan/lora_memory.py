@@ -9,7 +9,8 @@ step forms the weights it multiplies by from the base and the adapters:
 - a quantised base: one layer's weights dequantised at a time, inside the layer scan; priced at
   the compute dtype, gathered over the axes that shard d_model (FSDP gathers a layer's weights
   before its matmuls), the forward's and the backward's layer both live: 2 x one layer; with
-  --lora.quantize_embeddings the embedding and head dequantised whole, once each.
+  --lora.quantize_embeddings the LM head dequantised whole (the embedding only in its looked-up
+  rows; a tied one is the head).
 
 The stage's base bytes follow the same rule table as a full fine-tune's parameters (codes as the
 weights, scales on the matching axes where the reduced dim still divides).
@@ -102,6 +103,8 @@ def _merge_bytes(stage, lora_cfg, flat_full, specs, quantised, mesh, rules, comp
         fsdp = set(rules.get("embed", ())) | set(rules.get("vocab_embed", ()))
         layer = whole = 0
         for key in quantised:
+            if key == ("embed_VD",) and not stage.tie_embeddings:
+                continue  # looked up by rows: only those are dequantised
             stacked = len(key) > 1  # a layer stack's weight [L, ...]; else the embedding or head
             shape, spec = flat_full[key].shape, tuple(specs[key])
             shape, spec = (shape[1:], spec[1:]) if stacked else (shape, spec)
