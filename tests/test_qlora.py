@@ -24,6 +24,7 @@ from equivalence import (
 from test_lora import LORA, _save_base
 
 from checkpoint import hf
+from checkpoint.layout import merged
 from checkpoint.manager import open_checkpoint
 from errors import UserError
 from mesh.build import make_mesh
@@ -224,6 +225,10 @@ def test_checkpoint_resume_and_export_merge(base, tmp_path):
     gap = float(np.abs(np.asarray(export) - np.asarray(qlora_run)).max())
     moved = float(np.abs(np.asarray(export) - np.asarray(full_base)).max())
     assert 0 < gap <= 1.5 * quant_effect + 1e-5, (gap, quant_effect)
+    # the quantised model is exactly the dequantised base with the adapters merged
+    adapters = jax.device_get(tr.state.params)
+    dequantised = merged(quant.materialise(quantised_base), adapters, lora.scale(cfg.lora))
+    np.testing.assert_allclose(logits(dequantised), qlora_run, rtol=1e-5, atol=1e-5)
     assert moved > 1e-3, "the export must hold the adapters' change"
 
 
