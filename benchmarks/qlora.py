@@ -2,7 +2,7 @@
 measured from the compiled step, the step time on CPU, and (`quality`) the final eval loss of a
 small fine-tune.
 
-    python benchmarks/qlora.py memory [--presets default,1b] [--mesh fsdp=8]
+    python benchmarks/qlora.py memory [--presets default,1b] [--mesh fsdp=8] [--block-size 64]
     python benchmarks/qlora.py speed [--reps 3] [--steps 3]
     python benchmarks/qlora.py quality [--base-steps 240] [--tune-steps 120] [--out DIR]
 
@@ -60,7 +60,7 @@ LORA = {
 }
 
 
-def memory(presets: list[str], mesh_spec: str) -> list[dict]:
+def memory(presets: list[str], mesh_spec: str, block: int = 64) -> list[dict]:
     rows = []
     mesh = make_mesh(mesh_spec)
     for preset in presets:
@@ -68,7 +68,7 @@ def memory(presets: list[str], mesh_spec: str) -> list[dict]:
             fmt, emb = label.split("+")[0], label.endswith("+embeddings")
             over = {**LORA, "model.preset": preset, "model.dtype": "bfloat16"}
             over |= {"lora.base_dtype": fmt, "train.batch_size": 8, "train.seq_len": 128}
-            over |= {"lora.quantize_embeddings": emb}
+            over |= {"lora.quantize_embeddings": emb, "lora.block_size": block}
             over |= {"parallelism.mesh": mesh_spec, "train.skip_memory_check": True}
             cfg = build(over)
             s = setup(cfg, mesh)
@@ -168,6 +168,7 @@ def main():
     ap.add_argument("what", choices=("memory", "speed", "quality"))
     ap.add_argument("--presets", default="default,1b")
     ap.add_argument("--mesh", default="fsdp=8")
+    ap.add_argument("--block-size", type=int, default=64, help="memory: --lora.block_size")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--base-steps", type=int, default=240)
@@ -175,7 +176,7 @@ def main():
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.what == "memory":
-        rows = memory(a.presets.split(","), a.mesh)
+        rows = memory(a.presets.split(","), a.mesh, a.block_size)
         print(memory_table(rows, a.mesh))
     elif a.what == "speed":
         print(speed(a.reps, a.steps))

@@ -57,18 +57,18 @@ def _shard_bytes(shape, dtype, spec, mesh) -> int:
     return elems * np.dtype(dtype).itemsize
 
 
-def _specs(axes: dict, rules: dict) -> dict:
-    # a stage holds its own layers whole
-    return jax.tree.map(
-        lambda names: logical_to_spec(names, {**rules, "layers": ()}), axes, is_leaf=is_axis_names
-    )
+def _specs(axes: dict, rules: dict, stage: bool = True) -> dict:
+    # `stage`: the arrays of one pipeline stage, which holds its own layers whole
+    rules = {**rules, "layers": ()} if stage else rules
+    return jax.tree.map(lambda names: logical_to_spec(names, rules), axes, is_leaf=is_axis_names)
 
 
-def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str) -> dict:
+def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str, whole: bool = True) -> dict:
     """{"base", "adapters", "merge"} bytes per device of one pipeline stage (see the module
-    docstring)."""
+    docstring); `whole` False: of the whole model, its layer stack split over `pipeline` as the
+    rules say (a compiled plan's)."""
     full, axes, held, (adapters, adapter_axes) = _abstract(stage, lora_cfg)
-    specs = _specs(axes, rules)
+    specs = _specs(axes, rules, whole)
     quantised = (
         {w.path: w for w in qlora.weights(stage, lora.TARGET_WEIGHTS, lora_cfg.quantize_embeddings)}
         if qlora.enabled(lora_cfg)
@@ -86,7 +86,7 @@ def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str) -> dict:
         else:  # a quantised base holds the rest in the target's compute dtype
             dtype = compute_dtype if quantised else node.dtype
             base += _shard_bytes(node.shape, dtype, spec, mesh)
-    adapter_specs = _specs(adapter_axes, rules)
+    adapter_specs = _specs(adapter_axes, rules, whole)
     adapter_bytes = sum(
         _shard_bytes(_at(adapters, key).shape, _at(adapters, key).dtype, spec, mesh)
         for key, spec in _flat(adapter_specs)

@@ -32,6 +32,11 @@ def _memory_lines(r: dict) -> list[str]:
                 f"  {'base':<12}{_mib(m['base_bytes'])} (the LoRA run's frozen base;"
                 " params above: its adapters)"
             )
+            lines.append(
+                f"  {'merged':<12}{_mib(m.get('merge_bytes', 0))} (formula: the weights formed"
+                " from base and adapters, in temp: the whole adapted stack and its gradient, or"
+                " a quantised base's dequantised layers)"
+            )
     return lines
 
 

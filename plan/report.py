@@ -20,6 +20,7 @@ from models import pipeline as pipeline_lib
 from models.flops import active_param_count, flops_per_token, param_count
 from models.pieces import n_groups_and_tail
 from plan.hlo import KINDS, parse_collectives, summarize
+from plan.lora_memory import lora_parts
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
 from train.core import lora, qlora
@@ -103,11 +104,18 @@ def _memory(s: RunSetup, state, mem) -> dict:
             local_bytes(x) for x in jax.tree.leaves(lora.abstract_base(s.cfg, s.base_shardings))
         )
     )
+    # the weights the step forms from base and adapters (plan/lora_memory.py; part of temp)
+    merge_b = (
+        0
+        if s.base_shardings is None
+        else lora_parts(s.cfg.model, s.cfg.lora, s.mesh, s.rules, s.compute_dtype, False)["merge"]
+    )
     return {
         "params_bytes": params_b,
         "optimizer_bytes": opt_b,
         "gradient_bytes": params_b,
         "base_bytes": base_b,
+        "merge_bytes": merge_b,
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,
         "temp_bytes": mem.temp_size_in_bytes,

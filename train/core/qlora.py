@@ -150,19 +150,22 @@ def abstract_base(cfg, table: dict, full: dict) -> dict:
 
 def part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], mesh) -> P:
     """A codes' or scales' spec from the weight's: a dim keeps the weight's mesh axes where its
-    size still divides by them; the axes of a dim that no longer divides (a scale's reduced dim)
-    move to the largest unsharded dim they divide, so that under FSDP the scales are split
-    too rather than held whole on every device; else they are left out (replicated)."""
+    size still divides by them. The axes of a dim reduced to 1 (int8's input dims, the double
+    quantisation's row scales) move to the largest other dim they divide that no axis of size > 1
+    splits, so that under FSDP those scales are split too (the dequantisation broadcasts them: one
+    small all-gather). A dim reduced to more than 1 that no longer divides (nf4's d_model / block,
+    where blocks straddle the shards of a small d_model) is held whole: moved elsewhere, the
+    scales would be resharded against the codes' blocks in every layer."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    out, dropped = [], []
+    out, moved = [], []
     for e, n, wn in zip(entries, shape, weight_shape, strict=True):
         keep = n == wn or (e is not None and n % axes_size(mesh, e) == 0)
         out.append(e if keep else None)
-        if not keep and e is not None:
-            dropped.append(e)
-    for e in dropped:  # onto a dim whose own axes split nothing (size 1 on this mesh), if any
+        if not keep and e is not None and n == 1:
+            moved.append(e)
+    for e in moved:
         free = [d for d in range(1, len(shape)) if out[d] is None or axes_size(mesh, out[d]) == 1]
-        fits = [d for d in free if shape[d] % axes_size(mesh, e) == 0 and shape[d] > 1]
+        fits = [d for d in free if shape[d] > 1 and shape[d] % axes_size(mesh, e) == 0]
         if fits:
             d = max(fits, key=lambda d: shape[d])
             out[d] = (*entry_axes(out[d]), *entry_axes(e))
