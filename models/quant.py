@@ -24,13 +24,16 @@ The per-array int8 quantise and both dequantises are qwix's (google/qwix: `qwix.
 channelwise axes, `qwix.dequantize` of its QArray, NF4 through its table): it installs from PyPI and
 runs on the jax this project supports. Two parts are our own: the NF4 encoder (`nf4_encode`: qwix's
 argmin over the 16 values keeps an [N, 16] temporary, 8x the weights, where this one fuses) and
-double quantisation, which qwix does not have (built on its int8 quantiser).
+double quantisation, which qwix does not have (built on its int8 quantiser). AQT (`aqtp` 0.9.0)
+installs and imports here too, but quantises a dot_general's operands for training and has no
+NF4, where qwix ships NF4 and a LoRA/QLoRA provider of its own (`qwix.LoraProvider`).
 qwix's model-level QLoRA (intercepting Flax modules' dot_generals) is not used: this project's
 layers are stacked [L, ...] and scanned, and the dequantisation has to happen inside that scan,
 per layer, which `materialise` does where models/pieces.py merges one layer's params.
 
-`QuantizedWeight` and `LoraWeight` are pytrees whose arrays all lead with the layer dim, so the
-stack's slicing, reshaping and pipelining treat them as any weight; `materialise` turns a layer's
+`QuantizedWeight` and `LoraWeight` are pytrees whose arrays all lead with the layer dim (a
+quantised embedding's with the vocabulary dim, `take_rows`), so the stack's slicing, reshaping
+and pipelining treat them as any weight; `materialise` turns a layer's
 slice of them into the weight the layer multiplies by.
 """
 
