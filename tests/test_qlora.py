@@ -242,6 +242,10 @@ def test_checkpoint_resume_and_export_merge(base, tmp_path):
             {"lora.base_dtype": "int8", "model.matmul_precision": "fp8"},
             "--lora.base_dtype int8: not with --model.matmul_precision fp8",
         ),
+        (
+            {"lora.base_dtype": "nf4", "lora.block_size": 32, "model.d_ff": 191},
+            "--lora.base_dtype nf4: blocks/mlp/w_gate_DF's last dim is odd",
+        ),
     ],
 )
 def test_bad_inputs(flags, message):

@@ -80,7 +80,7 @@ def weights(cfg: ModelConfig, table: dict, embeddings: bool = False) -> list[Qua
 def check(cfg, table: dict) -> None:
     """One line for a quantised base that cannot be: with FP8 matmuls (the weights would be
     rounded twice, to the base's codes and then to e4m3), an nf4 block size that does not divide
-    d_model, a model with no weight to quantise."""
+    d_model, nf4 on a weight whose last dim is odd, a model with no weight to quantise."""
     lora, m = cfg.lora, cfg.model
     flag = f"--lora.base_dtype {lora.base_dtype}"
     if m.matmul_precision == "fp8":
@@ -101,6 +101,15 @@ def check(cfg, table: dict) -> None:
             f" blocks run along every quantised weight's d_model dim); valid: a divisor of"
             f" {m.d_model}, e.g. {', '.join(map(str, divisors)) or '1'}"
         )
+    if lora.base_dtype == "nf4":  # two 4-bit codes a byte along the last dim (models/quant.py)
+        shapes = model.abstract_params(m)
+        for w in weights(m, table, lora.quantize_embeddings):
+            size = _at(shapes, w.path).shape[-1]
+            if size % 2:
+                raise UserError(
+                    f"--lora.base_dtype nf4: {'/'.join(w.path)}'s last dim is odd ({size}); nf4"
+                    " packs two codes a byte along it: use --lora.base_dtype int8"
+                )
 
 
 def _at(tree: dict, path: tuple[str, ...]):
