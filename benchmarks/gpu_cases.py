@@ -45,13 +45,21 @@ EP_EXCHANGES = {
     "ragged": ["--model.dispatch", "dropless", "--model.ep_exchange", "ragged"],
 }
 # Settings compared on the first dense preset at --variant-batch, each against the plain run of
-# that preset and batch: the XLA GPU preset (mesh/xla.py), the attention implementation, FP8.
+# that preset and batch: the XLA GPU preset (mesh/xla.py), the attention implementation, FP8,
+# LoRA on a bfloat16, int8 and NF4 base.
 VARIANTS = {
     "xla-preset": ["--xla-preset", "gpu"],
     "attention-dense": ["--model.attention", "dense"],
     "attention-blockwise": ["--model.attention", "blockwise"],
     "attention-cudnn": ["--model.attention", "cudnn"],
     "fp8": ["--model.matmul_precision", "fp8"],
+    # LoRA rank 16 on a random frozen base (the base's values do not change the step's work): a
+    # bfloat16 base against QLoRA's int8 and NF4 (BENCHMARKS.md, QLoRA)
+    **{
+        f"lora-{dtype}": ["--lora.rank", "16", "--lora.alpha", "32", "--lora.base_dtype", dtype]
+        + ["--lora.allow_random_base", "true"]
+        for dtype in ("bfloat16", "int8", "nf4")
+    },
 }
 
 

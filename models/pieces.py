@@ -14,7 +14,9 @@ model has them, "tail": the tail layers' [r, ...], "first": the dense first laye
 moe_every - 1 dense then one MoE (a dense model: one dense layer, or one repeat of its layer
 pattern), so every group has the same structure and the stack scans, and pipelines, by group.
 Layer j of a group runs with its own LayerSpec (window, RoPE: models/layer_pattern.py); the layers
-past the pattern's last whole repeat (the tail) run after the groups, inside `head`.
+past the pattern's last whole repeat (the tail) run after the groups, inside `head`. A layer's
+params may hold quantised weights (models/quant.py, a QLoRA base): each layer materialises its own
+where it runs, so the full-precision temporary is one layer's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from models import context, layer_pattern, mtp
 from models.config import ModelConfig
 from models.layers import head_logits
 from models.loss import chunked_token_xent, token_xent
+from models.quant import materialise, remat_policy, take_rows
 from models.softcap import softcap
 
 # the residual stream between blocks: its sequence dim is also split over `model` with sequence
@@ -125,8 +128,7 @@ class DecoderPieces:
     # -------------------------------------------------------------------------- the pieces
 
     def embed_tokens(self, outer: dict, tokens_BT: jax.Array) -> jax.Array:
-        x_VD = outer["embed_VD"]
-        x_BTD = jnp.take(x_VD, tokens_BT, axis=0).astype(self.dtype)
+        x_BTD = take_rows(outer["embed_VD"], tokens_BT).astype(self.dtype)
         if self.cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the compute dtype as HF does
             x_BTD = x_BTD * jnp.asarray(self.cfg.d_model**0.5, self.dtype)
         return constrain(x_BTD, ACT_BTD)
@@ -140,11 +142,12 @@ class DecoderPieces:
             return x_BTD
 
         def step(x_BTD, params):
-            layer = nnx.merge(self.first_gdef, params)
+            layer = nnx.merge(self.first_gdef, materialise(params))
             return layer(x_BTD, positions_BT, None, segment_ids_BT)[0], None
 
-        if self.remat_policy is not None:
-            step = jax.checkpoint(step, policy=self.remat_policy, prevent_cse=not self.scan_layers)
+        policy = remat_policy(self.remat_policy, outer["first"])
+        if policy is not None:
+            step = jax.checkpoint(step, policy=policy, prevent_cse=not self.scan_layers)
         return over_groups(step, x_BTD, outer["first"], self.scan_layers)[0]
 
     def group(self, x_BTD, params_G, positions_BT, segment_ids_BT=None):
@@ -170,10 +173,11 @@ class DecoderPieces:
             else:
                 c = jax.tree.map(lambda a, j=j: a[j], cache_G)
             if j < self.n_dense:
-                layer = nnx.merge(self.dense_gdef, jax.tree.map(lambda a, j=j: a[j], dense_G))
+                dense_j = jax.tree.map(lambda a, j=j: a[j], dense_G)
+                layer = nnx.merge(self.dense_gdef, materialise(dense_j))
                 x_BTD, c = layer(x_BTD, positions_BT, c, segment_ids_BT, spec)
             else:
-                layer = nnx.merge(self.moe_gdef, moe_G)
+                layer = nnx.merge(self.moe_gdef, materialise(moe_G))
                 x_BTD, c, stats = layer(x_BTD, positions_BT, c, segment_ids_BT, spec)
             new_caches.append(c)
         if per_layer:
@@ -193,11 +197,12 @@ class DecoderPieces:
         for i in range(tail):
 
             def run(x_BTD, params, c, i=i):
-                layer = nnx.merge(self.tail_gdef, params)
+                layer = nnx.merge(self.tail_gdef, materialise(params))
                 return layer(x_BTD, positions_BT, c, segment_ids_BT, specs[i])
 
-            if caches is None and self.remat_policy is not None:
-                run = jax.checkpoint(run, policy=self.remat_policy)
+            policy = remat_policy(self.remat_policy, outer["tail"])
+            if caches is None and policy is not None:
+                run = jax.checkpoint(run, policy=policy)
             params = jax.tree.map(lambda a, i=i: a[i], outer["tail"])
             x_BTD, c = run(x_BTD, params, None if caches is None else caches[i])
             new_caches.append(c)
@@ -206,7 +211,8 @@ class DecoderPieces:
     def final(self, outer: dict, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """-> (the final-normed states [B,T,D], the LM head [D,V] in the compute dtype)."""
         x_BTD = constrain(nnx.merge(self.norm_gdef, outer["norm"])(x_BTD), HIDDEN_BTD)
-        head_DV = outer["embed_VD"].T if outer["head_DV"] is None else outer["head_DV"]
+        tied = outer["head_DV"] is None
+        head_DV = materialise(outer["embed_VD"]).T if tied else materialise(outer["head_DV"])
         return x_BTD, head_DV.astype(self.dtype)
 
     def logits(self, x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
@@ -244,7 +250,7 @@ class DecoderPieces:
                 self.cfg,
                 self.mtp_gdef,
                 outer["mtp"],
-                outer["embed_VD"],
+                materialise(outer["embed_VD"]),
                 x_BTD,
                 head_DV,
                 batch,
@@ -271,7 +277,8 @@ class DecoderPieces:
 
             def first_step(x_BTD, xs):
                 params, c = xs
-                return nnx.merge(self.first_gdef, params)(x_BTD, positions_BT, c, segment_ids_BT)
+                layer = nnx.merge(self.first_gdef, materialise(params))
+                return layer(x_BTD, positions_BT, c, segment_ids_BT)
 
             head_cache = jax.tree.map(lambda a: a[:first], cache)
             x_BTD, head_cache = over_groups(

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -71,6 +72,12 @@ def add_args(parser) -> None:
     )
     g.add_argument(
         "--top", type=number(int, ">=1"), default=10, metavar="K", help="--search: meshes shown"
+    )
+    g.add_argument(
+        "--smallest",
+        action="store_true",
+        help="with --search N: the fewest devices (1, 2, 4, ... up to N) on which a mesh fits,"
+        " ranked there (e.g. a LoRA/QLoRA fine-tune of a preset at a sequence length)",
     )
     g.add_argument(
         "--cluster-size",
@@ -195,6 +202,7 @@ def _search(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
         comm_cfg=cfg.comm,
         pipeline_cfg=cfg.pipeline,
         vocab_parallel=p.vocab_parallel,
+        lora_cfg=cfg.lora,
     )
     fit = [r for r in rows if r["fits"]]
     text = render_search(rows, ns.top, hw, n)
@@ -228,6 +236,7 @@ def _estimate(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
         pipeline_cfg=cfg.pipeline,
         vocab_parallel=p.vocab_parallel,
         sequence_parallel=p.sequence_parallel,
+        lora_cfg=cfg.lora,
     )
     row = evaluate(*args, **kwargs)
     row["goodput"] = _goodput(
@@ -244,9 +253,26 @@ def analytic(ns, cfg) -> tuple[dict, str]:
     """`plan --search N` / `plan --devices N`: no compile. -> (JSON-able report, text)."""
     hw = _hardware(ns, ns.search or ns.devices, cfg)
     rules = make_rules(cfg.parallelism.rules)
+    if ns.search and ns.smallest:
+        return _smallest(ns, cfg, rules)
     if ns.search:
         return _search(ns, cfg, hw, rules)
     return _estimate(ns, cfg, hw, rules)
+
+
+def _smallest(ns, cfg, rules) -> tuple[dict, str]:
+    """`plan --search N --smallest`: `--search n` for n = 1, 2, 4, ... <= N until a mesh fits."""
+    n, report, text = 1, {}, ""
+    while n <= ns.search:
+        sub = argparse.Namespace(**{**vars(ns), "search": n})
+        report, text = _search(sub, cfg, _hardware(sub, n, cfg), rules)
+        if report["fit"]:
+            best = report["top"][0]
+            report["smallest"] = n
+            return report, f"smallest: {n} device(s), {best['mesh']}\n" + text
+        n *= 2
+    report["smallest"] = None
+    return report, f"smallest: no mesh of up to {ns.search} devices fits\n" + text
 
 
 def with_cost(report: dict, ns, cfg, mesh) -> str:

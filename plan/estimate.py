@@ -24,9 +24,10 @@ from models.pieces import stage_layers
 from plan import cost
 from plan.activation_memory import activation_bytes, attention_on
 from plan.hardware import Hardware
+from plan.lora_memory import lora_memory, lora_parts
 from plan.run_spec import RunSpec, abstract_mesh
 from plan.theory import theory
-from train.core import optim
+from train.core import lora, optim
 from train.core.config import CommConfig, TrainConfig
 from train.core.shapes import batch_shards, seq_shards, validate_run
 
@@ -257,13 +258,14 @@ def evaluate(
     pipeline_cfg: PipelineConfig | None = None,
     vocab_parallel: str = "auto",
     sequence_parallel: bool = False,
+    lora_cfg=None,
 ) -> dict:
     """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
     micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
     comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
     vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh
-    (head_layout)."""
+    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py)."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
     pc = pipeline_cfg or PipelineConfig()
     platform = platform or hw.platform
@@ -281,7 +283,11 @@ def evaluate(
     on_device, on_host = _activations(
         cfg, run, hw, mesh, act_bytes, pipe_m, shards, sequence_parallel
     )
-    memory = _memory(params, _optimizer_ratio(cfg, t), t, on_device, on_host)
+    if lora.enabled(lora_cfg):  # the adapters train; the frozen base and its merge apart
+        parts = lora_parts(stage, lora_cfg, mesh, rules, dtype)
+        memory = lora_memory(parts, _optimizer_ratio(cfg, t), on_device, on_host)
+    else:
+        memory = _memory(params, _optimizer_ratio(cfg, t), t, on_device, on_host)
     _count_host_offload(comm, on_host + memory["host_optimizer"])
     pred = _predict(cfg, run, hw, comm, platform, pipe_m, dcn)
     return {

@@ -32,6 +32,11 @@ def _memory_lines(r: dict) -> list[str]:
                 f"  {'base':<12}{_mib(m['base_bytes'])} (the LoRA run's frozen base;"
                 " params above: its adapters)"
             )
+            lines.append(
+                f"  {'merged':<12}{_mib(m.get('merge_bytes', 0))} (formula: the weights formed"
+                " from base and adapters, in temp: the whole adapted stack and its gradient, or"
+                " a quantised base's dequantised layers)"
+            )
     return lines
 
 
@@ -177,7 +182,13 @@ def render_estimate(row: dict, hw: Hardware) -> str:
         f"memory per device (estimate): params {m['params'] / gib:.2f} GiB,"
         f" grads {m['grads'] / gib:.2f},"
         f" optimizer {m['optimizer'] / gib:.2f}, activations {m['activations'] / gib:.2f},"
-        f" total {m['total'] / gib:.2f} GiB -> {'fits' if row['fits'] else 'does NOT fit'} in"
+        + (
+            f" LoRA base {m['base'] / gib:.2f} (params: the adapters), merged weights"
+            f" {m['merge'] / gib:.2f},"
+            if "base" in m
+            else ""
+        )
+        + f" total {m['total'] / gib:.2f} GiB -> {'fits' if row['fits'] else 'does NOT fit'} in"
         f" {hw.usable_memory * hw.hbm_bytes / gib:.0f} GiB\n"
         + (
             "host memory per device (estimate):"

@@ -13,15 +13,17 @@ import dataclasses
 import jax
 
 from errors import expect
-from mesh.shard import path_names
+from mesh.shard import path_names, tree_shardings
 from mesh.spec import mesh_text
+from models import model
 from models import pipeline as pipeline_lib
 from models.flops import active_param_count, flops_per_token, param_count
 from models.pieces import n_groups_and_tail
 from plan.hlo import KINDS, parse_collectives, summarize
+from plan.lora_memory import lora_parts
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
-from train.core import lora
+from train.core import lora, qlora
 from train.core.setup import RunSetup, abstract_batch, abstract_state, compile_step, setup
 from train.core.shapes import batch_shards
 
@@ -102,11 +104,18 @@ def _memory(s: RunSetup, state, mem) -> dict:
             local_bytes(x) for x in jax.tree.leaves(lora.abstract_base(s.cfg, s.base_shardings))
         )
     )
+    # the weights the step forms from base and adapters (plan/lora_memory.py; part of temp)
+    merge_b = (
+        0
+        if s.base_shardings is None
+        else lora_parts(s.cfg.model, s.cfg.lora, s.mesh, s.rules, s.compute_dtype, False)["merge"]
+    )
     return {
         "params_bytes": params_b,
         "optimizer_bytes": opt_b,
         "gradient_bytes": params_b,
         "base_bytes": base_b,
+        "merge_bytes": merge_b,
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,
         "temp_bytes": mem.temp_size_in_bytes,
@@ -128,6 +137,18 @@ def _collectives(measured: dict) -> dict:
     }
 
 
+def _theory_base(s: RunSetup) -> dict:
+    """A LoRA run's base as the theory prices it: as held, or (a quantised base) the weights it
+    stands for at the compute dtype, sharded as a full fine-tune's."""
+    if not qlora.enabled(s.cfg.lora):
+        return lora.abstract_base(s.cfg, s.base_shardings)
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, s.compute_dtype, sharding=sh),
+        model.abstract_params(s.cfg.model),
+        tree_shardings(s.mesh, model.param_axes(s.cfg.model), s.rules),
+    )
+
+
 def analyze(s: RunSetup) -> dict:
     """Compile the step of the run `s` (train.core.setup.setup) and return the full report as a
     dict."""
@@ -144,10 +165,7 @@ def analyze(s: RunSetup) -> dict:
     cost = _cost_analysis(compiled)
     measured = summarize(parse_collectives(compiled.as_text(), s.mesh))
     # LoRA: the frozen base's weights are the ones that move (its adapters are tiny and replicated)
-    th = theory(
-        run_spec(s),
-        state.params if s.base_shardings is None else lora.abstract_base(s.cfg, s.base_shardings),
-    )
+    th = theory(run_spec(s), state.params if s.base_shardings is None else _theory_base(s))
     th_backend = on_backend(th, jax.default_backend(), dict(s.mesh.shape))
     return {
         "mesh": mesh_text(s.mesh.shape),

@@ -56,7 +56,18 @@ def _quick_reject(cfg, sizes: dict[str, int], batch_size: int, rules) -> bool:
 
 
 def _price(
-    cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cfg, choice, vocab_parallel
+    cfg,
+    sizes,
+    hw,
+    batch_size,
+    seq_len,
+    micro_batches,
+    rules,
+    t,
+    comm_cfg,
+    choice,
+    vocab_parallel,
+    lora_cfg=None,
 ) -> dict | None:
     """evaluate() of one choice (None where the mesh cannot take the run's head layout); sequence
     parallelism moves the same bytes and saves activation memory: worth it where the mesh does not
@@ -74,6 +85,7 @@ def _price(
             comm_cfg=comm_cfg,
             pipeline_cfg=choice,
             vocab_parallel=vocab_parallel,
+            lora_cfg=lora_cfg,
         )
         if (
             not row["fits"]
@@ -93,6 +105,7 @@ def _price(
                 pipeline_cfg=choice,
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=True,
+                lora_cfg=lora_cfg,
             )
     except UserError:
         # --parallelism.vocab_parallel on, and the mesh does not divide the vocabulary
@@ -109,7 +122,19 @@ OFFLOADS = (
 
 
 def _offloaded(
-    cfg, sizes, hw, batch_size, seq_len, micro_batches, rules, t, comm_cfg, row, pc, vocab_parallel
+    cfg,
+    sizes,
+    hw,
+    batch_size,
+    seq_len,
+    micro_batches,
+    rules,
+    t,
+    comm_cfg,
+    row,
+    pc,
+    vocab_parallel,
+    lora_cfg=None,
 ) -> dict | None:
     """`row`'s layout priced with each of OFFLOADS until one fits (None if none does); the row's
     `offload` says which flags it took."""
@@ -131,6 +156,7 @@ def _offloaded(
             comm_cfg,
             choice,
             vocab_parallel,
+            lora_cfg,
         )
         if out is not None and out["fits"]:
             return {**out, "offload": flags}
@@ -185,6 +211,7 @@ def _best_on_mesh(
     comm_cfg,
     pc: PipelineConfig,
     vocab_parallel: str,
+    lora_cfg=None,
 ) -> dict | None:
     """The best row of one mesh (None where the run refuses every setting): the fastest pipeline
     setting the run accepts, every other schedule tried on a pipeline mesh, and, where the best
@@ -203,6 +230,7 @@ def _best_on_mesh(
         t,
         comm_cfg,
         vocab_parallel=vocab_parallel,
+        lora_cfg=lora_cfg,
     )
     for choice in pipeline_choices(cfg, sizes, t, pc, rules):
         if not check(cfg, sizes, t, choice, rules):
@@ -223,6 +251,7 @@ def _best_on_mesh(
             best,
             pc,
             vocab_parallel,
+            lora_cfg,
         )
         best = _better(best, offloaded)
     return best
@@ -241,12 +270,15 @@ def search(
     comm_cfg=None,
     pipeline_cfg: PipelineConfig | None = None,
     vocab_parallel: str = "auto",
+    lora_cfg=None,
 ) -> list[dict]:
     """Every valid mesh of n_devices, best first: those that fit in memory by predicted step time,
     then those that do not, by memory. Validity is the run's own (validate_run). Pipeline meshes
     price every schedule (gpipe, 1f1b, zb_h1, circular and interleaved_1f1b at 2 and 4 chunks) at
     the run's --pipeline.microbatches, or with it unset at every micro-batch count the run would
-    accept, keeping the fastest that fits (the row says which, and its flags)."""
+    accept, keeping the fastest that fits (the row says which, and its flags). `lora_cfg`: a LoRA
+    or QLoRA fine-tune's section: the adapters train, the frozen base is held apart
+    (plan/lora_memory.py)."""
     rules = rules or make_rules()
     pc = pipeline_cfg or PipelineConfig()
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
@@ -268,6 +300,7 @@ def search(
             comm_cfg,
             pc,
             vocab_parallel,
+            lora_cfg,
         )
         if best is not None:
             rows.append(best)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models import quant
 from models.config import PipelineConfig
 from models.pieces import over_groups
 from models.pipeline import explicit
@@ -58,7 +59,8 @@ def stack_forward(pieces, stack, x_BTD, positions_BT, segment_ids_BT=None, *, pi
     schedules run the same forward ticks, as a forward without gradient), else a scan (or
     unrolled loop) over the groups, each rematerialised by the model's policy."""
     seg = () if segment_ids_BT is None else (segment_ids_BT,)
-    policy, P = pieces.remat_policy, stages()
+    # a quantised base's layers recompute their weights in the backward (models/quant.py)
+    policy, P = quant.remat_policy(pieces.remat_policy, stack), stages()
     if P > 1:
         pc = pipeline or PipelineConfig()
         M = pc.microbatches_for(P)
@@ -126,7 +128,7 @@ def _explicit_objective(pieces, outer, stack, batch, pipeline, stat_weights):
         microbatches=M,
         schedule=pipeline.schedule,
         repeats=pipeline.repeats,
-        remat_policy=pieces.remat_policy,
+        remat_policy=quant.remat_policy(pieces.remat_policy, stack),
         has_aux=True,
         scan_layers=pieces.scan_layers,
         replica_axes=pipeline.replica_axes,

@@ -30,6 +30,7 @@ from mesh.rules import axis_rules
 from mesh.shard import tree_shardings
 from models import model
 from models.config import ModelConfig
+from train.core import qlora
 from train.core.config import Config, LoraConfig
 
 # --lora.targets name -> (module, weight, its input dims after the layer dim)
@@ -145,24 +146,36 @@ def base_dtype(cfg: ModelConfig, lora: LoraConfig) -> str:
 
 
 def base_shardings(cfg: Config, mesh, rules) -> dict:
-    """The frozen base's NamedShardings: exactly the parameters' of a full fine-tune."""
-    return tree_shardings(mesh, model.param_axes(cfg.model), rules)
+    """The frozen base's NamedShardings: exactly the parameters' of a full fine-tune (a quantised
+    base: its codes so, its scales on the matching axes, train/core/qlora.py)."""
+    full = tree_shardings(mesh, model.param_axes(cfg.model), rules)
+    if qlora.enabled(cfg.lora):
+        return qlora.shardings(cfg, TARGET_WEIGHTS, full, mesh)
+    return full
 
 
 def abstract_base(cfg: Config, shardings: dict) -> dict:
     """ShapeDtypeStructs of the base as the step takes it (--lora.base_dtype, the base's
     shardings)."""
-    dtype = base_dtype(cfg.model, cfg.lora)
+    if qlora.enabled(cfg.lora):
+        shapes = qlora.abstract_base(cfg, TARGET_WEIGHTS, model.abstract_params(cfg.model))
+    else:
+        dtype = base_dtype(cfg.model, cfg.lora)
+        shapes = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, dtype), model.abstract_params(cfg.model)
+        )
     return jax.tree.map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype, sharding=sh),
-        model.abstract_params(cfg.model),
-        shardings,
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings
     )
 
 
 def model_params(cfg: Config, base: dict, adapters: dict) -> dict:
-    """What the model computes with: the base with every adapted weight merged, in param_dtype.
-    Jittable: the train step calls it inside the traced loss, so gradients reach the adapters."""
+    """What the model computes with: the base with every adapted weight merged, in param_dtype
+    (a quantised base: each adapted weight paired with its adapters, merged per layer inside the
+    forward). Jittable: the train step calls it inside the traced loss, so gradients reach the
+    adapters."""
+    if qlora.enabled(cfg.lora):
+        return qlora.attach(base, adapters, scale(cfg.lora))
     return merged(base, adapters, scale(cfg.lora), dtype=cfg.model.param_dtype)
 
 
@@ -187,6 +200,8 @@ def check_run(cfg: Config) -> None:
             f"--lora.rank {cfg.lora.rank}: LoRA adapts the built-in decoder's projections; model"
             f" '{cfg.model.arch}' is a registered one"
         )
+    if qlora.enabled(cfg.lora):
+        qlora.check(cfg, TARGET_WEIGHTS)
     base = model.abstract_params(cfg.model)
     # a rank above min(in, out) adds no expressiveness
     for path, _, n_in in _targets(cfg.model, cfg.lora):
@@ -224,10 +239,12 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
     saved = meta.get("config", {})
     path = cfg.checkpoint.init_from or saved.get("checkpoint", {}).get("init_from", "")
     want = saved.get("lora", {}).get("base_fingerprint", "") or cfg.lora.base_fingerprint
+    # read (and fingerprinted) at full precision, sharded as a full fine-tune's parameters
+    full_sh = tree_shardings(mesh, model.param_axes(cfg.model), rules)
     full = jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
         model.abstract_params(cfg.model),
-        shardings,
+        full_sh,
     )
     if path:
         src, step = open_checkpoint(path)
@@ -238,7 +255,7 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
         seed = saved.get("train", {}).get("seed", cfg.train.seed)
         with jax.set_mesh(mesh), axis_rules(rules):
             params = jax.jit(
-                lambda k: model.init(cfg.model, jax.random.fold_in(k, 1)), out_shardings=shardings
+                lambda k: model.init(cfg.model, jax.random.fold_in(k, 1)), out_shardings=full_sh
             )(jax.random.key(seed))
         where, pointer = f"a random init (seed {seed})", ""
     got = fingerprint(params)
@@ -249,14 +266,20 @@ def load_base(cfg: Config, mesh, rules, shardings: dict, meta: dict) -> tuple[di
             " new --run-dir"
         )
     dtype = base_dtype(cfg.model, cfg.lora)
-    if dtype != cfg.model.param_dtype:
+    if qlora.enabled(cfg.lora):  # quantised once (the codes cannot reuse the full base's buffers)
+        params = jax.jit(
+            lambda p: qlora.quantize_base(cfg, TARGET_WEIGHTS, p), out_shardings=shardings
+        )(params)
+    elif dtype != cfg.model.param_dtype:
         params = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
             out_shardings=shardings,
             donate_argnums=(0,),
         )(params)
+    held = f", held {dtype}" if qlora.enabled(cfg.lora) else ""
     note = (
-        f"LoRA: rank {cfg.lora.rank} adapters on the frozen base from {where} (fingerprint {got})"
+        f"LoRA: rank {cfg.lora.rank} adapters on the frozen base from {where} (fingerprint"
+        f" {got}{held})"
     )
     return params, got, pointer, note
 

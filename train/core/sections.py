@@ -119,6 +119,8 @@ def error_feedback_on(compression: str, error_feedback: str | bool) -> bool:
 # --lora.targets: the projections an adapter can wrap (train/core/lora.py maps them to the weights);
 # named here so that parsing flags needs no JAX. MoE experts are not among them.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# --lora.base_dtype: held as is, or quantised at load (int8, nf4: models/quant.py FORMATS)
+LORA_BASE_DTYPES = ("auto", "float32", "bfloat16", "int8", "nf4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +136,20 @@ class LoraConfig:
     )
     base_dtype: str = option(
         "auto",
-        "auto | float32 | bfloat16: the dtype the frozen base is held in (auto ="
-        " model.param_dtype)",
+        "auto | float32 | bfloat16 | int8 | nf4: the dtype the frozen base is held in (auto ="
+        " model.param_dtype); int8 (per output channel) and nf4 (4-bit NormalFloat per block)"
+        " quantise its projections once at load (QLoRA, models/quant.py)",
+    )
+    block_size: int = ranged(
+        64, ">=1", help="nf4: values per absmax block, along each weight's d_model dim"
+    )
+    double_quant: bool = option(
+        True, "nf4: quantise the block scales once more to int8 (QLoRA's double quantisation)"
+    )
+    quantize_embeddings: bool = option(
+        False,
+        "int8/nf4: quantise the embedding and LM head too (kept at the compute dtype by default,"
+        " as QLoRA does); each is dequantised whole where it is used",
     )
     allow_random_base: bool = option(
         False,
@@ -168,8 +182,9 @@ class LoraConfig:
             raise UserError(
                 f"--lora.targets: empty; name at least one of {', '.join(LORA_TARGETS)}"
             )
-        if self.base_dtype not in ("auto", "float32", "bfloat16"):
+        if self.base_dtype not in LORA_BASE_DTYPES:
             raise UserError(
-                f"--lora.base_dtype: '{self.base_dtype}' is not one of auto, float32, bfloat16"
+                f"--lora.base_dtype: '{self.base_dtype}' is not one of"
+                f" {', '.join(LORA_BASE_DTYPES)} (a quantised base: int8 or nf4)"
             )
         return self

@@ -22,7 +22,7 @@ from checkpoint.saving import committed_on_exit
 from errors import UserError
 from mesh.build import start_mesh
 from models import model
-from train.core import lora
+from train.core import lora, qlora
 from train.core import state as train_state
 from train.core.config import Config
 from train.core.inference import Evaluator, sample_text
@@ -96,6 +96,8 @@ class Trainer:
     @functools.cached_property
     def _merge(self):
         merge = functools.partial(lora.model_params, self.cfg)
+        if qlora.enabled(self.cfg.lora):  # pairs the arrays as they are: merged per layer in use
+            return merge
         return jax.jit(merge, out_shardings=self.setup.base_shardings)
 
     @functools.cached_property

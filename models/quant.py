@@ -1,0 +1,259 @@
+"""A frozen weight held quantised (QLoRA's base, --lora.base_dtype int8|nf4) and dequantised one
+layer at a time, where the layer runs.
+
+Formats (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv:2305.14314):
+
+- int8, per output channel: s_o = max_i |W_io| / 127 over the input dims i, codes
+  q_io = round(W_io / s_o) in [-127, 127], W ~ q s (error <= s_o / 2).
+- nf4, per block of `block` consecutive values along the weight's d_model dim: s_b = max |W| over
+  the block (absmax), q = the nearest of NormalFloat4's 16 values v_k (the paper's Appendix E,
+  quantiles of N(0, 1) scaled to [-1, 1] with an exact zero) to W / s_b, stored as a 4-bit index,
+  two to a byte along the weight's last dim (`pack`); W ~ v_q s_b (error <= s_b x the largest
+  half gap, (1 - 0.696) / 2).
+  Double quantisation (the paper's section 3) quantises the float32 block scales once more: minus
+  their midrange per layer, to int8 with one float32 scale per row of blocks (every dim but d_model
+  fixed), 8.1 bits per 64 values instead of 32. The paper groups 256 consecutive scales;
+  a row keeps every group inside the shards of the weight, so no group straddles devices.
+
+The codes keep the weight's dims (nf4's last one halved), so its logical axes and sharding; the
+scales have the weight's rank, with the quantised-over dims reduced (int8: the input dims to 1;
+nf4: d_model to d_model / block), and are sharded on a dim wherever the reduced size still
+divides.
+
+The per-array int8 quantise and both dequantises are qwix's (google/qwix: `qwix.quantize` with
+channelwise axes, `qwix.dequantize` of its QArray, NF4 through its table): it installs from PyPI and
+runs on the jax this project supports. Two parts are our own: the NF4 encoder (`nf4_encode`: qwix's
+argmin over the 16 values keeps an [N, 16] temporary, 8x the weights, where this one fuses) and
+double quantisation, which qwix does not have (built on its int8 quantiser). AQT (`aqtp` 0.9.0)
+installs and imports here too, but quantises a dot_general's operands for training and has no
+NF4, where qwix ships NF4 and a LoRA/QLoRA provider of its own (`qwix.LoraProvider`).
+qwix's model-level QLoRA (intercepting Flax modules' dot_generals) is not used: this project's
+layers are stacked [L, ...] and scanned, and the dequantisation has to happen inside that scan,
+per layer, which `materialise` does where models/pieces.py merges one layer's params.
+
+`QuantizedWeight` and `LoraWeight` are pytrees whose arrays all lead with the layer dim (a
+quantised embedding's with the vocabulary dim, `take_rows`), so the stack's slicing, reshaping
+and pipelining treat them as any weight; `materialise` turns a layer's
+slice of them into the weight the layer multiplies by.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import qwix
+
+FORMATS = ("int8", "nf4")
+CODE_BITS = {"int8": 8, "nf4": 4}
+# qwix's symmetric int8 range is [-127.5, 127.5] (its top code is hit by rounding 127.5 up, which
+# relies on the float -> int8 conversion saturating); scaling the absmax by 127.5 / 127 gives the
+# usual absmax / 127 step, codes in [-127, 127] without relying on saturation
+_INT8_ABSMAX = f"absmax,{127.5 / 127}"
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A weight [L, ...] as codes and scales (see the module docstring); `dtype`: what
+    `materialise` returns. With double quantisation `scales` are int8 codes of the centred scales,
+    `scale_scales` their float32 step per row, `scale_offset` the mean that was subtracted."""
+
+    codes: jax.Array
+    scales: jax.Array
+    scale_scales: jax.Array | None = None
+    scale_offset: jax.Array | None = None
+    fmt: str = flax.struct.field(pytree_node=False, default="int8")
+    dtype: str = flax.struct.field(pytree_node=False, default="float32")
+
+    def __getitem__(self, index):
+        """`w[...]` is `w` (how an nnx.Param hands out its value)."""
+        if index is Ellipsis:
+            return self
+        raise TypeError("a QuantizedWeight is sliced through jax.tree.map over its arrays")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape (nf4's codes hold two values a byte along the last dim)."""
+        *lead, last = self.codes.shape
+        return (*lead, last * 2) if self.fmt == "nf4" else tuple(self.codes.shape)
+
+    def block_scales(self) -> jax.Array:
+        """The float32 scales (double quantisation undone)."""
+        if self.scale_scales is None:
+            return self.scales
+        return self.scales.astype(jnp.float32) * self.scale_scales + self.scale_offset
+
+    def dequantize(self) -> jax.Array:
+        """float32 W ~ codes x scales."""
+        if self.fmt == "nf4":
+            return qwix.dequantize(
+                qwix.QArray(unpack(self.codes), self.block_scales(), None, "nf4")
+            )
+        return qwix.dequantize(qwix.QArray(self.codes, self.block_scales(), None, jnp.int8))
+
+    def materialise(self) -> jax.Array:
+        return self.dequantize().astype(self.dtype)
+
+
+@flax.struct.dataclass
+class LoraWeight:
+    """A frozen quantised weight with its LoRA adapters: W + scale A B, formed per layer.
+    A [L, in..., r], B [L, r, out...] (train/core/lora.py)."""
+
+    base: QuantizedWeight
+    lora_a: jax.Array
+    lora_b: jax.Array
+    scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+    def materialise(self) -> jax.Array:
+        return (
+            self.base.dequantize()
+            + self.scale * lora_delta(self.lora_a, self.lora_b, self.base.codes.ndim)
+        ).astype(self.base.dtype)
+
+
+def lora_delta(a: jax.Array, b: jax.Array, ndim: int) -> jax.Array:
+    """A [lead..., in..., r] B [lead..., r, out...] -> A B [lead..., in..., out...] in float32, for
+    a weight of rank `ndim`; lead: the dims the weight shares with both (its layer dims)."""
+    lead = a.ndim + b.ndim - 2 - ndim
+    n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
+    letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank
+    lead_s = letters[:lead]
+    in_s = letters[lead : lead + n_in]
+    out_s = letters[lead + n_in : lead + n_in + n_out]
+    # a batch dim of 1 (z): the remat policies that keep projection outputs ("dots": dots without
+    # batch dims) then recompute this product in the backward rather than keep it per layer
+    return jnp.einsum(
+        f"z{lead_s}{in_s}r,z{lead_s}r{out_s}->z{lead_s}{in_s}{out_s}",
+        a.astype(jnp.float32)[None],
+        b.astype(jnp.float32)[None],
+    )[0]
+
+
+# NormalFloat4's 16 values (the QLoRA paper's Appendix E, as bitsandbytes and qwix ship them)
+NF4_VALUES = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+
+def nf4_encode(w: jax.Array, block_dim: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """-> (codes uint8 [w's shape], absmax scales float32 [w's, block_dim / block]): the index of
+    the NF4 value nearest to w / absmax of its block, counted as how many of the 15 midpoints
+    between neighbouring values it lies above (ties go to the lower value, as an argmin's first
+    hit does). Our own rather than qwix.quantize's "nf4": that takes an argmin over the 16
+    values of each element, which XLA keeps as a [N, 16] float32 temporary (5.8 GB per device
+    quantising the 1b preset on fsdp=8, 8x its float32 weights); this one is elementwise and
+    fuses, no temporary."""
+    shape = w.shape
+    split = (*shape[:block_dim], shape[block_dim] // block, block, *shape[block_dim + 1 :])
+    blocks = w.reshape(split)
+    absmax = jnp.max(jnp.abs(blocks), axis=block_dim + 1, keepdims=True)
+    safe = jnp.where(absmax > 0, absmax, 1.0)  # an all-zero block: codes of 0.0, any scale
+    x = blocks / safe
+    codes = jnp.zeros(split, jnp.uint8)
+    for lo, hi in zip(NF4_VALUES[:-1], NF4_VALUES[1:], strict=True):
+        codes = codes + (x > (lo + hi) / 2).astype(jnp.uint8)
+    return codes.reshape(shape), jnp.squeeze(safe, block_dim + 1)
+
+
+def pack(codes: jax.Array) -> jax.Array:
+    """4-bit codes [..., n] -> uint8 [..., n / 2]: value 2i in the low nibble, 2i + 1 in the high
+    one. Packed by hand rather than held as jnp.uint4: XLA:CPU lays a uint4 jit output out one
+    code per byte and a compiled argument two per byte, so they do not pass between programs."""
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack(packed: jax.Array) -> jax.Array:
+    """The inverse of `pack`: uint8 [..., n / 2] -> codes uint8 [..., n]."""
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def is_lazy(x) -> bool:
+    return isinstance(x, (QuantizedWeight, LoraWeight))
+
+
+def materialise(tree):
+    """`tree` (one layer's params, or any) with every quantised weight dequantised (and its
+    adapters added): what the layer multiplies by. Plain arrays pass through."""
+    return jax.tree.map(lambda x: x.materialise() if is_lazy(x) else x, tree, is_leaf=is_lazy)
+
+
+def take_rows(table_VD, ids):
+    """`table_VD[ids]` (an embedding lookup); of a quantised table only the rows looked up are
+    dequantised (its codes and scales all lead with the vocabulary dim)."""
+    if not is_lazy(table_VD):
+        return jnp.take(table_VD, ids, axis=0)
+    return materialise(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table_VD))
+
+
+def has_lazy(tree) -> bool:
+    return any(is_lazy(x) for x in jax.tree.leaves(tree, is_leaf=is_lazy))
+
+
+def remat_policy(policy, params):
+    """The remat policy of layers whose `params` may hold quantised weights: with none set, keep
+    the projection outputs only (as --model.remat dots), so the backward recomputes each layer's
+    dequantised weights rather than keeping them for every layer ([L, ...] at full precision);
+    the policies that keep less already do."""
+    if policy is None and has_lazy(params):
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return policy
+
+
+def quantize(
+    w: jax.Array,
+    fmt: str,
+    *,
+    in_dims: tuple[int, ...],
+    block_dim: int,
+    block: int = 64,
+    double_quant: bool = False,
+    dtype: str = "float32",
+) -> QuantizedWeight:
+    """Quantise `w` (jittable; see the module docstring). `in_dims`: its input dims (int8's scales
+    reduce over them: a stacked projection [L, in..., out...]'s 1..n_in, the LM head [D, V]'s 0,
+    the embedding [V, D]'s 1, a scale per row); `block_dim`, `block`: nf4's blocks."""
+    w = jnp.asarray(w, jnp.float32)
+    dims = range(w.ndim)
+    if fmt == "int8":
+        out = tuple(d for d in dims if d not in in_dims)
+        q = qwix.quantize(w, jnp.int8, channelwise_axes=out, calibration_method=_INT8_ABSMAX)
+        return QuantizedWeight(q.qvalue, q.scale.astype(jnp.float32), fmt=fmt, dtype=dtype)
+    if fmt != "nf4":
+        raise ValueError(f"unknown quantised format {fmt!r}; one of {FORMATS}")
+    unpacked, scales = nf4_encode(w, block_dim, block)
+    codes = pack(unpacked)
+    if not double_quant:
+        return QuantizedWeight(codes, scales, fmt=fmt, dtype=dtype)
+    # the scales minus their per-layer midrange, to int8 per row of blocks (the block dim reduced).
+    # The midrange, (max + min) / 2, not bitsandbytes' mean: max and min are exact in any order, so
+    # the codes do not depend on the sharding (a sum's rounding does), and centring on it gives the
+    # smallest absmax. Per layer: per index of the leading dim
+    layer = tuple(range(1, w.ndim))
+    offset = (
+        jnp.max(scales, axis=layer, keepdims=True) + jnp.min(scales, layer, keepdims=True)
+    ) / 2
+    rows = tuple(d for d in dims if d != block_dim)
+    q2 = qwix.quantize(
+        scales - offset, jnp.int8, channelwise_axes=rows, calibration_method=_INT8_ABSMAX
+    )
+    return QuantizedWeight(
+        codes, q2.qvalue, q2.scale.astype(jnp.float32), offset, fmt=fmt, dtype=dtype
+    )

@@ -1,0 +1,213 @@
+"""QLoRA (--lora.base_dtype int8|nf4): the frozen LoRA base quantised once at load, held sharded
+as the weights it replaces, and dequantised one layer at a time inside the layer scan.
+
+Which weights: the projections LoRA can adapt (train/core/lora.py TARGET_WEIGHTS: q, k, v, o,
+gate, up, down) in every layer stack that has them, adapted or not, as QLoRA quantises every
+linear layer of the base; nf4 needs the weight's d_model dim (logical axis `embed`) for its
+blocks. The embedding, the LM head, the norms, MoE experts and latent-attention weights stay
+unquantised, held in the compute dtype (the QLoRA paper and bitsandbytes keep the embedding and
+head in 16 bits too).
+
+The step takes the base as before (its third argument), now a tree whose quantised weights are
+models.quant.QuantizedWeight (codes sharded as the weight, scales on the matching axes); `attach`
+pairs each adapted one with its adapters (models.quant.LoraWeight), and models/pieces.py
+materialises W + scale A B per layer where the layer runs: inside the scan, so the
+full-precision temporary is one layer's weights, never the [L, ...] stack's. The gradient reaches
+the adapters only: the base is not an argument of the differentiated function.
+
+Checkpoints hold the adapters and the pointer to the full-precision base, as for any LoRA run;
+the quantised base is rebuilt from it at every start (quantisation is a deterministic function of
+the weights) and the fingerprint checked is the full-precision base's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from errors import UserError
+from mesh.shard import axes_size, entry_axes
+from models import model, quant
+from models.config import ModelConfig
+from train.core.config import LoraConfig
+
+BLOCK_AXIS = "embed"  # nf4's blocks run along the weight's d_model dim
+# --lora.quantize_embeddings: the embedding [V, D] (a scale per row) and the LM head [D, V] (a
+# scale per vocabulary column), blocked along their d_model dim
+EMBEDDINGS = {"embed_VD": (1,), "lm_head_DV": (0,)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantised:
+    """One weight the base holds quantised: its path, logical axes, input dims (int8's scales
+    reduce over them) and nf4 block dim."""
+
+    path: tuple[str, ...]
+    axes: tuple
+    in_dims: tuple[int, ...]
+    block_dim: int
+
+
+def enabled(lora: LoraConfig | None) -> bool:
+    return bool(lora is not None and lora.rank and lora.base_dtype in quant.FORMATS)
+
+
+def weights(cfg: ModelConfig, table: dict, embeddings: bool = False) -> list[Quantised]:
+    """The weights a quantised base holds quantised: `table` (lora.TARGET_WEIGHTS: name ->
+    (module, weight, input dims)) in every top-level layer stack that has them, with a d_model
+    dim; with `embeddings` (--lora.quantize_embeddings) the embedding and LM head too."""
+    out = []
+    for stack, node in model.param_axes(cfg).items():
+        if not isinstance(node, dict):
+            if embeddings and stack in EMBEDDINGS:
+                block = node.index("vocab_embed")
+                out.append(Quantised((stack,), node, EMBEDDINGS[stack], block))
+            continue
+        for module, weight, n_in in table.values():
+            names = node.get(module, {}).get(weight) if isinstance(node.get(module), dict) else None
+            if names is not None and BLOCK_AXIS in names:
+                in_dims = tuple(range(1, 1 + n_in))
+                out.append(
+                    Quantised((stack, module, weight), names, in_dims, names.index(BLOCK_AXIS))
+                )
+    return out
+
+
+def check(cfg, table: dict) -> None:
+    """One line for a quantised base that cannot be: with FP8 matmuls (the weights would be
+    rounded twice, to the base's codes and then to e4m3), an nf4 block size that does not divide
+    d_model, nf4 on a weight whose last dim is odd, a model with no weight to quantise."""
+    lora, m = cfg.lora, cfg.model
+    flag = f"--lora.base_dtype {lora.base_dtype}"
+    if m.matmul_precision == "fp8":
+        raise UserError(
+            f"{flag}: not with --model.matmul_precision fp8 (the quantised base would be rounded"
+            " again to e4m3 in every matmul); use --model.matmul_precision default, or"
+            " --lora.base_dtype bfloat16"
+        )
+    if not weights(m, table, lora.quantize_embeddings):
+        raise UserError(
+            f"{flag}: this model has no projection with a d_model dim to quantise; use"
+            " --lora.base_dtype bfloat16"
+        )
+    if lora.base_dtype == "nf4" and m.d_model % lora.block_size:
+        divisors = [d for d in (16, 32, 64, 128, 256) if m.d_model % d == 0]
+        raise UserError(
+            f"--lora.block_size {lora.block_size} does not divide model.d_model={m.d_model} (nf4"
+            f" blocks run along every quantised weight's d_model dim); valid: a divisor of"
+            f" {m.d_model}, e.g. {', '.join(map(str, divisors)) or '1'}"
+        )
+    if lora.base_dtype == "nf4":  # two 4-bit codes a byte along the last dim (models/quant.py)
+        shapes = model.abstract_params(m)
+        for w in weights(m, table, lora.quantize_embeddings):
+            size = _at(shapes, w.path).shape[-1]
+            if size % 2:
+                raise UserError(
+                    f"--lora.base_dtype nf4: {'/'.join(w.path)}'s last dim is odd ({size}); nf4"
+                    " packs two codes a byte along it: use --lora.base_dtype int8"
+                )
+
+
+def _at(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _replaced(tree: dict, items: dict) -> dict:
+    """`tree` with the leaves at `items`' paths replaced (copies of the dicts on the way)."""
+    out = dict(tree)
+    for path, leaf in items.items():
+        node = out
+        for key in path[:-1]:
+            node[key] = dict(node[key])
+            node = node[key]
+        node[path[-1]] = leaf
+    return out
+
+
+def quantize_base(cfg, table: dict, params: dict) -> dict:
+    """The base's params with its projections quantised (jittable) and the rest in the compute
+    dtype."""
+    lora, dtype = cfg.lora, model.compute_dtype(cfg.model)
+    rest = jax.tree.map(lambda x: x.astype(dtype), params)
+    return _replaced(
+        rest,
+        {
+            w.path: quant.quantize(
+                _at(params, w.path),
+                lora.base_dtype,
+                in_dims=w.in_dims,
+                block_dim=w.block_dim,
+                block=lora.block_size,
+                double_quant=lora.double_quant,
+                dtype=dtype,
+            )
+            for w in weights(cfg.model, table, lora.quantize_embeddings)
+        },
+    )
+
+
+def abstract_base(cfg, table: dict, full: dict) -> dict:
+    """ShapeDtypeStructs of the quantised base (no sharding) from the full base's."""
+    return jax.eval_shape(lambda p: quantize_base(cfg, table, p), full)
+
+
+def part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], mesh) -> P:
+    """A codes' or scales' spec from the weight's: a dim keeps the weight's mesh axes where its
+    size still divides by them. The axes of a dim reduced to 1 (int8's input dims, the double
+    quantisation's row scales) move to the largest other dim they divide that no axis of size > 1
+    splits, so that under FSDP those scales are split too (the dequantisation broadcasts them: one
+    small all-gather). A dim reduced to more than 1 that no longer divides (nf4's d_model / block,
+    where blocks straddle the shards of a small d_model) is held whole: moved elsewhere, the
+    scales would be resharded against the codes' blocks in every layer."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    out, moved = [], []
+    for e, n, wn in zip(entries, shape, weight_shape, strict=True):
+        keep = n == wn or (e is not None and n % axes_size(mesh, e) == 0)
+        out.append(e if keep else None)
+        if not keep and e is not None and n == 1:
+            moved.append(e)
+    for e in moved:
+        free = [d for d in range(1, len(shape)) if out[d] is None or axes_size(mesh, out[d]) == 1]
+        fits = [d for d in free if shape[d] > 1 and shape[d] % axes_size(mesh, e) == 0]
+        if fits:
+            d = max(fits, key=lambda d: shape[d])
+            out[d] = (*entry_axes(out[d]), *entry_axes(e))
+    return P(*out)
+
+
+def shardings(cfg, table: dict, full_shardings: dict, mesh) -> dict:
+    """The quantised base's NamedShardings: the full base's, with each quantised weight's codes
+    sharded as the weight and its scales on the matching axes (see `part_spec`)."""
+    full = model.abstract_params(cfg.model)
+    abstract = abstract_base(cfg, table, full)
+    items = {}
+    for w in weights(cfg.model, table, cfg.lora.quantize_embeddings):
+        q, spec, shape = _at(abstract, w.path), _at(full_shardings, w.path).spec, _at(full, w.path)
+        items[w.path] = jax.tree.map(
+            lambda a, spec=spec, shape=shape.shape: NamedSharding(
+                mesh, part_spec(spec, a.shape, shape, mesh)
+            ),
+            q,
+        )
+    return _replaced(full_shardings, items)
+
+
+def attach(base: dict, adapters: dict, scale: float) -> dict:
+    """The model's params: the quantised base with each adapted weight paired with its adapters
+    (models.quant.LoraWeight), materialised per layer inside the forward."""
+
+    def walk(node, adapter):
+        if isinstance(adapter, dict) and set(adapter) == {"lora_a", "lora_b"}:
+            if not isinstance(node, quant.QuantizedWeight):  # an unquantised weight: merged here
+                delta = quant.lora_delta(adapter["lora_a"], adapter["lora_b"], node.ndim)
+                return (node.astype(jnp.float32) + scale * delta).astype(node.dtype)
+            return quant.LoraWeight(node, adapter["lora_a"], adapter["lora_b"], scale=scale)
+        return {k: walk(v, adapter[k]) if k in adapter else v for k, v in node.items()}
+
+    return walk(base, adapters)
