@@ -32,6 +32,11 @@ def _memory_lines(r: dict) -> list[str]:
                 f"  {'base':<12}{_mib(m['base_bytes'])} (the LoRA run's frozen base;"
                 " params above: its adapters)"
             )
+        if k == "gradient_bytes" and m.get("reference_bytes"):
+            lines.append(
+                f"  {'reference':<12}{_mib(m['reference_bytes'])} (the frozen reference model of"
+                " --objective dpo|ipo)"
+            )
     return lines
 
 
