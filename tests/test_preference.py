@@ -23,6 +23,7 @@ from train.core import pair_loss, preference
 from train.core.config import build
 from train.data import prepare
 from train.data.pairs import REJECTED, make_pair_pipeline
+from train.data.pipeline import make_pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -260,6 +261,9 @@ def test_config_refusals_are_one_line(tmp_path):
         text.write_text("hello\n" * 100)
         prepare.main([str(text), "--out", str(tmp_path / "t"), "--workers", "1", "--no-progress"])
         make_pair_pipeline(_data(str(tmp_path / "t")), batch_size=2, seq_len=8, seed=0)
+    pairs = _prepare(tmp_path, RECORDS[:20])  # pairs read as documents by --objective lm
+    with pytest.raises(UserError, match="preference pairs .* train with --objective dpo"):
+        make_pipeline(_data(pairs), batch_size=2, seq_len=8, seed=0)
     # the command line: exit 2 and one line, before anything compiles
     run = subprocess.run(
         [sys.executable, "-m", "train", "--objective", "ipo", "--model", "tiny"],

@@ -35,6 +35,7 @@ from train.core import pair_loss
 from train.core.setup import create_state, jit_step
 from train.core.state import TrainState
 from train.data import prepare
+from train.run.sinks import step_line
 
 # name -> (mesh, overrides); each against its one-device twin with the same overrides
 CASES = {
@@ -155,6 +156,7 @@ def test_fit_logs_resumes_exactly_and_exports(base, tmp_path):
     records = [json.loads(x) for x in open(os.path.join(tr.cfg.logging.run_dir, "metrics.jsonl"))]
     logged = [r for r in records if "loss" in r]
     assert {"post/margin", "post/accuracy", "post/chosen_logp"} <= set(logged[-1])
+    assert " | margin " in step_line(logged[-1]) and " | acc " in step_line(logged[-1])
     src, last = open_checkpoint(tr.cfg.logging.run_dir)
     assert src.meta(last)["config"]["post"]["ref_fingerprint"]
 
@@ -189,3 +191,30 @@ def test_fit_logs_resumes_exactly_and_exports(base, tmp_path):
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+def test_plan_counts_the_reference(base, tmp_path):
+    """plan of a dpo run: the reference copy is held as the parameters are (its bytes per device
+    equal theirs) and is listed; with LoRA there is none (the base is the reference)."""
+    from mesh.build import make_mesh
+    from plan.render import render
+    from plan.report import analyze
+    from train.core.config import build
+    from train.core.setup import setup
+
+    over = {
+        **BASE,
+        "checkpoint.init_from": base[0],
+        "parallelism.mesh": "fsdp=4,model=2",
+        "train.batch_size": BATCH,
+        "train.seq_len": SEQ,
+        "logging.run_dir": str(tmp_path),
+    }
+    mesh = make_mesh("fsdp=4,model=2")
+    got = analyze(setup(build(over), mesh))
+    mem = got["memory"]
+    assert mem["reference_bytes"] == mem["params_bytes"] > 0
+    assert mem["argument_bytes"] >= mem["reference_bytes"] + mem["params_bytes"]
+    assert "reference" in render(got, show_sharding=False)
+    with_lora = analyze(setup(build({**over, "lora.rank": 4}), mesh))["memory"]
+    assert with_lora["reference_bytes"] == 0 and with_lora["base_bytes"] == mem["params_bytes"]

@@ -108,14 +108,19 @@ def pair_terms(cfg: ModelConfig, post: PostConfig, params, batch: dict, ref=None
     chosen reward is higher), which the step divides by the pair count. `ref`: the reference's
     parameters (dpo, ipo), never differentiated."""
     rows = both(batch)
-    logp_R, n_R, stats = sequence_logps(cfg, params, rows)
-    logp_w, logp_l = logp_R[0::2], logp_R[1::2]
-    n_w, n_l = jnp.maximum(n_R[0::2], 1.0), jnp.maximum(n_R[1::2], 1.0)
     ref_w = ref_l = None
     if post.needs_reference:
         ref_R, _, _ = sequence_logps(cfg, jax.lax.stop_gradient(ref), rows)
         ref_R = jax.lax.stop_gradient(ref_R)
+        # the reference's forward first, then the policy's: two independent forwards may otherwise
+        # run at once, each device with two sets of collectives in flight (XLA:CPU runs independent
+        # work concurrently and deadlocked on a LoRA run over data=2,fsdp=2,model=2); one at a time
+        # also keeps one forward's activations live, not two
+        ref_R, params = jax.lax.optimization_barrier((ref_R, params))
         ref_w, ref_l = ref_R[0::2], ref_R[1::2]
+    logp_R, n_R, stats = sequence_logps(cfg, params, rows)
+    logp_w, logp_l = logp_R[0::2], logp_R[1::2]
+    n_w, n_l = jnp.maximum(n_R[0::2], 1.0), jnp.maximum(n_R[1::2], 1.0)
     loss_B, reward_w, reward_l = pair_losses(post, logp_w, logp_l, n_w, n_l, ref_w, ref_l)
     n = jnp.float32(loss_B.shape[0])
     loss_sum = jnp.sum(loss_B)
