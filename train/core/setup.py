@@ -168,7 +168,8 @@ def abstract_batch(s: RunSetup) -> dict:
 def jit_step(s: RunSetup):
     """The train step, jitted with the state's shardings: (state, batch) -> (state, metrics). The
     state is donated: its buffers become the new state's. A LoRA run's takes the frozen base as
-    well: (state, batch, base) -> (state, metrics)."""
+    well: (state, batch, base) -> (state, metrics); a dpo or ipo run without LoRA its frozen
+    reference model: (state, batch, reference) (train/core/pair_loss.py)."""
     # One function on purpose (~60 lines): the two step closures (DiLoCo's local step, the synced
     # step) read the same setup, and jax.jit below wraps whichever this run takes.
     cfg, t = s.cfg, s.cfg.train
