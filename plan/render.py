@@ -37,6 +37,11 @@ def _memory_lines(r: dict) -> list[str]:
                 " from base and adapters, in temp: the whole adapted stack and its gradient, or"
                 " a quantised base's dequantised layers)"
             )
+        if k == "gradient_bytes" and m.get("reference_bytes"):
+            lines.append(
+                f"  {'reference':<12}{_mib(m['reference_bytes'])} (the frozen reference model of"
+                " --objective dpo|ipo)"
+            )
     return lines
 
 

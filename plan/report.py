@@ -24,7 +24,14 @@ from plan.lora_memory import lora_parts
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
 from train.core import lora, qlora
-from train.core.setup import RunSetup, abstract_batch, abstract_state, compile_step, setup
+from train.core.setup import (
+    RunSetup,
+    abstract_batch,
+    abstract_state,
+    compile_step,
+    frozen_args,
+    setup,
+)
 from train.core.shapes import batch_shards
 
 
@@ -110,12 +117,19 @@ def _memory(s: RunSetup, state, mem) -> dict:
         if s.base_shardings is None
         else lora_parts(s.cfg.model, s.cfg.lora, s.mesh, s.rules, s.compute_dtype, False)["merge"]
     )
+    # --objective dpo|ipo without LoRA: the frozen reference copy, the step's third argument
+    ref_b = (
+        0
+        if s.ref_shardings is None
+        else sum(local_bytes(x) for x in jax.tree.leaves(frozen_args(s)[0]))
+    )
     return {
         "params_bytes": params_b,
         "optimizer_bytes": opt_b,
         "gradient_bytes": params_b,
         "base_bytes": base_b,
         "merge_bytes": merge_b,
+        "reference_bytes": ref_b,
         "argument_bytes": mem.argument_size_in_bytes,
         "output_bytes": mem.output_size_in_bytes,
         "temp_bytes": mem.temp_size_in_bytes,

@@ -12,8 +12,8 @@ from checkpoint import storage
 from checkpoint.manager import open_checkpoint
 from errors import UserError
 from plan.doctor.report import Check, fail, ok
-from train.data import make_pipeline
-from train.run import resume
+from train.run import checkpoint_match
+from train.run.inputs import open_data
 from train.run.named_runs import DEFAULT_RUN_DIR
 from train.run.rundir import check_writable_run_dir
 from train.run.startup import check_before_creating, checkpoint_dir
@@ -85,16 +85,8 @@ def checkpoints(cfg) -> list[Check]:
 def data(cfg, run_setup) -> list[Check]:
     """The training data opened as the run opens it (its vocabulary checked against the model's),
     and the tokenizer of --init-from's checkpoint against the data's."""
-    t = cfg.train
     try:
-        pipeline = make_pipeline(
-            cfg.data,
-            batch_size=t.batch_size,
-            seq_len=t.seq_len,
-            seed=t.seed,
-            batch_sharding=run_setup.batch_sharding,
-            vocab_size=cfg.model.vocab_size,
-        )
+        pipeline = open_data(run_setup)  # pairs for a preference objective
     except UserError as e:
         return [fail("data", str(e), "the line names what to change (docs/data.md)")]
     try:
@@ -106,7 +98,7 @@ def data(cfg, run_setup) -> list[Check]:
         ]
         if cfg.checkpoint.init_from:
             try:
-                resume.check_init_tokenizer(run_setup, pipeline)
+                checkpoint_match.check_init_tokenizer(run_setup, pipeline)
                 out.append(ok("tokenizer", "the data's tokenizer is --init-from's"))
             except UserError as e:
                 out.append(

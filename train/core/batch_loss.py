@@ -75,10 +75,10 @@ def loss_terms(cfg: ModelConfig, params, batch, pipeline=None, loss_fn=None):
         # a custom loss reads whole logits
         loss_chunk=loss_chunk(cfg, batch["inputs"].shape) if loss_fn is None else 0,
     )
-    return objective, (xent, n, _moe_sums(stats, n))
+    return objective, (xent, n, moe_sums(stats, n))
 
 
-def _moe_sums(stats: dict, n) -> dict:
+def moe_sums(stats: dict, n) -> dict:
     """The MoE layers' stats (per layer) as sums over the tokens: the balance losses' means over
     layers x the token count (additive over micro-batches), the token counts as they are."""
     if not stats:

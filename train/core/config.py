@@ -32,6 +32,7 @@ from train.core.flags import (
     load_yaml,
     typed_fields,
 )
+from train.core.post_sections import PostConfig, check_config
 from train.core.run_sections import CheckpointConfig, LoggingConfig
 from train.core.sections import CommConfig, LoraConfig, ProfileConfig, profile_window
 from train.core.step_sections import OPTIMIZERS, DataConfig, ParallelismConfig, TrainConfig
@@ -46,6 +47,7 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "ParallelismConfig",
+    "PostConfig",
     "ProfileConfig",
     "SECTIONS",
     "TrainConfig",
@@ -69,6 +71,7 @@ class Config:
     profile: ProfileConfig = ProfileConfig()
     pipeline: PipelineConfig = PipelineConfig()
     lora: LoraConfig = LoraConfig()
+    post: PostConfig = PostConfig()
 
     def to_dict(self) -> dict:
         """Sections of public option names (what YAML and --section.field accept)."""
@@ -88,6 +91,7 @@ class Config:
                 f"--seq-len {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
         profile_window(self.profile.steps, self.train.steps)
+        check_config(self)  # the post-training objective's rules (train/core/post_sections.py)
         if self.train.spike_factor and self.comm.sync_every > 1:
             raise UserError(
                 f"--train.spike_factor {self.train.spike_factor}: not with --comm.sync_every"
@@ -113,6 +117,7 @@ SECTIONS = {
     "profile": ProfileConfig,
     "pipeline": PipelineConfig,
     "lora": LoraConfig,
+    "post": PostConfig,
 }
 
 

@@ -90,7 +90,7 @@ def load_yaml(path: str, sections: Iterable[str]) -> dict[str, dict]:
 
 
 # Option names that differ from their dataclass field: "section.field" -> public name.
-PUBLIC_NAMES = {"checkpoint.async_save": "async"}
+PUBLIC_NAMES = {"checkpoint.async_save": "async", "post.orpo_lambda": "lambda"}
 # Defaults that --help describes rather than prints.
 SHOWN_DEFAULTS = {"checkpoint.dir": "<run_dir>/checkpoints"}
 
@@ -117,6 +117,7 @@ ALIASES = {
     "--max-restarts": "train.max_restarts",
     "--init-from": "checkpoint.init_from",
     "--optim.name": "train.optimizer",
+    "--objective": "post.objective",
 }
 SHORT = {key: alias for alias, key in ALIASES.items()}
 

@@ -19,13 +19,14 @@ from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules, seq
 from mesh.shard import data_parallel_axes, tree_shardings
 from mesh.spec import mesh_text
 from models import context, model
-from train.core import comm, lora, memory, optim
+from train.core import comm, lora, memory, optim, pair_loss
 from train.core import state as train_state
 from train.core.comm import SyncLayout
 from train.core.config import Config
 from train.core.shapes import validate_run
 from train.core.step import local_sgd_step, train_step
 from train.data import abstract_batch as data_abstract_batch
+from train.data.pairs import abstract_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,9 @@ class RunSetup:
     optimizer: optax.GradientTransformation | None = None
     # --lora.rank > 0: the frozen base's, the step's third argument (train/core/lora.py)
     base_shardings: Any = None
+    # --objective dpo|ipo without LoRA: the frozen reference's, the step's third argument
+    # (train/core/pair_loss.py; with LoRA the base is the reference)
+    ref_shardings: Any = None
 
     @property
     def model_cfg(self):
@@ -95,6 +99,7 @@ def setup(
     validate_run(mesh, rules, cfg.model, cfg.train, cfg.pipeline)
     memory.check_host_offload(cfg, list(mesh.devices.flat))
     lora.check_run(cfg)
+    pair_loss.check_run(cfg, mesh, loss)
     param_shardings = tree_shardings(mesh, model.param_axes(cfg.model), rules)
     dp_axes = data_parallel_axes(
         mesh, rules["batch"], [sh.spec for sh in jax.tree.leaves(param_shardings)]
@@ -121,6 +126,10 @@ def setup(
         loss_fn=loss,
         optimizer=optimizer,
         base_shardings=lora.base_shardings(cfg, mesh, rules) if lora.enabled(cfg.lora) else None,
+        # the reference is held as the parameters are
+        ref_shardings=param_shardings
+        if cfg.post.needs_reference and not lora.enabled(cfg.lora)
+        else None,
     )
 
 
@@ -147,7 +156,10 @@ def create_state(s: RunSetup) -> train_state.TrainState:
 
 
 def abstract_batch(s: RunSetup) -> dict:
-    """ShapeDtypeStructs of one global batch, as the loader builds it."""
+    """ShapeDtypeStructs of one global batch, as the loader builds it (pairs for a preference
+    objective: train/data/pairs.py)."""
+    if s.cfg.post.preference:
+        return abstract_pairs(s.cfg.train.batch_size, s.cfg.train.seq_len, s.batch_sharding)
     return data_abstract_batch(
         s.cfg.data, s.cfg.train.batch_size, s.cfg.train.seq_len, s.batch_sharding
     )
@@ -156,7 +168,8 @@ def abstract_batch(s: RunSetup) -> dict:
 def jit_step(s: RunSetup):
     """The train step, jitted with the state's shardings: (state, batch) -> (state, metrics). The
     state is donated: its buffers become the new state's. A LoRA run's takes the frozen base as
-    well: (state, batch, base) -> (state, metrics)."""
+    well: (state, batch, base) -> (state, metrics); a dpo or ipo run without LoRA its frozen
+    reference model: (state, batch, reference) (train/core/pair_loss.py)."""
     # One function on purpose (~60 lines): the two step closures (DiLoCo's local step, the synced
     # step) read the same setup, and jax.jit below wraps whichever this run takes.
     cfg, t = s.cfg, s.cfg.train
@@ -180,9 +193,12 @@ def jit_step(s: RunSetup):
     else:
         param_specs = jax.tree.map(lambda sh: sh.spec, s.state_shardings.params)
 
-        # base: a LoRA run's frozen base, merged with the adapters in the loss
-        def step(state, batch, *base):
-            merge = (lambda adapters: lora.model_params(cfg, base[0], adapters)) if base else None
+        # frozen: a LoRA run's base, merged with the adapters in the loss, or the reference model
+        def step(state, batch, *frozen):
+            lora_on = s.base_shardings is not None
+            merge = (
+                (lambda adapters: lora.model_params(cfg, frozen[0], adapters)) if lora_on else None
+            )
             if t.offload_optimizer:  # host -> device for the update; XLA schedules the copies
                 state = state.replace(
                     opt_state=jax.device_put(state.opt_state, jax.memory.Space.Device)
@@ -202,6 +218,7 @@ def jit_step(s: RunSetup):
                     local_clip=s.local_clip,
                     loss_fn=s.loss_fn,
                     param_fn=merge,
+                    terms_fn=_pair_terms(cfg, frozen),
                 )
             if t.offload_optimizer:
                 state = state.replace(
@@ -209,19 +226,43 @@ def jit_step(s: RunSetup):
                 )
             return state, metrics
 
-    base_sharding = () if s.base_shardings is None else (s.base_shardings,)
+    frozen = [sh for sh in (s.base_shardings, s.ref_shardings) if sh is not None]
     return jax.jit(
         step,
-        in_shardings=(s.state_shardings, s.batch_sharding, *base_sharding),
+        in_shardings=(s.state_shardings, s.batch_sharding, *frozen),
         out_shardings=(s.state_shardings, None),
         donate_argnums=(0,),
     )
 
 
+def _pair_terms(cfg: Config, frozen: tuple):
+    """The preference objective's terms for the step (None for --objective lm), its reference
+    from the step's frozen argument (train/core/pair_loss.py)."""
+    if not cfg.post.preference:
+        return None
+    ref = pair_loss.reference_params(cfg, frozen[0]) if cfg.post.needs_reference else None
+    return lambda params, mb: pair_loss.pair_terms(cfg.model, cfg.post, params, mb, ref)
+
+
+def frozen_args(s: RunSetup) -> tuple:
+    """The abstract frozen arguments of the step: a LoRA run's base, or the reference model."""
+    if s.base_shardings is not None:
+        return (lora.abstract_base(s.cfg, s.base_shardings),)
+    if s.ref_shardings is not None:
+        return (
+            jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                model.abstract_params(s.cfg.model),
+                s.ref_shardings,
+            ),
+        )
+    return ()
+
+
 def compile_step(s: RunSetup, state=None, batch=None):
     """The step compiled for `state` and `batch` (abstract ones by default: nothing allocated)."""
     with jax.set_mesh(s.mesh), axis_rules(s.rules):
-        base = () if s.base_shardings is None else (lora.abstract_base(s.cfg, s.base_shardings),)
+        base = frozen_args(s)
         return (
             jit_step(s)
             .lower(

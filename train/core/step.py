@@ -52,6 +52,7 @@ def grads_loss_stats(
     pipeline=None,
     loss_fn=None,
     param_fn=None,
+    terms_fn=None,
 ):
     """Mean loss (cross-entropy, or `loss_fn`'s: see `token_losses`) over all tokens, the gradient
     of the objective (cross-entropy + MoE balance losses) and the MoE sums, accumulated over
@@ -66,12 +67,15 @@ def grads_loss_stats(
     keeps its [n_dp, ...] dim, each replica's share of the mean (their sum is the mean gradient).
     `param_fn`: the model's params as a function of `params`, which are then what is differentiated
     (LoRA: the adapters, merged into the frozen base inside the traced loss: train/core/lora.py).
+    `terms_fn(model params, micro-batch)`: the objective in loss_terms' form replacing it (the
+    preference objectives' pair losses, train/core/pair_loss.py: the count is of pairs).
     """
     # One function on purpose (~60 lines, most of them this docstring): the objective, its
     # gradient and the micro-batch scan are closures over the same model, batch layout and rules.
 
     def objective(p, mb):
-        return loss_terms(cfg, p if param_fn is None else param_fn(p), mb, pipeline, loss_fn)
+        q = p if param_fn is None else param_fn(p)
+        return loss_terms(cfg, q, mb, pipeline, loss_fn) if terms_fn is None else terms_fn(q, mb)
 
     def sums_and_grads(p, mb):
         (_, (xent, n, sums)), g = jax.value_and_grad(objective, has_aux=True)(p, mb)
@@ -121,7 +125,9 @@ def _mean_grads(g, n, total):
 
 
 def _normalise(sums: dict, n) -> dict:
-    return {**sums, "aux": sums["aux"] / n, "z": sums["z"] / n} if sums else {}
+    """The sums that are means over the tokens (pairs) as means: the MoE balance losses, the
+    preference objectives' `post/` figures."""
+    return {k: v / n if k in ("aux", "z") or k.startswith("post/") else v for k, v in sums.items()}
 
 
 def moe_metrics(stats: dict) -> dict:
@@ -152,6 +158,7 @@ def train_step(
     local_clip: float = 0.0,
     loss_fn=None,
     param_fn=None,
+    terms_fn=None,
 ) -> tuple[TrainState, dict]:
     """`comm_cfg` (train.core.config.CommConfig) with a compression other than none, and dp axes:
     the data-parallel gradient sync is train.core.comm.sync_grads (`param_specs`: the params'
@@ -159,7 +166,7 @@ def train_step(
     gradient to that global norm before the sync (`tx` has no clipping of its own: it would clip
     the error-feedback bursts). `pipeline`: the run's PipelineConfig. `loss_fn`: a custom per-token
     loss (`token_losses`). `param_fn`: the model's params from `state.params` (LoRA's merge:
-    `grads_loss_stats`)."""
+    `grads_loss_stats`). `terms_fn`: the objective replacing the token loss (`grads_loss_stats`)."""
     # One function on purpose (~60 lines, a third of them its signature and docstring): it reads
     # top to bottom as the update it applies: gradients, sync, update, spike guard, router bias.
     compress = bool(dp_axes) and comm_cfg is not None and comm_cfg.compression != "none"
@@ -173,6 +180,7 @@ def train_step(
         pipeline=pipeline,
         loss_fn=loss_fn,
         param_fn=param_fn,
+        terms_fn=terms_fn,
     )
     if compress:
         grads, residual, grad_norm = _synced(
@@ -223,8 +231,9 @@ def _step_metrics(loss, grad_norm, lr, opt_state, window, stats: dict) -> dict:
             spike_skipped_steps=window.skipped,
             loss_running_median=window.median(),
         )
-    if stats:
+    if "counts" in stats:
         metrics.update(moe_metrics(stats))
+    metrics.update({k: v for k, v in stats.items() if k.startswith("post/")})
     return metrics
 
 

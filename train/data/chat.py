@@ -36,8 +36,13 @@ import numpy as np
 from errors import UserError
 from train.data.formats import line_where
 
-FORMATS = ("text", "prompt_completion", "chat")
-FIELDS = {"prompt_completion": ("prompt", "completion"), "chat": ("messages",)}
+# preference: train/data/preference_records.py
+FORMATS = ("text", "prompt_completion", "chat", "preference")
+FIELDS = {
+    "prompt_completion": ("prompt", "completion"),
+    "chat": ("messages",),
+    "preference": ("prompt", "chosen", "rejected"),
+}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _SHAPE = {
     "prompt_completion": '{"prompt": "...", "completion": "..."}',

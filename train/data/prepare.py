@@ -8,8 +8,8 @@ Layout of DIR:
                            largest token id (`max_token`); its schema is train/data/index.py
   shard-00000.bin          tokens, raw little-endian uint16 (vocabulary <= 65536) or uint32
   shard-00000.offsets.npy  int64 [n_documents + 1]: document d is tokens[offsets[d]:offsets[d+1]]
-  shard-00000.mask.bin     (--format chat|prompt_completion) uint8 per token: 1 = trained on
-                           (train/data/chat.py)
+  shard-00000.mask.bin     (--format chat|prompt_completion|preference) uint8 per token:
+                           1 = trained on (train/data/chat.py, preference_records.py)
 Each document ends with the tokenizer's EOS id. Documents keep input order (files sorted inside a
 directory or glob; JSONL lines in file order), whatever the number of workers. Everything is
 written into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing
@@ -34,7 +34,7 @@ import numpy as np
 
 from checkpoint import storage
 from errors import ArgParser, UserError, number, one_line_errors
-from train.data import chat, formats, tokenizers
+from train.data import chat, formats, preference_records, tokenizers
 from train.data.index import (
     FORMAT,
     INDEX,
@@ -84,7 +84,9 @@ def make_parser() -> argparse.ArgumentParser:
         default="text",
         help="text: documents; prompt_completion: records {prompt, completion}, trained on the"
         " completion; chat: records {messages: [{role, content}, ...]} rendered with --tokenizer"
-        " HF_MODEL_DIR's chat template, trained on the assistant turns",
+        " HF_MODEL_DIR's chat template, trained on the assistant turns; preference: records"
+        " {prompt, chosen, rejected} (strings or chat message lists) for --objective"
+        " dpo|ipo|orpo|simpo, two documents each, the responses masked in",
     )
     p.add_argument(
         "--workers",
@@ -139,6 +141,9 @@ def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "t
             d for path, start, end in task for d in formats.read_range(path, start, end, text_field)
         ]
         n_bytes = sum(end - start for _, start, end in task)
+    if input_format == "preference":  # two documents per record: prompt + chosen, + rejected
+        tokens, lengths, mask = preference_records.encode_pairs(_TOKENIZER, docs)
+        return _checked(tokens).astype(dtype), lengths, n_bytes, [], mask
     if input_format != "text":
         tokens, lengths, mask = chat.encode_records(_TOKENIZER, input_format, docs)
         return _checked(tokens).astype(dtype), lengths, n_bytes, [], mask
@@ -361,9 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         input_format=args.input_format,
     )
+    pairs = args.input_format == "preference"  # two documents a record
+    count = index["n_documents"] // 2 if pairs else index["n_documents"]
     print(
-        f"{args.out}: {index['n_documents']}"
-        f" {'documents' if args.input_format == 'text' else 'records'}, {index['n_tokens']} tokens"
+        f"{args.out}: {count}"
+        f" {'documents' if args.input_format == 'text' else 'pairs' if pairs else 'records'},"
+        f" {index['n_tokens']} tokens"
         f" ({index['dtype']}) in {len(index['shards'])} shards, tokenizer"
         f" {index['tokenizer']['id']} (vocab {index['vocab_size']})"
     )

@@ -159,6 +159,12 @@ def load_prepared(directory: str, eval_fraction: float, verify: bool) -> Source:
     """Memory-maps every shard after checking sizes (always) and sha256 checksums (when
     `verify`)."""
     index = read_index(directory, f"--data {directory}", REPREPARE)
+    if index.get("input_format") == "preference":  # pairs: train/data/pairs.py reads them
+        raise UserError(
+            f"--data {directory}: preference pairs (prepare --format preference) train with"
+            " --objective dpo|ipo|orpo|simpo; read as documents, the rejected responses would be"
+            " trained on too"
+        )
     dtype = np.dtype(index["dtype"])
     opened = [open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
     shards, offsets = [o[0] for o in opened], [o[1] for o in opened]

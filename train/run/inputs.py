@@ -5,10 +5,12 @@ each checked against the model's vocabulary and tokenizer before anything compil
 from __future__ import annotations
 
 from checkpoint.manager import open_checkpoint
+from errors import UserError
 from train.core.setup import RunSetup
 from train.data import make_pipeline
 from train.data.evalsets import EvalSet, open_eval_source
 from train.data.external import IterableData
+from train.data.pairs import make_pair_pipeline
 from train.run import checkpoint_match
 
 
@@ -16,6 +18,20 @@ def open_data(s: RunSetup, data=None, eval_data=None):
     """The built-in pipeline of --data, or `data` (an iterable of batches, train/data/external.py)
     with its `eval_data`."""
     cfg, t = s.cfg, s.cfg.train
+    if cfg.post.preference:  # batches of pairs (train/data/pairs.py)
+        if data is not None:
+            raise UserError(
+                f"Trainer(data=...): --objective {cfg.post.objective} reads its pairs from a"
+                " dataset prepared with `prepare --format preference` (--data DIR)"
+            )
+        return make_pair_pipeline(
+            cfg.data,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            seed=t.seed,
+            batch_sharding=s.batch_sharding,
+            vocab_size=cfg.model.vocab_size,
+        )
     if data is not None:
         return IterableData(
             data,

@@ -22,7 +22,7 @@ from checkpoint.saving import committed_on_exit
 from errors import UserError
 from mesh.build import start_mesh
 from models import model
-from train.core import lora, qlora
+from train.core import lora, pair_loss, qlora
 from train.core import state as train_state
 from train.core.config import Config
 from train.core.inference import Evaluator, sample_text
@@ -215,6 +215,10 @@ class Trainer:
                 step_fn,
                 self.base,
             )
+        if s.ref_shardings is not None:  # dpo/ipo without LoRA: the frozen reference, its argument
+            step_fn, recorded, line = with_reference(self.cfg, s, step_fn, meta)
+            self._use_config(recorded)
+            note = "; ".join(filter(None, [note, line]))
         restored = point or cfg.checkpoint.init_from
         self.goodput.add("restore" if restored else "compile", time.perf_counter() - t0)
         return state, meta, step_fn, note
@@ -246,3 +250,14 @@ class Trainer:
         run.finish(out, self.cfg.logging.run_dir)
         self.state, self.history, self.eval_history = state, run.history, run.eval_history
         return out
+
+
+def with_reference(cfg: Config, s, step_fn, meta: dict):
+    """-> (the step with the reference model (train/core/pair_loss.py) as its third argument, the
+    config with the reference's fingerprint recorded (every save holds it), a line for the log)."""
+    reference, found, line = pair_loss.load_reference(cfg, s.ref_shardings, meta)
+    recorded = dataclasses.replace(cfg, post=dataclasses.replace(cfg.post, ref_fingerprint=found))
+    step = functools.partial(
+        lambda compiled, ref, state, batch: compiled(state, batch, ref), step_fn, reference
+    )
+    return step, recorded, line

@@ -240,6 +240,10 @@ def step_line(record: dict) -> str:
     parts = [
         f"step {record['step']}",
         f"loss {record['loss']:.3f}",
+    ]
+    if "post/margin" in record:  # a preference objective's (train/core/pair_loss.py)
+        parts += [f"margin {record['post/margin']:.3f}", f"acc {record['post/accuracy']:.2f}"]
+    parts += [
         f"{record['tokens_per_sec']:,.0f} tok/s",
         f"mfu {100 * record['mfu']:.1f}%",
         f"data {100 * record['data_wait_s'] / max(record['step_time_s'], 1e-12):.1f}%",
