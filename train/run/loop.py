@@ -205,16 +205,9 @@ class Trainer:
         # --init-from's parameters come without the spike guard's window
         state = train_state.with_loss_window(state, cfg.train.spike_factor, s.mesh)
         if lora.enabled(cfg.lora):  # the step's third argument: the frozen base
-            self.base, found, pointer, line = lora.load_base(
-                cfg, s.mesh, s.rules, s.base_shardings, meta
-            )
-            self._use_config(lora.with_base_recorded(cfg, found, pointer))
+            step_fn, self.base, recorded, line = with_base(cfg, s, step_fn, meta)
+            self._use_config(recorded)
             note = "; ".join(filter(None, [note, line]))
-            step_fn = functools.partial(
-                lambda compiled, base, state, batch: compiled(state, batch, base),
-                step_fn,
-                self.base,
-            )
         if s.ref_shardings is not None:  # dpo/ipo without LoRA: the frozen reference, its argument
             step_fn, recorded, line = with_reference(self.cfg, s, step_fn, meta)
             self._use_config(recorded)
@@ -250,6 +243,16 @@ class Trainer:
         run.finish(out, self.cfg.logging.run_dir)
         self.state, self.history, self.eval_history = state, run.history, run.eval_history
         return out
+
+
+def with_base(cfg: Config, s, step_fn, meta: dict):
+    """-> (the step with LoRA's frozen base (train/core/lora.py) as its third argument, the base,
+    the config with the base's fingerprint and pointer recorded, a line for the log)."""
+    base, found, pointer, line = lora.load_base(cfg, s.mesh, s.rules, s.base_shardings, meta)
+    step = functools.partial(
+        lambda compiled, base, state, batch: compiled(state, batch, base), step_fn, base
+    )
+    return step, base, lora.with_base_recorded(cfg, found, pointer), line
 
 
 def with_reference(cfg: Config, s, step_fn, meta: dict):
