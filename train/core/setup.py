@@ -180,9 +180,9 @@ def jit_step(s: RunSetup):
     else:
         param_specs = jax.tree.map(lambda sh: sh.spec, s.state_shardings.params)
 
-        # base: a LoRA run's frozen base, merged with the adapters in the loss
+        # base: a LoRA run's frozen base, paired with the adapters in the loss
         def step(state, batch, *base):
-            merge = (lambda adapters: lora.model_params(cfg, base[0], adapters)) if base else None
+            merge = (lambda adapters: lora.step_params(cfg, base[0], adapters)) if base else None
             if t.offload_optimizer:  # host -> device for the update; XLA schedules the copies
                 state = state.replace(
                     opt_state=jax.device_put(state.opt_state, jax.memory.Space.Device)
