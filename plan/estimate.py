@@ -78,6 +78,19 @@ def _sharded_params(stage, mesh, rules, arrays=None, dtype=None) -> dict:
     )
 
 
+def _trained_and_frozen(stage, mesh, rules, dtype: str, lora_cfg) -> tuple[dict, dict | None]:
+    """(what trains, the frozen base or None), sharded, as plan.theory.theory takes them: a LoRA
+    run's adapters and its base at the compute dtype (what the layers gather); else the
+    parameters."""
+    params = _sharded_params(stage, mesh, rules)
+    if not lora.enabled(lora_cfg):
+        return params, None
+    adapters = (lora.abstract_adapters(stage, lora_cfg), lora.adapter_axes(stage, lora_cfg))
+    return _sharded_params(stage, mesh, rules, adapters), _sharded_params(
+        stage, mesh, rules, dtype=dtype
+    )
+
+
 def _shard_bytes(x) -> int:
     """Bytes of one device's shard of a sharded ShapeDtypeStruct."""
     return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
@@ -280,15 +293,8 @@ def evaluate(
     stage = _stage_cfg(cfg, p)
     mesh = abstract_mesh(sizes)
     shards, pipe_m = batch_shards(mesh, rules), pc.microbatches_for(p)
-    params = _sharded_params(stage, mesh, rules)
     run = RunSpec(stage, t, comm_cfg or CommConfig(), pc, sizes, rules, dtype, lora=lora_cfg)
-    frozen = None
-    if lora.enabled(lora_cfg):  # the base gathered at the compute dtype; the adapters reduced
-        adapters = (lora.abstract_adapters(stage, lora_cfg), lora.adapter_axes(stage, lora_cfg))
-        params, frozen = (
-            _sharded_params(stage, mesh, rules, adapters),
-            _sharded_params(stage, mesh, rules, dtype=dtype),
-        )
+    params, frozen = _trained_and_frozen(stage, mesh, rules, dtype, lora_cfg)
     comm = _collectives(cfg, run, params, act_bytes, pipe_m, shards, frozen)
     on_device, on_host = _activations(
         cfg, run, hw, mesh, act_bytes, pipe_m, shards, sequence_parallel

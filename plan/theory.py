@@ -110,7 +110,7 @@ def theory(run: RunSpec, params, frozen=None) -> dict:
     of the gradient, per micro-batch: (n-1)/n x M each). On a pipeline mesh the layer stack's FSDP
     traffic repeats on every tick (pipeline_uses).
     """
-    sizes, rules, m = run.sizes, run.rules, run.model
+    sizes, rules = run.sizes, run.rules
     # the axes that split the tokens: the batch's and the sequence's (context parallelism); over
     # those a weight is either sharded (FSDP traffic) or replicated (a data-parallel all-reduce)
     batch_axes = [a for a in spec_axes(logical_to_spec(("batch", "seq"), rules)) if sizes[a] > 1]
@@ -125,10 +125,7 @@ def theory(run: RunSpec, params, frozen=None) -> dict:
         e["operand_bytes"] += operand
         e["wire_bytes"] += wire_factor * operand
 
-    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
-    names = dict(path_names(model_lib.param_axes(m), is_leaf=is_names))
-    if frozen is not None:
-        names |= dict(path_names(lora.adapter_axes(m, run.lora), is_leaf=is_names))
+    names = _names(run, frozen is not None)
     expert_axes = spec_axes(logical_to_spec(("experts",), rules))
     vocab_axes = vocab_parallel_axes(run)
     explicit_rs: dict[str, float] = defaultdict(float)
@@ -157,6 +154,15 @@ def theory(run: RunSpec, params, frozen=None) -> dict:
         out["all-reduce@model"] = tensor_parallel_theory(run)
     _add_activation_theory(out, run)
     return out
+
+
+def _names(run: RunSpec, adapters: bool) -> dict:
+    """Path -> logical axis names of the model's parameters (and, `adapters`, a LoRA run's)."""
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    names = dict(path_names(model_lib.param_axes(run.model), is_leaf=is_names))
+    if adapters:
+        names |= dict(path_names(lora.adapter_axes(run.model, run.lora), is_leaf=is_names))
+    return names
 
 
 def pipeline_uses(sizes: dict[str, int], pipeline_cfg: PipelineConfig) -> tuple[float, set[str]]:
