@@ -15,6 +15,7 @@ from flax import nnx
 from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, constrain
 from models import context, dense_attention, fp8, layer_pattern, window_cache
+from models.adapters import frozen, with_adapters
 from models.blockwise import visible
 from models.config import ModelConfig
 from models.context import context_size
@@ -81,7 +82,8 @@ class Attention(nnx.Module):
         apart). One einsum needs the query heads of a KV group on the same shard (the shard count
         divides K), else k and v share one and q has its own."""
         dt = self.dtype
-        wq, wk, wv = (w[...].astype(dt) for w in (self.wq_DNH, self.wk_DKH, self.wv_DKH))
+        adapted = [w[...] for w in (self.wq_DNH, self.wk_DKH, self.wv_DKH)]
+        wq, wk, wv = (frozen(w).astype(dt) for w in adapted)
         d, n, h = wq.shape
         k = wk.shape[1]
         if fused_qkv(k, jax.sharding.get_abstract_mesh()):
@@ -91,14 +93,19 @@ class Attention(nnx.Module):
             )
             qkv_BTKQH = fp8.einsum("btd,dkqh->btkqh", x_BTD, w_DKQH, self.fp8)
             b, t = x_BTD.shape[:2]
-            return (
+            qkv = (
                 qkv_BTKQH[..., :-2, :].reshape(b, t, n, h),
                 qkv_BTKQH[..., -2, :],
                 qkv_BTKQH[..., -1, :],
             )
-        q_BTNH = fp8.einsum("btd,dnh->btnh", x_BTD, wq, self.fp8)
-        k_BTKH, v_BTKH = fp8.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]), self.fp8)
-        return q_BTNH, k_BTKH, v_BTKH
+        else:
+            q_BTNH = fp8.einsum("btd,dnh->btnh", x_BTD, wq, self.fp8)
+            k_BTKH, v_BTKH = fp8.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]), self.fp8)
+            qkv = (q_BTNH, k_BTKH, v_BTKH)
+        # a LoRA-adapted projection adds its adapters' term (models/adapters.py)
+        return tuple(
+            with_adapters(y, "btd,dnh->btnh", x_BTD, w) for y, w in zip(qkv, adapted, strict=True)
+        )
 
     def _rotated_qkv(self, x_BTD, positions_BT, rope_args):
         """q, k, v with their biases, q/k norms and RoPE (`rope_args`: this layer's), the queries
@@ -177,8 +184,9 @@ class Attention(nnx.Module):
                 q_BTNH, cache.k.astype(dt), cache.v.astype(dt), mask=mask_B1TS
             )
         out_BTNH = constrain(out_BTNH, ("batch", "seq", "act_heads", None))
-        out_BTD = fp8.einsum("btnh,nhd->btd", out_BTNH, self.wo_NHD[...].astype(dt), self.fp8)
-        return out_BTD, cache
+        wo = self.wo_NHD[...]
+        out_BTD = fp8.einsum("btnh,nhd->btd", out_BTNH, frozen(wo).astype(dt), self.fp8)
+        return with_adapters(out_BTD, "btnh,nhd->btd", out_BTNH, wo), cache
 
     def _by_index(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kind: str, window: int):
         """Attention on an unsharded sequence in index order: causal by index (the masks XLA and

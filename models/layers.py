@@ -11,6 +11,7 @@ from flax import nnx
 
 from mesh.shard import constrain
 from models import fp8
+from models.adapters import frozen, with_adapters
 
 
 def param(
@@ -111,11 +112,16 @@ class MLP(nnx.Module):
         dt = self.dtype
         # one einsum for both projections: the backward's input gradient is then one dot, so
         # tensor parallelism all-reduces it once instead of once per projection
-        w_ZDF = jnp.stack([self.w_gate_DF[...], self.w_up_DF[...]]).astype(dt)
+        # (a LoRA-adapted weight adds its adapters' term to its projection: models/adapters.py)
+        gate, up, down = self.w_gate_DF[...], self.w_up_DF[...], self.w_down_FD[...]
+        w_ZDF = jnp.stack([frozen(gate), frozen(up)]).astype(dt)
         gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
+        gate_BTF = with_adapters(gate_BTF, "btd,df->btf", x_BTD, gate)
+        up_BTF = with_adapters(up_BTF, "btd,df->btf", x_BTD, up)
         act = ACTIVATIONS[self.activation]
         h_BTF = constrain(act(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
-        return fp8.einsum("btf,fd->btd", h_BTF, self.w_down_FD[...].astype(dt), self.fp8)
+        out_BTD = fp8.einsum("btf,fd->btd", h_BTF, frozen(down).astype(dt), self.fp8)
+        return with_adapters(out_BTD, "btf,fd->btd", h_BTF, down)
 
 
 @jax.custom_vjp

@@ -32,6 +32,7 @@ from flax import nnx
 
 from mesh.shard import constrain
 from models import context, fp8
+from models.adapters import frozen, with_adapters
 from models.blockwise import visible
 from models.config import ModelConfig
 from models.context import context_size
@@ -105,7 +106,9 @@ class LatentAttention(nnx.Module):
             w_QNH = self.wq_b_QNH[...].astype(dt)
             q_BTNH = fp8.einsum("btq,qnh->btnh", q_BTQ, w_QNH, self.fp8)
         else:
-            q_BTNH = fp8.einsum("btd,dnh->btnh", x_BTD, self.wq_DNH[...].astype(dt), self.fp8)
+            wq = self.wq_DNH[...]  # LoRA's "q" target (models/adapters.py)
+            q_BTNH = fp8.einsum("btd,dnh->btnh", x_BTD, frozen(wq).astype(dt), self.fp8)
+            q_BTNH = with_adapters(q_BTNH, "btd,dnh->btnh", x_BTD, wq)
         q_BTNH = constrain(q_BTNH, HEADS)
         return q_BTNH[..., :g], self._rope(q_BTNH[..., g:], positions_BT)
 

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from models.adapters import Adapted
+
 FORMATS = ("int8", "nf4")
 CODE_BITS = {"int8": 8, "nf4": 4}
 # qwix's symmetric int8 range is [-127.5, 127.5] (its top code is hit by rounding 127.5 up, which
@@ -97,37 +99,20 @@ class QuantizedWeight:
 
 @flax.struct.dataclass
 class LoraWeight:
-    """A frozen quantised weight with its LoRA adapters: W + scale A B, formed per layer.
-    A [L, in..., r], B [L, r, out...] (train/core/lora.py)."""
+    """A frozen weight [L, ...] (quantised, or a plain array) with its LoRA adapters
+    A [L, in..., r], B [L, r, out...] (train/core/lora.py), paired for the layer scan; a layer's
+    slice materialises into a models.adapters.Adapted, which the layer multiplies by factored:
+    x W + scale (x A) B."""
 
-    base: QuantizedWeight
+    base: QuantizedWeight | jax.Array
     lora_a: jax.Array
     lora_b: jax.Array
     scale: float = flax.struct.field(pytree_node=False, default=1.0)
 
-    def materialise(self) -> jax.Array:
-        return (
-            self.base.dequantize()
-            + self.scale * lora_delta(self.lora_a, self.lora_b, self.base.codes.ndim)
-        ).astype(self.base.dtype)
-
-
-def lora_delta(a: jax.Array, b: jax.Array, ndim: int) -> jax.Array:
-    """A [lead..., in..., r] B [lead..., r, out...] -> A B [lead..., in..., out...] in float32, for
-    a weight of rank `ndim`; lead: the dims the weight shares with both (its layer dims)."""
-    lead = a.ndim + b.ndim - 2 - ndim
-    n_in, n_out = a.ndim - 1 - lead, b.ndim - 1 - lead
-    letters = "abcdefghijklmnopqstuvwxyz"  # r is the rank
-    lead_s = letters[:lead]
-    in_s = letters[lead : lead + n_in]
-    out_s = letters[lead + n_in : lead + n_in + n_out]
-    # a batch dim of 1 (z): the remat policies that keep projection outputs ("dots": dots without
-    # batch dims) then recompute this product in the backward rather than keep it per layer
-    return jnp.einsum(
-        f"z{lead_s}{in_s}r,z{lead_s}r{out_s}->z{lead_s}{in_s}{out_s}",
-        a.astype(jnp.float32)[None],
-        b.astype(jnp.float32)[None],
-    )[0]
+    def materialise(self) -> Adapted:
+        w = self.base.materialise() if isinstance(self.base, QuantizedWeight) else self.base
+        # frozen: an explicit pipeline's vjp over a stage's params then forms no dW
+        return Adapted(jax.lax.stop_gradient(w), self.lora_a, self.lora_b, scale=self.scale)
 
 
 # NormalFloat4's 16 values (the QLoRA paper's Appendix E, as bitsandbytes and qwix ship them)
@@ -190,8 +175,9 @@ def is_lazy(x) -> bool:
 
 
 def materialise(tree):
-    """`tree` (one layer's params, or any) with every quantised weight dequantised (and its
-    adapters added): what the layer multiplies by. Plain arrays pass through."""
+    """`tree` (one layer's params, or any) with every quantised weight dequantised, and every weight
+    paired with adapters a models.adapters.Adapted: what the layer multiplies by. Plain arrays pass
+    through."""
     return jax.tree.map(lambda x: x.materialise() if is_lazy(x) else x, tree, is_leaf=is_lazy)
 
 
@@ -203,8 +189,10 @@ def take_rows(table_VD, ids):
     return materialise(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table_VD))
 
 
-def has_lazy(tree) -> bool:
-    return any(is_lazy(x) for x in jax.tree.leaves(tree, is_leaf=is_lazy))
+def has_quantised(tree) -> bool:
+    """Whether `tree` holds a quantised weight (alone or paired with adapters)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return any(isinstance(x, QuantizedWeight) for x in leaves)
 
 
 def remat_policy(policy, params):
@@ -212,7 +200,7 @@ def remat_policy(policy, params):
     the projection outputs only (as --model.remat dots), so the backward recomputes each layer's
     dequantised weights rather than keeping them for every layer ([L, ...] at full precision);
     the policies that keep less already do."""
-    if policy is None and has_lazy(params):
+    if policy is None and has_quantised(params):
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return policy
 

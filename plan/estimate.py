@@ -61,19 +61,33 @@ def _stage_cfg(cfg, p: int):
     return dataclasses.replace(cfg, n_layers=stage_layers(cfg, p)[0])
 
 
-def _sharded_params(stage, mesh, rules) -> dict:
-    """The stage's parameters as ShapeDtypeStructs sharded by the rules on the abstract mesh (the
-    layer stack unsplit: a stage holds its own layers whole)."""
-    params_abs, axes = _model_arrays(stage)
+def _sharded_params(stage, mesh, rules, arrays=None, dtype=None) -> dict:
+    """The stage's parameters (or `arrays`: (abstract arrays, their logical axes), a LoRA run's
+    adapters) as ShapeDtypeStructs sharded by the rules on the abstract mesh (the layer stack
+    unsplit: a stage holds its own layers whole), in `dtype` (default: their own)."""
+    params_abs, axes = arrays or _model_arrays(stage)
     return jax.tree.map(
         lambda s, names: jax.ShapeDtypeStruct(
             s.shape,
-            s.dtype,
+            dtype or s.dtype,
             sharding=NamedSharding(mesh, logical_to_spec(names, {**rules, "layers": ()})),
         ),
         params_abs,
         axes,
         is_leaf=is_axis_names,
+    )
+
+
+def _trained_and_frozen(stage, mesh, rules, dtype: str, lora_cfg) -> tuple[dict, dict | None]:
+    """(what trains, the frozen base or None), sharded, as plan.theory.theory takes them: a LoRA
+    run's adapters and its base at the compute dtype (what the layers gather); else the
+    parameters."""
+    params = _sharded_params(stage, mesh, rules)
+    if not lora.enabled(lora_cfg):
+        return params, None
+    adapters = (lora.abstract_adapters(stage, lora_cfg), lora.adapter_axes(stage, lora_cfg))
+    return _sharded_params(stage, mesh, rules, adapters), _sharded_params(
+        stage, mesh, rules, dtype=dtype
     )
 
 
@@ -155,11 +169,13 @@ def _checked_rules(
     return rules
 
 
-def _collectives(cfg, run: RunSpec, params, act_bytes: int, pipe_m: int, shards: int) -> dict:
+def _collectives(
+    cfg, run: RunSpec, params, act_bytes: int, pipe_m: int, shards: int, frozen=None
+) -> dict:
     """The step's collective traffic: the ring formulas plan checks against the compiled HLO, and
-    the pipeline's stage-to-stage sends."""
+    the pipeline's stage-to-stage sends. `frozen`: a LoRA run's base (plan.theory.theory)."""
     t, pc = run.train, run.pipeline
-    comm = theory(run, params)
+    comm = theory(run, params, frozen)
     comm.update(
         cost.pipeline_comm(
             cfg,
@@ -277,9 +293,9 @@ def evaluate(
     stage = _stage_cfg(cfg, p)
     mesh = abstract_mesh(sizes)
     shards, pipe_m = batch_shards(mesh, rules), pc.microbatches_for(p)
-    params = _sharded_params(stage, mesh, rules)
-    run = RunSpec(stage, t, comm_cfg or CommConfig(), pc, sizes, rules, compute_dtype=dtype)
-    comm = _collectives(cfg, run, params, act_bytes, pipe_m, shards)
+    run = RunSpec(stage, t, comm_cfg or CommConfig(), pc, sizes, rules, dtype, lora=lora_cfg)
+    params, frozen = _trained_and_frozen(stage, mesh, rules, dtype, lora_cfg)
+    comm = _collectives(cfg, run, params, act_bytes, pipe_m, shards, frozen)
     on_device, on_host = _activations(
         cfg, run, hw, mesh, act_bytes, pipe_m, shards, sequence_parallel
     )

@@ -3,14 +3,13 @@
 frozen base is held beside them, at --lora.base_dtype or quantised (train/core/qlora.py), and the
 step forms the weights it multiplies by from the base and the adapters:
 
-- a bfloat16/float32 base: W + scale A B for every adapted weight of the whole stack, at
-  model.param_dtype, before the forward (checkpoint.layout.merged), and in the backward its
-  gradient: two [L, ...] copies of the adapted weights per device, sharded as they are;
-- a quantised base: one layer's weights dequantised at a time, inside the layer scan; priced at
-  the compute dtype, gathered over the axes that shard d_model (FSDP gathers a layer's weights
-  before its matmuls), the forward's and the backward's layer both live: 2 x one layer; with
-  --lora.quantize_embeddings the LM head dequantised whole (the embedding only in its looked-up
-  rows; a tied one is the head).
+- one layer's weights at a time, inside the layer scan, each multiplied by factored with its
+  adapters, x W + scale (x A) B (models/adapters.py: no merged weight and no gradient of W's
+  size): a bfloat16/float32 base's adapted weights cast to the compute dtype, a quantised base's
+  weights dequantised to it; gathered over the axes that shard d_model (FSDP gathers a layer's
+  weights before its matmuls), the forward's and the backward's layer both live: 2 x one layer;
+  with --lora.quantize_embeddings the LM head dequantised whole (the embedding only in its
+  looked-up rows; a tied one is the head).
 
 The stage's base bytes follow the same rule table as a full fine-tune's parameters (codes as the
 weights, scales on the matching axes where the reduced dim still divides).
@@ -98,28 +97,23 @@ def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str, whole: bool = T
 
 
 def _merge_bytes(stage, lora_cfg, flat_full, specs, quantised, mesh, rules, compute_dtype) -> int:
-    """The weights the step forms from the base and adapters, per device (module docstring)."""
-    if quantised:
-        fsdp = set(rules.get("embed", ())) | set(rules.get("vocab_embed", ()))
-        layer = whole = 0
-        for key in quantised:
-            if key == ("embed_VD",) and not stage.tie_embeddings:
-                continue  # looked up by rows: only those are dequantised
-            stacked = len(key) > 1  # a layer stack's weight [L, ...]; else the embedding or head
-            shape, spec = flat_full[key].shape, tuple(specs[key])
-            shape, spec = (shape[1:], spec[1:]) if stacked else (shape, spec)
-            gathered = tuple(
-                None if e is not None and set(np.atleast_1d(e)) & fsdp else e for e in spec
-            )
-            size = _shard_bytes(shape, compute_dtype, gathered, mesh)
-            layer, whole = (layer + size, whole) if stacked else (layer, whole + size)
-        return 2 * layer + whole
-    adapted = {tuple(k[:-1]) for k, _ in _flat(lora.adapter_axes(stage, lora_cfg))}
-    return 2 * sum(
-        _shard_bytes(flat_full[k].shape, stage.param_dtype, specs[k], mesh)
-        for k in flat_full
-        if k in adapted
-    )
+    """The weights the step forms from the base (and multiplies by with the adapters), per device
+    (module docstring): a quantised base's quantised weights, a plain base's adapted ones."""
+    formed = quantised or {tuple(k[:-1]) for k, _ in _flat(lora.adapter_axes(stage, lora_cfg))}
+    fsdp = set(rules.get("embed", ())) | set(rules.get("vocab_embed", ()))
+    layer = whole = 0
+    for key in formed:
+        if key == ("embed_VD",) and not stage.tie_embeddings:
+            continue  # looked up by rows: only those are dequantised
+        stacked = len(key) > 1  # a layer stack's weight [L, ...]; else the embedding or head
+        shape, spec = flat_full[key].shape, tuple(specs[key])
+        shape, spec = (shape[1:], spec[1:]) if stacked else (shape, spec)
+        gathered = tuple(
+            None if e is not None and set(np.atleast_1d(e)) & fsdp else e for e in spec
+        )
+        size = _shard_bytes(shape, compute_dtype, gathered, mesh)
+        layer, whole = (layer + size, whole) if stacked else (layer, whole + size)
+    return 2 * layer + whole
 
 
 def _flat(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, object]]:

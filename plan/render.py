@@ -33,9 +33,9 @@ def _memory_lines(r: dict) -> list[str]:
                 " params above: its adapters)"
             )
             lines.append(
-                f"  {'merged':<12}{_mib(m.get('merge_bytes', 0))} (formula: the weights formed"
-                " from base and adapters, in temp: the whole adapted stack and its gradient, or"
-                " a quantised base's dequantised layers)"
+                f"  {'formed':<12}{_mib(m.get('merge_bytes', 0))} (formula: the weights the"
+                " layers form from the base, in temp: two layers' at the compute dtype, gathered;"
+                " the adapters are applied factored)"
             )
         if k == "gradient_bytes" and m.get("reference_bytes"):
             lines.append(
@@ -188,7 +188,7 @@ def render_estimate(row: dict, hw: Hardware) -> str:
         f" grads {m['grads'] / gib:.2f},"
         f" optimizer {m['optimizer'] / gib:.2f}, activations {m['activations'] / gib:.2f},"
         + (
-            f" LoRA base {m['base'] / gib:.2f} (params: the adapters), merged weights"
+            f" LoRA base {m['base'] / gib:.2f} (params: the adapters), formed weights"
             f" {m['merge'] / gib:.2f},"
             if "base" in m
             else ""

@@ -23,7 +23,7 @@ from plan.hlo import KINDS, parse_collectives, summarize
 from plan.lora_memory import lora_parts
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
-from train.core import lora, qlora
+from train.core import lora
 from train.core.setup import (
     RunSetup,
     abstract_batch,
@@ -152,10 +152,10 @@ def _collectives(measured: dict) -> dict:
 
 
 def _theory_base(s: RunSetup) -> dict:
-    """A LoRA run's base as the theory prices it: as held, or (a quantised base) the weights it
-    stands for at the compute dtype, sharded as a full fine-tune's."""
-    if not qlora.enabled(s.cfg.lora):
-        return lora.abstract_base(s.cfg, s.base_shardings)
+    """A LoRA run's base as the theory prices it: the weights it stands for at the compute dtype,
+    sharded as a full fine-tune's: each layer casts (or dequantises) its shard before the
+    all-gather, so that is what moves (a bfloat16 base under float32 compute moves float32; seen in
+    the HLO)."""
     return jax.tree.map(
         lambda a, sh: jax.ShapeDtypeStruct(a.shape, s.compute_dtype, sharding=sh),
         model.abstract_params(s.cfg.model),
@@ -178,8 +178,8 @@ def analyze(s: RunSetup) -> dict:
     compiled = compile_step(s, state, abstract_batch(s))
     cost = _cost_analysis(compiled)
     measured = summarize(parse_collectives(compiled.as_text(), s.mesh))
-    # LoRA: the frozen base's weights are the ones that move (its adapters are tiny and replicated)
-    th = theory(run_spec(s), state.params if s.base_shardings is None else _theory_base(s))
+    # LoRA: the frozen base's weights are gathered, the adapters' gradients alone reduced
+    th = theory(run_spec(s), state.params, None if s.base_shardings is None else _theory_base(s))
     th_backend = on_backend(th, jax.default_backend(), dict(s.mesh.shape))
     return {
         "mesh": mesh_text(s.mesh.shape),

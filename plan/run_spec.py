@@ -16,7 +16,7 @@ from mesh.rules import logical_to_spec
 from mesh.shard import axes_size, spec_axes
 from mesh.spec import AXES
 from models.config import ModelConfig, PipelineConfig
-from train.core.config import CommConfig, TrainConfig
+from train.core.config import CommConfig, LoraConfig, TrainConfig
 from train.core.shapes import batch_shards, seq_shards
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class RunSpec:
     compute_dtype: str
     context_strategy: str = "all_gather"  # --parallelism.context_strategy
     packed: bool = False  # segment ids in the batch (--data.packing_mask)
+    lora: LoraConfig | None = None  # a LoRA/QLoRA run's section: the adapters train
 
     @property
     def mesh(self) -> AbstractMesh:
@@ -61,6 +62,7 @@ def run_spec(s: RunSetup) -> RunSpec:
         compute_dtype=s.compute_dtype,
         context_strategy=c.parallelism.context_strategy,
         packed=c.data.packing_mask,
+        lora=c.lora,
     )
 
 

@@ -28,6 +28,7 @@ from plan.activation_theory import (
     vocab_parallel_theory,
 )
 from plan.run_spec import RunSpec, axes_key, local_bytes, tokens_per_device, vocab_parallel_axes
+from train.core import lora
 
 
 def _param_collectives(
@@ -40,10 +41,13 @@ def _param_collectives(
     vocab_axes,
     uses: float,
     replicas: set[str],
+    trains: bool = True,
 ):
     """The collectives one parameter's weights and gradient make per step (see `theory`), in the
     order they add up: (kind, mesh axes, operand bytes, group size, wire factor, whether it is
-    an explicit psum_scatter). `name`: the parameter's logical axis names."""
+    an explicit psum_scatter). `name`: the parameter's logical axis names; `trains` False: a
+    frozen weight (a LoRA base), gathered for the forward (and the remat) but never reduced, its
+    embedding lookup exchanged in the forward only."""
     sizes, t, m = run.sizes, run.train, run.model
     used = spec_axes(sds.sharding.spec)
     # an expert's weights live on the devices its tokens travel to: no collective over the
@@ -59,14 +63,14 @@ def _param_collectives(
     full = local_bytes(sds) * n_f
     in_stack = path.startswith(("blocks/", "moe_blocks/"))
     per_pass = uses if in_stack and not set(fsdp_axes) <= replicas else 1
-    lookup = _lookup_bytes(run, path, sds, n_f)
+    lookup = _lookup_bytes(run, path, sds, n_f) * (1 if trains else 0.5)
     yield "all-to-all", fsdp_axes, lookup, n_f, (n_f - 1) / n_f, False
     # ZeRO-3 reduce-scatters every micro-batch's gradient
-    for _ in range(0 if lookup else t.micro_batches):
+    for _ in range(0 if lookup or not trains else t.micro_batches):
         explicit = is_expert and n_f > 1
         yield "reduce-scatter", fsdp_axes, full * per_pass, n_f, (n_f - 1) / n_f, explicit
     # once per step (no_sync)
-    yield "all-reduce", dp_axes, full / n_f, n_d, 2 * (n_d - 1) / n_d, False
+    yield "all-reduce", dp_axes, full / n_f if trains else 0, n_d, 2 * (n_d - 1) / n_d, False
     # FSDP gathers weights for the forward pass; rematerialised layers gather them again for
     # the backward recompute (ZeRO-3); weights outside the layer stack stay gathered. Per
     # micro-batch; the operand is the device's own shard, and it receives n-1 of them.
@@ -92,9 +96,13 @@ def _add_activation_theory(out: dict, run: RunSpec) -> None:
             mine["note"] = "; ".join(filter(None, (mine.get("note"), e["note"])))
 
 
-def theory(run: RunSpec, params) -> dict:
+def theory(run: RunSpec, params, frozen=None) -> dict:
     """Ideal per-device collective bytes per step. `params`: the abstract parameters with their
-    shardings (ShapeDtypeStructs; the model's, or one pipeline stage's).
+    shardings (ShapeDtypeStructs; the model's, or one pipeline stage's). `frozen`: a LoRA run's
+    base, as it moves (a quantised one: the weights it stands for at the compute dtype, which is
+    what XLA gathers), with `params` the adapters: the base is gathered as a full fine-tune's
+    weights and never reduced, and only the adapters' gradients are (each layer multiplies by
+    them factored, x W + s (x A) B, models/adapters.py).
 
     For each parameter: the batch mesh axes it is *not* sharded on carry plain data parallelism
     (all-reduce of its gradient shard: 2(n-1)/n x M); the batch axes it *is* sharded on carry
@@ -102,7 +110,7 @@ def theory(run: RunSpec, params) -> dict:
     of the gradient, per micro-batch: (n-1)/n x M each). On a pipeline mesh the layer stack's FSDP
     traffic repeats on every tick (pipeline_uses).
     """
-    sizes, rules, m = run.sizes, run.rules, run.model
+    sizes, rules = run.sizes, run.rules
     # the axes that split the tokens: the batch's and the sequence's (context parallelism); over
     # those a weight is either sharded (FSDP traffic) or replicated (a data-parallel all-reduce)
     batch_axes = [a for a in spec_axes(logical_to_spec(("batch", "seq"), rules)) if sizes[a] > 1]
@@ -117,14 +125,19 @@ def theory(run: RunSpec, params) -> dict:
         e["operand_bytes"] += operand
         e["wire_bytes"] += wire_factor * operand
 
-    names = dict(path_names(model_lib.param_axes(m), is_leaf=lambda x: isinstance(x, tuple)))
+    names = _names(run, frozen is not None)
     expert_axes = spec_axes(logical_to_spec(("experts",), rules))
     vocab_axes = vocab_parallel_axes(run)
     explicit_rs: dict[str, float] = defaultdict(float)
     uses, replicas = pipeline_uses(sizes, run.pipeline)
-    for path, sds in path_names(params, is_leaf=lambda x: hasattr(x, "shape")):
+    arrays = [(p, a, True) for p, a in path_names(params, is_leaf=lambda x: hasattr(x, "shape"))]
+    if frozen is not None:
+        arrays += [
+            (p, a, False) for p, a in path_names(frozen, is_leaf=lambda x: hasattr(x, "shape"))
+        ]
+    for path, sds, trains in arrays:
         for kind, axes, operand, n, wire_factor, explicit in _param_collectives(
-            run, path, sds, names[path], batch_axes, expert_axes, vocab_axes, uses, replicas
+            run, path, sds, names[path], batch_axes, expert_axes, vocab_axes, uses, replicas, trains
         ):
             add(kind, axes, operand, n, wire_factor)
             if explicit:
@@ -141,6 +154,15 @@ def theory(run: RunSpec, params) -> dict:
         out["all-reduce@model"] = tensor_parallel_theory(run)
     _add_activation_theory(out, run)
     return out
+
+
+def _names(run: RunSpec, adapters: bool) -> dict:
+    """Path -> logical axis names of the model's parameters (and, `adapters`, a LoRA run's)."""
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    names = dict(path_names(model_lib.param_axes(run.model), is_leaf=is_names))
+    if adapters:
+        names |= dict(path_names(lora.adapter_axes(run.model, run.lora), is_leaf=is_names))
+    return names
 
 
 def pipeline_uses(sizes: dict[str, int], pipeline_cfg: PipelineConfig) -> tuple[float, set[str]]:

@@ -124,8 +124,10 @@ def test_step0_is_the_base_and_the_gradient_is_the_chain_rule(trainers, base):
     @jax.jit
     def check(base_p, adapters, batch):
         """(the step's loss, the base's loss, the step's adapter gradient, the gradient by hand)."""
+        # the step's factored forward (x W + scale (x A) B), against the chain rule through the
+        # merged weight W_eff = W + scale A B
         step_loss, step_grads, _ = grads_loss_stats(
-            cfg.model, adapters, batch, 1, param_fn=lambda a: merge(base_p, a)
+            cfg.model, adapters, batch, 1, param_fn=lambda a: lora.step_params(cfg, base_p, a)
         )
         xent, n = loss_sums(cfg.model, base_p, batch)
         # dL/dW_eff
@@ -169,7 +171,9 @@ def test_step0_is_the_base_and_the_gradient_is_the_chain_rule(trainers, base):
             if adapters is fresh:
                 np.testing.assert_allclose(step_loss, base_loss, rtol=1e-6)
             assert max(float(np.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-4
-            assert_trees_close(grads, want, "adapter gradients", rtol=1e-5, atol_frac=1e-6)
+            # float32 sums in another order (x^T (dy B^T) against (x^T dy) B^T): an element near
+            # zero may differ by ~1e-8 of a 1e-3 leaf
+            assert_trees_close(grads, want, "adapter gradients", rtol=1e-5, atol_frac=1e-5)
 
 
 def test_mesh_run_matches_one_device_and_keeps_the_base(trainers, base):

@@ -4,10 +4,13 @@ For each targeted weight W (the layer stack's [L, in..., out...]) the adapters a
 (normal, std 1/sqrt(fan_in)) and B [L, r, out...] (zero), so that the model at step 0 is the base
 exactly. The train state's `params` are the adapters alone, so the optimizer keeps state for them
 only and a checkpoint holds them (and that state) only. The base is a third argument of the jitted
-step, never differentiated, and inside the step the model sees W + (alpha / r) A B
-(checkpoint.layout.merged): a parameter transform before the forward, with the base's shapes and
-shardings, so every mesh and schedule the base trains on runs its LoRA fine-tune unchanged. A's
-input dims take W's logical axis names and B's output dims too; r is replicated.
+step, never differentiated. Inside the step each adapted weight is paired with its adapters
+(`step_params`, models.quant.LoraWeight: a pytree with the base's leading dims and shardings, so
+every mesh and schedule the base trains on runs its LoRA fine-tune unchanged), and each layer
+computes x W + (alpha / r)(x A) B (models/adapters.py): the backward forms and reduces the adapters'
+gradients only, never one of W's size. Eval, sampling and export use the merged weights
+W + (alpha / r) A B (checkpoint.layout.merged). A's input dims take W's logical axis names and B's
+output dims too; r is replicated.
 
 The base comes in with --init-from (an HF import or a Brigade checkpoint); the run records its
 fingerprint (checkpoint.layout.fingerprint) in the config it saves, and a resume reloads the base
@@ -170,13 +173,20 @@ def abstract_base(cfg: Config, shardings: dict) -> dict:
 
 
 def model_params(cfg: Config, base: dict, adapters: dict) -> dict:
-    """What the model computes with: the base with every adapted weight merged, in param_dtype
-    (a quantised base: each adapted weight paired with its adapters, merged per layer inside the
-    forward). Jittable: the train step calls it inside the traced loss, so gradients reach the
-    adapters."""
+    """What the model evaluates with (eval, sampling, export): the base with every adapted weight
+    merged, in param_dtype (a quantised base: each adapted weight paired with its adapters, as
+    `step_params`, since a merged one would be the stack at full precision)."""
     if qlora.enabled(cfg.lora):
-        return qlora.attach(base, adapters, scale(cfg.lora))
+        return step_params(cfg, base, adapters)
     return merged(base, adapters, scale(cfg.lora), dtype=cfg.model.param_dtype)
+
+
+def step_params(cfg: Config, base: dict, adapters: dict) -> dict:
+    """What the train step's loss computes with: the base with each adapted weight paired with its
+    adapters (models.quant.LoraWeight), which every layer multiplies by factored, x W + s (x A) B
+    (models/adapters.py), so that the step reduces the adapters' gradients over the batch's axes,
+    not a gradient of W's size. Jittable: the step calls it inside the traced loss."""
+    return qlora.attach(base, adapters, scale(cfg.lora))
 
 
 def check_run(cfg: Config) -> None:

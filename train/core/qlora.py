@@ -11,9 +11,10 @@ head in 16 bits too).
 The step takes the base as before (its third argument), now a tree whose quantised weights are
 models.quant.QuantizedWeight (codes sharded as the weight, scales on the matching axes); `attach`
 pairs each adapted one with its adapters (models.quant.LoraWeight), and models/pieces.py
-materialises W + scale A B per layer where the layer runs: inside the scan, so the
-full-precision temporary is one layer's weights, never the [L, ...] stack's. The gradient reaches
-the adapters only: the base is not an argument of the differentiated function.
+dequantises each layer's weights where the layer runs: inside the scan, so the full-precision
+temporary is one layer's weights, never the [L, ...] stack's; the layer adds the adapters' term
+factored, x W + scale (x A) B (models/adapters.py). The gradient reaches the adapters only: the
+base is not an argument of the differentiated function.
 
 Checkpoints hold the adapters and the pointer to the full-precision base, as for any LoRA run;
 the quantised base is rebuilt from it at every start (quantisation is a deterministic function of
@@ -25,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -199,14 +199,12 @@ def shardings(cfg, table: dict, full_shardings: dict, mesh) -> dict:
 
 
 def attach(base: dict, adapters: dict, scale: float) -> dict:
-    """The model's params: the quantised base with each adapted weight paired with its adapters
-    (models.quant.LoraWeight), materialised per layer inside the forward."""
+    """The model's params: the base (quantised or not) with each adapted weight paired with its
+    adapters (models.quant.LoraWeight), which each layer multiplies by factored, x W + scale (x A) B
+    (models/adapters.py), one layer at a time inside the forward."""
 
     def walk(node, adapter):
         if isinstance(adapter, dict) and set(adapter) == {"lora_a", "lora_b"}:
-            if not isinstance(node, quant.QuantizedWeight):  # an unquantised weight: merged here
-                delta = quant.lora_delta(adapter["lora_a"], adapter["lora_b"], node.ndim)
-                return (node.astype(jnp.float32) + scale * delta).astype(node.dtype)
             return quant.LoraWeight(node, adapter["lora_a"], adapter["lora_b"], scale=scale)
         return {k: walk(v, adapter[k]) if k in adapter else v for k, v in node.items()}
 

@@ -193,11 +193,11 @@ def jit_step(s: RunSetup):
     else:
         param_specs = jax.tree.map(lambda sh: sh.spec, s.state_shardings.params)
 
-        # frozen: a LoRA run's base, merged with the adapters in the loss, or the reference model
+        # frozen: a LoRA run's base, paired with the adapters in the loss, or the reference model
         def step(state, batch, *frozen):
             lora_on = s.base_shardings is not None
             merge = (
-                (lambda adapters: lora.model_params(cfg, frozen[0], adapters)) if lora_on else None
+                (lambda adapters: lora.step_params(cfg, frozen[0], adapters)) if lora_on else None
             )
             if t.offload_optimizer:  # host -> device for the update; XLA schedules the copies
                 state = state.replace(
