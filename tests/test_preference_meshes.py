@@ -218,3 +218,26 @@ def test_plan_counts_the_reference(base, tmp_path):
     assert "reference" in render(got, show_sharding=False)
     with_lora = analyze(setup(build({**over, "lora.rank": 4}), mesh))["memory"]
     assert with_lora["reference_bytes"] == 0 and with_lora["base_bytes"] == mem["params_bytes"]
+
+
+@pytest.mark.parametrize("base_dtype", ["nf4", "int8"])
+def test_dpo_on_a_quantised_lora_base(base, base_dtype, tmp_path):
+    """QLoRA's base is the DPO reference too (the adapters off): the quantised codes are passed as
+    they are, so the policy starts as the reference (log 2 per pair) and trains."""
+    over = {
+        **BASE,
+        "checkpoint.init_from": base[0],
+        "data.source": _pairs_dataset(tmp_path),
+        "lora.rank": 4,
+        "lora.alpha": 8.0,
+        "lora.base_dtype": base_dtype,
+        "lora.block_size": 32,
+        "train.steps": 3,
+        "train.seq_len": 16,
+        "checkpoint.every": 0,
+    }
+    tr = make_trainer("fsdp=2", tmp_path / "run", **over)
+    tr.fit()
+    losses = [r["loss"] for r in tr.history]
+    np.testing.assert_allclose(losses[0], np.log(2), rtol=1e-5)
+    assert all(np.isfinite(losses)) and losses[-1] != losses[0], losses

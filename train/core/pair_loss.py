@@ -35,6 +35,7 @@ from models import context, model, registry
 from models.config import ModelConfig
 from models.loss import token_xent
 from models.pipeline import with_stat_terms
+from models.quant import QuantizedWeight
 from models.transformer import default_positions
 from train.core import preference
 from train.core.batch_loss import moe_sums
@@ -139,9 +140,14 @@ def pair_terms(cfg: ModelConfig, post: PostConfig, params, batch: dict, ref=None
 
 def reference_params(cfg, frozen):
     """The reference's parameters from the step's frozen argument: a LoRA run's base (the adapters
-    off: the same arrays, in the model's param dtype), else the reference copy itself."""
+    off: the same arrays, in the model's param dtype; a QLoRA base's quantised weights as they
+    are, dequantised per layer where the layer runs), else the reference copy itself."""
     dtype = cfg.model.param_dtype
-    return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), frozen)
+
+    def cast(x):
+        return x if isinstance(x, QuantizedWeight) or x.dtype == dtype else x.astype(dtype)
+
+    return jax.tree.map(cast, frozen, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def load_reference(cfg, shardings: dict, meta: dict) -> tuple[dict, str, str]:
