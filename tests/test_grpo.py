@@ -173,7 +173,8 @@ def test_prepare_prompts_and_the_pipeline(tmp_path):
 
     with pytest.raises(
         UserError,
-        match=r"record 13: its prompt is 14 tokens, longer than --seq-len 16 - --post.max_new_tokens 8 = 8",
+        match=r"record 13: its prompt is 14 tokens, longer than --seq-len 16 -"
+        r" --post.max_new_tokens 8 = 8",
     ):
         make_prompt_pipeline(cfg.data, batch_size=4, seq_len=16, max_new=8, seed=0)
 
