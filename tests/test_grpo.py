@@ -15,6 +15,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_data_chat import model_dir  # noqa: F401  (a pytest fixture: a tiny HF chat model dir)
 
 from errors import UserError
 from train.core import grpo_loss, rewards
@@ -177,6 +178,25 @@ def test_prepare_prompts_and_the_pipeline(tmp_path):
         r" --post.max_new_tokens 8 = 8",
     ):
         make_prompt_pipeline(cfg.data, batch_size=4, seq_len=16, max_new=8, seed=0)
+
+
+def test_prepare_prompts_renders_messages_with_the_generation_prompt(tmp_path, model_dir):  # noqa: F811
+    """A chat prompt: the template's text with the assistant's turn opened, then the answer."""
+    messages = [{"role": "user", "content": "what is two plus two"}]
+    path = _prompts(tmp_path, [{"prompt": messages, "answer": "4"}] * 3)
+    out = str(tmp_path / "data")
+    prepare.prepare([path], out, str(model_dir), input_format="prompts", progress=False)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    pipe = make_prompt_pipeline(
+        build({"data.source": out}).data, batch_size=2, seq_len=64, max_new=4, seed=0
+    )
+    batch = pipe.host_rows(0, 0, 2)
+    n = int(batch["length"][0])
+    text = tok.decode(batch["prompt"][0][:n].tolist(), skip_special_tokens=False)
+    assert "what is two plus two" in text and text.rstrip().endswith("assistant"), text
+    assert tok.decode(pipe.answer_ids(int(batch["record"][0])).tolist()) == "4"
 
 
 @pytest.mark.parametrize(
