@@ -1,10 +1,10 @@
 """The grpo step on a mesh (train/core/grpo_loss.py through the real jitted step): at fixed
 rollouts (the same sampled tokens and advantages fed to both), after the warm-up, loss, gradient
-norm, KL and parameters equal the same step on one device, float32, on fsdp=2 with the KL to the
-frozen reference on; the step's objective equals numpy on the model's own logits. Then fit() on
-prepared prompts, sampling in the step: the rollout figures are logged, a resume from a checkpoint
-samples the same completions and ends where the uninterrupted run did, and a reward that raises
-stops the run in one line. Fake CPU devices."""
+norm, KL and parameters equal the same step on one device, float32, on fsdp=2 and on data=2 with
+two micro-batches, the KL to the frozen reference on; the step's objective equals numpy on the
+model's own logits. Then fit() on prepared prompts, sampling in the step: the rollout figures are
+logged, a resume from a checkpoint samples the same completions and ends where the uninterrupted
+run did, and a reward that raises stops the run in one line. Fake CPU devices."""
 
 from __future__ import annotations
 
@@ -47,16 +47,23 @@ def rollout_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> dict:
     return grpo_loss.rollout_rows(prompts, length, new, adv, seq, eos)
 
 
-def test_grpo_step_on_fsdp_matches_one_device(base, tmp_path):
+# mesh -> (prompts a step, overrides): B x G rows of rollouts
+CASES = {"fsdp=2": (2, {}), "data=2": (4, {"train.micro_batches": 2})}
+
+
+@pytest.mark.parametrize("mesh", list(CASES))
+def test_grpo_step_on_a_mesh_matches_one_device(mesh, base, tmp_path):
+    prompts, extra = CASES[mesh]
     over = {**BASE, "post.kl_beta": 0.1, "post.group_size": G, "checkpoint.init_from": base[0]}
-    over["train.batch_size"] = 2  # prompts: 2 x G = 8 rows
-    sharded = make_trainer("fsdp=2", tmp_path / "mesh", **over)
+    over.update({"train.batch_size": prompts, **extra})
+    sharded = make_trainer(mesh, tmp_path / "mesh", **over)
     single = make_trainer("", tmp_path / "one", one_device=True, **over)
     # one batch of rollouts, stepped on five times
-    batches = [rollout_batch(single.cfg.model.vocab_size, 8, 32)] * (WARMUP + COMPARED)
+    rows = prompts * G
+    batches = [rollout_batch(single.cfg.model.vocab_size, rows, 32)] * (WARMUP + COMPARED)
     want = run_pairs(single, batches, base[1], base[1])
     got = run_pairs(sharded, batches, base[1], base[1])
-    assert_runs_match(got, want, "--objective grpo on fsdp=2")
+    assert_runs_match(got, want, f"--objective grpo on {mesh}")
     kls = [float(m["post/kl"]) for m in want["metrics"]]
     assert kls[0] == 0 and kls[-1] > 0, kls  # the policy starts as the reference, then leaves it
     np.testing.assert_allclose(float(got["metrics"][-1]["post/kl"]), kls[-1], rtol=1e-4)
