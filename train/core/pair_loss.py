@@ -49,7 +49,7 @@ def check_run(cfg, mesh, loss) -> None:
     """One line for a preference run the step cannot take: on a pipeline axis (the step runs the
     model's plain forward), with a custom per-token loss (Trainer(loss=)) it would not use."""
     post = cfg.post
-    if not post.preference:
+    if post.objective == "lm":
         return
     if mesh.shape.get("pipeline", 1) > 1:
         raise UserError(
@@ -59,7 +59,7 @@ def check_run(cfg, mesh, loss) -> None:
     if loss is not None:
         raise UserError(
             f"Trainer(loss=...): a per-token loss replaces cross-entropy; --objective"
-            f" {post.objective} has its own pair loss: use --objective lm with loss="
+            f" {post.objective} has its own loss: use --objective lm with loss="
         )
 
 
@@ -73,17 +73,23 @@ def both(batch: dict) -> dict:
     return out
 
 
-def sequence_logps(cfg: ModelConfig, params, rows: dict):
-    """-> (the sum of each row's target log-probabilities under the loss mask [R], the mask's
-    token count [R], MoE stats) of rows [R, T], float32."""
+def sequence_logps_per_token(cfg: ModelConfig, params, rows: dict):
+    """-> (each target's log-probability [R, T] float32, MoE stats, the rows in the layout of the
+    log-probabilities) of rows [R, T]: a context axis's zigzag order permutes every [R, T] array
+    of the rows alike (weights, advantages), so per-row sums and means do not change."""
     n_context = context.context_size()
     registry.check_sequence_order(cfg, n_context)
-    # the zigzag order of a context axis permutes targets and weights alike: sums do not change
     rows = context.to_layout(rows, n_context, default_positions)
     logits_RTV, stats = model.forward(
         cfg, params, rows["inputs"], rows.get("positions"), rows.get("segment_ids")
     )
-    logp_RT = -token_xent(logits_RTV, rows["targets"])
+    return -token_xent(logits_RTV, rows["targets"]), stats, rows
+
+
+def sequence_logps(cfg: ModelConfig, params, rows: dict):
+    """-> (the sum of each row's target log-probabilities under the loss mask [R], the mask's
+    token count [R], MoE stats) of rows [R, T], float32."""
+    logp_RT, stats, rows = sequence_logps_per_token(cfg, params, rows)
     weights_RT = rows["weights"]
     return jnp.sum(logp_RT * weights_RT, -1), jnp.sum(weights_RT, -1), stats
 

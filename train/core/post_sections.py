@@ -1,17 +1,21 @@
 """The `post` section: the training objective (`--objective`) and the fields of the
-post-training objectives (preference optimisation, train/core/preference.py and pair_loss.py).
-Dataclasses only, so that parsing flags needs no JAX."""
+post-training objectives (preference optimisation, train/core/preference.py and pair_loss.py;
+GRPO, train/core/grpo_loss.py and train/run/rollouts.py). Dataclasses only, so that parsing flags
+needs no JAX."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from errors import UserError
 from models.fields import check_ranges, option, ranged
+from train.core import rewards
 from train.core.flags import public_flag
 
 # lm: next-token cross-entropy (pre-training, SFT); the others train on preference pairs
-OBJECTIVES = ("lm", "dpo", "ipo", "orpo", "simpo")
+# grpo: reinforcement learning on prompts with rewards (rollouts from the policy itself)
+OBJECTIVES = ("lm", "dpo", "ipo", "orpo", "simpo", "grpo")
 PREFERENCE = ("dpo", "ipo", "orpo", "simpo")
 # the objectives whose loss reads a frozen reference model (the --init-from checkpoint)
 WITH_REFERENCE = ("dpo", "ipo")
@@ -27,7 +31,9 @@ class PostConfig:
         "lm",
         f"{' | '.join(OBJECTIVES)} (flag --objective): lm = next-token cross-entropy; dpo, ipo,"
         " orpo, simpo = preference optimisation on pairs prepared with `prepare --format"
-        " preference` (docs/post-training.md); dpo and ipo need --init-from, the frozen reference",
+        " preference` (docs/post-training.md); dpo and ipo need --init-from, the frozen reference;"
+        " grpo = group-relative policy optimisation on prompts prepared with `prepare --format"
+        " prompts`, completions sampled from the policy and scored by --post.reward",
     )
     beta: float = ranged(
         0.0,
@@ -46,6 +52,34 @@ class PostConfig:
     orpo_lambda: float = ranged(
         0.1, ">=0", help="orpo: the weight lambda of the odds-ratio term next to the chosen NLL"
     )
+    group_size: int = ranged(
+        4,
+        ">=2",
+        help="grpo: G, the completions sampled per prompt",
+        why="the advantage is relative to the group: G = 1 has no group baseline",
+    )
+    max_new_tokens: int = ranged(16, ">=1", help="grpo: the tokens sampled per completion")
+    temperature: float = ranged(1.0, ">0", help="grpo: the sampling temperature of the rollouts")
+    clip: float = ranged(
+        0.2, "(0, 1)", help="grpo: epsilon of the clipped ratio, clip(ratio, 1 - eps, 1 + eps)"
+    )
+    kl_beta: float = ranged(
+        0.0,
+        ">=0",
+        help="grpo: the weight of the KL term to the reference (the k3 estimator); > 0 needs"
+        " --init-from, the frozen reference; 0 = no KL term, no reference",
+    )
+    reward: str = option(
+        "exact_match",
+        "grpo: the reward, by name (train/core/rewards.py): exact_match (the completion's final"
+        " answer equals the record's answer), format (the completion matches"
+        " --post.reward_pattern), or one registered with train.core.rewards.register",
+    )
+    reward_pattern: str = option(
+        r"(?s)<think>.*</think>\s*<answer>.*</answer>",
+        "grpo, --post.reward format: the regular expression the whole stripped completion must"
+        " match for reward 1",
+    )
     ref_fingerprint: str = option(
         "",
         "the reference model's fingerprint (dpo, ipo without LoRA); empty = recorded from the"
@@ -56,6 +90,10 @@ class PostConfig:
         check_ranges(self, lambda field: public_flag("post", field))
         if self.objective not in OBJECTIVES:
             raise UserError(f"--objective '{self.objective}': valid: {', '.join(OBJECTIVES)}")
+        try:
+            re.compile(self.reward_pattern)
+        except re.error as e:
+            raise UserError(f"--post.reward_pattern {self.reward_pattern!r}: {e}") from None
         return self
 
     @property
@@ -63,8 +101,12 @@ class PostConfig:
         return self.objective in PREFERENCE
 
     @property
+    def grpo(self) -> bool:
+        return self.objective == "grpo"
+
+    @property
     def needs_reference(self) -> bool:
-        return self.objective in WITH_REFERENCE
+        return self.objective in WITH_REFERENCE or (self.grpo and self.kl_beta > 0)
 
     def beta_or_default(self) -> float:
         return self.beta or DEFAULT_BETA.get(self.objective, 0.0)
@@ -75,14 +117,17 @@ def check_config(cfg) -> None:
     the preference step syncs every step (no DiLoCo). The mesh's (no pipeline axis: the step runs
     the model's plain forward) are train/core/pair_loss.py's check_mesh."""
     post = cfg.post
-    if not post.preference:
+    if post.objective == "lm":
         return
     if post.needs_reference and not cfg.checkpoint.init_from:
         raise UserError(
             f"--objective {post.objective} without --init-from: the reference model is the"
             " --init-from checkpoint (frozen); pass --init-from PATH (the SFT model), or use"
-            " --objective orpo or simpo, which need no reference"
+            + (" --post.kl_beta 0 (no KL term)" if post.grpo else " --objective orpo or simpo")
+            + ", which need no reference"
         )
+    if post.grpo:  # an unknown reward: one line before anything is built
+        rewards.resolve(post.reward, post.reward_pattern)
     if cfg.comm.sync_every > 1:
         raise UserError(
             f"--objective {post.objective}: not with --comm.sync_every {cfg.comm.sync_every}"

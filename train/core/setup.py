@@ -19,7 +19,7 @@ from mesh.rules import axis_rules, head_layout, logical_to_spec, make_rules, seq
 from mesh.shard import data_parallel_axes, tree_shardings
 from mesh.spec import mesh_text
 from models import context, model
-from train.core import comm, lora, memory, optim, pair_loss
+from train.core import comm, grpo_loss, lora, memory, optim, pair_loss
 from train.core import state as train_state
 from train.core.comm import SyncLayout
 from train.core.config import Config
@@ -156,8 +156,12 @@ def create_state(s: RunSetup) -> train_state.TrainState:
 
 
 def abstract_batch(s: RunSetup) -> dict:
-    """ShapeDtypeStructs of one global batch, as the loader builds it (pairs for a preference
-    objective: train/data/pairs.py)."""
+    """ShapeDtypeStructs of one global batch, as the step reads it (pairs for a preference
+    objective: train/data/pairs.py; grpo's B x G rollouts: train/core/grpo_loss.py)."""
+    t = s.cfg.train
+    if s.cfg.post.grpo:
+        rows = t.batch_size * s.cfg.post.group_size
+        return grpo_loss.abstract_rollouts(rows, t.seq_len, s.batch_sharding)
     if s.cfg.post.preference:
         return abstract_pairs(s.cfg.train.batch_size, s.cfg.train.seq_len, s.batch_sharding)
     return data_abstract_batch(
@@ -236,12 +240,13 @@ def jit_step(s: RunSetup):
 
 
 def _pair_terms(cfg: Config, frozen: tuple):
-    """The preference objective's terms for the step (None for --objective lm), its reference
-    from the step's frozen argument (train/core/pair_loss.py)."""
-    if not cfg.post.preference:
+    """The post-training objective's terms for the step (None for --objective lm), its reference
+    from the step's frozen argument (train/core/pair_loss.py, grpo_loss.py)."""
+    if cfg.post.objective == "lm":
         return None
     ref = pair_loss.reference_params(cfg, frozen[0]) if cfg.post.needs_reference else None
-    return lambda params, mb: pair_loss.pair_terms(cfg.model, cfg.post, params, mb, ref)
+    terms = grpo_loss.grpo_terms if cfg.post.grpo else pair_loss.pair_terms
+    return lambda params, mb: terms(cfg.model, cfg.post, params, mb, ref)
 
 
 def frozen_args(s: RunSetup) -> tuple:

@@ -36,12 +36,13 @@ import numpy as np
 from errors import UserError
 from train.data.formats import line_where
 
-# preference: train/data/preference_records.py
-FORMATS = ("text", "prompt_completion", "chat", "preference")
+# preference: train/data/preference_records.py; prompts: train/data/prompt_records.py
+FORMATS = ("text", "prompt_completion", "chat", "preference", "prompts")
 FIELDS = {
     "prompt_completion": ("prompt", "completion"),
     "chat": ("messages",),
     "preference": ("prompt", "chosen", "rejected"),
+    "prompts": ("prompt", "answer"),
 }
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _SHAPE = {

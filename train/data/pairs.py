@@ -87,15 +87,22 @@ class Documents:
         }
 
 
-def load_documents(directory: str, verify: bool) -> tuple[Documents, dict]:
-    """The documents of a `prepare --format preference` dataset -> (Documents, its index)."""
+def load_documents(
+    directory: str, verify: bool, input_format: str = "preference"
+) -> tuple[Documents, dict]:
+    """The documents of a `prepare --format preference` (or `input_format`: prompts, for
+    train/data/prompts.py) dataset -> (Documents, its index)."""
     where = f"--data {directory}"
     index = read_index(directory, where, REPREPARE)
-    if index.get("input_format") != "preference":
+    if index.get("input_format") != input_format:
+        wanted = {
+            "preference": "the preference objectives train on pairs: `python -m train.data prepare"
+            " FILE --format preference --out DIR` (records with prompt, chosen, rejected)",
+            "prompts": "--objective grpo samples from prompts: `python -m train.data prepare"
+            " FILE --format prompts --out DIR` (records with prompt and answer)",
+        }[input_format]
         raise UserError(
-            f"{where}: prepared with --format {index.get('input_format', 'text')}; the preference"
-            " objectives train on pairs: `python -m train.data prepare FILE --format preference"
-            " --out DIR` (records with prompt, chosen, rejected)"
+            f"{where}: prepared with --format {index.get('input_format', 'text')}; {wanted}"
         )
     dtype = np.dtype(index["dtype"])
     opened = [open_shard(directory, sh, dtype, verify) for sh in index["shards"]]
@@ -112,7 +119,7 @@ def load_documents(directory: str, verify: bool) -> tuple[Documents, dict]:
     cat = lambda xs: np.concatenate(xs).astype(np.int64)  # noqa: E731
     tokens, masks = [o[0] for o in opened], [o[3] for o in opened]
     docs = Documents(tokens, masks, cat(shard), cat(start), cat(length), cat(prompt))
-    if len(docs.start) % 2:
+    if input_format == "preference" and len(docs.start) % 2:
         raise UserError(f"{where}: {len(docs.start)} documents, not pairs; {REPREPARE}")
     return docs, index
 

@@ -8,8 +8,9 @@ Layout of DIR:
                            largest token id (`max_token`); its schema is train/data/index.py
   shard-00000.bin          tokens, raw little-endian uint16 (vocabulary <= 65536) or uint32
   shard-00000.offsets.npy  int64 [n_documents + 1]: document d is tokens[offsets[d]:offsets[d+1]]
-  shard-00000.mask.bin     (--format chat|prompt_completion|preference) uint8 per token:
-                           1 = trained on (train/data/chat.py, preference_records.py)
+  shard-00000.mask.bin     (--format chat|prompt_completion|preference|prompts) uint8 per
+                           token: 1 = trained on (train/data/chat.py, preference_records.py),
+                           for prompts the answer (train/data/prompt_records.py)
 Each document ends with the tokenizer's EOS id. Documents keep input order (files sorted inside a
 directory or glob; JSONL lines in file order), whatever the number of workers. Everything is
 written into `DIR.tmp-<random>` and renamed to DIR only on success, so a failed run leaves nothing
@@ -34,7 +35,7 @@ import numpy as np
 
 from checkpoint import storage
 from errors import ArgParser, UserError, number, one_line_errors
-from train.data import chat, formats, preference_records, tokenizers
+from train.data import chat, formats, preference_records, prompt_records, tokenizers
 from train.data.index import (
     FORMAT,
     INDEX,
@@ -86,7 +87,8 @@ def make_parser() -> argparse.ArgumentParser:
         " completion; chat: records {messages: [{role, content}, ...]} rendered with --tokenizer"
         " HF_MODEL_DIR's chat template, trained on the assistant turns; preference: records"
         " {prompt, chosen, rejected} (strings or chat message lists) for --objective"
-        " dpo|ipo|orpo|simpo, two documents each, the responses masked in",
+        " dpo|ipo|orpo|simpo, two documents each, the responses masked in; prompts: records"
+        " {prompt, answer} (answer optional) for --objective grpo",
     )
     p.add_argument(
         "--workers",
@@ -143,6 +145,9 @@ def _work(task, text_field, on_bad_utf8: str, dtype: str, input_format: str = "t
         n_bytes = sum(end - start for _, start, end in task)
     if input_format == "preference":  # two documents per record: prompt + chosen, + rejected
         tokens, lengths, mask = preference_records.encode_pairs(_TOKENIZER, docs)
+        return _checked(tokens).astype(dtype), lengths, n_bytes, [], mask
+    if input_format == "prompts":  # one document per record: prompt + answer, the answer masked
+        tokens, lengths, mask = prompt_records.encode_prompts(_TOKENIZER, docs)
         return _checked(tokens).astype(dtype), lengths, n_bytes, [], mask
     if input_format != "text":
         tokens, lengths, mask = chat.encode_records(_TOKENIZER, input_format, docs)

@@ -11,6 +11,7 @@ from train.data import make_pipeline
 from train.data.evalsets import EvalSet, open_eval_source
 from train.data.external import IterableData
 from train.data.pairs import make_pair_pipeline
+from train.data.prompts import make_prompt_pipeline
 from train.run import checkpoint_match
 
 
@@ -18,12 +19,21 @@ def open_data(s: RunSetup, data=None, eval_data=None):
     """The built-in pipeline of --data, or `data` (an iterable of batches, train/data/external.py)
     with its `eval_data`."""
     cfg, t = s.cfg, s.cfg.train
+    if cfg.post.objective != "lm" and data is not None:
+        raise UserError(
+            f"Trainer(data=...): --objective {cfg.post.objective} reads a dataset prepared with"
+            f" `prepare --format {'prompts' if cfg.post.grpo else 'preference'}` (--data DIR)"
+        )
+    if cfg.post.grpo:  # batches of prompts, completed by the rollouts (train/run/rollouts.py)
+        return make_prompt_pipeline(
+            cfg.data,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            max_new=cfg.post.max_new_tokens,
+            seed=t.seed,
+            vocab_size=cfg.model.vocab_size,
+        )
     if cfg.post.preference:  # batches of pairs (train/data/pairs.py)
-        if data is not None:
-            raise UserError(
-                f"Trainer(data=...): --objective {cfg.post.objective} reads its pairs from a"
-                " dataset prepared with `prepare --format preference` (--data DIR)"
-            )
         return make_pair_pipeline(
             cfg.data,
             batch_size=t.batch_size,

@@ -36,6 +36,7 @@ from train.run.inputs import open_data, open_eval_sets
 from train.run.metrics import summary
 from train.run.named_runs import start_named_run, withdraw_named_run
 from train.run.resilience import StopSignals
+from train.run.rollouts import Rollouts
 from train.run.run import Run, open_run
 from train.run.rundir import claim
 from train.run.startup import (
@@ -170,6 +171,8 @@ class Trainer:
         self.goodput.add("compile", compile_s)
         set_doing("initialising or restoring the state")
         state, meta, step_fn, note = self._initial_state(point, step_fn)
+        if cfg.post.grpo:  # the step's batch: the prompts' completions sampled by this policy
+            step_fn = Rollouts(self.setup, step_fn, self.model_params, data)
         if isinstance(data, IterableData):  # a user iterable resumes from the saved position
             data.seek(int(state.step), meta.get("data", {}).get("loader"))
         else:  # the built-in pipeline's batches are a function of the step

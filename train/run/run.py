@@ -94,8 +94,10 @@ class Run:
             on_log=on_log,
             saves=saves,
             stats=StepStats(
-                # a preference step's rows are pairs: two sequences each
-                t.batch_size * t.seq_len * (2 if cfg.post.preference else 1),
+                # a preference step's rows are pairs: two sequences each; grpo's G per prompt
+                t.batch_size
+                * t.seq_len
+                * (2 if cfg.post.preference else cfg.post.group_size if cfg.post.grpo else 1),
                 # a reference's forward adds a third of a trained token's FLOPs
                 flops_per_token(cfg.model, t.seq_len) * (4 / 3 if cfg.post.needs_reference else 1),
                 peak,

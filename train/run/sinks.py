@@ -243,6 +243,11 @@ def step_line(record: dict) -> str:
     ]
     if "post/margin" in record:  # a preference objective's (train/core/pair_loss.py)
         parts += [f"margin {record['post/margin']:.3f}", f"acc {record['post/accuracy']:.2f}"]
+    if "grpo/reward_mean" in record:  # grpo's (train/run/rollouts.py)
+        parts += [
+            f"reward {record['grpo/reward_mean']:.3f}",
+            f"rollout {100 * record['grpo/rollout_share']:.0f}%",
+        ]
     parts += [
         f"{record['tokens_per_sec']:,.0f} tok/s",
         f"mfu {100 * record['mfu']:.1f}%",

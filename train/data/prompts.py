@@ -1,0 +1,159 @@
+"""Batches of prompts for --objective grpo: a dataset prepared with `prepare --format prompts`
+(one document per record: prompt, answer, EOS, the mask on the answer: train/data/
+prompt_records.py), read as the step-indexed pipelines read theirs: batch `step` is a pure function
+of (seed, step), every record once per epoch in a new keyed order, resumable at any step on any
+mesh.
+
+A batch of B prompts stays on the host: the rollout (train/run/rollouts.py) samples G completions
+of each from the current parameters and builds the step's batch from them, so the pipeline's part
+is `record` [B] (the record indices), `prompt` [B, P] (the prompts' tokens right-padded with EOS,
+P the longest prompt of the dataset) and `length` [B]; the answers' and prompts' texts are read by
+record (`answer`, `prompt_text`). Every record is trained on (no held-out split: the rollouts'
+rewards are the run's measure). A prompt longer than --seq-len - --post.max_new_tokens is refused
+when the pipeline opens, naming its record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from checkpoint import storage
+from errors import UserError
+from train.data.index import INDEX
+from train.data.order import permute, round_keys
+from train.data.pairs import PairSource, load_documents
+from train.data.pipeline import Pipeline
+
+
+class PromptPipeline(Pipeline):
+    """The built-in pipeline's interface (`next`, `seek`, `state`, ...) over the prompts of one
+    prepared dataset; its batches are host arrays."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        batch_size: int,
+        seq_len: int,
+        max_new: int,
+        seed: int,
+        verify: bool = True,
+        start_step: int = 0,
+        prefetch: int = 2,
+        vocab_size: int | None = None,
+    ):
+        self.docs, index = load_documents(directory, verify, "prompts")
+        self.B, self.T, self.seed, self.max_new = batch_size, seq_len, seed, max_new
+        self.sharding, self.start_step, self.prefetch = None, start_step, prefetch
+        self.packing, self.packing_mask = False, False
+        self.eos = index["eos_id"]
+        max_token = max(sh.get("max_token", 0) for sh in index["shards"])
+        if vocab_size is not None and max(index["vocab_size"], max_token + 1) > vocab_size:
+            raise UserError(
+                f"data '{directory}' needs vocab_size >= {max(index['vocab_size'], max_token + 1)}"
+                f" but model.vocab_size={vocab_size}; raise --model.vocab_size"
+            )
+        fingerprint = hashlib.sha256(
+            json.dumps([s["sha256"] for s in index["shards"]]).encode()
+        ).hexdigest()[:16]
+        self.sources = [PairSource(directory, index["tokenizer"], fingerprint)]
+        self.n = len(self.docs.start)
+        if not self.n:
+            raise UserError(f"--data {directory}: holds no prompt")
+        self._check_prompts(directory)
+        self.P = int(self.docs.prompt.max())
+        self._ahead = None
+        self._evals: dict[int, list] = {}
+
+    def _check_prompts(self, directory: str) -> None:
+        """Every prompt leaves --post.max_new_tokens within --seq-len."""
+        room = self.T - self.max_new
+        too_long = np.flatnonzero((self.docs.prompt > room) | (self.docs.prompt < 1))
+        if len(too_long):
+            d = int(too_long[0])
+            raise UserError(
+                f"--data {directory}: record {d + 1}: its prompt is {int(self.docs.prompt[d])}"
+                f" tokens, longer than --seq-len {self.T} - --post.max_new_tokens {self.max_new}"
+                f" = {room} ({len(too_long)} records like it); raise --seq-len, lower"
+                " --post.max_new_tokens or drop those records"
+            )
+
+    def tokens(self, d: int) -> np.ndarray:
+        s, a = int(self.docs.shard[d]), int(self.docs.start[d])
+        return np.asarray(self.docs.tokens[s][a : a + int(self.docs.length[d])], np.int64)
+
+    def answer_ids(self, d: int) -> np.ndarray:
+        """Record d's answer tokens (between the prompt and the EOS)."""
+        return self.tokens(d)[int(self.docs.prompt[d]) : -1]
+
+    def host_rows(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
+        epoch, offset = np.divmod(np.arange(step * self.B + lo, step * self.B + hi), self.n)
+        picked = np.empty_like(offset)
+        for e in np.unique(epoch):  # a batch may straddle an epoch boundary
+            picked[epoch == e] = permute(
+                offset[epoch == e], self.n, round_keys(self.seed, 0, int(e))
+            )
+        prompt = np.full((len(picked), self.P), self.eos, np.int32)
+        for i, d in enumerate(picked):
+            n = int(self.docs.prompt[d])
+            prompt[i, :n] = self.tokens(d)[:n]
+        return {"record": picked, "prompt": prompt, "length": self.docs.prompt[picked]}
+
+    def device_batch(self, step: int) -> dict:
+        return self.host_rows(step, 0, self.B)  # the rollout places what it builds
+
+    def eval_batches(self, n: int) -> list[dict]:
+        return []
+
+    @property
+    def name(self) -> str:
+        return self.sources[0].name
+
+    def describe(self) -> str:
+        return (
+            f"data {self.name}: {self.n} prompts (at most {self.P} tokens), {self.B} a step, each"
+            f" completed {self.max_new} tokens within rows of {self.T}"
+        )
+
+    def state(self, step: int) -> dict:
+        return {
+            "next_step": step,
+            "seed": self.seed,
+            "batch_size": self.B,
+            "seq_len": self.T,
+            "prompts": self.n,
+            "fingerprint": self.sources[0].fingerprint,
+            "epoch": step * self.B // self.n,
+            "offset": step * self.B % self.n,
+        }
+
+    def check_state(self, saved: dict) -> list[str]:
+        now = self.state(int(saved.get("next_step", 0)))
+        return [f"data {k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k]]
+
+
+def make_prompt_pipeline(data_cfg, *, batch_size, seq_len, max_new, seed, vocab_size=None):
+    """The pipeline of prompts for a DataConfig whose source is one prepared prompts dataset."""
+    source = data_cfg.source
+    if (
+        source in ("default", "synthetic")
+        or "," in source
+        or not storage.isfile(storage.join(source, INDEX))
+    ):
+        raise UserError(
+            f"--data {source}: --objective grpo samples from one dataset of prompts prepared with"
+            " `python -m train.data prepare FILE --format prompts --out DIR`; pass --data DIR"
+        )
+    return PromptPipeline(
+        source,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        max_new=max_new,
+        seed=seed,
+        verify=data_cfg.verify,
+        prefetch=data_cfg.prefetch,
+        vocab_size=vocab_size,
+    )
