@@ -40,7 +40,7 @@ def _memory_lines(r: dict) -> list[str]:
         if k == "gradient_bytes" and m.get("reference_bytes"):
             lines.append(
                 f"  {'reference':<12}{_mib(m['reference_bytes'])} (the frozen reference model of"
-                " --objective dpo|ipo)"
+                " --objective dpo|ipo, or grpo with --post.kl_beta)"
             )
     return lines
 
