@@ -9,6 +9,7 @@ run did, and a reward that raises stops the run in one line. Fake CPU devices.""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax
@@ -176,3 +177,31 @@ def test_a_reward_that_raises_stops_the_run_in_one_line(tmp_path):
     tr = make_trainer("", tmp_path / "run", one_device=True, **over)
     with pytest.raises(UserError, match=r"--post.reward broken_test: raised KeyError.* on record"):
         tr.fit()
+
+
+def test_grpo_on_a_quantised_lora_base_samples_and_trains(base, tmp_path):
+    """GRPO with QLoRA: the sampler and the step read the nf4 base with the adapters, the KL's
+    reference is the base with the adapters off; the run logs finite rewards, KL and losses."""
+    over = {
+        **BASE,
+        "checkpoint.init_from": base[0],
+        "data.source": _prompts_dataset(tmp_path),
+        "lora.rank": 4,
+        "lora.alpha": 8.0,
+        "lora.base_dtype": "nf4",
+        "lora.block_size": 32,
+        "post.group_size": G,
+        "post.max_new_tokens": 3,
+        "post.kl_beta": 0.05,
+        "post.reward": "format",
+        "post.reward_pattern": r"(?s).*[0-9a-z].*",
+        "train.batch_size": 4,
+        "train.steps": 3,
+        "train.seq_len": 12,
+        "checkpoint.every": 0,
+    }
+    tr = make_trainer("fsdp=2", tmp_path / "run", **over)
+    tr.fit()
+    assert tr.history and tr.history[-1]["step"] == 3
+    for r in tr.history:
+        assert all(math.isfinite(r[k]) for k in ("loss", "grpo/reward_mean", "post/kl")), r
