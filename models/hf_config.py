@@ -138,7 +138,7 @@ def config_from_hf(
     """An HF config dict -> (model_type, ModelConfig). Anything Brigade would compute differently
     is refused with one line naming the key. A multimodal config is refused first: its language
     model's keys (vocab_size ...) are in its text_config, so the key checks would name those."""
-    mtype = hf.get("model_type")
+    mtype = hf.get("model_type") if isinstance(hf, dict) else None
     if isinstance(mtype, str) and mtype in _TOWERS:
         key, text = _TOWERS[mtype]
         raise UserError(
