@@ -45,6 +45,25 @@ FIELDS = {
     "prompts": ("prompt", "answer"),
 }
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def record_messages(value, name: str, where: str, bad) -> list[dict]:
+    """A record's field `name` as a chat message list, checked: a non-empty list of messages each
+    with a string 'content' and a role of ROLES (None-valued keys dropped). `bad(where, problem)`
+    makes the refusal (each record format names its own shape)."""
+    if not isinstance(value, list) or not value:
+        raise bad(where, f"field '{name}' is {type(value).__name__}, not a string or messages")
+    out = []
+    for i, m in enumerate(value):
+        m = {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise bad(where, f"{name}[{i}] has no string 'content'")
+        if m.get("role") not in ROLES:
+            raise bad(where, f"{name}[{i}].role is {m.get('role')!r}; valid: {ROLES}")
+        out.append(m)
+    return out
+
+
 _SHAPE = {
     "prompt_completion": '{"prompt": "...", "completion": "..."}',
     "chat": '{"messages": [{"role": "user", "content": "..."},'

@@ -58,6 +58,21 @@ class PairSource:
     fingerprint: str
 
 
+def checked_source(directory: str, index: dict, vocab_size: int | None) -> PairSource:
+    """The source record of a prepared dataset of pairs or prompts, after one line if its tokens
+    need a larger vocabulary than the model's; its fingerprint hashes the shards' hashes."""
+    max_token = max(sh.get("max_token", 0) for sh in index["shards"])
+    if vocab_size is not None and max(index["vocab_size"], max_token + 1) > vocab_size:
+        raise UserError(
+            f"data '{directory}' needs vocab_size >= {max(index['vocab_size'], max_token + 1)}"
+            f" but model.vocab_size={vocab_size}; raise --model.vocab_size"
+        )
+    fingerprint = hashlib.sha256(
+        json.dumps([s["sha256"] for s in index["shards"]]).encode()
+    ).hexdigest()[:16]
+    return PairSource(directory, index["tokenizer"], fingerprint)
+
+
 @dataclasses.dataclass
 class Documents:
     """Every document of a prepared dataset, in order: shard, first token, length, and where its
@@ -147,16 +162,7 @@ class PairPipeline(Pipeline):
         self.sharding, self.start_step, self.prefetch = batch_sharding, start_step, prefetch
         self.packing, self.packing_mask = False, False
         self.eos = index["eos_id"]
-        max_token = max(sh.get("max_token", 0) for sh in index["shards"])
-        if vocab_size is not None and max(index["vocab_size"], max_token + 1) > vocab_size:
-            raise UserError(
-                f"data '{directory}' needs vocab_size >= {max(index['vocab_size'], max_token + 1)}"
-                f" but model.vocab_size={vocab_size}; raise --model.vocab_size"
-            )
-        fingerprint = hashlib.sha256(
-            json.dumps([s["sha256"] for s in index["shards"]]).encode()
-        ).hexdigest()[:16]
-        self.sources = [PairSource(directory, index["tokenizer"], fingerprint)]
+        self.sources = [checked_source(directory, index, vocab_size)]
         n_pairs = len(self.docs.start) // 2
         held = is_eval_doc(np.arange(n_pairs), eval_fraction)
         self.train_pairs, self.eval_pairs = np.flatnonzero(~held), np.flatnonzero(held)

@@ -40,17 +40,7 @@ def _messages(value, role: str, name: str, where: str) -> list[dict]:
     """A field as a message list: a string becomes one message of `role`."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if not isinstance(value, list) or not value:
-        raise _bad(where, f"field '{name}' is {type(value).__name__}, not a string or messages")
-    out = []
-    for i, m in enumerate(value):
-        m = {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise _bad(where, f"{name}[{i}] has no string 'content'")
-        if m.get("role") not in chat.ROLES:
-            raise _bad(where, f"{name}[{i}].role is {m.get('role')!r}; valid: {chat.ROLES}")
-        out.append(m)
-    return out
+    return chat.record_messages(value, name, where, _bad)
 
 
 def check_record(record: dict, where: str) -> dict:

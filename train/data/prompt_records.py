@@ -38,16 +38,7 @@ def _prompt_tokens(tok, prompt, where: str) -> np.ndarray:
         if not prompt:
             raise _bad(where, "'prompt' is empty")
         return tok.encode([prompt])[0]
-    if not isinstance(prompt, list) or not prompt:
-        raise _bad(where, f"field 'prompt' is {type(prompt).__name__}, not a string or messages")
-    messages = []
-    for i, m in enumerate(prompt):
-        m = {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise _bad(where, f"prompt[{i}] has no string 'content'")
-        if m.get("role") not in chat.ROLES:
-            raise _bad(where, f"prompt[{i}].role is {m.get('role')!r}; valid: {chat.ROLES}")
-        messages.append(m)
+    messages = chat.record_messages(prompt, "prompt", where, _bad)
     if not tok.chat_template:
         raise _bad(
             where,

@@ -15,16 +15,13 @@ when the pipeline opens, naming its record.
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import numpy as np
 
 from checkpoint import storage
 from errors import UserError
 from train.data.index import INDEX
 from train.data.order import permute, round_keys
-from train.data.pairs import PairSource, load_documents
+from train.data.pairs import checked_source, load_documents
 from train.data.pipeline import Pipeline
 
 
@@ -50,16 +47,7 @@ class PromptPipeline(Pipeline):
         self.sharding, self.start_step, self.prefetch = None, start_step, prefetch
         self.packing, self.packing_mask = False, False
         self.eos = index["eos_id"]
-        max_token = max(sh.get("max_token", 0) for sh in index["shards"])
-        if vocab_size is not None and max(index["vocab_size"], max_token + 1) > vocab_size:
-            raise UserError(
-                f"data '{directory}' needs vocab_size >= {max(index['vocab_size'], max_token + 1)}"
-                f" but model.vocab_size={vocab_size}; raise --model.vocab_size"
-            )
-        fingerprint = hashlib.sha256(
-            json.dumps([s["sha256"] for s in index["shards"]]).encode()
-        ).hexdigest()[:16]
-        self.sources = [PairSource(directory, index["tokenizer"], fingerprint)]
+        self.sources = [checked_source(directory, index, vocab_size)]
         self.n = len(self.docs.start)
         if not self.n:
             raise UserError(f"--data {directory}: holds no prompt")
