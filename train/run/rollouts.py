@@ -139,9 +139,9 @@ class Rollouts:
             if failed:
                 raise failed
             return mine[:n].reshape(-1, group)
-        gathered = np.asarray(
-            multihost_utils.process_allgather(np.append(mine, failed is not None))
-        )
+        # the float64 rewards as int32 words: a gather in float32 would round them
+        words = np.append(mine.view(np.int32), np.int32(failed is not None))
+        gathered = np.asarray(multihost_utils.process_allgather(words), np.int32)  # [procs, ...]
         if failed:
             raise failed
         if gathered[:, -1].any():
@@ -149,7 +149,8 @@ class Rollouts:
             raise UserError(
                 f"--post.reward {post.reward}: failed on process {k} (its line says why)"
             )
-        return gathered[:, :-1].reshape(-1)[:n].reshape(-1, group)
+        rewards_R = np.ascontiguousarray(gathered[:, :-1]).view(np.float64).reshape(-1)
+        return rewards_R[:n].reshape(-1, group)
 
     def _place(self, rows: dict) -> dict:
         """Host rows, the same on every process -> global arrays sharded like the batch, each
