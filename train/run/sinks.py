@@ -244,7 +244,7 @@ def step_line(record: dict) -> str:
         and k.count("/") == 2
         and isinstance(v, float)
     ]
-    if any(k.startswith("eval") for k in record):
+    if "eval_loss" in record or sets or any(k in record for k, _ in OBJECTIVE_EVALS):
         parts = [f"step {record['step']}"]
         if "eval_loss" in record:
             parts += [f"eval loss {record['eval_loss']:.3f}", f"ppl {record['eval_ppl']:.2f}"]
