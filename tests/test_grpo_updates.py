@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -187,6 +188,34 @@ def test_fit_two_updates_a_rollout_logs_evals_and_resumes_exactly(tmp_path):
         rtol=0,
         atol_frac=0,
     )
+
+
+def test_a_stop_signal_mid_rollout_finishes_the_rollout_first(tmp_path):
+    """SIGTERM arriving after step 2 of a run at N = 2: step 3 starts a rollout, so the run stops
+    after step 4, its last update, and saves there (a checkpoint never holds half a rollout)."""
+
+    def on_log(record):
+        if record.get("step") == 2 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    over = {
+        **BASE,
+        "data.source": _prompts_dataset(tmp_path),
+        "post.group_size": G,
+        "post.max_new_tokens": 2,
+        "post.updates_per_rollout": 2,
+        "train.batch_size": 2,
+        "train.steps": 8,
+        "train.seq_len": 12,
+        "logging.log_every": 1,
+        "checkpoint.every": 0,
+        "checkpoint.async": False,
+    }
+    tr = make_trainer("", tmp_path / "run", one_device=True, **over)
+    tr.on_log = on_log
+    out = tr.fit()
+    assert out["stopped_by"] == "SIGTERM" and out["steps"] == 4, out
+    assert out["checkpoint"].endswith(os.path.join("checkpoints", "4")), out
 
 
 def test_the_prompt_pipeline_serves_one_batch_a_rollout(tmp_path):
