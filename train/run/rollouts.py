@@ -70,9 +70,9 @@ class Rollouts:
         self.prefill = int(data.docs.prompt.min())
         self.width = data.P + post.max_new_tokens
         self._texts: dict[int, tuple[str, str]] = {}
-        # several updates per rollout: (its first step, its batch, its figures) and pi_old's
+        # several updates per rollout: the current rollout's (batch, figures), and pi_old's
         # log-probabilities, computed once per rollout on the batch's sharding
-        self._rollout: tuple[int, dict, dict] | None = None
+        self._rollout: tuple[dict, dict] | None = None
         self._old_logps = jax.jit(
             functools.partial(grpo_loss.token_logps, s.model_cfg, s.cfg.train.micro_batches),
             out_shardings=s.batch_sharding,
@@ -197,8 +197,8 @@ class Rollouts:
         # a rollout starts at each multiple of N (or where a run starts off one: a fresh one)
         fresh = self._rollout is None or step % n == 0
         if fresh:
-            self._rollout = (step, *self.rollout(state, prompts, step))
-        _, batch, figures = self._rollout
+            self._rollout = self.rollout(state, prompts, step)
+        batch, figures = self._rollout
         t1 = time.perf_counter()
         state, metrics = self.step_fn(state, batch)
         jax.block_until_ready(metrics["loss"])  # the next rollout waits for this update anyway
