@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -25,10 +26,12 @@ from test_preference_meshes import run_pairs
 from errors import UserError
 from mesh.rules import axis_rules
 from models import model
-from train.core import grpo_loss
+from train.core import grpo_loss, rewards
 from train.core.config import build
 from train.core.step import grads_loss_stats
 from train.data.prompts import make_prompt_pipeline
+from train.run import rollouts
+from train.run.rollouts import Rollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIP = 0.2
@@ -263,3 +266,46 @@ def test_cli_refuses_zero_updates_in_one_line(tmp_path):
     )
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "updates_per_rollout" in out.stderr
+
+
+def _scorer(reward: str):
+    """A Rollouts holding only what `scores` reads: completions of letters, rewards by name."""
+    r = object.__new__(Rollouts)
+    cfg = build({"post.objective": "grpo", "post.reward": reward})
+    r.s, r.reward = SimpleNamespace(cfg=cfg), rewards.resolve(reward, "")
+    r.data, r._texts = SimpleNamespace(eos=9, name="d"), {0: ("p", "a"), 1: ("p", "b")}
+    r.tokenizer = SimpleNamespace(decode=lambda t: "".join(chr(97 + int(x)) for x in t))
+    return r
+
+
+def test_scores_split_over_processes_and_gathered_exactly(monkeypatch):
+    """Two processes simulated (the gather stubbed): each scores its contiguous share and the
+    rewards assembled from both shares' int32 words equal one process's float64 rewards exactly;
+    a reward that fails in the other process's share stops this one too, naming that process.
+    (tests/test_grpo_processes.py runs the real gather.)"""
+    rewards.register("thirds_test", lambda c, *, answer, prompt: len(c) / 3)
+    rewards.register("fails_on_d_test", lambda c, *, answer, prompt: {"d": None}.get(c[:1], 1.0))
+    new_RN = np.array([[1, 2, 9], [1, 9, 9], [4, 5, 6], [3, 9, 9], [2, 2, 2]])
+    records_B = np.array([0, 1, 0, 1, 0])
+    r = _scorer("thirds_test")
+    want = r.scores(records_B, new_RN, group=1)  # one process
+    np.testing.assert_array_equal(want.reshape(-1), [2 / 3, 1 / 3, 1, 1 / 3, 1])
+    sent = {}
+
+    def as_process(i, gather):
+        monkeypatch.setattr(rollouts.jax, "process_count", lambda: 2)
+        monkeypatch.setattr(rollouts.jax, "process_index", lambda: i)
+        monkeypatch.setattr(rollouts.multihost_utils, "process_allgather", gather)
+
+    as_process(1, lambda words: sent.setdefault(1, words)[None].repeat(2, 0))
+    r.scores(records_B, new_RN, group=1)
+    as_process(0, lambda words: np.stack([words, sent[1]]))
+    np.testing.assert_array_equal(r.scores(records_B, new_RN, group=1), want)
+
+    bad = _scorer("fails_on_d_test")  # row 3 ("d...") is process 1's
+    as_process(1, lambda words: sent.update({1: words}) or np.stack([words, words]))
+    with pytest.raises(UserError, match="fails_on_d_test: returned"):
+        bad.scores(records_B, new_RN, group=1)
+    as_process(0, lambda words: np.stack([words, sent[1]]))
+    with pytest.raises(UserError, match="--post.reward fails_on_d_test: failed on process 1"):
+        bad.scores(records_B, new_RN, group=1)
