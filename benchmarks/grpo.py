@@ -3,12 +3,15 @@ noisy data (every other answer off by one), then GRPO with the exact_match rewar
 prompts "a+b=" raises its mean reward. The commands are the ones a user types
 (docs/post-training.md); this script runs them in a work directory and reports:
 
-  - the mean reward per window of --window steps (each step's over B x G sampled completions),
-  - the rollout figures (tokens/s, the rollout's share of the step),
+  - for each --post.updates_per_rollout N of --updates (1; e.g. 1,2 to compare), the mean
+    reward per window of --window steps (each step's over B x G sampled completions), the
+    held-out reward (greedy completions of the --eval-fraction held-out prompts, every
+    --eval-every steps), the rollout figures and the clip fraction of the reused rollouts,
   - the greedy answers right out of 100, before GRPO and after,
-  - with --png PATH, the reward curve as a PNG (matplotlib, if installed).
+  - with --png PATH, the reward curves as a PNG (matplotlib, if installed).
 
-    python benchmarks/grpo.py [--dir /tmp/brigade-grpo] [--steps 200] [--lr 1e-3] [--png FILE]
+    python benchmarks/grpo.py [--dir /tmp/brigade-grpo] [--steps 200] [--lr 1e-3]
+        [--updates 1,2] [--png FILE]
 """
 
 from __future__ import annotations
@@ -61,12 +64,67 @@ def greedy_right(run_dir: str) -> int:
     return sum(bytes(c).decode(errors="replace") == str(a + b) for c, (a, b) in zip(cut, pairs))
 
 
+def grpo_run(work: str, args, n: int) -> dict:
+    """GRPO from runs/sft at N updates per rollout -> its logged figures."""
+    common = ("-m", "train", "--model", "tiny", "--seq-len", "16")
+    grpo = ("--objective", "grpo", "--init-from", "runs/sft", "--data", "data/prompts")
+    sampling = ("--batch-size", "8", "--post.group_size", "8", "--post.max_new_tokens", "3")
+    held_out = ("--data.eval_fraction", args.eval_fraction, "--eval-every", str(args.eval_every))
+    name = f"runs/grpo_n{n}"
+    updates = ("--post.updates_per_rollout", str(n), "--steps", str(args.steps), "--lr", args.lr)
+    run(work, *common, *grpo, *sampling, *held_out, *updates, "--log-every", "1", "--run-dir", name)
+    records = [json.loads(x) for x in open(f"{work}/{name}/metrics.jsonl")]
+    steps = [r for r in records if "grpo/reward_mean" in r]
+    evals = [r for r in records if "eval/reward_mean" in r]
+    summary = json.load(open(f"{work}/{name}/summary.json"))
+    rewards = [r["grpo/reward_mean"] for r in steps]
+    w = args.window
+    curve = [sum(rewards[i : i + w]) / len(rewards[i : i + w]) for i in range(0, len(rewards), w)]
+    print(f"N={n}: mean reward per {w} steps:", " ".join(f"{x:.3f}" for x in curve))
+    print(f"N={n}: held-out greedy reward at steps", " ".join(
+        f"{r['step']}:{r['eval/reward_mean']:.3f}" for r in evals))  # fmt: skip
+    late = [r for r in steps[len(steps) // 2 :] if r["grpo/rollout_tokens"]]  # past the compile
+    tps = sorted(r["grpo/rollout_tokens_per_sec"] for r in late)[len(late) // 2]
+    clip = [r["grpo/clip_fraction"] for r in steps if not r["grpo/rollout_tokens"]]
+    clip_mean = sum(clip) / max(len(clip), 1)
+    print(f"N={n}: rollout {tps:,.0f} tokens/s (median), {len(late)} rollouts in the second"
+          f" half; clip fraction on reused rollouts {clip_mean:.3f} (mean)")  # fmt: skip
+    print(f"N={n}: greedy right {greedy_right(f'{work}/{name}')} / 100; run"
+          f" {summary.get('wall_s', float('nan')):.1f} s")  # fmt: skip
+    return {"rewards": rewards, "curve": curve, "evals": evals}
+
+
+def plot(path: str, runs: dict, w: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for n, r in runs.items():
+        (line,) = left.plot([w * i + w / 2 for i in range(len(r["curve"]))], r["curve"], "o-")
+        line.set_label(f"updates_per_rollout {n}")
+        left.plot(range(1, len(r["rewards"]) + 1), r["rewards"], lw=0.4, alpha=0.3,
+                  color=line.get_color())  # fmt: skip
+        right.plot([e["step"] for e in r["evals"]], [e["eval/reward_mean"] for e in r["evals"]],
+                   "o-", color=line.get_color(), label=f"updates_per_rollout {n}")  # fmt: skip
+    left.set(xlabel="optimizer step", ylabel="sampled exact_match reward", ylim=(0, 1))
+    right.set(xlabel="optimizer step", ylabel="held-out greedy reward", ylim=(0, 1))
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print("wrote", path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/brigade-grpo")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", default="1e-3")
     p.add_argument("--window", type=int, default=20)
+    p.add_argument("--updates", default="1", help="--post.updates_per_rollout values, e.g. 1,2")
+    p.add_argument("--eval-fraction", default="0.2", help="held-out share of the prompts")
+    p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--png", default="")
     args = p.parse_args()
     work = args.dir
@@ -78,36 +136,10 @@ def main() -> None:
     shutil.rmtree(f"{work}/runs", ignore_errors=True)  # fresh runs, not resumed ones
     common = ("-m", "train", "--model", "tiny", "--seq-len", "16")
     run(work, *common, "--data", "data/sft", "--steps", "200", "--run-dir", "runs/sft")
-    grpo = ("--objective", "grpo", "--init-from", "runs/sft", "--data", "data/prompts")
-    sampling = ("--batch-size", "8", "--post.group_size", "8", "--post.max_new_tokens", "3")
-    run(work, *common, *grpo, *sampling, "--steps", str(args.steps), "--lr", args.lr,
-        "--log-every", "1", "--run-dir", "runs/grpo")  # fmt: skip
-    records = [json.loads(x) for x in open(f"{work}/runs/grpo/metrics.jsonl")]
-    steps = [r for r in records if "grpo/reward_mean" in r]
-    rewards = [r["grpo/reward_mean"] for r in steps]
-    w = args.window
-    curve = [sum(rewards[i : i + w]) / len(rewards[i : i + w]) for i in range(0, len(rewards), w)]
-    print(f"mean reward per {w} steps:", " ".join(f"{x:.3f}" for x in curve))
-    late = steps[len(steps) // 2 :]  # past the first steps' compile
-    tps = sorted(r["grpo/rollout_tokens_per_sec"] for r in late)[len(late) // 2]
-    share = sorted(r["grpo/rollout_share"] for r in late)[len(late) // 2]
-    print(f"rollout: {tps:,.0f} tokens/s, {100 * share:.0f}% of the step (medians)")
-    print(f"greedy right: SFT {greedy_right(f'{work}/runs/sft')} / 100,"
-          f" GRPO {greedy_right(f'{work}/runs/grpo')} / 100")  # fmt: skip
+    print(f"greedy right: SFT {greedy_right(f'{work}/runs/sft')} / 100")
+    runs = {int(n): grpo_run(work, args, int(n)) for n in args.updates.split(",")}
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(range(1, len(rewards) + 1), rewards, lw=0.6, alpha=0.5, label="per step")
-        ax.plot([w * i + w / 2 for i in range(len(curve))], curve, "o-", label=f"mean of {w}")
-        ax.set(xlabel="GRPO step", ylabel="mean exact_match reward", ylim=(0, 1))
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=100)
-        print("wrote", args.png)
+        plot(args.png, runs, args.window)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def test_prepare_strings_two_documents_a_record_masked_on_the_response(tmp_path)
         assert bytes(rows[REJECTED + "targets"][i][rj[:-1]].tolist()).decode() != str(a + b)
     again = make_pair_pipeline(_data(out), batch_size=4, seq_len=12, seed=0).global_batch(0)
     assert all(np.array_equal(rows[k], again[k]) for k in rows)  # a function of the step
-    # the eval batches are held-out pairs' chosen sequences, never a training pair's
+    # the eval batches are held-out pairs (whole), never a training pair
     held = {tuple(r.tolist()) for r in pipe.eval_rows(0)["inputs"]}
     seen = {tuple(r.tolist()) for s in range(40) for r in pipe.global_batch(s)["inputs"]}
     assert held and not held & seen

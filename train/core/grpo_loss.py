@@ -9,9 +9,13 @@ the prompt followed by its completion from its start, right-padded: `inputs`, `t
 the padding) and `advantages` [R, T] (the row's advantage on every position: an [R, T] array splits
 into micro-batches and over data-parallel replicas as the tokens do).
 
-The sampling policy is the parameters before the step (one update per rollout), so its
-log-probabilities are the policy's own, held constant: old = stop_gradient(logp), no second
-forward; the loss is written for any old log-probabilities (`token_objective`).
+The sampling policy pi_old. With one update per rollout (--post.updates_per_rollout 1) it is the
+parameters before the step, so its log-probabilities are the policy's own, held constant:
+old = stop_gradient(logp), no second forward, and the ratio is 1. With N > 1 updates per rollout
+(the paper's mu, TRL's num_iterations) the rollout's log-probabilities under the sampling policy
+are computed once after sampling (`token_logps`, one forward without a gradient) and travel with
+the batch as `old_logp` [R, T]; from the second update on the ratio differs from 1 and the clip
+binds. `post/clip_fraction` and `post/ratio_mean` log how much.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import context
 from models.config import ModelConfig
 from models.pipeline import with_stat_terms
 from train.core.batch_loss import moe_sums
@@ -76,8 +81,10 @@ def grpo_terms(cfg: ModelConfig, post: PostConfig, params, batch: dict, ref=None
         ref_RT, params = jax.lax.optimization_barrier((ref_RT, params))
     logp_RT, stats, rows = sequence_logps_per_token(cfg, params, batch)
     weights_RT = rows["weights"]
-    # the sampling policy is the parameters before this step: its log-probabilities, constant
-    old_RT = jax.lax.stop_gradient(logp_RT)
+    if "old_logp" in rows:  # several updates per rollout: the sampling policy's, computed once
+        old_RT = rows["old_logp"]
+    else:  # the sampling policy is the parameters before this step: its own, held constant
+        old_RT = jax.lax.stop_gradient(logp_RT)
     adv_R = rows["advantages"][:, 0]
     loss_RT, kl_RT = token_objective(
         logp_RT, old_RT, ref_RT, adv_R, clip=post.clip, kl_beta=post.kl_beta
@@ -86,14 +93,57 @@ def grpo_terms(cfg: ModelConfig, post: PostConfig, params, batch: dict, ref=None
     n = jnp.float32(loss_R.shape[0])
     loss_sum = jnp.sum(loss_R)
     weights = {"aux": n * cfg.aux_loss_coef, "z": n * cfg.z_loss_coef} if cfg.n_experts else {}
-    sums = {**moe_sums(stats, n), "post/kl": jnp.sum(sequence_means(kl_RT, weights_RT))}
+    ratio_RT, clipped_RT = clip_stats(logp_RT, old_RT, adv_R, post.clip)
+    sums = {
+        **moe_sums(stats, n),
+        "post/kl": jnp.sum(sequence_means(kl_RT, weights_RT)),
+        "post/clip_fraction": jnp.sum(sequence_means(clipped_RT, weights_RT)),
+        "post/ratio_mean": jnp.sum(sequence_means(ratio_RT, weights_RT)),
+    }
     return with_stat_terms(loss_sum, stats, weights), (loss_sum, n, sums)
 
 
-def abstract_rollouts(rows: int, seq_len: int, sharding) -> dict:
-    """ShapeDtypeStructs of one global batch of rollouts (AOT compiles, `plan`)."""
+def clip_stats(logp_RT, old_RT, adv_R, clip: float):
+    """-> (the ratio pi / pi_old [R, T], 1.0 where the clip is the min's active branch [R, T]),
+    constants: a token is clipped where its ratio left [1 - eps, 1 + eps] on the side its
+    advantage pushes towards (ratio > 1 + eps with A > 0, ratio < 1 - eps with A < 0), where its
+    gradient is 0 (TRL's clip_ratio/region_mean)."""
+    ratio_RT = jnp.exp(jax.lax.stop_gradient(logp_RT) - old_RT)
+    adv = adv_R[:, None]
+    clipped = ((ratio_RT > 1 + clip) & (adv > 0)) | ((ratio_RT < 1 - clip) & (adv < 0))
+    return ratio_RT, clipped.astype(jnp.float32)
+
+
+def token_logps(cfg: ModelConfig, micro_batches: int, params, batch: dict):
+    """Each target's log-probability [R, T] float32 of a batch of rollouts, in the batch's own
+    order (a context axis's zigzag layout undone), no gradient: the sampling policy's
+    log-probabilities (`old_logp`) when a rollout serves several updates. Computed over the step's
+    micro-batches (rows m, m + M, ...: each spans every batch shard) so that its logits are no
+    larger than the step's."""
+    t = batch["inputs"].shape[1]
+    rows = {k: batch[k] for k in ("inputs", "targets", "weights")}
+
+    def one(mb):
+        logp_RT, _, _ = sequence_logps_per_token(cfg, params, mb)
+        n = context.context_size()
+        if n > 1:  # back from the zigzag order of n shards
+            logp_RT = jnp.take(logp_RT, jnp.asarray(np.argsort(context.zigzag(t, n))), axis=1)
+        return logp_RT
+
+    r = rows["inputs"].shape[0]
+    m = micro_batches
+    micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(r // m, m, t), 0, 1), rows)
+    logp_MRT = jax.lax.map(one, micro)  # [M, R/M, T], micro-batch j holding rows j, j + M, ...
+    return jax.lax.stop_gradient(jnp.swapaxes(logp_MRT, 0, 1).reshape(r, t))
+
+
+def abstract_rollouts(rows: int, seq_len: int, sharding, old_logp: bool = False) -> dict:
+    """ShapeDtypeStructs of one global batch of rollouts (AOT compiles, `plan`); `old_logp`: with
+    the sampling policy's log-probabilities (several updates per rollout)."""
     keys = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
     keys["advantages"] = jnp.float32
+    if old_logp:
+        keys["old_logp"] = jnp.float32
     return {
         k: jax.ShapeDtypeStruct((rows, seq_len), dt, sharding=sharding) for k, dt in keys.items()
     }

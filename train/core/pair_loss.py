@@ -24,13 +24,17 @@ count): the step divides by the pair count once every micro-batch and replica is
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from checkpoint import finite
 from checkpoint.layout import fingerprint
 from checkpoint.manager import open_checkpoint
 from errors import UserError
+from mesh.rules import axis_rules
 from models import context, model, registry
 from models.config import ModelConfig
 from models.loss import token_xent
@@ -142,6 +146,41 @@ def pair_terms(cfg: ModelConfig, post: PostConfig, params, batch: dict, ref=None
     }
     sums = {**moe_sums(stats, n), **{f"post/{k}": jnp.sum(v) for k, v in logged.items()}}
     return with_stat_terms(loss_sum, stats, weights), (loss_sum, n, sums)
+
+
+# the held-out figures of a preference run: the objective's loss and these `post/` means
+HELD_OUT = ("accuracy", "margin", "chosen_logp", "rejected_logp")
+
+
+def held_out_sums(cfg: ModelConfig, post: PostConfig, params, batch: dict, ref=None):
+    """-> (loss sum, pair count, {name: sum over the pairs} of HELD_OUT) of a batch of pairs."""
+    _, (loss_sum, n, sums) = pair_terms(cfg, post, params, batch, ref)
+    return loss_sum, n, {k: sums[f"post/{k}"] for k in HELD_OUT}
+
+
+class HeldOutPairs:
+    """A preference run's eval on held-out pairs (whole: train/data/pairs.py): the objective's
+    own loss (`eval/loss`, the mean over pairs) and `eval/accuracy`, `eval/margin`,
+    `eval/chosen_logp`, `eval/rejected_logp` as the step logs them, on the run's mesh, jitted once.
+    `reference`: the frozen reference's parameters (dpo, ipo), else None."""
+
+    def __init__(self, s, reference=None):
+        self.setup, self.reference = s, reference
+        self.step = jax.jit(functools.partial(held_out_sums, s.model_cfg, s.cfg.post))
+
+    def __call__(self, params, batches: list[dict]) -> dict[str, float]:
+        s = self.setup
+        with (
+            jax.set_mesh(s.mesh),
+            axis_rules(s.rules),
+            context.strategy(s.cfg.parallelism.context_strategy),
+        ):
+            out = jax.device_get([self.step(params, b, self.reference) for b in batches])
+        n = max(float(sum(o[1] for o in out)), 1.0)
+        figures = {"eval/loss": float(np.sum([o[0] for o in out])) / n}
+        for k in HELD_OUT:
+            figures[f"eval/{k}"] = float(np.sum([o[2][k] for o in out])) / n
+        return figures
 
 
 def reference_params(cfg, frozen):

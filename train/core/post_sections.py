@@ -63,6 +63,15 @@ class PostConfig:
     clip: float = ranged(
         0.2, "(0, 1)", help="grpo: epsilon of the clipped ratio, clip(ratio, 1 - eps, 1 + eps)"
     )
+    updates_per_rollout: int = ranged(
+        1,
+        ">=1",
+        help="grpo: optimizer steps on each rollout (mu of the paper, TRL's num_iterations): the"
+        " rollout's log-probabilities under the sampling policy are computed once, then each"
+        " step is a full-batch update on the same completions; checkpoints fall at rollout"
+        " boundaries (--checkpoint.every and --train.steps multiples of it)",
+        why="each rollout is trained on at least once",
+    )
     kl_beta: float = ranged(
         0.0,
         ">=0",
@@ -128,8 +137,29 @@ def check_config(cfg) -> None:
         )
     if post.grpo:  # an unknown reward: one line before anything is built
         rewards.resolve(post.reward, post.reward_pattern)
+    if post.grpo and post.updates_per_rollout > 1:
+        check_rollout_boundaries(cfg)
     if cfg.comm.sync_every > 1:
         raise UserError(
             f"--objective {post.objective}: not with --comm.sync_every {cfg.comm.sync_every}"
             " (DiLoCo); use --comm.sync_every 1"
         )
+
+
+def check_rollout_boundaries(cfg) -> None:
+    """With N = --post.updates_per_rollout > 1 a checkpoint holds no rollout: the saves and the end
+    of the run fall at rollout boundaries (steps that are multiples of N), so that a resume samples
+    the rollout the uninterrupted run sampled, from the same parameters."""
+    n = cfg.post.updates_per_rollout
+    named = {
+        "--train.steps": cfg.train.steps,
+        "--checkpoint.every": cfg.checkpoint.every,
+    }
+    if cfg.checkpoint.local_dir:
+        named["--checkpoint.local_every"] = cfg.checkpoint.local_every
+    for flag, value in named.items():
+        if value % n:
+            raise UserError(
+                f"{flag} {value} with --post.updates_per_rollout {n}: checkpoints and the run's"
+                f" end fall at rollout boundaries; pass a multiple of {n}"
+            )

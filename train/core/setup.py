@@ -161,7 +161,8 @@ def abstract_batch(s: RunSetup) -> dict:
     t = s.cfg.train
     if s.cfg.post.grpo:
         rows = t.batch_size * s.cfg.post.group_size
-        return grpo_loss.abstract_rollouts(rows, t.seq_len, s.batch_sharding)
+        several = s.cfg.post.updates_per_rollout > 1  # the batch carries pi_old's log-probs
+        return grpo_loss.abstract_rollouts(rows, t.seq_len, s.batch_sharding, several)
     if s.cfg.post.preference:
         return abstract_pairs(s.cfg.train.batch_size, s.cfg.train.seq_len, s.batch_sharding)
     return data_abstract_batch(

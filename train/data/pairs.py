@@ -8,8 +8,9 @@ A batch of B pairs: `inputs`, `targets`, `weights` [B, T] of the chosen sequence
 keys prefixed `rejected_` of the rejected ones (train/core/pair_loss.py), one sequence per row
 from its start, right-padded (weight 0). A sequence longer than T + 1 tokens loses its end (the
 response's tail); a prompt that leaves no response token within T is refused, naming the pair.
-The held-out split is a fixed hash of the pair index (whole pairs), and the eval batches are the
-held-out chosen sequences: the run's eval loss is the NLL of held-out chosen responses.
+The held-out split is a fixed hash of the pair index (whole pairs), and the eval batches are
+held-out pairs, whole: the run's eval is the objective's own loss and metrics on them
+(train/core/pair_loss.py HeldOutPairs).
 """
 
 from __future__ import annotations
@@ -198,11 +199,10 @@ class PairPipeline(Pipeline):
         return self._pairs(self.train_pairs[picked])
 
     def eval_rows(self, i: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
-        """Eval batch i: held-out chosen sequences (the keys the eval step reads)."""
+        """Eval batch i: held-out pairs, whole (the objective's held-out loss and metrics)."""
         n = len(self.eval_pairs)
         g = np.arange(i * self.B + lo, i * self.B + (self.B if hi is None else hi))
-        pairs = self.eval_pairs[permute(g % n, n, round_keys(self.seed, _EVAL, 0))]
-        return self.docs.rows(2 * pairs, self.T, self.eos)
+        return self._pairs(self.eval_pairs[permute(g % n, n, round_keys(self.seed, _EVAL, 0))])
 
     def eval_batches(self, n: int) -> list[dict]:
         if not len(self.eval_pairs) or n <= 0:

@@ -8,9 +8,13 @@ A batch of B prompts stays on the host: the rollout (train/run/rollouts.py) samp
 of each from the current parameters and builds the step's batch from them, so the pipeline's part
 is `record` [B] (the record indices), `prompt` [B, P] (the prompts' tokens right-padded with EOS,
 P the longest prompt of the dataset) and `length` [B]; the answers' and prompts' texts are read by
-record (`answer`, `prompt_text`). Every record is trained on (no held-out split: the rollouts'
-rewards are the run's measure). A prompt longer than --seq-len - --post.max_new_tokens is refused
-when the pipeline opens, naming its record.
+record (`answer`, `prompt_text`). A fixed hash of the record index holds --data.eval_fraction of
+the records out, as every Brigade pipeline does: `eval_batches` gives up to --eval-batches batches
+of them (host arrays, the same keys), whose greedy completions' rewards the run logs at
+--eval-every (train/run/rollouts.py). With --post.updates_per_rollout N each batch of prompts
+serves N steps (step k reads batch k // N): a rollout's N updates train on its one batch of
+prompts, and every prompt is still sampled once per epoch. A prompt longer than --seq-len -
+--post.max_new_tokens is refused when the pipeline opens, naming its record.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from train.data.index import INDEX
 from train.data.order import permute, round_keys
 from train.data.pairs import checked_source, load_documents
 from train.data.pipeline import Pipeline
+from train.data.sources import is_eval_doc
+
+_EVAL = 0x7FFF_FFFF  # the key stream of the held-out prompts' order (train/data/pairs.py's)
 
 
 class PromptPipeline(Pipeline):
@@ -37,6 +44,8 @@ class PromptPipeline(Pipeline):
         seq_len: int,
         max_new: int,
         seed: int,
+        eval_fraction: float = 0.0,
+        per_rollout: int = 1,
         verify: bool = True,
         start_step: int = 0,
         prefetch: int = 2,
@@ -48,9 +57,14 @@ class PromptPipeline(Pipeline):
         self.packing, self.packing_mask = False, False
         self.eos = index["eos_id"]
         self.sources = [checked_source(directory, index, vocab_size)]
-        self.n = len(self.docs.start)
-        if not self.n:
+        self.per_rollout = per_rollout
+        if not len(self.docs.start):
             raise UserError(f"--data {directory}: holds no prompt")
+        held = is_eval_doc(np.arange(len(self.docs.start)), eval_fraction)
+        self.train_records, self.eval_records = np.flatnonzero(~held), np.flatnonzero(held)
+        self.n = len(self.train_records)
+        if not self.n:
+            raise UserError(f"--data {directory}: no prompt left to train on after the eval split")
         self._check_prompts(directory)
         self.P = int(self.docs.prompt.max())
         self._ahead = None
@@ -78,12 +92,16 @@ class PromptPipeline(Pipeline):
         return self.tokens(d)[int(self.docs.prompt[d]) : -1]
 
     def host_rows(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """Rows lo..hi-1 of batch `step` of prompts (that of steps step N .. step N + N - 1)."""
         epoch, offset = np.divmod(np.arange(step * self.B + lo, step * self.B + hi), self.n)
         picked = np.empty_like(offset)
         for e in np.unique(epoch):  # a batch may straddle an epoch boundary
             picked[epoch == e] = permute(
                 offset[epoch == e], self.n, round_keys(self.seed, 0, int(e))
             )
+        return self._rows(self.train_records[picked])
+
+    def _rows(self, picked: np.ndarray) -> dict[str, np.ndarray]:
         prompt = np.full((len(picked), self.P), self.eos, np.int32)
         for i, d in enumerate(picked):
             n = int(self.docs.prompt[d])
@@ -91,10 +109,18 @@ class PromptPipeline(Pipeline):
         return {"record": picked, "prompt": prompt, "length": self.docs.prompt[picked]}
 
     def device_batch(self, step: int) -> dict:
-        return self.host_rows(step, 0, self.B)  # the rollout places what it builds
+        # the rollout places what it builds; a rollout's N steps read its one batch of prompts
+        return self.host_rows(step // self.per_rollout, 0, self.B)
 
     def eval_batches(self, n: int) -> list[dict]:
-        return []
+        """Up to n batches of B held-out prompts, each once, in a fixed keyed order (the last one
+        shorter when they run out)."""
+        e = len(self.eval_records)
+        if not e or n <= 0:
+            return []
+        order = self.eval_records[permute(np.arange(e), e, round_keys(self.seed, _EVAL, 0))]
+        order = order[: n * self.B]
+        return [self._rows(order[i : i + self.B]) for i in range(0, len(order), self.B)]
 
     @property
     def name(self) -> str:
@@ -102,11 +128,13 @@ class PromptPipeline(Pipeline):
 
     def describe(self) -> str:
         return (
-            f"data {self.name}: {self.n} prompts (at most {self.P} tokens), {self.B} a step, each"
-            f" completed {self.max_new} tokens within rows of {self.T}"
+            f"data {self.name}: {self.n} prompts ({len(self.eval_records)} held out; at most"
+            f" {self.P} tokens), {self.B} a rollout, each completed {self.max_new} tokens within"
+            f" rows of {self.T}"
         )
 
     def state(self, step: int) -> dict:
+        used = step // self.per_rollout * self.B  # the prompts of the rollouts before `step`
         return {
             "next_step": step,
             "seed": self.seed,
@@ -114,8 +142,8 @@ class PromptPipeline(Pipeline):
             "seq_len": self.T,
             "prompts": self.n,
             "fingerprint": self.sources[0].fingerprint,
-            "epoch": step * self.B // self.n,
-            "offset": step * self.B % self.n,
+            "epoch": used // self.n,
+            "offset": used % self.n,
         }
 
     def check_state(self, saved: dict) -> list[str]:
@@ -123,7 +151,9 @@ class PromptPipeline(Pipeline):
         return [f"data {k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k]]
 
 
-def make_prompt_pipeline(data_cfg, *, batch_size, seq_len, max_new, seed, vocab_size=None):
+def make_prompt_pipeline(
+    data_cfg, *, batch_size, seq_len, max_new, seed, per_rollout=1, vocab_size=None
+):
     """The pipeline of prompts for a DataConfig whose source is one prepared prompts dataset."""
     source = data_cfg.source
     if (
@@ -141,6 +171,8 @@ def make_prompt_pipeline(data_cfg, *, batch_size, seq_len, max_new, seed, vocab_
         seq_len=seq_len,
         max_new=max_new,
         seed=seed,
+        eval_fraction=data_cfg.eval_fraction,
+        per_rollout=per_rollout,
         verify=data_cfg.verify,
         prefetch=data_cfg.prefetch,
         vocab_size=vocab_size,

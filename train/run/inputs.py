@@ -31,6 +31,7 @@ def open_data(s: RunSetup, data=None, eval_data=None):
             seq_len=t.seq_len,
             max_new=cfg.post.max_new_tokens,
             seed=t.seed,
+            per_rollout=cfg.post.updates_per_rollout,
             vocab_size=cfg.model.vocab_size,
         )
     if cfg.post.preference:  # batches of pairs (train/data/pairs.py)

@@ -88,6 +88,7 @@ class Trainer:
         self.evaluator = Evaluator(self.setup)
         self.predicted_peak: int | None = None  # per device, from the compiled step's memory
         self.base = None  # --lora.rank > 0: the frozen base (train/core/lora.py), loaded at start
+        self.reference = None  # dpo, ipo without LoRA: the frozen reference, loaded at start
 
     def model_params(self, state) -> dict:
         """What the model computes with: `state.params`, or a LoRA run's base with its adapters
@@ -171,8 +172,9 @@ class Trainer:
         self.goodput.add("compile", compile_s)
         set_doing("initialising or restoring the state")
         state, meta, step_fn, note = self._initial_state(point, step_fn)
-        if cfg.post.grpo:  # the step's batch: the prompts' completions sampled by this policy
-            step_fn = Rollouts(self.setup, step_fn, self.model_params, data)
+        # grpo: the step's batch is the prompts' completions sampled by this policy
+        rollouts = Rollouts(self.setup, step_fn, self.model_params, data) if cfg.post.grpo else None
+        step_fn = rollouts or step_fn
         if isinstance(data, IterableData):  # a user iterable resumes from the saved position
             data.seek(int(state.step), meta.get("data", {}).get("loader"))
         else:  # the built-in pipeline's batches are a function of the step
@@ -193,7 +195,8 @@ class Trainer:
         )
         if sets:
             run.log.print(describe_sets(sets, t.seq_len))
-        evals = Evals(held_out, sets, self.evaluator, self.model_params)
+        evals = Evals.of(self.setup, held_out, sets, self.evaluator, self.model_params)
+        evals = evals.scored_by_objective(rollouts, self.reference or self.base)  # dpo, ipo
         state, stopped_by = run_steps(cfg, run, step_fn, state, batch, data, signals, evals)
         return self._finish(run, data, state, point, compile_s, stopped_by)
 
@@ -212,7 +215,7 @@ class Trainer:
             self._use_config(recorded)
             note = "; ".join(filter(None, [note, line]))
         if s.ref_shardings is not None:  # dpo/ipo without LoRA: the frozen reference, its argument
-            step_fn, recorded, line = with_reference(self.cfg, s, step_fn, meta)
+            step_fn, self.reference, recorded, line = with_reference(self.cfg, s, step_fn, meta)
             self._use_config(recorded)
             note = "; ".join(filter(None, [note, line]))
         restored = point or cfg.checkpoint.init_from
@@ -260,10 +263,11 @@ def with_base(cfg: Config, s, step_fn, meta: dict):
 
 def with_reference(cfg: Config, s, step_fn, meta: dict):
     """-> (the step with the reference model (train/core/pair_loss.py) as its third argument, the
-    config with the reference's fingerprint recorded (every save holds it), a line for the log)."""
+    reference's parameters, the config with the reference's fingerprint recorded (every save holds
+    it), a line for the log)."""
     reference, found, line = pair_loss.load_reference(cfg, s.ref_shardings, meta)
     recorded = dataclasses.replace(cfg, post=dataclasses.replace(cfg.post, ref_fingerprint=found))
     step = functools.partial(
         lambda compiled, ref, state, batch: compiled(state, batch, ref), step_fn, reference
     )
-    return step, recorded, line
+    return step, reference, recorded, line

@@ -268,12 +268,20 @@ def eval_text(s: dict) -> str:
     sets = [
         f"{k.split('/')[1]} {v:.3f}"
         for k, v in s.items()
-        if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)
+        if k.startswith("eval/")
+        and k.count("/") == 2
+        and k.endswith("/loss")
+        and isinstance(v, float)
     ]
-    held_out = f" {s['eval_loss']:.3f}" if s.get("eval_loss") is not None else ""
+    # a preference run's held-out loss is its objective's (eval/loss), with its accuracy
+    loss = s.get("eval_loss") if s.get("eval_loss") is not None else s.get("eval/loss")
+    held_out = f" {loss:.3f}" if loss is not None else ""
+    sets += [f"acc {s['eval/accuracy']:.2f}"] if "eval/accuracy" in s else []
+    # a grpo run's: the rewards of greedy completions of held-out prompts
+    reward = f", eval reward {s['eval/reward_mean']:.3f}" if "eval/reward_mean" in s else ""
     if not held_out and not sets:
-        return ""
-    return ", eval loss" + held_out + (f" ({', '.join(sets)})" if sets else "")
+        return reward
+    return ", eval loss" + held_out + (f" ({', '.join(sets)})" if sets else "") + reward
 
 
 def summary_text(s: dict) -> str:

@@ -1,4 +1,4 @@
-"""GRPO's step (--objective grpo): rollouts from the current policy, then the update on them.
+"""GRPO's step (--objective grpo): rollouts from the current policy, then the updates on them.
 
 The data pipeline prefetches fixed batches of B prompts (train/data/prompts.py); the completions
 depend on the weights of the step that samples them, so they are made here, in the step: the
@@ -10,22 +10,43 @@ computes the group-relative advantages and the step's batch (train/core/grpo_los
 compiled train step on it. The sampling key is a function of --train.seed and the step, so a
 resumed run samples the same completions.
 
-Logged with every step: `grpo/reward_mean`, `grpo/reward_std` (over the B G completions),
-`grpo/completion_tokens` (the mean completion length, its EOS included), `grpo/rollout_tokens`
-(the tokens sampled, B G x --post.max_new_tokens), `grpo/rollout_tokens_per_sec`,
-`grpo/rollout_s` and `grpo/rollout_share` (of the step's wall time, the update included), and
-`post/kl` (with --post.kl_beta > 0) from the step.
+Several updates per rollout (--post.updates_per_rollout N, the paper's mu, TRL's num_iterations):
+a rollout is sampled at the steps that are multiples of N; the sampling policy's log-probabilities
+of its completions are computed once right after (one forward, no gradient: `old_logp`), and the
+N steps from there are each a full-batch optimizer step on the same batch (as TRL and Tunix do: no
+split into N mini-batches), so the clipped ratio binds from the second one. The prompt pipeline
+serves the rollout's prompts at each of its steps (train/data/prompts.py), and checkpoints fall at
+rollout boundaries (train/core/post_sections.py, train/run/steps.py): a resume samples again what
+the uninterrupted run sampled, from the same parameters.
+
+Several processes: every process passes the same prompts and key to the sampler (one SPMD
+program; its replicated output is the same on each), scores its share of the completions and
+gathers the others' (`scores`), so the rewards, advantages and batch are the same on every
+process; the batch becomes one global array sharded like any batch, each process placing the rows
+of its devices.
+
+Logged with every step: `grpo/reward_mean`, `grpo/reward_std` (over the B G completions, of the
+rollout the step trains on), `grpo/completion_tokens` (the mean completion length, its EOS
+included), `grpo/rollout_tokens` (the tokens sampled by this step, B G x --post.max_new_tokens,
+0 on a step that reuses its rollout), `grpo/rollout_tokens_per_sec`, `grpo/rollout_s` and
+`grpo/rollout_share` (of the step's wall time, the update included), `grpo/clip_fraction` (the
+completions' mean share of tokens whose ratio was clipped), `grpo/ratio_mean` and `post/kl` (with
+--post.kl_beta > 0) from the step. At --eval-every, `eval/reward_mean` and `eval/pass_rate` of
+greedy completions of the held-out prompts (`held_out_rewards`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from errors import UserError
 from mesh.rules import axis_rules
+from models import context
 from train.core import grpo_loss, rewards
 from train.core.inference import continue_prompts
 from train.core.setup import RunSetup
@@ -36,11 +57,6 @@ class Rollouts:
 
     def __init__(self, s: RunSetup, step_fn, model_params, data):
         post = s.cfg.post
-        if jax.process_count() > 1:
-            raise UserError(
-                f"--objective grpo: one process only (this run has {jax.process_count()}); the"
-                " rollouts are scored on the host that samples them"
-            )
         self.tokenizer = data.tokenizer()
         if self.tokenizer is None:
             raise UserError(
@@ -54,6 +70,13 @@ class Rollouts:
         self.prefill = int(data.docs.prompt.min())
         self.width = data.P + post.max_new_tokens
         self._texts: dict[int, tuple[str, str]] = {}
+        # several updates per rollout: the current rollout's (batch, figures), and pi_old's
+        # log-probabilities, computed once per rollout on the batch's sharding
+        self._rollout: tuple[dict, dict] | None = None
+        self._old_logps = jax.jit(
+            functools.partial(grpo_loss.token_logps, s.model_cfg, s.cfg.train.micro_batches),
+            out_shardings=s.batch_sharding,
+        )
 
     def texts(self, d: int) -> tuple[str, str]:
         """Record d's (prompt, answer) as text."""
@@ -91,44 +114,141 @@ class Rollouts:
         at_RN = length_R[:, None] + np.arange(post.max_new_tokens)
         return prompt_RP, length_R, np.take_along_axis(full_RW, at_RN, 1)
 
-    def scores(self, records_B: np.ndarray, new_RN: np.ndarray) -> np.ndarray:
-        """The reward of each completion [B, G] (its text up to the EOS)."""
+    def scores(self, records_B: np.ndarray, new_RN: np.ndarray, group: int = 0) -> np.ndarray:
+        """The reward of each completion [B, G] (its text up to the EOS), row b G + g prompt b's
+        completion g (G = `group`, --post.group_size by default). Each process scores its share
+        (a contiguous block of rows) and gathers the others': the same rewards on every process,
+        and a reward that fails on one process stops every process in one line."""
         post, eos = self.s.cfg.post, self.data.eos
+        group = group or post.group_size
+        n, procs, me = len(new_RN), jax.process_count(), jax.process_index()
+        share = -(-n // procs)
         kept_R = grpo_loss.completion_lengths(new_RN, eos)
-        out = np.zeros(len(new_RN), np.float64)
-        for r, (tokens, k) in enumerate(zip(new_RN, kept_R)):
-            d = int(records_B[r // post.group_size])
+        mine, failed = np.zeros(share, np.float64), None
+        for i, r in enumerate(range(me * share, min((me + 1) * share, n))):
+            tokens, k, d = new_RN[r], kept_R[r], int(records_B[r // group])
             prompt, answer = self.texts(d)
             text = self.tokenizer.decode(tokens[: k - 1] if tokens[k - 1] == eos else tokens[:k])
             where = f"record {d + 1} of --data {self.data.name}"
-            out[r] = rewards.score(post.reward, self.reward, text, answer, prompt, where)
-        return out.reshape(-1, post.group_size)
+            try:
+                mine[i] = rewards.score(post.reward, self.reward, text, answer, prompt, where)
+            except UserError as e:
+                failed = e
+                break
+        if procs == 1:
+            if failed:
+                raise failed
+            return mine[:n].reshape(-1, group)
+        # the float64 rewards as int32 words: a gather in float32 would round them
+        words = np.append(mine.view(np.int32), np.int32(failed is not None))
+        gathered = np.asarray(multihost_utils.process_allgather(words), np.int32)  # [procs, ...]
+        if failed:
+            raise failed
+        if gathered[:, -1].any():
+            k = int(np.flatnonzero(gathered[:, -1])[0])
+            raise UserError(
+                f"--post.reward {post.reward}: failed on process {k} (its line says why)"
+            )
+        rewards_R = np.ascontiguousarray(gathered[:, :-1]).view(np.float64).reshape(-1)
+        return rewards_R[:n].reshape(-1, group)
 
-    def __call__(self, state, prompts: dict):
-        s, t0 = self.s, time.perf_counter()
-        step = int(jax.device_get(state.step))  # the previous update is done: its params sample
-        prompt_RP, length_R, new_RN = self.sample(self.model_params(state), prompts, step)
+    def _place(self, rows: dict) -> dict:
+        """Host rows, the same on every process -> global arrays sharded like the batch, each
+        process placing its devices' rows."""
+        sharding = self.s.batch_sharding
+        return {
+            k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            for k, v in rows.items()
+        }
+
+    def rollout(self, state, prompts: dict, step: int) -> tuple[dict, dict]:
+        """Sample, score and build the step's batch -> (the batch, the rollout's figures)."""
+        s, post, t0 = self.s, self.s.cfg.post, time.perf_counter()
+        params = self.model_params(state)
+        prompt_RP, length_R, new_RN = self.sample(params, prompts, step)
         sampled_s = time.perf_counter() - t0
         rewards_BG = self.scores(prompts["record"], new_RN)
         adv_R = grpo_loss.group_advantages(rewards_BG).reshape(-1)
         rows = grpo_loss.rollout_rows(
             prompt_RP, length_R, new_RN, adv_R, s.cfg.train.seq_len, self.data.eos
         )
-        batch = jax.device_put(rows, s.batch_sharding)
-        t1 = time.perf_counter()
-        state, metrics = self.step_fn(state, batch)
-        jax.block_until_ready(metrics["loss"])  # the next rollout waits for this update anyway
-        total_s = time.perf_counter() - t0
-        n_sampled = new_RN.size
-        return state, {
-            **metrics,
+        batch = self._place(rows)
+        if post.updates_per_rollout > 1:  # pi_old: the sampling parameters' log-probabilities
+            with (
+                jax.set_mesh(s.mesh),
+                axis_rules(s.rules),
+                context.strategy(s.cfg.parallelism.context_strategy),
+            ):
+                batch["old_logp"] = self._old_logps(params, batch)
+        figures = {
             "grpo/reward_mean": float(rewards_BG.mean()),
             "grpo/reward_std": float(rewards_BG.std()),
             "grpo/completion_tokens": float(
                 grpo_loss.completion_lengths(new_RN, self.data.eos).mean()
             ),
-            "grpo/rollout_tokens": float(n_sampled),
-            "grpo/rollout_tokens_per_sec": n_sampled / max(sampled_s, 1e-9),
+            "grpo/rollout_tokens_per_sec": new_RN.size / max(sampled_s, 1e-9),
+        }
+        return batch, {**figures, "grpo/rollout_tokens": float(new_RN.size)}
+
+    def __call__(self, state, prompts: dict):
+        t0 = time.perf_counter()
+        step = int(jax.device_get(state.step))  # the previous update is done: its params sample
+        n = self.s.cfg.post.updates_per_rollout
+        # a rollout starts at each multiple of N (or where a run starts off one: a fresh one)
+        fresh = self._rollout is None or step % n == 0
+        if fresh:
+            self._rollout = self.rollout(state, prompts, step)
+        batch, figures = self._rollout
+        t1 = time.perf_counter()
+        state, metrics = self.step_fn(state, batch)
+        jax.block_until_ready(metrics["loss"])  # the next rollout waits for this update anyway
+        total_s = time.perf_counter() - t0
+        out = {
+            k: v for k, v in metrics.items() if k not in ("post/clip_fraction", "post/ratio_mean")
+        }
+        return state, {
+            **out,
+            **figures,
+            "grpo/rollout_tokens": figures["grpo/rollout_tokens"] if fresh else 0.0,
             "grpo/rollout_s": t1 - t0,
             "grpo/rollout_share": (t1 - t0) / max(total_s, 1e-9),
+            "grpo/clip_fraction": metrics["post/clip_fraction"],
+            "grpo/ratio_mean": metrics["post/ratio_mean"],
         }
+
+    # ---------------------------------------------------------------- the held-out reward eval
+
+    def held_out_rewards(self, params, held_out: list[dict]) -> dict[str, float]:
+        """`eval/reward_mean` and `eval/pass_rate` (the share with reward >= 1) of one greedy
+        completion (temperature 0: no key, the same completions for the same parameters) of each
+        held-out prompt, all of them in one batch."""
+        prompts = {k: np.concatenate([b[k] for b in held_out]) for k in held_out[0]}
+        new_EN = self.greedy(params, prompts["prompt"], prompts["length"])
+        rewards_E = self.scores(prompts["record"], new_EN, group=1).reshape(-1)
+        return {
+            "eval/reward_mean": float(rewards_E.mean()),
+            "eval/pass_rate": float((rewards_E >= 1).mean()),
+        }
+
+    def greedy(self, params, prompt_EP: np.ndarray, length_E: np.ndarray) -> np.ndarray:
+        """The greedy continuation [E, max_new] of each right-padded prompt, on the training mesh
+        (the sampler of the rollouts, at temperature 0)."""
+        s, max_new = self.s, self.s.cfg.post.max_new_tokens
+        tokens_EW = np.full((len(prompt_EP), self.width), self.data.eos, np.int32)
+        tokens_EW[:, : prompt_EP.shape[1]] = prompt_EP
+        replicate_acts = {k: () for k in s.rules}
+        with jax.set_mesh(s.mesh), axis_rules(replicate_acts):
+            out_ES = continue_prompts(
+                s.model_cfg,
+                params,
+                tokens_EW,
+                np.asarray(length_E, np.int32),
+                jax.random.key(0),  # unused at temperature 0
+                prefill=self.prefill,
+                steps=self.width - self.prefill,
+                temperature=0.0,
+                top_k=0,
+            )
+        full_EW = np.concatenate([tokens_EW[:, : self.prefill], np.asarray(out_ES)], 1)
+        at_EN = np.asarray(length_E)[:, None] + np.arange(max_new)
+        return np.take_along_axis(full_EW, at_EN, 1)

@@ -213,15 +213,15 @@ class Run:
         self.watchdog.beat(f"saving step {step}")
 
     def evaluate(
-        self, step: int, eval_losses: Callable[[], tuple[float | None, dict[str, float]]]
+        self, step: int, eval_losses: Callable[[], tuple[float | None, dict, dict]]
     ) -> None:
         """Log the eval record of `step`: `eval_losses()` -> (the loss on the training data's
         held-out batches, or None when it holds none out; the loss on each --data.eval_source set,
-        by name)."""
+        by name; a post-training objective's held-out figures, `eval/NAME`)."""
         t0 = time.perf_counter()
-        ev, sets = eval_losses()
+        ev, sets, figures = eval_losses()
         self.goodput.add("eval", self.stats.pause(t0))
-        self._emit(eval_record(step, ev, sets), self.eval_history)
+        self._emit({**eval_record(step, ev, sets), **figures}, self.eval_history)
         self.watchdog.beat(f"eval at step {step}")
 
     def commit_last_save(self) -> None:

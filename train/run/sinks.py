@@ -224,18 +224,32 @@ class ProgressLines:
         pass
 
 
+OBJECTIVE_EVALS = (
+    ("eval/loss", "eval loss"),
+    ("eval/accuracy", "acc"),
+    ("eval/margin", "margin"),
+    ("eval/reward_mean", "eval reward"),
+    ("eval/pass_rate", "pass"),
+)
+
+
 def step_line(record: dict) -> str:
     """A record as one line: a step's loss, throughput, MFU and data wait (then its peak device
     memory and the slowest process's step time over the median, when it has them), or an eval."""
     sets = [
         f"{k.split('/')[1]} {v:.3f}"
         for k, v in record.items()  # --data.eval_source: eval/NAME/loss
-        if k.startswith("eval/") and k.endswith("/loss") and isinstance(v, float)
+        if k.startswith("eval/")
+        and k.endswith("/loss")
+        and k.count("/") == 2
+        and isinstance(v, float)
     ]
-    if "eval_loss" in record or sets:
+    if "eval_loss" in record or sets or any(k in record for k, _ in OBJECTIVE_EVALS):
         parts = [f"step {record['step']}"]
         if "eval_loss" in record:
             parts += [f"eval loss {record['eval_loss']:.3f}", f"ppl {record['eval_ppl']:.2f}"]
+        # a post-training objective's held-out figures (train/run/loop.py)
+        parts += [f"{label} {record[k]:.3f}" for k, label in OBJECTIVE_EVALS if k in record]
         return " | ".join(parts + [f"eval {s}" for s in sets])
     parts = [
         f"step {record['step']}",

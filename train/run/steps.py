@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import jax
 
+from train.core import pair_loss
 from train.core.config import Config
 from train.core.inference import Evaluator
 from train.run import faults
@@ -22,22 +23,51 @@ from train.run.run import Run
 class Evals:
     """What an eval evaluates: the training data's held-out batches (none without them) and the
     --data.eval_source sets, with the run's evaluator on the parameters `model_params(state)`
-    gives (a LoRA run's merged ones)."""
+    gives (a LoRA run's merged ones); `figures(params) -> {"eval/NAME": value}`: a post-training
+    objective's own held-out figures in place of the held-out loss (grpo's rewards of greedy
+    completions, a preference objective's loss and accuracy on held-out pairs: see loop.py)."""
 
     held_out: list[dict]
     sets: list
     evaluator: Evaluator
     model_params: Callable
+    figures: Callable | None = None
+
+    setup: object = None
+
+    @classmethod
+    def of(cls, s, held_out: list, sets: list, evaluator: Evaluator, model_params) -> Evals:
+        return cls(held_out, sets, evaluator, model_params, setup=s)
+
+    def scored_by_objective(self, rollouts=None, frozen=None) -> Evals:
+        """These evals with the held-out split scored by the objective itself where it has its
+        own measure, in place of the held-out token loss: grpo's held-out prompts by the rewards
+        of their greedy completions (train/run/rollouts.py), a preference objective's held-out
+        pairs by its loss and metrics (train/core/pair_loss.py), against the reference that
+        `frozen` holds (dpo, ipo: a LoRA run's base, else the reference model)."""
+        cfg, figures = self.setup.cfg, None
+        if self.held_out and rollouts is not None:
+            figures = functools.partial(rollouts.held_out_rewards, held_out=self.held_out)
+        elif self.held_out and cfg.post.preference:
+            ref = pair_loss.reference_params(cfg, frozen) if cfg.post.needs_reference else None
+            scorer = pair_loss.HeldOutPairs(self.setup, ref)
+            figures = functools.partial(scorer, batches=self.held_out)
+        if figures is None:
+            return self
+        return dataclasses.replace(self, held_out=[], figures=figures)
 
     def due(self, step: int, every: int, last: int) -> bool:
-        return bool(self.held_out or self.sets) and (step % every == 0 or step == last)
+        some = self.held_out or self.sets or self.figures
+        return bool(some) and (step % every == 0 or step == last)
 
-    def losses(self, state) -> tuple[float | None, dict[str, float]]:
-        """-> (the loss on the held-out batches, None without them; each eval set's loss)."""
+    def losses(self, state) -> tuple[float | None, dict[str, float], dict[str, float]]:
+        """-> (the loss on the held-out batches, None without them; each eval set's loss; the
+        objective's held-out figures)."""
         params = self.model_params(state)  # a LoRA run's merge, once for every set
         return (
             self.evaluator.loss(params, self.held_out) if self.held_out else None,
             {s.name: self.evaluator.loss(params, s.batches) for s in self.sets},
+            self.figures(params) if self.figures else {},
         )
 
 
@@ -50,6 +80,9 @@ def run_steps(
     t, log_every, step = cfg.train, cfg.logging.log_every, int(state.step)
     # a signal before the first step: nothing to save
     stopped_by, hang_at = signals.received, faults.current().hang_steps
+    # a grpo run with several updates per rollout stops at a rollout boundary: a checkpoint then
+    # never holds a half-used rollout (train/run/rollouts.py)
+    per_rollout, pending = cfg.post.updates_per_rollout if cfg.post.grpo else 1, None
     try:
         with run.heartbeat, run.watchdog:
             while step < t.steps and not stopped_by:
@@ -58,7 +91,8 @@ def run_steps(
                 run.stepped(step, metrics)
                 if step in hang_at:
                     threading.Event().wait()  # fault injection: a hang the watchdog must catch
-                stopped_by = signals.requested(step)
+                pending = signals.requested(step) or pending
+                stopped_by = pending if step % per_rollout == 0 else None
                 if step < t.steps and not stopped_by:
                     batch, waited = data.next()
                     run.stats.wait_s += waited
