@@ -5,7 +5,8 @@ depend on the weights of the step that samples them, so they are made here, in t
 Trainer calls `Rollouts(state, prompts)` where it calls any step. It samples G completions of
 each prompt with Brigade's KV-cache sampler (train/core/inference.py continue_prompts, jitted once)
 from the policy's own parameters on the training mesh (the parameters stay sharded as they train;
-the sampler's activations are replicated), scores each with the reward (train/core/rewards.py),
+the R = B G rows split over the batch's devices when R divides by them: inference.sampler_rules),
+stopping once every row has emitted EOS, scores each with the reward (train/core/rewards.py),
 computes the group-relative advantages and the step's batch (train/core/grpo_loss.py), and runs the
 compiled train step on it. The sampling key is a function of --train.seed and the step, so a
 resumed run samples the same completions.
@@ -13,8 +14,10 @@ resumed run samples the same completions.
 Logged with every step: `grpo/reward_mean`, `grpo/reward_std` (over the B G completions),
 `grpo/completion_tokens` (the mean completion length, its EOS included), `grpo/rollout_tokens`
 (the tokens sampled, B G x --post.max_new_tokens), `grpo/rollout_tokens_per_sec`,
-`grpo/rollout_s` and `grpo/rollout_share` (of the step's wall time, the update included), and
-`post/kl` (with --post.kl_beta > 0) from the step.
+`grpo/rollout_s` and `grpo/rollout_share` (of the step's wall time, the update included),
+`grpo/decode_steps` (the sampler's decode steps run: fewer than the prompts' spread plus
+--post.max_new_tokens when every row ends early), and `post/kl` (with --post.kl_beta > 0) from the
+step.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import numpy as np
 from errors import UserError
 from mesh.rules import axis_rules
 from train.core import grpo_loss, rewards
-from train.core.inference import continue_prompts
+from train.core.inference import continue_prompts, sampler_rules
 from train.core.setup import RunSetup
+from train.core.shapes import batch_shards
 
 
 class Rollouts:
@@ -54,6 +58,15 @@ class Rollouts:
         self.prefill = int(data.docs.prompt.min())
         self.width = data.P + post.max_new_tokens
         self._texts: dict[int, tuple[str, str]] = {}
+        rows, devices = s.cfg.train.batch_size * post.group_size, batch_shards(s.mesh, s.rules)
+        self.sampler_rules, split = sampler_rules(s.mesh, s.rules, rows)
+        if split < devices and jax.process_index() == 0:
+            print(
+                f"grpo: the sampler's {rows} rows (--batch-size x --post.group_size) do not split"
+                f" over the batch's {devices} devices: each samples them all",
+                flush=True,
+            )
+        self.sample_metrics: dict[str, float] = {}
 
     def texts(self, d: int) -> tuple[str, str]:
         """Record d's (prompt, answer) as text."""
@@ -74,9 +87,8 @@ class Rollouts:
         tokens_RW = np.full((len(prompt_RP), self.width), self.data.eos, np.int32)
         tokens_RW[:, : prompt_RP.shape[1]] = prompt_RP
         key = jax.random.fold_in(jax.random.key(s.cfg.train.seed), step)
-        replicate_acts = {k: () for k in s.rules}  # the rows need not split over the devices
-        with jax.set_mesh(s.mesh), axis_rules(replicate_acts):
-            out_RS = continue_prompts(
+        with jax.set_mesh(s.mesh), axis_rules(self.sampler_rules):
+            out_RS, steps_run = continue_prompts(
                 s.model_cfg,
                 params,
                 tokens_RW,
@@ -86,7 +98,9 @@ class Rollouts:
                 steps=self.width - self.prefill,
                 temperature=float(post.temperature),
                 top_k=0,
+                eos=self.data.eos,
             )
+        self.sample_metrics = {"grpo/decode_steps": float(steps_run)}
         full_RW = np.concatenate([tokens_RW[:, : self.prefill], np.asarray(out_RS)], 1)
         at_RN = length_R[:, None] + np.arange(post.max_new_tokens)
         return prompt_RP, length_R, np.take_along_axis(full_RW, at_RN, 1)
@@ -131,4 +145,5 @@ class Rollouts:
             "grpo/rollout_tokens_per_sec": n_sampled / max(sampled_s, 1e-9),
             "grpo/rollout_s": t1 - t0,
             "grpo/rollout_share": (t1 - t0) / max(total_s, 1e-9),
+            **self.sample_metrics,
         }
