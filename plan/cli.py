@@ -238,7 +238,7 @@ def _estimate(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
         sequence_parallel=p.sequence_parallel,
         lora_cfg=cfg.lora,
     )
-    row = evaluate(*args, **kwargs)
+    row = evaluate(*args, **kwargs, post_cfg=cfg.post)
     row["goodput"] = _goodput(
         ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw
     )

@@ -25,6 +25,7 @@ from plan import cost
 from plan.activation_memory import activation_bytes, attention_on
 from plan.hardware import Hardware
 from plan.lora_memory import lora_memory, lora_parts
+from plan.rollout_memory import rollout_memory
 from plan.run_spec import RunSpec, abstract_mesh
 from plan.theory import theory
 from train.core import lora, optim
@@ -258,6 +259,19 @@ def _pipeline_entry(pc: PipelineConfig, p: int, pipe_m: int) -> dict:
     return {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule}
 
 
+def _with_rollout(memory: dict, cfg, t: TrainConfig, post, mesh, rules, dtype: str) -> None:
+    """--objective grpo: memory['rollout'], the sampler's bytes (plan/rollout_memory.py, the
+    whole model's cache: the sampler runs every layer), and the total the larger of the update's
+    and the rollout's: the step's gradients, activations and formed weights are not live during the
+    rollout, the rest is."""
+    rollout = rollout_memory(
+        cfg, t.batch_size * post.group_size, t.seq_len, post.max_new_tokens, mesh, rules, dtype
+    )["total"]
+    step_only = memory["grads"] + memory["activations"] + memory.get("merge", 0.0)
+    memory["rollout"] = rollout
+    memory["total"] = max(memory["total"], memory["total"] - step_only + rollout)
+
+
 def evaluate(
     cfg,
     sizes: dict[str, int],
@@ -275,13 +289,15 @@ def evaluate(
     vocab_parallel: str = "auto",
     sequence_parallel: bool = False,
     lora_cfg=None,
+    post_cfg=None,
 ) -> dict:
     """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
     micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
     comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
     vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh
-    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py)."""
+    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py). post_cfg: the run's
+    --post section: with --objective grpo the rollout's memory (_with_rollout)."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
     pc = pipeline_cfg or PipelineConfig()
     platform = platform or hw.platform
@@ -304,6 +320,8 @@ def evaluate(
         memory = lora_memory(parts, _optimizer_ratio(cfg, t), on_device, on_host)
     else:
         memory = _memory(params, _optimizer_ratio(cfg, t), t, on_device, on_host)
+    if post_cfg is not None and post_cfg.grpo:
+        _with_rollout(memory, cfg, t, post_cfg, mesh, rules, dtype)
     _count_host_offload(comm, on_host + memory["host_optimizer"])
     pred = _predict(cfg, run, hw, comm, platform, pipe_m, dcn)
     return {
