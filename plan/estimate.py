@@ -259,11 +259,27 @@ def _pipeline_entry(pc: PipelineConfig, p: int, pipe_m: int) -> dict:
     return {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule}
 
 
+def _run_memory(cfg, stage, t, params, where, lora_cfg, post_cfg, acts) -> dict:
+    """Per-device memory by part: a LoRA run's (the adapters train; the frozen base and its merge
+    apart) or a full fine-tune's, with --objective grpo's rollout. `where`: (mesh, rules, compute
+    dtype); `acts`: the activation bytes (on the device, offloaded to the host)."""
+    mesh, rules, dtype = where
+    if lora.enabled(lora_cfg):
+        parts = lora_parts(stage, lora_cfg, mesh, rules, dtype)
+        memory = lora_memory(parts, _optimizer_ratio(cfg, t), *acts)
+    else:
+        memory = _memory(params, _optimizer_ratio(cfg, t), t, *acts)
+    _with_rollout(memory, cfg, t, post_cfg, mesh, rules, dtype)
+    return memory
+
+
 def _with_rollout(memory: dict, cfg, t: TrainConfig, post, mesh, rules, dtype: str) -> None:
     """--objective grpo: memory['rollout'], the sampler's bytes (plan/rollout_memory.py, the
     whole model's cache: the sampler runs every layer), and the total the larger of the update's
     and the rollout's: the step's gradients, activations and formed weights are not live during the
-    rollout, the rest is."""
+    rollout, the rest is. Nothing without --objective grpo."""
+    if post is None or not post.grpo:
+        return
     rollout = rollout_memory(
         cfg, t.batch_size * post.group_size, t.seq_len, post.max_new_tokens, mesh, rules, dtype
     )["total"]
@@ -296,8 +312,7 @@ def evaluate(
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
     comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
     vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh
-    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py). post_cfg: the run's
-    --post section: with --objective grpo the rollout's memory (_with_rollout)."""
+    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py). post_cfg: --post."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
     pc = pipeline_cfg or PipelineConfig()
     platform = platform or hw.platform
@@ -315,13 +330,9 @@ def evaluate(
     on_device, on_host = _activations(
         cfg, run, hw, mesh, act_bytes, pipe_m, shards, sequence_parallel
     )
-    if lora.enabled(lora_cfg):  # the adapters train; the frozen base and its merge apart
-        parts = lora_parts(stage, lora_cfg, mesh, rules, dtype)
-        memory = lora_memory(parts, _optimizer_ratio(cfg, t), on_device, on_host)
-    else:
-        memory = _memory(params, _optimizer_ratio(cfg, t), t, on_device, on_host)
-    if post_cfg is not None and post_cfg.grpo:
-        _with_rollout(memory, cfg, t, post_cfg, mesh, rules, dtype)
+    memory = _run_memory(
+        cfg, stage, t, params, (mesh, rules, dtype), lora_cfg, post_cfg, (on_device, on_host)
+    )
     _count_host_offload(comm, on_host + memory["host_optimizer"])
     pred = _predict(cfg, run, hw, comm, platform, pipe_m, dcn)
     return {
