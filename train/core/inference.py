@@ -112,7 +112,9 @@ def continue_prompts(
     tokens at positions prefill .. prefill + steps - 1 [B, steps]: the row's prompt while it lasts,
     then picked ones; the decode steps run). One prefill pass fills the cache; each step is one
     single-position pass (models/sample.py decode). With `eos`, the loop stops once every row has
-    picked it, and a row's tokens after its first picked `eos` are `eos`."""
+    picked it, and a row's tokens after its first picked `eos` are `eos`. jax keys the trace by the
+    function and its arguments, not by the axis rules in context: a process samples under one table
+    (sampler_rules, or the run's), or jits a wrapper of its own per table."""
     b = tokens_BT.shape[0]
     cache = model.init_cache(cfg, b, prefill + steps)
     logits_BTV, cache = model.apply(
