@@ -9,6 +9,11 @@ prompts "a+b=" raises its mean reward. The commands are the ones a user types
   - with --png PATH, the reward curve as a PNG (matplotlib, if installed).
 
     python benchmarks/grpo.py [--dir /tmp/brigade-grpo] [--steps 200] [--lr 1e-3] [--png FILE]
+
+The rollout's speed (BENCHMARKS.md): --max-new N samples N tokens a completion (the SFT model ends
+its answers after 1-2 digits, so most of a long budget is the EOS stop's to skip), --mesh with
+--devices N runs the GRPO step on N fake CPU devices (the sampler's rows split over the batch's),
+--keep-sft reuses --dir's SFT run.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ def write_data(work: str) -> None:
                 prompts.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
 
 
-def run(work: str, *args: str) -> None:
+def run(work: str, *args: str, devices: int = 0) -> None:
     env = {**os.environ, "PYTHONPATH": ROOT}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     print("$ python", " ".join(args), flush=True)
     out = subprocess.run([sys.executable, *args], cwd=work, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -68,6 +75,10 @@ def main() -> None:
     p.add_argument("--lr", default="1e-3")
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--png", default="")
+    p.add_argument("--max-new", type=int, default=3, help="--post.max_new_tokens")
+    p.add_argument("--mesh", default="", help="the GRPO run's --mesh (with --devices)")
+    p.add_argument("--devices", type=int, default=0, help="fake CPU devices of the GRPO run")
+    p.add_argument("--keep-sft", action="store_true", help="reuse --dir's runs/sft")
     args = p.parse_args()
     work = args.dir
     os.makedirs(work, exist_ok=True)
@@ -75,13 +86,17 @@ def main() -> None:
     prep = ("-m", "train.data", "prepare", "--no-progress", "--overwrite")
     run(work, *prep, "sft.jsonl", "--format", "prompt_completion", "--out", "data/sft")
     run(work, *prep, "prompts.jsonl", "--format", "prompts", "--out", "data/prompts")
-    shutil.rmtree(f"{work}/runs", ignore_errors=True)  # fresh runs, not resumed ones
+    keep = args.keep_sft and os.path.isdir(f"{work}/runs/sft")
+    # fresh runs, not resumed ones
+    shutil.rmtree(f"{work}/runs/grpo" if keep else f"{work}/runs", ignore_errors=True)
     common = ("-m", "train", "--model", "tiny", "--seq-len", "16")
-    run(work, *common, "--data", "data/sft", "--steps", "200", "--run-dir", "runs/sft")
+    if not keep:
+        run(work, *common, "--data", "data/sft", "--steps", "200", "--run-dir", "runs/sft")
     grpo = ("--objective", "grpo", "--init-from", "runs/sft", "--data", "data/prompts")
-    sampling = ("--batch-size", "8", "--post.group_size", "8", "--post.max_new_tokens", "3")
+    sampling = ("--batch-size", "8", "--post.group_size", "8", "--post.max_new_tokens",
+                str(args.max_new), *(("--mesh", args.mesh) if args.mesh else ()))  # fmt: skip
     run(work, *common, *grpo, *sampling, "--steps", str(args.steps), "--lr", args.lr,
-        "--log-every", "1", "--run-dir", "runs/grpo")  # fmt: skip
+        "--log-every", "1", "--run-dir", "runs/grpo", devices=args.devices)  # fmt: skip
     records = [json.loads(x) for x in open(f"{work}/runs/grpo/metrics.jsonl")]
     steps = [r for r in records if "grpo/reward_mean" in r]
     rewards = [r["grpo/reward_mean"] for r in steps]
@@ -91,7 +106,12 @@ def main() -> None:
     late = steps[len(steps) // 2 :]  # past the first steps' compile
     tps = sorted(r["grpo/rollout_tokens_per_sec"] for r in late)[len(late) // 2]
     share = sorted(r["grpo/rollout_share"] for r in late)[len(late) // 2]
-    print(f"rollout: {tps:,.0f} tokens/s, {100 * share:.0f}% of the step (medians)")
+    secs = sorted(r["grpo/rollout_s"] for r in late)[len(late) // 2]
+    print(f"rollout: {tps:,.0f} tokens/s, {1e3 * secs:.1f} ms, {100 * share:.0f}% of the step"
+          " (medians)")  # fmt: skip
+    if "grpo/decode_steps" in late[0]:
+        steps_run = sorted(r["grpo/decode_steps"] for r in late)[len(late) // 2]
+        print(f"decode steps: {steps_run:.0f} of {args.max_new} (median)")
     print(f"greedy right: SFT {greedy_right(f'{work}/runs/sft')} / 100,"
           f" GRPO {greedy_right(f'{work}/runs/grpo')} / 100")  # fmt: skip
     if args.png:
