@@ -41,23 +41,10 @@ def best_ms(f, reps: int) -> float:
     return 1e3 * min(times)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--stops", default="8,24")
-    p.add_argument("--chunks", default="4,8,16")
-    p.add_argument("--reps", type=int, default=7)
-    a = p.parse_args()
-    cfg = build({"model.preset": "tiny", "model.d_model": a.d_model, "model.dtype": "float32"})
-    cfg = cfg.model
-    params = model.init(cfg, jax.random.key(0))
-    r, n = a.rows, a.new
-    prompt = jax.random.randint(jax.random.key(1), (r, PREFILL), 0, 255)
-    key = jax.random.key(2)
+def loops(cfg, r: int, n: int):
+    """(the scan loop, the while loop, the chunked loop) over `r` rows and `n` new tokens, each
+    (params, prompt, key, ...) -> tokens; the while loop and the chunks also take the stop step."""
 
-    @jax.jit
     def prefill(params, prompt):
         cache = model.init_cache(cfg, r, PREFILL + n)
         positions = jnp.broadcast_to(jnp.arange(PREFILL), (r, PREFILL))
@@ -87,29 +74,49 @@ def main() -> None:
         logits, cache = prefill(params, prompt)
         return scan_steps(params, logits, cache, key, jnp.zeros((r,), bool), 0, n)[-1]
 
+    start = jax.jit(prefill)
     chunk_jit = jax.jit(scan_steps, static_argnames=("chunk",), donate_argnums=(2,))
 
-    def by_chunks(stop: int, chunk: int):
-        logits, cache = prefill(params, prompt)
-        done, k, toks = jnp.zeros((r,), bool), key, []
+    def by_chunks(params, prompt, key, stop: int, chunk: int):
+        logits, cache = start(params, prompt)
+        done, toks = jnp.zeros((r,), bool), []
         for i in range(0, stop, chunk):
-            logits, cache, k, done, out = chunk_jit(params, logits, cache, k, done, i, chunk)
+            logits, cache, key, done, out = chunk_jit(params, logits, cache, key, done, i, chunk)
             toks.append(out)
             if bool(done.all()):  # the host check: never true here, as it is not before step k
                 break
         return jnp.concatenate(toks, 1)
 
-    print(f"{r} rows, prefill {PREFILL}, {n} new tokens, tiny at d_model {a.d_model}, one device")
-    scan_ms = best_ms(lambda: by_scan(params, prompt, key), a.reps)
-    while_ms = best_ms(lambda: by_while(params, prompt, key, n), a.reps)
-    print(f"full length: lax.scan {scan_ms:.1f} ms, while_loop (decode) {while_ms:.1f} ms")
+    return by_scan, by_while, by_chunks
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--stops", default="8,24")
+    p.add_argument("--chunks", default="4,8,16")
+    p.add_argument("--reps", type=int, default=7)
+    a = p.parse_args()
+    cfg = build({"model.preset": "tiny", "model.d_model": a.d_model, "model.dtype": "float32"})
+    cfg = cfg.model
+    args = (
+        model.init(cfg, jax.random.key(0)),
+        jax.random.randint(jax.random.key(1), (a.rows, PREFILL), 0, 255),
+        jax.random.key(2),
+    )
+    by_scan, by_while, by_chunks = loops(cfg, a.rows, a.new)
+
+    def ms(f, *more) -> float:
+        return best_ms(functools.partial(f, *args, *more), a.reps)
+
+    print(f"{a.rows} rows, prefill {PREFILL}, {a.new} new tokens, tiny at d_model {a.d_model}")
+    print(f"full length: lax.scan {ms(by_scan):.1f} ms, while_loop {ms(by_while, a.new):.1f} ms")
     for stop in map(int, a.stops.split(",")):
-        ms = best_ms(functools.partial(by_while, params, prompt, key, stop), a.reps)
-        line = f"stopped at step {stop}: while_loop {ms:.1f} ms"
+        line = f"stopped at step {stop}: while_loop {ms(by_while, stop):.1f} ms"
         for c in map(int, a.chunks.split(",")):
-            line += (
-                f", chunks of {c} {best_ms(functools.partial(by_chunks, stop, c), a.reps):.1f} ms"
-            )
+            line += f", chunks of {c} {ms(by_chunks, stop, c):.1f} ms"
         print(line)
 
 

@@ -2,7 +2,7 @@
 compiled sampler program's memory (argument + temp bytes: the parameters' shards, the prompts, the
 KV cache and the activations) on fsdp=4 and data=2,fsdp=2; the compiled report and the formula
 estimate carry it and count it into the peak as the larger of the update and the rollout, and it
-grows linearly with --post.group_size. Fake CPU devices."""
+grows linearly with --post.group_size; --search prices it on every mesh. Fake CPU devices."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from mesh.build import start_mesh
 from mesh.rules import axis_rules
 from models import model
+from plan import search
 from plan.estimate import evaluate
 from plan.hardware import get as hardware
 from plan.render import render
@@ -123,3 +124,10 @@ def test_the_rollout_grows_linearly_with_the_group_and_counts_into_the_total():
     assert "rollout" not in lm
     held = lm["params"] + lm["optimizer"]
     assert m["total"] == max(lm["total"], held + m["rollout"])
+    # --search prices every mesh with it
+    cfg = grpo_cfg("fsdp=8", 8, seq=256, new=64, **{"train.batch_size": 8})
+    t = cfg.train
+    rows = search.search(cfg.model, 8, hw, t.batch_size, t.seq_len, train_cfg=t, post_cfg=cfg.post)
+    assert rows and all(r["memory"]["rollout"] > 0 for r in rows)
+    fsdp8 = next(r for r in rows if r["mesh"] == "fsdp=8")
+    assert fsdp8["memory"]["rollout"] == m["rollout"]
