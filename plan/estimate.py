@@ -25,7 +25,7 @@ from plan import cost
 from plan.activation_memory import activation_bytes, attention_on
 from plan.hardware import Hardware
 from plan.lora_memory import lora_memory, lora_parts
-from plan.rollout_memory import rollout_memory
+from plan.rollout_memory import merged_copy, rollout_memory
 from plan.run_spec import RunSpec, abstract_mesh
 from plan.theory import theory
 from train.core import lora, optim
@@ -269,23 +269,26 @@ def _run_memory(cfg, stage, t, params, where, lora_cfg, post_cfg, acts) -> dict:
         memory = lora_memory(parts, _optimizer_ratio(cfg, t), *acts)
     else:
         memory = _memory(params, _optimizer_ratio(cfg, t), t, *acts)
-    _with_rollout(memory, cfg, t, post_cfg, mesh, rules, dtype)
+    _with_rollout(memory, cfg, t, post_cfg, where, lora_cfg)
     return memory
 
 
-def _with_rollout(memory: dict, cfg, t: TrainConfig, post, mesh, rules, dtype: str) -> None:
+def _with_rollout(memory: dict, cfg, t: TrainConfig, post, where, lora_cfg) -> None:
     """--objective grpo: memory['rollout'], the sampler's bytes (plan/rollout_memory.py, the
     whole model's cache: the sampler runs every layer), and the total the larger of the update's
     and the rollout's: the step's gradients, activations and formed weights are not live during the
-    rollout, the rest is. Nothing without --objective grpo."""
+    rollout, the rest is, and a LoRA run's merged weights (merged_copy) besides. Nothing without
+    --objective grpo. `where`: (mesh, rules, compute dtype)."""
     if post is None or not post.grpo:
         return
+    mesh, rules, dtype = where
     rollout = rollout_memory(
         cfg, t.batch_size * post.group_size, t.seq_len, post.max_new_tokens, mesh, rules, dtype
     )["total"]
     step_only = memory["grads"] + memory["activations"] + memory.get("merge", 0.0)
     memory["rollout"] = rollout
-    memory["total"] = max(memory["total"], memory["total"] - step_only + rollout)
+    merged = merged_copy(lora_cfg, memory.get("base", 0.0))
+    memory["total"] = max(memory["total"], memory["total"] - step_only + merged + rollout)
 
 
 def evaluate(

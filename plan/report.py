@@ -21,7 +21,7 @@ from models.flops import active_param_count, flops_per_token, param_count
 from models.pieces import n_groups_and_tail
 from plan.hlo import KINDS, parse_collectives, summarize
 from plan.lora_memory import lora_parts
-from plan.rollout_memory import rollout_memory
+from plan.rollout_memory import merged_copy, rollout_memory
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
 from train.core import lora
@@ -143,8 +143,9 @@ def _memory(s: RunSetup, state, mem) -> dict:
 def _rollout(s: RunSetup, mem: dict) -> dict:
     """--objective grpo: the sampler's memory (plan/rollout_memory.py) and the run's peak with it:
     the larger of the update's (the compiled step's peak, or its argument + temp where the backend
-    reports less) and the rollout's (the state's shards, a frozen reference or base, and the
-    sampler's bytes: the update's activations and gradients are not live then)."""
+    reports less) and the rollout's (the state's shards, a frozen reference or base, a LoRA run's
+    merged weights, and the sampler's bytes: the update's activations and gradients are not live
+    then)."""
     t, post = s.cfg.train, s.cfg.post
     parts = rollout_memory(
         s.cfg.model,
@@ -157,6 +158,7 @@ def _rollout(s: RunSetup, mem: dict) -> dict:
     )
     update = max(mem["peak_bytes"], mem["argument_bytes"] + mem["temp_bytes"])
     held = mem["params_bytes"] + mem["optimizer_bytes"] + mem["reference_bytes"] + mem["base_bytes"]
+    held += merged_copy(s.cfg.lora, mem["base_bytes"])
     return {
         "rollout_bytes": parts["total"],
         "rollout_parts": parts,

@@ -7,7 +7,8 @@ The sampler holds R = B G rows (--batch-size prompts x --post.group_size complet
 - --post.max_new_tokens, and every prompt that long: the prefill pass then covers P positions, the
 most it can. The rows split over the training batch's devices when R divides by them
 (inference.sampler_rules), every other activation replicated; the parameters stay sharded as they
-train, each layer's gathered as it runs. Per device, r = R / split rows:
+train, each layer's gathered as it runs (a LoRA run's merged first: `merged_copy`). Per device,
+r = R / split rows:
 
 - the KV cache, model.init_cache(R, width) at the compute dtype, / split, held twice: the decode
   loop's carry and the layer scan's updated copy of it (both in the compiled program's buffers);
@@ -33,6 +34,7 @@ import numpy as np
 
 from models import model as model_lib
 from models.config import ModelConfig
+from train.core import lora, qlora
 from train.core.inference import sampler_rules
 
 KV_COPIES = 2  # the decode loop's carry and the layer scan's updated cache
@@ -79,3 +81,12 @@ def rollout_memory(
         "prompts": (rows * (width + 1) // split + r * max_new) * 4,
     }
     return {**parts, "total": sum(parts.values()), "rows": rows, "split": split}
+
+
+def merged_copy(lora_cfg, base_bytes: float) -> float:
+    """The merged weights the sampler reads in a LoRA run: the base with its adapters merged, one
+    copy of the base's shards (train/run/loop.py model_params), live during the rollout; none for
+    QLoRA, whose layers merge their own weights as they run, nor without LoRA."""
+    if lora_cfg is None or not lora.enabled(lora_cfg) or qlora.enabled(lora_cfg):
+        return 0.0
+    return base_bytes

@@ -6,6 +6,7 @@ grows linearly with --post.group_size; --search prices it on every mesh. Fake CP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -21,7 +22,7 @@ from plan.estimate import evaluate
 from plan.hardware import get as hardware
 from plan.render import render
 from plan.report import analyze
-from plan.rollout_memory import rollout_memory
+from plan.rollout_memory import merged_copy, rollout_memory
 from plan.run_spec import local_bytes
 from train.core import inference
 from train.core.config import build
@@ -100,6 +101,13 @@ def test_grpo_plan_includes_the_rollout_and_its_peak():
     assert m["peak_with_rollout_bytes"] == max(m["update_live_bytes"], m["rollout_live_bytes"])
     text = render(analyze(s), False)
     assert "  rollout " in text and "peak+rollout" in text
+    # LoRA: the sampler reads the base with the adapters merged, one more copy of the base's
+    lora_cfg = grpo_cfg("fsdp=4", **{"lora.rank": 4, "lora.alpha": 8.0})
+    m = analyze(setup(lora_cfg, start_mesh(lora_cfg.parallelism, jax.devices()[:4])))["memory"]
+    held = m["params_bytes"] + m["optimizer_bytes"] + 2 * m["base_bytes"]
+    assert m["base_bytes"] > 0 and m["rollout_live_bytes"] == held + m["rollout_bytes"]
+    nf4 = dataclasses.replace(lora_cfg.lora, base_dtype="nf4", block_size=32)
+    assert merged_copy(nf4, m["base_bytes"]) == 0  # QLoRA merges per layer as it runs
     lm = build({"model.preset": "tiny", "parallelism.mesh": "fsdp=4", "train.seq_len": 64})
     lm_report = analyze(setup(lm, start_mesh(lm.parallelism, jax.devices()[:4])))
     assert "rollout_bytes" not in lm_report["memory"]
