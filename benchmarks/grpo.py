@@ -11,12 +11,18 @@ prompts "a+b=" raises its mean reward. The commands are the ones a user types
   - with --png PATH, the reward curves as a PNG (matplotlib, if installed).
 
     python benchmarks/grpo.py [--dir /tmp/brigade-grpo] [--steps 200] [--lr 1e-3]
-        [--updates 1,2] [--png FILE]
+        [--updates 1,2] [--png FILE] [--max-new N] [--mesh M --devices N] [--keep-sft]
+
+The rollout's speed (BENCHMARKS.md): --max-new N samples N tokens a completion (the SFT model ends
+its answers after 1-2 digits, so most of a long budget is the EOS stop's to skip), --mesh with
+--devices N runs the GRPO step on N fake CPU devices (the sampler's rows split over the batch's),
+--keep-sft reuses --dir's SFT run.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
@@ -41,8 +47,10 @@ def write_data(work: str) -> None:
                 prompts.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
 
 
-def run(work: str, *args: str) -> None:
+def run(work: str, *args: str, devices: int = 0) -> None:
     env = {**os.environ, "PYTHONPATH": ROOT}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     print("$ python", " ".join(args), flush=True)
     out = subprocess.run([sys.executable, *args], cwd=work, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -68,11 +76,13 @@ def grpo_run(work: str, args, n: int) -> dict:
     """GRPO from runs/sft at N updates per rollout -> its logged figures."""
     common = ("-m", "train", "--model", "tiny", "--seq-len", "16")
     grpo = ("--objective", "grpo", "--init-from", "runs/sft", "--data", "data/prompts")
-    sampling = ("--batch-size", "8", "--post.group_size", "8", "--post.max_new_tokens", "3")
+    sampling = ("--batch-size", "8", "--post.group_size", "8", "--post.max_new_tokens",
+                str(args.max_new), *(("--mesh", args.mesh) if args.mesh else ()))  # fmt: skip
     held_out = ("--data.eval_fraction", args.eval_fraction, "--eval-every", str(args.eval_every))
     name = f"runs/grpo_n{n}"
     updates = ("--post.updates_per_rollout", str(n), "--steps", str(args.steps), "--lr", args.lr)
-    run(work, *common, *grpo, *sampling, *held_out, *updates, "--log-every", "1", "--run-dir", name)
+    run(work, *common, *grpo, *sampling, *held_out, *updates, "--log-every", "1", "--run-dir", name,
+        devices=args.devices)  # fmt: skip
     records = [json.loads(x) for x in open(f"{work}/{name}/metrics.jsonl")]
     steps = [r for r in records if "grpo/reward_mean" in r]
     evals = [r for r in records if "eval/reward_mean" in r]
@@ -89,6 +99,8 @@ def grpo_run(work: str, args, n: int) -> dict:
     clip_mean = sum(clip) / max(len(clip), 1)
     print(f"N={n}: rollout {tps:,.0f} tokens/s (median), {len(late)} rollouts in the second"
           f" half; clip fraction on reused rollouts {clip_mean:.3f} (mean)")  # fmt: skip
+    steps_run = sorted(r["grpo/decode_steps"] for r in late)[len(late) // 2]
+    print(f"N={n}: decode steps {steps_run:.0f} of {args.max_new} (median)")
     print(f"N={n}: greedy right {greedy_right(f'{work}/{name}')} / 100; run"
           f" {summary.get('wall_s', float('nan')):.1f} s")  # fmt: skip
     return {"rewards": rewards, "curve": curve, "evals": evals}
@@ -126,6 +138,10 @@ def main() -> None:
     p.add_argument("--eval-fraction", default="0.2", help="held-out share of the prompts")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--png", default="")
+    p.add_argument("--max-new", type=int, default=3, help="--post.max_new_tokens")
+    p.add_argument("--mesh", default="", help="the GRPO run's --mesh (with --devices)")
+    p.add_argument("--devices", type=int, default=0, help="fake CPU devices of the GRPO run")
+    p.add_argument("--keep-sft", action="store_true", help="reuse --dir's runs/sft")
     args = p.parse_args()
     work = args.dir
     os.makedirs(work, exist_ok=True)
@@ -133,9 +149,13 @@ def main() -> None:
     prep = ("-m", "train.data", "prepare", "--no-progress", "--overwrite")
     run(work, *prep, "sft.jsonl", "--format", "prompt_completion", "--out", "data/sft")
     run(work, *prep, "prompts.jsonl", "--format", "prompts", "--out", "data/prompts")
-    shutil.rmtree(f"{work}/runs", ignore_errors=True)  # fresh runs, not resumed ones
+    keep = args.keep_sft and os.path.isdir(f"{work}/runs/sft")
+    # fresh runs, not resumed ones
+    for old in glob.glob(f"{work}/runs/grpo_n*") if keep else [f"{work}/runs"]:
+        shutil.rmtree(old, ignore_errors=True)
     common = ("-m", "train", "--model", "tiny", "--seq-len", "16")
-    run(work, *common, "--data", "data/sft", "--steps", "200", "--run-dir", "runs/sft")
+    if not keep:
+        run(work, *common, "--data", "data/sft", "--steps", "200", "--run-dir", "runs/sft")
     print(f"greedy right: SFT {greedy_right(f'{work}/runs/sft')} / 100")
     runs = {int(n): grpo_run(work, args, int(n)) for n in args.updates.split(",")}
     if args.png:

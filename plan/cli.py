@@ -203,6 +203,7 @@ def _search(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
         pipeline_cfg=cfg.pipeline,
         vocab_parallel=p.vocab_parallel,
         lora_cfg=cfg.lora,
+        post_cfg=cfg.post,
     )
     fit = [r for r in rows if r["fits"]]
     text = render_search(rows, ns.top, hw, n)
@@ -238,7 +239,7 @@ def _estimate(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
         sequence_parallel=p.sequence_parallel,
         lora_cfg=cfg.lora,
     )
-    row = evaluate(*args, **kwargs)
+    row = evaluate(*args, **kwargs, post_cfg=cfg.post)
     row["goodput"] = _goodput(
         ns, cfg, row, row["memory"]["params"] + row["memory"]["optimizer"], hw
     )

@@ -25,6 +25,7 @@ from plan import cost
 from plan.activation_memory import activation_bytes, attention_on
 from plan.hardware import Hardware
 from plan.lora_memory import lora_memory, lora_parts
+from plan.rollout_memory import merged_copy, rollout_memory
 from plan.run_spec import RunSpec, abstract_mesh
 from plan.theory import theory
 from train.core import lora, optim
@@ -258,6 +259,38 @@ def _pipeline_entry(pc: PipelineConfig, p: int, pipe_m: int) -> dict:
     return {"microbatches": pipe_m, "repeats": pc.repeats, "schedule": pc.schedule}
 
 
+def _run_memory(cfg, stage, t, params, where, lora_cfg, post_cfg, acts) -> dict:
+    """Per-device memory by part: a LoRA run's (the adapters train; the frozen base and its merge
+    apart) or a full fine-tune's, with --objective grpo's rollout. `where`: (mesh, rules, compute
+    dtype); `acts`: the activation bytes (on the device, offloaded to the host)."""
+    mesh, rules, dtype = where
+    if lora.enabled(lora_cfg):
+        parts = lora_parts(stage, lora_cfg, mesh, rules, dtype)
+        memory = lora_memory(parts, _optimizer_ratio(cfg, t), *acts)
+    else:
+        memory = _memory(params, _optimizer_ratio(cfg, t), t, *acts)
+    _with_rollout(memory, cfg, t, post_cfg, where, lora_cfg)
+    return memory
+
+
+def _with_rollout(memory: dict, cfg, t: TrainConfig, post, where, lora_cfg) -> None:
+    """--objective grpo: memory['rollout'], the sampler's bytes (plan/rollout_memory.py, the
+    whole model's cache: the sampler runs every layer), and the total the larger of the update's
+    and the rollout's: the step's gradients, activations and formed weights are not live during the
+    rollout, the rest is, and a LoRA run's merged weights (merged_copy) besides. Nothing without
+    --objective grpo. `where`: (mesh, rules, compute dtype)."""
+    if post is None or not post.grpo:
+        return
+    mesh, rules, dtype = where
+    rollout = rollout_memory(
+        cfg, t.batch_size * post.group_size, t.seq_len, post.max_new_tokens, mesh, rules, dtype
+    )["total"]
+    step_only = memory["grads"] + memory["activations"] + memory.get("merge", 0.0)
+    memory["rollout"] = rollout
+    merged = merged_copy(lora_cfg, memory.get("base", 0.0))
+    memory["total"] = max(memory["total"], memory["total"] - step_only + merged + rollout)
+
+
 def evaluate(
     cfg,
     sizes: dict[str, int],
@@ -275,13 +308,14 @@ def evaluate(
     vocab_parallel: str = "auto",
     sequence_parallel: bool = False,
     lora_cfg=None,
+    post_cfg=None,
 ) -> dict:
     """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
     micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
     comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
     vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh
-    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py)."""
+    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py). post_cfg: --post."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
     pc = pipeline_cfg or PipelineConfig()
     platform = platform or hw.platform
@@ -299,11 +333,9 @@ def evaluate(
     on_device, on_host = _activations(
         cfg, run, hw, mesh, act_bytes, pipe_m, shards, sequence_parallel
     )
-    if lora.enabled(lora_cfg):  # the adapters train; the frozen base and its merge apart
-        parts = lora_parts(stage, lora_cfg, mesh, rules, dtype)
-        memory = lora_memory(parts, _optimizer_ratio(cfg, t), on_device, on_host)
-    else:
-        memory = _memory(params, _optimizer_ratio(cfg, t), t, on_device, on_host)
+    memory = _run_memory(
+        cfg, stage, t, params, (mesh, rules, dtype), lora_cfg, post_cfg, (on_device, on_host)
+    )
     _count_host_offload(comm, on_host + memory["host_optimizer"])
     pred = _predict(cfg, run, hw, comm, platform, pipe_m, dcn)
     return {

@@ -42,7 +42,25 @@ def _memory_lines(r: dict) -> list[str]:
                 f"  {'reference':<12}{_mib(m['reference_bytes'])} (the frozen reference model of"
                 " --objective dpo|ipo, or grpo with --post.kl_beta)"
             )
+    if "rollout_bytes" in m:
+        lines += _rollout_lines(m)
     return lines
+
+
+def _rollout_lines(m: dict) -> list[str]:
+    """--objective grpo: the sampler's memory by part, and the peak with it (plan/report.py)."""
+    p = m["rollout_parts"]
+    split = f"split over {p['split']} devices" if p["split"] > 1 else "every device all of them"
+    return [
+        f"  {'rollout':<12}{_mib(m['rollout_bytes'])} (formula: grpo's sampler, {p['rows']} rows,"
+        f" {split}: KV cache {_mib(p['kv_cache']).strip()}, weights gathered"
+        f" {_mib(p['weights']).strip()}, logits and scores {_mib(p['activations']).strip()},"
+        f" tokens {_mib(p['prompts']).strip()})",
+        f"  {'peak+rollout':<12}{_mib(m['peak_with_rollout_bytes'])} (the larger of the update's"
+        f" {_mib(m['update_live_bytes']).strip()} and the rollout's"
+        f" {_mib(m['rollout_live_bytes']).strip()}: the state's shards and the sampler; never"
+        " live together)",
+    ]
 
 
 def _collective_lines(r: dict) -> list[str]:
@@ -191,6 +209,12 @@ def render_estimate(row: dict, hw: Hardware) -> str:
             f" LoRA base {m['base'] / gib:.2f} (params: the adapters), formed weights"
             f" {m['merge'] / gib:.2f},"
             if "base" in m
+            else ""
+        )
+        + (
+            f" rollout {m['rollout'] / gib:.2f} (grpo's sampler, not live with the update's"
+            " grads and activations),"
+            if "rollout" in m
             else ""
         )
         + f" total {m['total'] / gib:.2f} GiB -> {'fits' if row['fits'] else 'does NOT fit'} in"

@@ -21,6 +21,7 @@ from models.flops import active_param_count, flops_per_token, param_count
 from models.pieces import n_groups_and_tail
 from plan.hlo import KINDS, parse_collectives, summarize
 from plan.lora_memory import lora_parts
+from plan.rollout_memory import merged_copy, rollout_memory
 from plan.run_spec import local_bytes, rows_per_shard, run_spec
 from plan.theory import on_backend, theory
 from train.core import lora
@@ -123,7 +124,7 @@ def _memory(s: RunSetup, state, mem) -> dict:
         if s.ref_shardings is None
         else sum(local_bytes(x) for x in jax.tree.leaves(frozen_args(s)[0]))
     )
-    return {
+    out = {
         "params_bytes": params_b,
         "optimizer_bytes": opt_b,
         "gradient_bytes": params_b,
@@ -135,6 +136,35 @@ def _memory(s: RunSetup, state, mem) -> dict:
         "temp_bytes": mem.temp_size_in_bytes,
         "alias_bytes": mem.alias_size_in_bytes,
         "peak_bytes": getattr(mem, "peak_memory_in_bytes", 0),
+    }
+    return out | (_rollout(s, out) if s.cfg.post.grpo else {})
+
+
+def _rollout(s: RunSetup, mem: dict) -> dict:
+    """--objective grpo: the sampler's memory (plan/rollout_memory.py) and the run's peak with it:
+    the larger of the update's (the compiled step's peak, or its argument + temp where the backend
+    reports less) and the rollout's (the state's shards, a frozen reference or base, a LoRA run's
+    merged weights, and the sampler's bytes: the update's activations and gradients are not live
+    then)."""
+    t, post = s.cfg.train, s.cfg.post
+    parts = rollout_memory(
+        s.cfg.model,
+        t.batch_size * post.group_size,
+        t.seq_len,
+        post.max_new_tokens,
+        s.mesh,
+        s.rules,
+        s.compute_dtype,
+    )
+    update = max(mem["peak_bytes"], mem["argument_bytes"] + mem["temp_bytes"])
+    held = mem["params_bytes"] + mem["optimizer_bytes"] + mem["reference_bytes"] + mem["base_bytes"]
+    held += merged_copy(s.cfg.lora, mem["base_bytes"])
+    return {
+        "rollout_bytes": parts["total"],
+        "rollout_parts": parts,
+        "update_live_bytes": update,
+        "rollout_live_bytes": held + parts["total"],
+        "peak_with_rollout_bytes": max(update, held + parts["total"]),
     }
 
 

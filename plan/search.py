@@ -68,6 +68,7 @@ def _price(
     choice,
     vocab_parallel,
     lora_cfg=None,
+    post_cfg=None,
 ) -> dict | None:
     """evaluate() of one choice (None where the mesh cannot take the run's head layout); sequence
     parallelism moves the same bytes and saves activation memory: worth it where the mesh does not
@@ -86,6 +87,7 @@ def _price(
             pipeline_cfg=choice,
             vocab_parallel=vocab_parallel,
             lora_cfg=lora_cfg,
+            post_cfg=post_cfg,
         )
         if (
             not row["fits"]
@@ -106,6 +108,7 @@ def _price(
                 vocab_parallel=vocab_parallel,
                 sequence_parallel=True,
                 lora_cfg=lora_cfg,
+                post_cfg=post_cfg,
             )
     except UserError:
         # --parallelism.vocab_parallel on, and the mesh does not divide the vocabulary
@@ -135,6 +138,7 @@ def _offloaded(
     pc,
     vocab_parallel,
     lora_cfg=None,
+    post_cfg=None,
 ) -> dict | None:
     """`row`'s layout priced with each of OFFLOADS until one fits (None if none does); the row's
     `offload` says which flags it took."""
@@ -157,6 +161,7 @@ def _offloaded(
             choice,
             vocab_parallel,
             lora_cfg,
+            post_cfg,
         )
         if out is not None and out["fits"]:
             return {**out, "offload": flags}
@@ -212,6 +217,7 @@ def _best_on_mesh(
     pc: PipelineConfig,
     vocab_parallel: str,
     lora_cfg=None,
+    post_cfg=None,
 ) -> dict | None:
     """The best row of one mesh (None where the run refuses every setting): the fastest pipeline
     setting the run accepts, every other schedule tried on a pipeline mesh, and, where the best
@@ -231,6 +237,7 @@ def _best_on_mesh(
         comm_cfg,
         vocab_parallel=vocab_parallel,
         lora_cfg=lora_cfg,
+        post_cfg=post_cfg,
     )
     for choice in pipeline_choices(cfg, sizes, t, pc, rules):
         if not check(cfg, sizes, t, choice, rules):
@@ -252,6 +259,7 @@ def _best_on_mesh(
             pc,
             vocab_parallel,
             lora_cfg,
+            post_cfg,
         )
         best = _better(best, offloaded)
     return best
@@ -271,6 +279,7 @@ def search(
     pipeline_cfg: PipelineConfig | None = None,
     vocab_parallel: str = "auto",
     lora_cfg=None,
+    post_cfg=None,
 ) -> list[dict]:
     """Every valid mesh of n_devices, best first: those that fit in memory by predicted step time,
     then those that do not, by memory. Validity is the run's own (validate_run). Pipeline meshes
@@ -278,7 +287,7 @@ def search(
     the run's --pipeline.microbatches, or with it unset at every micro-batch count the run would
     accept, keeping the fastest that fits (the row says which, and its flags). `lora_cfg`: a LoRA
     or QLoRA fine-tune's section: the adapters train, the frozen base is held apart
-    (plan/lora_memory.py)."""
+    (plan/lora_memory.py). `post_cfg`: --post; with --objective grpo the rollout's memory counts."""
     rules = rules or make_rules()
     pc = pipeline_cfg or PipelineConfig()
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
@@ -301,6 +310,7 @@ def search(
             pc,
             vocab_parallel,
             lora_cfg,
+            post_cfg,
         )
         if best is not None:
             rows.append(best)

@@ -138,6 +138,8 @@ def test_fit_samples_logs_and_resumes_exactly(tmp_path):
     keys = ("grpo/reward_mean", "grpo/reward_std", "grpo/rollout_tokens", "grpo/rollout_share")
     assert set(keys) <= set(logged[-1])
     assert logged[-1]["grpo/rollout_tokens"] == 4 * G * 3
+    # "a+b=" prompts, 3 new tokens: at most 3 decode steps, fewer once every row has its EOS
+    assert all(1 <= r["grpo/decode_steps"] <= 3 for r in logged)
     assert 0 < logged[-1]["grpo/rollout_share"] < 1
     assert logged[-1]["post/kl"] == 0.0  # no reference: no KL
 

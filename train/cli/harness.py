@@ -341,7 +341,7 @@ class BrigadeLM(TemplateLM):
                         steps=steps,
                         temperature=temperature,
                         top_k=top_k,
-                    )
+                    )[0]
                 )
             )
         texts = []

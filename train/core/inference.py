@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mesh.rules import axis_rules
+from mesh.rules import axis_rules, logical_to_spec
+from mesh.shard import entry_axes
 from models import context, model
-from models.sample import generate, pick_token
+from models.sample import decode, generate
 from train.core.batch_loss import eval_step
 from train.core.setup import RunSetup
+from train.core.shapes import batch_shards
 from train.data.tokenizers import ByteTokenizer, Tokenizer
 
 
@@ -51,6 +53,19 @@ def generate_on_mesh(s: RunSetup, params, prompt_BT: np.ndarray, key, **sampling
         return generate(s.model_cfg, params, prompt_BT, key, **sampling)
 
 
+def sampler_rules(mesh, rules: dict, rows: int) -> tuple[dict, int]:
+    """The sampler's logical-axis rules for `rows` rows, and the devices the rows split over: the
+    training batch's mesh axes (data, fsdp, ...) when `rows` divides by their devices, else none
+    (1: every device samples every row). Every other activation is replicated: a decode step's are
+    [rows, 1, ...], nothing else worth splitting. The parameters stay sharded as they train."""
+    replicated = {k: () for k in rules}
+    shards = batch_shards(mesh, rules)
+    if rows % shards:
+        return replicated, 1
+    axes = entry_axes(logical_to_spec(("batch",), rules)[0])
+    return {**replicated, "batch": axes, "logits_batch": axes}, shards
+
+
 def sample_text(
     s: RunSetup,
     params,
@@ -77,7 +92,9 @@ def token_logprobs(cfg, params, tokens_BT, targets_BT):
     return logp_BT, jnp.argmax(logits_BTV, axis=-1) == targets_BT
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "prefill", "steps", "temperature", "top_k"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "prefill", "steps", "temperature", "top_k", "eos")
+)
 def continue_prompts(
     cfg,
     params,
@@ -89,10 +106,15 @@ def continue_prompts(
     steps: int,
     temperature: float,
     top_k: int,
+    eos: int | None = None,
 ):
-    """Right-padded prompts [B, prefill + steps] of `lengths_B` tokens (each >= prefill) -> the
+    """Right-padded prompts [B, prefill + steps] of `lengths_B` tokens (each >= prefill) -> (the
     tokens at positions prefill .. prefill + steps - 1 [B, steps]: the row's prompt while it lasts,
-    then picked ones. One prefill pass fills the cache; each step is one single-position pass."""
+    then picked ones; the decode steps run). One prefill pass fills the cache; each step is one
+    single-position pass (models/sample.py decode). With `eos`, the loop stops once every row has
+    picked it, and a row's tokens after its first picked `eos` are `eos`. jax keys the trace by the
+    function and its arguments, not by the axis rules in context: a process samples under one table
+    (sampler_rules, or the run's), or jits a wrapper of its own per table."""
     b = tokens_BT.shape[0]
     cache = model.init_cache(cfg, b, prefill + steps)
     logits_BTV, cache = model.apply(
@@ -102,18 +124,17 @@ def continue_prompts(
         jnp.broadcast_to(jnp.arange(prefill), (b, prefill)),
         cache,
     )
-
-    def step(carry, i):
-        logits_BV, cache, key = carry
-        key, sub = jax.random.split(key)
-        pos = prefill + i
-        tok_B = jnp.where(
-            pos < lengths_B, tokens_BT[:, pos], pick_token(logits_BV, sub, temperature, top_k)
-        )
-        logits_B1V, cache = model.apply(
-            cfg, params, tok_B[:, None], jnp.full((b, 1), pos, jnp.int32), cache
-        )
-        return (logits_B1V[:, -1], cache, key), tok_B
-
-    _, toks_NB = jax.lax.scan(step, (logits_BTV[:, -1], cache, key), jnp.arange(steps))
-    return toks_NB.T
+    return decode(
+        cfg,
+        params,
+        logits_BTV[:, -1],
+        cache,
+        key,
+        start=prefill,
+        steps=steps,
+        temperature=temperature,
+        top_k=top_k,
+        forced_BT=tokens_BT,
+        lengths_B=lengths_B,
+        eos=eos,
+    )

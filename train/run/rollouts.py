@@ -5,7 +5,8 @@ depend on the weights of the step that samples them, so they are made here, in t
 Trainer calls `Rollouts(state, prompts)` where it calls any step. It samples G completions of
 each prompt with Brigade's KV-cache sampler (train/core/inference.py continue_prompts, jitted once)
 from the policy's own parameters on the training mesh (the parameters stay sharded as they train;
-the sampler's activations are replicated), scores each with the reward (train/core/rewards.py),
+the R = B G rows split over the batch's devices when R divides by them: inference.sampler_rules),
+stopping once every row has emitted EOS, scores each with the reward (train/core/rewards.py),
 computes the group-relative advantages and the step's batch (train/core/grpo_loss.py), and runs the
 compiled train step on it. The sampling key is a function of --train.seed and the step, so a
 resumed run samples the same completions.
@@ -30,9 +31,11 @@ rollout the step trains on), `grpo/completion_tokens` (the mean completion lengt
 included), `grpo/rollout_tokens` (the tokens sampled by this step, B G x --post.max_new_tokens,
 0 on a step that reuses its rollout), `grpo/rollout_tokens_per_sec`, `grpo/rollout_s` and
 `grpo/rollout_share` (of the step's wall time, the update included), `grpo/clip_fraction` (the
-completions' mean share of tokens whose ratio was clipped), `grpo/ratio_mean` and `post/kl` (with
---post.kl_beta > 0) from the step. At --eval-every, `eval/reward_mean` and `eval/pass_rate` of
-greedy completions of the held-out prompts (`held_out_rewards`).
+completions' mean share of tokens whose ratio was clipped), `grpo/ratio_mean`,
+`grpo/decode_steps` (the sampler's decode steps in the rollout: fewer than the prompts' spread
+plus --post.max_new_tokens when every row ends early) and `post/kl` (with --post.kl_beta > 0)
+from the step. At --eval-every, `eval/reward_mean` and `eval/pass_rate` of greedy completions
+of the held-out prompts (`held_out_rewards`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from errors import UserError
 from mesh.rules import axis_rules
 from models import context
 from train.core import grpo_loss, rewards
-from train.core.inference import continue_prompts
+from train.core.inference import continue_prompts, sampler_rules
 from train.core.setup import RunSetup
+from train.core.shapes import batch_shards
 
 
 class Rollouts:
@@ -77,6 +81,15 @@ class Rollouts:
             functools.partial(grpo_loss.token_logps, s.model_cfg, s.cfg.train.micro_batches),
             out_shardings=s.batch_sharding,
         )
+        rows, devices = s.cfg.train.batch_size * post.group_size, batch_shards(s.mesh, s.rules)
+        self.sampler_rules, split = sampler_rules(s.mesh, s.rules, rows)
+        if split < devices and jax.process_index() == 0:
+            print(
+                f"grpo: the sampler's {rows} rows (--batch-size x --post.group_size) do not split"
+                f" over the batch's {devices} devices: each samples them all",
+                flush=True,
+            )
+        self.sample_metrics: dict[str, float] = {}
 
     def texts(self, d: int) -> tuple[str, str]:
         """Record d's (prompt, answer) as text."""
@@ -88,31 +101,41 @@ class Rollouts:
             )
         return self._texts[d]
 
+    def complete(self, params, prompt_XP, length_X, key, temperature: float, rules):
+        """-> (the continuation [X, max_new] of each right-padded prompt, the decode steps run),
+        by the KV-cache sampler on the training mesh under axis `rules`; every row holds
+        P + max_new tokens and stops once all rows have picked EOS."""
+        tokens_XW = np.full((len(prompt_XP), self.width), self.data.eos, np.int32)
+        tokens_XW[:, : prompt_XP.shape[1]] = prompt_XP
+        with jax.set_mesh(self.s.mesh), axis_rules(rules):
+            out_XS, steps_run = continue_prompts(
+                self.s.model_cfg,
+                params,
+                tokens_XW,
+                np.asarray(length_X, np.int32),
+                key,
+                prefill=self.prefill,
+                steps=self.width - self.prefill,
+                temperature=temperature,
+                top_k=0,
+                eos=self.data.eos,
+            )
+        full_XW = np.concatenate([tokens_XW[:, : self.prefill], np.asarray(out_XS)], 1)
+        at_XN = np.asarray(length_X)[:, None] + np.arange(self.s.cfg.post.max_new_tokens)
+        return np.take_along_axis(full_XW, at_XN, 1), int(steps_run)
+
     def sample(self, params, prompts: dict, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> (prompts [R, P], their lengths [R], G completions of each [R, max_new]), R = B G, row
         b G + g prompt b's completion g, sampled with the key of (seed, step)."""
         s, post = self.s, self.s.cfg.post
         prompt_RP = np.repeat(prompts["prompt"], post.group_size, 0)
         length_R = np.repeat(prompts["length"], post.group_size).astype(np.int32)
-        tokens_RW = np.full((len(prompt_RP), self.width), self.data.eos, np.int32)
-        tokens_RW[:, : prompt_RP.shape[1]] = prompt_RP
         key = jax.random.fold_in(jax.random.key(s.cfg.train.seed), step)
-        replicate_acts = {k: () for k in s.rules}  # the rows need not split over the devices
-        with jax.set_mesh(s.mesh), axis_rules(replicate_acts):
-            out_RS = continue_prompts(
-                s.model_cfg,
-                params,
-                tokens_RW,
-                length_R,
-                key,
-                prefill=self.prefill,
-                steps=self.width - self.prefill,
-                temperature=float(post.temperature),
-                top_k=0,
-            )
-        full_RW = np.concatenate([tokens_RW[:, : self.prefill], np.asarray(out_RS)], 1)
-        at_RN = length_R[:, None] + np.arange(post.max_new_tokens)
-        return prompt_RP, length_R, np.take_along_axis(full_RW, at_RN, 1)
+        new_RN, steps_run = self.complete(
+            params, prompt_RP, length_R, key, float(post.temperature), self.sampler_rules
+        )
+        self.sample_metrics = {"grpo/decode_steps": float(steps_run)}
+        return prompt_RP, length_R, new_RN
 
     def scores(self, records_B: np.ndarray, new_RN: np.ndarray, group: int = 0) -> np.ndarray:
         """The reward of each completion [B, G] (its text up to the EOS), row b G + g prompt b's
@@ -187,6 +210,7 @@ class Rollouts:
                 grpo_loss.completion_lengths(new_RN, self.data.eos).mean()
             ),
             "grpo/rollout_tokens_per_sec": new_RN.size / max(sampled_s, 1e-9),
+            **self.sample_metrics,
         }
         return batch, {**figures, "grpo/rollout_tokens": float(new_RN.size)}
 
@@ -232,23 +256,8 @@ class Rollouts:
 
     def greedy(self, params, prompt_EP: np.ndarray, length_E: np.ndarray) -> np.ndarray:
         """The greedy continuation [E, max_new] of each right-padded prompt, on the training mesh
-        (the sampler of the rollouts, at temperature 0)."""
-        s, max_new = self.s, self.s.cfg.post.max_new_tokens
-        tokens_EW = np.full((len(prompt_EP), self.width), self.data.eos, np.int32)
-        tokens_EW[:, : prompt_EP.shape[1]] = prompt_EP
-        replicate_acts = {k: () for k in s.rules}
-        with jax.set_mesh(s.mesh), axis_rules(replicate_acts):
-            out_ES = continue_prompts(
-                s.model_cfg,
-                params,
-                tokens_EW,
-                np.asarray(length_E, np.int32),
-                jax.random.key(0),  # unused at temperature 0
-                prefill=self.prefill,
-                steps=self.width - self.prefill,
-                temperature=0.0,
-                top_k=0,
-            )
-        full_EW = np.concatenate([tokens_EW[:, : self.prefill], np.asarray(out_ES)], 1)
-        at_EN = np.asarray(length_E)[:, None] + np.arange(max_new)
-        return np.take_along_axis(full_EW, at_EN, 1)
+        (the sampler of the rollouts, at temperature 0; the rows replicated: E need not divide
+        over the devices)."""
+        replicate_acts = {k: () for k in self.s.rules}
+        key = jax.random.key(0)  # unused at temperature 0
+        return self.complete(params, prompt_EP, length_E, key, 0.0, replicate_acts)[0]
