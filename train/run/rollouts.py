@@ -21,10 +21,10 @@ rollout boundaries (train/core/post_sections.py, train/run/steps.py): a resume s
 the uninterrupted run sampled, from the same parameters.
 
 Several processes: every process passes the same prompts and key to the sampler (one SPMD
-program; its replicated output is the same on each), scores its share of the completions and
-gathers the others' (`scores`), so the rewards, advantages and batch are the same on every
-process; the batch becomes one global array sharded like any batch, each process placing the rows
-of its devices.
+program, its rows split over all processes' devices), gathers the completions (`complete`),
+scores its share of them and gathers the others' (`scores`), so the rewards, advantages and batch
+are the same on every process; the batch becomes one global array sharded like any batch, each
+process placing the rows of its devices.
 
 Logged with every step: `grpo/reward_mean`, `grpo/reward_std` (over the B G completions, of the
 rollout the step trains on), `grpo/completion_tokens` (the mean completion length, its EOS
@@ -120,6 +120,8 @@ class Rollouts:
                 top_k=0,
                 eos=self.data.eos,
             )
+        if jax.process_count() > 1:  # split rows span other processes' devices: gather them
+            out_XS = multihost_utils.process_allgather(out_XS, tiled=True)
         full_XW = np.concatenate([tokens_XW[:, : self.prefill], np.asarray(out_XS)], 1)
         at_XN = np.asarray(length_X)[:, None] + np.arange(self.s.cfg.post.max_new_tokens)
         return np.take_along_axis(full_XW, at_XN, 1), int(steps_run)
