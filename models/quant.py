@@ -83,7 +83,8 @@ class QuantizedWeight:
         """The float32 scales (double quantisation undone)."""
         if self.scale_scales is None:
             return self.scales
-        return self.scales.astype(jnp.float32) * self.scale_scales + self.scale_offset
+        step = expand(self.scale_scales, self.scales.shape)
+        return self.scales.astype(jnp.float32) * step + self.scale_offset
 
     def dequantize(self) -> jax.Array:
         """float32 W ~ codes x scales."""
@@ -136,24 +137,40 @@ NF4_VALUES = (
 )
 
 
-def nf4_encode(w: jax.Array, block_dim: int, block: int) -> tuple[jax.Array, jax.Array]:
-    """-> (codes uint8 [w's shape], absmax scales float32 [w's, block_dim / block]): the index of
-    the NF4 value nearest to w / absmax of its block, counted as how many of the 15 midpoints
-    between neighbouring values it lies above (ties go to the lower value, as an argmin's first
-    hit does). Our own rather than qwix.quantize's "nf4": that takes an argmin over the 16
-    values of each element, which XLA keeps as a [N, 16] float32 temporary (5.8 GB per device
-    quantising the 1b preset on fsdp=8, 8x its float32 weights); this one is elementwise and
-    fuses, no temporary."""
-    shape = w.shape
-    split = (*shape[:block_dim], shape[block_dim] // block, block, *shape[block_dim + 1 :])
-    blocks = w.reshape(split)
-    absmax = jnp.max(jnp.abs(blocks), axis=block_dim + 1, keepdims=True)
+def tiles(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
+    """`x` with each dim n split into (n / t, t) for its tile t: [..., n / t, t, ...]."""
+    split = [part for n, t in zip(x.shape, tile, strict=True) for part in (n // t, t)]
+    return x.reshape(split)
+
+
+def tile_max(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
+    """max over each tile of `x`: shape x.shape / tile (elementwise per dim)."""
+    return jnp.max(tiles(x, tile), axis=tuple(range(1, 2 * x.ndim, 2)))
+
+
+def expand(small: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`small` (a value per tile) repeated over its tiles to `shape`, each dim a multiple."""
+    for d, n in enumerate(shape):
+        if small.shape[d] != n:
+            small = jnp.repeat(small, n // small.shape[d], axis=d)
+    return small
+
+
+def nf4_encode(w: jax.Array, tile: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """-> (codes uint8 [w's shape], absmax scales float32 [w's shape / tile]): the index of the
+    NF4 value nearest to w / absmax of its block (a tile of w: `tile[d]` consecutive values along
+    each dim d), counted as how many of the 15 midpoints between neighbouring values it lies above
+    (ties go to the lower value, as an argmin's first hit does). Our own rather than
+    qwix.quantize's "nf4": that takes an argmin over the 16 values of each element, which XLA
+    keeps as a [N, 16] float32 temporary (5.8 GB per device quantising the 1b preset on fsdp=8, 8x
+    its float32 weights); this one is elementwise and fuses, no temporary."""
+    absmax = tile_max(jnp.abs(w), tile)
     safe = jnp.where(absmax > 0, absmax, 1.0)  # an all-zero block: codes of 0.0, any scale
-    x = blocks / safe
-    codes = jnp.zeros(split, jnp.uint8)
+    x = w / expand(safe, w.shape)
+    codes = jnp.zeros(w.shape, jnp.uint8)
     for lo, hi in zip(NF4_VALUES[:-1], NF4_VALUES[1:], strict=True):
         codes = codes + (x > (lo + hi) / 2).astype(jnp.uint8)
-    return codes.reshape(shape), jnp.squeeze(safe, block_dim + 1)
+    return codes, safe
 
 
 def pack(codes: jax.Array) -> jax.Array:
@@ -183,10 +200,15 @@ def materialise(tree):
 
 def take_rows(table_VD, ids):
     """`table_VD[ids]` (an embedding lookup); of a quantised table only the rows looked up are
-    dequantised (its codes and scales all lead with the vocabulary dim)."""
+    dequantised: each of its arrays leads with the vocabulary dim or a tiling of it (the double
+    quantisation's steps, one per group of rows; its offset, one for the table), row v of the
+    table in that array's row v / (V / rows)."""
     if not is_lazy(table_VD):
         return jnp.take(table_VD, ids, axis=0)
-    return materialise(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table_VD))
+    vocab = table_VD.codes.shape[0]
+    return materialise(
+        jax.tree.map(lambda a: jnp.take(a, ids // (vocab // a.shape[0]), axis=0), table_VD)
+    )
 
 
 def has_quantised(tree) -> bool:
@@ -210,14 +232,17 @@ def quantize(
     fmt: str,
     *,
     in_dims: tuple[int, ...],
-    block_dim: int,
-    block: int = 64,
-    double_quant: bool = False,
+    tile: tuple[int, ...] = (),
+    group: tuple[int, ...] = (),
+    layers: int = 1,
     dtype: str = "float32",
 ) -> QuantizedWeight:
     """Quantise `w` (jittable; see the module docstring). `in_dims`: its input dims (int8's scales
     reduce over them: a stacked projection [L, in..., out...]'s 1..n_in, the LM head [D, V]'s 0,
-    the embedding [V, D]'s 1, a scale per row); `block_dim`, `block`: nf4's blocks."""
+    the embedding [V, D]'s 1, a scale per row); `tile`: nf4's block, values per dim; `group`:
+    nf4's double quantisation, the block scales per group, per dim of the scales (empty: none);
+    `layers`: the leading dims that index separate layers (the double quantisation's offset is
+    one per layer)."""
     w = jnp.asarray(w, jnp.float32)
     dims = range(w.ndim)
     if fmt == "int8":
@@ -226,22 +251,18 @@ def quantize(
         return QuantizedWeight(q.qvalue, q.scale.astype(jnp.float32), fmt=fmt, dtype=dtype)
     if fmt != "nf4":
         raise ValueError(f"unknown quantised format {fmt!r}; one of {FORMATS}")
-    unpacked, scales = nf4_encode(w, block_dim, block)
+    unpacked, scales = nf4_encode(w, tile)
     codes = pack(unpacked)
-    if not double_quant:
+    if not group:
         return QuantizedWeight(codes, scales, fmt=fmt, dtype=dtype)
-    # the scales minus their per-layer midrange, to int8 per row of blocks (the block dim reduced).
-    # The midrange, (max + min) / 2, not bitsandbytes' mean: max and min are exact in any order, so
-    # the codes do not depend on the sharding (a sum's rounding does), and centring on it gives the
-    # smallest absmax. Per layer: per index of the leading dim
-    layer = tuple(range(1, w.ndim))
-    offset = (
-        jnp.max(scales, axis=layer, keepdims=True) + jnp.min(scales, layer, keepdims=True)
-    ) / 2
-    rows = tuple(d for d in dims if d != block_dim)
-    q2 = qwix.quantize(
-        scales - offset, jnp.int8, channelwise_axes=rows, calibration_method=_INT8_ABSMAX
-    )
-    return QuantizedWeight(
-        codes, q2.qvalue, q2.scale.astype(jnp.float32), offset, fmt=fmt, dtype=dtype
-    )
+    # the scales minus their per-layer midrange, to int8 with one float32 step per group. The
+    # midrange, (max + min) / 2, not bitsandbytes' mean: max and min are exact in any order, so
+    # the codes do not depend on the sharding (a sum's rounding does), and centring on it gives
+    # the smallest absmax
+    rest = tuple(range(layers, w.ndim))
+    offset = (jnp.max(scales, rest, keepdims=True) + jnp.min(scales, rest, keepdims=True)) / 2
+    centred = scales - offset
+    step = tile_max(jnp.abs(centred), group) / 127
+    step = jnp.where(step > 0, step, 1.0)  # a group of equal scales: codes 0, any step
+    q2 = jnp.clip(jnp.round(centred / expand(step, centred.shape)), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(codes, q2, step, offset, fmt=fmt, dtype=dtype)
