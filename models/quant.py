@@ -5,26 +5,31 @@ Formats (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", 
 
 - int8, per output channel: s_o = max_i |W_io| / 127 over the input dims i, codes
   q_io = round(W_io / s_o) in [-127, 127], W ~ q s (error <= s_o / 2).
-- nf4, per block of `block` consecutive values along the weight's d_model dim: s_b = max |W| over
-  the block (absmax), q = the nearest of NormalFloat4's 16 values v_k (the paper's Appendix E,
-  quantiles of N(0, 1) scaled to [-1, 1] with an exact zero) to W / s_b, stored as a 4-bit index,
-  two to a byte along the weight's last dim (`pack`); W ~ v_q s_b (error <= s_b x the largest
-  half gap, (1 - 0.696) / 2).
-  Double quantisation (the paper's section 3) quantises the float32 block scales once more: minus
-  their midrange per layer, to int8 with one float32 scale per row of blocks (every dim but d_model
-  fixed), 8.1 bits per 64 values instead of 32. The paper groups 256 consecutive scales;
-  a row keeps every group inside the shards of the weight, so no group straddles devices.
+- nf4, per block: a tile of the weight holding `block` values (`tile[d]` consecutive values along
+  each dim d, the caller's choice: train/core/qlora.py picks dims no FSDP shard boundary cuts);
+  s_b = max |W| over the block (absmax), q = the nearest of NormalFloat4's 16 values v_k (the
+  paper's Appendix E, quantiles of N(0, 1) scaled to [-1, 1] with an exact zero) to W / s_b,
+  stored as a 4-bit index, two to a byte along the weight's last dim (`pack`); W ~ v_q s_b (error
+  <= s_b x the largest half gap, (1 - 0.696) / 2).
+  Double quantisation (the paper's section 3: 8-bit scales, a float32 constant per 256 of them)
+  quantises the float32 block scales once more: minus their midrange per layer (one float32), to
+  int8 absmax with one float32 step per group, a tile of up to 256 scales (`group`); 8 bits per
+  block plus 32 / 256 per block, 8 / 64 + 32 / (64 x 256) = 0.127 bits per value at blocks of 64,
+  against 0.5 for float32 scales. Everything is max, min and elementwise: the same codes, scales
+  and steps whatever the sharding.
 
 The codes keep the weight's dims (nf4's last one halved), so its logical axes and sharding; the
 scales have the weight's rank, with the quantised-over dims reduced (int8: the input dims to 1;
-nf4: d_model to d_model / block), and are sharded on a dim wherever the reduced size still
-divides.
+nf4: each dim by its tile), the steps the scales' dims reduced by the group, and each is sharded
+on a dim wherever the reduced size still divides: where a tile lies inside a shard, that is
+exactly where its scales are the shard's own.
 
-The per-array int8 quantise and both dequantises are qwix's (google/qwix: `qwix.quantize` with
-channelwise axes, `qwix.dequantize` of its QArray, NF4 through its table): it installs from PyPI and
-runs on the jax this project supports. Two parts are our own: the NF4 encoder (`nf4_encode`: qwix's
-argmin over the 16 values keeps an [N, 16] temporary, 8x the weights, where this one fuses) and
-double quantisation, which qwix does not have (built on its int8 quantiser). AQT (`aqtp` 0.9.0)
+The int8 quantise and dequantise are qwix's (google/qwix: `qwix.quantize` with channelwise axes,
+`qwix.dequantize` of its QArray): it installs from PyPI and runs on the jax this project supports.
+NF4 is our own both ways: the encoder (`nf4_encode`: qwix's argmin over the 16 values keeps an
+[N, 16] temporary, 8x the weights, where this one fuses), the decoder (`nf4_decode`: qwix's table
+lookup is a gather that the SPMD partitioner gathers whole) and double quantisation, which qwix
+does not have. AQT (`aqtp` 0.9.0)
 installs and imports here too, but quantises a dot_general's operands for training and has no
 NF4, where qwix ships NF4 and a LoRA/QLoRA provider of its own (`qwix.LoraProvider`).
 qwix's model-level QLoRA (intercepting Flax modules' dot_generals) is not used: this project's
@@ -58,7 +63,8 @@ _INT8_ABSMAX = f"absmax,{127.5 / 127}"
 class QuantizedWeight:
     """A weight [L, ...] as codes and scales (see the module docstring); `dtype`: what
     `materialise` returns. With double quantisation `scales` are int8 codes of the centred scales,
-    `scale_scales` their float32 step per row, `scale_offset` the mean that was subtracted."""
+    `scale_scales` their float32 step per group, `scale_offset` the midrange that was subtracted
+    (one per layer)."""
 
     codes: jax.Array
     scales: jax.Array
@@ -83,15 +89,13 @@ class QuantizedWeight:
         """The float32 scales (double quantisation undone)."""
         if self.scale_scales is None:
             return self.scales
-        step = expand(self.scale_scales, self.scales.shape)
-        return self.scales.astype(jnp.float32) * step + self.scale_offset
+        step = per_tile(self.scales.astype(jnp.float32), self.scale_scales, jnp.multiply)
+        return step + self.scale_offset
 
     def dequantize(self) -> jax.Array:
         """float32 W ~ codes x scales."""
         if self.fmt == "nf4":
-            return qwix.dequantize(
-                qwix.QArray(unpack(self.codes), self.block_scales(), None, "nf4")
-            )
+            return per_tile(nf4_decode(unpack(self.codes)), self.block_scales(), jnp.multiply)
         return qwix.dequantize(qwix.QArray(self.codes, self.block_scales(), None, jnp.int8))
 
     def materialise(self) -> jax.Array:
@@ -148,12 +152,26 @@ def tile_max(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
     return jnp.max(tiles(x, tile), axis=tuple(range(1, 2 * x.ndim, 2)))
 
 
-def expand(small: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """`small` (a value per tile) repeated over its tiles to `shape`, each dim a multiple."""
-    for d, n in enumerate(shape):
-        if small.shape[d] != n:
-            small = jnp.repeat(small, n // small.shape[d], axis=d)
-    return small
+def per_tile(x: jax.Array, small: jax.Array, op) -> jax.Array:
+    """op(x, small) with `small` (a value per tile of x: each dim of x a multiple of small's)
+    broadcast over its tiles, by reshapes alone (as qwix's generic broadcast): no repeated copy
+    of `small`, and nothing the SPMD partitioner has to reshard."""
+    split_x, split_s = [], []
+    for n, m in zip(x.shape, small.shape, strict=True):
+        split_x += [m, n // m]
+        split_s += [m, 1]
+    return op(x.reshape(split_x), small.reshape(split_s)).reshape(x.shape)
+
+
+def nf4_decode(codes: jax.Array) -> jax.Array:
+    """4-bit codes -> their NF4 values, float32: a chain of 15 selects, elementwise. Not a table
+    lookup (qwix's dequantise): that is a gather, which XLA's SPMD partitioner does not keep
+    sharded (the 1b preset's quantised LM head, vocabulary-sharded on fsdp=8, was gathered whole
+    for it: a 1 GB float32 temporary per device)."""
+    out = jnp.full(codes.shape, NF4_VALUES[0], jnp.float32)
+    for k, v in enumerate(NF4_VALUES[1:], start=1):
+        out = jnp.where(codes == k, jnp.float32(v), out)
+    return out
 
 
 def nf4_encode(w: jax.Array, tile: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -166,7 +184,7 @@ def nf4_encode(w: jax.Array, tile: tuple[int, ...]) -> tuple[jax.Array, jax.Arra
     its float32 weights); this one is elementwise and fuses, no temporary."""
     absmax = tile_max(jnp.abs(w), tile)
     safe = jnp.where(absmax > 0, absmax, 1.0)  # an all-zero block: codes of 0.0, any scale
-    x = w / expand(safe, w.shape)
+    x = per_tile(w, safe, jnp.divide)
     codes = jnp.zeros(w.shape, jnp.uint8)
     for lo, hi in zip(NF4_VALUES[:-1], NF4_VALUES[1:], strict=True):
         codes = codes + (x > (lo + hi) / 2).astype(jnp.uint8)
@@ -264,5 +282,5 @@ def quantize(
     centred = scales - offset
     step = tile_max(jnp.abs(centred), group) / 127
     step = jnp.where(step > 0, step, 1.0)  # a group of equal scales: codes 0, any step
-    q2 = jnp.clip(jnp.round(centred / expand(step, centred.shape)), -127, 127).astype(jnp.int8)
+    q2 = jnp.clip(jnp.round(per_tile(centred, step, jnp.divide)), -127, 127).astype(jnp.int8)
     return QuantizedWeight(codes, q2, step, offset, fmt=fmt, dtype=dtype)

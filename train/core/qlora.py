@@ -3,10 +3,26 @@ as the weights it replaces, and dequantised one layer at a time inside the layer
 
 Which weights: the projections LoRA can adapt (train/core/lora.py TARGET_WEIGHTS: q, k, v, o,
 gate, up, down) in every layer stack that has them, adapted or not, as QLoRA quantises every
-linear layer of the base; nf4 needs the weight's d_model dim (logical axis `embed`) for its
-blocks. The embedding, the LM head, the norms, MoE experts and latent-attention weights stay
-unquantised, held in the compute dtype (the QLoRA paper and bitsandbytes keep the embedding and
-head in 16 bits too).
+linear layer of the base. The embedding, the LM head, the norms, MoE experts and latent-attention
+weights stay unquantised, held in the compute dtype, unless --lora.quantize_embeddings.
+
+NF4's blocks (`nf4_tile`): chosen from the weight's shape and logical axes alone, so the codes
+are the same on every mesh (a resume on another mesh rebuilds the same base), and placed where
+no FSDP shard boundary cuts them, so each block's scale lives on the device holding its values
+and the scales shard with the codes (blocks along d_model, bitsandbytes' choice for q/k/v/gate/up,
+straddle shards as soon as d_model / fsdp < block: the default preset's 256 over 8 devices, whose
+scales were then held whole on every device). A projection's blocks run along its dims other
+than d_model, which FSDP never shards: `block` consecutive values of heads x head_dim (within a
+head where block <= head_dim, which no rule shards at all) or of d_ff (aligned under tensor
+parallelism while `model` divides d_ff / block). The embedding and LM head have only d_model and
+the vocabulary (128,256 = 8 x 16,032 on the 1b preset: no block of 64 aligns on the vocabulary
+over 8 shards); their blocks run along d_model, of gcd(block, d_model / gcd(d_model, ALIGN))
+values, aligned on up to ALIGN = 8 FSDP shards (and d_model is unsharded under the
+vocab-parallel head). The double quantisation's groups (`dq_group`) are tiles of up to 256 scales
+aligned the same way on any dim split up to 8 ways: 256 on the 1b and 70b projections, 32-96 on
+the default preset's small layers (0.016 bits per value instead of 0.002). Where a mesh still cuts
+a block (tensor parallelism beyond those splits), that dim of its scales is held whole
+(`part_spec`): the same values, more bytes.
 
 The step takes the base as before (its third argument), now a tree whose quantised weights are
 models.quant.QuantizedWeight (codes sharded as the weight, scales on the matching axes); `attach`
@@ -222,14 +238,17 @@ def abstract_base(cfg, table: dict, full: dict) -> dict:
     return jax.eval_shape(lambda p: quantize_base(cfg, table, p), full)
 
 
-def part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], mesh) -> P:
-    """A codes' or scales' spec from the weight's: a dim keeps the weight's mesh axes where its
-    size still divides by them. The axes of a dim reduced to 1 (int8's input dims, the double
-    quantisation's row scales) move to the largest other dim they divide that no axis of size > 1
-    splits, so that under FSDP those scales are split too (the dequantisation broadcasts them: one
-    small all-gather). A dim reduced to more than 1 that no longer divides (nf4's d_model / block,
-    where blocks straddle the shards of a small d_model) is held whole: moved elsewhere, the
-    scales would be resharded against the codes' blocks in every layer."""
+def part_spec(
+    spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], mesh, layers: int = 1
+) -> P:
+    """A codes', scales' or steps' spec from the weight's: a dim keeps the weight's mesh axes
+    where its size still divides by them (a tile inside a shard: exactly there). The axes of a dim
+    reduced to 1 (int8's input dims) move to the largest other dim they divide that no axis of
+    size > 1 splits (not the first `layers` dims, which index layers), so that under FSDP those
+    scales are split too (the dequantisation broadcasts them: one small all-gather). A dim
+    reduced to more than 1 that no longer divides (nf4 blocks that a mesh cuts: tensor
+    parallelism past d_ff / block shards) is held whole: moved elsewhere, the scales would be
+    resharded against the codes' blocks in every layer."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     out, moved = [], []
     for e, n, wn in zip(entries, shape, weight_shape, strict=True):
@@ -238,7 +257,9 @@ def part_spec(spec: P, shape: tuple[int, ...], weight_shape: tuple[int, ...], me
         if not keep and e is not None and n == 1:
             moved.append(e)
     for e in moved:
-        free = [d for d in range(1, len(shape)) if out[d] is None or axes_size(mesh, out[d]) == 1]
+        free = [
+            d for d in range(layers, len(shape)) if out[d] is None or axes_size(mesh, out[d]) == 1
+        ]
         fits = [d for d in free if shape[d] > 1 and shape[d] % axes_size(mesh, e) == 0]
         if fits:
             d = max(fits, key=lambda d: shape[d])
@@ -255,8 +276,8 @@ def shardings(cfg, table: dict, full_shardings: dict, mesh) -> dict:
     for w in weights(cfg.model, table, cfg.lora.quantize_embeddings):
         q, spec, shape = _at(abstract, w.path), _at(full_shardings, w.path).spec, _at(full, w.path)
         items[w.path] = jax.tree.map(
-            lambda a, spec=spec, shape=shape.shape: NamedSharding(
-                mesh, part_spec(spec, a.shape, shape, mesh)
+            lambda a, spec=spec, shape=shape.shape, w=w: NamedSharding(
+                mesh, part_spec(spec, a.shape, shape, mesh, w.layers)
             ),
             q,
         )
