@@ -28,8 +28,8 @@ The int8 quantise and dequantise are qwix's (google/qwix: `qwix.quantize` with c
 `qwix.dequantize` of its QArray): it installs from PyPI and runs on the jax this project supports.
 NF4 is our own both ways: the encoder (`nf4_encode`: qwix's argmin over the 16 values keeps an
 [N, 16] temporary, 8x the weights, where this one fuses), the decoder (`nf4_decode`: qwix's table
-lookup is a gather that the SPMD partitioner gathers whole) and double quantisation, which qwix
-does not have. AQT (`aqtp` 0.9.0)
+lookup flattens the codes, which the SPMD partitioner gathers whole) and double quantisation,
+which qwix does not have. AQT (`aqtp` 0.9.0)
 installs and imports here too, but quantises a dot_general's operands for training and has no
 NF4, where qwix ships NF4 and a LoRA/QLoRA provider of its own (`qwix.LoraProvider`).
 qwix's model-level QLoRA (intercepting Flax modules' dot_generals) is not used: this project's
@@ -164,14 +164,14 @@ def per_tile(x: jax.Array, small: jax.Array, op) -> jax.Array:
 
 
 def nf4_decode(codes: jax.Array) -> jax.Array:
-    """4-bit codes -> their NF4 values, float32: a chain of 15 selects, elementwise. Not a table
-    lookup (qwix's dequantise): that is a gather, which XLA's SPMD partitioner does not keep
-    sharded (the 1b preset's quantised LM head, vocabulary-sharded on fsdp=8, was gathered whole
-    for it: a 1 GB float32 temporary per device)."""
-    out = jnp.full(codes.shape, NF4_VALUES[0], jnp.float32)
-    for k, v in enumerate(NF4_VALUES[1:], start=1):
-        out = jnp.where(codes == k, jnp.float32(v), out)
-    return out
+    """4-bit codes [...] -> their NF4 values, float32 [...]: a lookup in the 16-value table
+    indexed by the codes as they are shaped. Not qwix's dequantise, which flattens the codes to
+    [N, 1] first: the SPMD partitioner cannot keep that reshape of a sharded array split, and
+    gathered the whole of the 1b preset's vocabulary-parallel LM head for it (a 1 GB float32
+    temporary per device on fsdp=8); nor a chain of 15 selects, which XLA:CPU materialised
+    (compiled temp of the 1b NF4 step 746 MiB against 470 for this lookup)."""
+    table = jnp.asarray(NF4_VALUES, jnp.float32)
+    return jnp.take(table, codes, axis=0, mode="clip")  # codes are 0..15: clip is exact
 
 
 def nf4_encode(w: jax.Array, tile: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
