@@ -211,6 +211,7 @@ def test_step_holds_the_base_quantised_and_no_full_precision_stack():
     layer stack's weight shape ([L, D, F]) appears in it: each layer's weights are dequantised
     inside the scan (the float32 base's LoRA step, the control, holds them whole)."""
     over = {**TINY, "model.n_layers": 4, "model.remat": "none", "lora.rank": 4}
+    over |= {"lora.quantize_embeddings": False}  # the projections' bytes alone
     over |= {"lora.allow_random_base": True, "train.batch_size": 2, "train.seq_len": 16}
     stack = "f32[4,64,192]"  # w_gate_DF / w_up_DF of the 4-layer stack
     cfg = build(over)

@@ -3,8 +3,12 @@ as the weights it replaces, and dequantised one layer at a time inside the layer
 
 Which weights: the projections LoRA can adapt (train/core/lora.py TARGET_WEIGHTS: q, k, v, o,
 gate, up, down) in every layer stack that has them, adapted or not, as QLoRA quantises every
-linear layer of the base. The embedding, the LM head, the norms, MoE experts and latent-attention
-weights stay unquantised, held in the compute dtype, unless --lora.quantize_embeddings.
+linear layer of the base, and by default (--lora.quantize_embeddings) the embedding and LM head:
+35% of the 1b preset's parameters, without which its NF4 base stays at 0.52 of the bfloat16 one;
+bitsandbytes keeps them at 16 bits, but quantising them moved the eval loss of BENCHMARKS.md's
+QLoRA quality benchmark by 0.1-0.2% (the head is dequantised once per step, each device its own
+vocabulary shard under the vocab-parallel head). The norms, MoE experts and latent-attention
+weights stay unquantised, held in the compute dtype.
 
 NF4's blocks (`nf4_tile`): chosen from the weight's shape and logical axes alone, so the codes
 are the same on every mesh (a resume on another mesh rebuilds the same base), and placed where

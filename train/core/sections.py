@@ -153,9 +153,10 @@ class LoraConfig:
         " (QLoRA's double quantisation)",
     )
     quantize_embeddings: bool = option(
-        False,
-        "int8/nf4: quantise the embedding and LM head too (kept at the compute dtype by default,"
-        " as QLoRA does); each is dequantised whole where it is used",
+        True,
+        "int8/nf4: quantise the embedding and LM head too (false: at the compute dtype, as"
+        " bitsandbytes keeps them); the lookup dequantises its rows, the head each device's"
+        " shard",
     )
     allow_random_base: bool = option(
         False,
