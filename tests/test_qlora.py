@@ -304,6 +304,11 @@ def test_checkpoint_resume_and_export_merge(base, tmp_path):
             {"lora.base_dtype": "nf4", "lora.block_size": 1, "model.d_ff": 191},
             "--lora.base_dtype nf4: blocks/mlp/w_gate_DF's last dim is odd",
         ),
+        (
+            {"lora.base_dtype": "nf4", "lora.block_size": 32, "model.vocab_size": 263},
+            "--lora.base_dtype nf4: lm_head_DV's last dim is odd (263); nf4 packs two codes a byte"
+            " along it: use --lora.base_dtype int8 or --lora.quantize_embeddings false",
+        ),
     ],
 )
 def test_bad_inputs(flags, message):

@@ -188,9 +188,10 @@ def check(cfg, table: dict) -> None:
                 f" {', '.join(map(str, valid)) or 'none of 16-256: use --lora.base_dtype int8'}"
             )
         if shape[-1] % 2:  # two 4-bit codes a byte along the last dim (models/quant.py)
+            also = " or --lora.quantize_embeddings false" if w.layers == 0 else ""
             raise UserError(
                 f"--lora.base_dtype nf4: {'/'.join(w.path)}'s last dim is odd ({shape[-1]}); nf4"
-                " packs two codes a byte along it: use --lora.base_dtype int8"
+                f" packs two codes a byte along it: use --lora.base_dtype int8{also}"
             )
 
 
