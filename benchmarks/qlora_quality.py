@@ -1,5 +1,6 @@
 """benchmarks/qlora.py quality: full fine-tuning, LoRA on a bfloat16 base and QLoRA on int8 and NF4
-bases of the same pretrained default model, on the same new domain; eval loss curves and a PNG.
+bases (each with the embedding and LM head at the compute dtype and quantised) of the same
+pretrained default model, on the same new domain; eval loss curves and a PNG.
 Each run is `python -m train` on one CPU device (see benchmarks/qlora.py for the setup)."""
 
 import json
@@ -8,11 +9,21 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA = ["--lora.rank", "16", "--lora.alpha", "32"]
 MODES = {
     "full fine-tune": [],
-    "LoRA bfloat16": ["--lora.rank", "16", "--lora.alpha", "32", "--lora.base_dtype", "bfloat16"],
-    "QLoRA int8": ["--lora.rank", "16", "--lora.alpha", "32", "--lora.base_dtype", "int8"],
-    "QLoRA nf4": ["--lora.rank", "16", "--lora.alpha", "32", "--lora.base_dtype", "nf4"],
+    "LoRA bfloat16": [*LORA, "--lora.base_dtype", "bfloat16"],
+    "QLoRA int8": [*LORA, "--lora.base_dtype", "int8", "--lora.quantize_embeddings", "false"],
+    "QLoRA nf4": [*LORA, "--lora.base_dtype", "nf4", "--lora.quantize_embeddings", "false"],
+    # the embedding and LM head quantised too
+    "QLoRA int8 + embeddings": [
+        *LORA,
+        *("--lora.base_dtype", "int8", "--lora.quantize_embeddings", "true"),
+    ],
+    "QLoRA nf4 + embeddings": [
+        *LORA,
+        *("--lora.base_dtype", "nf4", "--lora.quantize_embeddings", "true"),
+    ],
 }
 LORA_LR = "3e-3"  # the default peak rate; the LoRA modes share it
 EVAL = ["--eval-every", "20", "--train.eval_batches", "8", "--train.sample_tokens", "0"]

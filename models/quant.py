@@ -5,26 +5,31 @@ Formats (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", 
 
 - int8, per output channel: s_o = max_i |W_io| / 127 over the input dims i, codes
   q_io = round(W_io / s_o) in [-127, 127], W ~ q s (error <= s_o / 2).
-- nf4, per block of `block` consecutive values along the weight's d_model dim: s_b = max |W| over
-  the block (absmax), q = the nearest of NormalFloat4's 16 values v_k (the paper's Appendix E,
-  quantiles of N(0, 1) scaled to [-1, 1] with an exact zero) to W / s_b, stored as a 4-bit index,
-  two to a byte along the weight's last dim (`pack`); W ~ v_q s_b (error <= s_b x the largest
-  half gap, (1 - 0.696) / 2).
-  Double quantisation (the paper's section 3) quantises the float32 block scales once more: minus
-  their midrange per layer, to int8 with one float32 scale per row of blocks (every dim but d_model
-  fixed), 8.1 bits per 64 values instead of 32. The paper groups 256 consecutive scales;
-  a row keeps every group inside the shards of the weight, so no group straddles devices.
+- nf4, per block: a tile of the weight holding `block` values (`tile[d]` consecutive values along
+  each dim d, the caller's choice: train/core/qlora.py picks dims no FSDP shard boundary cuts);
+  s_b = max |W| over the block (absmax), q = the nearest of NormalFloat4's 16 values v_k (the
+  paper's Appendix E, quantiles of N(0, 1) scaled to [-1, 1] with an exact zero) to W / s_b,
+  stored as a 4-bit index, two to a byte along the weight's last dim (`pack`); W ~ v_q s_b (error
+  <= s_b x the largest half gap, (1 - 0.696) / 2).
+  Double quantisation (the paper's section 3: 8-bit scales, a float32 constant per 256 of them)
+  quantises the float32 block scales once more: minus their midrange per layer (one float32), to
+  int8 absmax with one float32 step per group, a tile of up to 256 scales (`group`); 8 bits per
+  block plus 32 / 256 per block, 8 / 64 + 32 / (64 x 256) = 0.127 bits per value at blocks of 64,
+  against 0.5 for float32 scales. Everything is max, min and elementwise: the same codes, scales
+  and steps whatever the sharding.
 
 The codes keep the weight's dims (nf4's last one halved), so its logical axes and sharding; the
 scales have the weight's rank, with the quantised-over dims reduced (int8: the input dims to 1;
-nf4: d_model to d_model / block), and are sharded on a dim wherever the reduced size still
-divides.
+nf4: each dim by its tile), the steps the scales' dims reduced by the group, and each is sharded
+on a dim wherever the reduced size still divides: where a tile lies inside a shard, that is
+exactly where its scales are the shard's own.
 
-The per-array int8 quantise and both dequantises are qwix's (google/qwix: `qwix.quantize` with
-channelwise axes, `qwix.dequantize` of its QArray, NF4 through its table): it installs from PyPI and
-runs on the jax this project supports. Two parts are our own: the NF4 encoder (`nf4_encode`: qwix's
-argmin over the 16 values keeps an [N, 16] temporary, 8x the weights, where this one fuses) and
-double quantisation, which qwix does not have (built on its int8 quantiser). AQT (`aqtp` 0.9.0)
+The int8 quantise and dequantise are qwix's (google/qwix: `qwix.quantize` with channelwise axes,
+`qwix.dequantize` of its QArray): it installs from PyPI and runs on the jax this project supports.
+NF4 is our own both ways: the encoder (`nf4_encode`: qwix's argmin over the 16 values keeps an
+[N, 16] temporary, 8x the weights, where this one fuses), the decoder (`nf4_decode`: qwix's table
+lookup flattens the codes, which the SPMD partitioner gathers whole) and double quantisation,
+which qwix does not have. AQT (`aqtp` 0.9.0)
 installs and imports here too, but quantises a dot_general's operands for training and has no
 NF4, where qwix ships NF4 and a LoRA/QLoRA provider of its own (`qwix.LoraProvider`).
 qwix's model-level QLoRA (intercepting Flax modules' dot_generals) is not used: this project's
@@ -58,7 +63,8 @@ _INT8_ABSMAX = f"absmax,{127.5 / 127}"
 class QuantizedWeight:
     """A weight [L, ...] as codes and scales (see the module docstring); `dtype`: what
     `materialise` returns. With double quantisation `scales` are int8 codes of the centred scales,
-    `scale_scales` their float32 step per row, `scale_offset` the mean that was subtracted."""
+    `scale_scales` their float32 step per group, `scale_offset` the midrange that was subtracted
+    (one per layer)."""
 
     codes: jax.Array
     scales: jax.Array
@@ -83,14 +89,13 @@ class QuantizedWeight:
         """The float32 scales (double quantisation undone)."""
         if self.scale_scales is None:
             return self.scales
-        return self.scales.astype(jnp.float32) * self.scale_scales + self.scale_offset
+        step = per_tile(self.scales.astype(jnp.float32), self.scale_scales, jnp.multiply)
+        return step + self.scale_offset
 
     def dequantize(self) -> jax.Array:
         """float32 W ~ codes x scales."""
         if self.fmt == "nf4":
-            return qwix.dequantize(
-                qwix.QArray(unpack(self.codes), self.block_scales(), None, "nf4")
-            )
+            return per_tile(nf4_decode(unpack(self.codes)), self.block_scales(), jnp.multiply)
         return qwix.dequantize(qwix.QArray(self.codes, self.block_scales(), None, jnp.int8))
 
     def materialise(self) -> jax.Array:
@@ -136,24 +141,54 @@ NF4_VALUES = (
 )
 
 
-def nf4_encode(w: jax.Array, block_dim: int, block: int) -> tuple[jax.Array, jax.Array]:
-    """-> (codes uint8 [w's shape], absmax scales float32 [w's, block_dim / block]): the index of
-    the NF4 value nearest to w / absmax of its block, counted as how many of the 15 midpoints
-    between neighbouring values it lies above (ties go to the lower value, as an argmin's first
-    hit does). Our own rather than qwix.quantize's "nf4": that takes an argmin over the 16
-    values of each element, which XLA keeps as a [N, 16] float32 temporary (5.8 GB per device
-    quantising the 1b preset on fsdp=8, 8x its float32 weights); this one is elementwise and
-    fuses, no temporary."""
-    shape = w.shape
-    split = (*shape[:block_dim], shape[block_dim] // block, block, *shape[block_dim + 1 :])
-    blocks = w.reshape(split)
-    absmax = jnp.max(jnp.abs(blocks), axis=block_dim + 1, keepdims=True)
+def tiles(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
+    """`x` with each dim n split into (n / t, t) for its tile t: [..., n / t, t, ...]."""
+    split = [part for n, t in zip(x.shape, tile, strict=True) for part in (n // t, t)]
+    return x.reshape(split)
+
+
+def tile_max(x: jax.Array, tile: tuple[int, ...]) -> jax.Array:
+    """max over each tile of `x`: shape x.shape / tile (elementwise per dim)."""
+    return jnp.max(tiles(x, tile), axis=tuple(range(1, 2 * x.ndim, 2)))
+
+
+def per_tile(x: jax.Array, small: jax.Array, op) -> jax.Array:
+    """op(x, small) with `small` (a value per tile of x: each dim of x a multiple of small's)
+    broadcast over its tiles, by reshapes alone (as qwix's generic broadcast): no repeated copy
+    of `small`, and nothing the SPMD partitioner has to reshard."""
+    split_x, split_s = [], []
+    for n, m in zip(x.shape, small.shape, strict=True):
+        split_x += [m, n // m]
+        split_s += [m, 1]
+    return op(x.reshape(split_x), small.reshape(split_s)).reshape(x.shape)
+
+
+def nf4_decode(codes: jax.Array) -> jax.Array:
+    """4-bit codes [...] -> their NF4 values, float32 [...]: a lookup in the 16-value table
+    indexed by the codes as they are shaped. Not qwix's dequantise, which flattens the codes to
+    [N, 1] first: the SPMD partitioner cannot keep that reshape of a sharded array split, and
+    gathered the whole of the 1b preset's vocabulary-parallel LM head for it (a 1 GB float32
+    temporary per device on fsdp=8); nor a chain of 15 selects, which XLA:CPU materialised
+    (compiled temp of the 1b NF4 step 746 MiB against 470 for this lookup)."""
+    table = jnp.asarray(NF4_VALUES, jnp.float32)
+    return jnp.take(table, codes, axis=0, mode="clip")  # codes are 0..15: clip is exact
+
+
+def nf4_encode(w: jax.Array, tile: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """-> (codes uint8 [w's shape], absmax scales float32 [w's shape / tile]): the index of the
+    NF4 value nearest to w / absmax of its block (a tile of w: `tile[d]` consecutive values along
+    each dim d), counted as how many of the 15 midpoints between neighbouring values it lies above
+    (ties go to the lower value, as an argmin's first hit does). Our own rather than
+    qwix.quantize's "nf4": that takes an argmin over the 16 values of each element, which XLA
+    keeps as a [N, 16] float32 temporary (5.8 GB per device quantising the 1b preset on fsdp=8, 8x
+    its float32 weights); this one is elementwise and fuses, no temporary."""
+    absmax = tile_max(jnp.abs(w), tile)
     safe = jnp.where(absmax > 0, absmax, 1.0)  # an all-zero block: codes of 0.0, any scale
-    x = blocks / safe
-    codes = jnp.zeros(split, jnp.uint8)
+    x = per_tile(w, safe, jnp.divide)
+    codes = jnp.zeros(w.shape, jnp.uint8)
     for lo, hi in zip(NF4_VALUES[:-1], NF4_VALUES[1:], strict=True):
         codes = codes + (x > (lo + hi) / 2).astype(jnp.uint8)
-    return codes.reshape(shape), jnp.squeeze(safe, block_dim + 1)
+    return codes, safe
 
 
 def pack(codes: jax.Array) -> jax.Array:
@@ -183,10 +218,15 @@ def materialise(tree):
 
 def take_rows(table_VD, ids):
     """`table_VD[ids]` (an embedding lookup); of a quantised table only the rows looked up are
-    dequantised (its codes and scales all lead with the vocabulary dim)."""
+    dequantised: each of its arrays leads with the vocabulary dim or a tiling of it (the double
+    quantisation's steps, one per group of rows; its offset, one for the table), row v of the
+    table in that array's row v / (V / rows)."""
     if not is_lazy(table_VD):
         return jnp.take(table_VD, ids, axis=0)
-    return materialise(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table_VD))
+    vocab = table_VD.codes.shape[0]
+    return materialise(
+        jax.tree.map(lambda a: jnp.take(a, ids // (vocab // a.shape[0]), axis=0), table_VD)
+    )
 
 
 def has_quantised(tree) -> bool:
@@ -210,14 +250,17 @@ def quantize(
     fmt: str,
     *,
     in_dims: tuple[int, ...],
-    block_dim: int,
-    block: int = 64,
-    double_quant: bool = False,
+    tile: tuple[int, ...] = (),
+    group: tuple[int, ...] = (),
+    layers: int = 1,
     dtype: str = "float32",
 ) -> QuantizedWeight:
     """Quantise `w` (jittable; see the module docstring). `in_dims`: its input dims (int8's scales
     reduce over them: a stacked projection [L, in..., out...]'s 1..n_in, the LM head [D, V]'s 0,
-    the embedding [V, D]'s 1, a scale per row); `block_dim`, `block`: nf4's blocks."""
+    the embedding [V, D]'s 1, a scale per row); `tile`: nf4's block, values per dim; `group`:
+    nf4's double quantisation, the block scales per group, per dim of the scales (empty: none);
+    `layers`: the leading dims that index separate layers (the double quantisation's offset is
+    one per layer)."""
     w = jnp.asarray(w, jnp.float32)
     dims = range(w.ndim)
     if fmt == "int8":
@@ -226,22 +269,18 @@ def quantize(
         return QuantizedWeight(q.qvalue, q.scale.astype(jnp.float32), fmt=fmt, dtype=dtype)
     if fmt != "nf4":
         raise ValueError(f"unknown quantised format {fmt!r}; one of {FORMATS}")
-    unpacked, scales = nf4_encode(w, block_dim, block)
+    unpacked, scales = nf4_encode(w, tile)
     codes = pack(unpacked)
-    if not double_quant:
+    if not group:
         return QuantizedWeight(codes, scales, fmt=fmt, dtype=dtype)
-    # the scales minus their per-layer midrange, to int8 per row of blocks (the block dim reduced).
-    # The midrange, (max + min) / 2, not bitsandbytes' mean: max and min are exact in any order, so
-    # the codes do not depend on the sharding (a sum's rounding does), and centring on it gives the
-    # smallest absmax. Per layer: per index of the leading dim
-    layer = tuple(range(1, w.ndim))
-    offset = (
-        jnp.max(scales, axis=layer, keepdims=True) + jnp.min(scales, layer, keepdims=True)
-    ) / 2
-    rows = tuple(d for d in dims if d != block_dim)
-    q2 = qwix.quantize(
-        scales - offset, jnp.int8, channelwise_axes=rows, calibration_method=_INT8_ABSMAX
-    )
-    return QuantizedWeight(
-        codes, q2.qvalue, q2.scale.astype(jnp.float32), offset, fmt=fmt, dtype=dtype
-    )
+    # the scales minus their per-layer midrange, to int8 with one float32 step per group. The
+    # midrange, (max + min) / 2, not bitsandbytes' mean: max and min are exact in any order, so
+    # the codes do not depend on the sharding (a sum's rounding does), and centring on it gives
+    # the smallest absmax
+    rest = tuple(range(layers, w.ndim))
+    offset = (jnp.max(scales, rest, keepdims=True) + jnp.min(scales, rest, keepdims=True)) / 2
+    centred = scales - offset
+    step = tile_max(jnp.abs(centred), group) / 127
+    step = jnp.where(step > 0, step, 1.0)  # a group of equal scales: codes 0, any step
+    q2 = jnp.clip(jnp.round(per_tile(centred, step, jnp.divide)), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(codes, q2, step, offset, fmt=fmt, dtype=dtype)

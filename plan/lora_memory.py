@@ -8,8 +8,10 @@ step forms the weights it multiplies by from the base and the adapters:
   size): a bfloat16/float32 base's adapted weights cast to the compute dtype, a quantised base's
   weights dequantised to it; gathered over the axes that shard d_model (FSDP gathers a layer's
   weights before its matmuls), the forward's and the backward's layer both live: 2 x one layer;
-  with --lora.quantize_embeddings the LM head dequantised whole (the embedding only in its
-  looked-up rows; a tied one is the head).
+  with --lora.quantize_embeddings the LM head dequantised once, gathered on d_model as FSDP
+  gathers it and split on the vocabulary as the rules split it (a vocab-parallel head: the
+  device's own vocabulary shard; the embedding only in its looked-up rows; a tied one is the
+  head).
 
 The stage's base bytes follow the same rule table as a full fine-tune's parameters (codes as the
 weights, scales on the matching axes where the reduced dim still divides).
@@ -80,7 +82,8 @@ def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str, whole: bool = T
         if key in quantised:
             weight_shape = flat_full[key].shape
             for part in jax.tree.leaves(node):
-                part_spec = qlora.part_spec(spec, part.shape, weight_shape, mesh)
+                layers = quantised[key].layers
+                part_spec = qlora.part_spec(spec, part.shape, weight_shape, mesh, layers)
                 base += _shard_bytes(part.shape, part.dtype, part_spec, mesh)
         else:  # a quantised base holds the rest in the target's compute dtype
             dtype = compute_dtype if quantised else node.dtype
@@ -91,26 +94,29 @@ def lora_parts(stage, lora_cfg, mesh, rules, compute_dtype: str, whole: bool = T
         for key, spec in _flat(adapter_specs)
     )
     merge = _merge_bytes(
-        stage, lora_cfg, flat_full, dict(_flat(specs)), quantised, mesh, rules, compute_dtype
-    )
+        stage, lora_cfg, flat_full, dict(_flat(specs)), dict(_flat(axes)), quantised, mesh,
+        compute_dtype,
+    )  # fmt: skip
     return {"base": base, "adapters": adapter_bytes, "merge": merge}
 
 
-def _merge_bytes(stage, lora_cfg, flat_full, specs, quantised, mesh, rules, compute_dtype) -> int:
+def _merge_bytes(stage, lora_cfg, flat_full, specs, axes, quantised, mesh, compute_dtype) -> int:
     """The weights the step forms from the base (and multiplies by with the adapters), per device
     (module docstring): a quantised base's quantised weights, a plain base's adapted ones."""
     formed = quantised or {tuple(k[:-1]) for k, _ in _flat(lora.adapter_axes(stage, lora_cfg))}
-    fsdp = set(rules.get("embed", ())) | set(rules.get("vocab_embed", ()))
     layer = whole = 0
     for key in formed:
         if key == ("embed_VD",) and not stage.tie_embeddings:
             continue  # looked up by rows: only those are dequantised
         stacked = len(key) > 1  # a layer stack's weight [L, ...]; else the embedding or head
         shape, spec = flat_full[key].shape, tuple(specs[key])
-        shape, spec = (shape[1:], spec[1:]) if stacked else (shape, spec)
-        gathered = tuple(
-            None if e is not None and set(np.atleast_1d(e)) & fsdp else e for e in spec
+        spec = spec + (None,) * (len(shape) - len(spec))
+        # FSDP gathers the d_model dim; the others stay split (the vocabulary of a vocab-parallel
+        # head: its dequantised shard is the device's own)
+        spec = tuple(
+            None if name in qlora.FSDP_AXES else e for name, e in zip(axes[key], spec, strict=True)
         )
+        gathered, shape = (spec[1:], shape[1:]) if stacked else (spec, shape)
         size = _shard_bytes(shape, compute_dtype, gathered, mesh)
         layer, whole = (layer + size, whole) if stacked else (layer, whole + size)
     return 2 * layer + whole

@@ -1,8 +1,9 @@
-"""QLoRA on meshes: a QLoRA run of the tiny model (NF4 with double quantisation, also with the
-embedding and head quantised, and int8) on fsdp, fsdp x model and pipeline (GPipe, 1F1B) meshes
-equals the same run on one device after the warm-up (loss, gradient norm, adapters over 5 steps),
-each quantising the same full-precision base at load (lora.load_base, as a run does) into its own
-shardings, to the same codes. Float32, 8 fake CPU devices."""
+"""QLoRA on meshes: a QLoRA run of the tiny model (NF4 with double quantisation, the embedding and
+head quantised as by default and at the compute dtype, and int8) on fsdp, fsdp x model and
+pipeline (GPipe, 1F1B) meshes equals the same run on one device after the warm-up (loss, gradient
+norm, adapters over 5 steps), each quantising the same full-precision base at load
+(lora.load_base, as a run does) into its own shardings, to the same codes. Float32, 8 fake CPU
+devices."""
 
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ CASES = {
     "fsdp-nf4": ("fsdp=8", {"lora.base_dtype": "nf4"}),
     "fsdp-model-int8": ("fsdp=4,model=2", {"lora.base_dtype": "int8"}),
     "fsdp-model-nf4": ("fsdp=4,model=2", {"lora.base_dtype": "nf4"}),
-    "fsdp-model-nf4-embeddings": (
+    # the embedding and head at the compute dtype (quantised by default)
+    "fsdp-model-nf4-plain-embeddings": (
         "fsdp=4,model=2",
-        {"lora.base_dtype": "nf4", "lora.quantize_embeddings": True},
+        {"lora.base_dtype": "nf4", "lora.quantize_embeddings": False},
     ),
     "gpipe-nf4": (
         "pipeline=2,fsdp=2,model=2",
@@ -92,7 +94,7 @@ def one_device(base_dir, tmp_path_factory):
     once."""
     cache = {}
 
-    def get(fmt: str, embeddings: bool = False):
+    def get(fmt: str, embeddings: bool):
         if (fmt, embeddings) not in cache:
             over = {"lora.base_dtype": fmt, "lora.quantize_embeddings": embeddings}
             tr = make_trainer(
@@ -115,9 +117,8 @@ def one_device(base_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_qlora_mesh_matches_one_device(case, base_dir, one_device, tmp_path):
     mesh, over = CASES[case]
-    adapters0, batches, want = one_device(
-        over["lora.base_dtype"], over.get("lora.quantize_embeddings", False)
-    )
+    embeddings = build({**QLORA, **over}).lora.quantize_embeddings
+    adapters0, batches, want = one_device(over["lora.base_dtype"], embeddings)
     tr = make_trainer(mesh, tmp_path, **QLORA, **over, **{"checkpoint.init_from": base_dir})
     got = _run(tr, batches, adapters0)
     assert_runs_match(got, want, f"QLoRA {case} on {mesh}")
@@ -135,4 +136,4 @@ def test_qlora_mesh_matches_one_device(case, base_dir, one_device, tmp_path):
         np.asarray(jax.device_get(want["base"]["blocks"]["attn"]["wq_DNH"].codes)),
     )
     embed = got["base"]["embed_VD"]
-    assert isinstance(embed, quant.QuantizedWeight) == over.get("lora.quantize_embeddings", False)
+    assert isinstance(embed, quant.QuantizedWeight) == embeddings

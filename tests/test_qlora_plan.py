@@ -26,8 +26,9 @@ from train.core.setup import setup
 RUN = {"model.preset": "70b", "lora.rank": 16, "lora.allow_random_base": True}
 
 
-def _row(base_dtype: str, mesh: dict) -> dict:
-    cfg = build({**RUN, "lora.base_dtype": base_dtype})
+def _row(base_dtype: str, mesh: dict, embeddings: bool = False) -> dict:
+    over = {**RUN, "lora.base_dtype": base_dtype, "lora.quantize_embeddings": embeddings}
+    cfg = build(over)
     return evaluate(
         cfg.model, mesh, hardware("h100"), 8, 4096, train_cfg=cfg.train, lora_cfg=cfg.lora
     )
@@ -38,7 +39,7 @@ def test_70b_qlora_nf4_fits_on_8_h100():
     m = nf4["memory"]
     assert nf4["fits"] and m["total"] < 80e9 * 0.9
     # the projections at 4 bits plus double-quantised scales, the embedding and head at bfloat16
-    cfg = build({**RUN, "lora.base_dtype": "nf4"})
+    cfg = build({**RUN, "lora.base_dtype": "nf4", "lora.quantize_embeddings": False})
     full = model.abstract_params(cfg.model)
     proj = 0
     for w in qlora.weights(cfg.model, lora.TARGET_WEIGHTS):
@@ -60,6 +61,13 @@ def test_70b_qlora_nf4_fits_on_8_h100():
     # gradient (64 GiB per device), and its LoRA fits 8 H100s too
     assert bf16["memory"]["merge"] == pytest.approx(m["merge"], rel=0.01)
     assert bf16["fits"] and bf16["memory"]["total"] > m["total"] + 11e9
+    # the default quantises the embedding and head too: 2 x 128,256 x 8,192 values at 4.13 bits
+    # instead of 16, and the head dequantised once, each device its vocabulary shard (the
+    # vocab-parallel head at this batch) at bfloat16
+    q = _row("nf4", {"fsdp": 8}, embeddings=True)["memory"]
+    emb = cfg.model.vocab_size * cfg.model.d_model
+    assert m["base"] - q["base"] == pytest.approx(2 * emb * (2 - (4 + 8 / 64) / 8) / 8, rel=0.01)
+    assert q["merge"] - m["merge"] == pytest.approx(emb / 8 * 2, rel=0.01)
 
 
 def test_search_smallest_finds_the_fewest_devices(capsys):

@@ -141,15 +141,22 @@ class LoraConfig:
         " quantise its projections once at load (QLoRA, models/quant.py)",
     )
     block_size: int = ranged(
-        64, ">=1", help="nf4: values per absmax block, along each weight's d_model dim"
+        64,
+        ">=1",
+        help="nf4: values per absmax block, along each projection's dims other than d_model"
+        " (heads x head_dim, d_ff), which FSDP never splits; the embedding's and head's along"
+        " d_model, aligned on 8 shards",
     )
     double_quant: bool = option(
-        True, "nf4: quantise the block scales once more to int8 (QLoRA's double quantisation)"
+        True,
+        "nf4: quantise the block scales once more to int8, a float32 step per group of up to 256"
+        " (QLoRA's double quantisation)",
     )
     quantize_embeddings: bool = option(
-        False,
-        "int8/nf4: quantise the embedding and LM head too (kept at the compute dtype by default,"
-        " as QLoRA does); each is dequantised whole where it is used",
+        True,
+        "int8/nf4: quantise the embedding and LM head too (false: at the compute dtype, as"
+        " bitsandbytes keeps them); the lookup dequantises its rows, the head each device's"
+        " shard",
     )
     allow_random_base: bool = option(
         False,
