@@ -114,12 +114,8 @@ class MLP(nnx.Module):
         # tensor parallelism all-reduces it once instead of once per projection
         # (a LoRA-adapted weight adds its adapters' term to its projection: models/adapters.py)
         gate, up, down = self.w_gate_DF[...], self.w_up_DF[...], self.w_down_FD[...]
-        # stacked along a last dim: the matmul's output [B,T,F,2] is then in the dot's own order
-        # (tokens, then the weight's dims), where a leading stack dim made XLA:CPU compute the
-        # transposed product and the gating below read it back strided, slower than the matmul
-        w_DFZ = jnp.stack([frozen(gate), frozen(up)], axis=-1).astype(dt)
-        gate_up_BTFZ = fp8.einsum("btd,dfz->btfz", x_BTD, w_DFZ, self.fp8)
-        gate_BTF, up_BTF = gate_up_BTFZ[..., 0], gate_up_BTFZ[..., 1]
+        w_ZDF = jnp.stack([frozen(gate), frozen(up)]).astype(dt)
+        gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
         gate_BTF = with_adapters(gate_BTF, "btd,df->btf", x_BTD, gate)
         up_BTF = with_adapters(up_BTF, "btd,df->btf", x_BTD, up)
         act = ACTIVATIONS[self.activation]
