@@ -89,7 +89,6 @@ class Rollouts:
                 f" over the batch's {devices} devices: each samples them all",
                 flush=True,
             )
-        self.sample_metrics: dict[str, float] = {}
 
     def texts(self, d: int) -> tuple[str, str]:
         """Record d's (prompt, answer) as text."""
@@ -126,9 +125,10 @@ class Rollouts:
         at_XN = np.asarray(length_X)[:, None] + np.arange(self.s.cfg.post.max_new_tokens)
         return np.take_along_axis(full_XW, at_XN, 1), int(steps_run)
 
-    def sample(self, params, prompts: dict, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """-> (prompts [R, P], their lengths [R], G completions of each [R, max_new]), R = B G, row
-        b G + g prompt b's completion g, sampled with the key of (seed, step)."""
+    def sample(self, params, prompts: dict, step: int):
+        """-> (prompts [R, P], their lengths [R], G completions of each [R, max_new], the decode
+        steps run), R = B G, row b G + g prompt b's completion g, sampled with the key of (seed,
+        step)."""
         s, post = self.s, self.s.cfg.post
         prompt_RP = np.repeat(prompts["prompt"], post.group_size, 0)
         length_R = np.repeat(prompts["length"], post.group_size).astype(np.int32)
@@ -136,8 +136,7 @@ class Rollouts:
         new_RN, steps_run = self.complete(
             params, prompt_RP, length_R, key, float(post.temperature), self.sampler_rules
         )
-        self.sample_metrics = {"grpo/decode_steps": float(steps_run)}
-        return prompt_RP, length_R, new_RN
+        return prompt_RP, length_R, new_RN, steps_run
 
     def scores(self, records_B: np.ndarray, new_RN: np.ndarray, group: int = 0) -> np.ndarray:
         """The reward of each completion [B, G] (its text up to the EOS), row b G + g prompt b's
@@ -190,7 +189,7 @@ class Rollouts:
         """Sample, score and build the step's batch -> (the batch, the rollout's figures)."""
         s, post, t0 = self.s, self.s.cfg.post, time.perf_counter()
         params = self.model_params(state)
-        prompt_RP, length_R, new_RN = self.sample(params, prompts, step)
+        prompt_RP, length_R, new_RN, steps_run = self.sample(params, prompts, step)
         sampled_s = time.perf_counter() - t0
         rewards_BG = self.scores(prompts["record"], new_RN)
         adv_R = grpo_loss.group_advantages(rewards_BG).reshape(-1)
@@ -212,7 +211,7 @@ class Rollouts:
                 grpo_loss.completion_lengths(new_RN, self.data.eos).mean()
             ),
             "grpo/rollout_tokens_per_sec": new_RN.size / max(sampled_s, 1e-9),
-            **self.sample_metrics,
+            "grpo/decode_steps": float(steps_run),
         }
         return batch, {**figures, "grpo/rollout_tokens": float(new_RN.size)}
 
