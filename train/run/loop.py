@@ -195,8 +195,8 @@ class Trainer:
         )
         if sets:
             run.log.print(describe_sets(sets, t.seq_len))
-        evals = Evals.of(self.setup, held_out, sets, self.evaluator, self.model_params)
-        evals = evals.scored_by_objective(rollouts, self.reference or self.base)  # dpo, ipo
+        evals = Evals(held_out, sets, self.evaluator, self.model_params)
+        evals = evals.scored_by_objective(self.setup, rollouts, self.reference or self.base)
         state, stopped_by = run_steps(cfg, run, step_fn, state, batch, data, signals, evals)
         return self._finish(run, data, state, point, compile_s, stopped_by)
 

@@ -33,24 +33,19 @@ class Evals:
     model_params: Callable
     figures: Callable | None = None
 
-    setup: object = None
-
-    @classmethod
-    def of(cls, s, held_out: list, sets: list, evaluator: Evaluator, model_params) -> Evals:
-        return cls(held_out, sets, evaluator, model_params, setup=s)
-
-    def scored_by_objective(self, rollouts=None, frozen=None) -> Evals:
+    def scored_by_objective(self, s, rollouts=None, frozen=None) -> Evals:
         """These evals with the held-out split scored by the objective itself where it has its
         own measure, in place of the held-out token loss: grpo's held-out prompts by the rewards
         of their greedy completions (train/run/rollouts.py), a preference objective's held-out
         pairs by its loss and metrics (train/core/pair_loss.py), against the reference that
-        `frozen` holds (dpo, ipo: a LoRA run's base, else the reference model)."""
-        cfg, figures = self.setup.cfg, None
+        `frozen` holds (dpo, ipo: a LoRA run's base, else the reference model). `s`: the run's
+        setup."""
+        cfg, figures = s.cfg, None
         if self.held_out and rollouts is not None:
             figures = functools.partial(rollouts.held_out_rewards, held_out=self.held_out)
         elif self.held_out and cfg.post.preference:
             ref = pair_loss.reference_params(cfg, frozen) if cfg.post.needs_reference else None
-            scorer = pair_loss.HeldOutPairs(self.setup, ref)
+            scorer = pair_loss.HeldOutPairs(s, ref)
             figures = functools.partial(scorer, batches=self.held_out)
         if figures is None:
             return self
