@@ -265,14 +265,7 @@ def summary(
 def eval_text(s: dict) -> str:
     """', eval loss 2.345 (chat 1.876, web 2.912)' from a summary: the held-out split's loss, then
     each eval set's; '' without evals."""
-    sets = [
-        f"{k.split('/')[1]} {v:.3f}"
-        for k, v in s.items()
-        if k.startswith("eval/")
-        and k.count("/") == 2
-        and k.endswith("/loss")
-        and isinstance(v, float)
-    ]
+    sets = sinks.eval_set_losses(s)
     # a preference run's held-out loss is its objective's (eval/loss), with its accuracy
     loss = s.get("eval_loss") if s.get("eval_loss") is not None else s.get("eval/loss")
     held_out = f" {loss:.3f}" if loss is not None else ""

@@ -233,17 +233,23 @@ OBJECTIVE_EVALS = (
 )
 
 
+def eval_set_losses(record: dict) -> list[str]:
+    """['chat 1.876', ...]: each --data.eval_source set's loss in a record (`eval/NAME/loss`; an
+    objective's own `eval/loss` is not a set's)."""
+    return [
+        f"{k.split('/')[1]} {v:.3f}"
+        for k, v in record.items()
+        if k.startswith("eval/")
+        and k.count("/") == 2
+        and k.endswith("/loss")
+        and isinstance(v, float)
+    ]
+
+
 def step_line(record: dict) -> str:
     """A record as one line: a step's loss, throughput, MFU and data wait (then its peak device
     memory and the slowest process's step time over the median, when it has them), or an eval."""
-    sets = [
-        f"{k.split('/')[1]} {v:.3f}"
-        for k, v in record.items()  # --data.eval_source: eval/NAME/loss
-        if k.startswith("eval/")
-        and k.endswith("/loss")
-        and k.count("/") == 2
-        and isinstance(v, float)
-    ]
+    sets = eval_set_losses(record)
     if "eval_loss" in record or sets or any(k in record for k, _ in OBJECTIVE_EVALS):
         parts = [f"step {record['step']}"]
         if "eval_loss" in record:
