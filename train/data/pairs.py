@@ -25,13 +25,12 @@ import numpy as np
 from errors import UserError
 from train.data.index import INDEX, read_index
 from train.data.order import permute, round_keys
-from train.data.pipeline import Pipeline
+from train.data.pipeline import EVAL_STREAM, Pipeline
 from train.data.shards import REPREPARE, open_shard
 from train.data.sources import is_eval_doc
 
 KEYS = ("inputs", "targets", "weights")
 REJECTED = "rejected_"  # train/core/pair_loss.py's prefix
-_EVAL = 0x7FFF_FFFF  # the key stream of the eval order
 
 
 def pair_keys() -> dict[str, type]:
@@ -202,7 +201,9 @@ class PairPipeline(Pipeline):
         """Eval batch i: held-out pairs, whole (the objective's held-out loss and metrics)."""
         n = len(self.eval_pairs)
         g = np.arange(i * self.B + lo, i * self.B + (self.B if hi is None else hi))
-        return self._pairs(self.eval_pairs[permute(g % n, n, round_keys(self.seed, _EVAL, 0))])
+        return self._pairs(
+            self.eval_pairs[permute(g % n, n, round_keys(self.seed, EVAL_STREAM, 0))]
+        )
 
     def eval_batches(self, n: int) -> list[dict]:
         if not len(self.eval_pairs) or n <= 0:

@@ -30,7 +30,7 @@ from train.data.sources import Source, load_sources
 from train.data.windows import Windows, batch_keys
 from train.run import faults
 
-_EVAL = 0x7FFF_FFFF  # key stream of the eval order, disjoint from source indices
+EVAL_STREAM = 0x7FFF_FFFF  # key stream of the eval order, disjoint from source indices
 
 
 def _check_vocab(src: Source, vocab_size: int) -> None:
@@ -142,7 +142,7 @@ class Pipeline:
         out = {k: np.zeros((len(g), self.T), dt) for k, dt in batch_keys(self.packing_mask).items()}
         for s in np.unique(src):
             win = self.eval[live[s]]
-            w = permute(j[src == s] % win.n, win.n, round_keys(self.seed, _EVAL, live[s]))
+            w = permute(j[src == s] % win.n, win.n, round_keys(self.seed, EVAL_STREAM, live[s]))
             for name, value in win.rows(w, self.packing_mask).items():
                 out[name][src == s] = value
         return out

@@ -26,10 +26,8 @@ from errors import UserError
 from train.data.index import INDEX
 from train.data.order import permute, round_keys
 from train.data.pairs import checked_source, load_documents
-from train.data.pipeline import Pipeline
+from train.data.pipeline import EVAL_STREAM, Pipeline
 from train.data.sources import is_eval_doc
-
-_EVAL = 0x7FFF_FFFF  # the key stream of the held-out prompts' order (train/data/pairs.py's)
 
 
 class PromptPipeline(Pipeline):
@@ -118,7 +116,7 @@ class PromptPipeline(Pipeline):
         e = len(self.eval_records)
         if not e or n <= 0:
             return []
-        order = self.eval_records[permute(np.arange(e), e, round_keys(self.seed, _EVAL, 0))]
+        order = self.eval_records[permute(np.arange(e), e, round_keys(self.seed, EVAL_STREAM, 0))]
         order = order[: n * self.B]
         return [self._rows(order[i : i + self.B]) for i in range(0, len(order), self.B)]
 
