@@ -18,6 +18,14 @@ from models.loss import token_xent
 from models.transformer import default_positions
 
 
+def split_micro(x_BT: jax.Array, m: int) -> jax.Array:
+    """[B,...] -> [M, B/M, ...] taking rows m, m+M, m+2M... into micro-batch m, so every micro-batch
+    spans all batch shards (a plain reshape would put whole micro-batches on single shards)."""
+    b = x_BT.shape[0]
+    x = x_BT.reshape(b // m, m, *x_BT.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+
 def token_losses(loss_fn, logits_BTV: jax.Array, batch) -> jax.Array:
     """The per-token loss [B,T] float32: cross-entropy, or `loss_fn(logits_BTV, batch)`, a custom
     loss (Trainer(loss=...)). Per token, not a mean: the step weights and sums it, and divides by

@@ -27,7 +27,7 @@ import numpy as np
 from models import context
 from models.config import ModelConfig
 from models.pipeline import with_stat_terms
-from train.core.batch_loss import moe_sums
+from train.core.batch_loss import moe_sums, split_micro
 from train.core.pair_loss import sequence_logps_per_token
 from train.core.post_sections import PostConfig
 
@@ -130,10 +130,9 @@ def token_logps(cfg: ModelConfig, micro_batches: int, params, batch: dict):
             logp_RT = jnp.take(logp_RT, jnp.asarray(np.argsort(context.zigzag(t, n))), axis=1)
         return logp_RT
 
-    r = rows["inputs"].shape[0]
-    m = micro_batches
-    micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(r // m, m, t), 0, 1), rows)
+    micro = jax.tree.map(lambda x: split_micro(x, micro_batches), rows)
     logp_MRT = jax.lax.map(one, micro)  # [M, R/M, T], micro-batch j holding rows j, j + M, ...
+    r = rows["inputs"].shape[0]
     return jax.lax.stop_gradient(jnp.swapaxes(logp_MRT, 0, 1).reshape(r, t))
 
 

@@ -14,7 +14,7 @@ from mesh.rules import axis_rules, current_rules
 from models.config import ModelConfig
 from models.moe_router import bias_update
 from train.core import comm
-from train.core.batch_loss import loss_terms
+from train.core.batch_loss import loss_terms, split_micro
 from train.core.optim import applied_lr
 from train.core.state import TrainState
 
@@ -32,14 +32,6 @@ def replica_split(dp_axes: tuple[str, ...]) -> tuple[int, dict]:
             for name in ("batch", "logits_batch")
         },
     }
-
-
-def _split_micro(x_BT: jax.Array, m: int) -> jax.Array:
-    """[B,...] -> [M, B/M, ...] taking rows m, m+M, m+2M... into micro-batch m, so every micro-batch
-    spans all batch shards (a plain reshape would put whole micro-batches on single shards)."""
-    b = x_BT.shape[0]
-    x = x_BT.reshape(b // m, m, *x_BT.shape[1:])
-    return jnp.swapaxes(x, 0, 1)
 
 
 def grads_loss_stats(
@@ -86,7 +78,7 @@ def grads_loss_stats(
         n = jnp.maximum(n, 1.0)
         return total / n, _mean_grads(g, n, total), _normalise(sums, n)
 
-    micro = jax.tree.map(lambda x: _split_micro(x, micro_batches), batch)  # [M, B/M, ...]
+    micro = jax.tree.map(lambda x: split_micro(x, micro_batches), batch)  # [M, B/M, ...]
     n_dp, inner_rules = replica_split(dp_axes)
     if n_dp > 1:  # [M, B/M, ...] -> [M, n_dp, B/(M n_dp), ...]: dim 1 is the replica group
         micro = jax.tree.map(
