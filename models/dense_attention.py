@@ -32,10 +32,18 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
     bool, broadcastable to [B, T, S] (True: the query sees the key). -> out_BTNH in q's dtype."""
     b, t, n, h = q_BTNH.shape
     k = k_BSKH.shape[2]
-    q_BTKQH = q_BTNH.reshape(b, t, k, n // k, h)
+    # heads-major operands, [B, K, Q, T, H] and [B, K, S, H]: every score and probability
+    # matmul is then a plain batched [T, H] x [H, S] product whose batch dims lead on both sides
+    # and in the output. With the sequence-major operands the [T, S] products and their float32
+    # outputs were laid out by XLA:CPU with transposes of the scores: 2.9x slower fwd + bwd at
+    # T = 1,024 (BENCHMARKS.md, "The dense attention's layout"). Transposing q, k, v and the
+    # output moves [T, H] values, not [T, S] ones.
+    q_BKQTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
+    k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
+    v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
     mask_B11TS = jnp.broadcast_to(mask_BTS, (mask_BTS.shape[0], t, k_BSKH.shape[1]))[:, None, None]
-    out_BTKQH = _attend(q_BTKQH, k_BSKH, v_BSKH, mask_B11TS)
-    return out_BTKQH.reshape(b, t, n, h)
+    out_BKQTH = _attend(q_BKQTH, k_BKSH, v_BKSH, mask_B11TS)
+    return out_BKQTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 # what jax.nn.dot_product_attention puts in masked scores: finite, so a row that sees nothing
@@ -43,42 +51,41 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
 _MASKED = float(np.float32(-0.7) * np.finfo(np.float32).max)
 
 
-def _probs(q_BTKQH, k_BSKH, mask_B11TS):
+def _probs(q_BKQTH, k_BKSH, mask_B11TS):
     """Softmax of the masked, scaled scores: [B, K, Q, T, S] float32."""
-    scale = q_BTKQH.shape[-1] ** -0.5
-    s_BKQTS = jnp.einsum("btkqh,bskh->bkqts", q_BTKQH, k_BSKH, preferred_element_type=jnp.float32)
+    scale = q_BKQTH.shape[-1] ** -0.5
+    s_BKQTS = jnp.einsum("bkqth,bksh->bkqts", q_BKQTH, k_BKSH, preferred_element_type=jnp.float32)
     s_BKQTS = jnp.where(mask_B11TS, s_BKQTS * scale, _MASKED)
     return jax.nn.softmax(s_BKQTS, axis=-1)
 
 
 @jax.custom_vjp
-def _attend(q_BTKQH, k_BSKH, v_BSKH, mask_B11TS):
-    p_BKQTS = _probs(q_BTKQH, k_BSKH, mask_B11TS).astype(v_BSKH.dtype)
-    return jnp.einsum("bkqts,bskh->btkqh", p_BKQTS, v_BSKH)
+def _attend(q_BKQTH, k_BKSH, v_BKSH, mask_B11TS):
+    p_BKQTS = _probs(q_BKQTH, k_BKSH, mask_B11TS).astype(v_BKSH.dtype)
+    return jnp.einsum("bkqts,bksh->bkqth", p_BKQTS, v_BKSH)
 
 
-def _attend_fwd(q_BTKQH, k_BSKH, v_BSKH, mask_B11TS):
-    p_BKQTS = _probs(q_BTKQH, k_BSKH, mask_B11TS).astype(v_BSKH.dtype)
-    out_BTKQH = jnp.einsum("bkqts,bskh->btkqh", p_BKQTS, v_BSKH)
-    return out_BTKQH, (q_BTKQH, k_BSKH, v_BSKH, p_BKQTS, out_BTKQH)
+def _attend_fwd(q_BKQTH, k_BKSH, v_BKSH, mask_B11TS):
+    p_BKQTS = _probs(q_BKQTH, k_BKSH, mask_B11TS).astype(v_BKSH.dtype)
+    out_BKQTH = jnp.einsum("bkqts,bksh->bkqth", p_BKQTS, v_BKSH)
+    return out_BKQTH, (q_BKQTH, k_BKSH, v_BKSH, p_BKQTS, out_BKQTH)
 
 
-def _attend_bwd(res, dout_BTKQH):
-    q_BTKQH, k_BSKH, v_BSKH, p_BKQTS, out_BTKQH = res
-    dt, f32 = q_BTKQH.dtype, jnp.float32
-    scale = q_BTKQH.shape[-1] ** -0.5
-    dv_BSKH = jnp.einsum("bkqts,btkqh->bskh", p_BKQTS, dout_BTKQH, preferred_element_type=f32)
-    dp_BKQTS = jnp.einsum("btkqh,bskh->bkqts", dout_BTKQH, v_BSKH, preferred_element_type=f32)
+def _attend_bwd(res, dout_BKQTH):
+    q_BKQTH, k_BKSH, v_BKSH, p_BKQTS, out_BKQTH = res
+    dt, f32 = q_BKQTH.dtype, jnp.float32
+    scale = q_BKQTH.shape[-1] ** -0.5
+    dv_BKSH = jnp.einsum("bkqts,bkqth->bksh", p_BKQTS, dout_BKQTH, preferred_element_type=f32)
+    dp_BKQTS = jnp.einsum("bkqth,bksh->bkqts", dout_BKQTH, v_BKSH, preferred_element_type=f32)
     # sum_s p_s dp_s = dout . out, per query and head: a reduction over H, not a matmul
-    row_BTKQ = jnp.sum(dout_BTKQH.astype(f32) * out_BTKQH.astype(f32), axis=-1)
-    row_BKQT = jnp.moveaxis(row_BTKQ, 1, -1)
-    ds_BKQTS = (p_BKQTS.astype(f32) * (dp_BKQTS - row_BKQT[..., None]) * scale).astype(dt)
-    dq_BTKQH = jnp.einsum("bkqts,bskh->btkqh", ds_BKQTS, k_BSKH, preferred_element_type=f32)
-    dk_BSKH = jnp.einsum("bkqts,btkqh->bskh", ds_BKQTS, q_BTKQH, preferred_element_type=f32)
+    row_BKQT1 = jnp.sum(dout_BKQTH.astype(f32) * out_BKQTH.astype(f32), axis=-1, keepdims=True)
+    ds_BKQTS = (p_BKQTS.astype(f32) * (dp_BKQTS - row_BKQT1) * scale).astype(dt)
+    dq_BKQTH = jnp.einsum("bkqts,bksh->bkqth", ds_BKQTS, k_BKSH, preferred_element_type=f32)
+    dk_BKSH = jnp.einsum("bkqts,bkqth->bksh", ds_BKQTS, q_BKQTH, preferred_element_type=f32)
     return (
-        dq_BTKQH.astype(dt),
-        dk_BSKH.astype(k_BSKH.dtype),
-        dv_BSKH.astype(v_BSKH.dtype),
+        dq_BKQTH.astype(dt),
+        dk_BKSH.astype(k_BKSH.dtype),
+        dv_BKSH.astype(v_BKSH.dtype),
         None,
     )
 
