@@ -110,12 +110,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = self.dtype
-        # one einsum for both projections: the backward's input gradient is then one dot, so
-        # tensor parallelism all-reduces it once instead of once per projection
+        # two einsums, each output in the dot's own [B, T, F] order. One einsum over the stacked
+        # weights (`btd,zdf->zbtf`) gave XLA one input-gradient dot to all-reduce under tensor
+        # parallelism, but it copies the gathered weights into the stack every step and its
+        # stack-major output is read back transposed by the gating: 10-12% of the step on CPU
+        # (BENCHMARKS.md, "The MLP's two projections"). XLA's all-reduce combiner merges the two
+        # input-gradient all-reduces where it pays.
         # (a LoRA-adapted weight adds its adapters' term to its projection: models/adapters.py)
         gate, up, down = self.w_gate_DF[...], self.w_up_DF[...], self.w_down_FD[...]
-        w_ZDF = jnp.stack([frozen(gate), frozen(up)]).astype(dt)
-        gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
+        gate_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(gate).astype(dt), self.fp8)
+        up_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(up).astype(dt), self.fp8)
         gate_BTF = with_adapters(gate_BTF, "btd,df->btf", x_BTD, gate)
         up_BTF = with_adapters(up_BTF, "btd,df->btf", x_BTD, up)
         act = ACTIVATIONS[self.activation]
