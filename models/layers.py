@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mesh.shard import constrain
+from mesh.rules import logical_to_spec
+from mesh.shard import axes_size, constrain
 from models import fp8
 from models.adapters import frozen, with_adapters
 
@@ -89,6 +90,20 @@ ACTIVATIONS = {
 }
 
 
+def fused_mlp(mesh, rules=None) -> bool:
+    """Whether gate and up come from one einsum over their stacked weights on `mesh` (empty: no
+    mesh) under `rules` (default: the ones in context): where tensor parallelism splits d_ff.
+    There each einsum's input gradient is a partial sum that the backward all-reduces, so one
+    einsum costs one all-reduce of [B, T, D] a layer instead of two (XLA does not merge them).
+    Elsewhere two einsums: the stack copies the gathered weights every step and its stack-major
+    [2, B, T, F] output is read back transposed by the gating, 10-12% of the step on XLA:CPU
+    (BENCHMARKS.md, "The attention's and the MLP's layouts")."""
+    if mesh.empty:
+        return False
+    (mlp,) = logical_to_spec(("mlp",), rules)
+    return axes_size(mesh, mlp) > 1
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * (x W_up)); GeGLU with `activation` gelu_tanh or gelu."""
 
@@ -110,16 +125,14 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = self.dtype
-        # two einsums, each output in the dot's own [B, T, F] order. One einsum over the stacked
-        # weights (`btd,zdf->zbtf`) gave XLA one input-gradient dot to all-reduce under tensor
-        # parallelism, but it copies the gathered weights into the stack every step and its
-        # stack-major output is read back transposed by the gating: 10-12% of the step on CPU
-        # (BENCHMARKS.md, "The MLP's two projections"). XLA's all-reduce combiner merges the two
-        # input-gradient all-reduces where it pays.
         # (a LoRA-adapted weight adds its adapters' term to its projection: models/adapters.py)
         gate, up, down = self.w_gate_DF[...], self.w_up_DF[...], self.w_down_FD[...]
-        gate_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(gate).astype(dt), self.fp8)
-        up_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(up).astype(dt), self.fp8)
+        if fused_mlp(jax.sharding.get_abstract_mesh()):
+            w_ZDF = jnp.stack([frozen(gate), frozen(up)]).astype(dt)
+            gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
+        else:
+            gate_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(gate).astype(dt), self.fp8)
+            up_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(up).astype(dt), self.fp8)
         gate_BTF = with_adapters(gate_BTF, "btd,df->btf", x_BTD, gate)
         up_BTF = with_adapters(up_BTF, "btd,df->btf", x_BTD, up)
         act = ACTIVATIONS[self.activation]
