@@ -33,7 +33,7 @@ from mesh.rules import logical_to_spec
 from mesh.shard import entry_axes, spec_axes
 from models.config import ModelConfig
 from models.layers import MLP, param
-from models.moe_dispatch import dispatch_local, exchange_for
+from models.moe_dispatch import dispatch_local, exchange_for, reduce_dtype
 from models.moe_router import route
 
 W_EDF = ("experts", "expert_embed", "expert_mlp")
@@ -107,6 +107,12 @@ def experts(
         embed_axes=entry_axes(w_spec[1]),
         tp_axes=entry_axes(w_spec[2]),
         token_axes=token_axes,
+    )
+    # on CPU every input enters in float32 and is cast to the compute dtype inside, so that the
+    # sums of their gradients over the axes they are not split on run in float32 (reduce_dtype)
+    body = functools.partial(body, dtype=x_BTD.dtype)
+    x_BTD, gate_BTJ, wg_EDF, wu_EDF, wd_EFD = (
+        a.astype(reduce_dtype(a.dtype)) for a in (x_BTD, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
     )
     return jax.shard_map(
         body,

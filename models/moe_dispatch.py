@@ -23,6 +23,32 @@ from models.moe_kernels import (
 )
 
 
+def reduce_dtype(dtype):
+    """The dtype of the reducing collectives inside the MoE shard_map (psums, and the weights'
+    gradients reduce-scattered or summed by the transposes of gathers and casts to varying).
+    XLA:CPU aborts ("Invalid binary instruction opcode copy", jax 0.12 with Shardy) when its
+    float normalisation rewrites a bfloat16 all-reduce or reduce-scatter of a manual region into
+    float32: Shardy leaves a copy at the root of the reducer, which the rewrite cannot rebuild. So
+    on CPU they run in float32, which is what that rewrite makes of them anyway; elsewhere in the
+    compute dtype."""
+    return jnp.float32 if jax.default_backend() == "cpu" else dtype
+
+
+def _in_dtype(w, like, dtype, vmapped: bool):
+    """`w` cast to `dtype`, made to vary first (in its own dtype) over the shard_map axes `like`
+    varies over: the transpose of that cast to varying, the sum of w's gradient over those axes,
+    then runs in w's dtype, not in `dtype` (a cast to varying left to autodiff would come after
+    the cast). Under vmap the varying axes are not tracked and shard_map sums the gradient of its
+    input itself, in the input's dtype."""
+    if w.dtype == dtype:
+        return w
+    if not vmapped:
+        have = set(jax.typeof(w).manual_axis_type.varying)
+        missing = tuple(set(jax.typeof(like).manual_axis_type.varying) - have)
+        w = lax.pcast(w, missing, to="varying") if missing else w
+    return w.astype(dtype)
+
+
 def exchange_for(cfg: ModelConfig) -> str:
     """How dropless dispatch moves rows over the expert axis: "fixed" (worst-case buffers, plain
     all_to_all), "ragged" (lax.ragged_all_to_all: only the real rows) or "emulated" (the ragged
@@ -128,6 +154,7 @@ def dispatch_local(
     kernel: str,
     exchange: str = "fixed",
     vmapped: bool = False,
+    dtype=None,
     ep_axes=(),
     ep: int = 1,
     embed_axes=(),
@@ -145,15 +172,24 @@ def dispatch_local(
     b, t, d = x_BTD.shape
     k = idx_BTJ.shape[-1]
     n = b * t
+    # the inputs may arrive in reduce_dtype (models/moe.py): computed in `dtype`
+    dtype = dtype or x_BTD.dtype
+    x_BTD, gate_BTJ = x_BTD.astype(dtype), gate_BTJ.astype(dtype)
     if embed_axes:
         wg_XDF, wu_XDF = (
             lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (wg_XDF, wu_XDF)
         )
         wd_XFD = lax.all_gather(wd_XFD, embed_axes, axis=2, tiled=True)
+    # the weights too: in the compute dtype once gathered
+    wg_XDF, wu_XDF, wd_XFD = (
+        _in_dtype(w, x_BTD, x_BTD.dtype, vmapped) for w in (wg_XDF, wu_XDF, wd_XFD)
+    )
     x_count = wg_XDF.shape[0]
     x_UD = x_BTD.reshape(n, d)
     if tp_axes:  # varying once here: the backward sums one [U,D] gradient over tp_axes, not one per
-        x_UD = lax.pcast(x_UD, tuple(tp_axes), to="varying")  # matmul over the whole padded buffer
+        # matmul over the whole padded buffer; that sum in reduce_dtype
+        x_UD = lax.pcast(x_UD.astype(reduce_dtype(x_UD.dtype)), tuple(tp_axes), to="varying")
+        x_UD = x_UD.astype(x_BTD.dtype)
     # assignments in priority order: every token's first choice before any second choice (Switch)
     e_A = idx_BTJ.reshape(n, k).T.reshape(-1)
     tok_A = jnp.tile(jnp.arange(n), k)
@@ -232,5 +268,9 @@ def _combine(y_JUD, gate_A, tp_axes):
     """Each token's expert outputs weighted by its gates -> [U,D], summed over tensor-parallel
     shards."""
     k, n, _ = y_JUD.shape
+    if not tp_axes:
+        return jnp.einsum("jud,ju->ud", y_JUD, gate_A.reshape(k, n).astype(y_JUD.dtype))
+    # the gates vary over tp_axes here, so that their gradient's sum over them runs in reduce_dtype
+    gate_A = lax.pcast(gate_A.astype(reduce_dtype(gate_A.dtype)), tuple(tp_axes), to="varying")
     y_UD = jnp.einsum("jud,ju->ud", y_JUD, gate_A.reshape(k, n).astype(y_JUD.dtype))
-    return lax.psum(y_UD, tp_axes) if tp_axes else y_UD
+    return lax.psum(y_UD.astype(reduce_dtype(y_UD.dtype)), tp_axes).astype(y_UD.dtype)
