@@ -14,9 +14,10 @@ from models.pipeline_config import PipelineConfig as PipelineConfig  # its home 
 REMAT_POLICIES = ("none", "full", "dots", "dots_offload")
 MATMUL_PRECISIONS = ("default", "fp8")
 ATTENTIONS = ("auto", "dense", "blockwise", "cudnn")
-# `--model.attention auto` turns to memory-linear attention from this sequence length: XLA's dense
-# attention is 1.5-1.8x faster on CPU, but from here its [T,T] scores take 3x the memory and grow x4
-# per doubling (BENCHMARKS.md, Long context)
+# `--model.attention auto` turns to memory-linear attention from this sequence length: below it the
+# dense step is as fast or faster on CPU (seq 512 and 1,024 in bf16), from here the dense [T,T]
+# scores take 2.3x the memory and more, growing x4 per doubling, and blockwise is the faster of the
+# two forward + backward (BENCHMARKS.md, Long context; "The attention's and the MLP's layouts")
 BLOCKWISE_FROM = 2048
 # --model.loss_chunk 0 (auto): the chunk and the per-device logits size from which the loss is
 # chunked
