@@ -70,7 +70,12 @@ def test_memory_is_linear_in_the_sequence_and_32k_tokens_train(tmp_path):
     for preset, kind, lengths in cases:
         for short, long in zip(lengths, lengths[1:]):
             ratio = temp[preset, kind, long] / temp[preset, kind, short]
-            assert ratio > QUADRATIC if kind == "dense" else ratio < LINEAR, (preset, kind, long, temp)
+            assert ratio > QUADRATIC if kind == "dense" else ratio < LINEAR, (
+                preset,
+                kind,
+                long,
+                temp,
+            )
     # the training run: one layer, one head of 16, so that a step of 32k x 32k attention takes
     # about a minute on 2 cores (the memory above is the presets')
     summary = trainer(
