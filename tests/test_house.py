@@ -337,7 +337,6 @@ WHY = re.compile(r"#.*\bon purpose\b")
 # while a row names a function that no longer needs it.
 PENDING = {
     "models/context.py::_ring": 68,
-    "models/moe.py::experts": 66,
 }
 
 
