@@ -36,8 +36,8 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
     # matmul is then a plain batched [T, H] x [H, S] product whose batch dims lead on both sides
     # and in the output. With the sequence-major operands the [T, S] products and their float32
     # outputs were laid out by XLA:CPU with transposes of the scores: 2.9x slower fwd + bwd at
-    # T = 1,024 (BENCHMARKS.md, "The dense attention's layout"). Transposing q, k, v and the
-    # output moves [T, H] values, not [T, S] ones.
+    # T = 1,024 (BENCHMARKS.md, "The attention's and the MLP's layouts"). Transposing q, k, v
+    # and the output moves [T, H] values, not [T, S] ones.
     q_BKQTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
     k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
     v_BKSH = v_BSKH.transpose(0, 2, 1, 3)

@@ -81,16 +81,17 @@ def experts(
         return tuple(a for a in entry_axes(entry) if mesh.shape[a] > 1)
 
     specs = tuple(P(*(real(e) or None for e in s)) for s in (x_spec, w_spec, wd_spec))
-    if not set().union(*map(spec_axes, specs)):
+    named = set().union(*map(spec_axes, specs))
+    if not named:
         return local(x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
-    return _on_mesh(local, mesh, specs, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
+    return _on_mesh(local, mesh, specs, named, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD)
 
 
-def _on_mesh(local, mesh, specs, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD):
+def _on_mesh(local, mesh, specs, named, x_BTD, idx_BTJ, gate_BTJ, wg_EDF, wu_EDF, wd_EFD):
     """`local` (dispatch_local with the layer's settings) inside shard_map over the mesh's real
-    axes; `specs`: the tokens', the gate/up weights' and the down weight's PartitionSpecs."""
+    axes; `specs`: the tokens', the gate/up weights' and the down weight's PartitionSpecs, which
+    name the axes `named`."""
     x_spec, w_spec, wd_spec = specs
-    named = spec_axes(x_spec) | spec_axes(w_spec) | spec_axes(wd_spec)
     # Real axes that no spec names are those a vmap with spmd_axis_name may add (data-parallel
     # micro-batches in train/core/step.py, which drop them from the batch rule). jax 0.10 adds them
     # to the specs but not to the manual set, so they are made manual here; and it batches scan/cond

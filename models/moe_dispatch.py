@@ -20,6 +20,7 @@ from models.moe_kernels import (
     gmm_ragged,
     gmm_sorted,
     rank_in_group,
+    varying_axes,
 )
 
 
@@ -43,8 +44,7 @@ def _in_dtype(w, like, dtype, vmapped: bool):
     if w.dtype == dtype:
         return w
     if not vmapped:
-        have = set(jax.typeof(w).manual_axis_type.varying)
-        missing = tuple(set(jax.typeof(like).manual_axis_type.varying) - have)
+        missing = tuple(set(varying_axes(like)) - set(varying_axes(w)))
         w = lax.pcast(w, missing, to="varying") if missing else w
     return w.astype(dtype)
 

@@ -100,7 +100,8 @@ def gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int):
     return yb_GbD.reshape(-1, d).at[dest_R].get(mode="fill", fill_value=0)
 
 
-def _varying(*arrays) -> tuple:
+def varying_axes(*arrays) -> tuple:
+    """The shard_map axes any of `arrays` varies over."""
     return tuple(set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays)))
 
 
@@ -109,9 +110,11 @@ def _vary_alike(*arrays):
     VJP: each weight's cotangent is then summed over the axes it did not vary over by autodiff
     (the transpose of the cast), and the hand-written backward returns cotangents of its inputs'
     types."""
-    vma = set(_varying(*arrays))
+    vma = set(varying_axes(*arrays))
     return tuple(
-        lax.pcast(a, tuple(vma - set(_varying(a))), to="varying") if vma - set(_varying(a)) else a
+        lax.pcast(a, tuple(vma - set(varying_axes(a))), to="varying")
+        if vma - set(varying_axes(a))
+        else a
         for a in arrays
     )
 
@@ -119,7 +122,7 @@ def _vary_alike(*arrays):
 def _zeros(shape, dtype, *like):
     """Zeros that vary over the same shard_map axes as `like` (a loop carry must keep its type)."""
     z = jnp.zeros(shape, dtype)
-    vma = _varying(*like)
+    vma = varying_axes(*like)
     return lax.pcast(z, vma, to="varying") if vma else z
 
 
