@@ -33,7 +33,8 @@ from mesh.rules import logical_to_spec
 from mesh.shard import entry_axes, spec_axes
 from models.config import ModelConfig
 from models.layers import MLP, param
-from models.moe_dispatch import dispatch_local, exchange_for, reduce_dtype
+from models.moe_comm import reduce_dtype
+from models.moe_dispatch import dispatch_local, exchange_for
 from models.moe_router import route
 
 W_EDF = ("experts", "expert_embed", "expert_mlp")

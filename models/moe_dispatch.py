@@ -13,9 +13,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.config import ModelConfig
+from models.moe_comm import exchange as exchange_rows
+from models.moe_comm import gather_weight, reduce_dtype
 from models.moe_kernels import (
     batched_like,
     block_size,
+    einsum_slots,
     gmm_blocks,
     gmm_ragged,
     gmm_sorted,
@@ -24,29 +27,15 @@ from models.moe_kernels import (
 )
 
 
-def reduce_dtype(dtype):
-    """The dtype of the reducing collectives inside the MoE shard_map (psums, and the weights'
-    gradients reduce-scattered or summed by the transposes of gathers and casts to varying).
-    XLA:CPU aborts ("Invalid binary instruction opcode copy", jax 0.12 with Shardy) when its
-    float normalisation rewrites a bfloat16 all-reduce or reduce-scatter of a manual region into
-    float32: Shardy leaves a copy at the root of the reducer, which the rewrite cannot rebuild. So
-    on CPU they run in float32, which is what that rewrite makes of them anyway; elsewhere in the
-    compute dtype."""
-    return jnp.float32 if jax.default_backend() == "cpu" else dtype
-
-
-def _in_dtype(w, like, dtype, vmapped: bool):
-    """`w` cast to `dtype`, made to vary first (in its own dtype) over the shard_map axes `like`
-    varies over: the transpose of that cast to varying, the sum of w's gradient over those axes,
-    then runs in w's dtype, not in `dtype` (a cast to varying left to autodiff would come after
-    the cast). Under vmap the varying axes are not tracked and shard_map sums the gradient of its
-    input itself, in the input's dtype."""
-    if w.dtype == dtype:
+def _vary_like(w, like, vmapped: bool):
+    """`w` made to vary over the shard_map axes `like` varies over, in its own dtype: the
+    transpose of that cast to varying, the sum of w's gradient over those axes, then runs in w's
+    dtype (reduce_dtype on CPU), not in the compute dtype. Under vmap the varying axes are not
+    tracked and shard_map sums the gradient of its input itself, in the input's dtype."""
+    if vmapped:
         return w
-    if not vmapped:
-        missing = tuple(set(varying_axes(like)) - set(varying_axes(w)))
-        w = lax.pcast(w, missing, to="varying") if missing else w
-    return w.astype(dtype)
+    missing = tuple(set(varying_axes(like)) - set(varying_axes(w)))
+    return lax.pcast(w, missing, to="varying") if missing else w
 
 
 def exchange_for(cfg: ModelConfig) -> str:
@@ -175,15 +164,12 @@ def dispatch_local(
     # the inputs may arrive in reduce_dtype (models/moe.py): computed in `dtype`
     dtype = dtype or x_BTD.dtype
     x_BTD, gate_BTJ = x_BTD.astype(dtype), gate_BTJ.astype(dtype)
+    # the weights too, cast to the compute dtype on the shard and then gathered over FSDP
+    wg_XDF, wu_XDF, wd_XFD = (_vary_like(w, x_BTD, vmapped) for w in (wg_XDF, wu_XDF, wd_XFD))
     if embed_axes:
-        wg_XDF, wu_XDF = (
-            lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (wg_XDF, wu_XDF)
-        )
-        wd_XFD = lax.all_gather(wd_XFD, embed_axes, axis=2, tiled=True)
-    # the weights too: in the compute dtype once gathered
-    wg_XDF, wu_XDF, wd_XFD = (
-        _in_dtype(w, x_BTD, x_BTD.dtype, vmapped) for w in (wg_XDF, wu_XDF, wd_XFD)
-    )
+        wg_XDF, wu_XDF = (gather_weight(w, embed_axes, 1, dtype) for w in (wg_XDF, wu_XDF))
+        wd_XFD = gather_weight(wd_XFD, embed_axes, 2, dtype)
+    wg_XDF, wu_XDF, wd_XFD = (w.astype(dtype) for w in (wg_XDF, wu_XDF, wd_XFD))
     x_count = wg_XDF.shape[0]
     x_UD = x_BTD.reshape(n, d)
     if tp_axes:  # varying once here: the backward sums one [U,D] gradient over tp_axes, not one per
@@ -195,6 +181,9 @@ def dispatch_local(
     tok_A = jnp.tile(jnp.arange(n), k)
     gate_A = gate_BTJ.reshape(n, k).T.reshape(-1)
     dest_A = e_A // x_count
+    # the CPU kernel's block and einsum slots for this device's expected rows (models/moe_kernels);
+    # no slots under vmap, where the choice between them and the blocks would run both
+    grouping = (block_size(n * k, x_count), 0 if vmapped else einsum_slots(n * k, x_count))
     if mode == "dropless" and ep > 1 and exchange != "fixed":
         rows = ep * n * min(k, x_count)  # what a device receives if every token picks its experts
         ws = (wg_XDF, wu_XDF, wd_XFD)
@@ -204,7 +193,7 @@ def dispatch_local(
                 return gmm_sorted(x_RD, sizes_X, *(batched_like(x_RD, *ws) if vmapped else ws))
             # a row past every group's end gets group X: padding
             group_R = jnp.sum(jnp.arange(rows)[:, None] >= jnp.cumsum(sizes_X)[None], axis=1)
-            return gmm_blocks(x_RD, group_R, *ws, block_size(n * k, x_count))
+            return gmm_blocks(x_RD, group_R, *ws, *grouping)
 
         y_AD = _ragged_dispatch(
             x_UD,
@@ -235,7 +224,7 @@ def dispatch_local(
     send_RD = jnp.zeros((rows, d), x_UD.dtype).at[slot_A].set(x_UD[tok_A], mode="drop")
     if mode == "capacity":
         if ep > 1:
-            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)  # -> [source, X, cap]
+            send_RD = exchange_rows(send_RD, ep_axes)  # -> [source, X, cap]
         x_XRD = (
             send_RD.reshape(ep, x_count, cap, d).transpose(1, 0, 2, 3).reshape(x_count, ep * cap, d)
         )
@@ -249,15 +238,14 @@ def dispatch_local(
     else:
         group_R = jnp.full((rows,), x_count, jnp.int32).at[slot_A].set(e_A % x_count, mode="drop")
         if ep > 1:
-            send_RD = lax.all_to_all(send_RD, ep_axes, 0, 0, tiled=True)
-            group_R = lax.all_to_all(group_R, ep_axes, 0, 0, tiled=True)
+            send_RD, group_R = exchange_rows(send_RD, ep_axes, group_R)
         if kernel == "ragged":
             ws = (wg_XDF, wu_XDF, wd_XFD)
             y_RD = gmm_ragged(send_RD, group_R, *(batched_like(send_RD, *ws) if vmapped else ws))
         else:
-            y_RD = gmm_blocks(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD, block_size(n * k, x_count))
+            y_RD = gmm_blocks(send_RD, group_R, wg_XDF, wu_XDF, wd_XFD, *grouping)
     if ep > 1:
-        y_RD = lax.all_to_all(y_RD, ep_axes, 0, 0, tiled=True)
+        y_RD = exchange_rows(y_RD, ep_axes)
     y_JUD = y_RD.at[slot_A].get(mode="fill", fill_value=0).reshape(k, n, d)  # dropped rows: 0
     if token_axes:
         dropped = lax.psum(dropped, token_axes)

@@ -4,9 +4,11 @@ F expert width, G blocks of b rows.
 
 Two kernels:
 - `gmm_ragged`: lax.ragged_dot on rows sorted by expert (GPU/TPU: only the real rows are computed);
-- `gmm_blocks`: each expert's rows padded to whole blocks (MegaBlocks), a loop over the used blocks
-  only, one small dense FFN per block. XLA:CPU computes ragged_dot about like every expert on every
-  row, so this is the CPU kernel. Its backward is written by hand (`blocked_ffn`): autodiff of a
+- `gmm_blocks`: XLA:CPU computes ragged_dot about like every expert on every row, so this is the
+  CPU kernel. Each expert's first rows go through one batched einsum over a fixed number of slots
+  per expert (a near-balanced load fills them), the rest padded to whole blocks (MegaBlocks) and
+  looped over, the used blocks only, or under a skewed load every row through the blocks: whichever
+  computes fewer rows. The blocks' backward is written by hand (`blocked_ffn`): autodiff of a
   per-block weight index writes a whole [X,D,F] cotangent per block, and gathering each block's
   weights up front copies them once per block; here each block reads its expert's weights in place
   and adds its weight gradient into the expert's slice.
@@ -69,17 +71,81 @@ def gmm_ragged(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD):
 
 
 def block_size(rows_expected: int, x_count: int) -> int:
-    """About 4 blocks per expert at a balanced load (padding wastes under a quarter of the rows),
-    but at least 64 rows: on CPU, 16-row blocks ran 3x slower than 64-128 (benchmarks/moe.py)."""
+    """About 4 blocks per expert at a balanced load, but at least 128 rows and at most 256. The
+    blocks carry a skewed load (`gmm_blocks`), whose hot experts fill big blocks: under Zipf and
+    quarter-of-the-experts loads on seven layer shapes, 128-row blocks ran 1.1-1.8x faster than
+    64-row ones (`python benchmarks/moe_cpu.py grouped`); 16-row ones 3x slower than 64-128."""
     per_expert = max(rows_expected // max(x_count, 1), 1)
-    return int(min(256, max(64, 2 ** math.floor(math.log2(max(per_expert // 4, 1))))))
+    return int(min(256, max(128, 2 ** math.floor(math.log2(max(per_expert // 4, 1))))))
 
 
-def gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int):
-    """Rows grouped by expert id (== X: padding, comes out 0), each expert's rows padded to whole
-    blocks; only the used blocks are computed, so the cost follows the real rows, not the buffer."""
-    x_count, (r, d) = wg_XDF.shape[0], x_RD.shape
+def einsum_slots(rows_expected: int, x_count: int) -> int:
+    """Rows per expert that `gmm_blocks` may run through one batched einsum: 1.25 x a balanced
+    load, rounded up to a multiple of 8. On seven layer shapes (2-32 experts, 256-4,096 rows) at a
+    uniform load, 1.25 made the kernel 1.3-1.8x faster than the blocks alone; 1.0 was no faster
+    than the blocks on four of them and 1.5 slower than 1.25 on six. Under skewed loads, mostly
+    left to the blocks, 0.85-1.47x the blocks alone (`python benchmarks/moe_cpu.py grouped`)."""
+    per_expert = rows_expected / max(x_count, 1)
+    return max(8, 8 * math.ceil(1.25 * per_expert / 8))
+
+
+# What one block costs beyond its rows' matmuls, in rows: on XLA:CPU a 64-row block took as long
+# again as its compute (8 blocks of 64 against 2 of 256 for the same 512 rows: 8.5 vs 5.1 ms)
+BLOCK_OVERHEAD_ROWS = 64
+
+
+def gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int, capacity: int = 0):
+    """Rows grouped by expert id (== X: padding, comes out 0) through their experts' FFNs, nothing
+    dropped, by whichever of two ways computes fewer rows for this load:
+    - each expert's rows padded to whole blocks and a loop over the used blocks (`_blocks_ffn`):
+      the cost follows the real rows, however skewed the load;
+    - with `capacity` (0: never), each expert's first `capacity` rows through one batched einsum
+      over [X, capacity] slots (`_slots_ffn`, no loop) and only the rows past them through blocks:
+      the cheaper one for a near-balanced load.
+    Rows computed count the slots whether filled or not, and each block BLOCK_OVERHEAD_ROWS more."""
+    x_count = wg_XDF.shape[0]
     rank_R, sizes_X = rank_in_group(g_R, x_count)
+    ws = (wg_XDF, wu_XDF, wd_XFD)
+    if not capacity:
+        return _blocks_ffn(x_RD, g_R, rank_R, sizes_X, ws, block)
+
+    def blocks_cost(sizes_X):
+        return jnp.sum(-(-sizes_X // block)) * (block + BLOCK_OVERHEAD_ROWS)
+
+    past_X = jnp.maximum(sizes_X - capacity, 0)
+
+    def slots_then_blocks():
+        past_R = (g_R < x_count) & (rank_R >= capacity)
+        y_RD = _slots_ffn(x_RD, g_R, rank_R, ws, capacity)
+        rest = (jnp.where(past_R, g_R, x_count), rank_R - capacity, past_X)
+        return y_RD + _blocks_ffn(x_RD, *rest, ws, block)
+
+    return lax.cond(
+        x_count * capacity + blocks_cost(past_X) <= blocks_cost(sizes_X),
+        slots_then_blocks,
+        lambda: _blocks_ffn(x_RD, g_R, rank_R, sizes_X, ws, block),
+    )
+
+
+def _slots_ffn(x_RD, g_R, rank_R, ws, capacity: int):
+    """Every row into slot rank of its expert's `capacity` slots, all experts in one einsum."""
+    (wg_XDF, wu_XDF, wd_XFD), d = ws, x_RD.shape[1]
+    x_count = wg_XDF.shape[0]
+    fits_R = (g_R < x_count) & (rank_R < capacity)
+    slot_R = jnp.where(fits_R, g_R * capacity + rank_R, x_count * capacity)
+    x_XCD = jnp.zeros((x_count * capacity, d), x_RD.dtype).at[slot_R].set(x_RD, mode="drop")
+    x_XCD = x_XCD.reshape(x_count, capacity, d)
+    h_XCF = jax.nn.silu(jnp.einsum("xcd,xdf->xcf", x_XCD, wg_XDF)) * jnp.einsum(
+        "xcd,xdf->xcf", x_XCD, wu_XDF
+    )
+    y_XCD = jnp.einsum("xcf,xfd->xcd", h_XCF, wd_XFD).reshape(-1, d)
+    return y_XCD.at[slot_R].get(mode="fill", fill_value=0)
+
+
+def _blocks_ffn(x_RD, g_R, rank_R, sizes_X, ws, block: int):
+    """Each expert's rows padded to whole blocks, a loop over the used blocks (MegaBlocks)."""
+    (wg_XDF, wu_XDF, wd_XFD), (r, d) = ws, x_RD.shape
+    x_count = wg_XDF.shape[0]
     padded_X = -(-sizes_X // block) * block
     end_X = jnp.cumsum(padded_X)
     start_X = end_X - padded_X
@@ -96,7 +162,13 @@ def gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int):
     xb_GbD, wg_XDF, wu_XDF, wd_XFD = _vary_alike(
         xb_GbD.reshape(n_blocks, block, d), wg_XDF, wu_XDF, wd_XFD
     )
-    yb_GbD = blocked_ffn(xb_GbD, jnp.minimum(group_G, x_count - 1), used, wg_XDF, wu_XDF, wd_XFD)
+    group_G = jnp.minimum(group_G, x_count - 1)
+    # no block used (all padding, or no row past the slots): not even the loop's buffers
+    yb_GbD = lax.cond(
+        used > 0,
+        lambda: blocked_ffn(xb_GbD, group_G, used, wg_XDF, wu_XDF, wd_XFD),
+        lambda: jnp.zeros_like(xb_GbD),
+    )
     return yb_GbD.reshape(-1, d).at[dest_R].get(mode="fill", fill_value=0)
 
 
@@ -134,9 +206,15 @@ def _put(a, i, v):
     return lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0)
 
 
-def _dot_t(a_RM, b_RN):
-    """a^T b -> [M, N], accumulated in float32 (the weight gradients)."""
-    return lax.dot_general(a_RM, b_RN, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _dot_wt(a_bN, w_MN):
+    """a w^T -> [b, M], contracting both operands' last dims in one dot_general: XLA:CPU runs
+    `a @ w.T` as a transpose and a matmul, 3x the time of this one (a [64, 256] block, bf16)."""
+    return lax.dot_general(a_bN, w_MN, (((1,), (1,)), ((), ())))
+
+
+def _dot32(a_MK, b_KN):
+    """a b -> [M, N], accumulated and returned in float32 (the weight gradients)."""
+    return lax.dot(a_MK, b_KN, preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
@@ -168,36 +246,41 @@ def _blocked_fwd(xb_GbD, group_G, used, wg_XDF, wu_XDF, wd_XFD):
 def _blocked_bwd(res, dy_GbD):
     xb_GbD, group_G, used, wg_XDF, wu_XDF, wd_XFD, h1_GbF, h2_GbF = res
     like = (xb_GbD, dy_GbD, wg_XDF, wu_XDF, wd_XFD)
+    # the blocks' rows transposed once, so that each weight gradient is a plain [D, b] x [b, F]
+    # matmul: contracting the rows of untransposed blocks took 2.2x as long on XLA:CPU
+    xt_GDb, dyt_GDb = (jnp.swapaxes(a, 1, 2) for a in (xb_GbD, dy_GbD))
 
     def body(i, acc):
-        dx_GbD, dwg_XDF, dwu_XDF, dwd_XFD = acc
-        x_bD, g, dy_bD = _take(xb_GbD, i), _take(group_G, i), _take(dy_GbD, i)
+        # the down projection's gradient accumulates transposed ([D, F], as dy^T (silu h2))
+        dx_GbD, dwg_XDF, dwu_XDF, dwdt_XDF = acc
+        g, dy_bD = _take(group_G, i), _take(dy_GbD, i)
+        xt_Db, dyt_Db = _take(xt_GDb, i), _take(dyt_GDb, i)
         h1_bF, h2_bF = _take(h1_GbF, i), _take(h2_GbF, i)
         wg_DF, wu_DF, wd_FD = _take(wg_XDF, g), _take(wu_XDF, g), _take(wd_XFD, g)
         sig_bF = jax.nn.sigmoid(h1_bF)
         silu_bF = h1_bF * sig_bF
-        dwd_XFD = _put(dwd_XFD, g, _take(dwd_XFD, g) + _dot_t(silu_bF * h2_bF, dy_bD))
-        dh_bF = dy_bD @ wd_FD.T
+        dwdt_XDF = _put(dwdt_XDF, g, _take(dwdt_XDF, g) + _dot32(dyt_Db, silu_bF * h2_bF))
+        dh_bF = _dot_wt(dy_bD, wd_FD)
         dh2_bF = dh_bF * silu_bF
         # silu' = sig (1 + h (1 - sig))
         dh1_bF = dh_bF * h2_bF * sig_bF * (1 + h1_bF * (1 - sig_bF))
-        dwg_XDF = _put(dwg_XDF, g, _take(dwg_XDF, g) + _dot_t(x_bD, dh1_bF))
-        dwu_XDF = _put(dwu_XDF, g, _take(dwu_XDF, g) + _dot_t(x_bD, dh2_bF))
-        dx_bD = dh1_bF @ wg_DF.T + dh2_bF @ wu_DF.T
-        return _put(dx_GbD, i, dx_bD), dwg_XDF, dwu_XDF, dwd_XFD
+        dwg_XDF = _put(dwg_XDF, g, _take(dwg_XDF, g) + _dot32(xt_Db, dh1_bF))
+        dwu_XDF = _put(dwu_XDF, g, _take(dwu_XDF, g) + _dot32(xt_Db, dh2_bF))
+        dx_bD = _dot_wt(dh1_bF, wg_DF) + _dot_wt(dh2_bF, wu_DF)
+        return _put(dx_GbD, i, dx_bD), dwg_XDF, dwu_XDF, dwdt_XDF
 
     init = (
         _zeros(xb_GbD.shape, xb_GbD.dtype, *like),
-        *(_zeros(w.shape, jnp.float32, *like) for w in (wg_XDF, wu_XDF, wd_XFD)),
+        *(_zeros(w.shape, jnp.float32, *like) for w in (wg_XDF, wu_XDF, wg_XDF)),
     )
-    dx_GbD, dwg_XDF, dwu_XDF, dwd_XFD = lax.fori_loop(0, used, body, init)
+    dx_GbD, dwg_XDF, dwu_XDF, dwdt_XDF = lax.fori_loop(0, used, body, init)
     return (
         dx_GbD,
         None,
         None,
         dwg_XDF.astype(wg_XDF.dtype),
         dwu_XDF.astype(wu_XDF.dtype),
-        dwd_XFD.astype(wd_XFD.dtype),
+        jnp.swapaxes(dwdt_XDF, 1, 2).astype(wd_XFD.dtype),
     )
 
 

@@ -2,7 +2,7 @@
 model, and micro-batches under vmap): it compiles and runs, and stays with the one-device
 bfloat16 run. XLA:CPU aborted the whole process on these meshes ("Invalid binary instruction
 opcode copy") when its float normalisation rewrote a bfloat16 all-reduce or reduce-scatter of the
-shard_map into float32; on CPU those collectives now run in float32 (models.moe_dispatch
+shard_map into float32; on CPU those collectives now run in float32 (models.moe_comm
 reduce_dtype)."""
 
 import numpy as np

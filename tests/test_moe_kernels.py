@@ -1,5 +1,6 @@
-"""models/moe_kernels.py and the router's top-k: the padded-block kernel's hand-written backward
-and the ragged_dot kernel against autodiff of a per-row reference (block sizes, partial blocks,
+"""models/moe_kernels.py and the router's top-k: the padded-block kernel's hand-written backward,
+its einsum slots (every row fits, exactly fits, one row too many) and the ragged_dot kernel against
+autodiff of a per-row reference (block sizes, partial blocks,
 skewed loads, empty experts, padding rows), the top-k by argmaxes against lax.top_k, and what the
 compiled MoE layer moves between devices. float32."""
 
@@ -93,8 +94,14 @@ def test_kernels_equal_per_row_with_gradients(rows, x_count, block, kind):
     ks = jax.random.split(jax.random.key(rows), 2)
     x, probe = jax.random.normal(ks[0], (rows, D)), jax.random.normal(ks[1], (rows, D))
     w = _weights(x_count, seed=block)
+    most = int(np.max(np.bincount(np.asarray(g), minlength=x_count + 1)[:x_count]))
     kernels = {
         "blocks": lambda x, *w: gmm_blocks(x, g, *w, block),
+        # with einsum slots: every row fits (the slots' einsum), the fullest expert fills its
+        # slots exactly, and one row too many for them (the blocks)
+        "slots": lambda x, *w: gmm_blocks(x, g, *w, block, capacity=rows),
+        "slots, full": lambda x, *w: gmm_blocks(x, g, *w, block, capacity=max(most, 1)),
+        "past the slots": lambda x, *w: gmm_blocks(x, g, *w, block, capacity=max(most - 1, 1)),
         "ragged": lambda x, *w: gmm_ragged(x, g, *w),
         "per row": lambda x, *w: _per_row(x, g, *w),
     }
