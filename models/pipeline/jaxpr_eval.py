@@ -22,13 +22,31 @@ INLINE = (
 )
 
 
+def jaxpr_and_consts(j) -> tuple[core.Jaxpr, list] | None:
+    """(jaxpr, consts) of a closed or open jaxpr, None if `j` is neither. jax 0.12 folded
+    ClosedJaxpr into Jaxpr, which then carries its own consts."""
+    closed = getattr(core, "ClosedJaxpr", None)
+    if closed is not None and isinstance(j, closed):
+        return j.jaxpr, list(j.consts)
+    if isinstance(j, core.Jaxpr):
+        return j, list(getattr(j, "consts", None) or [])
+    return None
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """A scan equation's (constants, carries) among its inputs (constants, carries, xs): jax 0.12
+    names them by flat trees (`ft_in`), earlier jax by counts."""
+    if "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry = params["ft_in"].unpack()[:2]
+    return len(consts.vals), len(carry.vals)
+
+
 def inlined_body(eqn) -> tuple[core.Jaxpr, list]:
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if isinstance(j, core.ClosedJaxpr):
-            return j.jaxpr, list(j.consts)
-        if isinstance(j, core.Jaxpr):
-            return j, []
+        body = jaxpr_and_consts(eqn.params.get(key))
+        if body is not None:
+            return body
     raise NotImplementedError(f"no body in {eqn.primitive.name}")
 
 
@@ -51,7 +69,7 @@ class Env(dict):
 def eval_scan(eqn, invals, body_fn):
     """Re-bind a scan equation through lax.scan with `body_fn(consts, carry, xs) -> (carry, ys)`."""
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(p)
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     carry, ys = jax.lax.scan(
         lambda c, x: body_fn(consts, c, x),
@@ -75,10 +93,10 @@ def eval_inlined(jaxpr: core.Jaxpr, consts, args):
         if eqn.primitive.name in INLINE:
             outs = eval_inlined(*inlined_body(eqn), invals)
         elif eqn.primitive.name == "scan":
-            body, ncar = eqn.params["jaxpr"], eqn.params["num_carry"]
+            body, ncar = jaxpr_and_consts(eqn.params["jaxpr"]), scan_counts(eqn.params)[1]
 
             def step(c, carry, x, body=body, ncar=ncar):
-                out = eval_inlined(body.jaxpr, body.consts, [*c, *carry, *x])
+                out = eval_inlined(*body, [*c, *carry, *x])
                 return out[:ncar], out[ncar:]
 
             outs = eval_scan(eqn, invals, step)

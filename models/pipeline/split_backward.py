@@ -28,7 +28,7 @@ from typing import Any
 import jax
 from jax._src import core
 
-from models.pipeline.jaxpr_eval import Env, bind, eval_inlined
+from models.pipeline.jaxpr_eval import Env, bind, eval_inlined, jaxpr_and_consts, scan_counts
 
 
 class _Stash:
@@ -142,10 +142,10 @@ class _ScanSplit:
 
     def __init__(self, eqn, ob: list[bool], ow: list[bool]):
         p = eqn.params
-        self.eqn, body = eqn, p["jaxpr"]
-        nc, ncar = p["num_consts"], p["num_carry"]
-        self.nc, self.ncar, self.body_consts = nc, ncar, list(body.consts)
-        bj = body.jaxpr
+        self.eqn = eqn
+        bj, body_consts = jaxpr_and_consts(p["jaxpr"])
+        nc, ncar = scan_counts(p)
+        self.nc, self.ncar, self.body_consts = nc, ncar, body_consts
         consts_in, carry_in, xs_in = (
             bj.invars[:nc],
             bj.invars[nc : nc + ncar],
