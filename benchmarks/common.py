@@ -27,3 +27,20 @@ PEER = {
     "logging.progress": False,
     "logging.tensorboard": False,
 }
+
+
+def median_time(fn, *args, reps: int) -> float:
+    """Seconds per call of `fn(*args)`: compiled by a first call, then the median of `reps` timed
+    calls, each waited for."""
+    import statistics
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-import common  # noqa: F401  (8 fake devices, repo on sys.path)
+import common  # 8 fake devices, repo on sys.path; the timer
 import jax
 import numpy as np
 
@@ -35,16 +35,6 @@ from plan.report import analyze
 from train.core.config import build
 from train.core.setup import compile_step, create_state
 from train.run.loop import Trainer
-
-
-def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def kernels(reps: int) -> None:
@@ -84,10 +74,10 @@ def kernels(reps: int) -> None:
         f" top-{cfg.experts_per_token}, 1 device:"
     )
     for name, fn in variants.items():
-        print(f"  {name:<38}{1e3 * _time(fn, x, *w, reps=reps):8.1f} ms")
+        print(f"  {name:<38}{1e3 * common.median_time(fn, x, *w, reps=reps):8.1f} ms")
     fn = jax.jit(jax.grad(dense_active, argnums=(0, 1, 2, 3)))
     name = f"dense SwiGLU of width k*F={k * f} (floor)"
-    print(f"  {name:<38}{1e3 * _time(fn, x, *wide, reps=reps):8.1f} ms")
+    print(f"  {name:<38}{1e3 * common.median_time(fn, x, *wide, reps=reps):8.1f} ms")
 
 
 def timed_run(overrides: dict, tok, n_steps: int, with_report: bool):
@@ -190,7 +180,7 @@ def exchange(reps: int, mesh_spec: str = "expert=8") -> None:
     with jax.set_mesh(mesh), axis_rules(make_rules()):
         xs = jax.device_put(x, logical_to_spec(moe.TOKENS_BT))
         for name in ("fixed", "emulated"):
-            ms = 1e3 * _time(layer(name), xs, *w, reps=reps)
+            ms = 1e3 * common.median_time(layer(name), xs, *w, reps=reps)
             print(f"  layer fwd+bwd, {name:<9}{ms:8.1f} ms (CPU)")
 
 

@@ -14,10 +14,8 @@ and uint16 (bfloat16's bits), inside shard_map.
 
 import argparse
 import math
-import statistics
-import time
 
-import common  # noqa: F401  (8 fake devices, repo on sys.path)
+import common  # 8 fake devices, repo on sys.path; the timer
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,16 +34,6 @@ SHAPES = [  # local experts, real rows, d_model, expert width
     (32, 4096, 256, 256),
 ]
 LOADS = ("uniform", "zipf", "quarter")
-
-
-def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _expert_ids(load: str, x_count: int, real: int, rows: int, key):
@@ -86,7 +74,7 @@ def grouped(reps: int) -> None:
                     return jnp.sum(y.astype(jnp.float32) ** 2)
 
                 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-                cells.append(f"{1e3 * _time(fn, x, *ws, reps=reps):.2f}")
+                cells.append(f"{1e3 * common.median_time(fn, x, *ws, reps=reps):.2f}")
             most = int(jnp.max(jnp.bincount(g, length=x_count + 1)[:x_count]))
             print(
                 f"| {x_count} | {real} | {d} | {f} | {load} | {most / avg:.2f} | "
@@ -119,7 +107,7 @@ def collectives(reps: int) -> None:
             specs = (rows_spec, w_spec)
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
             with jax.set_mesh(mesh):
-                cells.append(f"{1e3 * _time(fn, x, w, reps=reps):.2f}")
+                cells.append(f"{1e3 * common.median_time(fn, x, w, reps=reps):.2f}")
         print(f"| {op} | " + " | ".join(cells) + " |")
 
 

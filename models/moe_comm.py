@@ -82,21 +82,21 @@ def exchange(x_RD, axes, ids_R=None):
     return _a2a(x_RD, axes) if ids_R is None else (_a2a(x_RD, axes), _a2a(ids_R, axes))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather_bits(w, axes, axis, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather_bits(w, axes, axis, dtype, w_dtype):
     u = lax.all_gather(_bits_of(w.astype(dtype)), axes, axis=axis, tiled=True)
     return _floats_of(u, dtype)
 
 
-def _gather_bits_fwd(w, axes, axis, dtype):
-    return _gather_bits(w, axes, axis, dtype), jnp.zeros((), w.dtype)
+def _gather_bits_fwd(w, axes, axis, dtype, w_dtype):
+    return _gather_bits(w, axes, axis, dtype, w_dtype), None
 
 
-def _gather_bits_bwd(axes, axis, dtype, like, ct):
+def _gather_bits_bwd(axes, axis, dtype, w_dtype, _, ct):
     r = lax.psum_scatter(
         ct.astype(reduce_dtype(ct.dtype)), axes, scatter_dimension=axis, tiled=True
     )
-    return (r.astype(like.dtype),)
+    return (r.astype(w_dtype),)
 
 
 _gather_bits.defvjp(_gather_bits_fwd, _gather_bits_bwd)
@@ -107,5 +107,5 @@ def gather_weight(w, axes, axis: int, dtype):
     it travels: half the bytes of a float32 master). The backward reduce-scatters its gradient in
     `reduce_dtype` and casts it to w's dtype."""
     if as_bits(dtype):
-        return _gather_bits(w, tuple(axes), axis, jnp.dtype(dtype))
+        return _gather_bits(w, tuple(axes), axis, jnp.dtype(dtype), w.dtype)
     return lax.all_gather(w.astype(dtype), axes, axis=axis, tiled=True)
