@@ -112,6 +112,15 @@ def kill_step(p, run_dir, ck_dir, base, mode, rng):
     return None if p.poll() is not None or target is None or target >= STEPS else target
 
 
+def startup_kill(p, run_dir, delay):
+    """Wait `delay` seconds or until the run logs its first step, whichever comes first: a warm
+    compilation cache can bring a run past its startup, and far into its steps, within a fixed
+    delay (the runs then left too few steps to kill)."""
+    deadline = time.monotonic() + delay
+    while p.poll() is None and time.monotonic() < deadline and not records(run_dir):
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
@@ -138,7 +147,7 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
             p = start(run_dir, log)
             try:
                 if mode == "startup":
-                    time.sleep(rng.uniform(1.0, 5.0))
+                    startup_kill(p, run_dir, rng.uniform(1.0, 5.0))
                 elif mode in ("save", "step"):
                     kill_at = kill_step(p, run_dir, ck_dir, max(before, default=0), mode, rng)
                     # it reached the last step before its kill: the plan ends here
