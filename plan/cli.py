@@ -238,6 +238,7 @@ def _estimate(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
         vocab_parallel=p.vocab_parallel,
         sequence_parallel=p.sequence_parallel,
         lora_cfg=cfg.lora,
+        experts_over_fsdp=p.experts_over_fsdp,
     )
     row = evaluate(*args, **kwargs, post_cfg=cfg.post)
     row["goodput"] = _goodput(

@@ -30,7 +30,7 @@ from plan.run_spec import RunSpec, abstract_mesh
 from plan.theory import theory
 from train.core import lora, optim
 from train.core.config import CommConfig, TrainConfig
-from train.core.shapes import batch_shards, seq_shards, validate_run
+from train.core.shapes import batch_shards, expert_rules, seq_shards, validate_run
 
 
 @functools.lru_cache(maxsize=16)
@@ -150,13 +150,17 @@ def _checked_rules(
     act_bytes: int,
     vocab_parallel: str,
     sequence_parallel: bool,
+    experts_over_fsdp: str,
+    platform: str,
 ) -> dict:
-    """The run's logical-axis rules on this mesh: sequence parallelism and the LM head's layout
-    (head_layout) applied to `rules` (the defaults without it). A mesh the run would refuse is
-    bad input, named with the reason."""
+    """The run's logical-axis rules on this mesh: sequence parallelism, the experts' layout
+    (expert_rules) and the LM head's layout (head_layout) applied to `rules` (the defaults without
+    it). A mesh the run would refuse is bad input, named with the reason."""
     rules = rules or make_rules()
+    rules = sequence_parallel_rules(rules) if sequence_parallel else rules
+    rules = expert_rules(rules, experts_over_fsdp, sizes, cfg, t, act_bytes, platform)
     rules = head_layout(
-        sequence_parallel_rules(rules) if sequence_parallel else rules,
+        rules,
         vocab_parallel,
         sizes,
         vocab=cfg.vocab_size,
@@ -309,20 +313,33 @@ def evaluate(
     sequence_parallel: bool = False,
     lora_cfg=None,
     post_cfg=None,
+    experts_over_fsdp: str = "auto",
 ) -> dict:
     """Predicted memory, communication and step time of one mesh (sizes over all of AXES).
     micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
     comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
     vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh
-    (head_layout). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py). post_cfg: --post."""
+    (head_layout); experts_over_fsdp: --parallelism.experts_over_fsdp, the MoE experts' layout
+    (expert_rules). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py). post_cfg: --post."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
     pc = pipeline_cfg or PipelineConfig()
     platform = platform or hw.platform
     dtype = cfg.compute_dtype(platform)
     act_bytes = np.dtype(dtype).itemsize
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
-    rules = _checked_rules(cfg, sizes, rules, t, pc, act_bytes, vocab_parallel, sequence_parallel)
+    rules = _checked_rules(
+        cfg,
+        sizes,
+        rules,
+        t,
+        pc,
+        act_bytes,
+        vocab_parallel,
+        sequence_parallel,
+        experts_over_fsdp,
+        platform,
+    )
     p = sizes["pipeline"]
     stage = _stage_cfg(cfg, p)
     mesh = abstract_mesh(sizes)

@@ -72,6 +72,24 @@ def test_expert_parallel_step_matches_one_device(runs, mesh, dispatch):
     assert w.addressable_shards[0].data.shape[1] == 8 // tr.setup.mesh.shape["expert"]
 
 
+# --parallelism.experts_over_fsdp on: whole experts spread over expert x fsdp (and over fsdp alone
+# on a mesh without an expert axis), the tokens exchanged over all of them
+WHOLE_CASES = [("fsdp=4,expert=2", "dropless"), ("fsdp=8", "capacity")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,dispatch", WHOLE_CASES)
+def test_experts_whole_over_fsdp_match_one_device(runs, mesh, dispatch):
+    _, want = runs("", one_device=True)
+    over = {**(CAPACITY if dispatch == "capacity" else {}), "parallelism.experts_over_fsdp": "on"}
+    tr, got = runs(mesh, **over)
+    assert_runs_match(got, want, f"{mesh} {dispatch} whole experts")
+    assert tr.setup.rules["experts"] == ("expert", "fsdp")
+    # one whole expert per device: neither its d_model nor its width sliced
+    w = got["state"].params["moe_blocks"]["moe"]["w_gate_EDF"]
+    assert w.addressable_shards[0].data.shape[1:] == (1, 64, 64)
+
+
 @pytest.mark.slow
 def test_capacity_drops_match_the_same_token_groups(runs):
     """With drops, capacity dispatch depends on how tokens are grouped: each device fills the

@@ -249,6 +249,31 @@ def test_moe_tensor_parallel_matches_theory(mesh, dispatch):
 
 
 @pytest.mark.slow
+def test_whole_experts_over_fsdp_match_theory():
+    """--parallelism.experts_over_fsdp on: the expert weights never move (no gather and no
+    reduce-scatter over fsdp alone), the tokens cross all 8 devices; theory follows the rules."""
+    over = {"model.preset": "moe-tiny", "train.seq_len": 128}
+    whole = analyze(
+        Trainer(cfg("fsdp=4,expert=2", **over, **{"parallelism.experts_over_fsdp": "on"})).setup
+    )
+    sliced = analyze(
+        Trainer(cfg("fsdp=4,expert=2", **over, **{"parallelism.experts_over_fsdp": "off"})).setup
+    )
+    th = whole["theory_on_backend_detail"]
+    assert measured(whole, "all-to-all", "fsdp,expert") == pytest.approx(
+        th["all-to-all@fsdp,expert"]["operand_bytes"], rel=0.02
+    )
+    for kind in ("all-gather", "reduce-scatter"):
+        assert "fsdp" not in whole["collectives_detail"][kind]["by_axes"]
+        assert f"{kind}@fsdp" not in th
+        assert measured(sliced, kind, "fsdp") > 0  # the sliced layout's expert weights move
+    # the sliced layout's tokens cross `expert` alone, as its theory says
+    assert measured(sliced, "all-to-all", "expert") == pytest.approx(
+        sliced["theory_on_backend_detail"]["all-to-all@expert"]["operand_bytes"], rel=0.02
+    )
+
+
+@pytest.mark.slow
 def test_local_sgd_reports_bytes_per_sync_and_per_step():
     """DiLoCo: the outer all-reduce sits in a lax.cond branch run every H-th step; the HLO holds it
     once."""

@@ -96,6 +96,7 @@ def predicted_row(cfg, sizes: dict, dcn: dict, hw) -> dict:
         pipeline_cfg=cfg.pipeline,
         vocab_parallel=p.vocab_parallel,
         sequence_parallel=p.sequence_parallel,
+        experts_over_fsdp=p.experts_over_fsdp,
     )
 
 

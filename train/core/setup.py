@@ -23,7 +23,7 @@ from train.core import comm, grpo_loss, lora, memory, optim, pair_loss
 from train.core import state as train_state
 from train.core.comm import SyncLayout
 from train.core.config import Config
-from train.core.shapes import validate_run
+from train.core.shapes import expert_rules, validate_run
 from train.core.step import local_sgd_step, train_step
 from train.data import abstract_batch as data_abstract_batch
 from train.data.pairs import abstract_pairs
@@ -66,16 +66,19 @@ class RunSetup:
 
 def run_rules(cfg: Config, sizes: Mapping[str, int], compute_dtype: str) -> dict:
     """The rule table of a run on a mesh of these axis sizes: the defaults, the user's overrides,
-    and the LM head's layout that --parallelism.vocab_parallel picks (mesh.rules.head_layout)."""
+    the MoE experts' layout that --parallelism.experts_over_fsdp picks (mesh/expert_layout.py) and
+    the LM head's layout that --parallelism.vocab_parallel picks (mesh.rules.head_layout)."""
     p, m, t = cfg.parallelism, cfg.model, cfg.train
     rules = sequence_parallel(make_rules(p.rules)) if p.sequence_parallel else make_rules(p.rules)
+    act_bytes = jnp.dtype(compute_dtype).itemsize
+    rules = expert_rules(rules, p.experts_over_fsdp, sizes, m, t, act_bytes, jax.default_backend())
     return head_layout(
         rules,
         p.vocab_parallel,
         sizes,
         vocab=m.vocab_size,
         batch_tokens=t.batch_size // t.micro_batches * t.seq_len,
-        act_bytes=jnp.dtype(compute_dtype).itemsize,
+        act_bytes=act_bytes,
         param_bytes=jnp.dtype(m.param_dtype).itemsize,
     )
 

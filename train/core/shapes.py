@@ -9,6 +9,7 @@ import math
 from jax.sharding import Mesh
 
 from errors import UserError
+from mesh.expert_layout import expert_layout
 from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
 from models import model, pipeline
@@ -94,3 +95,33 @@ def validate_run(
     )
     validate_batch(mesh, rules, model_cfg, train_cfg, pipeline_cfg)
     validate_sequence(mesh, rules, train_cfg)
+
+
+def expert_rules(rules, mode: str, sizes, m, t: TrainConfig, act_bytes: int, platform: str) -> dict:
+    """`rules` with the MoE experts' layout over the FSDP axes that --parallelism.experts_over_fsdp
+    `mode` picks for model `m` and train section `t` on `platform` (mesh/expert_layout.py)."""
+    return expert_layout(rules, mode, sizes, **moe_traffic(rules, sizes, m, t, act_bytes, platform))
+
+
+def moe_traffic(rules, sizes, m, t: TrainConfig, act_bytes: int, platform: str) -> dict:
+    """mesh.expert_layout.moved_bytes' keywords for model `m` and train section `t` on
+    `platform`: one device's tokens, the exchange's kind, the dtypes' bytes."""
+    shards = math.prod(sizes.get(a, 1) for a in (*rules["batch"], *rules["seq"]))
+    if m.dispatch == "capacity":
+        exchange = "capacity"
+    else:  # ep_exchange=ragged on CPU is emulated with fixed buffers (models/moe_dispatch.py)
+        ragged = m.ep_exchange == "ragged" or (m.ep_exchange == "auto" and platform != "cpu")
+        exchange = "ragged" if ragged and platform != "cpu" else "fixed"
+    return dict(
+        n_experts=m.n_experts,
+        k=m.experts_per_token,
+        tokens=max(t.batch_size // t.micro_batches * t.seq_len // shards, 1),
+        d_model=m.d_model,
+        d_ff=m.expert_width,
+        act_bytes=act_bytes,
+        # the gradients' reduce-scatter runs in float32 on CPU (models/moe_comm.py reduce_dtype)
+        grad_bytes=4 if platform == "cpu" else act_bytes,
+        exchange=exchange,
+        capacity_factor=m.capacity_factor,
+        remat=m.remat != "none",
+    )

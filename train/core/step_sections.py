@@ -7,6 +7,7 @@ import dataclasses
 import functools
 
 from errors import UserError
+from mesh.expert_layout import EXPERTS_OVER_FSDP
 from models.config import CONTEXT_STRATEGIES
 from models.fields import check_ranges, option, ranged
 from train.core.flags import public_flag
@@ -174,6 +175,14 @@ class ParallelismConfig:
         " the FSDP axes and gather the head's input instead of its weights; auto:"
         " where that moves fewer bytes (fewer tokens per FSDP group than vocab)",
     )
+    experts_over_fsdp: str = option(
+        "auto",
+        "auto | on | off: shard the MoE experts over the FSDP axes as well as"
+        " expert (each device keeps whole experts and the tokens travel to them)"
+        " instead of slicing every expert over FSDP and gathering its weights"
+        " per layer; auto: where that moves fewer bytes and the devices divide"
+        " n_experts",
+    )
     context_strategy: str = option(
         "all_gather",
         "all_gather | ring: how attention reaches the keys of other"
@@ -202,6 +211,11 @@ class ParallelismConfig:
             raise UserError(
                 f"--parallelism.vocab_parallel '{self.vocab_parallel}': valid:"
                 f" {', '.join(VOCAB_PARALLEL)}"
+            )
+        if self.experts_over_fsdp not in EXPERTS_OVER_FSDP:
+            raise UserError(
+                f"--parallelism.experts_over_fsdp '{self.experts_over_fsdp}': valid:"
+                f" {', '.join(EXPERTS_OVER_FSDP)}"
             )
         if self.context_strategy not in CONTEXT_STRATEGIES:
             raise UserError(

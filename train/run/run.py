@@ -17,6 +17,7 @@ import jax
 
 from checkpoint import storage
 from checkpoint.saving import Saves
+from mesh import expert_layout
 from mesh.devices import peak_flops
 from mesh.shard import warn_undersharded
 from mesh.spec import mesh_text
@@ -276,6 +277,14 @@ def attention(s: RunSetup) -> str:
     )
 
 
+def experts(s: RunSetup) -> str:
+    """The MoE experts' layout over the FSDP axes, with a trailing comma; "" for a dense model."""
+    if not s.cfg.model.n_experts:
+        return ""
+    text = expert_layout.describe(s.rules, s.cfg.parallelism.experts_over_fsdp, dict(s.mesh.shape))
+    return f" {text}," if text else ""
+
+
 def open_run(
     run_setup: RunSetup,
     abstract,
@@ -307,7 +316,8 @@ def open_run(
     log.print(
         f"brigade: {param_count(cfg.model) / 1e6:.2f}M params, mesh {mesh_text(mesh.shape)}"
         f" ({mesh.size} device{'s' * (mesh.size > 1)}), {model.compute_dtype_text(cfg.model)},"
-        f" {attention(run_setup)}, {data.describe()}, step compiled in {compile_s:.1f}s; peak:"
+        f" {attention(run_setup)},{experts(run_setup)} {data.describe()}, step compiled in"
+        f" {compile_s:.1f}s; peak:"
         f" {peak_src}"
     )
     if note:

@@ -1,0 +1,140 @@
+"""Where the FSDP axes put the MoE experts' weights: sliced (each device keeps a 1/fsdp slice of
+every expert its `expert` shard holds, gathered before each use, as every other weight) or whole
+(the experts themselves split over the FSDP axes as well as `expert`, so each device keeps whole
+experts and the tokens travel to them in the all-to-all that expert parallelism already makes).
+
+Both keep 1/(expert x fsdp) of the expert weights and their optimizer state on a device; they
+differ in what moves per layer:
+- sliced: the local experts' weights are gathered over FSDP for the forward and again for the
+  remat recompute, and their gradient is reduce-scattered; the tokens cross `expert` only;
+- whole: no weight moves (and no gradient is reduced over FSDP: each expert lives on one device of
+  its data-parallel group); the tokens cross expert x fsdp devices, in larger all-to-alls.
+Whole experts over the devices that split the batch is GShard's layout (Lepikhin et al. 2020,
+https://arxiv.org/abs/2006.16668: the experts dim sharded over the same devices as the tokens, which
+reach them by all-to-all). `--parallelism.experts_over_fsdp auto` takes it where it moves fewer
+bytes per device and step: few tokens per device against large experts. A bytes count, like
+vocab_parallel's (mesh/rules.py head_layout); it does not weigh links of different speeds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from errors import UserError
+from mesh.rules import DEFAULT_RULES, MeshAxes
+
+EXPERTS_OVER_FSDP = ("auto", "on", "off")
+# the names the layout rewrites: a user override of either is kept as written under `auto`
+EXPERT_NAMES = ("experts", "expert_embed")
+
+
+def experts_over_fsdp(rules: Mapping[str, MeshAxes], sizes: Mapping[str, int]) -> dict:
+    """`rules` with the experts dim also sharded over the axes that shard the experts' d_model dim
+    and the batch (FSDP's; not `context`, whose devices split a sequence, not its tokens' routing),
+    and that d_model dim then whole."""
+    borrow = _borrowed(rules, sizes)
+    return {
+        **rules,
+        "experts": (*rules["experts"], *borrow),
+        "expert_embed": tuple(a for a in rules["expert_embed"] if a not in borrow),
+    }
+
+
+def _borrowed(rules: Mapping[str, MeshAxes], sizes: Mapping[str, int]) -> MeshAxes:
+    return tuple(
+        a
+        for a in rules["expert_embed"]
+        if a in rules["batch"] and a not in rules["experts"] and sizes.get(a, 1) > 1
+    )
+
+
+def moved_bytes(
+    rules: Mapping[str, MeshAxes],
+    sizes: Mapping[str, int],
+    *,
+    n_experts: int,
+    k: int,
+    tokens: int,
+    d_model: int,
+    d_ff: int,
+    act_bytes: int,
+    grad_bytes: int,
+    exchange: str,
+    capacity_factor: float,
+    remat: bool,
+) -> float:
+    """Bytes one device sends or gathers per MoE layer and micro-batch under `rules`: the tokens'
+    all-to-alls over the experts' axes (forward, remat, backward; both directions) and the expert
+    weights' FSDP gathers (forward, remat) and gradient reduce-scatter. `tokens`: one device's
+    tokens of a micro-batch; `exchange`: "fixed" (worst-case buffers, models/moe_dispatch.py),
+    "ragged" (the real rows) or "capacity" (the capacity-factor buffers)."""
+
+    def size(axes) -> int:
+        return math.prod(sizes.get(a, 1) for a in axes)
+
+    ep, n_f = size(rules["experts"]), size(rules["expert_embed"])
+    passes = 3 if remat else 2
+    if exchange == "capacity":
+        rows = n_experts * max(1, math.ceil(capacity_factor * tokens * k / n_experts))
+    elif exchange == "ragged":
+        rows = tokens * k
+    else:  # fixed: a token sends at most min(k, experts per device) rows to one device
+        rows = ep * tokens * min(k, n_experts // ep)
+    exchanged = 2 * passes * rows * d_model * act_bytes * (ep - 1) / ep
+    weights = (n_experts // ep) * 3 * d_model * d_ff / size(rules["expert_mlp"])
+    gathered = weights * ((passes - 1) * act_bytes + grad_bytes) * (n_f - 1) / n_f
+    return exchanged + gathered
+
+
+def expert_layout(
+    rules: Mapping[str, MeshAxes], mode: str, sizes: Mapping[str, int], **moe
+) -> dict:
+    """`rules` with the experts' layout that --parallelism.experts_over_fsdp `mode` (auto|on|off)
+    picks on a mesh of these axis sizes; `moe`: moved_bytes' keywords (n_experts 0: a dense model,
+    unchanged). `auto` takes whole experts where they move fewer bytes and the expert x FSDP devices
+    divide the experts, and keeps a layout the user wrote (a rule of EXPERT_NAMES overridden)."""
+    n_experts = moe["n_experts"]
+    if mode == "off" or not n_experts or not _borrowed(rules, sizes):
+        return dict(rules)
+    whole = experts_over_fsdp(rules, sizes)
+    devices = math.prod(sizes.get(a, 1) for a in whole["experts"])
+    if n_experts % devices:
+        if mode == "on":
+            axes = " x ".join(f"{a}={sizes.get(a, 1)}" for a in whole["experts"])
+            raise UserError(
+                f"--parallelism.experts_over_fsdp on: model.n_experts={n_experts} is not divisible"
+                f" by {axes} = {devices} devices; use a multiple of {devices} experts, or auto"
+                " (which keeps the experts sliced over FSDP here) or off"
+            )
+        return dict(rules)
+    if mode == "auto" and (
+        any(rules[n] != DEFAULT_RULES[n] for n in EXPERT_NAMES)
+        or moved_bytes(whole, sizes, **moe) >= moved_bytes(rules, sizes, **moe)
+    ):
+        return dict(rules)
+    return whole
+
+
+def describe(rules: Mapping[str, MeshAxes], mode: str, sizes: Mapping[str, int]) -> str:
+    """The start line's words for the experts' layout under `rules`: `experts whole over
+    expert=2 x fsdp=4 (experts_over_fsdp auto)` or `experts over expert=2, sliced over fsdp=4
+    (...)`; "" when no FSDP axis shards them either way."""
+    sliced = tuple(a for a in rules["expert_embed"] if sizes.get(a, 1) > 1)
+    spread = tuple(a for a in rules["experts"] if sizes.get(a, 1) > 1)
+    borrowed = [a for a in spread if a in DEFAULT_RULES["expert_embed"]]
+    if not sliced and not borrowed:
+        return ""
+
+    def axes(names) -> str:
+        return " x ".join(f"{a}={sizes[a]}" for a in names)
+
+    if borrowed:
+        how = f"whole over {axes(spread)}"
+    else:
+        how = (
+            f"over {axes(spread)}, sliced over {axes(sliced)}"
+            if spread
+            else f"sliced over {axes(sliced)}"
+        )
+    return f"experts {how} (experts_over_fsdp {mode})"
