@@ -12,8 +12,10 @@ differ in what moves per layer:
 Whole experts over the devices that split the batch is GShard's layout (Lepikhin et al. 2020,
 https://arxiv.org/abs/2006.16668: the experts dim sharded over the same devices as the tokens, which
 reach them by all-to-all). `--parallelism.experts_over_fsdp auto` takes it where it moves fewer
-bytes per device and step: few tokens per device against large experts. A bytes count, like
-vocab_parallel's (mesh/rules.py head_layout); it does not weigh links of different speeds.
+bytes per device and step (few tokens per device against large experts) without holding more at
+once (its receive buffer, which grows with the devices it spans, against the sliced layout's buffer
+and gathered weights). A bytes count, like vocab_parallel's (mesh/rules.py head_layout); it does
+not weigh links of different speeds.
 """
 
 from __future__ import annotations
@@ -49,42 +51,44 @@ def _borrowed(rules: Mapping[str, MeshAxes], sizes: Mapping[str, int]) -> MeshAx
     )
 
 
-def moved_bytes(
-    rules: Mapping[str, MeshAxes],
-    sizes: Mapping[str, int],
-    *,
-    n_experts: int,
-    k: int,
-    tokens: int,
-    d_model: int,
-    d_ff: int,
-    act_bytes: int,
-    grad_bytes: int,
-    exchange: str,
-    capacity_factor: float,
-    remat: bool,
-) -> float:
+def moved_bytes(rules: Mapping[str, MeshAxes], sizes: Mapping[str, int], **moe) -> float:
     """Bytes one device sends or gathers per MoE layer and micro-batch under `rules`: the tokens'
     all-to-alls over the experts' axes (forward, remat, backward; both directions) and the expert
-    weights' FSDP gathers (forward, remat) and gradient reduce-scatter. `tokens`: one device's
-    tokens of a micro-batch; `exchange`: "fixed" (worst-case buffers, models/moe_dispatch.py),
-    "ragged" (the real rows) or "capacity" (the capacity-factor buffers)."""
+    weights' FSDP gathers (forward, remat) and gradient reduce-scatter. `moe`: n_experts, k,
+    tokens (one device's, per micro-batch), d_model, d_ff, act_bytes, grad_bytes, exchange
+    ("fixed": worst-case buffers, models/moe_dispatch.py; "ragged": the real rows; "capacity":
+    the capacity-factor buffers), capacity_factor, remat."""
+    ep, n_f, _, rows, weights = _layer(rules, sizes, **moe)
+    passes = 3 if moe["remat"] else 2
+    exchanged = 2 * passes * rows * moe["d_model"] * moe["act_bytes"] * (ep - 1) / ep
+    per_weight = (passes - 1) * moe["act_bytes"] + moe["grad_bytes"]
+    return exchanged + weights * per_weight * (n_f - 1) / n_f
+
+
+def held_bytes(rules: Mapping[str, MeshAxes], sizes: Mapping[str, int], **moe) -> float:
+    """Bytes one device holds for a moment per MoE layer under `rules`: the exchange's receive
+    buffer (its worst case: the ragged exchange too keeps the fixed one's size) and the local
+    experts' gathered weights. Whole experts over many devices grow the buffer (a token may send a
+    row to each of min(k, experts per device) experts of every device)."""
+    _, n_f, buffer, _, weights = _layer(rules, sizes, **moe)
+    return (buffer * moe["d_model"] + (weights if n_f > 1 else 0)) * moe["act_bytes"]
+
+
+def _layer(rules, sizes, *, n_experts, k, tokens, d_model, d_ff, exchange, capacity_factor, **_):
+    """(expert-parallel devices, FSDP slices of an expert, receive-buffer rows, rows moved, the
+    local experts' weights' elements) of one device under `rules`."""
 
     def size(axes) -> int:
         return math.prod(sizes.get(a, 1) for a in axes)
 
     ep, n_f = size(rules["experts"]), size(rules["expert_embed"])
-    passes = 3 if remat else 2
+    # a token sends at most min(k, experts per device) rows to one device
+    buffer = ep * tokens * min(k, n_experts // ep)
     if exchange == "capacity":
-        rows = n_experts * max(1, math.ceil(capacity_factor * tokens * k / n_experts))
-    elif exchange == "ragged":
-        rows = tokens * k
-    else:  # fixed: a token sends at most min(k, experts per device) rows to one device
-        rows = ep * tokens * min(k, n_experts // ep)
-    exchanged = 2 * passes * rows * d_model * act_bytes * (ep - 1) / ep
+        buffer = n_experts * max(1, math.ceil(capacity_factor * tokens * k / n_experts))
+    rows = tokens * k if exchange == "ragged" else buffer
     weights = (n_experts // ep) * 3 * d_model * d_ff / size(rules["expert_mlp"])
-    gathered = weights * ((passes - 1) * act_bytes + grad_bytes) * (n_f - 1) / n_f
-    return exchanged + gathered
+    return ep, n_f, buffer, rows, weights
 
 
 def expert_layout(
@@ -92,8 +96,9 @@ def expert_layout(
 ) -> dict:
     """`rules` with the experts' layout that --parallelism.experts_over_fsdp `mode` (auto|on|off)
     picks on a mesh of these axis sizes; `moe`: moved_bytes' keywords (n_experts 0: a dense model,
-    unchanged). `auto` takes whole experts where they move fewer bytes and the expert x FSDP devices
-    divide the experts, and keeps a layout the user wrote (a rule of EXPERT_NAMES overridden)."""
+    unchanged). `auto` takes whole experts where they move fewer bytes without holding more (the
+    receive buffer against the gathered weights), and the expert x FSDP devices divide the
+    experts; it keeps a layout the user wrote (a rule of EXPERT_NAMES overridden)."""
     n_experts = moe["n_experts"]
     if mode == "off" or not n_experts or not _borrowed(rules, sizes):
         return dict(rules)
@@ -111,6 +116,7 @@ def expert_layout(
     if mode == "auto" and (
         any(rules[n] != DEFAULT_RULES[n] for n in EXPERT_NAMES)
         or moved_bytes(whole, sizes, **moe) >= moved_bytes(rules, sizes, **moe)
+        or held_bytes(whole, sizes, **moe) > held_bytes(rules, sizes, **moe)
     ):
         return dict(rules)
     return whole

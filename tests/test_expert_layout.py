@@ -11,7 +11,7 @@ import pytest
 from cpu_env import cpu_env
 
 from errors import UserError
-from mesh.expert_layout import describe, expert_layout, moved_bytes
+from mesh.expert_layout import describe, expert_layout, held_bytes, moved_bytes
 from mesh.rules import make_rules
 
 # peer.py's MoE shape: d 256, 8 experts of width 512, top-2, 128 tokens per device
@@ -60,6 +60,35 @@ def test_auto_takes_whole_experts_where_they_move_fewer_bytes():
     assert expert_layout(rules, "on", SIZES, **{**MOE, "n_experts": 0}) == rules
     # the devices would not divide the experts: auto keeps them sliced
     assert expert_layout(rules, "auto", {"fsdp": 8, "expert": 2}, **MOE) == rules
+
+
+def test_auto_keeps_slices_where_whole_experts_would_hold_more():
+    """DeepSeek-V3's layer (256 experts of width 2,048, top-8, d 7,168) on GPUs, 4,096 tokens per
+    device, ragged exchange: over expert=8 x fsdp=32 whole experts move fewer bytes (no weight
+    moves), but their worst-case receive buffer (256 devices x 4,096 tokens x 1 row) outweighs the
+    sliced layout's (8 x 4,096 x 8 rows) plus its 32 gathered experts."""
+    ds = dict(
+        n_experts=256,
+        k=8,
+        tokens=4096,
+        d_model=7168,
+        d_ff=2048,
+        act_bytes=2,
+        grad_bytes=2,
+        exchange="ragged",
+        capacity_factor=1.0,
+        remat=True,
+    )
+    sizes, rules = {"expert": 8, "fsdp": 32}, make_rules()
+    whole = expert_layout(rules, "on", sizes, **ds)
+    assert moved_bytes(whole, sizes, **ds) < moved_bytes(rules, sizes, **ds)
+    assert held_bytes(whole, sizes, **ds) == 256 * 4096 * 7168 * 2
+    assert held_bytes(rules, sizes, **ds) == (8 * 4096 * 8 * 7168 + 32 * 3 * 7168 * 2048) * 2
+    assert expert_layout(rules, "auto", sizes, **ds) == rules
+    # Mixtral's layer (8 experts of width 14,336, top-2, d 4,096) on fsdp=8: one whole expert per
+    # GPU holds a buffer of 8 x 4,096 rows against 2 x 4,096 rows and 8 gathered experts
+    mx = {**ds, "n_experts": 8, "k": 2, "d_model": 4096, "d_ff": 14336}
+    assert expert_layout(rules, "auto", {"fsdp": 8}, **mx)["experts"] == ("expert", "fsdp")
 
 
 def test_auto_keeps_a_layout_the_user_wrote():
