@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from errors import UserError
 from mesh.rules import DEFAULT_RULES, MeshAxes
 
-EXPERTS_OVER_FSDP = ("auto", "on", "off")
 # the names the layout rewrites: a user override of either is kept as written under `auto`
 EXPERT_NAMES = ("experts", "expert_embed")
 

@@ -148,14 +148,14 @@ def _checked_rules(
     t: TrainConfig,
     pc: PipelineConfig,
     act_bytes: int,
-    vocab_parallel: str,
-    sequence_parallel: bool,
-    experts_over_fsdp: str,
+    layouts: tuple[str, bool, str],
     platform: str,
 ) -> dict:
-    """The run's logical-axis rules on this mesh: sequence parallelism, the experts' layout
-    (expert_rules) and the LM head's layout (head_layout) applied to `rules` (the defaults without
-    it). A mesh the run would refuse is bad input, named with the reason."""
+    """The run's logical-axis rules on this mesh: `layouts` (--parallelism.vocab_parallel,
+    sequence_parallel, experts_over_fsdp) applied to `rules` (the defaults without it): sequence
+    parallelism, the experts' layout (expert_rules) and the LM head's (head_layout). A mesh the run
+    would refuse is bad input, named with the reason."""
+    vocab_parallel, sequence_parallel, experts_over_fsdp = layouts
     rules = rules or make_rules()
     rules = sequence_parallel_rules(rules) if sequence_parallel else rules
     rules = expert_rules(rules, experts_over_fsdp, sizes, cfg, t, act_bytes, platform)
@@ -319,27 +319,16 @@ def evaluate(
     micro_batches: gradient accumulation (--micro-batches); pipeline_cfg: the schedule a pipeline
     mesh runs (--pipeline.*: its micro-batch count, repeats and schedule set the bubble).
     comm_cfg: the run's --comm settings (DiLoCo's sync_every amortises the data-parallel sync).
-    vocab_parallel: --parallelism.vocab_parallel, the LM head's layout on this mesh
-    (head_layout); experts_over_fsdp: --parallelism.experts_over_fsdp, the MoE experts' layout
-    (expert_rules). lora_cfg: a LoRA/QLoRA run's section (plan/lora_memory.py). post_cfg: --post."""
+    vocab_parallel, experts_over_fsdp: --parallelism.*, the head's and the experts' layouts
+    (head_layout, expert_rules). lora_cfg: a LoRA/QLoRA run's section. post_cfg: --post."""
     sizes = {a: sizes.get(a, 1) for a in AXES}
     pc = pipeline_cfg or PipelineConfig()
     platform = platform or hw.platform
     dtype = cfg.compute_dtype(platform)
     act_bytes = np.dtype(dtype).itemsize
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
-    rules = _checked_rules(
-        cfg,
-        sizes,
-        rules,
-        t,
-        pc,
-        act_bytes,
-        vocab_parallel,
-        sequence_parallel,
-        experts_over_fsdp,
-        platform,
-    )
+    layouts = (vocab_parallel, sequence_parallel, experts_over_fsdp)
+    rules = _checked_rules(cfg, sizes, rules, t, pc, act_bytes, layouts, platform)
     p = sizes["pipeline"]
     stage = _stage_cfg(cfg, p)
     mesh = abstract_mesh(sizes)

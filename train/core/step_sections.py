@@ -7,7 +7,6 @@ import dataclasses
 import functools
 
 from errors import UserError
-from mesh.expert_layout import EXPERTS_OVER_FSDP
 from models.config import CONTEXT_STRATEGIES
 from models.fields import check_ranges, option, ranged
 from train.core.flags import public_flag
@@ -153,6 +152,7 @@ class TrainConfig:
 
 
 VOCAB_PARALLEL = ("auto", "on", "off")
+EXPERTS_OVER_FSDP = ("auto", "on", "off")  # mesh/expert_layout.py
 
 
 @dataclasses.dataclass(frozen=True)
