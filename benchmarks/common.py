@@ -44,3 +44,25 @@ def median_time(fn, *args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def state_and_batch(cfg):
+    """(RunSetup, initial train state, the run's first batch) of a built config on its mesh: what
+    the step benchmarks time the train step on."""
+    from mesh.build import make_mesh
+    from train.core import state as train_state
+    from train.core.setup import setup
+    from train.data import make_pipeline
+
+    s = setup(cfg, make_mesh(cfg.parallelism.mesh))
+    state = train_state.create(cfg.model, s.tx, s.mesh, s.rules, 0, s.sync)
+    t = cfg.train
+    batch, _ = make_pipeline(
+        cfg.data,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        seed=0,
+        batch_sharding=s.batch_sharding,
+        vocab_size=cfg.model.vocab_size,
+    ).next()
+    return s, state, batch

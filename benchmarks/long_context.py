@@ -27,15 +27,12 @@ import statistics
 import tempfile
 import time
 
-import common  # noqa: F401  (sets XLA_FLAGS first)
+import common  # sets XLA_FLAGS first
 import jax
 
-from mesh.build import make_mesh
 from mesh.rules import axis_rules
-from train.core import state as train_state
 from train.core.config import build
-from train.core.setup import jit_step, setup
-from train.data import make_pipeline
+from train.core.setup import jit_step
 
 MODEL = {
     "model.preset": "tiny",
@@ -58,17 +55,7 @@ COLLECTIVE = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "colle
 def program(overrides: dict):
     """(compiled step, state, batch) of one config."""
     cfg = build(overrides)
-    s = setup(cfg, make_mesh(cfg.parallelism.mesh))
-    state = train_state.create(cfg.model, s.tx, s.mesh, s.rules, 0, s.sync)
-    t = cfg.train
-    batch, _ = make_pipeline(
-        cfg.data,
-        batch_size=t.batch_size,
-        seq_len=t.seq_len,
-        seed=0,
-        batch_sharding=s.batch_sharding,
-        vocab_size=cfg.model.vocab_size,
-    ).next()
+    s, state, batch = common.state_and_batch(cfg)
     with jax.set_mesh(s.mesh), axis_rules(s.rules):
         step = jit_step(s).lower(state, batch).compile()
     state, m = step(state, batch)

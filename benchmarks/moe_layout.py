@@ -19,10 +19,8 @@ import jax
 
 from mesh.build import make_mesh
 from mesh.rules import axis_rules
-from train.core import state as train_state
 from train.core.config import build
-from train.core.setup import jit_step, setup
-from train.data import make_pipeline
+from train.core.setup import jit_step
 
 # name: (d_model, expert width, experts, top-k, seq_len, mesh); batch 8, 2 layers, 4 heads
 SHAPES = {
@@ -56,17 +54,7 @@ def _config(shape, dtype: str, layout: str):
 
 def step_time(cfg, steps: int) -> float:
     """Median seconds of `steps` train steps after a compiled one (state threaded through)."""
-    s = setup(cfg, make_mesh(cfg.parallelism.mesh))
-    state = train_state.create(cfg.model, s.tx, s.mesh, s.rules, 0, s.sync)
-    t = cfg.train
-    batch, _ = make_pipeline(
-        cfg.data,
-        batch_size=t.batch_size,
-        seq_len=t.seq_len,
-        seed=0,
-        batch_sharding=s.batch_sharding,
-        vocab_size=cfg.model.vocab_size,
-    ).next()
+    s, state, batch = common.state_and_batch(cfg)
     with jax.set_mesh(s.mesh), axis_rules(s.rules):
         step = jit_step(s)
         state, m = step(state, batch)

@@ -38,12 +38,13 @@ def _vary_like(w, like, vmapped: bool):
     return lax.pcast(w, missing, to="varying") if missing else w
 
 
-def exchange_for(cfg: ModelConfig) -> str:
-    """How dropless dispatch moves rows over the expert axis: "fixed" (worst-case buffers, plain
-    all_to_all), "ragged" (lax.ragged_all_to_all: only the real rows) or "emulated" (the ragged
-    algorithm with `ragged_all_to_all_emulated`: XLA:CPU cannot compile ragged-all-to-all, so
-    ep_exchange=ragged on CPU is a test path, not a faster one)."""
-    cpu = jax.default_backend() == "cpu"
+def exchange_for(cfg: ModelConfig, platform: str | None = None) -> str:
+    """How dropless dispatch moves rows over the expert axis on `platform` (None: this process's
+    backend): "fixed" (worst-case buffers, plain all_to_all), "ragged" (lax.ragged_all_to_all: only
+    the real rows) or "emulated" (the ragged algorithm with `ragged_all_to_all_emulated`: XLA:CPU
+    cannot compile ragged-all-to-all, so ep_exchange=ragged on CPU is a test path, not a faster
+    one)."""
+    cpu = (platform or jax.default_backend()) == "cpu"
     if cfg.ep_exchange == "auto":
         return "fixed" if cpu else "ragged"
     return "emulated" if cfg.ep_exchange == "ragged" and cpu else cfg.ep_exchange

@@ -14,6 +14,7 @@ from mesh.rules import HINTS, logical_to_spec
 from mesh.shard import axes_size, check_divisible
 from models import model, pipeline
 from models.config import PipelineConfig
+from models.moe_dispatch import exchange_for
 from models.pieces import n_groups_and_tail
 from models.pipeline import explicit
 from train.core.config import TrainConfig
@@ -107,11 +108,9 @@ def moe_traffic(rules, sizes, m, t: TrainConfig, act_bytes: int, platform: str) 
     """mesh.expert_layout.moved_bytes' keywords for model `m` and train section `t` on
     `platform`: one device's tokens, the exchange's kind, the dtypes' bytes."""
     shards = math.prod(sizes.get(a, 1) for a in (*rules["batch"], *rules["seq"]))
-    if m.dispatch == "capacity":
-        exchange = "capacity"
-    else:  # ep_exchange=ragged on CPU is emulated with fixed buffers (models/moe_dispatch.py)
-        ragged = m.ep_exchange == "ragged" or (m.ep_exchange == "auto" and platform != "cpu")
-        exchange = "ragged" if ragged and platform != "cpu" else "fixed"
+    # the emulated ragged exchange (a CPU test path) sends fixed-size buffers
+    exchange = "capacity" if m.dispatch == "capacity" else exchange_for(m, platform)
+    exchange = "fixed" if exchange == "emulated" else exchange
     return dict(
         n_experts=m.n_experts,
         k=m.experts_per_token,
