@@ -100,8 +100,9 @@ class Attention(nnx.Module):
             )
         else:
             q_BTNH = fp8.einsum("btd,dnh->btnh", x_BTD, wq, self.fp8)
-            k_BTKH, v_BTKH = fp8.einsum("btd,zdkh->zbtkh", x_BTD, jnp.stack([wk, wv]), self.fp8)
-            qkv = (q_BTNH, k_BTKH, v_BTKH)
+            # the stack next to the heads, as the MLP's: one plain matmul's output
+            kv_BTZKH = fp8.einsum("btd,dzkh->btzkh", x_BTD, jnp.stack([wk, wv], axis=1), self.fp8)
+            qkv = (q_BTNH, kv_BTZKH[:, :, 0], kv_BTZKH[:, :, 1])
         # a LoRA-adapted projection adds its adapters' term (models/adapters.py)
         return tuple(
             with_adapters(y, "btd,dnh->btnh", x_BTD, w) for y, w in zip(qkv, adapted, strict=True)

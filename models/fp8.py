@@ -42,6 +42,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from models.projection import projection
+
 FORWARD = jnp.float8_e4m3fn  # activations and weights
 BACKWARD = jnp.float8_e5m2  # output gradients
 TOKEN_DIMS = "bt"  # the einsum letters of the batch and sequence dims: one scale per token
@@ -100,13 +102,14 @@ def token_dims(subscripts: str) -> tuple[int, ...]:
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, fp8: bool) -> jax.Array:
-    """`jnp.einsum(spec, x, w)`, with FP8 rounding of both operands and of the output gradient
-    when `fp8` (the projections and MLP; attention scores, the router and the LM head stay in the
-    compute dtype). `x` is the activation, its batch and sequence dims lettered b and t (one scale
-    per token, also for the output gradient); `w` the weight (one scale)."""
+    """`jnp.einsum(spec, x, w)` (as `models.projection.projection`), with FP8 rounding of both
+    operands and of the output gradient when `fp8` (the projections and MLP; attention scores, the
+    router and the LM head stay in the compute dtype). `x` is the activation, its batch and
+    sequence dims lettered b and t (one scale per token, also for the output gradient); `w` the
+    weight (one scale)."""
     if not fp8:
-        return jnp.einsum(spec, x, w)
+        return projection(spec, x, w)
     inputs, out = spec.split("->")
     x_dims = inputs.split(",")[0]
-    y_BT = jnp.einsum(spec, operand(x, token_dims(x_dims)), operand(w, ()))
+    y_BT = projection(spec, operand(x, token_dims(x_dims)), operand(w, ()))
     return output_grad(y_BT, token_dims(out))

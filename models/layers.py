@@ -95,9 +95,9 @@ def fused_mlp(mesh, rules=None) -> bool:
     mesh) under `rules` (default: the ones in context): where tensor parallelism splits d_ff.
     There each einsum's input gradient is a partial sum that the backward all-reduces, so one
     einsum costs one all-reduce of [B, T, D] a layer instead of two (XLA does not merge them).
-    Elsewhere two einsums: the stack copies the gathered weights every step and its stack-major
-    [2, B, T, F] output is read back transposed by the gating, 10-12% of the step on XLA:CPU
-    (BENCHMARKS.md, "The attention's and the MLP's layouts")."""
+    Elsewhere two einsums: the stack copies the gathered weights every step, 6-10% of the step on
+    XLA:CPU over `fsdp=8` (BENCHMARKS.md, "The attention's and the MLP's layouts" and "The
+    projections' weight gradients")."""
     if mesh.empty:
         return False
     (mlp,) = logical_to_spec(("mlp",), rules)
@@ -128,8 +128,11 @@ class MLP(nnx.Module):
         # (a LoRA-adapted weight adds its adapters' term to its projection: models/adapters.py)
         gate, up, down = self.w_gate_DF[...], self.w_up_DF[...], self.w_down_FD[...]
         if fused_mlp(jax.sharding.get_abstract_mesh()):
-            w_ZDF = jnp.stack([frozen(gate), frozen(up)]).astype(dt)
-            gate_BTF, up_BTF = fp8.einsum("btd,zdf->zbtf", x_BTD, w_ZDF, self.fp8)
+            # the stack next to d_ff: the output [B, T, 2, F] is one plain matmul's, each row's
+            # gate then up (stack-major, the gating read it back transposed)
+            w_DZF = jnp.stack([frozen(gate), frozen(up)], axis=1).astype(dt)
+            y_BTZF = fp8.einsum("btd,dzf->btzf", x_BTD, w_DZF, self.fp8)
+            gate_BTF, up_BTF = y_BTZF[:, :, 0], y_BTZF[:, :, 1]
         else:
             gate_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(gate).astype(dt), self.fp8)
             up_BTF = fp8.einsum("btd,df->btf", x_BTD, frozen(up).astype(dt), self.fp8)
