@@ -13,8 +13,9 @@ smaller than [tokens, F] at d_ff = 4 d_model, and shared by every projection tha
 
 Same dots and dtypes as autodiff's (x, w and the output share one dtype), the same residuals
 under every remat policy (the forward's dot is the one a `dots` policy saves). Measured side by
-side on 8 fake CPU devices (BENCHMARKS.md, "The projections' weight gradients"): the float32 step
-7-9% shorter on 8 layers over `fsdp=8` and on `fsdp=4,model=2`, bfloat16 steps level or shorter.
+side on 8 fake CPU devices (BENCHMARKS.md, "The projections' weight gradients"): float32 steps
+6-8% shorter (4 and 8 layers over `fsdp=8`, 4 over `fsdp=4,model=2`), bfloat16 steps level to 5%
+shorter.
 The LM head's weight gradient is contracted the same way (`models.layers.head_logits`)."""
 
 from __future__ import annotations
