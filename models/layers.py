@@ -129,7 +129,7 @@ class MLP(nnx.Module):
         gate, up, down = self.w_gate_DF[...], self.w_up_DF[...], self.w_down_FD[...]
         if fused_mlp(jax.sharding.get_abstract_mesh()):
             # the stack next to d_ff: the output [B, T, 2, F] is one plain matmul's, each row's
-            # gate then up (stack-major, the gating read it back transposed)
+            # gate then up (with the stack first, the gating read the output back transposed)
             w_DZF = jnp.stack([frozen(gate), frozen(up)], axis=1).astype(dt)
             y_BTZF = fp8.einsum("btd,dzf->btzf", x_BTD, w_DZF, self.fp8)
             gate_BTF, up_BTF = y_BTZF[:, :, 0], y_BTZF[:, :, 1]
