@@ -2,7 +2,6 @@
 
     python benchmarks/moe_cpu.py grouped [--reps 15]      # the grouped FFN over shapes and loads
     python benchmarks/moe_cpu.py collectives [--reps 10]  # all-to-all / all-gather by dtype
-    python benchmarks/moe_cpu.py one [--reps 15]          # one local expert, a filling buffer
 
 `grouped` times models/moe_kernels.gmm_blocks forward + backward on one device over layer shapes
 (2-32 local experts, 256-4,096 real rows in a buffer twice as long, the rest padding) and three
@@ -10,9 +9,7 @@ loads (uniform; Zipf, expert i taking a share 1/(i+1); a quarter of the experts 
 the padded blocks alone, with einsum slots at 1.0 / 1.25 / 1.5 x a balanced load, and the blocks
 with a 64-row floor instead of 128. `collectives` times ten all-to-alls of [4,096, 256] rows over
 an axis of 2 and ten all-gathers of [8, 256, 512] weights over an axis of 4 in float32, bfloat16
-and uint16 (bfloat16's bits), inside shard_map. `one` times one local expert (whole experts over
-8 devices, top-2) with a 1,024-row buffer (4x the balanced load) 1/4 to wholly real, float32 and
-bfloat16: the kernel's choice, the padded blocks alone and every row through the expert.
+and uint16 (bfloat16's bits), inside shard_map.
 """
 
 import argparse
@@ -25,7 +22,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.moe_kernels import _one_expert_ffn, block_size, einsum_slots, gmm_blocks
+from models.moe_kernels import block_size, einsum_slots, gmm_blocks
 
 SHAPES = [  # local experts, real rows, d_model, expert width
     (4, 256, 256, 512),
@@ -114,46 +111,12 @@ def collectives(reps: int) -> None:
         print(f"| {op} | " + " | ".join(cells) + " |")
 
 
-def one_expert(reps: int) -> None:
-    rows, d, f = 1024, 256, 512
-    print("one local expert, a", rows, "row buffer, d", d, "width", f, "fwd+bwd, 1 device, ms")
-    print("| dtype | real rows | kernel's choice | blocks alone | every row |")
-    print("|---|---|---|---|---|")
-    for dtype in (jnp.float32, jnp.bfloat16):
-        ks = jax.random.split(jax.random.key(0), 4)
-        x = jax.random.normal(ks[0], (rows, d), dtype)
-        ws = [
-            (0.05 * jax.random.normal(k, s)).astype(dtype)
-            for k, s in zip(ks[1:], ((1, d, f), (1, d, f), (1, f, d)))
-        ]
-        for real in (256, 512, 768, 1024):
-            g = jnp.where(jnp.arange(rows) < real, 0, 1).astype(jnp.int32)
-            # sized for the balanced load, as models/moe_dispatch does: a quarter of the buffer
-            # (top-2 of 8 experts, one per device: the worst case is 4x the balanced load)
-            block, cap = block_size(rows // 4, 1), einsum_slots(rows // 4, 1)
-            kernels = (
-                lambda x, *w, g=g, b=block, c=cap: gmm_blocks(x, g, *w, b, c),
-                lambda x, *w, g=g, b=block: gmm_blocks(x, g, *w, b),
-                lambda x, *w, g=g: _one_expert_ffn(x, g, w),
-            )
-            cells = []
-            for kernel in kernels:
-
-                def loss(x, *w, kernel=kernel):
-                    return jnp.sum(kernel(x, *w).astype(jnp.float32) ** 2)
-
-                fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-                cells.append(f"{1e3 * common.median_time(fn, x, *ws, reps=reps):.2f}")
-            name = jnp.dtype(dtype).name
-            print(f"| {name} | {real} | " + " | ".join(cells) + " |", flush=True)
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("grouped", "collectives", "one"))
+    ap.add_argument("what", choices=("grouped", "collectives"))
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args()
-    {"grouped": grouped, "collectives": collectives, "one": one_expert}[a.what](a.reps)
+    grouped(a.reps) if a.what == "grouped" else collectives(a.reps)
 
 
 if __name__ == "__main__":

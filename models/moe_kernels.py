@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.projection import projection
-
 
 def rank_in_group(g_A: jax.Array, n_groups: int):
     """Rank of each element among those with the same group id, in order (stable) ->
@@ -122,26 +120,11 @@ def gmm_blocks(x_RD, g_R, wg_XDF, wu_XDF, wd_XFD, block: int, capacity: int = 0)
         rest = (jnp.where(past_R, g_R, x_count), rank_R - capacity, past_X)
         return y_RD + _blocks_ffn(x_RD, *rest, ws, block)
 
-    branches = [slots_then_blocks, lambda: _blocks_ffn(x_RD, g_R, rank_R, sizes_X, ws, block)]
-    costs = [x_count * capacity + blocks_cost(past_X), blocks_cost(sizes_X)]
-    if x_count == 1:  # one expert: every row of the buffer through it, padding rows zeroed
-        branches.append(lambda: _one_expert_ffn(x_RD, g_R, ws))
-        costs.append(jnp.asarray(x_RD.shape[0], costs[0].dtype))
-    return lax.switch(jnp.argmin(jnp.stack(costs)), branches)
-
-
-def _one_expert_ffn(x_RD, g_R, ws):
-    """All R rows through the one local expert (padding rows, g == 1, zeroed first so they come
-    out 0 and take no gradient): no scatter, no loop. Under a load that fills most of the buffer
-    (a router sending most tokens to one device's expert) it computes fewer rows than slots and
-    blocks: 1,024 rows of which all real, float32, d 256, width 512, forward and backward, 12.0 ms
-    against 22.6 ms (`python benchmarks/moe_cpu.py grouped` has the kernel's other shapes)."""
-    (wg_XDF, wu_XDF, wd_XFD) = ws
-    x_RD = jnp.where((g_R < 1)[:, None], x_RD, jnp.zeros((), x_RD.dtype))
-    h_RF = jax.nn.silu(projection("rd,df->rf", x_RD, wg_XDF[0])) * projection(
-        "rd,df->rf", x_RD, wu_XDF[0]
+    return lax.cond(
+        x_count * capacity + blocks_cost(past_X) <= blocks_cost(sizes_X),
+        slots_then_blocks,
+        lambda: _blocks_ffn(x_RD, g_R, rank_R, sizes_X, ws, block),
     )
-    return projection("rf,fd->rd", h_RF, wd_XFD[0])
 
 
 def _slots_ffn(x_RD, g_R, rank_R, ws, capacity: int):

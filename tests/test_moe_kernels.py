@@ -1,6 +1,5 @@
 """models/moe_kernels.py and the router's top-k: the padded-block kernel's hand-written backward,
-its einsum slots (every row fits, exactly fits, one row too many), the one-expert path and the
-ragged_dot kernel against
+its einsum slots (every row fits, exactly fits, one row too many) and the ragged_dot kernel against
 autodiff of a per-row reference (block sizes, partial blocks,
 skewed loads, empty experts, padding rows), the top-k by argmaxes against lax.top_k, and what the
 compiled MoE layer moves between devices. float32."""
@@ -17,7 +16,7 @@ from jax import lax
 from mesh.build import make_mesh
 from mesh.rules import axis_rules, logical_to_spec, make_rules
 from models import moe, moe_router
-from models.moe_kernels import _one_expert_ffn, gmm_blocks, gmm_ragged
+from models.moe_kernels import gmm_blocks, gmm_ragged
 from models.presets import PRESETS
 
 D, F = 16, 24
@@ -63,8 +62,6 @@ def _routing(kind: str, rows: int, x_count: int, rng) -> np.ndarray:
         return np.where(
             np.arange(rows) < rows * 5 // 8, rng.integers(1, x_count - 1, rows), x_count
         )
-    if kind == "half padding":  # the first half to expert 0, the rest padding
-        return np.where(np.arange(rows) < rows // 2, 0, x_count)
     assert kind == "all padding", kind
     return np.full(rows, x_count)
 
@@ -81,9 +78,6 @@ KERNEL_CASES = [  # rows, experts, block, routing
     (40, 4, 64, "balanced"),  # a block longer than all the rows
     (96, 8, 16, "skewed"),
     (16, 4, 8, "all padding"),  # no used block: output and gradients 0
-    # one local expert: one row past the slots makes every row through the expert the cheapest
-    (40, 1, 8, "balanced"),  # every row real
-    (40, 1, 8, "half padding"),
 ]
 
 
@@ -129,26 +123,6 @@ def test_kernels_equal_per_row_with_gradients(rows, x_count, block, kind):
             np.testing.assert_allclose(
                 a, b, rtol=1e-5, atol=1e-5 * max(scale, 1.0), err_msg=f"{kernel} {what}"
             )
-
-
-def test_one_expert_path_zeroes_padding_rows_even_non_finite():
-    """The one-expert kernel (every row through the expert): padding rows holding inf and NaN come
-    out 0 and get a 0 gradient; the real rows and the weights' gradients equal the per-row
-    reference's."""
-    rows = 24
-    g = jnp.asarray(np.where(np.arange(rows) % 3 == 0, 1, 0), jnp.int32)
-    x = jax.random.normal(jax.random.key(7), (rows, D))
-    x = x.at[3].set(jnp.inf).at[6].set(jnp.nan)
-    probe = jax.random.normal(jax.random.key(8), (rows, D))
-    w = _weights(1, seed=9)
-    y, vjp = jax.vjp(lambda x, *w: _one_expert_ffn(x, g, w), x, *w)
-    ref_y, ref_vjp = jax.vjp(lambda x, *w: _per_row(jnp.where(g[:, None] < 1, x, 0), g, *w), x, *w)
-    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
-    assert not np.any(np.asarray(y[g == 1]))
-    for what, a, b in zip(("x", "w_gate", "w_up", "w_down"), vjp(probe), ref_vjp(probe)):
-        assert np.all(np.isfinite(a)), what
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=what)
-    assert not np.any(np.asarray(vjp(probe)[0][g == 1]))
 
 
 def test_blocks_kernel_in_bfloat16_follows_float32():
