@@ -204,6 +204,7 @@ def _search(ns, cfg, hw: Hardware, rules) -> tuple[dict, str]:
         vocab_parallel=p.vocab_parallel,
         lora_cfg=cfg.lora,
         post_cfg=cfg.post,
+        experts_over_fsdp=p.experts_over_fsdp,
     )
     fit = [r for r in rows if r["fits"]]
     text = render_search(rows, ns.top, hw, n)

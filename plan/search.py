@@ -66,13 +66,13 @@ def _price(
     t,
     comm_cfg,
     choice,
-    vocab_parallel,
+    layouts,
     lora_cfg=None,
     post_cfg=None,
 ) -> dict | None:
     """evaluate() of one choice (None where the mesh cannot take the run's head layout); sequence
     parallelism moves the same bytes and saves activation memory: worth it where the mesh does not
-    fit without it."""
+    fit without it. `layouts`: the run's --parallelism.vocab_parallel and experts_over_fsdp."""
     try:
         row = evaluate(
             cfg,
@@ -85,7 +85,7 @@ def _price(
             train_cfg=t,
             comm_cfg=comm_cfg,
             pipeline_cfg=choice,
-            vocab_parallel=vocab_parallel,
+            **layouts,
             lora_cfg=lora_cfg,
             post_cfg=post_cfg,
         )
@@ -105,13 +105,14 @@ def _price(
                 train_cfg=t,
                 comm_cfg=comm_cfg,
                 pipeline_cfg=choice,
-                vocab_parallel=vocab_parallel,
+                **layouts,
                 sequence_parallel=True,
                 lora_cfg=lora_cfg,
                 post_cfg=post_cfg,
             )
     except UserError:
-        # --parallelism.vocab_parallel on, and the mesh does not divide the vocabulary
+        # --parallelism.vocab_parallel on and the mesh does not divide the vocabulary, or
+        # experts_over_fsdp on and it does not divide the experts
         return None
     return row
 
@@ -136,7 +137,7 @@ def _offloaded(
     comm_cfg,
     row,
     pc,
-    vocab_parallel,
+    layouts,
     lora_cfg=None,
     post_cfg=None,
 ) -> dict | None:
@@ -159,7 +160,7 @@ def _offloaded(
             dataclasses.replace(t, offload_optimizer=True),
             comm_cfg,
             choice,
-            vocab_parallel,
+            layouts,
             lora_cfg,
             post_cfg,
         )
@@ -215,7 +216,7 @@ def _best_on_mesh(
     t: TrainConfig,
     comm_cfg,
     pc: PipelineConfig,
-    vocab_parallel: str,
+    layouts: dict,
     lora_cfg=None,
     post_cfg=None,
 ) -> dict | None:
@@ -235,7 +236,7 @@ def _best_on_mesh(
         rules,
         t,
         comm_cfg,
-        vocab_parallel=vocab_parallel,
+        layouts=layouts,
         lora_cfg=lora_cfg,
         post_cfg=post_cfg,
     )
@@ -257,7 +258,7 @@ def _best_on_mesh(
             comm_cfg,
             best,
             pc,
-            vocab_parallel,
+            layouts,
             lora_cfg,
             post_cfg,
         )
@@ -280,6 +281,7 @@ def search(
     vocab_parallel: str = "auto",
     lora_cfg=None,
     post_cfg=None,
+    experts_over_fsdp: str = "auto",
 ) -> list[dict]:
     """Every valid mesh of n_devices, best first: those that fit in memory by predicted step time,
     then those that do not, by memory. Validity is the run's own (validate_run). Pipeline meshes
@@ -287,7 +289,10 @@ def search(
     the run's --pipeline.microbatches, or with it unset at every micro-batch count the run would
     accept, keeping the fastest that fits (the row says which, and its flags). `lora_cfg`: a LoRA
     or QLoRA fine-tune's section: the adapters train, the frozen base is held apart
-    (plan/lora_memory.py). `post_cfg`: --post; with --objective grpo the rollout's memory counts."""
+    (plan/lora_memory.py). `post_cfg`: --post; with --objective grpo the rollout's memory counts.
+    `vocab_parallel`, `experts_over_fsdp`: the run's --parallelism.* layouts, each mesh priced with
+    them."""
+    layouts = {"vocab_parallel": vocab_parallel, "experts_over_fsdp": experts_over_fsdp}
     rules = rules or make_rules()
     pc = pipeline_cfg or PipelineConfig()
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
@@ -308,7 +313,7 @@ def search(
             t,
             comm_cfg,
             pc,
-            vocab_parallel,
+            layouts,
             lora_cfg,
             post_cfg,
         )

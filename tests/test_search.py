@@ -340,3 +340,17 @@ def test_context_axis_is_priced_as_a_token_axis():
         < ctx["memory"]["activations"]
         < 2 * fsdp["memory"]["activations"]
     )
+
+
+def test_search_prices_meshes_with_the_runs_experts_layout():
+    """--parallelism.experts_over_fsdp reaches every mesh the search prices: an MoE run's
+    fsdp=4,expert=2 row is evaluate()'s with that layout, and whole experts (on) move other bytes
+    than experts sliced over fsdp (off)."""
+    moe, hw = preset("moe-tiny"), hardware.get("h100")
+    rows = {}
+    for mode in ("on", "off"):
+        found = search.search(moe, 8, hw, batch_size=16, seq_len=32, experts_over_fsdp=mode)
+        rows[mode] = next(r for r in found if r["mesh"] == "fsdp=4,expert=2")
+        want = estimate.evaluate(moe, {"fsdp": 4, "expert": 2}, hw, 16, 32, experts_over_fsdp=mode)
+        assert rows[mode]["comm"] == want["comm"], mode
+    assert rows["on"]["comm"] != rows["off"]["comm"]

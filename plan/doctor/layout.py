@@ -205,6 +205,7 @@ def planner(cfg, mesh, hw, row: dict) -> Check:
         comm_cfg=cfg.comm,
         pipeline_cfg=cfg.pipeline,
         vocab_parallel=cfg.parallelism.vocab_parallel,
+        experts_over_fsdp=cfg.parallelism.experts_over_fsdp,
     )
     best = next((r for r in rows if r["fits"]), None)
     if best is None:
