@@ -288,16 +288,13 @@ def search(
     price every schedule (gpipe, 1f1b, zb_h1, circular and interleaved_1f1b at 2 and 4 chunks) at
     the run's --pipeline.microbatches, or with it unset at every micro-batch count the run would
     accept, keeping the fastest that fits (the row says which, and its flags). `lora_cfg`: a LoRA
-    or QLoRA fine-tune's section: the adapters train, the frozen base is held apart
-    (plan/lora_memory.py). `post_cfg`: --post; with --objective grpo the rollout's memory counts.
-    `vocab_parallel`, `experts_over_fsdp`: the run's --parallelism.* layouts, each mesh priced with
-    them."""
+    or QLoRA run's (plan/lora_memory.py); `post_cfg`: --post (grpo: the rollout's memory counts);
+    `vocab_parallel`, `experts_over_fsdp`: the run's layouts."""
     layouts = {"vocab_parallel": vocab_parallel, "experts_over_fsdp": experts_over_fsdp}
     rules = rules or make_rules()
     pc = pipeline_cfg or PipelineConfig()
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
-    default_rules = rules == make_rules()
-    rows = []
+    default_rules, rows = rules == make_rules(), []
     for shape in factorizations(n_devices):
         sizes = dict(zip(AXES, shape))
         if default_rules and _quick_reject(cfg, sizes, batch_size, rules):
