@@ -294,7 +294,8 @@ def search(
     rules = rules or make_rules()
     pc = pipeline_cfg or PipelineConfig()
     t = with_batch(train_cfg, batch_size, seq_len, micro_batches)
-    default_rules, rows = rules == make_rules(), []
+    default_rules = rules == make_rules()
+    rows = []
     for shape in factorizations(n_devices):
         sizes = dict(zip(AXES, shape))
         if default_rules and _quick_reject(cfg, sizes, batch_size, rules):
@@ -316,13 +317,11 @@ def search(
         )
         if best is not None:
             rows.append(best)
-    # ties (compute-bound meshes whose traffic all hides) go to less traffic, then less memory
-    return sorted(
-        rows,
-        key=lambda r: (
-            not r["fits"],
-            r["t_step_s"] if r["fits"] else r["memory"]["total"],
-            r["t_comm_s"],
-            r["memory"]["total"],
-        ),
-    )
+    return sorted(rows, key=_rank)
+
+
+def _rank(row: dict) -> tuple:
+    """The search's order: the meshes that fit by step time, then the rest by memory; ties
+    (compute-bound meshes whose traffic all hides) go to less traffic, then less memory."""
+    total = row["memory"]["total"]
+    return (not row["fits"], row["t_step_s"] if row["fits"] else total, row["t_comm_s"], total)
